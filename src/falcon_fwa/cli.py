@@ -1,0 +1,38 @@
+"""Command-line entry point: ``falcon-fwa <command> [options]``.
+
+Each command lives in its own module and exposes ``add_arguments(parser)`` and
+``run(args)``; this file only routes to them, importing a module when it is used.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "demo": ("falcon_fwa.demo", "check the three forms of every rule on random inputs and time them"),
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="falcon-fwa", description="Falcon fast-weight attention")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+    module = importlib.import_module(COMMANDS[name][0])
+    cmd = argparse.ArgumentParser(prog=f"falcon-fwa {name}", description=COMMANDS[name][1])
+    module.add_arguments(cmd)
+    args = cmd.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``falcon-fwa demo``: run every rule in its three forms on random inputs,
+show that they agree, and time them."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .ops import RULES, falcon_attention
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-len", type=int, default=256, help="sequence length T")
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32, help="K = V")
+    p.add_argument("--window", type=int, default=4, help="window B of the rules 3 and 3A")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    B, T, H, D = 1, args.seq_len, args.heads, args.head_dim
+    dt = torch.float64
+    q = torch.randn(B, T, H, D, dtype=dt) / D ** 0.5
+    k = torch.randn(B, T, H, D, dtype=dt) / D ** 0.5
+    v = torch.randn(B, T, H, D, dtype=dt)
+    lam = torch.rand(B, T, H, dtype=dt)
+    print(f"B={B} T={T} H={H} K=V={D} window={args.window}, float64; max relative difference to the recurrent form")
+    print(f"{'rule':>5} {'parallel':>10} {'chunk':>10} {'recurrent ms':>13} {'parallel ms':>12} {'chunk ms':>9}")
+    for rule, spec in RULES.items():
+        beta = torch.rand(B, T, H, *((D,) if spec.per_column else ()), dtype=dt) * 1.9 + 0.05
+        outs, times = {}, {}
+        for form in ("recurrent", "parallel", "chunk"):
+            t0 = time.perf_counter()
+            outs[form], _ = falcon_attention(q, k, v, beta, lam, rule=rule, window=args.window, form=form)
+            times[form] = (time.perf_counter() - t0) * 1e3
+        ref = outs["recurrent"]
+        err = {f: ((outs[f] - ref).abs().max() / ref.abs().max()).item() for f in ("parallel", "chunk")}
+        print(f"{rule:>5} {err['parallel']:>10.1e} {err['chunk']:>10.1e} {times['recurrent']:>13.1f} "
+              f"{times['parallel']:>12.1f} {times['chunk']:>9.1f}")
+    return 0

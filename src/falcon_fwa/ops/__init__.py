@@ -1,0 +1,6 @@
+"""Falcon update rules: the functional op, its state and its building blocks."""
+from .api import falcon_attention, falcon_step
+from .rules import RULES, RuleSpec, get_rule
+from .state import FalconState
+
+__all__ = ["falcon_attention", "falcon_step", "FalconState", "RULES", "RuleSpec", "get_rule"]

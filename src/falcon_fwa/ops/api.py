@@ -1,0 +1,174 @@
+"""The public functional op: ``falcon_attention`` and its one-token ``falcon_step``."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .chunk import chunk_form
+from .pairs import next_tail, window_slots, write_pairs
+from .parallel import parallel_form
+from .recurrent import recurrent_form
+from .rules import RuleSpec, get_rule
+from .state import FalconState
+from .step_sizes import step_sizes
+from .validate import check_inputs
+
+__all__ = ["falcon_attention", "falcon_step"]
+
+
+def _compute_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def falcon_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    rule: str = "1A",
+    window: int = 4,
+    form: str = "chunk",
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    decay_floor: float = 1e-3,
+    shift: bool = True,
+    normalize: bool = True,
+    log_gate: Optional[torch.Tensor] = None,
+    read: str = "after",
+    scale_ridge: bool = False,
+    initial_state: Optional[FalconState] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[FalconState]]:
+    r"""Falcon fast-weight attention.
+
+    Shapes: ``q``, ``k`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` are features
+    after ``phi`` (apply a feature map before the call); ``beta`` ``[B, T, H]``
+    (``[B, T, H, V]`` for the per-column rules "2" and "2A"); ``lam`` ``[B, T, H]``
+    the actual ridge coefficient ``lambda_t >= 0`` (the dimensionless
+    ``lambda-bar`` with ``scale_ridge=True``); ``log_gate`` ``[B, T, H]``,
+    ``g_t <= 0``. Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype and the final
+    :class:`FalconState` (or ``None``).
+
+    The pair written at step ``t`` is ``(x_t, y_t) = (k_{t-1}, v_t)`` with the
+    sentinel ``x_1 = 0, eta_1 = 0`` on a fresh sequence (``shift=False``: ``(k_t, v_t)``).
+    With ``E_t`` the rule's normalization statistic,
+    ``eta_t = beta_t / (E_t + lambda_t + eps)``,
+    ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)`` and
+    ``S'_{t-1} = exp(g_t) S_{t-1}``:
+
+    ====  =====================================================================
+    1     ``S_t = gamma_t S' + eta_t x_t (y_t - S'^T x_t)^T``, ``E_t = ||x_t||^2``
+    2     column ``c``: ``s_t = gamma_{t,c} s' + eta_{t,c} x_t (y_{t,c} - s'^T x_t)``
+    3     ``S_t = gamma_t S' + eta_t/B_t sum_{j in I_t} x_j (y_j - S'^T x_j)^T``,
+          ``E_t = lambda_max(X_t^T X_t)/B_t``
+    1A    ``S_t = gamma_t S' + eta_t x_t y_t^T``, ``E_t = ||x_t||^2``
+    2A    column ``c``: ``s_t = gamma_{t,c} s' + eta_{t,c} y_{t,c} x_t``
+    3A    ``S_t = gamma_t S' + eta_t/B_t sum_{j in I_t} x_j y_j^T``,
+          ``E_t = sum_{j in I_t} ||x_j||^2 / B_t``
+    ====  =====================================================================
+
+    with the window ``I_t = {j : max(2, t-window+1) <= j <= t}`` (pairs of the
+    previous segment count after a continuation), ``B_t = |I_t|``, and the read
+    ``o_t = S_t^T q_t`` (``read="after"``) or ``S_{t-1}^T q_t`` (``"before"``).
+
+    Args:
+        rule: "1", "2", "3", "1A", "2A" or "3A".
+        window: the window ``B`` of the sliding rules 3 and 3A (ignored otherwise).
+        form: "recurrent" (the scan, the definition), "parallel" (masked
+            attention / WY / ParallelFlow over the whole sequence, ``O(T^2)``) or
+            "chunk" (SSD-style chunk-parallel). All three compute the same function.
+        chunk_size: chunk length of the chunk form; ``T`` need not divide by it.
+        eps: stabilizer in the step-size denominator.
+        decay_floor: ``epsilon_gamma`` of the positive-decay clamp, in (0, 1).
+        shift: next-latent pair ``(k_{t-1}, v_t)`` (True) or same-step ``(k_t, v_t)``.
+        normalize: NLMS / energy-normalized ``eta`` (True) or ``eta = beta``.
+        log_gate: optional extra decay ``exp(g_t)`` applied to the state before
+            the rule's update (Gated DeltaNet, Mamba-2).
+        read: "after" (read-after-write, the paper's convention) or "before".
+        scale_ridge: ``lam`` is ``lambda-bar`` and ``lambda_t = lambda-bar * E_t``
+            (``E_t`` detached for the sliding rules).
+        initial_state: a state returned by an earlier call, to continue exactly.
+        output_final_state: also return the state after the last step.
+
+    Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
+    normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;
+    linear attention = rule "1A", ``shift=False, normalize=False``, ``lam=0``,
+    ``beta=1``; Mamba-2's SSD recurrence = the same with ``log_gate``.
+    """
+    spec = get_rule(rule)
+    check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form=form, chunk_size=chunk_size, eps=eps,
+                 decay_floor=decay_floor, read=read, initial_state=initial_state, shift=shift)
+    W = window if spec.sliding else 1
+    dt = _compute_dtype(q, k, v, beta, lam, log_gate)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+
+    def head_first(t):
+        return None if t is None else t.to(dt).transpose(1, 2)
+
+    qh, kh, vh, beta_h, lam_h, gate_h = map(head_first, (q, k, v, beta, lam, log_gate))
+    st = initial_state
+    S0 = q.new_zeros(B, H, K, V, dtype=dt) if st is None else st.S.to(dt)
+    last_key = None if st is None or not shift else st.last_key
+    tail = None if st is None or W == 1 else (st.tail_x, st.tail_y, st.tail_valid)
+
+    x, valid = write_pairs(kh, shift, last_key)
+    xs, ys, slot_valid = window_slots(x, vh, valid, W, tail)
+    eta_slots, log_gamma = step_sizes(spec, xs, slot_valid, beta_h, lam_h, eps=eps, decay_floor=decay_floor,
+                                      normalize=normalize, scale_ridge=scale_ridge)
+    read_after = read == "after"
+    if form == "recurrent":
+        o, S_T = recurrent_form(qh, xs, ys, eta_slots, log_gamma, gate_h, S0, regression=spec.regression,
+                                read_after=read_after)
+    else:
+        log_a = log_gamma if gate_h is None else log_gamma + gate_h[..., None]
+        kappa = None
+        if spec.regression:
+            kappa = eta_slots if gate_h is None else eta_slots * torch.exp(gate_h)[..., None, None]
+        if form == "parallel":
+            o, S_T = parallel_form(qh, xs, ys, eta_slots, kappa, log_a, S0, read_after=read_after)
+        else:
+            o, S_T = chunk_form(qh, xs, ys, eta_slots, kappa, log_a, S0, read_after=read_after, chunk_size=chunk_size)
+
+    final = None
+    if output_final_state:
+        final = FalconState(rule=spec.name, window=W, shift=shift, S=S_T,
+                            last_key=kh[:, :, -1] if shift else None)
+        if W > 1:
+            final.tail_x, final.tail_y, final.tail_valid = next_tail(x, vh, valid, W, tail)
+    return o.transpose(1, 2).to(v.dtype), final
+
+
+def falcon_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    state: Optional[FalconState],
+    rule: str = "1A",
+    window: int = 4,
+    eps: float = 1e-6,
+    decay_floor: float = 1e-3,
+    shift: bool = True,
+    normalize: bool = True,
+    log_gate: Optional[torch.Tensor] = None,
+    read: str = "after",
+    scale_ridge: bool = False,
+) -> Tuple[torch.Tensor, FalconState]:
+    """One decoding step in ``O(1)``: ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``,
+    ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
+    ``state=None`` starts a fresh sequence. Returns ``o`` ``[B, H, V]`` and the new
+    state; identical to ``falcon_attention(form="recurrent")`` token by token."""
+    def one(t):
+        return None if t is None else t.unsqueeze(1)
+
+    o, new_state = falcon_attention(one(q), one(k), one(v), one(beta), one(lam), rule=rule, window=window,
+                                    form="recurrent", eps=eps, decay_floor=decay_floor, shift=shift,
+                                    normalize=normalize, log_gate=one(log_gate), read=read,
+                                    scale_ridge=scale_ridge, initial_state=state, output_final_state=True)
+    return o[:, 0], new_state

@@ -1,0 +1,76 @@
+"""SSD-style chunk-parallel form.
+
+The sequence is cut into chunks of ``chunk_size`` steps (the last one padded with
+no-op steps: zero gain, unit carry). Three phases, as in Algorithms 1, 3 and 4:
+
+1. every chunk's masked-parallel block (``parallel.prepare_block``), all chunks at
+   once, with log-prefixes restarted at 0 in each chunk;
+2. the chunk-to-chunk state recurrence ``S_(k+1) = exp(u_C) S_k + X^T diag(exp(u_C - u)) (U - W S_k)``,
+   sequential over chunks;
+3. every chunk's outputs from its entry state, all chunks at once.
+
+No product of decays ever spans more than one chunk.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .parallel import Block, block_outputs, prepare_block, propagate
+
+__all__ = ["chunk_form"]
+
+
+def _chunked(t: Optional[torch.Tensor], T_pad: int, C: int) -> Optional[torch.Tensor]:
+    """``[B, H, T, *rest]`` -> ``[B*H*nc, C, *rest]``, zero-padded along T."""
+    if t is None:
+        return None
+    B, H, T = t.shape[:3]
+    rest = t.shape[3:]
+    if T_pad != T:
+        pad = [0, 0] * len(rest) + [0, T_pad - T]
+        t = F.pad(t, pad)
+    return t.reshape(B * H * (T_pad // C), C, *rest)
+
+
+def _chunk_view(blk: Block, BH: int, nc: int) -> Block:
+    return Block(**{k: None if v is None else v.reshape(BH, nc, *v.shape[1:]) for k, v in vars(blk).items()})
+
+
+def _select(blk: Block, i: int) -> Block:
+    return Block(**{k: None if v is None else v[:, i] for k, v in vars(blk).items()})
+
+
+def chunk_form(
+    q: torch.Tensor,
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    eta_slots: torch.Tensor,
+    kappa_slots: Optional[torch.Tensor],
+    log_a: torch.Tensor,
+    S0: torch.Tensor,
+    *,
+    read_after: bool,
+    chunk_size: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inputs as in ``parallel.parallel_form`` (head-first). Returns ``o``
+    ``[B, H, T, V]`` and ``S_T`` ``[B, H, K, V]``."""
+    B, H, T, K = q.shape
+    C = max(1, min(chunk_size, T))
+    nc = -(-T // C)
+    T_pad = nc * C
+    blk = prepare_block(*(_chunked(t, T_pad, C) for t in (q, xs, ys, eta_slots, kappa_slots, log_a)), read_after=read_after)
+    per_chunk = _chunk_view(blk, B * H, nc)
+
+    S = S0.flatten(0, 1)
+    entries, writes = [], []
+    for i in range(nc):
+        D, S_next = propagate(_select(per_chunk, i), S)
+        entries.append(S)
+        writes.append(D)
+        S = S_next
+    o = block_outputs(blk, torch.stack(entries, 1).flatten(0, 1), torch.stack(writes, 1).flatten(0, 1))
+    o = o.reshape(B, H, T_pad, -1)[:, :, :T]
+    return o, S.reshape(B, H, K, -1)

@@ -1,0 +1,113 @@
+"""Causal training pairs: the shifted write feature and the sliding window.
+
+Internal layout is head-first: ``[B, H, T, ...]``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["write_pairs", "window_slots", "next_tail"]
+
+
+def write_pairs(
+    k: torch.Tensor,
+    shift: bool,
+    last_key: Optional[torch.Tensor],
+    seq_start: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Write features ``x`` and pair validity.
+
+    ``k``: ``[B, H, T, K]`` key features. With ``shift=True`` the pair written at
+    step ``t`` is ``(x_t, y_t) = (phi(k_{t-1}), v_t)``; the first step of a fresh
+    sequence has no prefix feature, so ``x_1 = 0`` and the pair is marked invalid
+    (the boundary sentinel, ``eta_1 = 0``). A continued sequence takes
+    ``x_1 = last_key`` and is valid. With ``shift=False`` the pair is ``(k_t, v_t)``
+    and every step is valid.
+
+    ``seq_start`` (``[B, T]`` bool, optional) marks extra sequence starts inside a
+    row (packed sequences): they get the sentinel too.
+
+    Returns ``x`` ``[B, H, T, K]`` and ``valid`` ``[B, T]`` (bool).
+    """
+    B, H, T, K = k.shape
+    valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+    if not shift:
+        return k, valid
+    first = torch.zeros(B, H, 1, K, dtype=k.dtype, device=k.device) if last_key is None else last_key.to(k.dtype)[:, :, None]
+    x = torch.cat([first, k[:, :, :-1]], dim=2)
+    if last_key is None:
+        valid[:, 0] = False
+    if seq_start is not None:
+        valid = valid & ~seq_start
+        x = x.masked_fill(seq_start[:, None, :, None], 0.0)
+    return x, valid
+
+
+def empty_tail(x: torch.Tensor, y: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` empty pair slots for ``x`` ``[B, H, T, K]`` and ``y`` ``[B, H, T, V]``."""
+    B, H = x.shape[:2]
+    return (x.new_zeros(B, H, n, x.shape[-1]), y.new_zeros(B, H, n, y.shape[-1]),
+            torch.zeros(B, n, dtype=torch.bool, device=x.device))
+
+
+def window_slots(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    tail: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    seq_id: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather the window ``I_t`` of the last ``window`` causal pairs for every step.
+
+    Slot ``m`` of step ``t`` holds pair ``t - m`` (``m = 0`` is the current pair).
+    Pairs before the segment come from ``tail = (tail_x, tail_y, tail_valid)``
+    (the last ``window - 1`` pairs of the previous segment, oldest first); without
+    a tail they are empty. Invalid slots (sentinel, before the start, or from
+    another packed sequence when ``seq_id`` ``[B, T]`` is given) are zeroed and
+    flagged.
+
+    Returns ``xs`` ``[B, H, T, W, K]``, ``ys`` ``[B, H, T, W, V]`` and
+    ``slot_valid`` ``[B, T, W]``.
+    """
+    B, H, T, K = x.shape
+    V = y.shape[-1]
+    W = window
+    if W == 1:
+        return x[:, :, :, None], y[:, :, :, None], valid[:, :, None]
+    tx, ty, tv = empty_tail(x, y, W - 1) if tail is None else tail
+    tx, ty = tx.to(x.dtype), ty.to(y.dtype)
+    xe = torch.cat([tx, x], dim=2)  # [B, H, W-1+T, K]
+    ye = torch.cat([ty, y], dim=2)
+    ve = torch.cat([tv, valid], dim=1)  # [B, W-1+T]
+    # idx[t, m] = position of pair t - m in the extended sequence
+    idx = (torch.arange(T, device=x.device)[:, None] + (W - 1)) - torch.arange(W, device=x.device)[None, :]
+    xs = xe[:, :, idx]  # [B, H, T, W, K]
+    ys = ye[:, :, idx]
+    sv = ve[:, idx]  # [B, T, W]
+    if seq_id is not None:
+        se = torch.cat([seq_id[:, :1].expand(B, W - 1), seq_id], dim=1)  # a tail precedes the first sequence
+        sv = sv & (se[:, idx] == seq_id[:, :, None])
+    m = sv[:, None, :, :, None]
+    return xs.masked_fill(~m, 0.0), ys.masked_fill(~m, 0.0), sv
+
+
+def next_tail(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    tail: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last ``window - 1`` causal pairs after this segment (oldest first), for
+    exact continuation of the sliding rules: ``(tail_x, tail_y, tail_valid)``."""
+    n = window - 1
+    if tail is None:
+        tail = empty_tail(x, y, n)
+    xe = torch.cat([tail[0].to(x.dtype), x], dim=2)
+    ye = torch.cat([tail[1].to(y.dtype), y], dim=2)
+    ve = torch.cat([tail[2], valid], dim=1)
+    L = xe.shape[2]
+    return xe[:, :, L - n:], ye[:, :, L - n:], ve[:, L - n:]

@@ -1,0 +1,53 @@
+"""Recurrent form: the token-by-token scan. This is the definition of truth.
+
+One loop serves all six rules (Algorithms 2 and 5 and their analogues). With the
+window slots ``X_t = [x_j]_{j in I_t}``, ``Y_t = [y_j]_{j in I_t}`` (one slot for
+the non-sliding rules) and slot gains ``eta_{t,j} = eta_t / B_t``::
+
+    S'  = exp(g_t) * S_{t-1}                         # optional gate (Gated DeltaNet / Mamba-2)
+    R_t = Y_t - X_t S'      (regression rules)       # residuals at the pre-update state
+    R_t = Y_t               (inner-product rules)
+    S_t = gamma_t * S' + X_t^T (eta_t * R_t)         # gamma_t, eta_t per column for 2/2A
+    o_t = S_t^T q_t   (read after write)   or   S_{t-1}^T q_t   (read before write)
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["recurrent_form"]
+
+
+def recurrent_form(
+    q: torch.Tensor,
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    eta_slots: torch.Tensor,
+    log_gamma: torch.Tensor,
+    log_gate: Optional[torch.Tensor],
+    S0: torch.Tensor,
+    *,
+    regression: bool,
+    read_after: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Scan ``T`` steps.
+
+    ``q`` ``[B, H, T, K]``, ``xs`` ``[B, H, T, W, K]``, ``ys`` ``[B, H, T, W, V]``,
+    ``eta_slots`` ``[B, H, T, W, Vd]``, ``log_gamma`` ``[B, H, T, Vd]``,
+    ``log_gate`` ``[B, H, T]`` or ``None``, ``S0`` ``[B, H, K, V]``.
+    Returns ``o`` ``[B, H, T, V]`` and ``S_T`` ``[B, H, K, V]``.
+    """
+    gamma = torch.exp(log_gamma)
+    S = S0
+    outs = []
+    for t in range(q.shape[2]):
+        S_prev = S
+        if log_gate is not None:
+            S = torch.exp(log_gate[:, :, t])[..., None, None] * S
+        X, Y = xs[:, :, t], ys[:, :, t]  # [B, H, W, K], [B, H, W, V]
+        R = Y - X @ S if regression else Y
+        S = gamma[:, :, t, None, :] * S + X.transpose(-1, -2) @ (eta_slots[:, :, t] * R)
+        read = S if read_after else S_prev
+        outs.append((read.transpose(-1, -2) @ q[:, :, t, :, None])[..., 0])
+    return torch.stack(outs, dim=2), S

@@ -1,0 +1,56 @@
+"""The recurrent state that continues a sequence exactly across segments."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+__all__ = ["FalconState"]
+
+
+@dataclass
+class FalconState:
+    """Everything a Falcon layer needs to continue a sequence exactly.
+
+    Attributes (``B`` batch, ``H`` heads, ``K``/``V`` key/value dims, ``W`` window):
+
+    * ``S`` ``[B, H, K, V]``: the fast-weight matrix ``S_T``.
+    * ``last_key`` ``[B, H, K]``: ``phi(k_T)``, the first write feature of the next
+      segment (so the next segment has no boundary sentinel). ``None`` when the
+      pairing is unshifted (``shift=False``).
+    * ``tail_x`` ``[B, H, W-1, K]``, ``tail_y`` ``[B, H, W-1, V]``, ``tail_valid``
+      ``[B, W-1]``: the last ``W-1`` causal pairs, oldest first, for the sliding
+      rules 3/3A (Appendix C.7); ``None`` otherwise. ``tail_valid`` marks slots that
+      hold a real pair (the sentinel ``t = 1`` and slots before the sequence start
+      hold none).
+    * ``rule``, ``window``, ``shift``: the configuration that produced the state;
+      ``falcon_attention`` refuses a state from another configuration.
+    """
+
+    rule: str
+    window: int
+    shift: bool
+    S: torch.Tensor
+    last_key: Optional[torch.Tensor] = None
+    tail_x: Optional[torch.Tensor] = None
+    tail_y: Optional[torch.Tensor] = None
+    tail_valid: Optional[torch.Tensor] = None
+
+    def detach(self) -> "FalconState":
+        return replace(self, S=self.S.detach(),
+                       last_key=None if self.last_key is None else self.last_key.detach(),
+                       tail_x=None if self.tail_x is None else self.tail_x.detach(),
+                       tail_y=None if self.tail_y is None else self.tail_y.detach())
+
+    def index_select(self, index: torch.Tensor) -> "FalconState":
+        """Select batch rows (beam search / batched generation reordering)."""
+        def sel(t):
+            return None if t is None else t.index_select(0, index.to(t.device))
+
+        return replace(self, S=sel(self.S), last_key=sel(self.last_key), tail_x=sel(self.tail_x),
+                       tail_y=sel(self.tail_y), tail_valid=sel(self.tail_valid))
+
+    @property
+    def batch_size(self) -> int:
+        return self.S.shape[0]

@@ -1,0 +1,79 @@
+"""Normalized step sizes and the positive-decay clamp, shared by every form.
+
+For step ``t`` with window slots ``j in I_t`` (``B_t = |I_t|`` real pairs):
+
+* the normalization statistic ``E_t`` (Section 4.1):
+  ``||x_t||^2`` for the rules 1, 2, 1A, 2A;
+  ``mu_t = lambda_max(X_t^T X_t) / B_t`` for rule 3 (the exact top eigenvalue of the
+  ``B_t x B_t`` window Gram, never a ``K x K`` matrix);
+  ``Ebar_t = sum_j ||x_j||^2 / B_t`` for rule 3A;
+* the ridge ``lambda_t = lam`` or, with ``scale_ridge``, ``lambda_t = lam * E_t``
+  (``E_t`` detached for the sliding rules, Appendix C.6);
+* ``eta_t = beta_t / (E_t + lambda_t + eps)`` (``eta_t = beta_t`` without
+  ``normalize``), with ``eta_t = 0`` at the boundary sentinel and wherever the
+  denominator vanishes; per value column for the rules 2 and 2A;
+* ``alpha_t = min(eta_t * lambda_t, 1 - decay_floor)``, ``gamma_t = 1 - alpha_t``,
+  returned as ``log gamma_t = log1p(-alpha_t)``. The write gain stays ``eta_t``.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .rules import RuleSpec
+
+__all__ = ["normalization_statistic", "step_sizes"]
+
+
+def normalization_statistic(rule: RuleSpec, xs: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``E_t`` of shape ``[B, H, T]`` from the window slots ``xs`` ``[B, H, T, W, K]``
+    (invalid slots are zero) and the realized window sizes ``count`` ``[B, T]``."""
+    if not rule.sliding:
+        return (xs[..., 0, :] ** 2).sum(-1)
+    bt = count.clamp(min=1).to(xs.dtype)[:, None, :]
+    if rule.regression:
+        gram = xs @ xs.transpose(-1, -2)  # [B, H, T, W, W]
+        return torch.linalg.eigvalsh(gram)[..., -1] / bt
+    return (xs ** 2).sum((-1, -2)) / bt
+
+
+def step_sizes(
+    rule: RuleSpec,
+    xs: torch.Tensor,
+    slot_valid: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    eps: float,
+    decay_floor: float,
+    normalize: bool,
+    scale_ridge: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot write gains and per-token log carries.
+
+    ``xs`` ``[B, H, T, W, K]``, ``slot_valid`` ``[B, T, W]``, ``beta`` ``[B, H, T]`` or
+    ``[B, H, T, V]`` (per-column rules), ``lam`` ``[B, H, T]``.
+
+    Returns ``eta_slots`` ``[B, H, T, W, Vd]`` (``eta_t * [j in I_t] / B_t``) and
+    ``log_gamma`` ``[B, H, T, Vd]``, where ``Vd = V`` for the per-column rules and 1
+    otherwise.
+    """
+    count = slot_valid.sum(-1)  # B_t, [B, T]
+    has_pair = (count > 0)[:, None, :]  # [B, 1, T]
+    stat = normalization_statistic(rule, xs, count)
+    if scale_ridge:
+        lam = lam * (stat.detach() if rule.sliding else stat)
+    stat_c, lam_c, mask = stat[..., None], lam[..., None], has_pair[..., None]
+    gain = beta if rule.per_column else beta[..., None]  # [B, H, T, Vd]
+    if normalize:
+        denom = stat_c + lam_c + eps
+        ok = mask & (denom > 0)
+        eta = torch.where(ok, gain / torch.where(ok, denom, torch.ones_like(denom)), torch.zeros_like(gain))
+    else:
+        eta = torch.where(mask, gain, torch.zeros_like(gain))
+    alpha = (eta * lam_c).clamp(max=1.0 - decay_floor)
+    log_gamma = torch.log1p(-alpha)
+    weight = slot_valid.to(xs.dtype) / count.clamp(min=1).to(xs.dtype)[..., None]  # [B, T, W]
+    eta_slots = eta[:, :, :, None, :] * weight[:, None, :, :, None]
+    return eta_slots, log_gamma

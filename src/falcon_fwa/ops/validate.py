@@ -1,0 +1,108 @@
+"""Argument checks for the public ops: every error names the argument at fault."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .rules import RuleSpec
+from .state import FalconState
+
+FORMS = ("recurrent", "parallel", "chunk")
+READS = ("after", "before")
+
+
+def _shape(name: str, t: torch.Tensor, want: tuple, hint: str) -> None:
+    if tuple(t.shape) != tuple(want):
+        raise ValueError(f"{name} must have shape {hint} = {tuple(want)}, got {tuple(t.shape)}")
+
+
+def _values_checked() -> bool:
+    # Value checks need a host sync; skip them while tracing for torch.compile.
+    return not torch.compiler.is_compiling()
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    log_gate: Optional[torch.Tensor],
+    rule: RuleSpec,
+    *,
+    window: int,
+    form: str,
+    chunk_size: int,
+    eps: float,
+    decay_floor: float,
+    read: str,
+    initial_state: Optional[FalconState],
+    shift: bool,
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if T < 1:
+        raise ValueError("q must have at least one time step (T >= 1)")
+    _shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must have shape [B, T, H, V] with B, T, H = {(B, T, H)} from q, got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if rule.per_column:
+        _shape("beta", beta, (B, T, H, V), f"[B, T, H, V] for the per-column rule {rule.name}")
+    else:
+        _shape("beta", beta, (B, T, H), f"[B, T, H] for rule {rule.name}")
+    _shape("lam", lam, (B, T, H), "[B, T, H]")
+    if log_gate is not None:
+        _shape("log_gate", log_gate, (B, T, H), "[B, T, H]")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if read not in READS:
+        raise ValueError(f"read must be one of {READS}, got {read!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not 0 < decay_floor < 1:
+        raise ValueError(f"decay_floor must lie in (0, 1), got {decay_floor!r}")
+    if _values_checked():
+        if bool((lam < 0).any()):
+            raise ValueError("lam must be >= 0 (it is the actual ridge coefficient lambda_t)")
+        if log_gate is not None and bool((log_gate > 0).any()):
+            raise ValueError("log_gate must be <= 0 (the gate exp(g_t) is a decay)")
+    if initial_state is not None:
+        check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
+
+
+def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool, B: int, H: int, K: int, V: int) -> None:
+    if not isinstance(state, FalconState):
+        raise TypeError(f"initial_state must be a FalconState, got {type(state).__name__}")
+    if state.rule != rule.name:
+        raise ValueError(f"initial_state comes from rule {state.rule!r}, not rule {rule.name!r}")
+    if state.shift != shift:
+        raise ValueError(f"initial_state was made with shift={state.shift}, not shift={shift}")
+    if state.window != window:
+        raise ValueError(f"initial_state was made with window={state.window}, not window={window}")
+    _shape("initial_state.S", state.S, (B, H, K, V), "[B, H, K, V]")
+    if shift:
+        if state.last_key is None:
+            raise ValueError("initial_state.last_key is missing (needed with shift=True)")
+        _shape("initial_state.last_key", state.last_key, (B, H, K), "[B, H, K]")
+    if rule.sliding and window > 1:
+        if state.tail_x is None or state.tail_y is None or state.tail_valid is None:
+            raise ValueError("initial_state has no sliding-window tail (tail_x, tail_y, tail_valid)")
+        _shape("initial_state.tail_x", state.tail_x, (B, H, window - 1, K), "[B, H, window-1, K]")
+        _shape("initial_state.tail_y", state.tail_y, (B, H, window - 1, V), "[B, H, window-1, V]")
+        _shape("initial_state.tail_valid", state.tail_valid, (B, window - 1), "[B, window-1]")

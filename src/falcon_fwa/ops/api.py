@@ -41,6 +41,7 @@ def falcon_attention(
     scale_ridge: bool = False,
     initial_state: Optional[FalconState] = None,
     output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
     r"""Falcon fast-weight attention.
 
@@ -92,12 +93,21 @@ def falcon_attention(
             (``E_t`` detached for the sliding rules).
         initial_state: a state returned by an earlier call, to continue exactly.
         output_final_state: also return the state after the last step.
+        cu_seqlens: ``[N + 1]`` int offsets of ``N`` sequences packed into one row
+            (``B = 1``), as in flash-attention: each sequence starts fresh (its own
+            sentinel) or from row ``n`` of ``initial_state``, and the final state
+            has one row per sequence.
 
     Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
     normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;
     linear attention = rule "1A", ``shift=False, normalize=False``, ``lam=0``,
     ``beta=1``; Mamba-2's SSD recurrence = the same with ``log_gate``.
     """
+    if cu_seqlens is not None:
+        return _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens,
+                       dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps,
+                            decay_floor=decay_floor, shift=shift, normalize=normalize, read=read,
+                            scale_ridge=scale_ridge))
     spec = get_rule(rule)
     check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form=form, chunk_size=chunk_size, eps=eps,
                  decay_floor=decay_floor, read=read, initial_state=initial_state, shift=shift)
@@ -140,6 +150,27 @@ def falcon_attention(
         if W > 1:
             final.tail_x, final.tail_y, final.tail_valid = next_tail(x, vh, valid, W, tail)
     return o.transpose(1, 2).to(v.dtype), final
+
+
+def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens, options):
+    """Packed sequences, one call per sequence (the reference; kernels do this in one launch)."""
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {q.shape[1]}, got {bounds}")
+    if initial_state is not None and initial_state.batch_size != len(bounds) - 1:
+        raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {len(bounds) - 1} sequences")
+    outs, states = [], []
+    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        def seg(t):
+            return None if t is None else t[:, a:b]
+        st = None if initial_state is None else initial_state.index_select(torch.tensor([n], device=q.device))
+        o, final = falcon_attention(seg(q), seg(k), seg(v), seg(beta), seg(lam), log_gate=seg(log_gate),
+                                    initial_state=st, output_final_state=output_final_state, **options)
+        outs.append(o)
+        states.append(final)
+    return torch.cat(outs, dim=1), (FalconState.cat(states) if output_final_state else None)
 
 
 def falcon_step(

@@ -51,6 +51,18 @@ class FalconState:
         return replace(self, S=sel(self.S), last_key=sel(self.last_key), tail_x=sel(self.tail_x),
                        tail_y=sel(self.tail_y), tail_valid=sel(self.tail_valid))
 
+    @staticmethod
+    def cat(states: "list[FalconState]") -> "FalconState":
+        """Stack states of the same configuration along the batch dimension."""
+        first = states[0]
+
+        def cat(name):
+            ts = [getattr(s, name) for s in states]
+            return None if ts[0] is None else torch.cat(ts, dim=0)
+
+        return replace(first, S=cat("S"), last_key=cat("last_key"), tail_x=cat("tail_x"),
+                       tail_y=cat("tail_y"), tail_valid=cat("tail_valid"))
+
     @property
     def batch_size(self) -> int:
         return self.S.shape[0]

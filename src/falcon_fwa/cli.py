@@ -12,6 +12,7 @@ from typing import List, Optional
 
 COMMANDS = {
     "demo": ("falcon_fwa.demo", "check the three forms of every rule on random inputs and time them"),
+    "params": ("falcon_fwa.models.cli", "parameter counts of the model presets"),
 }
 
 

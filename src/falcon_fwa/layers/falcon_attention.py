@@ -1,0 +1,147 @@
+"""``FalconAttention``: the multi-head fast-weight token mixer (Falcon and the recurrent baselines).
+
+Per token, with ``h_t`` the block input and per head::
+
+    q_t, k_t, v_t = ShortConv(W_q h), ShortConv(W_k h), ShortConv(W_v h)   # causal, SiLU; optional
+    q_t, k_t      = query_scale * N(phi(q_t)), N(phi(k_t))   # N: QK-RMSNorm / l2 / none
+    beta_t, lambda-bar_t, g_t = ContextGates(h_t)           # see layers/gates.py
+    o_t, S_t      = falcon_attention(q, k, v, beta, lambda-bar, rule, window, shift, normalize,
+                                     log_gate=g, read, scale_ridge=normalize)
+    o_t          += D * v_t                                  # optional skip (Mamba-2)
+    y_t           = W_o RMSNorm(o_t) [* SiLU(W_g h_t)]       # per-head norm, optional output gate
+
+One class serves every recurrent mixer; the mixer only sets the switches
+(``configuration.MIXER_DEFAULTS``): Falcon (shifted pairs, normalized step,
+scale-coupled ridge, QK-RMSNorm), DeltaNet (rule 1, unshifted, raw ``beta``, l2 keys),
+Gated DeltaNet (+ data-dependent ``g_t``), Mamba-2 SSD (rule 1A, ``beta = dt``,
+``g_t = -dt A``, ``D`` skip) and RetNet/Lightning (rule 1A, fixed per-head decay).
+
+Training and prefill use ``form`` (``"chunk"`` by default); a cached forward over
+one token per row uses ``falcon_step`` (``O(1)`` per token). Packed input
+(``packing.cu_seqlens``) goes to the op's varlen path with one state per sequence.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import falcon_attention, falcon_step
+from ..ops.rules import get_rule
+from . import fla_backend
+from .gates import ContextGates
+from .layer_cache import LayerCache
+from .norms import RMSNorm, normalize_features, rms_normalize
+from .packing import Packing
+from .short_conv import ShortConv
+
+__all__ = ["FalconAttention"]
+
+_FEATURE_MAPS = {
+    "identity": lambda x: x,
+    "silu": F.silu,
+    "elu1": lambda x: F.elu(x) + 1.0,
+    "relu": F.relu,
+}
+
+
+class FalconAttention(nn.Module):
+    """Fast-weight mixer configured by a :class:`~falcon_fwa.models.FalconConfig`.
+
+    ``forward(h, packing, cache=None)``: ``h`` ``[B, T, D]`` (dense) or ``[1, N_tok, D]``
+    (packed, see :class:`Packing`); ``cache``: this layer's :class:`LayerCache`,
+    updated in place. Returns ``[B, T, D]`` like ``h``.
+    """
+
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.spec = get_rule(c.rule)
+        self.num_heads, self.head_k_dim, self.head_v_dim = c.num_heads, c.head_k_dim, c.head_v_dim
+        self.rule, self.window, self.shift, self.normalize, self.read = c.rule, c.window, c.shift, c.normalize, c.read
+        self.form, self.chunk_size, self.eps, self.decay_floor = c.form, c.chunk_size, c.eps, c.decay_floor
+        self.qk_norm, self.v_norm, self.query_scale = c.qk_norm, c.v_norm, c.query_scale
+        self.feature_map = _FEATURE_MAPS[c.feature_map]
+        self.norm_eps = c.rms_norm_eps
+        self.backend = c.backend
+        kd, vd = c.num_heads * c.head_k_dim, c.num_heads * c.head_v_dim
+        self.q_proj = nn.Linear(c.hidden_size, kd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, kd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, vd, bias=False)
+        self.convs = nn.ModuleDict()
+        if c.use_short_conv:
+            self.convs.update({"q": ShortConv(kd, c.conv_size), "k": ShortConv(kd, c.conv_size),
+                               "v": ShortConv(vd, c.conv_size)})
+        self.gates = ContextGates(c.hidden_size, c.num_heads, c.head_v_dim, gate=c.gate, log_gate=c.log_gate,
+                                  lambda_scale=c.lambda_scale, per_column=self.spec.per_column)
+        self.D = nn.Parameter(torch.ones(c.num_heads)) if c.use_d_skip else None
+        self.g_proj = nn.Linear(c.hidden_size, vd, bias=False) if c.output_gate else None
+        self.o_norm = RMSNorm(c.head_v_dim, eps=c.rms_norm_eps)
+        self.o_proj = nn.Linear(vd, c.hidden_size, bias=False)
+        if self.backend == "fla":
+            fla_backend.check_supported(self.core_kind())
+
+    def core_kind(self) -> str:
+        """Which known recurrence the op computes with these switches (for the fla backend)."""
+        return fla_backend.classify(rule=self.rule, shift=self.shift, normalize=self.normalize,
+                                    has_ridge=self.gates.lambda_scale > 0, log_gate=self.gates.log_gate_kind,
+                                    read=self.read)
+
+    def _project(self, h, packing, cache):
+        B, T, _ = h.shape
+        out = {}
+        for name, proj in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)):
+            x = proj(h)
+            if name in self.convs:
+                x, buf = self.convs[name](x, packing, None if cache is None else cache.conv.get(name))
+                if cache is not None:
+                    cache.store_conv(name, buf, packing.rows)
+            out[name] = x
+        q = out["q"].view(B, T, self.num_heads, self.head_k_dim)
+        k = out["k"].view(B, T, self.num_heads, self.head_k_dim)
+        v = out["v"].view(B, T, self.num_heads, self.head_v_dim)
+        q = normalize_features(self.feature_map(q), self.qk_norm, self.norm_eps) * self.query_scale
+        k = normalize_features(self.feature_map(k), self.qk_norm, self.norm_eps)
+        if self.v_norm:
+            v = rms_normalize(v, self.norm_eps)
+        return q, k, v
+
+    def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        B, T, _ = h.shape
+        q, k, v = self._project(h, packing, cache)
+        beta, lam, log_gate = self.gates(h)
+        o = self._core(q, k, v, beta, lam, log_gate, packing, cache)
+        if self.D is not None:
+            o = o + self.D.to(o.dtype)[:, None] * v
+        gate = None if self.g_proj is None else self.g_proj(h).view(B, T, self.num_heads, self.head_v_dim)
+        o = self.o_norm(o, gate)
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def _core(self, q, k, v, beta, lam, log_gate, packing: Packing, cache: Optional[LayerCache]):
+        """The recurrence; reads and writes ``cache.state`` when a cache is given."""
+        opts = dict(rule=self.rule, window=self.window, eps=self.eps, decay_floor=self.decay_floor,
+                    shift=self.shift, normalize=self.normalize, read=self.read, scale_ridge=self.normalize)
+        state = None if cache is None else cache.state
+        want_state = cache is not None
+        if packing.packed:
+            init = None if state is None else state.index_select(packing.rows)
+        else:
+            init = state
+        if not packing.packed and q.shape[1] == 1 and init is not None:
+            o, final = falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state=init,
+                                   log_gate=None if log_gate is None else log_gate[:, 0], **opts)
+            o = o[:, None]
+        elif self.backend == "fla" and q.is_cuda:
+            o, final = fla_backend.run(self.core_kind(), q, k, v, beta, log_gate, initial_state=init,
+                                       output_final_state=want_state, cu_seqlens=packing.cu_seqlens,
+                                       rule=self.rule, window=self.window, shift=self.shift)
+        else:
+            o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
+                                        log_gate=log_gate, initial_state=init, output_final_state=want_state,
+                                        cu_seqlens=packing.cu_seqlens, **opts)
+        if cache is not None:
+            cache.store_state(final, packing.rows)
+        return o

@@ -1,0 +1,122 @@
+"""The context gates of the recurrent mixers: write gain, ridge and state decay.
+
+All gates are read from the token's hidden state ``h_t`` (``[B, T, D]``) by small
+projections without bias plus a learned per-head (per-column) offset:
+
+write gain (``gate``), handed to the op as ``beta``:
+
+* ``"ctx-beta"``: ``beta_t = 2 sigmoid(w^T h_t + b)`` in ``(0, 2)``, the dimensionless
+  NLMS gain; the op forms ``eta_t = beta_t / (E_t + lambda_t + eps)``.
+* ``"ctx-eta"``: the context emits the *normalized step size*
+  ``eta-bar_t = c * sigmoid(w^T h_t + b)``, read as ``eta_t = eta-bar_t / E_t``: a
+  step measured in units of the inverse write energy, which the ridge does not
+  shrink (the ridge then acts only through the decay ``gamma_t = 1 - eta_t lambda_t
+  = 1 - eta-bar_t lambda-bar_t``). It is passed as ``beta_t = eta-bar_t (1 +
+  lambda-bar_t)``, so that with the scale-coupled ridge ``lambda_t = lambda-bar_t E_t``
+  the op's ``beta_t / (E_t + lambda_t + eps)`` equals ``eta-bar_t / E_t`` up to
+  ``eps``. Admissibility: the write direction's eigenvalue is ``1 - beta_t``;
+  ``c = min(1, 2 / (1 + lambda_scale))`` keeps ``beta_t < 2`` (and the op's clamp
+  keeps ``gamma_t >= decay_floor``).
+* ``"sigmoid"``: ``beta_t = sigmoid(.)`` in ``(0, 1)`` (DeltaNet, Gated DeltaNet).
+* ``"dt"``: ``beta_t = dt_t = softplus(. + dt_bias)`` (Mamba-2's step).
+* ``"one"``: ``beta_t = 1`` (RetNet / linear attention).
+
+For the per-column rules 2 / 2A the gain has one value per head and value column.
+
+ridge: ``lambda-bar_t = lambda_scale * sigmoid(w^T h_t + b)`` per head (0 without a
+ridge). The offsets start log-uniform in ``[1e-3, 1e-1] * lambda_scale`` so that the
+heads begin with memory horizons from about 10 to 1000 tokens.
+
+state decay (``log_gate``), ``g_t <= 0``:
+
+* ``"data"``: ``g_t = -exp(A_log) * softplus(w^T h_t + dt_bias)`` (Gated DeltaNet);
+* ``"dt"``: ``g_t = -exp(A_log) * dt_t`` (Mamba-2, sharing ``dt`` with the write gain);
+* ``"fixed"``: ``g = log(1 - 2^{-5-h})`` for head ``h`` (RetNet's multi-scale decay);
+* ``"none"``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ContextGates"]
+
+
+def _inv_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+def _log_uniform(n: int, lo: float, hi: float) -> torch.Tensor:
+    if n == 1:
+        return torch.tensor([math.sqrt(lo * hi)])
+    return torch.exp(torch.linspace(math.log(lo), math.log(hi), n))
+
+
+class ContextGates(nn.Module):
+    """Computes ``(beta, lam, log_gate)`` for ``falcon_attention`` from ``h``.
+
+    Shapes: ``beta`` ``[B, T, H]`` (``[B, T, H, V]`` when ``per_column``), ``lam``
+    ``[B, T, H]`` (``lambda-bar`` when ``normalize``: the op couples it to ``E_t``),
+    ``log_gate`` ``[B, T, H]`` or ``None``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_v_dim: int, *, gate: str, log_gate: str,
+                 lambda_scale: float, per_column: bool):
+        super().__init__()
+        self.gate, self.log_gate_kind, self.lambda_scale = gate, log_gate, lambda_scale
+        self.num_heads = num_heads
+        self.columns = head_v_dim if per_column else 1
+        width = num_heads * self.columns
+        if gate != "one":
+            self.gain_proj = nn.Linear(hidden_size, width, bias=False)
+            if gate == "dt":
+                dt0 = _log_uniform(num_heads, 1e-3, 1e-1)[:, None].expand(num_heads, self.columns)
+                self.gain_bias = nn.Parameter(_inv_softplus(dt0).reshape(width).clone())
+            else:
+                self.gain_bias = nn.Parameter(torch.zeros(width))
+        if lambda_scale > 0:
+            self.lam_proj = nn.Linear(hidden_size, num_heads, bias=False)
+            frac = _log_uniform(num_heads, 1e-3, 1e-1)  # lambda-bar / lambda_scale at init
+            self.lam_bias = nn.Parameter(torch.log(frac) - torch.log1p(-frac))
+        if log_gate == "data":
+            self.decay_proj = nn.Linear(hidden_size, num_heads, bias=False)
+            self.decay_bias = nn.Parameter(_inv_softplus(_log_uniform(num_heads, 1e-3, 1e-1)))
+        if log_gate in ("data", "dt"):
+            self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, num_heads)))
+
+    def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        B, T, _ = h.shape
+        H, C = self.num_heads, self.columns
+        if self.lambda_scale > 0:
+            lam = self.lambda_scale * torch.sigmoid(self.lam_proj(h) + self.lam_bias)
+        else:
+            lam = h.new_zeros(B, T, H)
+        if self.gate == "one":
+            beta = h.new_ones(B, T, H, C)
+        else:
+            pre = (self.gain_proj(h) + self.gain_bias).view(B, T, H, C)
+            if self.gate == "ctx-beta":
+                beta = 2.0 * torch.sigmoid(pre)
+            elif self.gate == "ctx-eta":
+                c = min(1.0, 2.0 / (1.0 + self.lambda_scale))
+                beta = c * torch.sigmoid(pre) * (1.0 + lam)[..., None]
+            elif self.gate == "sigmoid":
+                beta = torch.sigmoid(pre)
+            elif self.gate == "dt":
+                beta = F.softplus(pre)
+            else:
+                raise ValueError(f"gate must be one of ctx-beta, ctx-eta, sigmoid, dt, one; got {self.gate!r}")
+        log_gate = None
+        if self.log_gate_kind == "data":
+            log_gate = -torch.exp(self.A_log) * F.softplus(self.decay_proj(h) + self.decay_bias)
+        elif self.log_gate_kind == "dt":
+            log_gate = -torch.exp(self.A_log) * beta.mean(-1)
+        elif self.log_gate_kind == "fixed":
+            fixed = torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(H, device=h.device, dtype=torch.float64)))
+            log_gate = fixed.to(h.dtype).expand(B, T, H)
+        beta = beta if C > 1 else beta[..., 0]
+        return beta, lam, log_gate

@@ -1,0 +1,48 @@
+"""RMSNorm (optionally SiLU-gated) and the query/key feature normalizations."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["RMSNorm", "rms_normalize", "normalize_features"]
+
+
+def rms_normalize(u: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm(u) = u / sqrt(||u||^2 / d_u + eps)`` over the last dimension (no gain)."""
+    return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def normalize_features(u: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """Query/key normalization of Section 4.1 over the head dimension.
+
+    ``"rmsnorm"``: ``u / sqrt(||u||^2/d + eps)`` (``||.||^2 ~ d``, the paper's default);
+    ``"l2"``: ``u / sqrt(||u||^2 + eps)`` (unit norm, as in DeltaNet); ``"none"``.
+    """
+    if kind == "rmsnorm":
+        return rms_normalize(u, eps)
+    if kind == "l2":
+        return u * torch.rsqrt(u.pow(2).sum(-1, keepdim=True) + eps)
+    if kind == "none":
+        return u
+    raise ValueError(f"qk_norm must be 'rmsnorm', 'l2' or 'none', got {kind!r}")
+
+
+class RMSNorm(nn.Module):
+    """``y = RMSNorm(x) * w`` over the last dimension, times ``SiLU(gate)`` when a
+    gate is given (the output gate of Gated DeltaNet / Mamba-2). Computed in at
+    least float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        dt = torch.promote_types(x.dtype, torch.float32)
+        y = rms_normalize(x.to(dt), self.eps) * self.weight.to(dt)
+        if gate is not None:
+            y = y * F.silu(gate.to(dt))
+        return y.to(x.dtype)

@@ -1,0 +1,97 @@
+"""How a batch of token rows maps onto sequences: dense rows or one packed row.
+
+Every mixer sees its input in one of two layouts:
+
+* dense: ``[B, T, D]``, each row one sequence (no padding anywhere);
+* packed: ``[1, N_tok, D]`` holding ``N`` sequences back to back, delimited by
+  ``cu_seqlens`` ``[N + 1]`` (flash-attention's convention). Padding is removed
+  before the first layer (``unpad``) and restored after the last (``repad``), so a
+  pad token never reaches a write, gate, decay, short-convolution buffer or
+  normalizer: there is nothing to mask.
+
+``rows[n]`` is the cache row (batch row) that sequence ``n`` continues, and
+``positions`` the index of each token within its sequence counting the cached
+prefix (for RoPE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["Packing", "unpad", "repad", "cu_seqlens_from_lengths"]
+
+
+@dataclass
+class Packing:
+    """Layout of the tokens a mixer receives (see the module docstring).
+
+    ``cu_seqlens`` ``[N + 1]`` (packed) or ``None`` (dense); ``rows`` ``[N]`` (packed)
+    or ``None``; ``positions`` ``[B, T]`` (dense) or ``[1, N_tok]`` (packed), int64;
+    ``seq_ids`` ``[N_tok]``: sequence index of every packed token (packed only).
+    """
+
+    cu_seqlens: Optional[torch.Tensor]
+    rows: Optional[torch.Tensor]
+    positions: torch.Tensor
+    seq_ids: Optional[torch.Tensor] = None
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.positions.shape[0] if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @staticmethod
+    def dense(batch: int, length: int, offsets: Optional[torch.Tensor], device) -> "Packing":
+        """Dense rows; ``offsets`` ``[B]``: tokens already cached per row (or None)."""
+        pos = torch.arange(length, device=device)[None, :].expand(batch, length)
+        if offsets is not None:
+            pos = pos + offsets.to(device)[:, None]
+        return Packing(cu_seqlens=None, rows=None, positions=pos)
+
+    @staticmethod
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, rows: torch.Tensor, offsets: Optional[torch.Tensor]) -> "Packing":
+        """Packed sequences; ``offsets`` ``[B]`` tokens already cached per cache row."""
+        cu = cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        total = int(cu[-1])
+        seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+        pos = torch.arange(total, device=cu.device) - cu[:-1][seq_ids]
+        if offsets is not None:
+            pos = pos + offsets.to(cu.device)[rows][seq_ids]
+        return Packing(cu_seqlens=cu, rows=rows.to(cu.device), positions=pos[None, :], seq_ids=seq_ids)
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0, l_0, l_0 + l_1, ...]`` as int64."""
+    return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def unpad(x: torch.Tensor, mask: torch.Tensor):
+    """Gather the real tokens of ``x`` ``[B, T, ...]`` under ``mask`` ``[B, T]`` (1 = real)
+    into one packed row ``[1, N_tok, ...]``.
+
+    Returns the packed tensor, the flat token indices ``[N_tok]`` (into ``B*T``),
+    ``cu_seqlens`` over the rows that hold at least one real token, and those rows.
+    """
+    mask = mask.to(torch.bool)
+    lengths = mask.sum(1)
+    rows = torch.nonzero(lengths > 0).flatten()
+    index = torch.nonzero(mask.flatten()).flatten()
+    packed = x.reshape(-1, *x.shape[2:]).index_select(0, index)[None]
+    return packed, index, cu_seqlens_from_lengths(lengths[rows]), rows
+
+
+def repad(packed: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`unpad`: scatter ``[1, N_tok, ...]`` back to ``[B, T, ...]`` (zeros at pads)."""
+    out = packed.new_zeros(batch * length, *packed.shape[2:])
+    out.index_copy_(0, index, packed[0])
+    return out.view(batch, length, *packed.shape[2:])

@@ -1,0 +1,67 @@
+"""Causal depthwise short convolution that restarts at every sequence boundary.
+
+``y_t = SiLU(sum_{i=0}^{W-1} w_i * x_{t-i})`` per channel, where ``x_{t-i}`` is taken
+from the same sequence, from the carried buffer (the last ``W-1`` inputs of the
+cached prefix) when ``t-i`` falls before the segment, or zero on a fresh sequence.
+
+All layouts go through one valid (unpadded) ``conv1d``: each sequence is laid out
+as ``[buffer (W-1 rows), tokens]`` back to back, so every output window lies inside
+its own sequence; tokens of different packed sequences never mix.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .packing import Packing
+
+__all__ = ["ShortConv"]
+
+
+class ShortConv(nn.Module):
+    def __init__(self, channels: int, kernel_size: int = 4):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    def forward(
+        self, x: torch.Tensor, packing: Packing, buffer: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[B, T, C]`` (dense) or ``[1, N_tok, C]`` (packed); ``buffer``
+        ``[R, W-1, C]``: last inputs of each cache row (``None``: fresh sequences).
+
+        Returns ``y`` like ``x`` and the new buffer (``[B, W-1, C]`` dense;
+        ``[N, W-1, C]`` packed, one row per sequence, to be stored at ``packing.rows``).
+        """
+        W1 = self.kernel_size - 1
+        C = x.shape[-1]
+        if not packing.packed:
+            B = x.shape[0]
+            buf = x.new_zeros(B, W1, C) if buffer is None else buffer.to(x.dtype)
+            ext = torch.cat([buf, x], dim=1)
+            y = self._conv(ext)
+            return F.silu(y), ext[:, ext.shape[1] - W1:]
+        cu, N = packing.cu_seqlens, packing.num_sequences
+        total = x.shape[1]
+        buf = x.new_zeros(N, W1, C) if buffer is None else buffer.to(x.dtype)[packing.rows]
+        # Position of token j of sequence n in the extended layout: j + (n + 1) * (W - 1).
+        tok_dest = torch.arange(total, device=x.device) + (packing.seq_ids + 1) * W1
+        seg_start = cu[:-1] + torch.arange(N, device=x.device) * W1  # where each buffer block begins
+        buf_dest = (seg_start[:, None] + torch.arange(W1, device=x.device)[None, :]).flatten()
+        ext = x.new_zeros(total + N * W1, C)
+        ext = ext.index_copy(0, tok_dest, x[0]).index_copy(0, buf_dest, buf.reshape(N * W1, C))
+        y = self._conv(ext[None])[0]  # output i covers ext[i : i + W]
+        y = y.index_select(0, tok_dest - W1)
+        seg_end = cu[1:] + torch.arange(1, N + 1, device=x.device) * W1  # one past each segment
+        tail_idx = (seg_end[:, None] - W1 + torch.arange(W1, device=x.device)[None, :]).flatten()
+        new_buf = ext.index_select(0, tail_idx).view(N, W1, C)
+        return F.silu(y)[None], new_buf
+
+    def _conv(self, ext: torch.Tensor) -> torch.Tensor:
+        """Valid depthwise conv over ``ext`` ``[B, L, C]`` -> ``[B, L - W + 1, C]``."""
+        w = self.weight.to(ext.dtype)
+        return F.conv1d(ext.transpose(1, 2), w, groups=ext.shape[-1]).transpose(1, 2)

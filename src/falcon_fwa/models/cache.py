@@ -1,0 +1,81 @@
+"""``FalconCache``: the decoding cache of a whole model, one :class:`LayerCache` per layer.
+
+It holds, per batch row, each recurrent layer's :class:`~falcon_fwa.FalconState` and
+short-convolution buffers (constant size: decoding is ``O(1)`` per token) or each
+attention layer's keys and values, plus the number of real tokens each row has
+seen (``seen``, for positions) and the number of input columns consumed
+(``num_positions``, counting pads; ``generate()`` slices its inputs with it).
+
+It follows the parts of ``transformers``' ``Cache`` interface that ``generate()``
+uses (``get_seq_length``, ``reorder_cache``, ``batch_select_indices``,
+``batch_repeat_interleave``) without subclassing it, since its contents are not
+key/value tensors.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..layers.layer_cache import LayerCache
+
+__all__ = ["FalconCache"]
+
+
+class FalconCache:
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, num_layers: int):
+        self.layers: List[LayerCache] = [LayerCache() for _ in range(num_layers)]
+        self.seen: Optional[torch.Tensor] = None  # [B] real tokens per row
+        self.num_positions = 0
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer_idx: int) -> LayerCache:
+        return self.layers[layer_idx]
+
+    @property
+    def is_linear(self) -> List[bool]:
+        # Every layer handles its own history: generate() must not slice inputs for it.
+        return [True] * len(self.layers)
+
+    @property
+    def empty(self) -> bool:
+        return self.seen is None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Input columns consumed so far (pads included)."""
+        return self.num_positions
+
+    def advance(self, real_tokens: torch.Tensor, columns: int) -> None:
+        """Record ``real_tokens`` ``[B]`` new real tokens per row over ``columns`` input columns."""
+        self.seen = real_tokens.clone() if self.seen is None else self.seen + real_tokens.to(self.seen.device)
+        self.num_positions += columns
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.select_rows(indices)
+        if self.seen is not None:
+            self.seen = self.seen.index_select(0, indices.to(self.seen.device))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seen is not None:
+            n = self.seen.shape[0]
+            self.batch_select_indices(torch.arange(n, device=self.seen.device).repeat_interleave(repeats))
+
+    def detach(self) -> "FalconCache":
+        """Detach every recurrent state (truncated backpropagation through time)."""
+        for layer in self.layers:
+            if layer.state is not None:
+                layer.state = layer.state.detach()
+            layer.conv = {k: v.detach() for k, v in layer.conv.items()}
+            if layer.keys is not None:
+                layer.keys = [t.detach() for t in layer.keys]
+                layer.values = [t.detach() for t in layer.values]
+        return self

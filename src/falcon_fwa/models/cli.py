@@ -1,0 +1,35 @@
+"""``falcon-fwa params``: parameter counts of presets (markdown table, optionally written to a file)."""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+from .params import parameter_table
+from .presets import PRESETS, get_preset
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("presets", nargs="*", metavar="PRESET",
+                        help=f"presets to count (default: all). Choose from: {', '.join(PRESETS)}")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
+    parser.add_argument("--output", default=None, help="also write the table to this markdown file")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = args.presets or list(PRESETS)
+    overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
+    table = parameter_table(names, [get_preset(n, **overrides) for n in names])
+    print(table)
+    if args.output:
+        text = "# Parameter counts of the presets\n\nProduced by `falcon-fwa params" + \
+               (" " + " ".join(args.presets) if args.presets else "") + \
+               (f" --vocab-size {args.vocab_size}" if args.vocab_size else "") + \
+               "`. Tied input/output embeddings are counted once.\n\n" + table + "\n"
+        folder = os.path.dirname(os.path.abspath(args.output))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, args.output)
+    return 0

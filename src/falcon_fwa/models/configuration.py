@@ -1,0 +1,235 @@
+"""``FalconConfig``: one configuration for the Falcon LM and every baseline mixer.
+
+The token mixer is picked with ``mixer``; every recurrent mixer (``falcon``,
+``deltanet``, ``gated_deltanet``, ``mamba2``, ``retnet``) runs through the same
+layer and the same op, so a mixer is just a set of defaults for the switches below
+(``MIXER_DEFAULTS``). Fields left ``None`` take the mixer's default and are stored
+resolved, so a saved config reloads to exactly the same model. The paper's
+ablations (pairing x timing, QK-norm, ctx-beta vs ctx-eta, ridge) are config
+changes: ``shift``, ``read``, ``qk_norm``, ``gate``, ``lambda_scale``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from transformers import PretrainedConfig
+
+from ..ops.rules import RULES, get_rule
+
+__all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS"]
+
+RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
+MIXERS = RECURRENT_MIXERS + ("transformer",)
+GATES = ("ctx-beta", "ctx-eta", "sigmoid", "dt", "one")
+LOG_GATES = ("none", "data", "dt", "fixed")
+QK_NORMS = ("rmsnorm", "l2", "none")
+FEATURE_MAPS = ("identity", "silu", "elu1", "relu")
+FORMS = ("chunk", "recurrent", "parallel")
+BACKENDS = ("native", "fla")
+
+# Switches of the recurrent mixers. ``gate``: how the context sets the write gain
+# (see FalconAttention); ``log_gate``: the extra state decay exp(g_t). The short
+# convolution ends in SiLU (as in DeltaNet and Mamba-2), so the feature map after it
+# stays the identity; set ``feature_map`` when the convolution is off.
+MIXER_DEFAULTS = {
+    # Falcon-1A.3 of the paper: QK-RMSNorm, ctx-eta with the context ridge.
+    "falcon": dict(rule="1A", shift=True, normalize=True, read="after", gate="ctx-eta", log_gate="none",
+                   lambda_scale=1.0, qk_norm="rmsnorm", feature_map="identity", query_scale=1.0,
+                   use_short_conv=True, output_gate=True, use_d_skip=False),
+    # DeltaNet: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, L2-normalized keys, beta in (0, 1).
+    "deltanet": dict(rule="1", shift=False, normalize=False, read="after", gate="sigmoid", log_gate="none",
+                     lambda_scale=0.0, qk_norm="l2", feature_map="identity", query_scale=None,
+                     use_short_conv=True, output_gate=False, use_d_skip=False),
+    # Gated DeltaNet: DeltaNet with the data-dependent decay exp(g_t) before the delta write.
+    "gated_deltanet": dict(rule="1", shift=False, normalize=False, read="after", gate="sigmoid", log_gate="data",
+                           lambda_scale=0.0, qk_norm="l2", feature_map="identity", query_scale=None,
+                           use_short_conv=True, output_gate=True, use_d_skip=False),
+    # Mamba-2 SSD: S_t = exp(-dt_t a) S_{t-1} + dt_t B_t x_t^T, read C_t, skip D x_t, z-gated norm.
+    "mamba2": dict(rule="1A", shift=False, normalize=False, read="after", gate="dt", log_gate="dt",
+                   lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=1.0,
+                   use_short_conv=True, output_gate=True, use_d_skip=True),
+    # RetNet / Lightning attention: S_t = gamma_h S_{t-1} + k_t v_t^T with a fixed per-head decay.
+    "retnet": dict(rule="1A", shift=False, normalize=False, read="after", gate="one", log_gate="fixed",
+                   lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=None,
+                   use_short_conv=False, output_gate=True, use_d_skip=False),
+    "transformer": dict(rule="1A", shift=False, normalize=False, read="after", gate="one", log_gate="none",
+                        lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=None,
+                        use_short_conv=False, output_gate=False, use_d_skip=False),
+}
+
+
+def _choice(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"config field {field!r} must be one of {list(allowed)}, got {value!r}")
+
+
+class FalconConfig(PretrainedConfig):
+    r"""Configuration of :class:`~falcon_fwa.models.FalconForCausalLM`.
+
+    Model shape: ``vocab_size``, ``hidden_size`` (d), ``num_hidden_layers``,
+    ``num_heads`` (H), ``head_k_dim`` / ``head_v_dim`` (default ``d / H``; the
+    recurrent mixers' q/k/v widths are ``H*head_k_dim`` and ``H*head_v_dim``),
+    ``intermediate_size`` of the SwiGLU MLP (default: 8d/3 rounded up to 64).
+
+    Mixer: ``mixer`` in ``"falcon", "transformer", "deltanet", "gated_deltanet",
+    "mamba2", "retnet"``. For the recurrent mixers (all through ``falcon_attention``):
+
+    * ``rule`` ("1", "2", "3", "1A", "2A", "3A"), ``window`` (B of rules 3/3A),
+      ``shift`` (pair ``(k_{t-1}, v_t)``), ``normalize`` (NLMS step),
+      ``read`` ("after"/"before"), ``log_gate`` ("none"; "data": Gated DeltaNet's
+      ``g_t = -exp(A) softplus(w^T h_t + b)``; "dt": Mamba-2's ``g_t = -exp(A) dt_t``;
+      "fixed": RetNet's ``g = log(1 - 2^{-5-h})``), ``form``/``chunk_size`` of training,
+      ``eps``, ``decay_floor``;
+    * ``gate``: "ctx-beta" (context emits ``beta in (0, 2)``), "ctx-eta" (context emits
+      the normalized step), "sigmoid" (DeltaNet's ``beta in (0, 1)``), "dt" (Mamba-2's
+      ``dt = softplus(.)``), "one" (constant 1); ``lambda_scale`` (ridge
+      ``lambda-bar in (0, lambda_scale)``; 0 turns the ridge off);
+    * features: ``qk_norm`` ("rmsnorm", "l2", "none"), ``v_norm``, ``feature_map``,
+      ``query_scale`` (``None``: ``head_k_dim ** -0.5``), ``use_short_conv``,
+      ``conv_size``, ``output_gate`` (SiLU-gated output RMSNorm), ``use_d_skip``;
+    * ``backend``: "native" (the library's op) or "fla" (flash-linear-attention
+      kernels for the baselines where installed; CUDA only).
+
+    Transformer: ``rope_theta``; attention through ``scaled_dot_product_attention``.
+
+    Scaling (muP): ``initializer_range`` (std at the base width), ``mup_base_width``
+    (width of the proxy whose hyperparameters transfer; ``None``: this width), see
+    :meth:`FalconForCausalLM.param_groups`.
+    """
+
+    model_type = "falcon_fwa"
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        hidden_size: int = 768,
+        num_hidden_layers: int = 12,
+        num_heads: int = 6,
+        head_k_dim: Optional[int] = None,
+        head_v_dim: Optional[int] = None,
+        intermediate_size: Optional[int] = None,
+        mixer: str = "falcon",
+        rule: Optional[str] = None,
+        window: int = 4,
+        shift: Optional[bool] = None,
+        normalize: Optional[bool] = None,
+        read: Optional[str] = None,
+        gate: Optional[str] = None,
+        log_gate: Optional[str] = None,
+        lambda_scale: Optional[float] = None,
+        qk_norm: Optional[str] = None,
+        v_norm: bool = False,
+        feature_map: Optional[str] = None,
+        query_scale: Optional[float] = None,
+        use_short_conv: Optional[bool] = None,
+        conv_size: int = 4,
+        output_gate: Optional[bool] = None,
+        use_d_skip: Optional[bool] = None,
+        form: str = "chunk",
+        chunk_size: int = 64,
+        eps: float = 1e-6,
+        decay_floor: float = 1e-3,
+        backend: str = "native",
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        mup_base_width: Optional[int] = None,
+        tie_word_embeddings: bool = True,
+        use_cache: bool = True,
+        pad_token_id: Optional[int] = None,
+        bos_token_id: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
+        **kwargs,
+    ):
+        _choice("mixer", mixer, MIXERS)
+        defaults = MIXER_DEFAULTS[mixer]
+
+        def pick(name, value):  # a field left None takes the mixer's default
+            return defaults[name] if value is None else value
+
+        self.vocab_size = int(vocab_size)
+        self.hidden_size = int(hidden_size)
+        self.num_hidden_layers = int(num_hidden_layers)
+        self.num_heads = int(num_heads)
+        self.mixer = mixer
+        rule_name = str(pick("rule", rule)).strip().upper()
+        self.rule = get_rule(rule_name).name if rule_name in RULES else str(pick("rule", rule))
+        self.window = window
+        self.shift = bool(pick("shift", shift))
+        self.normalize = bool(pick("normalize", normalize))
+        self.read = pick("read", read)
+        self.gate = pick("gate", gate)
+        self.log_gate = pick("log_gate", log_gate)
+        self.lambda_scale = float(pick("lambda_scale", lambda_scale))
+        self.qk_norm = pick("qk_norm", qk_norm)
+        self.v_norm = bool(v_norm)
+        self.feature_map = pick("feature_map", feature_map)
+        self.use_short_conv = bool(pick("use_short_conv", use_short_conv))
+        self.conv_size = int(conv_size)
+        self.output_gate = bool(pick("output_gate", output_gate))
+        self.use_d_skip = bool(pick("use_d_skip", use_d_skip))
+        self.form = form
+        self.chunk_size = int(chunk_size)
+        self.eps = float(eps)
+        self.decay_floor = float(decay_floor)
+        self.backend = backend
+        self.rope_theta = float(rope_theta)
+        self.rms_norm_eps = float(rms_norm_eps)
+        self.initializer_range = float(initializer_range)
+        self.mup_base_width = None if mup_base_width is None else int(mup_base_width)
+        self.use_cache = use_cache
+        if self.num_heads < 1:
+            raise ValueError(f"config field 'num_heads' must be >= 1, got {num_heads}")
+        if head_k_dim is None or head_v_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"config field 'num_heads' = {self.num_heads} does not divide 'hidden_size' = {self.hidden_size};"
+                    " choose num_heads dividing the width or set 'head_k_dim' / 'head_v_dim'")
+        self.head_k_dim = int(head_k_dim) if head_k_dim is not None else self.hidden_size // self.num_heads
+        self.head_v_dim = int(head_v_dim) if head_v_dim is not None else self.hidden_size // self.num_heads
+        if intermediate_size is None:
+            intermediate_size = 64 * -(-(8 * self.hidden_size // 3) // 64)
+        self.intermediate_size = int(intermediate_size)
+        qs = pick("query_scale", query_scale)
+        self.query_scale = float(self.head_k_dim ** -0.5 if qs is None else qs)
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate_fields()
+
+    def validate_fields(self) -> None:
+        """Raise ``ValueError`` naming the first inconsistent field."""
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "head_k_dim",
+                      "head_v_dim", "chunk_size", "conv_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
+        _choice("mixer", self.mixer, MIXERS)
+        if self.rule not in RULES:
+            raise ValueError(f"config field 'rule' must be one of {sorted(RULES)}, got {self.rule!r}")
+        if RULES[self.rule].sliding and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"config field 'window' must be an integer >= 1 for the sliding rule "
+                             f"{self.rule!r}, got {self.window!r}")
+        _choice("read", self.read, ("after", "before"))
+        _choice("gate", self.gate, GATES)
+        _choice("log_gate", self.log_gate, LOG_GATES)
+        _choice("qk_norm", self.qk_norm, QK_NORMS)
+        _choice("feature_map", self.feature_map, FEATURE_MAPS)
+        _choice("form", self.form, FORMS)
+        _choice("backend", self.backend, BACKENDS)
+        if self.lambda_scale < 0:
+            raise ValueError(f"config field 'lambda_scale' must be >= 0, got {self.lambda_scale}")
+        if not 0.0 < self.decay_floor < 1.0:
+            raise ValueError(f"config field 'decay_floor' must lie in (0, 1), got {self.decay_floor}")
+        if self.gate == "ctx-eta" and not self.normalize:
+            raise ValueError("config field 'gate' = 'ctx-eta' needs 'normalize' = True (the step is normalized)")
+        if self.log_gate == "dt" and self.gate != "dt":
+            raise ValueError("config field 'log_gate' = 'dt' needs 'gate' = 'dt' (Mamba-2 shares dt)")
+        if self.mixer == "transformer" and self.hidden_size % self.num_heads:
+            raise ValueError(f"config field 'num_heads' = {self.num_heads} does not divide 'hidden_size' = "
+                             f"{self.hidden_size} (the Transformer's head dim)")
+        if self.mup_base_width is not None and self.mup_base_width < 1:
+            raise ValueError(f"config field 'mup_base_width' must be >= 1, got {self.mup_base_width}")
+
+    @property
+    def width_multiplier(self) -> float:
+        """muP width multiplier ``m = hidden_size / mup_base_width`` (1 without a base width)."""
+        return 1.0 if self.mup_base_width is None else self.hidden_size / self.mup_base_width

@@ -1,0 +1,256 @@
+"""Token mixers against textbook definitions: short convolution, RoPE attention, the
+baselines' recurrences, the Falcon gates, packing and cached continuation."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from falcon_fwa.layers import (CausalSelfAttention, FalconAttention, LayerCache, Packing, ShortConv, apply_rope,
+                               cu_seqlens_from_lengths, repad, unpad)
+from falcon_fwa.models import FalconConfig, get_preset
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add contention
+    yield
+    torch.set_num_threads(n)
+
+
+def _dense(x):
+    return Packing.dense(x.shape[0], x.shape[1], None, x.device)
+
+
+def _packed(lengths, rows=None, offsets=None):
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    rows = torch.arange(len(lengths)) if rows is None else rows
+    return Packing.from_cu_seqlens(cu, rows, offsets)
+
+
+# ----------------------------------------------------------------------------- short conv
+def _conv_reference(x, w):
+    """y_t = SiLU(sum_i w_i x_{t-i}), zeros before the start; x [T, C], w [C, W] (w[:, -1] hits x_t)."""
+    T, C = x.shape
+    W = w.shape[1]
+    y = torch.zeros_like(x)
+    for t in range(T):
+        for i in range(W):
+            if t - i >= 0:
+                y[t] += w[:, W - 1 - i] * x[t - i]
+    return F.silu(y)
+
+
+def test_short_conv_matches_reference_packed_and_continued():
+    torch.manual_seed(0)
+    conv = ShortConv(5, kernel_size=4).double()
+    w = conv.weight[:, 0].detach()
+    lengths = [6, 1, 9, 2]
+    xs = [torch.randn(n, 5, dtype=torch.float64) for n in lengths]
+    packed, buf = conv(torch.cat(xs)[None], _packed(lengths))
+    refs = [_conv_reference(x, w) for x in xs]
+    assert torch.allclose(packed[0], torch.cat(refs), atol=1e-13, rtol=0)
+    # the carried buffer holds the last W-1 inputs of each sequence (zeros before its start)
+    for n, x in enumerate(xs):
+        want = torch.cat([torch.zeros(3, 5, dtype=x.dtype), x])[-3:]
+        assert torch.equal(buf[n], want)
+    # dense continuation from the buffer equals the full sequence
+    x = torch.randn(2, 11, 5, dtype=torch.float64)
+    full, _ = conv(x, _dense(x))
+    a, buf_a = conv(x[:, :4], _dense(x[:, :4]))
+    b, _ = conv(x[:, 4:], _dense(x[:, 4:]), buf_a)
+    assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-14, rtol=0)
+    # packed continuation: sequence n continues cache row rows[n]
+    rows = torch.tensor([1, 0])
+    y, _ = conv(torch.cat([x[1, 4:9], x[0, 4:]])[None], _packed([5, 7], rows=rows), buf_a)
+    assert torch.allclose(y[0, :5], full[1, 4:9], atol=1e-14, rtol=0)
+    assert torch.allclose(y[0, 5:], full[0, 4:], atol=1e-14, rtol=0)
+
+
+def test_unpad_repad_roundtrip():
+    x = torch.arange(2 * 5 * 3, dtype=torch.float64).view(2, 5, 3)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    packed, index, cu, rows = unpad(x, mask)
+    assert cu.tolist() == [0, 3, 7] and rows.tolist() == [0, 1]
+    assert torch.equal(packed[0], torch.cat([x[0, 2:], x[1, :4]]))
+    back = repad(packed, index, 2, 5)
+    assert torch.equal(back * mask[..., None], x * mask[..., None])
+
+
+# ----------------------------------------------------------------------------- RoPE attention
+def test_rope_is_a_rotation_with_relative_scores():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+
+    def score(p, s):
+        return (apply_rope(q, torch.tensor([[p]]), 100.0) * apply_rope(k, torch.tensor([[s]]), 100.0)).sum()
+
+    assert torch.allclose(apply_rope(q, torch.tensor([[7]]), 100.0).norm(), q.norm(), atol=1e-14)
+    assert torch.allclose(score(9, 4), score(5, 0), atol=1e-13)
+    assert torch.allclose(score(3, 3), (q * k).sum(), atol=1e-13)
+    # against complex multiplication by e^{i p theta^{-2j/d}} on (x_j, x_{j+d/2})
+    p = 5
+    z = torch.complex(q[..., :4], q[..., 4:]) * torch.exp(1j * p * 100.0 ** (-torch.arange(4) * 2.0 / 8))
+    assert torch.allclose(apply_rope(q, torch.tensor([[p]]), 100.0), torch.cat([z.real, z.imag], -1), atol=1e-14)
+
+
+def _attention_reference(layer, h):
+    """softmax((R q)(R k)^T / sqrt(d) + causal) v per head, written out."""
+    T = h.shape[1]
+    H, d = layer.num_heads, layer.head_dim
+    pos = torch.arange(T)[None]
+    q = apply_rope(layer.q_proj(h).view(1, T, H, d), pos, layer.rope_theta)[0]
+    k = apply_rope(layer.k_proj(h).view(1, T, H, d), pos, layer.rope_theta)[0]
+    v = layer.v_proj(h).view(T, H, d)
+    s = torch.einsum("thd,shd->hts", q, k) / math.sqrt(d)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    o = torch.einsum("hts,shd->thd", s.softmax(-1), v)
+    return layer.o_proj(o.reshape(1, T, H * d))
+
+
+def test_attention_dense_packed_cached_equal_reference():
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(get_preset("tiny-transformer")).double()
+    hs = [torch.randn(1, n, 32, dtype=torch.float64) for n in (5, 8)]
+    refs = [_attention_reference(layer, h) for h in hs]
+    assert torch.allclose(layer(hs[1], _dense(hs[1])), refs[1], atol=1e-13)
+    packed = layer(torch.cat(hs, 1), _packed([5, 8]))
+    assert torch.allclose(packed, torch.cat(refs, 1), atol=1e-13)
+    cache, outs = LayerCache(), []
+    for t in range(8):  # token by token with a KV cache
+        outs.append(layer(hs[1][:, t:t + 1], Packing.dense(1, 1, torch.tensor([t]), "cpu"), cache))
+    assert torch.allclose(torch.cat(outs, 1), refs[1], atol=1e-13)
+
+
+# ----------------------------------------------------------------------------- recurrent cores
+def _core_inputs(layer, h):
+    q, k, v = layer._project(h, _dense(h), None)
+    beta, lam, log_gate = layer.gates(h)
+    return q, k, v, beta, lam, log_gate
+
+
+def _textbook(kind, q, k, v, beta, log_gate):
+    """Textbook recurrences, one token at a time, per head; inputs [T, H, .]."""
+    T, H, K = q.shape
+    S = torch.zeros(H, K, v.shape[-1], dtype=q.dtype)
+    out = []
+    for t in range(T):
+        if log_gate is not None:
+            S = torch.exp(log_gate[t])[:, None, None] * S
+        kt, vt, bt = k[t], v[t], beta[t]
+        if kind == "delta":  # S += beta k (v - S^T k)^T
+            pred = torch.einsum("hkv,hk->hv", S, kt)
+            S = S + bt[:, None, None] * torch.einsum("hk,hv->hkv", kt, vt - pred)
+        else:  # S += beta k v^T
+            S = S + bt[:, None, None] * torch.einsum("hk,hv->hkv", kt, vt)
+        out.append(torch.einsum("hkv,hk->hv", S, q[t]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("mixer,kind", [("deltanet", "delta"), ("gated_deltanet", "delta"),
+                                        ("mamba2", "linear"), ("retnet", "linear")])
+def test_baseline_cores_equal_textbook_recurrences(mixer, kind):
+    torch.manual_seed(0)
+    layer = FalconAttention(get_preset(f"tiny-{mixer}")).double()
+    h = torch.randn(1, 13, 32, dtype=torch.float64)
+    q, k, v, beta, lam, log_gate = _core_inputs(layer, h)
+    o = layer._core(q, k, v, beta, lam, log_gate, _dense(h), None)
+    ref = _textbook(kind, q[0], k[0], v[0], beta[0], None if log_gate is None else log_gate[0])
+    assert torch.allclose(o[0], ref, atol=1e-12, rtol=0)
+    if mixer == "retnet":  # fixed multi-scale decay gamma_h = 1 - 2^{-5-h}
+        assert torch.allclose(log_gate[0, 0].exp(), 1 - 2.0 ** (-5.0 - torch.arange(2, dtype=torch.float64)))
+    if mixer == "mamba2":  # g_t = -dt_t exp(A_log), beta = dt = softplus(.) > 0
+        assert torch.allclose(log_gate, -beta * layer.gates.A_log.exp())
+    if mixer in ("deltanet", "gated_deltanet"):
+        assert torch.allclose(k.norm(dim=-1), torch.ones((), dtype=k.dtype), atol=1e-5)  # l2 keys
+        assert bool(((beta > 0) & (beta < 1)).all())
+
+
+@pytest.mark.parametrize("gate", ["ctx-beta", "ctx-eta"])
+def test_falcon_core_is_the_scaled_1A_recurrence(gate):
+    """Falcon-1A: S_t = gamma_t S + eta_t x_t v_t^T with x_t = k_{t-1}, eta_t = beta_t/(E_t + lambda_t + eps),
+    lambda_t = lambda-bar_t E_t; under ctx-eta, eta_t = eta-bar_t / E_t (up to eps)."""
+    torch.manual_seed(0)
+    cfg = get_preset("tiny-falcon", gate=gate, lambda_scale=0.5)
+    layer = FalconAttention(cfg).double()
+    with torch.no_grad():
+        layer.gates.lam_bias.fill_(0.0)  # a sizeable ridge so the decay matters
+    h = torch.randn(1, 11, 32, dtype=torch.float64)
+    q, k, v, beta, lam, log_gate = _core_inputs(layer, h)
+    o = layer._core(q, k, v, beta, lam, log_gate, _dense(h), None)
+    q, k, v, beta, lam = q[0], k[0], v[0], beta[0], lam[0]
+    S = torch.zeros(2, 16, 16, dtype=torch.float64)
+    out = []
+    for t in range(11):
+        if t > 0:
+            x = k[t - 1]
+            E = (x * x).sum(-1)
+            lam_t = lam[t] * E
+            eta = beta[t] / (E + lam_t + cfg.eps)
+            gamma = 1 - torch.clamp(eta * lam_t, max=1 - cfg.decay_floor)
+            S = gamma[:, None, None] * S + eta[:, None, None] * torch.einsum("hk,hv->hkv", x, v[t])
+            if gate == "ctx-eta":
+                c = min(1.0, 2.0 / 1.5)
+                eta_bar = beta[t] / (1 + lam[t])
+                assert bool((eta_bar > 0).all()) and bool((eta_bar < c).all())
+                assert torch.allclose(eta * E, eta_bar, rtol=1e-6)
+        out.append(torch.einsum("hkv,hk->hv", S, q[t]))
+    assert torch.allclose(o[0], torch.stack(out), atol=1e-12, rtol=0)
+    assert torch.allclose(k.pow(2).mean(-1), torch.ones((), dtype=k.dtype), atol=1e-3)  # QK-RMSNorm: ||k||^2 ~ d
+    assert bool(((lam > 0) & (lam < 0.5)).all())
+    lo, hi = (0.0, 2.0)
+    assert bool(((beta > lo) & (beta < hi)).all())
+
+
+def test_ctx_eta_gain_stays_admissible_for_a_large_ridge_scale():
+    torch.manual_seed(0)
+    layer = FalconAttention(get_preset("tiny-falcon", gate="ctx-eta", lambda_scale=9.0)).double()
+    with torch.no_grad():
+        layer.gates.lam_bias.fill_(20.0)
+        layer.gates.gain_bias.fill_(20.0)  # saturate both sigmoids
+    with torch.no_grad():
+        beta, lam, _ = layer.gates(torch.randn(1, 6, 32, dtype=torch.float64))
+    assert float(beta.max()) < 2.0 and float(beta.max()) > 1.99
+
+
+@pytest.mark.parametrize("rule", ["1", "2A", "3"])
+def test_falcon_layer_packed_and_cached_continuation(rule):
+    """Packed sequences equal separate runs; a prefix then token-by-token steps equal the full run
+    (state, last key, sliding tail and conv buffers all carried)."""
+    torch.manual_seed(0)
+    layer = FalconAttention(get_preset("tiny-falcon", rule=rule, window=3)).double()
+    hs = [torch.randn(1, n, 32, dtype=torch.float64) for n in (7, 3, 10)]
+    sep = [layer(h, _dense(h)) for h in hs]
+    packed = layer(torch.cat(hs, 1), _packed([7, 3, 10]))
+    assert torch.allclose(packed, torch.cat(sep, 1), atol=1e-12, rtol=0)
+    cache = LayerCache()
+    outs = [layer(hs[2][:, :4], _dense(hs[2][:, :4]), cache)]
+    for t in range(4, 10):
+        outs.append(layer(hs[2][:, t:t + 1], _dense(hs[2][:, t:t + 1]), cache))
+    assert torch.allclose(torch.cat(outs, 1), sep[2], atol=1e-12, rtol=0)
+    assert cache.state.S.shape == (1, 2, 16, 16)  # constant-size state
+    assert cache.conv["k"].shape == (1, 2, 32)  # W-1 = 2 buffered inputs
+
+
+# ----------------------------------------------------------------------------- config errors
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(rule="4B"), "rule"),
+    (dict(hidden_size=30, num_heads=4), "num_heads"),
+    (dict(rule="3A", window=0), "window"),
+    (dict(rule="3", window=-2), "window"),
+    (dict(mixer="lstm"), "mixer"),
+    (dict(qk_norm="layernorm"), "qk_norm"),
+    (dict(gate="ctx-gamma"), "gate"),
+    (dict(lambda_scale=-1.0), "lambda_scale"),
+    (dict(mixer="transformer", hidden_size=30, num_heads=4, head_k_dim=8, head_v_dim=8), "num_heads"),
+])
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        FalconConfig(**{**dict(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1), **kwargs})
+
+
+def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
+    FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
+    with pytest.raises(ValueError, match="backend"):
+        FalconAttention(get_preset("tiny-falcon", backend="fla"))

@@ -1,0 +1,377 @@
+"""Side-by-side kernel timings in one process: Falcon's Triton chunk kernels, the
+PyTorch chunk form, flash-linear-attention's chunk kernels and torch's flash
+attention, bf16, forward and forward+backward, with peak memory.
+
+    python benchmarks/bench_kernels.py --out benchmarks/results --name h200
+
+Writes ``<out>/<name>.json`` (a list of rows ``{op, B, T, H, K, V, mode, ms,
+peak_mem_bytes}``) and ``<out>/<name>.md`` (the table, GPU, versions, commit and the
+ratios against the fla counterparts). ``ms`` is the median of
+``triton.testing.do_bench``; ``peak_mem_bytes`` is the peak allocated during one call
+above what was allocated before it (inputs excluded). ``fwd`` runs under
+``torch.no_grad()``; ``fwdbwd`` is the forward plus ``backward`` of the output with
+a fixed upstream gradient.
+
+flash-linear-attention 0.6.0 refuses its gated backward on Triton 3.4-3.7.0 on
+Hopper (a known miscompile); ``--allow-fla-gated`` lifts that guard for timing only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import traceback
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
+TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=2048)
+    ("falcon-1a", "fla-simple-gla", 1.0),
+    ("falcon-1a-unchecked", "fla-simple-gla", 1.0),
+    ("falcon-1", "fla-gated-delta-rule", 0.8),
+    ("falcon-1-unchecked", "fla-gated-delta-rule", 0.8),
+]
+
+Builder = Callable[[int, int, int, int, int], Tuple[Callable[[], torch.Tensor], List[torch.Tensor]]]
+
+
+def _randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+
+def _leaves(*ts):
+    return [t.requires_grad_() for t in ts]
+
+
+def _falcon_inputs(B, T, H, K, V):
+    q, k = _randn(B, T, H, K, scale=K ** -0.5), _randn(B, T, H, K, scale=K ** -0.5)
+    v = _randn(B, T, H, V)
+    beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16)
+    lam = (0.1 * torch.rand(B, T, H, device="cuda")).to(torch.bfloat16)
+    return _leaves(q, k, v, beta, lam)
+
+
+def falcon_triton(rule: str, validate: bool = True) -> Builder:
+    """The whole op: pairs, fused step sizes and the chunk kernels (``validate=False``
+    skips the argument checks, whose value checks synchronize with the GPU)."""
+    def build(B, T, H, K, V):
+        from falcon_fwa.ops.triton import falcon_chunk_triton
+        leaves = _falcon_inputs(B, T, H, K, V)
+        return (lambda: falcon_chunk_triton(*leaves, rule=rule, chunk_size=64, validate=validate)[0]), leaves
+    return build
+
+
+def falcon_core(B, T, H, K, V):
+    """The 1A kernels alone, on precomputed write keys, step sizes and log carries."""
+    from falcon_fwa.ops.triton.scalar_decay import scalar_decay_chunk
+    q, x, v = _leaves(_randn(B, T, H, K, scale=K ** -0.5), _randn(B, T, H, K, scale=K ** -0.5), _randn(B, T, H, V))
+    eta = (0.5 * torch.rand(B, T, H, device="cuda")).requires_grad_()
+    log_a = (-0.05 * torch.rand(B, T, H, device="cuda")).requires_grad_()
+    leaves = [q, x, v, eta, log_a]
+    return (lambda: scalar_decay_chunk(q, x, v, eta, log_a, None, read_after=True, chunk_size=64)[0]), leaves
+
+
+def torch_chunk(rule: str) -> Builder:
+    def build(B, T, H, K, V):
+        from falcon_fwa import falcon_attention
+        leaves = _falcon_inputs(B, T, H, K, V)
+        return (lambda: falcon_attention(*leaves, rule=rule, form="chunk", chunk_size=64)[0]), leaves
+    return build
+
+
+def fla_simple_gla(B, T, H, K, V):
+    from fla.ops.simple_gla import chunk_simple_gla
+    q, k, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, K), _randn(B, T, H, V))
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 4).requires_grad_()
+    return (lambda: chunk_simple_gla(q, k, v, g=g)[0]), [q, k, v, g]
+
+
+def fla_gla(B, T, H, K, V):
+    from fla.ops.gla import chunk_gla
+    q, k, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, K), _randn(B, T, H, V))
+    g = (F.logsigmoid(torch.randn(B, T, H, K, device="cuda") + 4) / 16).to(torch.bfloat16).requires_grad_()
+    return (lambda: chunk_gla(q, k, v, g=g)[0]), [q, k, v, g]
+
+
+def fla_delta_rule(B, T, H, K, V):
+    from fla.ops.delta_rule import chunk_delta_rule
+    q, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, V))
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(torch.bfloat16).requires_grad_()
+    beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16).requires_grad_()
+    return (lambda: chunk_delta_rule(q, k, v, beta)[0]), [q, k, v, beta]
+
+
+def fla_gated_delta_rule(B, T, H, K, V):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    q, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, V))
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(torch.bfloat16).requires_grad_()
+    beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16).requires_grad_()
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 4).requires_grad_()
+    return (lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0]), [q, k, v, g, beta]
+
+
+def sdpa(B, T, H, K, V):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = _leaves(_randn(B, H, T, K), _randn(B, H, T, K), _randn(B, H, T, V))
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return run, [q, k, v]
+
+
+OPS: Dict[str, Builder] = {
+    "falcon-1a": falcon_triton("1A"),
+    "falcon-1a-unchecked": falcon_triton("1A", validate=False),
+    "falcon-1": falcon_triton("1"),
+    "falcon-1-unchecked": falcon_triton("1", validate=False),
+    "falcon-1a-kernels-only": falcon_core,
+    "torch-chunk-1A": torch_chunk("1A"),
+    "torch-chunk-1": torch_chunk("1"),
+    "fla-simple-gla": fla_simple_gla,
+    "fla-gla": fla_gla,
+    "fla-delta-rule": fla_delta_rule,
+    "fla-gated-delta-rule": fla_gated_delta_rule,
+    "sdpa": sdpa,
+}
+
+
+DECODE_PRESET = dict(layers=12, H=6, K=128, V=128)  # the 130M presets' mixer: 12 layers, 6 heads of 128
+
+
+def measure_decode(impl: str, rule: str, B: int) -> float:
+    """Median ms of one decoding step of one layer (state carried, no gradients)."""
+    from triton.testing import do_bench
+    from falcon_fwa import falcon_step
+    from falcon_fwa.ops.triton import falcon_step_triton
+    step = falcon_step_triton if impl == "triton" else falcon_step
+    H, K, V = DECODE_PRESET["H"], DECODE_PRESET["K"], DECODE_PRESET["V"]
+    q, k = _randn(B, H, K, scale=K ** -0.5), _randn(B, H, K, scale=K ** -0.5)
+    v = _randn(B, H, V)
+    beta, lam = torch.rand(B, H, device="cuda"), 0.1 * torch.rand(B, H, device="cuda")
+    with torch.no_grad():
+        _, state = step(q, k, v, beta, lam, state=None, rule=rule)
+
+        def run():
+            step(q, k, v, beta, lam, state=state, rule=rule)
+        return float(do_bench(run, warmup=25, rep=100, return_mode="median"))
+
+
+def measure(build: Builder, shape, mode: str) -> Tuple[float, int]:
+    from triton.testing import do_bench
+    fn, leaves = build(*shape)
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                fn()
+    else:
+        do = torch.randn_like(fn().detach())
+
+        def step():
+            fn().backward(do)
+    step()  # compile / autotune
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for t in leaves:
+        t.grad = None
+    ms = do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+    torch.cuda.empty_cache()
+    return float(ms), int(peak)
+
+
+SWEEP_CANDIDATES = [  # (BK, BV, num_warps, num_stages)
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2),
+]
+
+
+def sweep(shape) -> List[dict]:
+    """Per kernel, the fwd+bwd time of the 1A kernels with that kernel's launch
+    configuration varied and the others at their defaults."""
+    from falcon_fwa.ops.triton import launch
+    rows = []
+    defaults = {k: dict(v) for k, v in launch.LAUNCH.items()}
+    for kernel in defaults:
+        for BK, BV, warps, stages in SWEEP_CANDIDATES:
+            launch.LAUNCH[kernel] = dict(BK=BK, BV=BV, num_warps=warps, num_stages=stages)
+            try:
+                ms, _ = measure(falcon_core, shape, "fwdbwd")
+            except Exception as e:
+                ms = float("nan")
+                print(f"sweep {kernel} {(BK, BV, warps, stages)} failed: {type(e).__name__}: {e}", flush=True)
+            rows.append(dict(kernel=kernel, BK=BK, BV=BV, num_warps=warps, num_stages=stages, ms=ms))
+            print(f"sweep {kernel:12s} BK={BK:3d} BV={BV:3d} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
+        launch.LAUNCH[kernel] = defaults[kernel]
+    return rows
+
+
+def profile(name: str, shape, iters: int = 5) -> List[dict]:
+    """Mean device time per kernel over ``iters`` forward+backward calls of ``name``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    fn, leaves = OPS[name](*shape)
+    do = torch.randn_like(fn().detach())
+    fn().backward(do)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn().backward(do)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append(dict(op=name, kernel=e.key[:60], calls=e.count // iters, ms=round(us / iters / 1e3, 4)))
+    rows.sort(key=lambda r: -r["ms"])
+    for r in rows[:20]:
+        print(f"profile {name}: {r['ms']:8.3f} ms  x{r['calls']}  {r['kernel']}", flush=True)
+    return rows[:20]
+
+
+def _atomic_write(path: str, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _versions() -> Dict[str, str]:
+    import triton
+    v = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+         "gpu": torch.cuda.get_device_name(), "cuda": str(torch.version.cuda)}
+    try:
+        import fla
+        v["fla"] = getattr(fla, "__version__", "?")
+    except ImportError:
+        v["fla"] = "not installed"
+    return v
+
+
+def _commit(given: Optional[str]) -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _markdown(rows, versions, commit, notes, errors) -> str:
+    out = [f"# Kernel benchmark: {versions['gpu']}", "",
+           f"commit `{commit}`; torch {versions['torch']}, triton {versions['triton']}, "
+           f"flash-linear-attention {versions['fla']}, CUDA {versions['cuda']}, python {versions['python']}.", "",
+           "bf16 inputs; median ms of `triton.testing.do_bench`; peak = extra memory allocated during one call "
+           "(inputs excluded). `fwd` under `torch.no_grad()`; `fwdbwd` = forward + backward.", ""]
+    out += [f"- {n}" for n in notes] + [""]
+    out += ["| op | B | T | H | K | V | mode | ms | peak MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["mode"] == "decode":
+            continue
+        out.append(f"| {r['op']} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
+                   f"{r['ms']:.3f} | {r['peak_mem_bytes'] / 2**20:.0f} |")
+    index = {(r["op"], r["B"], r["T"], r["mode"]): r for r in rows}
+    out += ["", "## Ratios against the fla counterparts (fwd+bwd, time and peak memory)", "",
+            "| Falcon op | fla op | B | T | time ratio | target | peak-memory ratio |", "|---|---|---|---|---|---|---|"]
+    for ours, theirs, target in TARGETS:
+        for B, T, *_ in SHAPES:
+            a, b = index.get((ours, B, T, "fwdbwd")), index.get((theirs, B, T, "fwdbwd"))
+            if a and b:
+                tgt = f"<= {target}" if (B, T) == SHAPES[0][:2] else "-"
+                out.append(f"| {ours} | {theirs} | {B} | {T} | {a['ms'] / b['ms']:.2f} | {tgt} | "
+                           f"{a['peak_mem_bytes'] / max(b['peak_mem_bytes'], 1):.2f} |")
+    decode = [r for r in rows if r["mode"] == "decode"]
+    if decode:
+        out += ["", "## Decoding step (one layer's mixer op, H=6, K=V=128)", "",
+                "| op | B | us / step / layer | tokens/s (12 layers, mixer only) |", "|---|---|---|---|"]
+        out += [f"| {r['op']} | {r['B']} | {r['ms'] * 1e3:.1f} | {r['tokens_per_s_12_layers']:,} |" for r in decode]
+    if errors:
+        out += ["", "## Failures", ""] + [f"- {e}" for e in errors]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default="h200")
+    p.add_argument("--ops", nargs="*", default=list(OPS), help=f"subset of {list(OPS)}")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    p.add_argument("--allow-fla-gated", action="store_true",
+                   help="lift fla's refusal of its gated backward on Triton 3.4-3.7.0 (timing only)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also sweep the 1A kernels' launch configurations at the first shape")
+    p.add_argument("--shapes", nargs="*", type=int, default=list(range(len(SHAPES))),
+                   help=f"indices into {SHAPES}")
+    p.add_argument("--profile", nargs="*", default=[], help="ops whose fwd+bwd is profiled per kernel (first shape)")
+    p.add_argument("--decode", action="store_true", help="also time the fused decoding step against the PyTorch step")
+    args = p.parse_args(argv)
+    notes = []
+    if args.allow_fla_gated:
+        import fla.ops.common.chunk_o as chunk_o
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        notes.append("fla's gated kernels (simple_gla, gla, gated_delta_rule) were timed with "
+                     "`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`, lifting fla's refusal of its gated "
+                     "backward on this Triton (known Hopper miscompile): their timings stand, their gradients "
+                     "were not checked.")
+    os.makedirs(args.out, exist_ok=True)
+    versions, commit = _versions(), _commit(args.commit)
+    if args.sweep:
+        found = sweep(SHAPES[0])
+        _atomic_write(os.path.join(args.out, f"{args.name}-sweep.json"), json.dumps(found, indent=1) + "\n")
+    rows, errors = [], []
+    for shape in [SHAPES[i] for i in args.shapes]:
+        for name in args.ops:
+            for mode in ("fwd", "fwdbwd"):
+                try:
+                    ms, peak = measure(OPS[name], shape, mode)
+                except Exception as e:  # one failing op must not lose the others
+                    errors.append(f"{name} {shape} {mode}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    traceback.print_exc()
+                    torch.cuda.empty_cache()
+                    continue
+                B, T, H, K, V = shape
+                rows.append(dict(op=name, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=peak))
+                print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB", flush=True)
+                _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
+                _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))
+    for name in args.profile:
+        try:
+            found = profile(name, SHAPES[args.shapes[0]])
+            _atomic_write(os.path.join(args.out, f"{args.name}-profile-{name}.json"), json.dumps(found, indent=1) + "\n")
+        except Exception as e:
+            errors.append(f"profile {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if args.decode:
+        layers = DECODE_PRESET["layers"]
+        for rule in ("1A", "1"):
+            for B in (1, 64):
+                for impl in ("triton", "torch"):
+                    try:
+                        ms = measure_decode(impl, rule, B)
+                    except Exception as e:
+                        errors.append(f"decode {impl} {rule} B={B}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                        continue
+                    rows.append(dict(op=f"falcon-step-{impl}-{rule.lower()}", B=B, T=1, H=DECODE_PRESET["H"],
+                                     K=DECODE_PRESET["K"], V=DECODE_PRESET["V"], mode="decode", ms=round(ms, 4),
+                                     peak_mem_bytes=0, tokens_per_s_12_layers=round(B / (layers * ms / 1e3))))
+                    print(f"decode {impl:6s} rule {rule:2s} B={B:3d}: {ms * 1e3:8.1f} us/step/layer", flush=True)
+        notes.append(f"decode rows: one step of one Falcon layer's mixer op (H={DECODE_PRESET['H']}, K=V=128, "
+                     f"the 130M presets), state carried, no gradients; tokens/s counts {layers} such layers and "
+                     "nothing else of the model.")
+    _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
+    _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""``falcon_chunk_triton``: the chunk form of ``falcon_attention`` on the Triton kernels.
+
+The pair construction (shifted keys, sentinel, last-key carry) is PyTorch; the step
+sizes (``eta``, the clamped decay ``gamma``, the equations of ``ops.step_sizes``) and
+the scan are kernels, each an autograd function, so gradients reach ``beta``,
+``lam``, ``log_gate``, ``k``, the initial state and its last key.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from ..rules import get_rule
+from ..state import FalconState
+from ..validate import check_inputs, check_state
+from .delta import delta_chunk
+from .launch import SUPPORTED_CHUNK_SIZES
+from .scalar_decay import scalar_decay_chunk
+from .step_sizes import scalar_step_sizes
+
+__all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_DTYPES"]
+
+TRITON_RULES = ("1", "1A")  # rules with chunk kernels
+GPU_CHECKED_RULES = ("1A",)  # rules whose kernels have passed the float64 checks on a GPU
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_WY_HEAD_DIM = 128  # the WY kernels (rule 1) keep the whole key dimension in one tile
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_supported(q, v, rule, chunk_size, initial_state) -> None:
+    """Raise for what the kernels do not cover, naming the switch, so callers can fall back."""
+    spec = get_rule(rule)
+    if spec.name not in TRITON_RULES:
+        raise NotImplementedError(f"rule={spec.name!r} has no Triton kernel (supported: {TRITON_RULES})")
+    if spec.regression and q.shape[-1] > MAX_WY_HEAD_DIM:
+        raise NotImplementedError(f"head dim K={q.shape[-1]} is above {MAX_WY_HEAD_DIM}, the largest the rule-"
+                                  f"{spec.name} kernels hold in one tile")
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+        raise NotImplementedError(f"chunk_size={chunk_size} is not supported by the Triton kernels "
+                                  f"(supported: {SUPPORTED_CHUNK_SIZES})")
+    for name, t in (("q", q), ("v", v)):
+        if t.dtype not in TRITON_DTYPES:
+            raise NotImplementedError(f"{name}.dtype={t.dtype} is not supported by the Triton kernels "
+                                      f"(supported: bf16, fp16, fp32)")
+    if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
+        raise NotImplementedError(f"the Triton kernels need CUDA tensors (q is on {q.device}; "
+                                  "on CPU set TRITON_INTERPRET=1 before importing triton)")
+    if initial_state is not None and initial_state.S.dtype == torch.float64:
+        raise NotImplementedError("initial_state.S.dtype=float64 is not supported by the Triton kernels")
+
+
+def _shifted_keys(k, shift, last_key, starts):
+    """Write features ``x`` ``[B, T, H, K]`` and pair validity ``[B, T]``, time-major.
+
+    ``starts``: first row of every sequence (``[0]`` for fixed-length rows); a
+    sequence starts from ``last_key`` (``[N, H, K]``, valid pair) or from the
+    sentinel (``x = 0``, invalid)."""
+    B, T = k.shape[:2]
+    valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+    if not shift:
+        return k, valid
+    if len(starts) == 1 and last_key is not None:
+        first = last_key.to(k.dtype)[:, None]
+    else:
+        first = k.new_zeros(B, 1, *k.shape[2:])
+    x = torch.cat([first, k[:, :-1]], dim=1)
+    if len(starts) > 1:  # packed sequences (B = 1): every sequence starts fresh or from its last key
+        idx = torch.as_tensor(starts, device=k.device)
+        fill = k.new_zeros(len(starts), *k.shape[2:]) if last_key is None else last_key.to(k.dtype)
+        x = x.index_put((torch.zeros_like(idx), idx), fill)
+    if last_key is None:
+        if len(starts) == 1:
+            valid[:, 0] = False
+        else:
+            valid[:, idx] = False
+    return x, valid
+
+
+def falcon_chunk_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    rule: str = "1A",
+    window: int = 4,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    decay_floor: float = 1e-3,
+    shift: bool = True,
+    normalize: bool = True,
+    log_gate: Optional[torch.Tensor] = None,
+    read: str = "after",
+    scale_ridge: bool = False,
+    initial_state: Optional[FalconState] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    validate: bool = True,
+) -> Tuple[torch.Tensor, Optional[FalconState]]:
+    """``falcon_attention(..., form="chunk")`` on the Triton kernels; same arguments,
+    shapes and result (``o`` ``[B, T, H, V]`` in ``v``'s dtype, the final state in fp32).
+
+    Supported: rules "1A" (scalar-decay masked attention, any head dims) and "1" (WY
+    form, one triangular solve per chunk, key dim ``K <= 128``); every switch
+    (``shift``, ``normalize``, ``log_gate``, ``read``, ``scale_ridge``,
+    ``initial_state`` with the last-key carry, ``output_final_state``,
+    ``cu_seqlens``); bf16/fp16/fp32 inputs (``k``, ``v`` are
+    cast to ``q``'s dtype; fp32 accumulation); ``chunk_size`` in {16, 32, 64, 128}.
+    Anything else raises ``NotImplementedError`` naming the switch.
+
+    ``validate=False`` skips ``ops.validate.check_inputs`` (whose value checks
+    ``lam >= 0``, ``log_gate <= 0`` synchronize with the GPU), for callers that ran
+    it already, as ``falcon_attention`` does; what the kernels support is always checked.
+    """
+    spec = get_rule(rule)
+    _check_supported(q, v, rule, chunk_size, initial_state)
+    if validate:
+        check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form="chunk", chunk_size=chunk_size,
+                     eps=eps, decay_floor=decay_floor, read=read, initial_state=None, shift=shift)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is not None:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
+        if bounds[0] != 0 or bounds[-1] != T or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {T}, got {bounds}")
+        starts, ends = bounds[:-1], bounds[1:]
+    else:
+        starts, ends = [0], [T]
+    N = len(starts) if cu_seqlens is not None else B
+    if initial_state is not None and validate:
+        check_state(initial_state, spec, window=1, shift=shift, B=N, H=H, K=K, V=V)
+
+    out_dtype = v.dtype
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    last_key = None if initial_state is None or not shift else initial_state.last_key
+    x, valid = _shifted_keys(k, shift, last_key, starts)
+
+    eta, log_a = scalar_step_sizes(x, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor,
+                                   normalize=normalize, scale_ridge=scale_ridge)
+    S0 = None if initial_state is None else initial_state.S
+    scan = dict(read_after=read == "after", chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                output_final_state=output_final_state)
+    if spec.regression:  # rule 1: the residual is read at the gated state, kappa = eta exp(g)
+        kappa = eta if log_gate is None else eta * torch.exp(log_gate.float())
+        o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
+    else:
+        o, S_T = scalar_decay_chunk(q, x, v, eta, log_a, S0, **scan)
+    final = None
+    if output_final_state:
+        last = None
+        if shift:
+            last = k[0, [e - 1 for e in ends]] if cu_seqlens is not None else k[:, -1]
+        final = FalconState(rule=spec.name, window=1, shift=shift, S=S_T, last_key=last)
+    return o.to(out_dtype), final

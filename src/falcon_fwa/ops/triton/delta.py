@@ -1,0 +1,138 @@
+r"""Autograd function over the WY chunk kernels (Falcon-1).
+
+``delta_chunk(q, x, v, eta, kappa, log_a, S0, ...)`` computes, per head,
+``S_t = a_t S_{t-1} + x_t (eta_t v_t - kappa_t S_{t-1}^T x_t)^T`` with
+``a_t = exp(log_a_t)`` and reads ``o_t = S_t^T q_t`` (``read_after``) or
+``S_{t-1}^T q_t``. Falcon-1 is ``a = gamma exp(g)``, ``kappa = eta exp(g)``;
+gradients flow to ``q``, ``x``, ``v``, ``eta``, ``kappa``, ``log_a`` and ``S0``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from . import delta_kernels as wy
+from . import scalar_decay_kernels as sd
+from .chunk_index import ChunkLayout, chunk_layout
+from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, launch_config, layout_args
+
+__all__ = ["delta_chunk"]
+
+
+def _full_k(K: int, V: int) -> Tuple[int, int, int]:
+    """Kernels that hold the whole key dimension: ``BK >= K``, ``BV`` and warps."""
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(32, triton.next_power_of_2(V), 4096 // BK))
+    return BK, BV, 4 if BK <= 128 else 8
+
+
+def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BT, prec, meta = layout.BT, dot_precision(q.dtype), layout_args(layout)
+    A = q.new_empty(B, T, H, BT, dtype=torch.float32)
+    U, W = torch.empty_like(v), torch.empty_like(x)
+    c = launch_config("dv_bwd", K, V)
+    wy.wy_fwd[(layout.num_chunks, H)](
+        x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BK=c["BK"],
+        BV=c["BV"], PRECISION=prec, num_warps=4, **meta)
+    h = q.new_empty(layout.num_chunks, H, K, V)
+    D = torch.empty_like(v)
+    S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
+    BK, BV, warps = _full_k(K, V)
+    wy.state_fwd[(triton.cdiv(V, BV), layout.N * H)](
+        x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
+        STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, **meta)
+    o = torch.empty_like(v)
+    c = launch_config("output_fwd", K, V)
+    sd.output_fwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+        q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
+    return o, A, W, h, D, S_T
+
+
+def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: ChunkLayout, read_after: bool):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    prec, meta = dot_precision(q.dtype), layout_args(layout)
+    dD_local = torch.empty_like(v, dtype=torch.float32)
+    c = launch_config("dv_bwd", K, V)
+    sd.dv_bwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+        q, x, do, None, log_a, None, dD_local, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta)
+    dD = torch.empty_like(dD_local)
+    dh = q.new_empty(layout.num_chunks, H, K, V)
+    dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
+    BK, BV, warps = _full_k(K, V)
+    wy.state_bwd[(triton.cdiv(V, BV), layout.N * H)](
+        q, x, W, do, log_a, dD_local, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
+        HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
+        num_warps=warps, **meta)
+    dq, dx = torch.empty_like(q), torch.empty_like(x)
+    rows = B * T
+    c = launch_config("dqk_bwd", K, V)
+    NK = triton.cdiv(K, c["BK"])
+    parts = q.new_empty(3, NK, rows, H, dtype=torch.float32)
+    sd.dqk_bwd[(NK, layout.num_chunks, H)](
+        q, x, D, do, None, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],
+        chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
+    dv = torch.empty_like(v)
+    dkappa = torch.empty_like(kappa)
+    extra = q.new_empty(3, rows, H, dtype=torch.float32)
+    wy.wy_bwd[(layout.num_chunks, H)](
+        x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, chunk_indices=layout.chunk_indices, n_rows=rows,
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, num_warps=8, **meta)
+    deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
+    sd.dlog_bwd[(layout.num_chunks, H)](
+        parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
+        H=H, NK=NK, HAS_ETA=False, HAS_EXTRA=True, **meta)
+    return dq, dx, dv, deta, dkappa, dlog_a, dS0
+
+
+class _DeltaChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final):
+        B, T = q.shape[:2]
+        layout = chunk_layout(B, T, chunk_size, cu_seqlens)
+        o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final)
+        ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
+        ctx.layout, ctx.read_after = layout, read_after
+        return o, S_T
+
+    @staticmethod
+    def backward(ctx, do, dS_T):
+        q, x, v, eta, kappa, log_a, S0, A, W, h, D = ctx.saved_tensors
+        grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
+                          None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after)
+        return (*grads, None, None, None, None)
+
+
+def delta_chunk(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    kappa: torch.Tensor,
+    log_a: torch.Tensor,
+    S0: Optional[torch.Tensor],
+    *,
+    read_after: bool,
+    chunk_size: int = 64,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunk-parallel regression (delta) scan with scalar step sizes.
+
+    ``q``, ``x`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` of one dtype; ``eta``,
+    ``kappa``, ``log_a`` ``[B, T, H]`` fp32; ``S0`` ``[N, H, K, V]`` fp32 or ``None``.
+    Returns ``o`` ``[B, T, H, V]`` and the final states ``[N, H, K, V]`` fp32 (or ``None``).
+    """
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
+    q, x, v = (t.contiguous() for t in (q, x, v))
+    eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
+    S0 = None if S0 is None else S0.float().contiguous()
+    return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state)

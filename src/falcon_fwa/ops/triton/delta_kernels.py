@@ -1,0 +1,232 @@
+r"""Triton kernels of the chunk form of the regression rule with a scalar step (Falcon-1).
+
+Per chunk, with chunk-local prefixes ``u`` (inclusive) and ``w`` (exclusive) of
+``log_a``, the write vectors ``D`` of the entry state ``h`` solve one unit
+lower-triangular system (the WY form)::
+
+    L = I + N,   N[p, r] = kappa_p exp(w_p - u_r) (x_p . x_r)   (r < p)
+    A = L^{-1},  U = A (eta * Y),  W = A (kappa exp(w) * X),     D = U - W h
+
+after which outputs and the exit state are those of the scalar-decay kernels with
+key ``x`` and values ``D``::
+
+    o_t    = exp(uq_t) q_t^T h + sum_{s in M(t)} exp(uq_t - u_s) (q_t . x_s) D_s
+    h_next = exp(u_C) h + sum_s exp(u_C - u_s) x_s D_s^T
+
+Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk; ``A`` by forward
+substitution on the ``BT x BT`` tile), ``state_fwd`` (sequential: entry states and
+``D``), ``state_bwd`` (reverse: ``dD = dD_local + exp(u_C - u) X dh`` and
+``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
+(through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``).
+Every transposed operand is loaded or computed as such, never ``tl.trans`` of a
+product.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _sequence
+
+
+@triton.jit
+def wy_fwd(
+    x, v, eta, kappa, log_a, A, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(num_chunks, H)``: ``A`` ``[rows, H, BT]`` fp32, ``U`` ``[rows, H, V]``, ``W`` ``[rows, H, K]``."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = tl.arange(0, BT)
+    u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
+    ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_g = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        b_g += tl.dot(b_x, b_xt, input_precision=PRECISION)
+    strict = o_c[None, :] < o_c[:, None]
+    b_n = tl.where(strict, ka[:, None] * tl.exp(tl.where(strict, w[:, None] - u[None, :], float("-inf"))) * b_g, 0.0)
+    # A = (I + N)^{-1} by forward substitution: row i = e_i - sum_{j < i} N[i, j] A[j, :]
+    b_a = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        n_i = tl.sum(tl.where(o_c[:, None] == i, b_n, 0.0), axis=0)
+        a_i = tl.sum(n_i[:, None] * b_a, axis=0)
+        b_a = tl.where(o_c[:, None] == i, b_a - a_i[None, :], b_a)
+    tl.store(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_a, mask=m_t[:, None])
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m = m_t[:, None] & (o_v[None, :] < V)
+        b_y = tl.load(v + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_a, b_y * et[:, None], input_precision=PRECISION)
+        tl.store(U + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m)
+    kw = ka * tl.exp(w)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m = m_t[:, None] & (o_k[None, :] < K)
+        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_w = tl.dot(b_a, b_x * kw[:, None], input_precision=PRECISION)
+        tl.store(W + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def state_fwd(
+    x, U, W, log_a, h, D, s0, s_final, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K`` (the whole key dimension):
+    entry states into ``h`` and ``D = U - W h`` into ``D``, chunk after chunk."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_S0:
+        b_h += tl.load(s0 + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0)
+    for i_t in range(tl.cdiv(T_n, BT)):
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_off, b_h.to(h.dtype.element_ty), mask=m_kv)
+        u, _w, u_last, _et, m_t = _log_prefixes(log_a, log_a, bos, i_t, i_h, T_n, H, BT, True, False)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(W + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_u = tl.load(U + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_d = (b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PRECISION)).to(b_w.dtype)
+        tl.store(D + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_d.to(D.dtype.element_ty), mask=m_tv)
+        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        b_xt = (b_xt * tl.exp(u_last - u)[None, :]).to(b_w.dtype)
+        b_h = b_h * tl.exp(u_last) + tl.dot(b_xt, b_d, input_precision=PRECISION)
+    if STORE_FINAL:
+        tl.store(s_final + i_nh.to(tl.int64) * K * V + state_off, b_h, mask=m_kv)
+
+
+@triton.jit
+def state_bwd(
+    q, x, W, do, log_a, dD_local, dD, dh, ds_final, ds0, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks, the
+    gradient of every exit state into ``dh`` and the full ``dD`` (fp32)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DS_FINAL:
+        b_dh += tl.load(ds_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0)
+    for j in range(tl.cdiv(T_n, BT)):
+        i_t = tl.cdiv(T_n, BT) - 1 - j
+        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_off, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        u, uq, u_last, _et, m_t = _log_prefixes(log_a, log_a, bos, i_t, i_h, T_n, H, BT, READ_AFTER, False)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_do = tl.load(do + rows_v, mask=m_tv, other=0.0)
+        b_x = (b_x * tl.exp(u_last - u)[:, None]).to(b_do.dtype)
+        b_dd = tl.load(dD_local + rows_v, mask=m_tv, other=0.0) + tl.dot(b_x, b_dh.to(b_do.dtype), input_precision=PRECISION)
+        tl.store(dD + rows_v, b_dd, mask=m_tv)
+        b_qt = tl.load(q + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        b_wt = tl.load(W + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        b_qt = (b_qt * tl.exp(uq)[None, :]).to(b_do.dtype)
+        b_dh = (b_dh * tl.exp(u_last) + tl.dot(b_qt, b_do, input_precision=PRECISION)
+                - tl.dot(b_wt, b_dd.to(b_do.dtype), input_precision=PRECISION))
+    if STORE_DS0:
+        tl.store(ds0 + i_nh.to(tl.int64) * K * V + state_off, b_dh, mask=m_kv)
+
+
+@triton.jit
+def wy_bwd(
+    x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(num_chunks, H)`` with ``BK >= K``: gradients through ``D = U - W h``,
+    ``U = A (eta Y)``, ``W = A (kappa exp(w) X)`` and ``A = (I + N)^{-1}``. Writes ``dv``,
+    ``dkappa``, adds into ``dx`` and writes ``extra = [deta, du, dw]`` ``[3, rows, H]``."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
+    ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    kw = ka * tl.exp(w)
+    b_a = tl.load(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
+    b_at = tl.load(A + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0)
+    state = ((boh + i_t) * H + i_h) * K * V
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)   # dA
+    b_dat = tl.zeros([BT, BT], dtype=tl.float32)  # dA^T
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dW = -dD h^T
+    b_dwt = tl.zeros([BK, BT], dtype=tl.float32)  # dW^T
+    d_eta = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        rows_vt = ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None]
+        b_dd = tl.load(dD + rows_v, mask=m_tv, other=0.0)
+        b_ddt = tl.load(dD + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0)
+        b_y = tl.load(v + rows_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_yt = tl.load(v + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0).to(tl.float32)
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0).to(tl.float32)
+        b_da += tl.dot(b_dd, b_yt, input_precision=PRECISION) * et[None, :]
+        b_dat += tl.dot(b_y, b_ddt, input_precision=PRECISION) * et[:, None]
+        b_atdu = tl.dot(b_at, b_dd, input_precision=PRECISION)  # A^T dU
+        tl.store(dv + rows_v, (b_atdu * et[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        d_eta += tl.sum(b_y * b_atdu, axis=1)
+        b_dw -= tl.dot(b_dd, b_ht, input_precision=PRECISION)
+        b_dwt -= tl.dot(b_h, b_ddt, input_precision=PRECISION)
+    rows_k = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_x = tl.load(x + rows_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None],
+                   other=0.0).to(tl.float32)
+    b_da += tl.dot(b_dw, b_xt, input_precision=PRECISION) * kw[None, :]
+    b_dat += tl.dot(b_x, b_dwt, input_precision=PRECISION) * kw[:, None]
+    b_atdw = tl.dot(b_at, b_dw, input_precision=PRECISION)  # A^T dW
+    b_dx = b_atdw * kw[:, None]
+    d_kw = tl.sum(b_x * b_atdw, axis=1)
+    d_kappa = d_kw * tl.exp(w)
+    d_w = d_kw * kw
+    # dL = -A^T dA A^T and its transpose -A dA^T A, restricted to the strict lower triangle
+    b_dl = -tl.dot(tl.dot(b_at, b_da, input_precision=PRECISION), b_at, input_precision=PRECISION)
+    b_dlt = -tl.dot(tl.dot(b_a, b_dat, input_precision=PRECISION), b_a, input_precision=PRECISION)
+    b_g = tl.dot(b_x, b_xt, input_precision=PRECISION)
+    strict = o_c[None, :] < o_c[:, None]   # [p, r]: r < p
+    strict_t = o_c[:, None] < o_c[None, :]  # [r, p]: r < p
+    dec = tl.exp(tl.where(strict, w[:, None] - u[None, :], float("-inf")))      # [p, r]
+    dec_t = tl.exp(tl.where(strict_t, w[None, :] - u[:, None], float("-inf")))  # [r, p]
+    b_dn = tl.where(strict, b_dl, 0.0)
+    d_kappa += tl.sum(b_dn * dec * b_g, axis=1)
+    b_dnn = b_dn * dec * b_g * ka[:, None]  # dN * N
+    d_w += tl.sum(b_dnn, axis=1)
+    d_u = -tl.sum(b_dnn, axis=0)
+    b_dg = b_dn * dec * ka[:, None] + tl.where(strict_t, b_dlt, 0.0) * dec_t * ka[None, :]  # dG + dG^T
+    b_dx += tl.dot(b_dg, b_x, input_precision=PRECISION)
+    b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)
+    row = (bos + o_t) * H + i_h
+    tl.store(dkappa + row, d_kappa, mask=m_t)
+    tl.store(extra + row, d_eta, mask=m_t)
+    tl.store(extra + n_rows * H + row, d_u, mask=m_t)
+    tl.store(extra + 2 * n_rows * H + row, d_w, mask=m_t)

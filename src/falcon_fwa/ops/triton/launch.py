@@ -1,0 +1,39 @@
+"""Launch settings shared by the chunk kernels: chunk sizes, dot precision, block
+sizes and warps per kernel, and the layout arguments every chunk kernel takes."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .chunk_index import ChunkLayout
+
+__all__ = ["SUPPORTED_CHUNK_SIZES", "LAUNCH", "dot_precision", "launch_config", "layout_args"]
+
+SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
+
+# Per kernel: key/value block sizes (capped by the head dims), warps, pipeline stages.
+LAUNCH = {
+    "state_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "output_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "state_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "dv_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "dqk_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+}
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products; 16-bit inputs use the tensor cores (fp32 accumulation)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_config(name: str, K: int, V: int) -> dict:
+    """``LAUNCH[name]`` with the block sizes capped by the head dims."""
+    c = dict(LAUNCH[name])
+    c["BK"] = min(c["BK"], max(16, triton.next_power_of_2(K)))
+    c["BV"] = min(c["BV"], max(16, triton.next_power_of_2(V)))
+    return c
+
+
+def layout_args(layout: ChunkLayout) -> dict:
+    return dict(cu_seqlens=layout.cu_seqlens, chunk_offsets=layout.chunk_offsets, T=layout.T,
+                BT=layout.BT, IS_VARLEN=layout.varlen)

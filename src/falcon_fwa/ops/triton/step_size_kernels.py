@@ -1,0 +1,116 @@
+r"""Fused step sizes of the scalar, non-sliding rules (1, 1A), one program per
+block of ``(b, t, h)`` rows: the kernel counterpart of ``ops.step_sizes``.
+
+Per row, with the write feature ``x`` (``K`` values), ``E = ||x||^2`` and
+``lambda = lam`` (``lam * E`` with ``scale_ridge``)::
+
+    eta   = beta / (E + lambda + eps)    (0 at an invalid pair or a vanishing denominator;
+                                          eta = beta without normalize)
+    alpha = min(eta * lambda, 1 - decay_floor)
+    log_a = log1p(-alpha) + g            (g = log_gate, or 0)
+
+``step_fwd`` writes ``eta`` and ``log_a``; ``step_bwd`` maps their gradients to
+``beta``, ``lam``, ``log_gate`` and ``x`` (``dx = 2 x dE``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) accurate for small |x|: log(u) * x / (u - 1) with u = 1 + x rounded.
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _energy(x, rows, m_r, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    E = tl.zeros([BR], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K), other=0.0)
+        b_x = b_x.to(tl.float32)
+        E += tl.sum(b_x * b_x, axis=1)
+    return E
+
+
+@triton.jit
+def _forward_terms(x, valid, beta, lam, rows, m_r, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   BR: tl.constexpr, eps, decay_floor, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr):
+    E = _energy(x, rows, m_r, K, BK, BR)
+    ok = (tl.load(valid + rows // H, mask=m_r, other=0) != 0) & m_r
+    b_beta = tl.load(beta + rows, mask=m_r, other=0.0).to(tl.float32)
+    b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
+    if SCALE_RIDGE:
+        lam_eff = b_lam * E
+    else:
+        lam_eff = b_lam
+    denom = E + lam_eff + eps
+    if NORMALIZE:
+        ok = ok & (denom > 0)
+        eta = tl.where(ok, b_beta / tl.where(ok, denom, 1.0), 0.0)
+    else:
+        eta = tl.where(ok, b_beta, 0.0)
+    alpha_raw = eta * lam_eff
+    return E, ok, b_beta, b_lam, lam_eff, denom, eta, alpha_raw
+
+
+@triton.jit
+def step_fwd(
+    x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR),)`` over the ``n = B*T*H`` rows."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    E, ok, b_beta, b_lam, lam_eff, denom, b_eta, alpha_raw = _forward_terms(
+        x, valid, beta, lam, rows, m_r, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE)
+    alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
+    la = _log1p(-alpha)
+    if HAS_GATE:
+        la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)
+    tl.store(eta + rows, b_eta, mask=m_r)
+    tl.store(log_a + rows, la, mask=m_r)
+
+
+@triton.jit
+def step_bwd(
+    x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, n, eps, decay_floor,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR),)``; the gate's gradient is ``d_log_a`` itself."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    E, ok, b_beta, b_lam, lam_eff, denom, b_eta, alpha_raw = _forward_terms(
+        x, valid, beta, lam, rows, m_r, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE)
+    g_eta = tl.load(d_eta + rows, mask=m_r, other=0.0)
+    g_la = tl.load(d_log_a + rows, mask=m_r, other=0.0)
+    alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
+    g_alpha = tl.where(alpha_raw <= 1.0 - decay_floor, -g_la / (1.0 - alpha), 0.0)
+    g_eta += g_alpha * lam_eff
+    g_lam_eff = g_alpha * b_eta
+    g_E = tl.zeros([BR], dtype=tl.float32)
+    if NORMALIZE:
+        safe = tl.where(ok, denom, 1.0)
+        g_beta = tl.where(ok, g_eta / safe, 0.0)
+        g_denom = tl.where(ok, -g_eta * b_eta / safe, 0.0)
+        g_E += g_denom
+        g_lam_eff += g_denom
+    else:
+        g_beta = tl.where(ok, g_eta, 0.0)
+    if SCALE_RIDGE:
+        g_lam = g_lam_eff * E
+        g_E += g_lam_eff * b_lam
+    else:
+        g_lam = g_lam_eff
+    tl.store(d_beta + rows, g_beta, mask=m_r)
+    tl.store(d_lam + rows, g_lam, mask=m_r)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m = m_r[:, None] & (o_k[None, :] < K)
+        b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(dx + rows[:, None] * K + o_k[None, :], (2.0 * b_x * g_E[:, None]).to(dx.dtype.element_ty), mask=m)

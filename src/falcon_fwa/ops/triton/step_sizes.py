@@ -1,0 +1,70 @@
+"""Autograd function over the fused step-size kernels (scalar, non-sliding rules)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from . import step_size_kernels as kern
+
+__all__ = ["scalar_step_sizes"]
+
+_BR = 64  # rows per program
+
+
+def _launch(x, K):
+    return dict(H=x.shape[2], K=K, BK=min(64, max(16, triton.next_power_of_2(K))), BR=_BR)
+
+
+class _ScalarStepSizes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge):
+        n, K = beta.numel(), x.shape[-1]
+        eta = torch.empty(beta.shape, dtype=torch.float32, device=x.device)
+        log_a = torch.empty_like(eta)
+        kern.step_fwd[(triton.cdiv(n, _BR),)](
+            x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor, NORMALIZE=normalize,
+            SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, **_launch(x, K))
+        ctx.save_for_backward(x, valid, beta, lam)
+        gate_dtype = None if log_gate is None else log_gate.dtype
+        ctx.options = (eps, decay_floor, normalize, scale_ridge, gate_dtype)
+        return eta, log_a
+
+    @staticmethod
+    def backward(ctx, d_eta, d_log_a):
+        x, valid, beta, lam = ctx.saved_tensors
+        eps, decay_floor, normalize, scale_ridge, gate_dtype = ctx.options
+        n, K = beta.numel(), x.shape[-1]
+        d_eta = torch.zeros(beta.shape, device=x.device) if d_eta is None else d_eta.float().contiguous()
+        d_log_a = torch.zeros(beta.shape, device=x.device) if d_log_a is None else d_log_a.float().contiguous()
+        dx = torch.empty_like(x)
+        d_beta = torch.empty(beta.shape, dtype=torch.float32, device=x.device)
+        d_lam = torch.empty_like(d_beta)
+        kern.step_bwd[(triton.cdiv(n, _BR),)](
+            x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, n, eps, decay_floor,
+            NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, **_launch(x, K))
+        d_gate = None if gate_dtype is None else d_log_a.to(gate_dtype)
+        return dx, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype), d_gate, None, None, None, None
+
+
+def scalar_step_sizes(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    log_gate: Optional[torch.Tensor],
+    *,
+    eps: float,
+    decay_floor: float,
+    normalize: bool,
+    scale_ridge: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``eta`` and ``log_a = log gamma + log_gate`` ``[B, T, H]`` fp32 from the write
+    features ``x`` ``[B, T, H, K]``, pair validity ``valid`` ``[B, T]`` (bool),
+    ``beta``, ``lam`` and ``log_gate`` ``[B, T, H]`` (the equations of ``ops.step_sizes``
+    for the rules 1 and 1A)."""
+    x, beta, lam = x.contiguous(), beta.contiguous(), lam.contiguous()
+    log_gate = None if log_gate is None else log_gate.contiguous()
+    return _ScalarStepSizes.apply(x, valid.contiguous().view(torch.uint8), beta, lam, log_gate, float(eps),
+                                  float(decay_floor), bool(normalize), bool(scale_ridge))

@@ -1,0 +1,74 @@
+"""The fused decoding-step kernel against ``falcon_step`` in float64, token by token.
+
+Runs on the CPU through Triton's interpreter without CUDA, on the GPU with it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_triton_interpreter import FRESH_PROCESS_REASON, prepare_interpreter  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not prepare_interpreter(), reason=FRESH_PROCESS_REASON)
+pytest.importorskip("triton")
+
+from falcon_fwa import falcon_step  # noqa: E402
+from falcon_fwa.ops.triton import falcon_step_triton  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _sequence(B, T, H, K, V, dtype, seed, gate):
+    g = torch.Generator().manual_seed(seed)
+    t = dict(q=torch.randn(B, T, H, K, generator=g), k=torch.randn(B, T, H, K, generator=g) / K ** 0.5,
+             v=torch.randn(B, T, H, V, generator=g), beta=torch.rand(B, T, H, generator=g),
+             lam=torch.rand(B, T, H, generator=g) * 0.5,
+             log_gate=-torch.rand(B, T, H, generator=g) * 0.2 if gate else None)
+    return {n: None if x is None else x.to(DEVICE, dtype) for n, x in t.items()}
+
+
+def _decode(step, seq, T, **options):
+    state, outs = None, []
+    for t in range(T):
+        a = {n: None if x is None else x[:, t] for n, x in seq.items()}
+        o, state = step(a["q"], a["k"], a["v"], a["beta"], a["lam"], log_gate=a["log_gate"], state=state, **options)
+        outs.append(o)
+    return torch.stack(outs, 1), state
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("rule", ["1", "1A"])
+@pytest.mark.parametrize("shift,read,gate,normalize,scale_ridge", [
+    (True, "after", True, True, False), (False, "before", False, False, False), (True, "before", True, True, True)])
+def test_step_matches_reference(rule, shift, read, gate, normalize, scale_ridge):
+    B, T, H, K, V = 2, 6, 2, 16, 20
+    options = dict(rule=rule, shift=shift, read=read, normalize=normalize, scale_ridge=scale_ridge)
+    ours = _decode(falcon_step_triton, _sequence(B, T, H, K, V, torch.float32, 0, gate), T, **options)
+    ref = _decode(falcon_step, _sequence(B, T, H, K, V, torch.float64, 0, gate), T, **options)
+    assert _rel(ours[0], ref[0]) < 1e-5
+    assert _rel(ours[1].S, ref[1].S) < 1e-5
+    if shift:
+        assert torch.equal(ours[1].last_key.double(), ref[1].last_key)
+
+
+def test_step_refuses_what_it_does_not_cover():
+    q = torch.randn(1, 1, 16, device=DEVICE)
+    b = torch.rand(1, 1, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="rule"):
+        falcon_step_triton(q, q, q, b, b, state=None, rule="2")
+    with pytest.raises(NotImplementedError, match="gradients"):
+        falcon_step_triton(q.requires_grad_(), q, q, b, b, state=None)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rule", ["1", "1A"])
+def test_step_cuda_bf16_head_dim_128(rule):
+    B, T, H, K, V = 4, 32, 6, 128, 128
+    ours = _decode(falcon_step_triton, _sequence(B, T, H, K, V, torch.bfloat16, 1, True), T, rule=rule)
+    seq64 = {n: None if x is None else x.double() for n, x in _sequence(B, T, H, K, V, torch.bfloat16, 1, True).items()}
+    ref = _decode(falcon_step, seq64, T, rule=rule)
+    assert _rel(ours[0], ref[0]) < 1e-2
+    assert _rel(ours[1].S, ref[1].S) < 1e-3

@@ -13,6 +13,12 @@ from typing import List, Optional
 COMMANDS = {
     "demo": ("falcon_fwa.demo", "check the three forms of every rule on random inputs and time them"),
     "params": ("falcon_fwa.models.cli", "parameter counts of the model presets"),
+    "data": ("falcon_fwa.data.cli", "tokenize a corpus once into memory-mapped token shards"),
+    "train": ("falcon_fwa.train.cli", "train a language model from a recipe (torchrun for DDP/FSDP2)"),
+    "compare": ("falcon_fwa.train.compare", "train several recipes on the same tokens and tabulate them"),
+    "throughput": ("falcon_fwa.train.throughput", "training tokens/s and peak memory of model presets"),
+    "ppl": ("falcon_fwa.eval.ppl_cli", "perplexity of a saved model over held-out files, by position bucket"),
+    "lm-eval": ("falcon_fwa.eval.lm_eval_cli", "lm-evaluation-harness tasks on a saved model folder"),
 }
 
 

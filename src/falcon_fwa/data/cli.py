@@ -1,0 +1,32 @@
+"""``falcon-fwa data --train SOURCE [--val SOURCE] --tokenizer byte --out DIR``: tokenize a corpus
+once into memory-mapped token shards (``DIR/train``, ``DIR/val``, ``DIR/tokenizer``). Training
+recipes do this themselves on first use; this command does it ahead (e.g. once for many runs)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .prepare import DataSpec, prepare_dataset
+from .sources import TEXT_SPLITS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--train", required=True, help="files/folder/glob of .txt/.jsonl/.parquet, or hf:NAME[:CONFIG]")
+    parser.add_argument("--val", default=None, help="held-out source (default: every --val-every-th document)")
+    parser.add_argument("--tokenizer", default="byte", help="byte | bpe:<vocab_size> | tokenizer folder | Hub name")
+    parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS)
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--val-every", type=int, default=20)
+    parser.add_argument("--max-documents", type=int, default=None)
+    parser.add_argument("--bpe-documents", type=int, default=100_000)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--overwrite", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = DataSpec(train_source=args.train, val_source=args.val, tokenizer=args.tokenizer, text_split=args.text_split,
+                    text_field=args.text_field, val_every=args.val_every, max_documents=args.max_documents,
+                    bpe_documents=args.bpe_documents)
+    record = prepare_dataset(spec, args.out, overwrite=args.overwrite)
+    print(json.dumps(record, indent=1))
+    return 0

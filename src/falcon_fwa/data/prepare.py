@@ -1,0 +1,86 @@
+"""Tokenize a corpus once: ``{out_dir}/tokenizer/``, ``{out_dir}/train/``, ``{out_dir}/val/``.
+
+``prepared.json`` records the settings; preparing again with the same settings reuses the
+folder, with different settings it is an error (pass ``overwrite=True`` to rebuild).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .shards import TokenShards, write_token_shards
+from .sources import iter_documents
+from .tokenizer import load_tokenizer
+
+
+@dataclass
+class DataSpec:
+    """Where the documents come from and how they become tokens.
+
+    train_source / val_source: see ``sources.iter_documents``. Without ``val_source`` every
+    ``val_every``-th training document is held out. tokenizer: ``"byte"``, ``"bpe:<vocab>"``
+    or a tokenizer folder. bpe_documents: how many training documents train the BPE.
+    """
+    train_source: str
+    val_source: Optional[str] = None
+    tokenizer: str = "byte"
+    text_split: str = "file"
+    text_field: str = "text"
+    val_every: int = 20
+    max_documents: Optional[int] = None
+    bpe_documents: int = 100_000
+
+
+def _docs(spec: DataSpec, which: str):
+    if which == "val" and spec.val_source is not None:
+        return iter_documents(spec.val_source, text_split=spec.text_split, text_field=spec.text_field,
+                              split="validation", max_documents=spec.max_documents)
+    docs = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,
+                          split="train", max_documents=spec.max_documents)
+    if spec.val_source is not None:
+        return docs
+    held_out = lambda i: i % spec.val_every == spec.val_every - 1  # noqa: E731
+    return (d for i, d in enumerate(docs) if held_out(i) == (which == "val"))
+
+
+def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) -> dict:
+    """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts."""
+    record_path = os.path.join(out_dir, "prepared.json")
+    wanted = asdict(spec)
+    if os.path.isfile(record_path) and not overwrite:
+        with open(record_path) as f:
+            record = json.load(f)
+        if record["spec"] != wanted:
+            raise ValueError(f"data folder {out_dir!r} was prepared with other settings {record['spec']}; "
+                             f"choose another data.out_dir or overwrite")
+        return record
+    if spec.val_every < 2:
+        raise ValueError(f"data.val_every must be >= 2, got {spec.val_every}")
+    os.makedirs(out_dir, exist_ok=True)
+    texts = None
+    if spec.tokenizer.startswith("bpe:"):
+        texts = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,
+                               max_documents=spec.bpe_documents)
+    tokenizer = load_tokenizer(spec.tokenizer, texts=texts)
+    tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
+    counts = {}
+    for which in ("train", "val"):
+        try:
+            meta = write_token_shards(_docs(spec, which), tokenizer, os.path.join(out_dir, which),
+                                      desc=f"tokenize {which}")
+        except ValueError as err:
+            raise ValueError(f"{err}: the {which} split is empty; set data.val_source, or a data.text_split "
+                             f"that yields more documents than data.val_every") from None
+        counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
+    record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts}
+    tmp = record_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, record_path)
+    return record
+
+
+def open_split(out_dir: str, which: str) -> TokenShards:
+    return TokenShards(os.path.join(out_dir, which))

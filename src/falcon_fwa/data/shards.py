@@ -1,0 +1,136 @@
+"""Memory-mapped token shards with document boundaries.
+
+A shard folder holds ``meta.json`` and, per shard ``i``, ``tokens-{i:05d}.bin`` (raw uint16 when
+the vocabulary fits, else uint32) and ``docs-{i:05d}.npy`` (int64 start offset of every document
+in that shard). Every document is stored as ``[eos] + tokens``: the end-of-text token opens each
+document, so the last position of a document predicts end-of-text and no target ever crosses a
+document boundary once sequences are cut there (``cu_seqlens`` packing).
+
+The folder is written under a temporary name and renamed when complete: an interrupted
+preparation never leaves a folder that looks finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Iterable, List
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .tokenizer import encode_documents, is_byte_tokenizer
+
+
+def token_dtype(vocab_size: int):
+    """uint16 when every id fits in 16 bits, else uint32."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+class _ShardWriter:
+    def __init__(self, folder: str, dtype, shard_tokens: int):
+        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.shards: List[dict] = []
+        self._open()
+
+    def _open(self):
+        i = len(self.shards)
+        self.name = f"tokens-{i:05d}.bin"
+        self.file = open(os.path.join(self.folder, self.name), "wb")
+        self.n_tokens, self.starts = 0, []
+
+    def _close(self):
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        docs = f"docs-{len(self.shards):05d}.npy"
+        np.save(os.path.join(self.folder, docs), np.asarray(self.starts, dtype=np.int64))
+        self.shards.append({"tokens": self.name, "docs": docs, "n_tokens": self.n_tokens, "n_docs": len(self.starts)})
+
+    def add(self, ids: np.ndarray):
+        if self.n_tokens and self.n_tokens + len(ids) > self.shard_tokens:
+            self._close()
+            self._open()
+        self.starts.append(self.n_tokens)
+        self.file.write(ids.astype(self.dtype).tobytes())
+        self.n_tokens += len(ids)
+
+    def finish(self) -> List[dict]:
+        self._close()
+        return self.shards
+
+
+def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
+                       shard_tokens: int = 1 << 28, batch_documents: int = 64, desc: str = "tokenize") -> dict:
+    """Tokenize ``documents`` once into a shard folder at ``folder``; returns its metadata."""
+    eos = tokenizer.eos_token_id
+    vocab_size = len(tokenizer)
+    dtype = token_dtype(vocab_size)
+    tmp = folder.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    writer = _ShardWriter(tmp, dtype, shard_tokens)
+    byte_level = is_byte_tokenizer(tokenizer)
+    batch: List[str] = []
+    bar = tqdm(desc=desc, unit="doc")
+
+    def flush():
+        for ids in encode_documents(tokenizer, batch, byte_level=byte_level):
+            writer.add(np.concatenate([np.asarray([eos], dtype=np.int64), ids]))
+        bar.update(len(batch))
+        batch.clear()
+
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) >= batch_documents:
+            flush()
+    flush()
+    bar.close()
+    shards = writer.finish()
+    meta = {"format": "falcon-fwa-tokens-1", "vocab_size": vocab_size, "eos_token_id": eos,
+            "dtype": np.dtype(dtype).name, "n_tokens": sum(s["n_tokens"] for s in shards),
+            "n_docs": sum(s["n_docs"] for s in shards), "shards": shards}
+    if meta["n_docs"] == 0:
+        shutil.rmtree(tmp)
+        raise ValueError(f"no documents to write into {folder!r}")
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return meta
+
+
+@dataclass
+class Shard:
+    tokens: np.ndarray  # memory-mapped [n_tokens]
+    doc_starts: np.ndarray  # int64 [n_docs], ascending, doc_starts[0] == 0
+
+
+class TokenShards:
+    """Read-only view of a shard folder: ``shards[i].tokens`` (memmap) and ``.doc_starts``."""
+
+    def __init__(self, folder: str):
+        path = os.path.join(folder, "meta.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{folder!r} is no token shard folder (no meta.json)")
+        with open(path) as f:
+            self.meta = json.load(f)
+        self.folder = folder
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.eos_token_id = int(self.meta["eos_token_id"])
+        dtype = np.dtype(self.meta["dtype"])
+        self.shards = [Shard(np.memmap(os.path.join(folder, s["tokens"]), dtype=dtype, mode="r", shape=(s["n_tokens"],)),
+                             np.load(os.path.join(folder, s["docs"])))
+                       for s in self.meta["shards"]]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.meta["n_tokens"])
+
+    def documents(self):
+        """Yield every document's token array (end-of-text first), in order."""
+        for shard in self.shards:
+            ends = np.append(shard.doc_starts[1:], len(shard.tokens))
+            for a, b in zip(shard.doc_starts, ends):
+                yield np.asarray(shard.tokens[a:b])

@@ -1,0 +1,92 @@
+"""Document sources: plain text, JSONL and Parquet files, or a Hugging Face dataset.
+
+``iter_documents(source)`` yields one string per document. ``source`` is
+- a file or a folder (searched recursively) of ``.txt``/``.md``/``.rst``, ``.jsonl``/``.json`` and
+  ``.parquet`` files, or a glob pattern of such files;
+- ``hf:NAME`` or ``hf:NAME:CONFIG`` for ``datasets.load_dataset(NAME, CONFIG, split=..., streaming=True)``
+  (needs internet or a local cache).
+Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
+document), ``"line"`` (one per non-empty line) or ``"paragraph"`` (separated by blank lines).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import Iterator, List, Optional
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+TEXT_SPLITS = ("file", "line", "paragraph")
+
+
+def list_files(source: str) -> List[str]:
+    """The data files a path, folder or glob names, sorted (stable order = stable token stream)."""
+    if os.path.isdir(source):
+        files = [os.path.join(root, f) for root, _, names in os.walk(source) for f in names]
+    elif os.path.isfile(source):
+        files = [source]
+    else:
+        files = glob.glob(source, recursive=True)
+    suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+    files = sorted(f for f in files if f.endswith(suffixes))
+    if not files:
+        raise FileNotFoundError(f"data source {source!r} names no {'/'.join(suffixes)} files")
+    return files
+
+
+def _split_text(text: str, text_split: str) -> Iterator[str]:
+    if text_split == "file":
+        parts = [text]
+    elif text_split == "line":
+        parts = text.split("\n")
+    elif text_split == "paragraph":
+        parts = re.split(r"\n\s*\n", text)
+    else:
+        raise ValueError(f"text_split must be one of {TEXT_SPLITS}, got {text_split!r}")
+    for part in parts:
+        if part.strip():
+            yield part
+
+
+def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
+    if path.endswith(TEXT_SUFFIXES):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield from _split_text(f.read(), text_split)
+    elif path.endswith(JSON_SUFFIXES):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if text_field not in record:
+                    raise KeyError(f"{path}:{n}: record has no text_field {text_field!r} (keys: {sorted(record)})")
+                yield record[text_field]
+    else:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            raise KeyError(f"{path}: no column text_field {text_field!r} (columns: {pf.schema_arrow.names})")
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            yield from (t for t in batch.column(0).to_pylist() if t)
+
+
+def iter_documents(source: str, *, text_split: str = "file", text_field: str = "text",
+                   split: str = "train", max_documents: Optional[int] = None) -> Iterator[str]:
+    """Yield the documents of ``source`` (see the module docstring)."""
+    if text_split not in TEXT_SPLITS:
+        raise ValueError(f"text_split must be one of {TEXT_SPLITS}, got {text_split!r}")
+    if source.startswith("hf:"):
+        from datasets import load_dataset
+
+        name, _, config = source[3:].partition(":")
+        stream = (r[text_field] for r in load_dataset(name, config or None, split=split, streaming=True))
+    else:
+        stream = (doc for path in list_files(source) for doc in _iter_file(path, text_split, text_field))
+    for n, doc in enumerate(stream):
+        if max_documents is not None and n >= max_documents:
+            return
+        yield doc

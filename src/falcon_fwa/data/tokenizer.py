@@ -1,0 +1,111 @@
+"""Tokenizers: byte-level (default, needs no download), a Hugging Face tokenizer from a
+local folder, or a byte-level BPE trained on the corpus with the ``tokenizers`` library.
+
+Every tokenizer is a ``transformers.PreTrainedTokenizerFast`` so that it can be saved next
+to a model (``save_pretrained``) and loaded back by ``AutoTokenizer`` (lm-evaluation-harness).
+Each has an end-of-text token (``eos_token_id``) that the data pipeline puts at the start of
+every document as its separator.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def _bytes_to_unicode() -> dict:
+    """The reversible byte -> printable-character map of byte-level BPE (GPT-2's alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def _wrap(tok, model_max_length: int = 1 << 30):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=None,
+        pad_token=EOS_TOKEN, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+    )
+
+
+def byte_tokenizer():
+    """Byte-level tokenizer: token id == UTF-8 byte value (0..255), end-of-text = 256.
+
+    Built as a merge-free byte-level BPE so it round-trips through ``save_pretrained``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    b2u = _bytes_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS_TOKEN])
+    return _wrap(tok)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
+    """Train a byte-level BPE of ``vocab_size`` tokens (end-of-text included) on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size <= 257:
+        raise ValueError(f"tokenizer vocab_size must exceed 257 for BPE, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return _wrap(tok)
+
+
+def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
+    """``spec``: ``"byte"``, ``"bpe:<vocab_size>"`` (trained on ``texts``), a local folder
+    holding a Hugging Face tokenizer, or a Hub tokenizer name (online)."""
+    if spec == "byte":
+        return byte_tokenizer()
+    if spec.startswith("bpe:"):
+        if texts is None:
+            raise ValueError("tokenizer 'bpe:N' needs the corpus texts to train on")
+        return train_bpe_tokenizer(texts, int(spec.split(":", 1)[1]))
+    from transformers import AutoTokenizer
+
+    try:  # a local folder, or a Hugging Face Hub name when online
+        tok = AutoTokenizer.from_pretrained(spec, local_files_only=os.path.isdir(spec))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tokenizer must be 'byte', 'bpe:<vocab_size>', a local tokenizer folder or a Hub "
+                         f"name; loading {spec!r} failed: {err}") from None
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer {spec!r} defines no eos_token")
+    return tok
+
+
+def is_byte_tokenizer(tokenizer) -> bool:
+    """True when ``tokenizer`` maps text to its UTF-8 bytes with end-of-text 256 (the byte tokenizer)."""
+    probe = "\x00a \u00e9\n\u20ac~\x7f"
+    return (len(tokenizer) == 257 and tokenizer.eos_token_id == 256
+            and tokenizer(probe, add_special_tokens=False)["input_ids"] == list(probe.encode("utf-8")))
+
+
+def encode_documents(tokenizer, texts: list, *, byte_level: Optional[bool] = None) -> list:
+    """Token ids (numpy int64 arrays) of each text, without special tokens.
+
+    The byte tokenizer takes a direct path (UTF-8 bytes), identical to its slow path.
+    """
+    import numpy as np
+
+    if not texts:
+        return []
+    if byte_level is None:
+        byte_level = is_byte_tokenizer(tokenizer)
+    if byte_level:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
+    return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]

@@ -1,0 +1,36 @@
+"""lm-evaluation-harness on a saved model folder.
+
+Importing ``falcon_fwa.models`` registers ``model_type="falcon_fwa"`` with the Hugging Face
+Auto classes, so the harness's ``hf`` model (``HFLM``: loglikelihood, and ``generate`` with
+``use_cache=True`` on left-padded batches) loads the folder directly. ``falcon-fwa`` is also
+registered as a harness model name (the same ``HFLM``, with the registration guaranteed).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+
+def register() -> None:
+    """Register the model type with transformers and ``falcon-fwa`` with the harness."""
+    from lm_eval.api.registry import MODEL_REGISTRY, register_model
+    from lm_eval.models.huggingface import HFLM
+
+    from .. import models  # noqa: F401
+
+    if "falcon-fwa" not in MODEL_REGISTRY:
+        register_model("falcon-fwa")(type("FalconFWALM", (HFLM,), {"__doc__": "HFLM for falcon-fwa model folders."}))
+
+
+def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = None,
+             num_fewshot: Optional[int] = None, batch_size: int = 1, limit: Optional[float] = None,
+             device: str = "cpu", dtype: str = "float32", log_samples: bool = False) -> dict:
+    """Run ``tasks`` (names; local tasks from ``include_path``) on ``model_dir``; the harness's results dict."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    register()
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    return lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": model_dir, "dtype": dtype, "trust_remote_code": True},
+        tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, device=device,
+        task_manager=manager, log_samples=log_samples)

@@ -1,0 +1,41 @@
+"""``falcon-fwa lm-eval --model DIR --tasks piqa,hellaswag [--include-path TASK_DIR] [--num-fewshot 1]``:
+lm-evaluation-harness (its ``hf`` model: loglikelihood and cached, left-padded generation) on a
+saved model folder, with falcon-fwa's model type registered. Local tasks are YAML files in
+``--include-path`` (e.g. ``dataset_path: json`` with local ``data_files``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
+    parser.add_argument("--tasks", required=True, help="comma-separated task names")
+    parser.add_argument("--include-path", default=None, help="folder of extra task YAML files")
+    parser.add_argument("--num-fewshot", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--out", default=None, help="write the results JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from lm_eval.utils import make_table
+
+    from .harness import evaluate
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results = evaluate(args.model, [t for t in args.tasks.split(",") if t], include_path=args.include_path,
+                       num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=args.limit, device=device,
+                       dtype=args.dtype)
+    print(make_table(results))
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({k: results[k] for k in ("results", "versions", "n-shot", "config") if k in results}, f,
+                      indent=1, default=str)
+        os.replace(tmp, args.out)
+    return 0

@@ -1,0 +1,57 @@
+"""``falcon-fwa ppl --model DIR --data FILE_OR_SHARDS [...] --seq-len 4096 --train-len 1024``:
+perplexity over held-out data, overall and by position bucket."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .perplexity import bucket_report, default_edges, load_model, plot_buckets, position_nll, token_stream, windows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
+    parser.add_argument("--data", required=True, nargs="+", help="held-out text/JSONL/Parquet files or token shard folders")
+    parser.add_argument("--seq-len", type=int, default=1024, help="window length (may exceed the training length)")
+    parser.add_argument("--train-len", type=int, default=None, help="training length: buckets from here are marked")
+    parser.add_argument("--buckets", default=None, help="comma-separated bucket edges from 0 to seq-len (default powers of 2)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-windows", type=int, default=None)
+    parser.add_argument("--text-split", default="file", choices=["file", "line", "paragraph"])
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16 runs under autocast")
+    parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument("--plot", default=None, help="write the perplexity-by-position plot here (PNG)")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer = load_model(args.model, device=args.device)
+    tokens = token_stream(args.data, tokenizer, text_split=args.text_split, text_field=args.text_field,
+                          max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1)
+    rows = windows(tokens, args.seq_len, args.max_windows)
+    total, n = position_nll(model, rows, batch_size=args.batch_size, device=args.device, bf16=args.dtype == "bf16")
+    edges = [int(e) for e in args.buckets.split(",")] if args.buckets else default_edges(args.seq_len)
+    report = bucket_report(total, n, edges, train_len=args.train_len)
+    report["model"] = os.path.abspath(args.model)
+    report["data"] = args.data
+    print(f"perplexity {report['ppl']:.4f} (loss {report['loss']:.4f}) over {report['tokens']} tokens, "
+          f"{n} windows of {args.seq_len}")
+    print(f"{'positions':>16} {'tokens':>10} {'loss':>8} {'ppl':>10}")
+    for b in report["buckets"]:
+        mark = "  (beyond training length)" if b["beyond_train_len"] else ""
+        print(f"{b['start']:>7}-{b['end']:<8} {b['tokens']:>10} {b['loss']:>8.4f} {b['ppl']:>10.4f}{mark}")
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, args.out)
+    if args.plot:
+        plot_buckets(report, args.plot, label=os.path.basename(os.path.normpath(args.model)))
+    return 0

@@ -1,0 +1,111 @@
+"""Atomic training checkpoints.
+
+``{run_dir}/checkpoints/step-{step:08d}/`` holds ``state.pt`` (model, optimizer, scheduler
+step, data position, RNG states, config) and ``meta.json``. A checkpoint is written into
+``.tmp-step-*`` and renamed once every file is flushed to disk; ``LATEST`` is then replaced
+atomically. A save killed at any point therefore leaves the previous checkpoint (and
+``LATEST`` pointing at it) intact; the stale temporary folder is removed by the next save.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+
+LATEST = "LATEST"
+PREFIX = "step-"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 2) -> str:
+    """Write ``state`` as the checkpoint of ``step`` atomically; keep the newest ``keep``. Returns its path."""
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    for name in os.listdir(checkpoint_dir):
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+    name = f"{PREFIX}{step:08d}"
+    final = os.path.join(checkpoint_dir, name)
+    tmp = os.path.join(checkpoint_dir, f".tmp-{name}")
+    os.makedirs(tmp)
+    _write_file(os.path.join(tmp, "state.pt"), lambda f: torch.save(state, f))
+    meta = json.dumps({"step": step, "complete": True}).encode()
+    _write_file(os.path.join(tmp, "meta.json"), lambda f: f.write(meta))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(checkpoint_dir)
+    pointer = os.path.join(checkpoint_dir, f".tmp-{LATEST}")
+    _write_file(pointer, lambda f: f.write(name.encode()))
+    os.replace(pointer, os.path.join(checkpoint_dir, LATEST))
+    _fsync_dir(checkpoint_dir)
+    for old in list_checkpoints(checkpoint_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _complete(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return bool(json.load(f).get("complete")) and os.path.isfile(os.path.join(path, "state.pt"))
+    except (OSError, ValueError):
+        return False
+
+
+def list_checkpoints(checkpoint_dir: str) -> list:
+    """Complete checkpoints, oldest first."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    paths = [os.path.join(checkpoint_dir, n) for n in sorted(os.listdir(checkpoint_dir)) if n.startswith(PREFIX)]
+    return [p for p in paths if _complete(p)]
+
+
+def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
+    """The checkpoint ``LATEST`` names, else the newest complete one, else ``None``."""
+    pointer = os.path.join(checkpoint_dir, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(checkpoint_dir, f.read().strip())
+        if _complete(path):
+            return path
+    found = list_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str) -> dict:
+    if not _complete(path):
+        raise FileNotFoundError(f"{path!r} is no complete checkpoint")
+    return torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)

@@ -1,0 +1,197 @@
+"""Run configuration: a YAML or JSON recipe with the sections ``model``, ``data``, ``optim``,
+``train`` and ``log``. A recipe may start with ``extends: other.yaml`` (path relative to the
+file) and override any subset of it; ``--set section.field=value`` overrides from the command
+line. Unknown fields are errors that name the field.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..data.packing import PACKINGS
+
+STRATEGIES = ("auto", "single", "ddp", "fsdp2")
+DTYPES = ("bf16", "fp32")
+
+
+@dataclass
+class ModelSection:
+    """``preset``: a name of ``falcon_fwa.models.get_preset``; ``overrides``: config fields
+    changed on top of it (``vocab_size`` is taken from the tokenizer unless given)."""
+    preset: str = "tiny-falcon"
+    overrides: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataSection:
+    """Corpus (see ``falcon_fwa.data.DataSpec``), where its tokens go, row length and packing."""
+    train_source: str = ""
+    val_source: Optional[str] = None
+    tokenizer: str = "byte"
+    text_split: str = "file"
+    text_field: str = "text"
+    val_every: int = 20
+    max_documents: Optional[int] = None
+    bpe_documents: int = 100_000
+    out_dir: str = ""
+    seq_len: int = 1024
+    packing: str = "cu_seqlens"
+
+
+@dataclass
+class OptimSection:
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr`` (at ``train.steps``)."""
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 2000
+    min_lr_ratio: float = 0.1
+    clip_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainSection:
+    """``global_batch`` sequences per optimizer step = ``micro_batch`` x ranks x accumulation."""
+    steps: int = 100_000
+    global_batch: int = 480
+    micro_batch: int = 16
+    dtype: str = "bf16"
+    compile: bool = False
+    seed: int = 0
+    strategy: str = "auto"
+    out_dir: str = "runs/run"
+    resume: str = "auto"
+    save_every: int = 1000
+    keep_checkpoints: int = 2
+    eval_every: int = 1000
+    eval_batches: int = 20
+    export_model: bool = True
+    deterministic: bool = False
+
+
+@dataclass
+class LogSection:
+    every: int = 10
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "RunConfig":
+        d, o, t = self.data, self.optim, self.train
+        checks = [
+            (bool(d.train_source), "data.train_source", "must name the training documents"),
+            (d.seq_len >= 1, "data.seq_len", "must be >= 1"),
+            (d.packing in PACKINGS, "data.packing", f"must be one of {PACKINGS}"),
+            (o.lr > 0, "optim.lr", "must be > 0"),
+            (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)"),
+            (o.weight_decay >= 0, "optim.weight_decay", "must be >= 0"),
+            (o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0"),
+            (0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]"),
+            (o.clip_grad_norm >= 0, "optim.clip_grad_norm", "must be >= 0 (0 turns clipping off)"),
+            (t.steps >= 1, "train.steps", "must be >= 1"),
+            (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
+            (t.global_batch >= t.micro_batch, "train.global_batch", "must be >= train.micro_batch"),
+            (t.dtype in DTYPES, "train.dtype", f"must be one of {DTYPES}"),
+            (t.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}"),
+            (t.save_every >= 0 and t.eval_every >= 0, "train.save_every/eval_every", "must be >= 0 (0: never)"),
+            (t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"config field {name} {why}, got {_get(self, name.split('/')[0])!r}")
+        return self
+
+
+def _get(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides":
+            out[k] = _deep_merge(out[k], v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def read_recipe(path: str) -> dict:
+    """The raw dict of a recipe file, with ``extends`` chains resolved."""
+    with open(path) as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            raw = yaml.safe_load(f) or {}
+        else:
+            raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"recipe {path!r} must hold a mapping of sections")
+    parent = raw.pop("extends", None)
+    if parent:
+        return _deep_merge(read_recipe(os.path.join(os.path.dirname(path), parent)), raw)
+    return raw
+
+
+def _parse_value(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def apply_overrides(raw: dict, assignments: List[str]) -> dict:
+    """``["train.steps=10", "model.overrides.hidden_size=64"]`` applied onto a raw recipe dict."""
+    raw = copy.deepcopy(raw)
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects section.field=value, got {item!r}")
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    kwargs = {}
+    for name, value in raw.items():
+        if name not in sections:
+            raise ValueError(f"unknown config section {name!r}; sections are {sorted(sections)}")
+        cls = {"model": ModelSection, "data": DataSection, "optim": OptimSection, "train": TrainSection,
+               "log": LogSection}[name]
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in value or {}:
+            if key not in known:
+                raise ValueError(f"unknown config field {name}.{key}; fields of {name!r} are {sorted(known)}")
+        kwargs[name] = cls(**(value or {}))
+    return RunConfig(**kwargs).validate()
+
+
+def load_config(path: str, overrides: Optional[List[str]] = None) -> RunConfig:
+    """Read, extend, override and validate a recipe file."""
+    return config_from_dict(apply_overrides(read_recipe(path), overrides or []))

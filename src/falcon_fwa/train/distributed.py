@@ -1,0 +1,103 @@
+"""Process group setup and model wrapping for ``torchrun``: DDP or FSDP2 (``fully_shard``).
+
+One code path for one process, many GPUs or nodes, and CPU (gloo backend). Strategy
+``"auto"`` is DDP when more than one process runs, else single.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    strategy: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(strategy: str = "auto") -> DistInfo:
+    """Join the process group that ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if strategy == "auto":
+        strategy = "ddp" if world > 1 else "single"
+    if strategy == "single" and world > 1:
+        raise ValueError(f"train.strategy 'single' cannot run with {world} processes; use 'ddp' or 'fsdp2'")
+    return DistInfo(rank, world, local_rank, device, strategy)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _blocks(model: nn.Module):
+    """The repeated blocks: the elements of the model's largest ``nn.ModuleList``."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len) if lists else []
+
+
+def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
+    """DDP: replicate and all-reduce gradients. FSDP2: shard every block, then the root."""
+    if info.strategy == "single":
+        return model
+    if info.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.local_rank] if info.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    if info.strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in _blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    raise ValueError(f"train.strategy must be 'single', 'ddp' or 'fsdp2', got {info.strategy!r}")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") and not hasattr(model, "config") else model
+
+
+def set_grad_sync(model: nn.Module, info: DistInfo, sync: bool):
+    """Gradient synchronisation on (last micro-step) or off (accumulating) for DDP/FSDP2."""
+    import contextlib
+
+    if info.strategy == "ddp" and not sync:
+        return model.no_sync()
+    if info.strategy == "fsdp2":
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= info.world_size
+    return value
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        dist.barrier()

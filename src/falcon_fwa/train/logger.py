@@ -1,0 +1,54 @@
+"""Metrics to a JSONL file, TensorBoard (when installed) and Weights & Biases (optional); main rank only."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+
+class MetricLogger:
+    def __init__(self, out_dir: str, *, enabled: bool, tensorboard: bool, wandb_project: Optional[str],
+                 config: dict):
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self.file = open(os.path.join(out_dir, "log.jsonl"), "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            except ImportError:
+                print("log.tensorboard: the tensorboard package is not installed; logging to JSONL only")
+        if wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=out_dir, resume="allow")
+
+    def log(self, step: int, **metrics) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                if self.tb is not None:
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_log(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,41 @@
+"""Build the language model of a recipe and its optimizer parameter groups."""
+from __future__ import annotations
+
+from typing import List
+
+from torch import nn
+
+from .config import ModelSection
+
+
+def build_model(section: ModelSection, *, vocab_size: int, eos_token_id: int) -> nn.Module:
+    """``FalconForCausalLM`` from ``get_preset(section.preset, **overrides)``. Unless the
+    overrides set ``vocab_size``, a preset vocabulary smaller than the tokenizer's grows to the
+    tokenizer's rounded up to a multiple of 64 (a larger one is kept: padding rows)."""
+    from ..models import FalconForCausalLM, get_preset
+
+    overrides = dict(section.overrides)
+    if "vocab_size" not in overrides and get_preset(section.preset).vocab_size < vocab_size:
+        overrides["vocab_size"] = 64 * -(-vocab_size // 64)
+    config = get_preset(section.preset, eos_token_id=eos_token_id, **overrides)
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"config field model.overrides.vocab_size = {config.vocab_size} is smaller than the "
+                         f"tokenizer's {vocab_size} tokens")
+    return FalconForCausalLM(config)
+
+
+def param_groups(model: nn.Module, *, lr: float, weight_decay: float) -> List[dict]:
+    """The model's own (muP) groups when it defines ``param_groups(lr, weight_decay)``, else
+    weight decay on matrices only. Each group records ``lr_scale`` = its lr / ``lr``."""
+    if hasattr(model, "param_groups"):
+        groups = [dict(g) for g in model.param_groups(lr=lr, weight_decay=weight_decay)]
+    else:
+        decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+        other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [{"params": decay, "lr": lr, "weight_decay": weight_decay},
+                  {"params": other, "lr": lr, "weight_decay": 0.0}]
+    for g in groups:
+        g["params"] = list(g["params"])
+        g["lr_scale"] = g.get("lr", lr) / lr
+        g["lr"] = lr * g["lr_scale"]
+    return [g for g in groups if g["params"]]

@@ -1,0 +1,277 @@
+"""The training loop: data -> forward (bf16 autocast) -> loss -> accumulate -> clip -> AdamW.
+
+Every optimizer step ``s`` consumes micro-steps ``[s*A, (s+1)*A)`` of the deterministic
+batch stream (``A`` = accumulation steps), so a checkpoint's step fixes the data position,
+and the learning rate is a pure function of ``s``: resuming from a checkpoint reproduces
+the uninterrupted run exactly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..data import BatchStream, DataSpec, PackedRows, open_split, prepare_dataset
+from . import distributed as D
+from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import RunConfig
+from .logger import MetricLogger
+from .model_factory import build_model, param_groups
+from .schedule import lr_at, set_lr
+
+
+class NonFiniteLoss(RuntimeError):
+    """Raised when a step's loss or gradient norm is NaN or Inf."""
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``batch`` (float32)."""
+    kwargs = {"input_ids": batch["input_ids"].to(device, non_blocking=True), "use_cache": False}
+    if "cu_seqlens" in batch:
+        kwargs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
+    with autocast():
+        logits = model(**kwargs).logits
+    labels = batch["labels"].to(device, non_blocking=True)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Trainer:
+    """Train the recipe ``cfg``. ``model_fn(vocab_size, eos_token_id) -> nn.Module`` replaces
+    the preset model (any module whose ``forward(input_ids, use_cache=False, cu_seqlens=...)``
+    returns ``.logits``)."""
+
+    def __init__(self, cfg: RunConfig, *, model_fn: Optional[Callable] = None):
+        self.cfg = cfg
+        t = cfg.train
+        self.info = D.setup(t.strategy)
+        self.out_dir = t.out_dir
+        self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
+        per_step = t.micro_batch * self.info.world_size
+        if t.global_batch % per_step:
+            raise ValueError(f"config field train.global_batch = {t.global_batch} is not a multiple of "
+                             f"train.micro_batch x processes = {t.micro_batch} x {self.info.world_size}")
+        self.accum = t.global_batch // per_step
+        if t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+
+        # data: tokenized once (by the main rank), then memory-mapped everywhere
+        d = cfg.data
+        self.data_dir = d.out_dir or os.path.join(t.out_dir, "data")
+        spec = DataSpec(train_source=d.train_source, val_source=d.val_source, tokenizer=d.tokenizer,
+                        text_split=d.text_split, text_field=d.text_field, val_every=d.val_every,
+                        max_documents=d.max_documents, bpe_documents=d.bpe_documents)
+        if self.info.is_main:
+            prepare_dataset(spec, self.data_dir)
+        D.barrier(self.info)
+        train_split, self.val_split = open_split(self.data_dir, "train"), open_split(self.data_dir, "val")
+        self.train_rows = PackedRows(train_split, d.seq_len)
+
+        # model (identical initialisation on every rank), wrapping, optimizer
+        seed_everything(t.seed)
+        make = model_fn or (lambda v, e: build_model(cfg.model, vocab_size=v, eos_token_id=e))
+        model = make(train_split.vocab_size, train_split.eos_token_id).to(self.info.device)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.core = model
+        if t.compile:
+            model.compile()
+        self.model = D.wrap(model, self.info)
+        groups = param_groups(self.core, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        # fused AdamW on plain CUDA tensors; FSDP2's sharded DTensor parameters take the foreach path
+        fused = {"fused": True} if self.info.device.type == "cuda" and self.info.strategy != "fsdp2" else {}
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, **fused)
+        self.step = 0
+        self.position = 0
+        self.last_checkpoint: Optional[str] = None
+        self.use_bf16 = t.dtype == "bf16"
+        self.logger = MetricLogger(t.out_dir, enabled=self.info.is_main, tensorboard=cfg.log.tensorboard,
+                                   wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
+        self._maybe_resume()
+
+    # ----------------------------------------------------------------------------- state
+    def autocast(self):
+        if not self.use_bf16:
+            return nullcontext()
+        return torch.autocast(device_type=self.info.device.type, dtype=torch.bfloat16)
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": {"step": self.step},
+                "data": {"position": self.position, "seed": self.cfg.train.seed, "world_size": self.info.world_size},
+                "rng": rng_state(), "step": self.step, "config": self.cfg.to_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        self.step = int(state["step"])
+        self.position = int(state["data"]["position"])
+        if state["data"]["world_size"] != self.info.world_size:
+            # same global samples per step: the micro-step counter scales with the process count
+            self.position = self.step * self.accum
+        set_rng_state(state["rng"])
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.train.resume
+        if resume == "none":
+            return
+        path = latest_checkpoint(self.ckpt_dir) if resume == "auto" else resume
+        if path is None:
+            return
+        self.load_state_dict(load_checkpoint(path))
+        self.last_checkpoint = path
+        if self.info.is_main:
+            print(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> str:
+        state = self.state_dict()  # collective under FSDP2
+        path = None
+        if self.info.is_main:
+            path = save_checkpoint(self.ckpt_dir, self.step, state, keep=self.cfg.train.keep_checkpoints)
+        D.barrier(self.info)
+        self.last_checkpoint = path or os.path.join(self.ckpt_dir, f"step-{self.step:08d}")
+        return self.last_checkpoint
+
+    # ----------------------------------------------------------------------------- loop
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation loss over the first ``eval_batches x micro_batch x processes`` validation rows."""
+        t = self.cfg.train
+        rows = PackedRows(self.val_split, self.cfg.data.seq_len)
+        n_batches = min(t.eval_batches, len(rows) // (t.micro_batch * self.info.world_size))
+        if n_batches == 0:
+            raise ValueError(f"the validation split has {len(rows)} rows of data.seq_len={self.cfg.data.seq_len}: "
+                             f"fewer than train.micro_batch x processes")
+        stream = BatchStream(rows, micro_batch=t.micro_batch, packing=self.cfg.data.packing, seed=0,
+                             rank=self.info.rank, world_size=self.info.world_size, shuffle=False)
+        self.model.eval()
+        total = torch.zeros((), device=self.info.device, dtype=torch.float64)
+        for _ in range(n_batches):
+            total += causal_lm_loss(self.model, next(stream), self.info.device, self.autocast).double()
+        self.model.train()
+        loss = D.all_reduce_mean(total / n_batches, self.info).item()
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        where = self.last_checkpoint or "none saved yet"
+        msg = (f"non-finite training loss {loss} (gradient norm {grad_norm}) at step {self.step + 1}; "
+               f"stopping without saving. Last good checkpoint: {where}. Lower optim.lr, raise "
+               f"optim.warmup_steps or check the data, then resume.")
+        self.logger.log(self.step + 1, event="non_finite", loss=loss, grad_norm=grad_norm)
+        raise NonFiniteLoss(msg)
+
+    def train(self, *, stop_at: Optional[int] = None) -> dict:
+        """Run to ``train.steps`` (or stop after step ``stop_at`` with a checkpoint); returns a summary."""
+        cfg, t, o, info = self.cfg, self.cfg.train, self.cfg.optim, self.info
+        stream = BatchStream(self.train_rows, micro_batch=t.micro_batch, packing=cfg.data.packing, seed=t.seed,
+                             rank=info.rank, world_size=info.world_size, position=self.position)
+        tokens_per_step = t.global_batch * cfg.data.seq_len
+        end = t.steps if stop_at is None else min(stop_at, t.steps)
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (info.is_main and cfg.log.progress))
+        if info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(info.device)
+        self.model.train()
+        window_start, window_steps, timed_tokens, timed_seconds = time.perf_counter(), 0, 0, 0.0
+        skip = self.step + min(10, t.steps // 10)  # the first steps include allocation and warm-up
+        last_val = {}
+        while self.step < end:
+            step_start = time.perf_counter()
+            lr = lr_at(self.step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps,
+                       min_lr_ratio=o.min_lr_ratio)
+            set_lr(self.optimizer, lr)
+            loss_sum = torch.zeros((), device=info.device)
+            for micro in range(self.accum):
+                with D.set_grad_sync(self.model, info, micro == self.accum - 1):
+                    loss = causal_lm_loss(self.model, next(stream), info.device, self.autocast)
+                    (loss / self.accum).backward()
+                loss_sum += loss.detach()
+            max_norm = o.clip_grad_norm if o.clip_grad_norm > 0 else float("inf")
+            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+            step_loss = D.all_reduce_mean(loss_sum / self.accum, info).item()
+            self._check_finite(step_loss, grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.position = stream.position
+            if self.step > skip:
+                timed_tokens += tokens_per_step
+                timed_seconds += time.perf_counter() - step_start
+            window_steps += 1
+            bar.update(1)
+            if self.step % cfg.log.every == 0 or self.step == end:
+                if info.device.type == "cuda":
+                    torch.cuda.synchronize(info.device)
+                seconds = time.perf_counter() - window_start
+                tok_s = window_steps * tokens_per_step / max(seconds, 1e-9)
+                self.logger.log(self.step, loss=step_loss, lr=lr, grad_norm=grad_norm,
+                                tokens=self.step * tokens_per_step, tokens_per_s=tok_s)
+                bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
+                window_start, window_steps = time.perf_counter(), 0
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                last_val = self.evaluate()
+                self.logger.log(self.step, **last_val)
+                bar.write(f"step {self.step}: val_loss {last_val['val_loss']:.4f} ppl {last_val['val_ppl']:.3f}")
+                window_start = time.perf_counter()
+            if (t.save_every and self.step % t.save_every == 0) or self.step == end:
+                self.save()
+                window_start = time.perf_counter()
+        bar.close()
+        if self.step == t.steps and t.export_model:
+            self.export(os.path.join(self.out_dir, "model"))
+        summary = {"params": self.n_params, "steps": self.step, "tokens": self.step * tokens_per_step,
+                   "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
+                   "peak_mem_bytes": (torch.cuda.max_memory_allocated(info.device)
+                                      if info.device.type == "cuda" else None),
+                   "world_size": info.world_size, "strategy": info.strategy, **last_val}
+        if info.is_main:
+            tmp = os.path.join(self.out_dir, "summary.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(summary, f, indent=1)
+            os.replace(tmp, os.path.join(self.out_dir, "summary.json"))
+        return summary
+
+    def export(self, folder: str) -> None:
+        """Save the model as a Hugging Face folder (``save_pretrained``) with its tokenizer."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.info.is_main:
+            tmp = folder.rstrip("/") + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.core.save_pretrained(tmp, state_dict=state)
+            shutil.copytree(os.path.join(self.data_dir, "tokenizer"), tmp, dirs_exist_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        D.barrier(self.info)
+
+    def close(self) -> None:
+        self.logger.close()

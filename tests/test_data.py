@@ -1,0 +1,144 @@
+"""Language-model data: tokenizers, document sources, token shards, packing, sample order."""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from falcon_fwa.data import (BatchStream, DataSpec, PackedRows, RowOrder, TokenShards, byte_tokenizer, collate,
+                             encode_documents, iter_documents, prepare_dataset, train_bpe_tokenizer,
+                             write_token_shards)
+
+TEXTS = ["Fast weights write keys.", "Zürich – naïve café ✓", "line one\nline two", "x" * 300, "a"]
+
+
+def corpus(n=60, seed=0):
+    rng = random.Random(seed)
+    words = "the state memory key value write read gate decay token fast weight".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 40))) + "." for _ in range(n)]
+
+
+def test_byte_tokenizer_is_utf8_and_round_trips(tmp_path):
+    tok = byte_tokenizer()
+    assert len(tok) == 257 and tok.eos_token_id == 256
+    for text in TEXTS:
+        slow = tok(text, add_special_tokens=False)["input_ids"]
+        assert slow == list(text.encode("utf-8"))
+        assert tok.decode(slow) == text
+    fast = encode_documents(tok, TEXTS)
+    assert [f.tolist() for f in fast] == [list(t.encode("utf-8")) for t in TEXTS]
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again("héllo", add_special_tokens=False)["input_ids"] == list("héllo".encode())
+    assert again.eos_token_id == 256
+
+
+def test_bpe_trained_on_corpus_round_trips_and_compresses():
+    docs = corpus(200)
+    tok = train_bpe_tokenizer(docs, vocab_size=300)
+    assert len(tok) <= 300 and tok.convert_ids_to_tokens(tok.eos_token_id) == "<|endoftext|>"
+    ids = encode_documents(tok, docs[:20])
+    for doc, d in zip(docs[:20], ids):
+        assert tok.decode(d.tolist()) == doc
+    assert sum(map(len, ids)) < 0.8 * sum(len(d.encode()) for d in docs[:20])  # merges were learned
+
+
+def test_sources_text_jsonl_parquet(tmp_path):
+    (tmp_path / "a.txt").write_text("para one\nstill one\n\n\npara two\n")
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for t in ["j1", "j2"]:
+            f.write(json.dumps({"body": t}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["p1", "p2", "p3"]}), tmp_path / "c.parquet")
+    assert list(iter_documents(str(tmp_path / "a.txt"))) == ["para one\nstill one\n\n\npara two\n"]
+    assert list(iter_documents(str(tmp_path / "a.txt"), text_split="paragraph")) == ["para one\nstill one", "para two\n"]
+    assert list(iter_documents(str(tmp_path / "a.txt"), text_split="line")) == ["para one", "still one", "para two"]
+    got = list(iter_documents(str(tmp_path), text_split="paragraph", text_field="body"))
+    assert got == ["para one\nstill one", "para two\n", "j1", "j2", "p1", "p2", "p3"]
+    with pytest.raises(KeyError, match="text_field 'text'"):
+        list(iter_documents(str(tmp_path / "b.jsonl")))
+    with pytest.raises(ValueError, match="text_split"):
+        list(iter_documents(str(tmp_path), text_split="sentence"))
+
+
+def test_shards_keep_documents_and_boundaries(tmp_path):
+    docs = corpus(50)
+    tok = byte_tokenizer()
+    meta = write_token_shards(docs, tok, str(tmp_path / "s"), shard_tokens=500, batch_documents=7)
+    shards = TokenShards(str(tmp_path / "s"))
+    assert meta["dtype"] == "uint16" and len(shards.shards) > 1  # split over several files
+    assert all(s.tokens.dtype == np.uint16 for s in shards.shards)
+    back = list(shards.documents())
+    assert len(back) == len(docs) == meta["n_docs"]
+    for doc, ids in zip(docs, back):
+        assert ids[0] == 256 and bytes(ids[1:].astype(np.uint8)).decode() == doc
+    assert shards.n_tokens == sum(len(d.encode()) + 1 for d in docs)
+    assert not (tmp_path / "s.tmp").exists()
+
+
+def test_prepare_reuses_and_rejects_changed_settings(tmp_path):
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus(40)))
+    spec = DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=10)
+    rec = prepare_dataset(spec, str(tmp_path / "d"))
+    assert rec["counts"]["val"]["n_docs"] == 4 and rec["counts"]["train"]["n_docs"] == 36
+    assert prepare_dataset(spec, str(tmp_path / "d")) == rec
+    with pytest.raises(ValueError, match="other settings"):
+        prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=5), str(tmp_path / "d"))
+
+
+def _stream(tmp_path, docs):
+    write_token_shards(docs, byte_tokenizer(), str(tmp_path / "s"))
+    return TokenShards(str(tmp_path / "s"))
+
+
+def test_rows_are_windows_of_the_stream_and_cu_seqlens_cut_at_documents(tmp_path):
+    docs = corpus(30)
+    shards = _stream(tmp_path, docs)
+    stream = np.concatenate([np.r_[256, np.frombuffer(d.encode(), np.uint8).astype(np.int64)] for d in docs])
+    L = 16
+    rows = PackedRows(shards, L)
+    assert len(rows) == (len(stream) - 1) // L
+    for i in [0, 1, 7, len(rows) - 1]:
+        tokens, starts = rows.row(i)
+        np.testing.assert_array_equal(tokens, stream[i * L:i * L + L + 1])
+        # document starts are exactly the end-of-text positions inside the row (position 0 excluded)
+        assert starts.tolist() == [p for p in range(1, L) if tokens[p] == 256]
+    picked = [rows.row(i) for i in (3, 4, 5)]
+    b = collate(picked, "cu_seqlens")
+    assert b["input_ids"].shape == (1, 3 * L) and b["labels"].shape == (1, 3 * L)
+    cu = b["cu_seqlens"].tolist()
+    assert cu[0] == 0 and cu[-1] == 3 * L and cu == sorted(set(cu))
+    flat = b["input_ids"][0]
+    for start in cu[:-1]:  # every segment starts a row or a document
+        assert start % L == 0 or flat[start] == 256
+    for start in range(0, 3 * L):  # every document start inside a row is a boundary
+        if flat[start] == 256:
+            assert start in cu
+    for r, (tokens, _) in enumerate(picked):  # targets are each row's next tokens
+        assert b["labels"][0, r * L:(r + 1) * L].tolist() == tokens[1:].tolist()
+    e = collate(picked, "eos")
+    assert e["input_ids"].shape == (3, L) and "cu_seqlens" not in e
+    torch.testing.assert_close(e["labels"][:, :-1], e["input_ids"][:, 1:])
+
+
+def test_row_order_is_an_epoch_permutation_and_ranks_are_disjoint(tmp_path):
+    order = RowOrder(10, seed=3)
+    first, second = [order[n] for n in range(10)], [order[n] for n in range(10, 20)]
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    assert [RowOrder(10, seed=3)[n] for n in range(10)] == first  # deterministic
+    shards = _stream(tmp_path, corpus(40))
+    rows = PackedRows(shards, 8)
+    seen = []
+    for rank in range(2):
+        s = BatchStream(rows, micro_batch=2, packing="eos", seed=0, rank=rank, world_size=2)
+        seen.append([next(s)["input_ids"] for _ in range(3)])
+    single = BatchStream(rows, micro_batch=4, packing="eos", seed=0)
+    for m in range(3):  # two ranks of 2 rows = one process of 4 rows, in the same order
+        torch.testing.assert_close(torch.cat([seen[0][m], seen[1][m]]), next(single)["input_ids"])
+    resumed = BatchStream(rows, micro_batch=2, packing="eos", seed=0, rank=1, world_size=2, position=2)
+    torch.testing.assert_close(next(resumed)["input_ids"], seen[1][2])

@@ -1,0 +1,150 @@
+"""Evaluation: perplexity by position bucket, and lm-evaluation-harness on a saved tiny model."""
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from falcon_fwa.eval import bucket_report, default_edges, load_model, position_nll, token_stream, windows
+
+
+def test_bucket_report_by_hand():
+    total = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], dtype=torch.float64)  # sums over 2 windows
+    rep = bucket_report(total, 2, [0, 2, 4, 8], train_len=4)
+    assert rep["tokens"] == 16 and rep["loss"] == pytest.approx(36 / 16)
+    assert [b["loss"] for b in rep["buckets"]] == pytest.approx([3 / 4, 7 / 4, 26 / 8])
+    assert [b["ppl"] for b in rep["buckets"]] == pytest.approx([math.exp(3 / 4), math.exp(7 / 4), math.exp(26 / 8)])
+    assert [b["beyond_train_len"] for b in rep["buckets"]] == [False, False, True]
+    assert default_edges(1000, first=64) == [0, 64, 128, 256, 512, 1000]
+    with pytest.raises(ValueError, match="buckets"):
+        bucket_report(total, 2, [0, 4, 2, 8])
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """A tiny Falcon trained for 2 steps through the ``train`` command and exported."""
+    from falcon_fwa.train.cli import main
+
+    tmp = tmp_path_factory.mktemp("lm")
+    rng = random.Random(0)
+    words = "the state memory key value write read gate decay token fast weight".split()
+    with open(tmp / "corpus.txt", "w") as f:
+        for _ in range(120):
+            f.write(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) + "\n\n")
+    recipe = {"model": {"preset": "tiny-falcon"},
+              "data": {"train_source": str(tmp / "corpus.txt"), "text_split": "paragraph", "seq_len": 32,
+                       "out_dir": str(tmp / "data"), "val_every": 10},
+              "optim": {"lr": 3e-3, "warmup_steps": 1},
+              "train": {"steps": 1, "global_batch": 2, "micro_batch": 2, "dtype": "fp32", "out_dir": str(tmp / "run"),
+                        "eval_every": 0, "save_every": 0},
+              "log": {"progress": False, "tensorboard": False}}
+    with open(tmp / "recipe.json", "w") as f:
+        json.dump(recipe, f)
+    assert main(["--config", str(tmp / "recipe.json"), "--set", "train.steps=2"]) == 0
+    assert json.load(open(tmp / "run" / "summary.json"))["steps"] == 2
+    return tmp
+
+
+def test_perplexity_matches_the_models_own_loss(saved_model):
+    model, tok = load_model(str(saved_model / "run" / "model"))
+    tokens = token_stream([str(saved_model / "data" / "val")], tok)
+    rows = windows(tokens, 48, max_windows=3)
+    total, n = position_nll(model, rows, batch_size=2, progress=False)
+    with torch.no_grad():
+        ref = model(input_ids=rows[:, :-1], use_cache=False).logits.log_softmax(-1)
+    ref_nll = -ref.gather(-1, rows[:, 1:, None])[..., 0].double().sum(0)
+    torch.testing.assert_close(total, ref_nll, rtol=1e-6, atol=1e-6)
+    # through the command, on the raw text, with buckets past the training length (32)
+    from falcon_fwa.eval.ppl_cli import add_arguments, run
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = saved_model / "ppl.json"
+    args = parser.parse_args(["--model", str(saved_model / "run" / "model"), "--data", str(saved_model / "corpus.txt"),
+                              "--text-split", "paragraph", "--seq-len", "64", "--train-len", "32", "--buckets",
+                              "0,16,32,64", "--max-windows", "2", "--device", "cpu", "--out", str(out)])
+    assert run(args) == 0
+    rep = json.load(open(out))
+    assert rep["windows"] == 2 and [b["beyond_train_len"] for b in rep["buckets"]] == [False, False, True]
+    mean = sum(b["loss"] * b["tokens"] for b in rep["buckets"]) / rep["tokens"]
+    assert rep["loss"] == pytest.approx(mean)
+
+
+def _write_tasks(folder, data):
+    mc, gen = folder / "mc.jsonl", folder / "gen.jsonl"
+    rng = random.Random(1)
+    words = "the state memory key value write read gate".split()
+    with open(mc, "w") as f:
+        for i in range(6):
+            ctx = " ".join(rng.choice(words) for _ in range(5))
+            f.write(json.dumps({"context": ctx, "choices": [" value", " gate", " fast weight"], "label": i % 3}) + "\n")
+    with open(gen, "w") as f:
+        for i in range(4):  # prompts of different lengths: left padding in a batch
+            f.write(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(2 + 3 * i)), "target": "x"}) + "\n")
+    (folder / "local_mc.yaml").write_text(f"""task: local_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {mc}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+""")
+    (folder / "local_gen.yaml").write_text(f"""task: local_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {gen}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["<|endoftext|>"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return [json.loads(l) for l in open(mc)], [json.loads(l) for l in open(gen)]
+
+
+def test_lm_eval_harness_end_to_end_with_local_tasks(saved_model, tmp_path):
+    pytest.importorskip("lm_eval")
+    from falcon_fwa.eval.harness import evaluate
+
+    mc_docs, gen_docs = _write_tasks(tmp_path, saved_model)
+    folder = str(saved_model / "run" / "model")
+    out = evaluate(folder, ["local_mc", "local_gen"], include_path=str(tmp_path), batch_size=4, log_samples=True)
+    model, tok = load_model(folder)
+
+    # multiple choice: the harness's pick equals argmax of the continuation log-likelihood
+    def loglik(context, cont):
+        ids = tok(context + cont, add_special_tokens=False)["input_ids"]
+        n = len(tok(context, add_special_tokens=False)["input_ids"])
+        with torch.no_grad():
+            lp = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].log_softmax(-1)
+        return sum(lp[i - 1, ids[i]].item() for i in range(n, len(ids)))
+
+    expected = [max(range(3), key=lambda c: loglik(d["context"], d["choices"][c])) == d["label"] for d in mc_docs]
+    assert out["results"]["local_mc"]["acc,none"] == pytest.approx(sum(expected) / len(expected))
+
+    # generation: batched, left-padded, with the recurrent cache == greedy decoding by full forwards
+    gens = {s["doc"]["prompt"]: s["resps"][0][0] for s in out["samples"]["local_gen"]}
+    assert len(gens) == len(gen_docs) and any(gens.values())
+    for d in gen_docs:
+        ids = tok(d["prompt"], add_special_tokens=False)["input_ids"]
+        new = []
+        for _ in range(6):
+            with torch.no_grad():
+                nxt = int(model(input_ids=torch.tensor([ids + new]), use_cache=False).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            new.append(nxt)
+        assert gens[d["prompt"]] == tok.decode(new), d["prompt"]

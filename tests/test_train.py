@@ -1,0 +1,187 @@
+"""Training: schedule, recipes, exact resume, atomic checkpoints, the non-finite guard, torchrun."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from falcon_fwa.train import NonFiniteLoss, Trainer, config_from_dict, latest_checkpoint, load_checkpoint, lr_at
+from falcon_fwa.train import checkpoint as ckpt_module
+from falcon_fwa.train.config import load_config
+from falcon_fwa.train.logger import read_log
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_corpus(path, n=120, seed=0):
+    rng = random.Random(seed)
+    words = "the state memory key value write read gate decay token fast weight".split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))}) + "\n")
+
+
+def recipe(tmp_path, out="run", **train):
+    corpus = tmp_path / "corpus.jsonl"
+    if not corpus.exists():
+        write_corpus(corpus)
+    return {
+        "model": {"preset": "tiny-falcon"},
+        "data": {"train_source": str(corpus), "seq_len": 24, "out_dir": str(tmp_path / "data"), "val_every": 10},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "dtype": "fp32", "out_dir": str(tmp_path / out),
+                  "save_every": 2, "eval_every": 2, "eval_batches": 1, "export_model": False, **train},
+        "log": {"every": 1, "progress": False, "tensorboard": False},
+    }
+
+
+def losses(run_dir, key="loss"):
+    return [(r["step"], r[key]) for r in read_log(os.path.join(run_dir, "log.jsonl")) if key in r]
+
+
+def run_trainer(raw, stop_at=None):
+    trainer = Trainer(config_from_dict(raw))
+    try:
+        trainer.train(stop_at=stop_at)
+    finally:
+        trainer.close()
+    return trainer
+
+
+def test_warmup_cosine_schedule_by_hand():
+    kw = dict(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, **kw) == 1.0  # cosine starts at the peak
+    assert lr_at(9, **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way: cos(pi/2) = 0
+    assert lr_at(14, **kw) == pytest.approx(0.1) and lr_at(20, **kw) == pytest.approx(0.1)
+
+
+def test_recipe_errors_name_the_field(tmp_path):
+    raw = recipe(tmp_path)
+    raw["train"]["stepz"] = 3
+    with pytest.raises(ValueError, match="train.stepz"):
+        config_from_dict(raw)
+    raw = recipe(tmp_path)
+    raw["data"]["packing"] = "rows"
+    with pytest.raises(ValueError, match="data.packing"):
+        config_from_dict(raw)
+    raw = recipe(tmp_path, global_batch=6, micro_batch=4)
+    with pytest.raises(ValueError, match="train.global_batch"):
+        Trainer(config_from_dict(raw))
+
+
+def test_shipped_recipes_load_and_name_real_presets():
+    from falcon_fwa.models import PRESETS, get_preset
+
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "configs")) for f in fs
+             if f.endswith(".yaml") and "lm_eval" not in d]
+    paper = [f for f in files if os.sep + "paper" + os.sep in f and not f.endswith("base.yaml")]
+    small = [f for f in files if os.sep + "small" + os.sep in f and not f.endswith("base.yaml")]
+    assert len(paper) >= 9 and len(small) >= 7
+    for path in paper + small:
+        cfg = load_config(path, ["data.train_source=x"])
+        assert cfg.model.preset in PRESETS, path
+        get_preset(cfg.model.preset, **cfg.model.overrides)
+    for path in paper:  # the paper's recipe (Section 5.1, Appendix B)
+        cfg = load_config(path)
+        o, t = cfg.optim, cfg.train
+        assert (o.lr, o.betas, o.weight_decay, o.warmup_steps, o.clip_grad_norm) == (1e-3, [0.9, 0.95], 0.1, 2000, 1.0)
+        assert (cfg.data.seq_len, t.global_batch, t.steps, t.dtype) == (1024, 480, 100_000, "bf16")
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
+    full = run_trainer(recipe(tmp_path, "full"))
+    run_trainer(recipe(tmp_path, "split"), stop_at=2)
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")[:2]
+    resumed = run_trainer(recipe(tmp_path, "split"))
+    assert len(losses(tmp_path / "full")) == 4 and full.accum == 2
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
+    assert losses(tmp_path / "split", "val_loss") == losses(tmp_path / "full", "val_loss")
+    for (name, a), b in zip(full.core.state_dict().items(), resumed.core.state_dict().values()):
+        assert torch.equal(a, b), name
+    state = load_checkpoint(latest_checkpoint(str(tmp_path / "full" / "checkpoints")))
+    assert state["step"] == 4 and state["data"]["position"] == 8 and state["scheduler"]["step"] == 4
+
+
+def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw, stop_at=2)
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        f.write(b"partial bytes of a checkpoint")  # the process dies mid-write
+        raise KeyboardInterrupt("killed during save")
+
+    monkeypatch.setattr(ckpt_module.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_trainer(raw)
+    monkeypatch.setattr(ckpt_module.torch, "save", real_save)
+    ckdir = tmp_path / "run" / "checkpoints"
+    assert any(n.startswith(".tmp-") for n in os.listdir(ckdir))  # the interrupted save
+    latest = latest_checkpoint(str(ckdir))
+    assert os.path.basename(latest) == "step-00000002"
+    assert load_checkpoint(latest)["step"] == 2
+    (ckdir / "LATEST").write_text("step-00000099")  # a dangling pointer falls back to the newest complete one
+    assert latest_checkpoint(str(ckdir)) == latest
+    trainer = run_trainer(raw)  # resumes from step 2 and finishes
+    assert trainer.step == 4 and not any(n.startswith(".tmp-") for n in os.listdir(ckdir))
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw, stop_at=2)
+    trainer = Trainer(config_from_dict(raw))
+    trainer.core.model.register_forward_hook(lambda module, args, out: out * float("nan"))
+    with pytest.raises(NonFiniteLoss, match=r"step 3.*step-00000002"):
+        trainer.train()
+    trainer.close()
+    assert os.path.basename(latest_checkpoint(str(tmp_path / "run" / "checkpoints"))) == "step-00000002"
+    assert read_log(str(tmp_path / "run" / "log.jsonl"))[-1]["event"] == "non_finite"
+
+
+WORKER = """
+import json, sys
+from falcon_fwa.train import Trainer, config_from_dict
+from falcon_fwa.train import distributed
+for path, stop_at in json.loads(sys.argv[1]):
+    trainer = Trainer(config_from_dict(json.load(open(path))))
+    trainer.train(stop_at=stop_at)
+    trainer.close()
+distributed.teardown()
+"""
+
+
+def _torchrun(tmp_path, runs):
+    """One ``torchrun --nproc_per_node=2`` launch (gloo) training each (recipe, stop_at) in turn."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(tmp_path / "worker.py"), json.dumps(runs)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path):
+    """Launch 1: uninterrupted runs and runs stopped at step 2; launch 2 (new processes): resume."""
+    paths = {}
+    for strategy in ("ddp", "fsdp2"):
+        for name in ("full", "split"):
+            raw = recipe(tmp_path, f"{strategy}-{name}", strategy=strategy, micro_batch=1)
+            paths[strategy, name] = str(tmp_path / f"{strategy}-{name}.json")
+            with open(paths[strategy, name], "w") as f:
+                json.dump(raw, f)
+    _torchrun(tmp_path, [[paths[s, "full"], None] for s in ("ddp", "fsdp2")] +
+              [[paths[s, "split"], 2] for s in ("ddp", "fsdp2")])
+    _torchrun(tmp_path, [[paths[s, "split"], None] for s in ("ddp", "fsdp2")])
+    for strategy in ("ddp", "fsdp2"):
+        full = losses(tmp_path / f"{strategy}-full")
+        assert len(full) == 4 and all(math.isfinite(l) for _, l in full)
+        assert losses(tmp_path / f"{strategy}-split") == full, strategy
+        assert losses(tmp_path / f"{strategy}-split", "val_loss") == losses(tmp_path / f"{strategy}-full", "val_loss")
+        state = load_checkpoint(latest_checkpoint(str(tmp_path / f"{strategy}-split" / "checkpoints")))
+        assert state["data"]["world_size"] == 2 and state["step"] == 4 and state["data"]["position"] == 8

@@ -12,6 +12,8 @@ from typing import List, Optional
 
 COMMANDS = {
     "demo": ("falcon_fwa.demo", "check the three forms of every rule on random inputs and time them"),
+    "addition": ("falcon_fwa.tasks.addition.cli", "train one model on variable-length addition (the paper's Table 3 task)"),
+    "addition-compare": ("falcon_fwa.tasks.addition.compare", "train the Table-3 lineup under one budget and tabulate it"),
     "params": ("falcon_fwa.models.cli", "parameter counts of the model presets"),
     "data": ("falcon_fwa.data.cli", "tokenize a corpus once into memory-mapped token shards"),
     "train": ("falcon_fwa.train.cli", "train a language model from a recipe (torchrun for DDP/FSDP2)"),

@@ -1,0 +1,1 @@
+"""Synthetic tasks that need no downloaded data (``falcon-fwa addition``)."""

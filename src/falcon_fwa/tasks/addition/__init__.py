@@ -1,0 +1,43 @@
+"""Variable-length multi-digit addition, the length-extrapolation diagnostic of the
+paper's Section 5.2 (Table 3).
+
+A sample of width ``n`` is the prompt ``digits_n(a) + "+" + digits_n(b) + "="``
+followed by the target suffix ``rev(digits_{n+1}(a + b))`` and an end marker:
+operands are written most significant digit first and zero-padded to ``n`` digits,
+the sum is written least significant digit first and zero-padded to ``n + 1``.
+Training widths are uniform in 1..32; the out-of-distribution widths are 33..48.
+
+Modules: :mod:`.data` (tokenizer, seeded generator, exact checker, batches),
+:mod:`.metrics` (teacher-forced accuracies), :mod:`.lineup` (the paper's model
+names and the presets), :mod:`.train` (one training run), :mod:`.compare` (the
+Table-3 lineup), :mod:`.plot` and :mod:`.cli`.
+"""
+from .data import (
+    VOCAB,
+    AdditionBatch,
+    AdditionSample,
+    check_text,
+    collate,
+    decode,
+    encode,
+    make_sample,
+    training_batch,
+    width_set,
+)
+from .metrics import AccuracyTally, score_logits, score_predictions
+
+__all__ = [
+    "VOCAB",
+    "AdditionSample",
+    "AdditionBatch",
+    "make_sample",
+    "check_text",
+    "encode",
+    "decode",
+    "collate",
+    "training_batch",
+    "width_set",
+    "AccuracyTally",
+    "score_logits",
+    "score_predictions",
+]

@@ -1,0 +1,109 @@
+"""``falcon-fwa addition``: train one model on variable-length addition.
+
+Examples::
+
+    falcon-fwa addition                                   # tiny preset, Falcon-3A.3, CPU
+    falcon-fwa addition --model falcon --rule 1A --preset paper --device cuda
+    falcon-fwa addition --model Transformer --preset paper --device cuda --seed 1
+
+Writes ``results.json``, ``checkpoint.pt``, ``best.pt`` and ``accuracy_vs_width.png``
+to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``); an interrupted
+run resumes from its last evaluation when started again with the same ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from .lineup import LINEUP, MIXERS, resolve_model
+from .presets import PRESETS, get_addition_preset
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared with ``addition-compare``: preset, budget overrides, device."""
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size and training budget")
+    p.add_argument("--steps", type=int, help="override the preset's number of optimizer steps")
+    p.add_argument("--batch-size", type=int, help="override the preset's batch size")
+    p.add_argument("--lr", type=float, help="override the preset's peak learning rate")
+    p.add_argument("--eval-every", type=int, help="override the preset's evaluation interval (steps)")
+    p.add_argument("--val-per-width", type=int, help="override the validation samples per training width")
+    p.add_argument("--ood-per-width", type=int, help="override the test samples per out-of-distribution width")
+    p.add_argument("--train-widths", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="override the (inclusive) range of training widths")
+    p.add_argument("--ood-widths", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="override the (inclusive) range of out-of-distribution widths")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16 runs the model under autocast")
+    p.add_argument("--eval-seed", type=int, default=1234, help="seed of the fixed validation and OOD sets")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the preset's choice)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="Falcon-3A.3",
+                   help=f"a paper name ({', '.join(LINEUP)}) or a mixer ({', '.join(MIXERS)})")
+    p.add_argument("--rule", help="falcon update rule (1, 2, 3, 1A, 2A, 3A); overrides the model's")
+    p.add_argument("--window", type=int, help="window B of the sliding rules 3 and 3A")
+    p.add_argument("--qk-norm", choices=["rmsnorm", "l2"], help="query/key normalization of the falcon mixer")
+    p.add_argument("--gate", choices=["ctx-beta", "ctx-eta"], help="which step-size quantity the context emits")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialization and the training stream")
+    add_model_arguments(p)
+    p.add_argument("--out", help="output folder (default runs/addition/<preset>/<model>/seed<seed>)")
+    p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="log evaluations as lines instead of a progress bar")
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def preset_from_args(args: argparse.Namespace):
+    return get_addition_preset(args.preset).replace(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+        val_per_width=args.val_per_width, ood_per_width=args.ood_per_width,
+        train_widths=tuple(args.train_widths) if args.train_widths else None,
+        ood_widths=tuple(args.ood_widths) if args.ood_widths else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .plot import plot_accuracy_vs_width
+    from .train import RunSpec, train_run
+
+    fields = resolve_model(args.model, {"rule": args.rule, "window": args.window,
+                                        "qk_norm": args.qk_norm, "gate": args.gate})
+    preset = preset_from_args(args)
+    threads = args.threads or (preset.cpu_threads if args.device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(args.out or Path("runs/addition") / args.preset / slug(args.model) / f"seed{args.seed}")
+    spec = RunSpec(model=args.model, fields=fields, preset_name=args.preset, preset=preset, seed=args.seed,
+                   eval_seed=args.eval_seed, device=args.device, dtype=args.dtype,
+                   extra={"argv": list(sys.argv)})
+    print(f"addition: {args.model} {fields} preset {args.preset} "
+          f"(width {preset.hidden_size}, {preset.num_hidden_layers} layers, {preset.steps} steps) "
+          f"on {args.device} -> {out}")
+    res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume)
+    plot = plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",
+                                  title=f"addition, preset {args.preset}, best step {res['best']['step']}")
+    b = res["best"]
+    lo, hi = preset.ood_widths
+    print(f"{args.model}: {res['parameters']:,} parameters, {res['wall_time_s']:.0f} s; best step {b['step']}: "
+          f"validation (widths {preset.train_widths[0]}-{preset.train_widths[1]}) exact {b['val_acc']:.1f}% "
+          f"digits {b['val_digit_acc']:.1f}%; widths {lo}-{hi}: mean exact {b['mean_acc_ood']:.1f}% "
+          f"digits {b['digit_mean_acc_ood']:.1f}%, d{lo}/d{hi} {b[f'acc_d{lo}']:.1f}/{b[f'acc_d{hi}']:.1f}")
+    print(f"results: {out / 'results.json'}" + (f", plot: {plot}" if plot else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="falcon-fwa addition", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""``falcon-fwa addition-compare``: train the Table-3 lineup under one budget and seeds.
+
+Each (model, seed) is one ``falcon-fwa addition`` run in its own process
+(``--jobs`` of them at a time, e.g. several on one GPU), writing to
+``<runs>/<model>/seed<seed>/``; finished runs are skipped when the command is
+started again, so an interrupted comparison resumes. The summary goes to
+``<results>/<name>.json`` (a list of rows with ``model``, ``mean_acc_33_48``,
+``acc_d33``, ``acc_d48``, ``val_acc``, ``best_step``, ``seeds``: means over seeds, with
+``*_std`` and per-seed values), ``<name>_meta.json`` (budget, seeds, device, wall
+time, command, commit), ``<name>.md`` (the table next to the paper's numbers) and
+``<name>.png`` (accuracy against digit width).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .cli import add_model_arguments, preset_from_args, slug
+from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
+from .storage import read_json, write_json, write_text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", default=list(LINEUP),
+                   help=f"paper names to train (default: all of {', '.join(LINEUP)})")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (same for every model)")
+    add_model_arguments(p)
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (processes)")
+    p.add_argument("--runs", help="folder of the individual runs (default runs/addition/<preset>)")
+    p.add_argument("--results", default="results/addition", help="folder of the summary files")
+    p.add_argument("--name", help="summary file stem (default: the preset name)")
+    p.add_argument("--no-train", action="store_true", help="only summarize the runs already in --runs")
+    p.add_argument("--partial", action="store_true",
+                   help="also summarize unfinished runs (their best evaluation so far; 'steps_done' says how far)")
+    p.add_argument("--deadline", type=float,
+                   help="seconds after which unfinished runs are stopped (their last evaluation is kept); "
+                        "the table then uses the seeds every model finished")
+
+
+def _run_dir(runs: Path, model: str, seed: int) -> Path:
+    return runs / slug(model) / f"seed{seed}"
+
+
+def _finished(run_dir: Path) -> bool:
+    f = run_dir / "results.json"
+    return f.exists() and read_json(f).get("finished", False)
+
+
+def _started(run_dir: Path) -> bool:
+    f = run_dir / "results.json"
+    return f.exists() and read_json(f).get("best") is not None
+
+
+def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
+    cmd = [sys.executable, "-m", "falcon_fwa.tasks.addition.cli", "--model", model, "--seed", str(seed),
+           "--out", str(out), "--no-progress", "--preset", args.preset, "--device", args.device,
+           "--dtype", args.dtype, "--eval-seed", str(args.eval_seed)]
+    for flag in ("steps", "batch_size", "lr", "eval_every", "val_per_width", "ood_per_width", "threads"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    for flag in ("train_widths", "ood_widths"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", *map(str, value)]
+    return cmd
+
+
+def train_all(args: argparse.Namespace, runs: Path) -> List[str]:
+    """Run every missing (model, seed) with at most ``args.jobs`` processes; return the failures."""
+    from tqdm.auto import tqdm
+
+    # seed-major order: every model's first seed is trained before any second seed
+    todo = [(m, s) for s in args.seeds for m in args.models if not _finished(_run_dir(runs, m, s))]
+    failed: List[str] = []
+    running: List[tuple] = []
+    bar = tqdm(total=len(todo), desc="addition runs", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    while todo or running:
+        if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
+            for proc, model, seed, logf in running:
+                proc.terminate()
+                proc.wait()
+                logf.close()
+                failed.append(f"{model} seed {seed} (stopped at the deadline)")
+            failed += [f"{m} seed {s} (not started before the deadline)" for m, s in todo]
+            bar.write(f"deadline of {args.deadline:.0f} s reached: stopped {len(running)} runs, {len(todo)} not started")
+            break
+        while todo and len(running) < args.jobs:
+            model, seed = todo.pop(0)
+            out = _run_dir(runs, model, seed)
+            out.mkdir(parents=True, exist_ok=True)
+            logf = open(out / "log.txt", "a")
+            proc = subprocess.Popen(_command(args, model, seed, out), stdout=logf, stderr=subprocess.STDOUT)
+            running.append((proc, model, seed, logf))
+        time.sleep(1.0)
+        for item in list(running):
+            proc, model, seed, logf = item
+            if proc.poll() is None:
+                continue
+            logf.close()
+            running.remove(item)
+            bar.update(1)
+            if proc.returncode != 0:
+                failed.append(f"{model} seed {seed} (exit {proc.returncode}, see {_run_dir(runs, model, seed)}/log.txt)")
+                bar.write(f"FAILED: {failed[-1]}")
+            else:
+                best = read_json(_run_dir(runs, model, seed) / "results.json")["best"]
+                bar.write(f"{model} seed {seed}: val {best['val_acc']:.1f}% ood mean {best['mean_acc_ood']:.1f}%")
+    bar.close()
+    return failed
+
+
+def _mean_std(xs: List[float]) -> tuple:
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+
+
+def summarize(results: Dict[str, List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """One row per model: means (and sample standard deviations) over its seeds."""
+    rows = []
+    for model, rs in results.items():
+        lo, hi = rs[0]["preset"]["ood_widths"]
+        keys = {f"mean_acc_{lo}_{hi}": "mean_acc_ood", f"acc_d{lo}": f"acc_d{lo}", f"acc_d{hi}": f"acc_d{hi}",
+                "val_acc": "val_acc", f"digit_mean_acc_{lo}_{hi}": "digit_mean_acc_ood",
+                f"digit_acc_d{lo}": f"digit_acc_d{lo}", f"digit_acc_d{hi}": f"digit_acc_d{hi}",
+                "val_digit_acc": "val_digit_acc", "best_step": "step"}
+        row: Dict[str, Any] = {"model": model, "seeds": [r["seed"] for r in rs]}
+        for out_key, key in keys.items():
+            mean, std = _mean_std([float(r["best"][key]) for r in rs])
+            row[out_key] = round(mean, 2)
+            row[f"{out_key}_std"] = round(std, 2)
+        row["per_seed"] = [{"seed": r["seed"], "best_step": r["best"]["step"],
+                            "mean_acc_ood": round(r["best"]["mean_acc_ood"], 2),
+                            "val_acc": round(r["best"]["val_acc"], 2), "wall_time_s": round(r["wall_time_s"], 1)}
+                           for r in rs]
+        row["steps_done"] = [r["steps_done"] for r in rs]
+        row["config_fields"] = rs[0]["config_fields"]
+        row["parameters"] = rs[0]["parameters"]
+        row["paper"] = PAPER_TABLE3.get(model)
+        rows.append(row)
+    return rows
+
+
+def _fmt(row: Dict[str, Any], key: str, digits: int = 1) -> str:
+    std = row.get(f"{key}_std", 0.0)
+    return f"{row[key]:.{digits}f}" + (f" ± {std:.{digits}f}" if len(row["seeds"]) > 1 else "")
+
+
+def _verdict(rows: List[Dict[str, Any]], mean_key: str) -> List[str]:
+    by = {r["model"]: r for r in rows}
+    target = "Falcon-3A.3"
+    if target not in by:
+        return []
+    ours = by[target][mean_key]
+    lines = []
+    paper = PAPER_TABLE3[target]["mean_acc_33_48"]
+    gap = ours - paper
+    lines.append(f"- {target} mean accuracy {ours:.1f} vs the paper's {paper:.1f}: "
+                 + ("target met" if gap >= 0 else f"short by {-gap:.1f} points") + f" ({gap:+.1f}).")
+    for name, r in by.items():
+        if name == target:
+            continue
+        d = ours - r[mean_key]
+        kind = "baseline" if name in BASELINES else "variant"
+        verdict = "tied" if d == 0 else ("ahead" if d > 0 else "behind") + f" by {abs(d):.1f}"
+        lines.append(f"- vs {name} ({kind}): {r[mean_key]:.1f}, {target} {verdict}.")
+    return lines
+
+
+def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
+    lo, hi = meta["ood_widths"]
+    mean_key = f"mean_acc_{lo}_{hi}"
+    lines = [f"# Variable-length addition ({meta['preset_name']} preset)", "",
+             f"Teacher-forced accuracy on the n+1 sum digits, at the best validation step; "
+             f"training widths {meta['train_widths'][0]}-{meta['train_widths'][1]}, OOD widths {lo}-{hi}. "
+             "'acc' = exact match of the whole answer (the paper's d33/d48 figures are whole numbers, which "
+             "fits exact match over 100 samples per width); 'digits' = fraction of sum digits right.", "",
+             "| model | steps run | best step | val. acc | mean acc | Acc@d%d/d%d | digits: mean / d%d / d%d | "
+             "paper: best step | val. acc | mean acc | Acc@d33/d48 |" % (lo, hi, lo, hi),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["paper"] or {}
+        pv = lambda k: "-" if p.get(k) is None else f"{p[k]:g}"  # noqa: E731
+        lines.append(
+            f"| {r['model']} | {'/'.join(map(str, r['steps_done']))} | {_fmt(r, 'best_step', 0)} | {_fmt(r, 'val_acc')} | {_fmt(r, mean_key)} | "
+            f"{r[f'acc_d{lo}']:.1f}/{r[f'acc_d{hi}']:.1f} | {r[f'digit_{mean_key}']:.1f} / "
+            f"{r[f'digit_acc_d{lo}']:.1f} / {r[f'digit_acc_d{hi}']:.1f} | {pv('best_step')} | {pv('val_acc')} | "
+            f"{pv('mean_acc_33_48')} | {pv('acc_d33')}/{pv('acc_d48')} |")
+    lines += ["", "## Against the paper's goal", ""] + _verdict(rows, mean_key)
+    lines += ["", "## Run", "",
+              f"- seeds: {meta['seeds']}; every model: {meta['size']} ({meta['steps']} steps, batch "
+              f"{meta['batch_size']}, peak lr {meta['lr']}), {meta['val_per_width']} validation samples per "
+              f"training width, {meta['ood_per_width']} test samples per OOD width",
+              f"- device: {meta['device']}; wall time of the comparison: {meta['wall_time_s']:.0f} s",
+              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}"]
+    if meta.get("failed"):
+        lines.append(f"- failed runs: {meta['failed']}")
+    if meta.get("notes"):
+        lines += ["", "## Notes", "", meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _invocation() -> str:
+    argv = sys.argv[2:] if Path(sys.argv[0]).name == "falcon-fwa" else sys.argv[1:]
+    return "falcon-fwa addition-compare " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        sha = out.stdout.strip()
+        return sha if out.returncode == 0 and len(sha) == 40 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from .plot import plot_accuracy_vs_width
+
+    for m in args.models:
+        if m not in LINEUP:
+            raise ValueError(f"models: unknown {m!r}; choose from {', '.join(LINEUP)}")
+        resolve_model(m)
+    preset = preset_from_args(args)
+    runs = Path(args.runs or Path("runs/addition") / args.preset)
+    name = args.name or args.preset
+    t0 = time.perf_counter()
+    failed = [] if args.no_train else train_all(args, runs)
+    wall = time.perf_counter() - t0
+
+    usable = _started if args.partial else _finished
+    # the table uses the seeds that every model finished, so all rows average the same seeds
+    seeds = [s for s in args.seeds if all(usable(_run_dir(runs, m, s)) for m in args.models)]
+    if not seeds:
+        seeds = [s for s in args.seeds if any(usable(_run_dir(runs, m, s)) for m in args.models)][:1]
+    results = {}
+    for m in args.models:
+        rs = [read_json(_run_dir(runs, m, s) / "results.json") for s in seeds if usable(_run_dir(runs, m, s))]
+        if rs:
+            results[m] = rs
+    if not results:
+        print("addition-compare: no finished runs to summarize")
+        return 1
+    rows = summarize(results)
+    first = next(iter(results.values()))[0]
+    summary_file = Path(args.results) / f"{name}.json"
+    meta_file = Path(args.results) / f"{name}_meta.json"
+    previous = read_json(meta_file) if meta_file.exists() and args.no_train else {}
+    meta = {
+        "preset_name": args.preset,
+        "train_widths": list(preset.train_widths),
+        "ood_widths": list(preset.ood_widths),
+        "size": preset.size(),
+        "steps": preset.steps,
+        "batch_size": preset.batch_size,
+        "lr": preset.lr,
+        "val_per_width": preset.val_per_width,
+        "ood_per_width": preset.ood_per_width,
+        "seeds": seeds,
+        "seeds_asked": list(args.seeds),
+        "device": first["device"],
+        "torch": first["torch"],
+        "wall_time_s": previous.get("wall_time_s", wall),
+        "command": previous.get("command", _invocation()),
+        "commit": previous.get("commit", _git_commit()),
+        "platform": platform.platform(),
+        "failed": previous.get("failed", []) + failed,
+        "notes": previous.get("notes", ""),
+    }
+    write_json(summary_file, rows)
+    write_json(meta_file, meta)
+    write_text(summary_file.with_suffix(".md"), markdown(rows, meta))
+    plot = plot_accuracy_vs_width(results, summary_file.with_suffix(".png"),
+                                  title=f"addition, {args.preset} preset, seeds {seeds}")
+    print(markdown(rows, meta))
+    print(f"wrote {summary_file}, {meta_file}, {summary_file.with_suffix('.md')}" + (f", {plot}" if plot else ""))
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="falcon-fwa addition-compare", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

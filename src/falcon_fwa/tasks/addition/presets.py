@@ -1,0 +1,86 @@
+"""Budgets for the addition task: model size and training schedule, shared by every model.
+
+``tiny``  the README's first command: a CPU run of a few minutes (2 cores), on the
+          same task at widths 1..5 (out of distribution: 6..8), small enough to learn there.
+``paper`` the Table-3 budget: ~2,000 steps of a small model, minutes on one GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class AdditionPreset:
+    """Model size and optimisation budget of one run.
+
+    ``train_widths`` is the inclusive range the training widths are drawn from
+    (uniformly); ``ood_widths`` the inclusive out-of-distribution range. Validation
+    uses ``val_per_width`` fixed samples for each training width, the OOD test
+    ``ood_per_width`` for each OOD width. The learning rate follows linear warmup
+    over ``warmup`` steps, then a cosine to ``lr * min_lr_ratio`` at ``steps``.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_heads: int
+    steps: int
+    batch_size: int
+    lr: float
+    warmup: int
+    eval_every: int
+    val_per_width: int
+    ood_per_width: int
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: Tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    train_widths: Tuple[int, int] = (1, 32)
+    ood_widths: Tuple[int, int] = (33, 48)
+    model: Dict[str, Any] = field(default_factory=dict)
+    """Extra model config fields shared by every model of the preset."""
+    cpu_threads: Optional[int] = None
+    """torch threads on CPU (``None``: torch's default). Small models train fastest on one thread."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_heads", "steps", "batch_size", "eval_every",
+                     "val_per_width", "ood_per_width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"preset field {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.warmup < 0:
+            raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
+        for name in ("train_widths", "ood_widths"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"preset field {name!r} must be an inclusive range 1 <= lo <= hi, got {(lo, hi)}")
+
+    def size(self) -> Dict[str, Any]:
+        return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+                "num_heads": self.num_heads, **self.model}
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> "AdditionPreset":
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+PRESETS: Dict[str, AdditionPreset] = {
+    "tiny": AdditionPreset(
+        hidden_size=64, num_hidden_layers=2, num_heads=2,
+        steps=1500, batch_size=64, lr=3e-3, warmup=100, eval_every=250,
+        val_per_width=64, ood_per_width=32, train_widths=(1, 5), ood_widths=(6, 8), cpu_threads=1,
+    ),
+    "paper": AdditionPreset(
+        hidden_size=256, num_hidden_layers=4, num_heads=4,
+        steps=2000, batch_size=128, lr=1e-3, warmup=100, eval_every=100,
+        val_per_width=64, ood_per_width=200,
+    ),
+}
+
+
+def get_addition_preset(name: str) -> AdditionPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"preset: unknown {name!r}; choose from {', '.join(PRESETS)}") from None

@@ -1,0 +1,241 @@
+"""One training run on variable-length addition.
+
+AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient
+clipping; the loss is the mean next-token cross-entropy over target-suffix tokens.
+Every ``eval_every`` steps the model is scored teacher-forced on fixed per-width
+sets (training widths for validation, 33..48 out of distribution); the best step
+is the one with the highest validation exact-match accuracy (ties: digit accuracy,
+then validation loss), and the OOD figures reported are those of that step.
+
+``out_dir`` receives, each written atomically at every evaluation:
+``results.json`` (settings, history, best step), ``checkpoint.pt`` (model,
+optimizer and step, to resume) and ``best.pt`` (model weights at the best step).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
+from .lineup import build_model
+from .metrics import AccuracyTally, score_logits
+from .presets import AdditionPreset
+from .storage import read_json, save_torch, write_json
+
+METRIC_NOTE = (
+    "teacher-forced on the n+1 sum digits; 'acc' = exact match (all digits of a sample right), "
+    "'digit_acc' = fraction of digits right; mean_acc_33_48 = mean over widths 33..48 at the best "
+    "validation step"
+)
+
+
+@dataclass
+class RunSpec:
+    """What one run trains: a named model with its config fields under a preset."""
+
+    model: str
+    fields: Dict[str, Any]
+    preset_name: str
+    preset: AdditionPreset
+    seed: int = 0
+    eval_seed: int = 1234
+    device: str = "cpu"
+    dtype: str = "float32"
+    eval_batch: int = 256
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def lr_at(step: int, preset: AdditionPreset) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine."""
+    if step < preset.warmup:
+        return preset.lr * (step + 1) / preset.warmup
+    span = max(preset.steps - preset.warmup, 1)
+    progress = min((step - preset.warmup) / span, 1.0)
+    floor = preset.lr * preset.min_lr_ratio
+    return floor + 0.5 * (preset.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, preset: AdditionPreset) -> torch.optim.AdamW:
+    """AdamW over the model's own parameter groups (muP multipliers, decay on matrices only)."""
+    groups = model.param_groups(preset.lr, preset.weight_decay)
+    return torch.optim.AdamW(groups, lr=preset.lr, betas=preset.betas)
+
+
+def suffix_loss(logits: torch.Tensor, batch: AdditionBatch) -> torch.Tensor:
+    """Mean cross-entropy of the target-suffix tokens (``logits[t-1]`` predicts token ``t``)."""
+    mask = batch.loss_mask[:, 1:]
+    return F.cross_entropy(logits[:, :-1][mask].float(), batch.input_ids[:, 1:][mask])
+
+
+def eval_batches(seed: int, widths: range, per_width: int, batch: int) -> Dict[int, List[AdditionBatch]]:
+    """Fixed evaluation batches, one width per batch (no padding)."""
+    sets = width_set(seed, widths, per_width)
+    return {w: [collate(s[i : i + batch]) for i in range(0, len(s), batch)] for w, s in sets.items()}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Dict[int, List[AdditionBatch]], device: torch.device,
+             autocast: Callable) -> tuple:
+    """Teacher-forced scores: ``(AccuracyTally, mean suffix loss)`` over ``batches``."""
+    was_training = model.training
+    model.eval()
+    tally, loss_sum, n = AccuracyTally(), 0.0, 0
+    for group in batches.values():
+        for b in group:
+            b = b.to(device)
+            with autocast():
+                logits = model(b.input_ids).logits
+            tally.add(b.widths, *score_logits(logits, b))
+            tokens = int(b.loss_mask[:, 1:].sum())
+            loss_sum += suffix_loss(logits, b).item() * tokens
+            n += tokens
+    model.train(was_training)
+    return tally, loss_sum / max(n, 1)
+
+
+def _summary(tally: AccuracyTally, val_widths: range, ood_widths: range) -> Dict[str, Any]:
+    per = tally.per_width()
+    lo, hi = ood_widths[0], ood_widths[-1]
+    return {
+        "val_acc": tally.exact_acc(val_widths),
+        "val_digit_acc": tally.digit_acc(val_widths),
+        "mean_acc_ood": sum(per[w]["exact"] for w in ood_widths) / len(ood_widths),
+        "digit_mean_acc_ood": sum(per[w]["digit"] for w in ood_widths) / len(ood_widths),
+        f"acc_d{lo}": per[lo]["exact"],
+        f"acc_d{hi}": per[hi]["exact"],
+        f"digit_acc_d{lo}": per[lo]["digit"],
+        f"digit_acc_d{hi}": per[hi]["digit"],
+        "per_width": {str(w): per[w] for w in per},
+    }
+
+
+def _better(a: Dict[str, Any], b: Optional[Dict[str, Any]]) -> bool:
+    if b is None:
+        return True
+    return (a["val_acc"], a["val_digit_acc"], -a["val_loss"]) > (b["val_acc"], b["val_digit_acc"], -b["val_loss"])
+
+
+def _autocast(device: torch.device, dtype: str) -> Callable:
+    if dtype == "float32":
+        return contextlib.nullcontext
+    if dtype == "bfloat16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    raise ValueError(f"dtype: unknown {dtype!r}; choose float32 or bfloat16")
+
+
+def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = True,
+              log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Train ``spec`` and return the results dict (also written to ``out_dir/results.json``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    p = spec.preset
+    device = torch.device(spec.device)
+    autocast = _autocast(device, spec.dtype)
+
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.fields, p.size(), vocab_size=len(VOCAB)).to(device)
+    optimizer = make_optimizer(model, p)
+    n_params = sum(t.numel() for t in model.parameters())
+
+    val_widths = range(p.train_widths[0], p.train_widths[1] + 1)
+    ood_widths = range(p.ood_widths[0], p.ood_widths[1] + 1)
+    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch)
+    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch))
+
+    results: Dict[str, Any] = {
+        "task": "addition",
+        "model": spec.model,
+        "config_fields": spec.fields,
+        "preset_name": spec.preset_name,
+        "preset": p.to_dict(),
+        "seed": spec.seed,
+        "eval_seed": spec.eval_seed,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "dtype": spec.dtype,
+        "torch": torch.__version__,
+        "parameters": n_params,
+        "metric": METRIC_NOTE,
+        "history": [],
+        "best": None,
+        "steps_done": 0,
+        "finished": False,
+        "wall_time_s": 0.0,
+        **spec.extra,
+    }
+    start, elapsed_before = 0, 0.0
+    ckpt_path = out_dir / "checkpoint.pt"
+    if resume and ckpt_path.exists() and (out_dir / "results.json").exists():
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start = ckpt["step"]
+        old = read_json(out_dir / "results.json")
+        results.update(history=old["history"], best=old["best"], steps_done=start)
+        elapsed_before = old.get("wall_time_s", 0.0)
+        log(f"resuming {spec.model} seed {spec.seed} at step {start}")
+
+    t0 = time.perf_counter()
+    model.train()
+    loss_sum, loss_n = 0.0, 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=p.steps, initial=start, desc=f"{spec.model} s{spec.seed}", dynamic_ncols=True)
+    for step in range(start, p.steps):
+        lr = lr_at(step, p)
+        for g in optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_multiplier", 1.0)
+        batch = training_batch(spec.seed, step, p.batch_size, *p.train_widths).to(device)
+        with autocast():
+            logits = model(batch.input_ids).logits
+        loss = suffix_loss(logits, batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss at step {step + 1} ({spec.model}, seed {spec.seed})")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
+        optimizer.step()
+        loss_sum += loss.item()
+        loss_n += 1
+        done = step + 1
+        if bar is not None:
+            bar.update(1)
+        if done % p.eval_every == 0 or done == p.steps:
+            tally, val_loss = evaluate(model, batches, device, autocast)
+            entry = {"step": done, "lr": lr, "train_loss": loss_sum / max(loss_n, 1), "val_loss": val_loss,
+                     **_summary(tally, val_widths, ood_widths)}
+            loss_sum, loss_n = 0.0, 0
+            results["history"].append(entry)
+            if _better(entry, results["best"]):
+                results["best"] = entry
+                save_torch(out_dir / "best.pt", {"model": model.state_dict(), "step": done,
+                                                 "config_fields": spec.fields, "size": p.size()})
+            results["steps_done"] = done
+            results["finished"] = done == p.steps
+            results["wall_time_s"] = elapsed_before + time.perf_counter() - t0
+            save_torch(ckpt_path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done})
+            write_json(out_dir / "results.json", results)
+            msg = (f"step {done}: loss {entry['train_loss']:.3f} val {entry['val_acc']:.1f}% "
+                   f"(digits {entry['val_digit_acc']:.1f}%) ood {entry['mean_acc_ood']:.1f}% "
+                   f"(digits {entry['digit_mean_acc_ood']:.1f}%)")
+            if bar is not None:
+                bar.set_postfix_str(f"val {entry['val_acc']:.1f}% ood {entry['mean_acc_ood']:.1f}%")
+                bar.write(msg)
+            else:
+                log(msg)
+    if bar is not None:
+        bar.close()
+    if results["steps_done"] < p.steps or not results["history"]:
+        raise RuntimeError("training ended without an evaluation")
+    results["finished"] = True
+    write_json(out_dir / "results.json", results)
+    return results

@@ -1,0 +1,74 @@
+"""Addition task: smoke runs of ``falcon-fwa addition`` / ``addition-compare`` and the summary."""
+import json
+
+import pytest
+
+from falcon_fwa.tasks.addition import cli, compare
+from falcon_fwa.tasks.addition.lineup import LINEUP, resolve_model
+from falcon_fwa.tasks.addition.presets import get_addition_preset
+
+SMALL = ["--preset", "tiny", "--device", "cpu", "--batch-size", "4", "--val-per-width", "2", "--ood-per-width", "2",
+         "--train-widths", "1", "3", "--ood-widths", "4", "5", "--threads", "1"]
+
+
+def test_two_step_run_writes_results_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["--model", "Falcon-3A.3", "--steps", "2", "--eval-every", "2", "--out", str(out),
+                     "--no-progress", *SMALL]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["finished"] and res["steps_done"] == 2 and res["model"] == "Falcon-3A.3"
+    assert res["config_fields"] == {"mixer": "falcon", "rule": "3A", "qk_norm": "rmsnorm", "gate": "ctx-eta"}
+    assert [h["step"] for h in res["history"]] == [2] and res["best"]["step"] == 2
+    assert sorted(res["best"]["per_width"], key=int) == ["1", "2", "3", "4", "5"]
+    for key in ("val_acc", "val_digit_acc", "mean_acc_ood", "acc_d4", "acc_d5", "digit_acc_d5"):
+        assert 0.0 <= res["best"][key] <= 100.0
+    assert (out / "checkpoint.pt").exists() and (out / "best.pt").exists()
+    assert (out / "accuracy_vs_width.png").stat().st_size > 0
+    # a longer budget on the same folder continues from step 2
+    assert cli.main(["--model", "Falcon-3A.3", "--steps", "3", "--eval-every", "2", "--out", str(out),
+                     "--no-progress", *SMALL]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [h["step"] for h in res["history"]] == [2, 3] and res["steps_done"] == 3
+
+
+def test_compare_trains_and_writes_the_table(tmp_path):
+    assert compare.main(["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2",
+                         "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"), "--name", "t",
+                         *SMALL]) == 0
+    rows = json.loads((tmp_path / "res" / "t.json").read_text())
+    assert [r["model"] for r in rows] == ["Transformer"]
+    for key in ("model", "mean_acc_4_5", "acc_d4", "acc_d5", "val_acc", "best_step", "seeds"):
+        assert key in rows[0]
+    assert rows[0]["seeds"] == [0] and rows[0]["best_step"] == 2
+    assert "| Transformer |" in (tmp_path / "res" / "t.md").read_text()
+    assert (tmp_path / "res" / "t.png").exists() and (tmp_path / "res" / "t_meta.json").exists()
+
+
+def _fake_result(seed, mean_ood, d33, d48, val, step):
+    per_width = {str(w): {"digit": 90.0, "exact": 80.0} for w in range(1, 49)}
+    best = {"step": step, "val_acc": val, "val_digit_acc": 99.0, "mean_acc_ood": mean_ood, "acc_d33": d33,
+            "acc_d48": d48, "digit_mean_acc_ood": 95.0, "digit_acc_d33": 99.0, "digit_acc_d48": 90.0,
+            "per_width": per_width}
+    return {"seed": seed, "best": best, "wall_time_s": 1.0, "steps_done": 2000, "preset": {"ood_widths": [33, 48]},
+            "config_fields": {"mixer": "falcon"}, "parameters": 10}
+
+
+def test_summary_means_and_spreads_over_seeds():
+    rows = compare.summarize({"Falcon-3A.3": [_fake_result(0, 80.0, 100.0, 60.0, 99.0, 1900),
+                                              _fake_result(1, 90.0, 100.0, 70.0, 100.0, 2000)]})
+    r = rows[0]
+    assert r["model"] == "Falcon-3A.3" and r["seeds"] == [0, 1]
+    assert r["mean_acc_33_48"] == 85.0 and r["mean_acc_33_48_std"] == pytest.approx(7.07, abs=0.01)
+    assert r["acc_d33"] == 100.0 and r["acc_d48"] == 65.0 and r["val_acc"] == 99.5 and r["best_step"] == 1950
+    assert r["paper"]["mean_acc_33_48"] == 87.2 and r["steps_done"] == [2000, 2000]
+
+
+def test_lineup_names_map_to_the_paper_variants():
+    assert resolve_model("Falcon-1A.1") == {"mixer": "falcon", "rule": "1A", "qk_norm": "l2", "gate": "ctx-beta"}
+    assert resolve_model("Falcon-1.3")["rule"] == "1"
+    assert resolve_model("falcon", {"rule": "3A", "window": None}) == {"mixer": "falcon", "rule": "3A"}
+    assert len(LINEUP) == 8
+    with pytest.raises(ValueError, match="model"):
+        resolve_model("Falcon-9")
+    with pytest.raises(ValueError, match="train_widths"):
+        get_addition_preset("tiny").replace(train_widths=(5, 2))

@@ -1,0 +1,116 @@
+"""Addition task: generator, checker, batches and teacher-forced metrics."""
+import random
+
+import pytest
+import torch
+
+from falcon_fwa.tasks.addition.data import (
+    END,
+    VOCAB,
+    AdditionSample,
+    check_text,
+    collate,
+    decode,
+    encode,
+    make_sample,
+    training_batch,
+    width_set,
+)
+from falcon_fwa.tasks.addition.metrics import AccuracyTally, score_logits, score_predictions
+
+
+def schoolbook_reversed_sum(a: str, b: str) -> str:
+    """Digit-by-digit addition with carries, least significant digit first (independent reference)."""
+    out, carry = [], 0
+    for da, db in zip(reversed(a), reversed(b)):
+        s = int(da) + int(db) + carry
+        out.append(str(s % 10))
+        carry = s // 10
+    out.append(str(carry))
+    return "".join(out)
+
+
+def test_samples_are_correct_sums_at_every_width():
+    rng = random.Random(0)
+    for width in list(range(1, 49)) * 5:
+        s = make_sample(rng, width)
+        prompt, answer_end = s.text.split("=")
+        a, b = prompt.split("+")
+        assert len(a) == len(b) == width and a.isdigit() and b.isdigit()
+        assert answer_end == schoolbook_reversed_sum(a, b) + END
+        assert len(s.text) == 3 * width + 4
+        assert check_text(s.text)
+
+
+def test_carry_chain_example():
+    s = AdditionSample(a=999, b=1, width=3)
+    assert s.text == "999+001=0001$"
+    assert AdditionSample(a=57, b=968, width=3).text == "057+968=5201$"
+
+
+def test_checker_rejects_wrong_and_malformed_texts():
+    assert check_text("057+968=5201$") and check_text("057+968=5201")
+    for bad in ["057+968=5211$", "057+968=1025$", "57+968=5201$", "057+968=520$", "057968=5201$",
+                "057+968=52a1$", "+=0", ""]:
+        assert not check_text(bad), bad
+
+
+def test_generator_is_deterministic_and_seeded():
+    b1, b2 = training_batch(3, 17, 16), training_batch(3, 17, 16)
+    assert torch.equal(b1.input_ids, b2.input_ids)
+    assert not torch.equal(training_batch(3, 18, 16).input_ids[:, :4], b1.input_ids[:, :4])
+    assert width_set(0, [5, 40], 3) == width_set(0, [5, 40], 3)
+    assert width_set(0, [5], 3) != width_set(1, [5], 3)
+    widths = training_batch(0, 0, 512, 1, 32).widths
+    assert widths.min() == 1 and widths.max() == 32
+
+
+def test_tokenizer_round_trip_and_errors():
+    text = "0123456789+=$_"
+    assert decode(encode(text)) == text
+    assert VOCAB[0] == "_" and len(set(VOCAB)) == len(VOCAB)
+    with pytest.raises(ValueError, match="text"):
+        encode("12-3")
+
+
+def test_collate_masks_cover_the_target_suffix_only():
+    samples = [AdditionSample(57, 968, 3), AdditionSample(4, 9, 1)]
+    batch = collate(samples)
+    assert batch.input_ids.shape == (2, 13)
+    assert decode(batch.input_ids[1]) == "4+9=31$" + "_" * 6
+    for i, s in enumerate(samples):
+        assert decode(batch.input_ids[i][batch.loss_mask[i]]) == s.answer + END
+        assert decode(batch.input_ids[i][batch.digit_mask[i]]) == s.answer
+    assert batch.widths.tolist() == [3, 1]
+
+
+def _one_hot_logits(pred: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.one_hot(pred, len(VOCAB)).float() * 5.0
+
+
+def test_accuracy_on_hand_made_predictions():
+    # widths 3 and 1: answers "5201" (4 digits) and "31" (2 digits)
+    batch = collate([AdditionSample(57, 968, 3), AdditionSample(4, 9, 1)])
+    gold_next = batch.input_ids[:, 1:]
+    pred = gold_next.clone()
+    # sample 0: one wrong sum digit (the third, position 10 of the text) -> 3/4, not exact
+    pred[0, 10 - 1] = encode("7")[0]
+    # sample 1: wrong prompt prediction and wrong end marker -> not scored, still exact
+    pred[1, 0] = encode("9")[0]
+    pred[1, 6 - 1] = encode("0")[0]
+    correct, total = score_predictions(pred, batch)
+    assert correct.tolist() == [3, 2] and total.tolist() == [4, 2]
+    assert torch.equal(torch.stack(score_logits(_one_hot_logits(torch.cat([pred, pred[:, :1]], 1)), batch)),
+                       torch.stack([correct, total]))
+
+    tally = AccuracyTally()
+    tally.add(batch.widths, correct, total)
+    # a second batch at width 3, every digit wrong
+    b3 = collate([AdditionSample(1, 2, 3)])
+    tally.add(b3.widths, *score_predictions((b3.input_ids[:, 1:] + 1) % len(VOCAB), b3))
+    assert tally.digit_acc([3]) == pytest.approx(100 * 3 / 8)
+    assert tally.exact_acc([3]) == 0.0
+    assert tally.exact_acc([1]) == 100.0
+    assert tally.digit_acc([1, 3]) == pytest.approx(100 * 5 / 10)
+    assert tally.exact_acc([1, 3]) == pytest.approx(100 / 3)
+    assert tally.per_width()[1] == {"digit": 100.0, "exact": 100.0}

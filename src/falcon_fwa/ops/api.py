@@ -9,10 +9,10 @@ from .chunk import chunk_form
 from .pairs import next_tail, window_slots, write_pairs
 from .parallel import parallel_form
 from .recurrent import recurrent_form
-from .rules import RuleSpec, get_rule
+from .rules import get_rule
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import check_inputs
+from .validate import check_inputs, check_state
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -195,6 +195,13 @@ def falcon_step(
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
     ``state=None`` starts a fresh sequence. Returns ``o`` ``[B, H, V]`` and the new
     state; identical to ``falcon_attention(form="recurrent")`` token by token."""
+    if state is not None:
+        if q.dim() != 3 or v.dim() != 3:
+            raise ValueError(f"q and v must have shapes [B, H, K] and [B, H, V], got {tuple(q.shape)}, {tuple(v.shape)}")
+        spec = get_rule(rule)
+        check_state(state, spec, window=window if spec.sliding else 1, shift=shift, B=q.shape[0], H=q.shape[1],
+                    K=q.shape[2], V=v.shape[2], name="state")
+
     def one(t):
         return None if t is None else t.unsqueeze(1)
 

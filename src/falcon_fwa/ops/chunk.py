@@ -6,7 +6,8 @@ no-op steps: zero gain, unit carry). Three phases, as in Algorithms 1, 3 and 4:
 1. every chunk's masked-parallel block (``parallel.prepare_block``), all chunks at
    once, with log-prefixes restarted at 0 in each chunk;
 2. the chunk-to-chunk state recurrence ``S_(k+1) = exp(u_C) S_k + X^T diag(exp(u_C - u)) (U - W S_k)``,
-   sequential over chunks;
+   written as the affine map ``S_(k+1) = G_k S_k + b_k`` whose ``G_k``, ``b_k`` are formed
+   for all chunks at once, so that the sequential loop is one small matmul per chunk;
 3. every chunk's outputs from its entry state, all chunks at once.
 
 No product of decays ever spans more than one chunk.
@@ -18,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .parallel import Block, block_outputs, prepare_block, propagate
+from .parallel import block_outputs, group_state, prepare_block, transition, ungroup_state, write_vectors
 
 __all__ = ["chunk_form"]
 
@@ -33,14 +34,6 @@ def _chunked(t: Optional[torch.Tensor], T_pad: int, C: int) -> Optional[torch.Te
         pad = [0, 0] * len(rest) + [0, T_pad - T]
         t = F.pad(t, pad)
     return t.reshape(B * H * (T_pad // C), C, *rest)
-
-
-def _chunk_view(blk: Block, BH: int, nc: int) -> Block:
-    return Block(**{k: None if v is None else v.reshape(BH, nc, *v.shape[1:]) for k, v in vars(blk).items()})
-
-
-def _select(blk: Block, i: int) -> Block:
-    return Block(**{k: None if v is None else v[:, i] for k, v in vars(blk).items()})
 
 
 def chunk_form(
@@ -62,15 +55,21 @@ def chunk_form(
     nc = -(-T // C)
     T_pad = nc * C
     blk = prepare_block(*(_chunked(t, T_pad, C) for t in (q, xs, ys, eta_slots, kappa_slots, log_a)), read_after=read_after)
-    per_chunk = _chunk_view(blk, B * H, nc)
+    Vd = blk.U.shape[1]
 
-    S = S0.flatten(0, 1)
-    entries, writes = [], []
+    # Phase 2: every chunk is an affine map S -> G S + b of its entry state
+    # (computed for all chunks at once); only the chain of maps is sequential.
+    G, b = transition(blk)
+    G = G.reshape(B * H, nc, *G.shape[1:]).unbind(1)
+    b = b.reshape(B * H, nc, *b.shape[1:]).unbind(1)
+    S = group_state(S0.flatten(0, 1), Vd)  # [BH, Vd, K, Vg]
+    entries = []
     for i in range(nc):
-        D, S_next = propagate(_select(per_chunk, i), S)
         entries.append(S)
-        writes.append(D)
-        S = S_next
-    o = block_outputs(blk, torch.stack(entries, 1).flatten(0, 1), torch.stack(writes, 1).flatten(0, 1))
+        S = (G[i] @ S if G[i].shape[-1] > 1 else G[i] * S) + b[i]
+
+    # Phase 3: outputs of every chunk from its entry state, all chunks at once.
+    S_in = ungroup_state(torch.stack(entries, 1).flatten(0, 1))
+    o = block_outputs(blk, S_in, write_vectors(blk, S_in))
     o = o.reshape(B, H, T_pad, -1)[:, :, :T]
-    return o, S.reshape(B, H, K, -1)
+    return o, ungroup_state(S).reshape(B, H, K, -1)

@@ -73,7 +73,6 @@ def window_slots(
     ``slot_valid`` ``[B, T, W]``.
     """
     B, H, T, K = x.shape
-    V = y.shape[-1]
     W = window
     if W == 1:
         return x[:, :, :, None], y[:, :, :, None], valid[:, :, None]

@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["Block", "prepare_block", "propagate", "block_outputs", "parallel_form"]
+__all__ = ["Block", "prepare_block", "write_vectors", "propagate", "transition", "block_outputs", "parallel_form", "group_state", "ungroup_state"]
 
 
 @dataclass
@@ -100,27 +100,47 @@ def prepare_block(
                  to_end=torch.exp(u[..., -1:] - u_s), decay_end=torch.exp(u[..., -1]))
 
 
-def _group(S: torch.Tensor, Vd: int) -> torch.Tensor:
+def group_state(S: torch.Tensor, Vd: int) -> torch.Tensor:
     N, K, V = S.shape
     return S.reshape(N, K, Vd, V // Vd).permute(0, 2, 1, 3)  # [N, Vd, K, Vg]
 
 
-def _ungroup(Sg: torch.Tensor) -> torch.Tensor:
+def ungroup_state(Sg: torch.Tensor) -> torch.Tensor:
     N, Vd, K, Vg = Sg.shape
     return Sg.permute(0, 2, 1, 3).reshape(N, K, Vd * Vg)
 
 
+def write_vectors(blk: Block, S0: torch.Tensor) -> torch.Tensor:
+    """Write vectors ``D = U - W S_0`` ``[N, Vd, CW, Vg]`` from the entry state ``S0`` ``[N, K, V]``."""
+    return blk.U if blk.Wm is None else blk.U - blk.Wm @ group_state(S0, blk.U.shape[1])
+
+
 def propagate(blk: Block, S0: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Write vectors ``D = U - W S_0`` and the block's exit state, from ``S0`` ``[N, K, V]``."""
-    S0g = _group(S0, blk.U.shape[1])
-    D = blk.U if blk.Wm is None else blk.U - blk.Wm @ S0g
+    D = write_vectors(blk, S0)
+    S0g = group_state(S0, D.shape[1])
     S_end = blk.decay_end[..., None, None] * S0g + blk.X.transpose(1, 2)[:, None] @ (blk.to_end[..., None] * D)
-    return D, _ungroup(S_end)
+    return D, ungroup_state(S_end)
+
+
+def transition(blk: Block) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The block as an affine map of its entry state, per value group:
+    ``S_end = G S_0 + b`` with ``b = X^T diag(exp(u_C - u)) U`` ``[N, Vd, K, Vg]`` and
+    ``G = exp(u_C) I - X^T diag(exp(u_C - u)) W`` ``[N, Vd, K, K]``; for the
+    inner-product rules (no ``W``) ``G`` is the scalar decay, returned as ``[N, Vd, 1, 1]``."""
+    Xt = blk.X.transpose(1, 2)[:, None]  # [N, 1, K, CW]
+    b = Xt @ (blk.to_end[..., None] * blk.U)
+    G = blk.decay_end[..., None, None]
+    if blk.Wm is not None:
+        K = blk.X.shape[-1]
+        eye = torch.eye(K, dtype=G.dtype, device=G.device)
+        G = G * eye - Xt @ (blk.to_end[..., None] * blk.Wm)
+    return G, b
 
 
 def block_outputs(blk: Block, S0: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     """Outputs ``[N, C, V]``: decayed history plus masked attention over the block."""
-    S0g = _group(S0, D.shape[1])
+    S0g = group_state(S0, D.shape[1])
     O = blk.hist[..., None] * (blk.q[:, None] @ S0g) + blk.A @ D  # [N, Vd, C, Vg]
     N, Vd, C, Vg = O.shape
     return O.permute(0, 2, 1, 3).reshape(N, C, Vd * Vg)

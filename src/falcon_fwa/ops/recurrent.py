@@ -38,16 +38,17 @@ def recurrent_form(
     ``log_gate`` ``[B, H, T]`` or ``None``, ``S0`` ``[B, H, K, V]``.
     Returns ``o`` ``[B, H, T, V]`` and ``S_T`` ``[B, H, K, V]``.
     """
-    gamma = torch.exp(log_gamma)
+    # Per-step views through unbind (its backward is one stack, linear in T).
+    steps = zip(q.unbind(2), xs.unbind(2), ys.unbind(2), eta_slots.unbind(2), torch.exp(log_gamma).unbind(2),
+                [None] * q.shape[2] if log_gate is None else torch.exp(log_gate).unbind(2))
     S = S0
     outs = []
-    for t in range(q.shape[2]):
+    for q_t, X, Y, eta_t, gamma_t, gate_t in steps:  # X [B, H, W, K], Y [B, H, W, V]
         S_prev = S
-        if log_gate is not None:
-            S = torch.exp(log_gate[:, :, t])[..., None, None] * S
-        X, Y = xs[:, :, t], ys[:, :, t]  # [B, H, W, K], [B, H, W, V]
+        if gate_t is not None:
+            S = gate_t[..., None, None] * S
         R = Y - X @ S if regression else Y
-        S = gamma[:, :, t, None, :] * S + X.transpose(-1, -2) @ (eta_slots[:, :, t] * R)
+        S = gamma_t[:, :, None, :] * S + X.transpose(-1, -2) @ (eta_t * R)
         read = S if read_after else S_prev
-        outs.append((read.transpose(-1, -2) @ q[:, :, t, :, None])[..., 0])
+        outs.append((read.transpose(-1, -2) @ q_t[..., None])[..., 0])
     return torch.stack(outs, dim=2), S

@@ -34,7 +34,11 @@ def normalization_statistic(rule: RuleSpec, xs: torch.Tensor, count: torch.Tenso
     bt = count.clamp(min=1).to(xs.dtype)[:, None, :]
     if rule.regression:
         gram = xs @ xs.transpose(-1, -2)  # [B, H, T, W, W]
-        return torch.linalg.eigvalsh(gram)[..., -1] / bt
+        # A non-finite window (e.g. garbage past the end of a sequence) gets a NaN
+        # statistic of its own instead of failing the batched eigensolver for all.
+        bad = ~torch.isfinite(gram).all(-1).all(-1)
+        top = torch.linalg.eigvalsh(gram.masked_fill(bad[..., None, None], 0.0))[..., -1]
+        return top.masked_fill(bad, float("nan")) / bt
     return (xs ** 2).sum((-1, -2)) / bt
 
 

@@ -86,23 +86,25 @@ def check_inputs(
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 
 
-def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool, B: int, H: int, K: int, V: int) -> None:
+def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool, B: int, H: int, K: int, V: int,
+                name: str = "initial_state") -> None:
+    """Check that ``state`` (the argument called ``name``) continues this configuration and shape."""
     if not isinstance(state, FalconState):
-        raise TypeError(f"initial_state must be a FalconState, got {type(state).__name__}")
+        raise TypeError(f"{name} must be a FalconState, got {type(state).__name__}")
     if state.rule != rule.name:
-        raise ValueError(f"initial_state comes from rule {state.rule!r}, not rule {rule.name!r}")
+        raise ValueError(f"{name} comes from rule {state.rule!r}, not rule {rule.name!r}")
     if state.shift != shift:
-        raise ValueError(f"initial_state was made with shift={state.shift}, not shift={shift}")
+        raise ValueError(f"{name} was made with shift={state.shift}, not shift={shift}")
     if state.window != window:
-        raise ValueError(f"initial_state was made with window={state.window}, not window={window}")
-    _shape("initial_state.S", state.S, (B, H, K, V), "[B, H, K, V]")
+        raise ValueError(f"{name} was made with window={state.window}, not window={window}")
+    _shape(f"{name}.S", state.S, (B, H, K, V), "[B, H, K, V]")
     if shift:
         if state.last_key is None:
-            raise ValueError("initial_state.last_key is missing (needed with shift=True)")
-        _shape("initial_state.last_key", state.last_key, (B, H, K), "[B, H, K]")
+            raise ValueError(f"{name}.last_key is missing (needed with shift=True)")
+        _shape(f"{name}.last_key", state.last_key, (B, H, K), "[B, H, K]")
     if rule.sliding and window > 1:
         if state.tail_x is None or state.tail_y is None or state.tail_valid is None:
-            raise ValueError("initial_state has no sliding-window tail (tail_x, tail_y, tail_valid)")
-        _shape("initial_state.tail_x", state.tail_x, (B, H, window - 1, K), "[B, H, window-1, K]")
-        _shape("initial_state.tail_y", state.tail_y, (B, H, window - 1, V), "[B, H, window-1, V]")
-        _shape("initial_state.tail_valid", state.tail_valid, (B, window - 1), "[B, window-1]")
+            raise ValueError(f"{name} has no sliding-window tail (tail_x, tail_y, tail_valid)")
+        _shape(f"{name}.tail_x", state.tail_x, (B, H, window - 1, K), "[B, H, window-1, K]")
+        _shape(f"{name}.tail_y", state.tail_y, (B, H, window - 1, V), "[B, H, window-1, V]")
+        _shape(f"{name}.tail_valid", state.tail_valid, (B, window - 1), "[B, window-1]")

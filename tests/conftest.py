@@ -1,0 +1,168 @@
+"""Shared helpers for the op tests: random inputs, error metrics and an
+independent float64 reference of the six Falcon rules.
+
+The reference is written straight from the paper, one rule at a time and one
+token at a time, with plain Python loops over batch rows and heads: Algorithm 5
+(Falcon-1), the per-column rule of Section 4.2 (Falcon-2), the inner-product rules
+of Section 4.3 (Falcon-1A / 2A), Algorithm 2 with its FIFO buffer (Falcon-3) and
+Section 4.5 (Falcon-3A). It shares no code with ``falcon_fwa.ops``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+RULE_NAMES = ("1", "2", "3", "1A", "2A", "3A")
+PER_COLUMN = ("2", "2A")
+SLIDING = ("3", "3A")
+FORMS = ("recurrent", "parallel", "chunk")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def random_inputs(
+    rule: str,
+    *,
+    B: int = 2,
+    T: int = 37,
+    H: int = 2,
+    K: int = 5,
+    V: int = 4,
+    beta_range=(0.05, 1.95),
+    lam_range=(0.0, 1.0),
+    zero_key_rows: float = 0.0,
+    with_gate: bool = False,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> Dict[str, torch.Tensor]:
+    """Random op inputs (keys and queries of norm about 1). ``zero_key_rows`` is the
+    fraction of (b, t, h) key rows set to exactly zero."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=torch.float64)
+
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64) / math.sqrt(K)
+    k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64) / math.sqrt(K)
+    if zero_key_rows > 0:
+        k = k * (rand(B, T, H, 1) >= zero_key_rows)
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    bshape = (B, T, H, V) if rule in PER_COLUMN else (B, T, H)
+    lo, hi = beta_range
+    beta = lo + (hi - lo) * rand(*bshape)
+    lo, hi = lam_range
+    lam = lo + (hi - lo) * rand(B, T, H)
+    out = dict(q=q, k=k, v=v, beta=beta, lam=lam)
+    if with_gate:
+        out["log_gate"] = -0.5 * rand(B, T, H)
+    return {name: t.to(dtype) for name, t in out.items()}
+
+
+def reference_falcon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    rule: str,
+    window: int = 4,
+    eps: float = 1e-6,
+    decay_floor: float = 1e-3,
+    shift: bool = True,
+    normalize: bool = True,
+    log_gate: Optional[torch.Tensor] = None,
+    read: str = "after",
+    scale_ridge: bool = False,
+):
+    """Literal float64 loop of the Falcon rules on a fresh sequence.
+
+    Returns ``o`` ``[B, T, H, V]``, ``S_T`` ``[B, H, K, V]`` and a dict with the
+    fraction of updating steps (per head and, for 2/2A, per column) on which the
+    positive-decay clamp ``alpha = min(eta*lam, 1 - decay_floor)`` is active.
+    """
+    q, k, v, beta, lam = (t.detach().double() for t in (q, k, v, beta, lam))
+    gate = None if log_gate is None else log_gate.detach().double()
+    Bsz, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.zeros(Bsz, T, H, V, dtype=torch.float64)
+    S_final = torch.zeros(Bsz, H, K, V, dtype=torch.float64)
+    n_steps, n_clamped = 0, 0
+
+    for b in range(Bsz):
+        for h in range(H):
+            S = torch.zeros(K, V, dtype=torch.float64)
+            # Algorithm 2's FIFO of the last `window` pairs (x_j, y_j): after the push at
+            # step t it holds exactly I_t = {j : max(2, t - window + 1) <= j <= t}
+            # (from j = 1 with shift=False, where there is no sentinel).
+            fifo = []
+            for i in range(T):  # i = t - 1
+                S_prev = S
+                if gate is not None:  # S' = exp(g_t) S_{t-1}
+                    S = math.exp(gate[b, i, h].item()) * S
+                if shift and i == 0:
+                    # boundary sentinel: x_1 = 0, eta_1 = 0, gamma_1 = 1
+                    pass
+                else:
+                    x = k[b, i - 1, h] if shift else k[b, i, h]  # write feature x_t
+                    y = v[b, i, h]  # target y_t
+                    lam_t = lam[b, i, h]
+                    gain = beta[b, i, h]  # scalar, or [V] for the per-column rules
+                    if rule in SLIDING:
+                        fifo.append((x, y))
+                        if len(fifo) > window:
+                            fifo.pop(0)
+                        Bt = len(fifo)
+                        X = torch.stack([p[0] for p in fifo])  # [Bt, K], rows x_j
+                        if rule == "3":
+                            E = torch.linalg.eigvalsh(X @ X.T)[-1] / Bt  # mu_t^(B)
+                        else:
+                            E = (X * X).sum() / Bt  # Ebar_t^(B)
+                    else:
+                        E = x @ x  # ||x_t||^2
+                    if scale_ridge:
+                        lam_t = lam_t * E
+                    if normalize:
+                        denom = E + lam_t + eps
+                        eta = gain / denom if denom > 0 else gain * 0.0
+                    else:
+                        eta = gain
+                    alpha_raw = eta * lam_t
+                    alpha = torch.clamp(alpha_raw, max=1.0 - decay_floor)
+                    gamma = 1.0 - alpha
+                    n_steps += alpha_raw.numel()
+                    n_clamped += int((alpha_raw > 1.0 - decay_floor).sum())
+                    if rule == "1":  # Algorithm 5
+                        r = y - S.T @ x
+                        S = gamma * S + eta * torch.outer(x, r)
+                    elif rule == "2":  # one NLMS step per value column
+                        cols = []
+                        for c in range(V):
+                            s_c = S[:, c]
+                            cols.append(gamma[c] * s_c + eta[c] * x * (y[c] - s_c @ x))
+                        S = torch.stack(cols, dim=1)
+                    elif rule == "1A":
+                        S = gamma * S + eta * torch.outer(x, y)
+                    elif rule == "2A":
+                        S = torch.stack([gamma[c] * S[:, c] + eta[c] * y[c] * x for c in range(V)], dim=1)
+                    elif rule == "3":  # Algorithm 2
+                        U = torch.zeros(K, V, dtype=torch.float64)
+                        for xj, yj in fifo:
+                            U = U + torch.outer(xj, yj - S.T @ xj)
+                        S = gamma * S + (eta / Bt) * U
+                    elif rule == "3A":  # Eq. (4.19)
+                        N = sum(torch.outer(xj, yj) for xj, yj in fifo) / Bt
+                        S = gamma * S + eta * N
+                    else:
+                        raise ValueError(rule)
+                read_state = S if read == "after" else S_prev
+                o[b, i, h] = read_state.T @ q[b, i, h]
+            S_final[b, h] = S
+    return o, S_final, {"clamped_fraction": n_clamped / max(n_steps, 1)}

@@ -1,0 +1,133 @@
+"""Bad input raises a clear error that names the argument at fault."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_inputs
+
+from falcon_fwa import falcon_attention, falcon_step
+
+
+def _inp(rule="1A", **kw):
+    return random_inputs(rule, B=2, T=6, H=2, K=3, V=4, seed=81, **kw)
+
+
+def _call(inp, **options):
+    return falcon_attention(**inp, **options)
+
+
+BAD_SHAPES = {
+    "q_3d": ("q", lambda i: i["q"][0], "1A", r"\bq\b"),
+    "k_other_T": ("k", lambda i: i["k"][:, :5], "1A", r"\bk\b"),
+    "k_other_K": ("k", lambda i: i["k"][..., :2], "1A", r"\bk\b"),
+    "v_other_B": ("v", lambda i: i["v"][:1], "1A", r"\bv\b"),
+    "v_other_H": ("v", lambda i: i["v"][:, :, :1], "1A", r"\bv\b"),
+    "v_3d": ("v", lambda i: i["v"][..., 0], "1A", r"\bv\b"),
+    "beta_per_column_for_rule1": ("beta", lambda i: i["beta"][..., None].expand(2, 6, 2, 4), "1", r"\bbeta\b"),
+    "beta_scalar_for_rule2": ("beta", lambda i: i["beta"][..., 0], "2", r"\bbeta\b"),
+    "beta_other_T": ("beta", lambda i: i["beta"][:, :3], "3A", r"\bbeta\b"),
+    "beta_broadcastable": ("beta", lambda i: i["beta"][:1], "1A", r"\bbeta\b"),
+    "lam_other_H": ("lam", lambda i: i["lam"][:, :, :1], "1A", r"\blam\b"),
+    "lam_with_V": ("lam", lambda i: i["lam"][..., None].expand(2, 6, 2, 4), "2A", r"\blam\b"),
+    "log_gate_shape": ("log_gate", lambda i: i["lam"][:, :, :1] * 0, "1", r"\blog_gate\b"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SHAPES))
+def test_bad_shapes(case):
+    name, make, rule, pattern = BAD_SHAPES[case]
+    inp = _inp(rule)
+    inp[name] = make(inp)
+    with pytest.raises(ValueError, match=pattern):
+        _call(inp, rule=rule)
+
+
+@pytest.mark.parametrize(
+    "option,value,pattern",
+    [
+        ("rule", "4", r"\brule\b"),
+        ("rule", "1B", r"\brule\b"),
+        ("form", "scan", r"\bform\b"),
+        ("window", 0, r"\bwindow\b"),
+        ("window", -2, r"\bwindow\b"),
+        ("window", 2.5, r"\bwindow\b"),
+        ("chunk_size", 0, r"\bchunk_size\b"),
+        ("eps", -1e-6, r"\beps\b"),
+        ("decay_floor", 0.0, r"\bdecay_floor\b"),
+        ("decay_floor", 1.0, r"\bdecay_floor\b"),
+        ("decay_floor", -0.5, r"\bdecay_floor\b"),
+        ("read", "during", r"\bread\b"),
+    ],
+)
+def test_bad_options(option, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _call(_inp("3A"), **{"rule": "3A", option: value})
+
+
+def test_negative_lam():
+    inp = _inp()
+    inp["lam"][1, 3, 0] = -1e-3
+    with pytest.raises(ValueError, match=r"\blam\b"):
+        _call(inp)
+
+
+def test_positive_log_gate():
+    inp = _inp(with_gate=True)
+    inp["log_gate"][0, 2, 1] = 0.1
+    with pytest.raises(ValueError, match=r"\blog_gate\b"):
+        _call(inp)
+
+
+def test_non_float_and_non_tensor_inputs():
+    inp = _inp()
+    inp["q"] = inp["q"].long()
+    with pytest.raises(TypeError, match=r"\bq\b"):
+        _call(inp)
+    inp = _inp()
+    inp["beta"] = 0.5
+    with pytest.raises(TypeError, match=r"\bbeta\b"):
+        _call(inp)
+
+
+def _state(rule="3A", window=3, shift=True, B=2, H=2, K=3, V=4):
+    inp = random_inputs(rule, B=B, T=5, H=H, K=K, V=V, seed=82)
+    return falcon_attention(**inp, rule=rule, window=window, shift=shift, output_final_state=True)[1]
+
+
+@pytest.mark.parametrize(
+    "make_state,rule,window,shift,pattern",
+    [
+        (lambda: _state("3A"), "1A", 3, True, r"initial_state.*rule"),
+        (lambda: _state("1"), "2", 3, True, r"initial_state.*rule"),
+        (lambda: _state("3A", window=2), "3A", 3, True, r"initial_state.*window"),
+        (lambda: _state("3A", shift=False), "3A", 3, True, r"initial_state.*shift"),
+        (lambda: _state("3A", B=1), "3A", 3, True, r"initial_state\.S"),
+        (lambda: _state("3A", K=2), "3A", 3, True, r"initial_state\.S"),
+        (lambda: _state("3A", V=5), "3A", 3, True, r"initial_state\.S"),
+        (lambda: "not a state", "3A", 3, True, r"initial_state"),
+    ],
+    ids=["rule3A_into_1A", "rule1_into_2", "window", "shift", "batch", "key_dim", "value_dim", "type"],
+)
+def test_bad_initial_state(make_state, rule, window, shift, pattern):
+    state = make_state()
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        _call(_inp(rule), rule=rule, window=window, shift=shift, initial_state=state)
+
+
+def test_bad_cu_seqlens():
+    inp = random_inputs("1A", B=1, T=6, seed=83)
+    with pytest.raises(ValueError, match=r"cu_seqlens"):
+        _call(inp, cu_seqlens=torch.tensor([0, 4, 3, 6]))
+    with pytest.raises(ValueError, match=r"cu_seqlens"):
+        _call(inp, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"\bq\b"):
+        _call(_inp(), cu_seqlens=torch.tensor([0, 3, 6]))
+
+
+def test_step_checks_its_inputs():
+    inp = {n: t[:, 0] for n, t in _inp("2").items()}
+    with pytest.raises(ValueError, match=r"\bbeta\b"):
+        falcon_step(inp["q"], inp["k"], inp["v"], inp["beta"][..., 0], inp["lam"], state=None, rule="2")
+    _, st = falcon_step(**inp, state=None, rule="2")
+    with pytest.raises(ValueError, match=r"\bstate\b.*rule"):
+        falcon_step(**{n: t for n, t in inp.items() if n != "beta"}, beta=inp["beta"][..., 0], state=st, rule="1")

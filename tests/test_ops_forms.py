@@ -1,0 +1,137 @@
+"""The recurrent, parallel and chunk forms compute the same function as the
+literal float64 reference of every rule (relative error <= 1e-10)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FORMS, RULE_NAMES, SLIDING, random_inputs, reference_falcon, rel_err
+
+from falcon_fwa import falcon_attention
+
+TOL = 1e-10
+
+# Input regimes the issue names; each is run for every rule and every form.
+REGIMES = {
+    "generic": dict(),
+    "beta_near_0": dict(beta_range=(1e-4, 1e-2)),
+    "beta_near_2": dict(beta_range=(1.9, 1.999)),
+    "lam_zero": dict(lam_range=(0.0, 0.0)),
+    "clamp_active": dict(beta_range=(1.2, 1.95), lam_range=(5.0, 50.0)),
+    "zero_key_rows": dict(zero_key_rows=0.35),
+}
+
+
+def _run_all_forms(inp, rule, **options):
+    outs = {}
+    for form in FORMS:
+        o, st = falcon_attention(inp["q"], inp["k"], inp["v"], inp["beta"], inp["lam"], rule=rule, form=form,
+                                 log_gate=inp.get("log_gate"), output_final_state=True, **options)
+        outs[form] = (o, st.S)
+    return outs
+
+
+def _assert_matches_reference(inp, rule, *, chunk_size, **options):
+    ref_o, ref_S, info = reference_falcon(inp["q"], inp["k"], inp["v"], inp["beta"], inp["lam"], rule=rule,
+                                          log_gate=inp.get("log_gate"), **options)
+    for form, (o, S) in _run_all_forms(inp, rule, chunk_size=chunk_size, **options).items():
+        assert o.dtype == torch.float64
+        assert rel_err(o, ref_o) <= TOL, f"{form}: outputs differ by {rel_err(o, ref_o):.2e}"
+        assert rel_err(S, ref_S) <= TOL, f"{form}: final state differs by {rel_err(S, ref_S):.2e}"
+    return info
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_forms_match_reference(rule, regime):
+    # T = 37 is not a multiple of chunk_size = 8 (a padded last chunk).
+    inp = random_inputs(rule, seed=10 * RULE_NAMES.index(rule) + list(REGIMES).index(regime), **REGIMES[regime])
+    info = _assert_matches_reference(inp, rule, window=3, chunk_size=8)
+    if regime == "clamp_active":
+        assert info["clamped_fraction"] > 0.8, info
+    elif regime in ("beta_near_0", "lam_zero"):
+        assert info["clamped_fraction"] == 0.0, info
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("rule", SLIDING)
+def test_sliding_windows(rule, window):
+    inp = random_inputs(rule, B=1, T=29, seed=10 + window, zero_key_rows=0.1)
+    _assert_matches_reference(inp, rule, window=window, chunk_size=7)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_chunk_sizes(rule, chunk_size):
+    # chunk sizes below, around and above T = 21
+    inp = random_inputs(rule, B=1, T=21, H=1, seed=3)
+    ref_o, _, _ = reference_falcon(**inp, rule=rule, window=3)
+    o, _ = falcon_attention(**inp, rule=rule, window=3, form="chunk", chunk_size=chunk_size)
+    assert rel_err(o, ref_o) <= TOL
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(shift=False),
+        dict(read="before"),
+        dict(normalize=False),
+        dict(scale_ridge=True),
+        dict(eps=0.0),
+        dict(decay_floor=0.3),
+    ],
+    ids=["no_shift", "read_before", "no_normalize", "scale_ridge", "eps0", "floor0.3"],
+)
+def test_switches_match_reference(rule, options):
+    lam_range = (0.0, 3.0) if "decay_floor" in options else (0.0, 1.0)
+    beta_range = (0.05, 0.9) if "normalize" in options else (0.05, 1.95)
+    inp = random_inputs(rule, B=1, T=23, seed=7, lam_range=lam_range, beta_range=beta_range)
+    _assert_matches_reference(inp, rule, window=3, chunk_size=6, **options)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_log_gate_matches_reference(rule):
+    inp = random_inputs(rule, B=1, T=23, seed=8, with_gate=True)
+    _assert_matches_reference(inp, rule, window=3, chunk_size=6)
+
+
+def test_clamp_really_limits_the_decay():
+    # With a tiny decay floor the clamp is what keeps gamma positive: without it
+    # 1 - eta*lam would be negative here. gamma = decay_floor exactly.
+    K = V = 1
+    q = torch.ones(1, 3, 1, K, dtype=torch.float64)
+    k = torch.ones(1, 3, 1, K, dtype=torch.float64)
+    v = torch.full((1, 3, 1, V), 2.0, dtype=torch.float64)
+    beta = torch.full((1, 3, 1), 1.9, dtype=torch.float64)
+    lam = torch.full((1, 3, 1), 100.0, dtype=torch.float64)
+    for form in FORMS:
+        o, _ = falcon_attention(q, k, v, beta, lam, rule="1A", form=form, eps=0.0, decay_floor=0.25)
+        eta = 1.9 / 101.0  # ||x||^2 = 1
+        s2 = eta * 2.0
+        s3 = 0.25 * s2 + eta * 2.0  # gamma = 1 - min(eta*lam, 0.75) = 0.25
+        assert torch.allclose(o[0, :, 0, 0], torch.tensor([0.0, s2, s3], dtype=torch.float64), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_poisoned_future_does_not_leak(rule):
+    """Causality: the recurrent form's outputs before t0 stay finite and unchanged
+    when every input from step t0 on is NaN. The parallel and chunk forms mix a
+    chunk's steps in dense matrix products (where 0 * NaN = NaN), so for them the
+    future is replaced by finite garbage instead, which must not change the past."""
+    T, t0 = 26, 17
+    inp = random_inputs(rule, B=1, T=T, seed=11, with_gate=True)
+    garbage = random_inputs(rule, B=1, T=T, seed=12, with_gate=True, beta_range=(3.0, 9.0), lam_range=(0.0, 50.0))
+    poisoned = {name: t.clone() for name, t in inp.items()}
+    changed = {name: t.clone() for name, t in inp.items()}
+    for name in inp:
+        poisoned[name][:, t0:] = float("nan")
+        changed[name][:, t0:] = 10 * garbage[name][:, t0:]
+    clean, _ = falcon_attention(**inp, rule=rule, window=3, form="recurrent")
+    o, _ = falcon_attention(**poisoned, rule=rule, window=3, form="recurrent")
+    assert torch.isfinite(o[:, :t0]).all() and torch.isnan(o[:, t0 + 1:]).all()
+    assert torch.equal(o[:, :t0], clean[:, :t0])
+    for form in ("parallel", "chunk"):
+        ref, _ = falcon_attention(**inp, rule=rule, window=3, form=form, chunk_size=8)
+        o, _ = falcon_attention(**changed, rule=rule, window=3, form=form, chunk_size=8)
+        assert rel_err(o[:, :t0], ref[:, :t0]) <= 1e-13
+        assert rel_err(o[:, t0 + 1:], ref[:, t0 + 1:]) > 1e-3  # the future did change

@@ -1,0 +1,94 @@
+"""Low precision: float32 / bfloat16 inputs, and long-context stability of the
+chunk form (chunk-local log-space decays) against a float64 recurrent run."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FORMS, RULE_NAMES, SLIDING, random_inputs, rel_err
+
+from falcon_fwa import falcon_attention
+
+T_LONG = 16384
+FP32_TINY = torch.finfo(torch.float32).smallest_normal * 2.0 ** -23  # smallest subnormal
+
+
+def _log_gamma_non_sliding(inp, decay_floor, eps=1e-6):
+    """log carry of the rules 1 / 1A / 2 / 2A (float64), shift=True."""
+    x = torch.cat([torch.zeros_like(inp["k"][:, :1]), inp["k"][:, :-1]], dim=1)
+    E = (x.double() ** 2).sum(-1)
+    lam = inp["lam"].double()
+    beta = inp["beta"].double()
+    if beta.dim() == 4:
+        E, lam = E[..., None], lam[..., None]
+    eta = beta / (E + lam + eps)
+    eta[:, 0] = 0.0
+    alpha_raw = eta * lam
+    return torch.log1p(-alpha_raw.clamp(max=1 - decay_floor)), alpha_raw > 1 - decay_floor
+
+
+LONG_REGIMES = {
+    # strong decay: the clamp is active on most tokens, gamma = decay_floor there
+    "clamp": dict(beta_range=(1.3, 1.9), lam_range=(3.0, 30.0), decay_floor=0.02),
+    # long memory (gamma ~ 0.99) whose product over the sequence still underflows
+    "long_memory": dict(beta_range=(0.2, 0.6), lam_range=(0.01, 0.03), decay_floor=1e-3),
+}
+
+
+LONG_CASES = [(rule, "clamp") for rule in RULE_NAMES] + [("1", "long_memory"), ("1A", "long_memory")]
+
+
+@pytest.mark.parametrize("rule,regime", LONG_CASES)
+def test_long_context_fp32_bf16(rule, regime):
+    cfg = dict(LONG_REGIMES[regime])
+    decay_floor = cfg.pop("decay_floor")
+    inp = random_inputs(rule, B=1, T=T_LONG, H=1, K=2, V=2, seed=71, **cfg)
+    if rule not in SLIDING:
+        log_gamma, clamped = _log_gamma_non_sliding(inp, decay_floor)
+        if regime == "clamp":
+            assert clamped.double().mean() > 0.8
+        # the global product of the decays underflows float32 (and so would any
+        # unrenormalized cumulative decay)
+        assert log_gamma.sum(1).max() < torch.log(torch.tensor(FP32_TINY, dtype=torch.float64))
+        assert torch.prod(torch.exp(log_gamma).float(), dim=1).max() == 0
+    options = dict(rule=rule, window=3, decay_floor=decay_floor, form="chunk", chunk_size=64)
+    ref, _ = falcon_attention(**inp, **dict(options, form="recurrent"))
+    o32, _ = falcon_attention(**{n: t.float() for n, t in inp.items()}, **options)
+    assert o32.dtype == torch.float32 and torch.isfinite(o32).all()
+    assert rel_err(o32, ref) <= 1e-3
+    o16, _ = falcon_attention(**{n: t.bfloat16() for n, t in inp.items()}, **options)
+    assert o16.dtype == torch.bfloat16 and torch.isfinite(o16).all()
+    # float32 accumulation inside; the bound covers rounding the inputs and the output to bfloat16
+    assert rel_err(o16, ref) <= 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_low_precision_inputs(rule, form, dtype):
+    inp = random_inputs(rule, B=1, T=20, seed=72, with_gate=True)
+    low = {n: t.to(dtype) for n, t in inp.items()}
+    ref, _ = falcon_attention(**{n: t.double() for n, t in low.items()}, rule=rule, window=3, form="recurrent")
+    o, st = falcon_attention(**low, rule=rule, window=3, form=form, chunk_size=8, output_final_state=True)
+    assert o.dtype == dtype and o.shape == ref.shape
+    assert st.S.dtype == torch.float32  # the state is accumulated in float32
+    assert rel_err(o, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    # a low-precision state continues a sequence
+    more = {n: t.to(dtype) for n, t in random_inputs(rule, B=1, T=5, seed=73, with_gate=True).items()}
+    o2, _ = falcon_attention(**more, rule=rule, window=3, form=form, initial_state=st)
+    assert o2.dtype == dtype and torch.isfinite(o2).all()
+
+
+@pytest.mark.parametrize("rule", ["1", "2A"])
+def test_low_precision_gradients(rule):
+    inp = random_inputs(rule, B=1, T=20, seed=74)
+    grads = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in inp.items()}
+        o, _ = falcon_attention(**leaves, rule=rule, form="chunk", chunk_size=8)
+        (o.float() ** 2).sum().backward()
+        for n, t in leaves.items():
+            assert t.grad.dtype == dtype and torch.isfinite(t.grad).all()
+        grads[dtype] = leaves
+    for n in inp:
+        assert rel_err(grads[torch.float32][n].grad, grads[torch.float64][n].grad) <= 1e-4
+        assert rel_err(grads[torch.bfloat16][n].grad, grads[torch.float64][n].grad) <= 0.1

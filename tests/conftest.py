@@ -10,6 +10,14 @@ Section 4.5 (Falcon-3A). It shares no code with ``falcon_fwa.ops``.
 from __future__ import annotations
 
 import math
+import os
+
+import torch as _torch
+
+# Without CUDA the Triton kernel tests run through Triton's interpreter, which only
+# takes effect if set before the first import of triton (transformers imports it).
+if not _torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from typing import Dict, Optional
 
 import torch

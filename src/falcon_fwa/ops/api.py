@@ -17,6 +17,24 @@ from .validate import check_inputs, check_state
 __all__ = ["falcon_attention", "falcon_step"]
 
 
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
+    """The Triton chunk entry if ``backend`` asks for it and it may serve ``rule``, else None."""
+    if backend == "auto" and not (q.is_cuda and torch.is_floating_point(q) and q.dtype != torch.float64):
+        return None
+    try:
+        from .triton import GPU_CHECKED_RULES, falcon_chunk_triton
+    except ImportError:
+        if backend == "triton":
+            raise
+        return None
+    if backend == "auto" and get_rule(rule).name not in GPU_CHECKED_RULES:
+        return None
+    return falcon_chunk_triton
+
+
 def _compute_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
@@ -42,6 +60,7 @@ def falcon_attention(
     initial_state: Optional[FalconState] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
     r"""Falcon fast-weight attention.
 
@@ -97,12 +116,31 @@ def falcon_attention(
             (``B = 1``), as in flash-attention: each sequence starts fresh (its own
             sentinel) or from row ``n`` of ``initial_state``, and the final state
             has one row per sequence.
+        backend: "torch" (the PyTorch forms), "triton" (the Triton chunk kernels;
+            an unsupported combination raises ``NotImplementedError`` naming the
+            switch) or "auto" (the kernels for ``form="chunk"`` on CUDA where they
+            exist and have been checked on a GPU, else PyTorch).
 
     Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
     normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;
     linear attention = rule "1A", ``shift=False, normalize=False``, ``lam=0``,
     ``beta=1``; Mamba-2's SSD recurrence = the same with ``log_gate``.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "torch":
+        if backend == "triton" and form != "chunk":
+            raise ValueError(f"backend='triton' runs the chunk form; got form={form!r}")
+        kernels = _triton_chunk(backend, q, rule)
+        if kernels is not None:
+            try:
+                return kernels(q, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,
+                               decay_floor=decay_floor, shift=shift, normalize=normalize, log_gate=log_gate,
+                               read=read, scale_ridge=scale_ridge, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True)
+            except NotImplementedError:
+                if backend == "triton":
+                    raise
     if cu_seqlens is not None:
         return _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens,
                        dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps,
@@ -190,11 +228,24 @@ def falcon_step(
     log_gate: Optional[torch.Tensor] = None,
     read: str = "after",
     scale_ridge: bool = False,
+    backend: str = "auto",
 ) -> Tuple[torch.Tensor, FalconState]:
     """One decoding step in ``O(1)``: ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``,
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
     ``state=None`` starts a fresh sequence. Returns ``o`` ``[B, H, V]`` and the new
-    state; identical to ``falcon_attention(form="recurrent")`` token by token."""
+    state; identical to ``falcon_attention(form="recurrent")`` token by token.
+    ``backend="auto"`` uses the fused Triton step on CUDA when no gradient is needed."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        try:
+            from .triton import falcon_step_triton
+            return falcon_step_triton(q, k, v, beta, lam, state=state, rule=rule, eps=eps, decay_floor=decay_floor,
+                                      shift=shift, normalize=normalize, log_gate=log_gate, read=read,
+                                      scale_ridge=scale_ridge)
+        except (ImportError, NotImplementedError):
+            if backend == "triton":
+                raise
     if state is not None:
         if q.dim() != 3 or v.dim() != 3:
             raise ValueError(f"q and v must have shapes [B, H, K] and [B, H, V], got {tuple(q.shape)}, {tuple(v.shape)}")
@@ -208,5 +259,6 @@ def falcon_step(
     o, new_state = falcon_attention(one(q), one(k), one(v), one(beta), one(lam), rule=rule, window=window,
                                     form="recurrent", eps=eps, decay_floor=decay_floor, shift=shift,
                                     normalize=normalize, log_gate=one(log_gate), read=read,
-                                    scale_ridge=scale_ridge, initial_state=state, output_final_state=True)
+                                    scale_ridge=scale_ridge, initial_state=state, output_final_state=True,
+                                    backend="torch")
     return o[:, 0], new_state

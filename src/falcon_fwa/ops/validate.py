@@ -22,6 +22,16 @@ def _values_checked() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def _check_values(bad: torch.Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` if any element of ``bad`` is set. On a GPU the check
+    is a device-side assertion, so the host never waits for it (a failure surfaces as a
+    CUDA error carrying the message at the next synchronization)."""
+    if bad.is_cuda:
+        torch._assert_async(~bad.any(), message)
+    elif bool(bad.any()):
+        raise ValueError(message)
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,10 +88,9 @@ def check_inputs(
     if not 0 < decay_floor < 1:
         raise ValueError(f"decay_floor must lie in (0, 1), got {decay_floor!r}")
     if _values_checked():
-        if bool((lam < 0).any()):
-            raise ValueError("lam must be >= 0 (it is the actual ridge coefficient lambda_t)")
-        if log_gate is not None and bool((log_gate > 0).any()):
-            raise ValueError("log_gate must be <= 0 (the gate exp(g_t) is a decay)")
+        _check_values(lam < 0, "lam must be >= 0 (it is the actual ridge coefficient lambda_t)")
+        if log_gate is not None:
+            _check_values(log_gate > 0, "log_gate must be <= 0 (the gate exp(g_t) is a decay)")
     if initial_state is not None:
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 

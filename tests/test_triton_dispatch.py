@@ -1,0 +1,54 @@
+"""``falcon_attention(backend=...)`` routes to the Triton kernels or the PyTorch forms."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_triton_interpreter import prepare_interpreter
+
+from falcon_fwa import falcon_attention, falcon_step
+
+KERNELS_RUN = prepare_interpreter()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(T=21, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, H, K, V = 2, 2, 16, 16
+    q, k = (torch.randn(B, T, H, K, generator=g) / 4 for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g)
+    beta = 0.1 + 1.8 * torch.rand(B, T, H, generator=g)
+    lam = torch.rand(B, T, H, generator=g)
+    return [t.to(DEVICE) for t in (q, k, v, beta, lam)]
+
+
+def test_backend_is_checked():
+    q, k, v, beta, lam = _inputs(T=4)
+    with pytest.raises(ValueError, match="backend"):
+        falcon_attention(q, k, v, beta, lam, backend="cuda")
+    with pytest.raises(ValueError, match="form"):
+        falcon_attention(q, k, v, beta, lam, backend="triton", form="recurrent")
+    with pytest.raises(ValueError, match="backend"):
+        falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state=None, backend="gpu")
+
+
+def test_triton_backend_refuses_a_rule_without_kernels():
+    q, k, v, beta, lam = _inputs(T=4)
+    with pytest.raises(NotImplementedError, match="rule"):
+        falcon_attention(q, k, v, beta, lam, rule="3A", backend="triton")
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason="triton was imported before the interpreter could be enabled")
+@pytest.mark.parametrize("rule", ["1A", "1"])
+def test_triton_backend_matches_the_torch_forms(rule):
+    q, k, v, beta, lam = _inputs()
+    ref, ref_state = falcon_attention(q, k, v, beta, lam, rule=rule, chunk_size=16, backend="torch",
+                                      output_final_state=True)
+    out, state = falcon_attention(q, k, v, beta, lam, rule=rule, chunk_size=16, backend="triton",
+                                  output_final_state=True)
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert (state.S - ref_state.S).abs().max() <= 1e-4 * ref_state.S.abs().max()
+    # "auto" picks the kernels only on CUDA: on the CPU it is the PyTorch chunk form itself.
+    auto, _ = falcon_attention(q, k, v, beta, lam, rule=rule, chunk_size=16)
+    if DEVICE == "cpu":
+        assert torch.equal(auto, ref)

@@ -141,15 +141,21 @@ def falcon_attention(
             except NotImplementedError:
                 if backend == "triton":
                     raise
-    if cu_seqlens is not None:
-        return _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens,
-                       dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps,
-                            decay_floor=decay_floor, shift=shift, normalize=normalize, read=read,
-                            scale_ridge=scale_ridge))
     spec = get_rule(rule)
+    options = dict(spec=spec, window=window if spec.sliding else 1, form=form, chunk_size=chunk_size, eps=eps,
+                   decay_floor=decay_floor, shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
+    if cu_seqlens is not None:
+        return _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens, options)
     check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form=form, chunk_size=chunk_size, eps=eps,
                  decay_floor=decay_floor, read=read, initial_state=initial_state, shift=shift)
-    W = window if spec.sliding else 1
+    return _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state, **options)
+
+
+def _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state, *, spec, window, form, chunk_size,
+                 eps, decay_floor, shift, normalize, read, scale_ridge, lengths=None):
+    """The PyTorch forms on checked inputs. ``lengths`` ``[B]``: real steps per row when
+    rows end in padding (padding steps are no-ops and never reach the state)."""
+    W = window
     dt = _compute_dtype(q, k, v, beta, lam, log_gate)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -162,8 +168,9 @@ def falcon_attention(
     S0 = q.new_zeros(B, H, K, V, dtype=dt) if st is None else st.S.to(dt)
     last_key = None if st is None or not shift else st.last_key
     tail = None if st is None or W == 1 else (st.tail_x, st.tail_y, st.tail_valid)
+    step_mask = None if lengths is None else torch.arange(T, device=q.device)[None, :] < lengths[:, None]
 
-    x, valid = write_pairs(kh, shift, last_key)
+    x, valid = write_pairs(kh, shift, last_key, step_mask)
     xs, ys, slot_valid = window_slots(x, vh, valid, W, tail)
     eta_slots, log_gamma = step_sizes(spec, xs, slot_valid, beta_h, lam_h, eps=eps, decay_floor=decay_floor,
                                       normalize=normalize, scale_ridge=scale_ridge)
@@ -183,32 +190,48 @@ def falcon_attention(
 
     final = None
     if output_final_state:
-        final = FalconState(rule=spec.name, window=W, shift=shift, S=S_T,
-                            last_key=kh[:, :, -1] if shift else None)
+        last = kh[:, :, -1] if lengths is None else kh[torch.arange(B, device=q.device), :, lengths - 1]
+        final = FalconState(rule=spec.name, window=W, shift=shift, S=S_T, last_key=last if shift else None)
         if W > 1:
-            final.tail_x, final.tail_y, final.tail_valid = next_tail(x, vh, valid, W, tail)
+            final.tail_x, final.tail_y, final.tail_valid = next_tail(x, vh, valid, W, tail, lengths)
     return o.transpose(1, 2).to(v.dtype), final
 
 
 def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens, options):
-    """Packed sequences, one call per sequence (the reference; kernels do this in one launch)."""
+    """Packed sequences: unpacked into right-padded rows (padding steps are no-ops),
+    run as one batch, and packed back."""
+    spec = options["spec"]
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
     bounds = [int(b) for b in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {q.shape[1]}, got {bounds}")
-    if initial_state is not None and initial_state.batch_size != len(bounds) - 1:
-        raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {len(bounds) - 1} sequences")
-    outs, states = [], []
-    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        def seg(t):
-            return None if t is None else t[:, a:b]
-        st = None if initial_state is None else initial_state.index_select(torch.tensor([n], device=q.device))
-        o, final = falcon_attention(seg(q), seg(k), seg(v), seg(beta), seg(lam), log_gate=seg(log_gate),
-                                    initial_state=st, output_final_state=output_final_state, **options)
-        outs.append(o)
-        states.append(final)
-    return torch.cat(outs, dim=1), (FalconState.cat(states) if output_final_state else None)
+    N = len(bounds) - 1
+    check_inputs(q, k, v, beta, lam, log_gate, spec, window=options["window"] if spec.sliding else 1,
+                 form=options["form"], chunk_size=options["chunk_size"], eps=options["eps"],
+                 decay_floor=options["decay_floor"], read=options["read"], initial_state=None, shift=options["shift"])
+    if initial_state is not None:
+        if initial_state.batch_size != N:
+            raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {N} sequences")
+        check_state(initial_state, spec, window=options["window"], shift=options["shift"], B=N, H=q.shape[2],
+                    K=q.shape[3], V=v.shape[3])
+    dev = q.device
+    starts = torch.tensor(bounds[:-1], device=dev)
+    lengths = torch.tensor(bounds[1:], device=dev) - starts
+    L = int(max(b1 - b0 for b0, b1 in zip(bounds, bounds[1:])))
+    pos = starts[:, None] + torch.arange(L, device=dev)[None, :]  # [N, L]
+    real = torch.arange(L, device=dev)[None, :] < lengths[:, None]
+    pos = torch.where(real, pos, torch.zeros_like(pos))
+
+    def unpack(t):
+        if t is None:
+            return None
+        rows = t[0][pos]  # [N, L, ...]
+        return rows.masked_fill(~real.view(N, L, *([1] * (rows.dim() - 2))), 0.0)
+
+    o, final = _torch_forms(*map(unpack, (q, k, v, beta, lam, log_gate)), initial_state, output_final_state,
+                            lengths=lengths, **options)
+    return o[real][None], final
 
 
 def falcon_step(

@@ -15,7 +15,7 @@ def write_pairs(
     k: torch.Tensor,
     shift: bool,
     last_key: Optional[torch.Tensor],
-    seq_start: Optional[torch.Tensor] = None,
+    step_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Write features ``x`` and pair validity.
 
@@ -26,22 +26,19 @@ def write_pairs(
     ``x_1 = last_key`` and is valid. With ``shift=False`` the pair is ``(k_t, v_t)``
     and every step is valid.
 
-    ``seq_start`` (``[B, T]`` bool, optional) marks extra sequence starts inside a
-    row (packed sequences): they get the sentinel too.
+    ``step_mask`` (``[B, T]`` bool, optional): False marks padding steps, which
+    carry no pair (their step is a no-op: zero gain, unit carry).
 
     Returns ``x`` ``[B, H, T, K]`` and ``valid`` ``[B, T]`` (bool).
     """
     B, H, T, K = k.shape
-    valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+    valid = torch.ones(B, T, dtype=torch.bool, device=k.device) if step_mask is None else step_mask.clone()
     if not shift:
         return k, valid
     first = torch.zeros(B, H, 1, K, dtype=k.dtype, device=k.device) if last_key is None else last_key.to(k.dtype)[:, :, None]
     x = torch.cat([first, k[:, :, :-1]], dim=2)
     if last_key is None:
         valid[:, 0] = False
-    if seq_start is not None:
-        valid = valid & ~seq_start
-        x = x.masked_fill(seq_start[:, None, :, None], 0.0)
     return x, valid
 
 
@@ -58,15 +55,13 @@ def window_slots(
     valid: torch.Tensor,
     window: int,
     tail: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-    seq_id: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gather the window ``I_t`` of the last ``window`` causal pairs for every step.
 
     Slot ``m`` of step ``t`` holds pair ``t - m`` (``m = 0`` is the current pair).
     Pairs before the segment come from ``tail = (tail_x, tail_y, tail_valid)``
     (the last ``window - 1`` pairs of the previous segment, oldest first); without
-    a tail they are empty. Invalid slots (sentinel, before the start, or from
-    another packed sequence when ``seq_id`` ``[B, T]`` is given) are zeroed and
+    a tail they are empty. Invalid slots (sentinel, padding, before the start) are zeroed and
     flagged.
 
     Returns ``xs`` ``[B, H, T, W, K]``, ``ys`` ``[B, H, T, W, V]`` and
@@ -86,9 +81,6 @@ def window_slots(
     xs = xe[:, :, idx]  # [B, H, T, W, K]
     ys = ye[:, :, idx]
     sv = ve[:, idx]  # [B, T, W]
-    if seq_id is not None:
-        se = torch.cat([seq_id[:, :1].expand(B, W - 1), seq_id], dim=1)  # a tail precedes the first sequence
-        sv = sv & (se[:, idx] == seq_id[:, :, None])
     m = sv[:, None, :, :, None]
     return xs.masked_fill(~m, 0.0), ys.masked_fill(~m, 0.0), sv
 
@@ -99,14 +91,20 @@ def next_tail(
     valid: torch.Tensor,
     window: int,
     tail: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    lengths: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The last ``window - 1`` causal pairs after this segment (oldest first), for
-    exact continuation of the sliding rules: ``(tail_x, tail_y, tail_valid)``."""
+    exact continuation of the sliding rules: ``(tail_x, tail_y, tail_valid)``.
+    ``lengths`` ``[B]``: real steps per row when rows end in padding."""
     n = window - 1
+    B, H, T = x.shape[:3]
     if tail is None:
         tail = empty_tail(x, y, n)
     xe = torch.cat([tail[0].to(x.dtype), x], dim=2)
     ye = torch.cat([tail[1].to(y.dtype), y], dim=2)
     ve = torch.cat([tail[2], valid], dim=1)
-    L = xe.shape[2]
-    return xe[:, :, L - n:], ye[:, :, L - n:], ve[:, L - n:]
+    end = torch.full((B,), T, device=x.device) if lengths is None else lengths.to(x.device)
+    idx = end[:, None] + torch.arange(n, device=x.device)[None, :]  # extended positions of the last n steps
+    pick = idx[:, None, :, None]
+    return (xe.gather(2, pick.expand(B, H, n, xe.shape[-1])), ye.gather(2, pick.expand(B, H, n, ye.shape[-1])),
+            ve.gather(1, idx))

@@ -5,7 +5,7 @@ attention, bf16, forward and forward+backward, with peak memory.
     python benchmarks/bench_kernels.py --out benchmarks/results --name h200
 
 Writes ``<out>/<name>.json`` (a list of rows ``{op, B, T, H, K, V, mode, ms,
-peak_mem_bytes}``) and ``<out>/<name>.md`` (the table, GPU, versions, commit and the
+peak_mem_bytes}``, plus ``window`` for the sliding rules) and ``<out>/<name>.md`` (the table, GPU, versions, commit and the
 ratios against the fla counterparts). ``ms`` is the median of
 ``triton.testing.do_bench``; ``peak_mem_bytes`` is the peak allocated during one call
 above what was allocated before it (inputs excluded). ``fwd`` runs under
@@ -35,7 +35,10 @@ TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=204
     ("falcon-1a-unchecked", "fla-simple-gla", 1.0),
     ("falcon-1", "fla-gated-delta-rule", 0.8),
     ("falcon-1-unchecked", "fla-gated-delta-rule", 0.8),
+    ("falcon-3a", "fla-simple-gla", 1.3),
+    ("falcon-3a-unchecked", "fla-simple-gla", 1.3),
 ]
+WINDOW = 4  # the window B of the sliding rules' rows
 
 Builder = Callable[[int, int, int, int, int], Tuple[Callable[[], torch.Tensor], List[torch.Tensor]]]
 
@@ -57,12 +60,14 @@ def _falcon_inputs(B, T, H, K, V):
 
 
 def falcon_triton(rule: str, validate: bool = True) -> Builder:
-    """The whole op: pairs, fused step sizes and the chunk kernels (``validate=False``
-    skips the argument checks, whose value checks synchronize with the GPU)."""
+    """The whole op: pairs, step sizes and the chunk kernels (``validate=False``
+    skips the argument checks, whose value checks synchronize with the GPU); the
+    sliding rules run with ``window=WINDOW``."""
     def build(B, T, H, K, V):
         from falcon_fwa.ops.triton import falcon_chunk_triton
         leaves = _falcon_inputs(B, T, H, K, V)
-        return (lambda: falcon_chunk_triton(*leaves, rule=rule, chunk_size=64, validate=validate)[0]), leaves
+        return (lambda: falcon_chunk_triton(*leaves, rule=rule, window=WINDOW, chunk_size=64,
+                                            validate=validate)[0]), leaves
     return build
 
 
@@ -80,7 +85,8 @@ def torch_chunk(rule: str) -> Builder:
     def build(B, T, H, K, V):
         from falcon_fwa import falcon_attention
         leaves = _falcon_inputs(B, T, H, K, V)
-        return (lambda: falcon_attention(*leaves, rule=rule, form="chunk", chunk_size=64)[0]), leaves
+        return (lambda: falcon_attention(*leaves, rule=rule, window=WINDOW, form="chunk", chunk_size=64,
+                                         backend="torch")[0]), leaves
     return build
 
 
@@ -130,9 +136,12 @@ OPS: Dict[str, Builder] = {
     "falcon-1a-unchecked": falcon_triton("1A", validate=False),
     "falcon-1": falcon_triton("1"),
     "falcon-1-unchecked": falcon_triton("1", validate=False),
+    "falcon-3a": falcon_triton("3A"),
+    "falcon-3a-unchecked": falcon_triton("3A", validate=False),
     "falcon-1a-kernels-only": falcon_core,
     "torch-chunk-1A": torch_chunk("1A"),
     "torch-chunk-1": torch_chunk("1"),
+    "torch-chunk-3A": torch_chunk("3A"),
     "fla-simple-gla": fla_simple_gla,
     "fla-gla": fla_gla,
     "fla-delta-rule": fla_delta_rule,
@@ -280,7 +289,8 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
     for r in rows:
         if r["mode"] == "decode":
             continue
-        out.append(f"| {r['op']} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
+        op = r["op"] if "window" not in r else f"{r['op']} (window {r['window']})"
+        out.append(f"| {op} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
                    f"{r['ms']:.3f} | {r['peak_mem_bytes'] / 2**20:.0f} |")
     index = {(r["op"], r["B"], r["T"], r["mode"]): r for r in rows}
     out += ["", "## Ratios against the fla counterparts (fwd+bwd, time and peak memory)", "",
@@ -343,6 +353,8 @@ def main(argv=None) -> None:
                     continue
                 B, T, H, K, V = shape
                 rows.append(dict(op=name, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=peak))
+                if "3a" in name.lower():
+                    rows[-1]["window"] = WINDOW
                 print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB", flush=True)
                 _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
                 _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))

@@ -18,11 +18,12 @@ from ..validate import check_inputs, check_state
 from .delta import delta_chunk
 from .launch import SUPPORTED_CHUNK_SIZES
 from .scalar_decay import scalar_decay_chunk
+from .sliding import sliding_chunk
 from .step_sizes import scalar_step_sizes
 
 __all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_DTYPES"]
 
-TRITON_RULES = ("1", "1A")  # rules with chunk kernels
+TRITON_RULES = ("1", "1A", "3A")  # rules with chunk kernels
 GPU_CHECKED_RULES = ("1A",)  # rules whose kernels have passed the float64 checks on a GPU
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WY_HEAD_DIM = 128  # the WY kernels (rule 1) keep the whole key dimension in one tile
@@ -106,8 +107,10 @@ def falcon_chunk_triton(
     """``falcon_attention(..., form="chunk")`` on the Triton kernels; same arguments,
     shapes and result (``o`` ``[B, T, H, V]`` in ``v``'s dtype, the final state in fp32).
 
-    Supported: rules "1A" (scalar-decay masked attention, any head dims) and "1" (WY
-    form, one triangular solve per chunk, key dim ``K <= 128``); every switch
+    Supported: rules "1A" (scalar-decay masked attention, any head dims), "1" (WY
+    form, one triangular solve per chunk, key dim ``K <= 128``) and "3A" (the
+    rule-1A scan over completed window pairs plus the band of open pairs, any
+    ``window``; ``ops.triton.sliding``); every switch
     (``shift``, ``normalize``, ``log_gate``, ``read``, ``scale_ridge``,
     ``initial_state`` with the last-key carry, ``output_final_state``,
     ``cu_seqlens``); bf16/fp16/fp32 inputs (``k``, ``v`` are
@@ -135,8 +138,13 @@ def falcon_chunk_triton(
     else:
         starts, ends = [0], [T]
     N = len(starts) if cu_seqlens is not None else B
+    W = window if spec.sliding else 1
     if initial_state is not None and validate:
-        check_state(initial_state, spec, window=1, shift=shift, B=N, H=H, K=K, V=V)
+        check_state(initial_state, spec, window=W, shift=shift, B=N, H=H, K=K, V=V)
+    if spec.sliding:
+        return _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, ends, window=W, eps=eps,
+                        decay_floor=decay_floor, shift=shift, normalize=normalize, scale_ridge=scale_ridge,
+                        read_after=read == "after", chunk_size=chunk_size, output_final_state=output_final_state)
 
     out_dtype = v.dtype
     k, v = k.to(q.dtype), v.to(q.dtype)
@@ -160,3 +168,46 @@ def falcon_chunk_triton(
             last = k[0, [e - 1 for e in ends]] if cu_seqlens is not None else k[:, -1]
         final = FalconState(rule=spec.name, window=1, shift=shift, S=S_T, last_key=last)
     return o.to(out_dtype), final
+
+
+def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, ends, *, window, eps, decay_floor,
+             shift, normalize, scale_ridge, read_after, chunk_size, output_final_state):
+    """Rule 3A. Packed sequences are unpacked into right-padded rows (padding steps
+    are no-ops: zero ``beta``, ``lam``, ``log_gate``), run as one batch and packed back."""
+    st = initial_state
+    S0 = None if st is None else st.S
+    last_key = None if st is None or not shift else st.last_key
+    tail = None if st is None or window == 1 else (st.tail_x, st.tail_y, st.tail_valid)
+    out_dtype = v.dtype
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    lengths = None
+    if cu_seqlens is not None:
+        dev = q.device
+        first = torch.tensor(starts, device=dev)
+        lengths = torch.tensor(ends, device=dev) - first
+        L = max(e - s for s, e in zip(starts, ends))
+        real = torch.arange(L, device=dev)[None, :] < lengths[:, None]  # [N, L]
+        pos = torch.where(real, first[:, None] + torch.arange(L, device=dev)[None, :], torch.zeros_like(real, dtype=torch.long))
+
+        def unpack(t):
+            if t is None:
+                return None
+            rows = t[0][pos]
+            return rows.masked_fill(~real.view(*real.shape, *([1] * (rows.dim() - 2))), 0.0)
+
+        q, k, v, beta, lam, log_gate = map(unpack, (q, k, v, beta, lam, log_gate))
+    o, final = sliding_chunk(q, k, v, beta, lam, log_gate, S0, last_key, tail, window=window, eps=eps,
+                             decay_floor=decay_floor, shift=shift, normalize=normalize, scale_ridge=scale_ridge,
+                             read_after=read_after, chunk_size=chunk_size, lengths=lengths,
+                             output_final_state=output_final_state)
+    if cu_seqlens is not None:
+        o = o[real][None]
+    state = None
+    if output_final_state:
+        S_T, tx, ty, tv = final
+        last = None
+        if shift:
+            last = k[:, -1] if lengths is None else k[torch.arange(len(starts), device=k.device), lengths - 1]
+        state = FalconState(rule="3A", window=window, shift=shift, S=S_T, last_key=last, tail_x=tx, tail_y=ty,
+                            tail_valid=tv)
+    return o.to(out_dtype), state

@@ -131,3 +131,12 @@ def test_step_checks_its_inputs():
     _, st = falcon_step(**inp, state=None, rule="2")
     with pytest.raises(ValueError, match=r"\bstate\b.*rule"):
         falcon_step(**{n: t for n, t in inp.items() if n != "beta"}, beta=inp["beta"][..., 0], state=st, rule="1")
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_falcon_step_names_a_tensor_with_a_time_axis(name):
+    inp = {n: t[:, 0] for n, t in _inp("1A").items() if t is not None}
+    inp[name] = inp[name][:, None]  # [B, 1, H, D]: a sequence of one token instead of one token
+    want = r"\[B, H, V\]" if name == "v" else r"\[B, H, K\]"
+    with pytest.raises(ValueError, match=rf"^{name} must have shape {want}"):
+        falcon_step(**inp, state=None)

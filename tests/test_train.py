@@ -3,6 +3,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -185,3 +186,71 @@ def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path):
         assert losses(tmp_path / f"{strategy}-split", "val_loss") == losses(tmp_path / f"{strategy}-full", "val_loss")
         state = load_checkpoint(latest_checkpoint(str(tmp_path / f"{strategy}-split" / "checkpoints")))
         assert state["data"]["world_size"] == 2 and state["step"] == 4 and state["data"]["position"] == 8
+
+
+@pytest.mark.parametrize("section, field, value", [("train", "eval_every", -1), ("train", "eval_batches", 0),
+                                                   ("log", "every", 0)])
+def test_recipe_value_errors_name_their_own_field(tmp_path, section, field, value):
+    raw = recipe(tmp_path)
+    raw[section][field] = value
+    with pytest.raises(ValueError, match=rf"config field {section}\.{field} .*got {value}"):
+        config_from_dict(raw)
+
+
+def test_compare_shares_one_data_folder_and_uses_calib_steps(tmp_path, monkeypatch):
+    import argparse
+
+    import yaml
+
+    from falcon_fwa.train import compare
+
+    raw = recipe(tmp_path)
+    raw["data"]["out_dir"] = ""  # no data folder in the recipe: compare tokenizes once for every run
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    seen = {}
+    monkeypatch.setattr(compare, "calibrate_sequential", lambda configs, sets, steps: seen.update(
+        steps=steps) or {c: {"tokens_per_s": 1e6} for c in configs})
+    monkeypatch.setattr(compare, "run_sequential", lambda configs, names, out, sets, tag: seen.update(
+        sets=sets) or {n: {} for n in names})
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    out = tmp_path / "cmp"
+    compare.run(parser.parse_args(["--configs", str(path), "--out", str(out), "--time-budget", "1",
+                                   "--calib-steps", "3"]))
+    assert seen["steps"] == 3
+    assert f"data.out_dir={out / 'data'}" in seen["sets"]
+    assert os.path.isfile(out / "data" / "prepared.json")
+
+
+def test_resume_after_a_crash_logs_every_step_once(tmp_path):
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw)
+    before = losses(tmp_path / "run")
+    ckdir = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(ckdir / "step-00000004")  # as if the run died after logging steps 3-4, before saving step 4
+    os.remove(ckdir / "LATEST")
+    run_trainer(raw)  # resumes from step 2
+    after = losses(tmp_path / "run")
+    assert [s for s, _ in after] == [1, 2, 3, 4]
+    assert after == before
+
+
+def test_set_fills_an_empty_section_and_rejects_a_path_through_a_value(tmp_path):
+    from falcon_fwa.train.config import apply_overrides
+
+    raw = recipe(tmp_path)
+    raw["log"] = None  # "log:" with nothing under it in a YAML file
+    assert config_from_dict(apply_overrides(raw, ["log.every=5"])).log.every == 5
+    with pytest.raises(ValueError, match=r"train\.steps is a value"):
+        apply_overrides(raw, ["train.steps.x=1"])
+
+
+def test_resume_with_another_micro_batch_continues_at_the_same_sample(tmp_path):
+    run_trainer(recipe(tmp_path, "run"), stop_at=2)  # micro_batch 2, accumulation 2: position 4 micro-steps
+    trainer = Trainer(config_from_dict(recipe(tmp_path, "run", micro_batch=1)))  # accumulation 4
+    try:
+        assert trainer.step == 2 and trainer.accum == 4
+        assert trainer.position == 8  # 2 steps x 4 samples, one sample per micro-step
+    finally:
+        trainer.close()

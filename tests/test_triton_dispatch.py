@@ -52,3 +52,18 @@ def test_triton_backend_matches_the_torch_forms(rule):
     auto, _ = falcon_attention(q, k, v, beta, lam, rule=rule, chunk_size=16)
     if DEVICE == "cpu":
         assert torch.equal(auto, ref)
+
+
+@pytest.mark.parametrize("form", ["recurrent", "parallel"])
+def test_auto_backend_keeps_the_form_asked_for(form, monkeypatch):
+    """Only ``form="chunk"`` may go to the chunk kernels: the recurrent form is the reference."""
+    from falcon_fwa.ops import api
+
+    def kernels(*args, **kwargs):
+        raise AssertionError("the chunk kernels ran for form=" + form)
+
+    monkeypatch.setattr(api, "_triton_chunk", lambda backend, q, rule: kernels)
+    q, k, v, beta, lam = _inputs(T=5)
+    out, _ = falcon_attention(q, k, v, beta, lam, form=form, backend="auto")
+    ref, _ = falcon_attention(q, k, v, beta, lam, form=form, backend="torch")
+    assert torch.equal(out, ref)

@@ -12,10 +12,10 @@ from .ops import RULES, falcon_attention
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="sequence length T")
-    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2, help="number of heads H")
     p.add_argument("--head-dim", type=int, default=32, help="K = V")
     p.add_argument("--window", type=int, default=4, help="window B of the rules 3 and 3A")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 
 def run(args: argparse.Namespace) -> int:

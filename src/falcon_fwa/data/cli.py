@@ -14,13 +14,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train", required=True, help="files/folder/glob of .txt/.jsonl/.parquet, or hf:NAME[:CONFIG]")
     parser.add_argument("--val", default=None, help="held-out source (default: every --val-every-th document)")
     parser.add_argument("--tokenizer", default="byte", help="byte | bpe:<vocab_size> | tokenizer folder | Hub name")
-    parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS)
-    parser.add_argument("--text-field", default="text")
-    parser.add_argument("--val-every", type=int, default=20)
-    parser.add_argument("--max-documents", type=int, default=None)
-    parser.add_argument("--bpe-documents", type=int, default=100_000)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS,
+                        help="a text file is one document (file), one per line, or one per blank-line paragraph")
+    parser.add_argument("--text-field", default="text", help="JSONL/Parquet column holding the text")
+    parser.add_argument("--val-every", type=int, default=20, help="without --val: hold out every N-th document")
+    parser.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
+    parser.add_argument("--bpe-documents", type=int, default=100_000, help="documents that train a bpe:N tokenizer")
+    parser.add_argument("--out", required=True, help="output folder (DIR/train, DIR/val, DIR/tokenizer)")
+    parser.add_argument("--overwrite", action="store_true", help="rebuild a folder prepared with other settings")
 
 
 def run(args: argparse.Namespace) -> int:

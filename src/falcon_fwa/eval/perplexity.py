@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..data.shards import TokenShards
 from ..data.sources import iter_documents
-from ..data.tokenizer import encode_documents
+from ..data.tokenizer import encode_documents, is_byte_tokenizer
 
 
 def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
@@ -47,9 +47,10 @@ def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file",
             docs = TokenShards(source).documents()
         else:
             eos = np.asarray([tokenizer.eos_token_id], dtype=np.int64)
+            byte_level = is_byte_tokenizer(tokenizer)
             docs = (np.concatenate([eos, ids]) for text in iter_documents(source, text_split=text_split,
                                                                           text_field=text_field)
-                    for ids in encode_documents(tokenizer, [text]))
+                    for ids in encode_documents(tokenizer, [text], byte_level=byte_level))
         for ids in docs:
             parts.append(np.asarray(ids, dtype=np.int64))
             total += len(ids)
@@ -81,7 +82,7 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
     for i in tqdm(range(0, len(rows), batch_size), desc="perplexity", unit="batch", disable=not progress):
         batch = rows[i:i + batch_size].to(device)
         with autocast:
-            logits = model(input_ids=batch[:, :-1]).logits
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         nll = F.cross_entropy(logits.float().transpose(1, 2), batch[:, 1:], reduction="none")
         total += nll.double().sum(0).cpu()
     return total, len(rows)

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from ..data.sources import TEXT_SPLITS
 from .perplexity import bucket_report, default_edges, load_model, plot_buckets, position_nll, token_stream, windows
 
 
@@ -15,11 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=1024, help="window length (may exceed the training length)")
     parser.add_argument("--train-len", type=int, default=None, help="training length: buckets from here are marked")
     parser.add_argument("--buckets", default=None, help="comma-separated bucket edges from 0 to seq-len (default powers of 2)")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-windows", type=int, default=None)
-    parser.add_argument("--text-split", default="file", choices=["file", "line", "paragraph"])
-    parser.add_argument("--text-field", default="text")
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
+    parser.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
+    parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS,
+                        help="how text files split into documents")
+    parser.add_argument("--text-field", default="text", help="JSONL/Parquet column holding the text")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu", help="default: cuda when available")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16 runs under autocast")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--plot", default=None, help="write the perplexity-by-position plot here (PNG)")

@@ -45,10 +45,6 @@ class Packing:
     def num_sequences(self) -> int:
         return self.positions.shape[0] if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-
     @staticmethod
     def dense(batch: int, length: int, offsets: Optional[torch.Tensor], device) -> "Packing":
         """Dense rows; ``offsets`` ``[B]``: tokens already cached per row (or None)."""

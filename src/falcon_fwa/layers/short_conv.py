@@ -22,6 +22,8 @@ __all__ = ["ShortConv"]
 
 
 class ShortConv(nn.Module):
+    """Depthwise causal convolution of width ``kernel_size`` over ``channels``, then SiLU."""
+
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
         self.kernel_size = kernel_size

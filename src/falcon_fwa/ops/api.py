@@ -128,9 +128,9 @@ def falcon_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "torch":
-        if backend == "triton" and form != "chunk":
-            raise ValueError(f"backend='triton' runs the chunk form; got form={form!r}")
+    if backend == "triton" and form != "chunk":
+        raise ValueError(f"backend='triton' runs the chunk form; got form={form!r}")
+    if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
         if kernels is not None:
             try:
@@ -260,6 +260,10 @@ def falcon_step(
     ``backend="auto"`` uses the fused Triton step on CUDA when no gradient is needed."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            want = "[B, H, V]" if name == "v" else "[B, H, K]"
+            raise ValueError(f"{name} must have shape {want} (one token), got {tuple(getattr(t, 'shape', ()))}")
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         try:
             from .triton import falcon_step_triton
@@ -270,8 +274,6 @@ def falcon_step(
             if backend == "triton":
                 raise
     if state is not None:
-        if q.dim() != 3 or v.dim() != 3:
-            raise ValueError(f"q and v must have shapes [B, H, K] and [B, H, V], got {tuple(q.shape)}, {tuple(v.shape)}")
         spec = get_rule(rule)
         check_state(state, spec, window=window if spec.sliding else 1, shift=shift, B=q.shape[0], H=q.shape[1],
                     K=q.shape[2], V=v.shape[2], name="state")

@@ -38,6 +38,7 @@ class FalconState:
     tail_valid: Optional[torch.Tensor] = None
 
     def detach(self) -> "FalconState":
+        """The same state cut from the autograd graph (truncated backpropagation through time)."""
         return replace(self, S=self.S.detach(),
                        last_key=None if self.last_key is None else self.last_key.detach(),
                        tail_x=None if self.tail_x is None else self.tail_x.detach(),

@@ -50,6 +50,8 @@ def check_inputs(
     initial_state: Optional[FalconState],
     shift: bool,
 ) -> None:
+    """Check the arguments of ``falcon_attention`` (shapes in its docstring), raising
+    ``TypeError``/``ValueError`` that names the argument at fault."""
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
         if t is None:
             continue

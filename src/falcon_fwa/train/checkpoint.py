@@ -37,6 +37,7 @@ def _write_file(path: str, write) -> None:
 
 
 def rng_state() -> dict:
+    """The Python, NumPy, torch and (where present) CUDA random states of this process."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -106,6 +107,7 @@ def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
 
 
 def load_checkpoint(path: str) -> dict:
+    """The state dict saved at ``path`` (a ``step-*`` folder), on the CPU; refuses an incomplete one."""
     if not _complete(path):
         raise FileNotFoundError(f"{path!r} is no complete checkpoint")
     return torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)

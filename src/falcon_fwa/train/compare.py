@@ -64,7 +64,8 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
     results = {}
     for cfg_path, name in zip(configs, names):
         run_dir = os.path.join(out_dir, tag, name)
-        cfg = load_config(cfg_path, sets + [f"train.out_dir={run_dir}", "log.progress=false"])
+        cfg = load_config(cfg_path, sets + [f"train.out_dir={run_dir}"])
+        print(f"training {name} ({cfg_path})", flush=True)
         trainer = Trainer(cfg)
         try:
             results[name] = trainer.train()
@@ -99,19 +100,21 @@ def calibrate_sequential(configs: List[str], sets: List[str], steps: int = 6) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", nargs="+", required=True)
+    parser.add_argument("--configs", nargs="+", required=True, help="recipe files (same data, optim, global_batch)")
     parser.add_argument("--names", nargs="+", default=None, help="display names (default: file names)")
     parser.add_argument("--out", required=True, help="folder for the runs and compare.json")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="applied to every recipe")
     parser.add_argument("--concurrent", action="store_true", help="all recipes at once, one process each")
     parser.add_argument("--steps", type=int, default=None, help="train steps of every recipe")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds of training (calibrated)")
-    parser.add_argument("--calib-steps", type=int, default=30)
+    parser.add_argument("--calib-steps", type=int, default=None,
+                        help="steps of the --time-budget calibration (default: 6 timed steps per recipe; "
+                             "30 training steps with --concurrent)")
     parser.add_argument("--max-steps", type=int, default=None, help="cap on the calibrated step count")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import DataSpec, prepare_dataset
+    from ..data import prepare_dataset
 
     names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
     if len(names) != len(args.configs):
@@ -122,16 +125,18 @@ def run(args: argparse.Namespace) -> int:
         other = load_config(c, args.overrides)
         if (other.data, other.optim, other.train.global_batch) != (d, first.optim, first.train.global_batch):
             raise ValueError(f"{c}: data, optim and train.global_batch must equal {args.configs[0]}'s")
-    prepare_dataset(DataSpec(train_source=d.train_source, val_source=d.val_source, tokenizer=d.tokenizer,
-                             text_split=d.text_split, text_field=d.text_field, val_every=d.val_every,
-                             max_documents=d.max_documents, bpe_documents=d.bpe_documents), d.out_dir)
-    report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides}
     sets = list(args.overrides)
+    data_dir = d.out_dir
+    if not data_dir:  # one tokenized copy shared by every recipe
+        data_dir = os.path.join(args.out, "data")
+        sets.append(f"data.out_dir={data_dir}")
+    prepare_dataset(d.spec(), data_dir)
+    report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides}
     steps = args.steps
     tokens_per_step = first.train.global_batch * d.seq_len
     if args.time_budget and not args.concurrent:
         t0 = time.time()
-        calib = calibrate_sequential(args.configs, sets)
+        calib = calibrate_sequential(args.configs, sets, steps=args.calib_steps or 6)
         report["calibration"] = {n: calib[c] for n, c in zip(names, args.configs)}
         report["calibration_wall_s"] = time.time() - t0
         seconds_per_step = sum(tokens_per_step / r["tokens_per_s"] for r in calib.values())
@@ -140,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
             steps = min(steps, args.max_steps)
         print(f"calibrated: {seconds_per_step:.3f} s per step for all recipes -> {steps} steps", flush=True)
     elif args.time_budget:
-        calib = [f"train.steps={args.calib_steps}", "train.eval_every=0", "train.save_every=0",
-                 "train.export_model=false", f"log.every={max(1, args.calib_steps // 3)}"]
+        calib_steps = args.calib_steps or 30
+        calib = [f"train.steps={calib_steps}", "train.eval_every=0", "train.save_every=0",
+                 "train.export_model=false", f"log.every={max(1, calib_steps // 3)}"]
         t0 = time.time()
         res = run_all(args.configs, names, args.out, sets + calib, "calibration")
         report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
@@ -181,41 +187,3 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
-    """Training loss (lines) and validation loss (markers) against tokens, one colour per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, run) in enumerate(runs.items()):
-        log = run.get("log", [])
-        train = [(r["tokens"], r["loss"]) for r in log if "loss" in r and "tokens" in r]
-        tokens_per_step = train[0][0] / [r["step"] for r in log if "loss" in r][0] if train else 1
-        val = [(r["step"] * tokens_per_step, r["val_loss"]) for r in log if "val_loss" in r]
-        color = f"C{i}"
-        if train:
-            ax.plot(*zip(*train), color=color, lw=1.2, label=name)
-        if val:
-            ax.plot(*zip(*val), color=color, ls="none", marker="o", ms=4)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("loss (nats/token): lines train, dots validation")
-    if title:
-        ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-
-
-def result_rows(report: dict) -> list:
-    """``results/lm/small.json`` rows: model, params, tokens, val_ppl, tokens_per_s, peak_mem_bytes."""
-    rows = []
-    for name, run in report["runs"].items():
-        rows.append({"model": name, "params": run.get("params"), "tokens": run.get("tokens"),
-                     "val_ppl": run.get("val_ppl"), "tokens_per_s": run.get("tokens_per_s"),
-                     "peak_mem_bytes": run.get("peak_mem_bytes"), "error": run.get("error")})
-    return rows

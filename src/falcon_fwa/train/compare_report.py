@@ -7,7 +7,45 @@ import json
 import os
 import sys
 
-from .compare import plot_curves, result_rows
+
+def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
+    """Training loss (lines) and validation loss (markers) against tokens, one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, run) in enumerate(runs.items()):
+        log = run.get("log", [])
+        logged = [r for r in log if "loss" in r and "tokens" in r]
+        train = [(r["tokens"], r["loss"]) for r in logged]
+        tokens_per_step = logged[0]["tokens"] / logged[0]["step"] if logged else 1
+        val = [(r["step"] * tokens_per_step, r["val_loss"]) for r in log if "val_loss" in r]
+        color = f"C{i}"
+        if train:
+            ax.plot(*zip(*train), color=color, lw=1.2, label=name)
+        if val:
+            ax.plot(*zip(*val), color=color, ls="none", marker="o", ms=4)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss (nats/token): lines train, dots validation")
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def result_rows(report: dict) -> list:
+    """``results/lm/small.json`` rows: model, params, tokens, val_ppl, tokens_per_s, peak_mem_bytes."""
+    rows = []
+    for name, run in report["runs"].items():
+        rows.append({"model": name, "params": run.get("params"), "tokens": run.get("tokens"),
+                     "val_ppl": run.get("val_ppl"), "tokens_per_s": run.get("tokens_per_s"),
+                     "peak_mem_bytes": run.get("peak_mem_bytes"), "error": run.get("error")})
+    return rows
 
 
 def markdown_table(rows: list) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..data.packing import PACKINGS
+from ..data.prepare import DataSpec
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 DTYPES = ("bf16", "fp32")
@@ -27,19 +28,17 @@ class ModelSection:
 
 
 @dataclass
-class DataSection:
-    """Corpus (see ``falcon_fwa.data.DataSpec``), where its tokens go, row length and packing."""
+class DataSection(DataSpec):
+    """The corpus fields of ``falcon_fwa.data.DataSpec``, plus where its tokens go
+    (``out_dir``; default ``{train.out_dir}/data``), row length and packing."""
     train_source: str = ""
-    val_source: Optional[str] = None
-    tokenizer: str = "byte"
-    text_split: str = "file"
-    text_field: str = "text"
-    val_every: int = 20
-    max_documents: Optional[int] = None
-    bpe_documents: int = 100_000
     out_dir: str = ""
     seq_len: int = 1024
     packing: str = "cu_seqlens"
+
+    def spec(self) -> DataSpec:
+        """The corpus and tokenizer part of this section, for ``prepare_dataset``."""
+        return DataSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataSpec)})
 
 
 @dataclass
@@ -110,12 +109,15 @@ class RunConfig:
             (t.global_batch >= t.micro_batch, "train.global_batch", "must be >= train.micro_batch"),
             (t.dtype in DTYPES, "train.dtype", f"must be one of {DTYPES}"),
             (t.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}"),
-            (t.save_every >= 0 and t.eval_every >= 0, "train.save_every/eval_every", "must be >= 0 (0: never)"),
+            (t.save_every >= 0, "train.save_every", "must be >= 0 (0: never)"),
+            (t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: never)"),
+            (t.eval_batches >= 1, "train.eval_batches", "must be >= 1"),
             (t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1"),
+            (self.log.every >= 1, "log.every", "must be >= 1"),
         ]
         for ok, name, why in checks:
             if not ok:
-                raise ValueError(f"config field {name} {why}, got {_get(self, name.split('/')[0])!r}")
+                raise ValueError(f"config field {name} {why}, got {_get(self, name)!r}")
         return self
 
 
@@ -170,8 +172,12 @@ def apply_overrides(raw: dict, assignments: List[str]) -> dict:
             raise ValueError(f"--set expects section.field=value, got {item!r}")
         node = raw
         parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
+        for i, p in enumerate(parts[:-1]):
+            if node.get(p) is None:  # absent, or an empty section in the file
+                node[p] = {}
+            node = node[p]
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
         node[parts[-1]] = _parse_value(value)
     return raw
 

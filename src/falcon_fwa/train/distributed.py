@@ -75,10 +75,6 @@ def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
     raise ValueError(f"train.strategy must be 'single', 'ddp' or 'fsdp2', got {info.strategy!r}")
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") and not hasattr(model, "config") else model
-
-
 def set_grad_sync(model: nn.Module, info: DistInfo, sync: bool):
     """Gradient synchronisation on (last micro-step) or off (accumulating) for DDP/FSDP2."""
     import contextlib

@@ -27,6 +27,21 @@ class MetricLogger:
 
             self.wandb = wandb.init(project=wandb_project, config=config, dir=out_dir, resume="allow")
 
+    def drop_after(self, step: int) -> None:
+        """Forget the records of steps after ``step`` (a resumed run logs them again)."""
+        if not self.enabled:
+            return
+        path = self.file.name
+        self.file.close()
+        kept = [r for r in read_log(path) if r.get("step", 0) <= step]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.file = open(path, "a")
+
     def log(self, step: int, **metrics) -> None:
         if not self.enabled:
             return

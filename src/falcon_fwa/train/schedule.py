@@ -10,6 +10,7 @@ import math
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The learning rate of optimizer step ``step`` (0-based), by the formula above."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     span = max(1, total_steps - warmup_steps)

@@ -62,12 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", nargs="+", default=[], help="preset names (NAME or NAME:field=value,...)")
     parser.add_argument("--config", nargs="+", default=[], help="recipe files: their model at their seq_len "
                         "and micro_batch (overrides --seq-len / --batch-tokens)")
-    parser.add_argument("--seq-len", nargs="+", type=int, default=[2048])
+    parser.add_argument("--seq-len", nargs="+", type=int, default=[2048], help="sequence lengths to measure")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per step (batch = this / seq-len)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="per measurement")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="default: cuda when available")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) here")
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..data import BatchStream, DataSpec, PackedRows, open_split, prepare_dataset
+from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig
@@ -79,11 +79,8 @@ class Trainer:
         # data: tokenized once (by the main rank), then memory-mapped everywhere
         d = cfg.data
         self.data_dir = d.out_dir or os.path.join(t.out_dir, "data")
-        spec = DataSpec(train_source=d.train_source, val_source=d.val_source, tokenizer=d.tokenizer,
-                        text_split=d.text_split, text_field=d.text_field, val_every=d.val_every,
-                        max_documents=d.max_documents, bpe_documents=d.bpe_documents)
         if self.info.is_main:
-            prepare_dataset(spec, self.data_dir)
+            prepare_dataset(d.spec(), self.data_dir)
         D.barrier(self.info)
         train_split, self.val_split = open_split(self.data_dir, "train"), open_split(self.data_dir, "val")
         self.train_rows = PackedRows(train_split, d.seq_len)
@@ -122,7 +119,8 @@ class Trainer:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": {"step": self.step},
-                "data": {"position": self.position, "seed": self.cfg.train.seed, "world_size": self.info.world_size},
+                "data": {"position": self.position, "seed": self.cfg.train.seed, "world_size": self.info.world_size,
+                         "micro_batch": self.cfg.train.micro_batch},
                 "rng": rng_state(), "step": self.step, "config": self.cfg.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -131,10 +129,16 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
         self.step = int(state["step"])
-        self.position = int(state["data"]["position"])
-        if state["data"]["world_size"] != self.info.world_size:
-            # same global samples per step: the micro-step counter scales with the process count
-            self.position = self.step * self.accum
+        data = state["data"]
+        # The position counts micro-steps of micro_batch x processes samples: convert the samples
+        # consumed so far to this run's micro-steps (the process count or micro_batch may differ).
+        saved_micro = int(data.get("micro_batch", state["config"]["train"]["micro_batch"]))
+        consumed = int(data["position"]) * saved_micro * int(data["world_size"])
+        per_micro_step = self.cfg.train.micro_batch * self.info.world_size
+        if consumed % per_micro_step:
+            raise ValueError(f"the checkpoint consumed {consumed} samples, not a multiple of train.micro_batch x "
+                             f"processes = {per_micro_step}")
+        self.position = consumed // per_micro_step
         set_rng_state(state["rng"])
 
     def _maybe_resume(self) -> None:
@@ -146,6 +150,7 @@ class Trainer:
             return
         self.load_state_dict(load_checkpoint(path))
         self.last_checkpoint = path
+        self.logger.drop_after(self.step)  # steps after the checkpoint are trained (and logged) again
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}")
 

@@ -117,9 +117,9 @@ def falcon_chunk_triton(
     cast to ``q``'s dtype; fp32 accumulation); ``chunk_size`` in {16, 32, 64, 128}.
     Anything else raises ``NotImplementedError`` naming the switch.
 
-    ``validate=False`` skips ``ops.validate.check_inputs`` (whose value checks
-    ``lam >= 0``, ``log_gate <= 0`` synchronize with the GPU), for callers that ran
-    it already, as ``falcon_attention`` does; what the kernels support is always checked.
+    ``validate=False`` skips ``ops.validate.check_inputs`` and the check of
+    ``initial_state``, for callers that ran them already; what the kernels support
+    is always checked.
     """
     spec = get_rule(rule)
     _check_supported(q, v, rule, chunk_size, initial_state)

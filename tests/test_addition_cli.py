@@ -72,3 +72,22 @@ def test_lineup_names_map_to_the_paper_variants():
         resolve_model("Falcon-9")
     with pytest.raises(ValueError, match="train_widths"):
         get_addition_preset("tiny").replace(train_widths=(5, 2))
+
+
+@pytest.mark.parametrize("name", ["tiny", "paper"])
+def test_presets_initialize_at_the_fan_in_scale(name):
+    """Every model of a preset gets init std 1/sqrt(hidden_size), not the language-model default 0.02."""
+    import torch
+
+    from falcon_fwa.tasks.addition.data import VOCAB
+    from falcon_fwa.tasks.addition.lineup import build_model
+
+    preset = get_addition_preset(name)
+    want = preset.hidden_size ** -0.5
+    for model_name in ("Transformer", "Falcon-3A.3"):
+        torch.manual_seed(0)
+        model = build_model(resolve_model(model_name), preset.size(), vocab_size=len(VOCAB))
+        assert model.config.initializer_range == pytest.approx(want)
+        q = model.model.layers[0].mixer.q_proj.weight  # a hidden matrix of fan-in hidden_size
+        assert float(q.std()) == pytest.approx(want, rel=0.1)
+        assert float(model.model.embed_tokens.weight.std()) == pytest.approx(want, rel=0.15)

@@ -3,6 +3,19 @@
 ``tiny``  the README's first command: a CPU run of a few minutes (2 cores), on the
           same task at widths 1..5 (out of distribution: 6..8), small enough to learn there.
 ``paper`` the Table-3 budget: ~2,000 steps of a small model, minutes on one GPU.
+
+Both presets initialize every matrix and the (tied) embedding with the fan-in
+standard deviation ``1 / sqrt(hidden_size)`` (``initializer_range`` in
+:attr:`AdditionPreset.model`) instead of the language-model default ``0.02``.
+Each sum digit is ``(a_i + b_i + carry) mod 10`` of two digits read from two
+different places of the prompt; neither digit alone says anything about it, so its
+gradient signal is a product of two read-outs and grows with the initial weight
+scale. With ``0.02`` (at ``hidden_size`` 64 that is 1/6 of the fan-in scale) the
+least significant digit stays at chance (~10 %) for thousands of steps for every
+model; with the fan-in scale it is learned within a few hundred. The middle digits
+also need each operand digit found by its distance from the end of its operand
+(the sum is written least significant digit first, the operands are not); the
+models learn that last, which is what limits the ``tiny`` accuracy at widths >= 3.
 """
 from __future__ import annotations
 
@@ -65,16 +78,22 @@ class AdditionPreset:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
+def _fan_in_init(hidden_size: int) -> Dict[str, Any]:
+    """``initializer_range = 1 / sqrt(hidden_size)`` (see the module docstring)."""
+    return {"initializer_range": hidden_size ** -0.5}
+
+
 PRESETS: Dict[str, AdditionPreset] = {
     "tiny": AdditionPreset(
         hidden_size=64, num_hidden_layers=2, num_heads=2,
-        steps=1500, batch_size=64, lr=3e-3, warmup=100, eval_every=250,
+        steps=1000, batch_size=64, lr=3e-3, warmup=100, eval_every=250,
         val_per_width=64, ood_per_width=32, train_widths=(1, 5), ood_widths=(6, 8), cpu_threads=1,
+        model=_fan_in_init(64),
     ),
     "paper": AdditionPreset(
         hidden_size=256, num_hidden_layers=4, num_heads=4,
         steps=2000, batch_size=128, lr=1e-3, warmup=100, eval_every=100,
-        val_per_width=64, ood_per_width=200,
+        val_per_width=64, ood_per_width=100, model=_fan_in_init(256),
     ),
 }
 

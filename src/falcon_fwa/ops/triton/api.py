@@ -15,6 +15,7 @@ import torch
 from ..rules import get_rule
 from ..state import FalconState
 from ..validate import check_inputs, check_state
+from .column_decay import column_decay_chunk, column_step_sizes
 from .delta import delta_chunk
 from .launch import SUPPORTED_CHUNK_SIZES
 from .scalar_decay import scalar_decay_chunk
@@ -23,7 +24,7 @@ from .step_sizes import scalar_step_sizes
 
 __all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_DTYPES"]
 
-TRITON_RULES = ("1", "1A", "3A")  # rules with chunk kernels
+TRITON_RULES = ("1", "1A", "2A", "3A")  # rules with chunk kernels
 # Rules whose current kernels have passed the float64 checks on a GPU; backend="auto" uses only these.
 # The 1A kernels passed on an H200 before they were generalized to also serve rules 1 and 3A; the
 # current code has run on Triton's interpreter only, so "auto" stays on PyTorch until
@@ -111,7 +112,8 @@ def falcon_chunk_triton(
     """``falcon_attention(..., form="chunk")`` on the Triton kernels; same arguments,
     shapes and result (``o`` ``[B, T, H, V]`` in ``v``'s dtype, the final state in fp32).
 
-    Supported: rules "1A" (scalar-decay masked attention, any head dims), "1" (WY
+    Supported: rules "1A" (scalar-decay masked attention, any head dims), "2A" (one
+    decay per value column, any head dims; ``ops.triton.column_decay``), "1" (WY
     form, one triangular solve per chunk, key dim ``K <= 128``) and "3A" (the
     rule-1A scan over completed window pairs plus the band of open pairs, any
     ``window``; ``ops.triton.sliding``); every switch
@@ -155,14 +157,17 @@ def falcon_chunk_triton(
     last_key = None if initial_state is None or not shift else initial_state.last_key
     x, valid = _shifted_keys(k, shift, last_key, starts)
 
-    eta, log_a = scalar_step_sizes(x, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor,
-                                   normalize=normalize, scale_ridge=scale_ridge)
+    step = column_step_sizes if spec.per_column else scalar_step_sizes
+    eta, log_a = step(x, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor, normalize=normalize,
+                      scale_ridge=scale_ridge)
     S0 = None if initial_state is None else initial_state.S
     scan = dict(read_after=read == "after", chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 output_final_state=output_final_state)
     if spec.regression:  # rule 1: the residual is read at the gated state, kappa = eta exp(g)
         kappa = eta if log_gate is None else eta * torch.exp(log_gate.float())
         o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
+    elif spec.per_column:  # rule 2A: eta and the decay per value column
+        o, S_T = column_decay_chunk(q, x, v, eta, log_a, S0, **scan)
     else:
         o, S_T = scalar_decay_chunk(q, x, v, eta, log_a, S0, **scan)
     final = None

@@ -1,0 +1,205 @@
+r"""Autograd function over the per-column decay chunk kernels (Falcon-2A).
+
+``column_decay_chunk(q, x, v, eta, log_a, S0, ...)`` computes, per head and value
+column ``j``, the recurrence ``S_t[:, j] = a_{t,j} S_{t-1}[:, j] + eta_{t,j} x_t v_t[j]``
+with ``a = exp(log_a)`` and reads ``o_t = S_t^T q_t`` (``read_after``) or
+``S_{t-1}^T q_t``; gradients flow to ``q``, ``x``, ``v``, ``eta``, ``log_a`` and ``S0``.
+``column_step_sizes`` gives Falcon-2A's ``eta`` and ``log_a`` (the equations of
+``ops.step_sizes``, one fused kernel each way) from the write features.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from . import column_decay_kernels as kern
+from .chunk_index import ChunkLayout, chunk_layout
+from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, layout_args
+
+__all__ = ["column_decay_chunk", "column_step_sizes", "SUB_CHUNK"]
+
+SUB_CHUNK = 16  # steps per sub-chunk: the intra-chunk decay is factored at sub-chunk ends
+# Per kernel: key/value block sizes (capped by the head dims), warps and pipeline stages
+# (sizes at which the sm_90 build of every kernel keeps its values in registers, K = V = 128).
+LAUNCH = {
+    "state_fwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
+    "state_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
+    "output_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "dv_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
+    "dqk_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
+    "elementwise": dict(BV=64, num_warps=4),  # chunk_cumsum, dlog_bwd
+    "steps": dict(BR=32, BK=64, BV=32, num_warps=4),  # step_fwd, step_bwd (BR rows per program)
+}
+
+
+def _config(name: str, K: int, V: int) -> dict:
+    c = dict(LAUNCH[name])
+    if "BK" in c:
+        c["BK"] = min(c["BK"], max(16, triton.next_power_of_2(K)))
+    c["BV"] = min(c["BV"], max(16, triton.next_power_of_2(V)))
+    return c
+
+
+def _empty(shape, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Uninitialized buffer (every element the kernels read is written first)."""
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    prec, meta = dot_precision(q.dtype), layout_args(layout)
+    sub = layout.num_chunks * (layout.BT // SUB_CHUNK)
+    u = _empty(eta.shape, eta)
+    c = _config("elementwise", K, V)
+    kern.chunk_cumsum[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+        log_a, u, chunk_indices=layout.chunk_indices, H=H, V=V, **c, **meta)
+    h = _empty((layout.num_chunks, H, K, V), q)
+    S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
+    c = _config("state_fwd", K, V)
+    kern.state_fwd[(triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), layout.N * H)](
+        x, v, eta, u, h, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None, STORE_FINAL=want_final,
+        PRECISION=prec, **c, **meta)
+    o = _empty(v.shape, v)
+    c = _config("output_fwd", K, V)
+    kern.output_fwd[(triton.cdiv(V, c["BV"]), sub, H)](
+        q, x, v, eta, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BS=SUB_CHUNK,
+        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+    return o, u, h, S_T
+
+
+def _backward(q, x, v, eta, u, h, S0, do, dS_T, layout: ChunkLayout, read_after: bool):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    prec, meta = dot_precision(q.dtype), layout_args(layout)
+    sub = layout.num_chunks * (layout.BT // SUB_CHUNK)
+    dh = _empty((layout.num_chunks, H, K, V), q)
+    dS0 = _empty(S0.shape, S0, torch.float32) if S0 is not None else None
+    c = _config("state_bwd", K, V)
+    kern.state_bwd[(triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), layout.N * H)](
+        q, do, u, dh, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,
+        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+    dv, deta = _empty(v.shape, v), _empty(eta.shape, eta)
+    du, dc = _empty(eta.shape, eta), _empty(eta.shape, eta)
+    dw = None if read_after else _empty(eta.shape, eta)
+    c = _config("dv_bwd", K, V)
+    kern.dv_bwd[(triton.cdiv(V, c["BV"]), sub, H)](
+        q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+    dq, dx = _empty(q.shape, q), _empty(x.shape, x)
+    c = _config("dqk_bwd", K, V)
+    kern.dqk_bwd[(triton.cdiv(K, c["BK"]), sub, H)](
+        q, x, v, eta, u, h, dh, do, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+    dlog_a = du  # written in place: every program reads its chunk whole before it writes
+    c = _config("elementwise", K, V)
+    kern.dlog_bwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+        du, dw, dc, dlog_a, chunk_indices=layout.chunk_indices, H=H, V=V, READ_AFTER=read_after, **c, **meta)
+    return dq, dx, dv, deta, dlog_a, dS0
+
+
+class _ColumnDecayChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, x, v, eta, log_a, S0, cu_seqlens, chunk_size, read_after, want_final):
+        B, T = q.shape[:2]
+        layout = chunk_layout(B, T, chunk_size, cu_seqlens)
+        o, u, h, S_T = _forward(q, x, v, eta, log_a, S0, layout, read_after, want_final)
+        ctx.save_for_backward(q, x, v, eta, u, h, S0)
+        ctx.layout, ctx.read_after = layout, read_after
+        return o, S_T
+
+    @staticmethod
+    def backward(ctx, do, dS_T):
+        q, x, v, eta, u, h, S0 = ctx.saved_tensors
+        dq, dx, dv, deta, dlog_a, dS0 = _backward(
+            q, x, v, eta, u, h, S0, do.contiguous(), None if dS_T is None else dS_T.contiguous(),
+            ctx.layout, ctx.read_after)
+        return dq, dx, dv, deta, dlog_a, dS0, None, None, None, None
+
+
+def column_decay_chunk(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    log_a: torch.Tensor,
+    S0: Optional[torch.Tensor],
+    *,
+    read_after: bool,
+    chunk_size: int = 64,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunk-parallel fast-weight scan with one decay per value column.
+
+    ``q``, ``x`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` of one dtype (bf16, fp16
+    or fp32); ``eta``, ``log_a`` ``[B, T, H, V]`` fp32 (``log_a <= 0``); ``S0``
+    ``[N, H, K, V]`` fp32 or ``None`` (``N = B``, or the number of sequences packed
+    by ``cu_seqlens`` with ``B = 1``). Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype
+    and the final states ``[N, H, K, V]`` fp32 (or ``None``).
+    """
+    if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
+        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
+    q, x, v = (t.contiguous() for t in (q, x, v))
+    eta, log_a = (t.float().contiguous() for t in (eta, log_a))
+    S0 = None if S0 is None else S0.float().contiguous()
+    return _ColumnDecayChunk.apply(q, x, v, eta, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state)
+
+
+class _ColumnStepSizes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge):
+        n, K, V = lam.numel(), x.shape[-1], beta.shape[-1]
+        eta = _empty(beta.shape, beta, torch.float32)
+        log_a = _empty(beta.shape, beta, torch.float32)
+        c = _config("steps", K, V)
+        kern.step_fwd[(triton.cdiv(n, c["BR"]), triton.cdiv(V, c["BV"]))](
+            x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor, H=x.shape[2], K=K, V=V,
+            NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, **c)
+        ctx.save_for_backward(x, valid, beta, lam)
+        ctx.options = (eps, decay_floor, normalize, scale_ridge, None if log_gate is None else log_gate.dtype)
+        return eta, log_a
+
+    @staticmethod
+    def backward(ctx, d_eta, d_log_a):
+        x, valid, beta, lam = ctx.saved_tensors
+        eps, decay_floor, normalize, scale_ridge, gate_dtype = ctx.options
+        n, K, V = lam.numel(), x.shape[-1], beta.shape[-1]
+        zeros = torch.zeros(beta.shape, dtype=torch.float32, device=x.device)
+        d_eta = zeros if d_eta is None else d_eta.float().contiguous()
+        d_log_a = zeros if d_log_a is None else d_log_a.float().contiguous()
+        dx = _empty(x.shape, x)
+        d_beta = _empty(beta.shape, beta, torch.float32)
+        d_lam = _empty(lam.shape, lam, torch.float32)
+        d_gate = _empty(lam.shape, lam, torch.float32)
+        c = _config("steps", K, V)
+        kern.step_bwd[(triton.cdiv(n, c["BR"]),)](
+            x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, d_gate, n, eps, decay_floor, H=x.shape[2],
+            K=K, V=V, NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, **c)
+        return (dx, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype),
+                None if gate_dtype is None else d_gate.to(gate_dtype), None, None, None, None)
+
+
+def column_step_sizes(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    log_gate: Optional[torch.Tensor],
+    *,
+    eps: float,
+    decay_floor: float,
+    normalize: bool,
+    scale_ridge: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Falcon-2A's ``eta`` and ``log_a = log gamma + log_gate`` ``[B, T, H, V]`` fp32 from
+    the write features ``x`` ``[B, T, H, K]``, pair validity ``valid`` ``[B, T]`` (bool),
+    ``beta`` ``[B, T, H, V]``, ``lam`` and ``log_gate`` ``[B, T, H]`` in one fused kernel
+    (the equations of ``ops.step_sizes``): ``eta_{t,j} = beta_{t,j} / (||x_t||^2 + lam_t + eps)``,
+    ``gamma_{t,j} = 1 - min(eta_{t,j} lam_t, 1 - decay_floor)``."""
+    x, beta, lam = x.contiguous(), beta.contiguous(), lam.contiguous()
+    log_gate = None if log_gate is None else log_gate.contiguous()
+    return _ColumnStepSizes.apply(x, valid.contiguous().view(torch.uint8), beta, lam, log_gate, float(eps),
+                                  float(decay_floor), bool(normalize), bool(scale_ridge))

@@ -26,10 +26,11 @@ __all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_D
 
 TRITON_RULES = ("1", "1A", "2A", "3A")  # rules with chunk kernels
 # Rules whose current kernels have passed the float64 checks on a GPU; backend="auto" uses only these.
-# The 1A kernels passed on an H200 before they were generalized to also serve rules 1 and 3A; the
-# current code has run on Triton's interpreter only, so "auto" stays on PyTorch until
-# `benchmarks/gpu_suite.sh OUT tests` passes again.
-GPU_CHECKED_RULES: tuple = ()
+# Rules 1A and 1 passed tests/test_triton_chunk.py's switch, state, packed and chunk-size checks
+# (outputs and gradients against the float64 recurrent form) on an H200
+# (benchmarks/results/h200_tests.md). Rules 2A and 3A stay on PyTorch under "auto" until
+# tests/test_triton_column.py and tests/test_triton_window.py have passed there.
+GPU_CHECKED_RULES: tuple = ("1A", "1")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WY_HEAD_DIM = 128  # the WY kernels (rule 1) keep the whole key dimension in one tile
 

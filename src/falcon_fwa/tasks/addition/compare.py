@@ -209,7 +209,9 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
 
 
 def _invocation() -> str:
-    argv = sys.argv[2:] if Path(sys.argv[0]).name == "falcon-fwa" else sys.argv[1:]
+    argv = sys.argv[1:]
+    if argv[:1] == ["addition-compare"]:  # through the falcon-fwa command or python -m falcon_fwa.cli
+        argv = argv[1:]
     return "falcon-fwa addition-compare " + " ".join(shlex.quote(a) for a in argv)
 
 

@@ -254,3 +254,32 @@ def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
     FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
     with pytest.raises(ValueError, match="backend"):
         FalconAttention(get_preset("tiny-falcon", backend="fla"))
+
+
+def test_op_gets_the_projection_dtype_under_autocast(monkeypatch):
+    """Under bf16 autocast the QK normalizations compute in float32 (``pow``/``rsqrt``); the op must get
+    q, k, v back in the projections' bf16, or its GPU kernels would run float32 dot products."""
+    import falcon_fwa.layers.falcon_attention as mod
+
+    seen = {}
+    real = mod.falcon_attention
+
+    def spy(q, k, v, beta, lam, **kwargs):
+        seen.update(q=q.dtype, k=k.dtype, v=v.dtype)
+        return real(q, k, v, beta, lam, **kwargs)
+
+    monkeypatch.setattr(mod, "falcon_attention", spy)
+    # CUDA autocast runs pow/rsqrt in float32 (CPU autocast does not): make the norms return float32 here too.
+    norm = mod.normalize_features
+    monkeypatch.setattr(mod, "normalize_features", lambda u, kind, eps: norm(u, kind, eps).float())
+    rms = mod.rms_normalize
+    monkeypatch.setattr(mod, "rms_normalize", lambda u, eps: rms(u, eps).float())
+    torch.manual_seed(0)
+    layer = FalconAttention(get_preset("tiny-falcon", v_norm=True))
+    h = torch.randn(2, 9, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(h, _dense(h))
+    assert seen == {"q": torch.bfloat16, "k": torch.bfloat16, "v": torch.bfloat16}
+    seen.clear()
+    layer(h, _dense(h))  # no autocast: float32 throughout
+    assert seen == {"q": torch.float32, "k": torch.float32, "v": torch.float32}

@@ -103,10 +103,13 @@ class FalconAttention(nn.Module):
         q = out["q"].view(B, T, self.num_heads, self.head_k_dim)
         k = out["k"].view(B, T, self.num_heads, self.head_k_dim)
         v = out["v"].view(B, T, self.num_heads, self.head_v_dim)
-        q = normalize_features(self.feature_map(q), self.qk_norm, self.norm_eps) * self.query_scale
-        k = normalize_features(self.feature_map(k), self.qk_norm, self.norm_eps)
+        # The normalizations compute in float32 under autocast; the op gets the projections' dtype back
+        # (bf16 under bf16 autocast), so its kernels run on the tensor cores.
+        dt = v.dtype
+        q = (normalize_features(self.feature_map(q), self.qk_norm, self.norm_eps) * self.query_scale).to(dt)
+        k = normalize_features(self.feature_map(k), self.qk_norm, self.norm_eps).to(dt)
         if self.v_norm:
-            v = rms_normalize(v, self.norm_eps)
+            v = rms_normalize(v, self.norm_eps).to(dt)
         return q, k, v
 
     def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache] = None) -> torch.Tensor:

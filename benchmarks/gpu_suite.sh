@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in stages that each fit in about 8 minutes:
 #   bash benchmarks/gpu_suite.sh OUT_DIR tests     # kernel and fla-comparison tests (CUDA-only tests included)
-#   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention, decode step
+#   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048, decode step
+#   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
 #   bash benchmarks/gpu_suite.sh OUT_DIR addition  # the Table-3 lineup on variable-length addition
 # Run from the repository root with falcon_fwa importable (pip install -e . or PYTHONPATH=$PWD/src) and,
@@ -18,12 +19,23 @@ git rev-parse HEAD >> "$OUT/gpu.txt" 2>/dev/null
 
 case "$STAGE" in
   tests)
-    timeout 470 $PY -m pytest -q -p no:cacheprovider -rs tests/test_triton_chunk.py tests/test_triton_step.py \
-        tests/test_triton_window.py tests/test_triton_dispatch.py tests/test_models_fla.py 2>&1 | tee "$OUT/gpu_tests.txt"
+    # Eight processes: most of the time is the first-call compilation of each kernel variant (CPU work).
+    timeout 400 $PY -m pytest -q -n 8 -p no:cacheprovider -rfEs --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
+        tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
+        tests/test_triton_dispatch.py tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
+    # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows).
+    timeout 170 $PY tests/test_models_fla.py "$OUT/fla_compare.md" 2>&1 | tee "$OUT/fla_compare.log"
     ;;
   kernels)
-    timeout 470 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode \
-        --profile falcon-1a falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
+    timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
+        --ops falcon-1a falcon-1 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
+              torch-chunk-1A torch-chunk-1 torch-chunk-2A torch-chunk-3A falcon-1a-kernels-only \
+        2>&1 | tee "$OUT/bench_kernels.log"
+    ;;
+  kernels-long)
+    timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
+        --ops falcon-1a falcon-1 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
+        --profile falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   lm)
     MEASURE_130M=1 bash results/lm/run_small.sh "$OUT" 2>&1 | tee "$OUT/lm.log"
@@ -34,5 +46,5 @@ case "$STAGE" in
         --runs "$OUT/addition_runs" --results "$OUT" --name paper 2>&1 | tee "$OUT/addition.log"
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, kernels, lm or addition" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, kernels, kernels-long, lm or addition" >&2; exit 2;;
 esac

@@ -50,7 +50,8 @@ def test_perplexity_matches_the_models_own_loss(saved_model):
     model, tok = load_model(str(saved_model / "run" / "model"))
     tokens = token_stream([str(saved_model / "data" / "val")], tok)
     rows = windows(tokens, 48, max_windows=3)
-    total, n = position_nll(model, rows, batch_size=2, progress=False)
+    total, count = position_nll(model, rows, batch_size=2, progress=False)
+    assert torch.equal(count, torch.full((48,), 3.0, dtype=torch.float64))
     with torch.no_grad():
         ref = model(input_ids=rows[:, :-1], use_cache=False).logits.log_softmax(-1)
     ref_nll = -ref.gather(-1, rows[:, 1:, None])[..., 0].double().sum(0)
@@ -70,6 +71,35 @@ def test_perplexity_matches_the_models_own_loss(saved_model):
     assert rep["windows"] == 2 and [b["beyond_train_len"] for b in rep["buckets"]] == [False, False, True]
     mean = sum(b["loss"] * b["tokens"] for b in rep["buckets"]) / rep["tokens"]
     assert rep["loss"] == pytest.approx(mean)
+
+
+def test_document_reset_equals_each_document_alone(saved_model):
+    """documents="reset": every document of a window scored from an empty state, by position in the
+    document, boundary predictions left out == running each document piece on its own."""
+    model, tok = load_model(str(saved_model / "run" / "model"))
+    eos = tok.eos_token_id
+    rows = windows(token_stream([str(saved_model / "data" / "val")], tok), 96, max_windows=3)
+    assert int((rows[:, 1:-1] == eos).sum()) >= 2  # the windows do cross document boundaries
+    total, count = position_nll(model, rows, batch_size=2, progress=False, eos_id=eos)
+    ref_total = torch.zeros(96, dtype=torch.float64)
+    ref_count = torch.zeros(96, dtype=torch.float64)
+    for row in rows:
+        inputs, targets = row[:-1], row[1:]
+        starts = [0] + [p for p in range(1, 96) if int(inputs[p]) == eos] + [96]
+        for a, b in zip(starts[:-1], starts[1:]):
+            with torch.no_grad():
+                logp = model(input_ids=inputs[None, a:b], use_cache=False).logits[0].log_softmax(-1).double()
+            for j in range(b - a):
+                if int(targets[a + j]) != eos:
+                    ref_total[j] -= logp[j, targets[a + j]]
+                    ref_count[j] += 1
+    torch.testing.assert_close(count, ref_count, rtol=0, atol=0)
+    torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-6)
+    carry_total, _ = position_nll(model, rows, batch_size=2, progress=False)
+    assert not torch.allclose(carry_total, total)  # the two treatments do differ on these windows
+    rep = bucket_report(total, count, [0, 16, 96], windows=3)
+    assert rep["tokens"] == int(ref_count.sum()) and rep["windows"] == 3
+    assert rep["loss"] == pytest.approx(float(ref_total.sum() / ref_count.sum()))
 
 
 def _write_tasks(folder, data):

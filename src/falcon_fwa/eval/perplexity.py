@@ -2,18 +2,28 @@
 
 The held-out documents are tokenized (end-of-text opening each document, as in training),
 concatenated and cut into windows of ``seq_len + 1`` tokens; every window starts from an
-empty state. Token ``t`` of a window contributes its next-token loss to position ``t``, so
-the per-position average shows how the loss evolves with context length, also beyond the
-training length (the length-extrapolation curve):
+empty state. Two ways to treat the documents inside a window:
 
-    ppl(bucket [a, b)) = exp( sum_{windows} sum_{a <= t < b} nll_t / (#windows * (b - a)) ).
+* ``documents="reset"`` (``eos_id`` given; the default of ``falcon-fwa ppl``, and what
+  training with ``packing: cu_seqlens`` does): every document starts from an empty state
+  (the window is run as packed sequences with ``cu_seqlens`` at each end-of-text), the
+  prediction of a document's opening token from the previous document is left out (as in
+  the training loss), and a token's position is its position in its document;
+* ``documents="carry"``: the window is one sequence, the state runs across document
+  boundaries, and a token's position is its position in the window.
+
+Token ``t`` contributes its next-token loss to its position, so the per-position average
+shows how the loss evolves with context length, also beyond the training length (the
+length-extrapolation curve):
+
+    ppl(bucket [a, b)) = exp( sum_{a <= t < b} nll_sum_t / sum_{a <= t < b} count_t ).
 """
 from __future__ import annotations
 
 import math
 import os
 from contextlib import nullcontext
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -74,18 +84,43 @@ def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None)
 
 @torch.no_grad()
 def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu", bf16: bool = False,
-                 progress: bool = True):
-    """Summed next-token NLL (float64) at each position [seq_len] and the number of windows."""
+                 progress: bool = True, eos_id: Optional[int] = None):
+    """Summed next-token NLL (float64) at each position ``[seq_len]`` and the number of
+    predictions summed there (``[seq_len]``, float64).
+
+    ``eos_id=None``: each window is one sequence (``documents="carry"``). With ``eos_id``,
+    every end-of-text token in a window opens a fresh sequence (``documents="reset"``):
+    positions count from the document start, and predictions of an end-of-text token
+    (the boundary into the next document) are not counted.
+    """
     seq_len = rows.shape[1] - 1
     total = torch.zeros(seq_len, dtype=torch.float64)
+    count = torch.zeros(seq_len, dtype=torch.float64)
     autocast = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16) if bf16 else nullcontext()
     for i in tqdm(range(0, len(rows), batch_size), desc="perplexity", unit="batch", disable=not progress):
         batch = rows[i:i + batch_size].to(device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if eos_id is None:
+            with autocast:
+                logits = model(input_ids=inputs, use_cache=False).logits
+            nll = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+            total += nll.double().sum(0).cpu()
+            count += len(batch)
+            continue
+        starts = inputs == eos_id
+        starts[:, 0] = True  # a window starts a sequence, also inside a document
+        flat_starts = starts.flatten().nonzero()[:, 0]
+        cu = torch.cat([flat_starts, flat_starts.new_tensor([inputs.numel()])])
         with autocast:
-            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-        nll = F.cross_entropy(logits.float().transpose(1, 2), batch[:, 1:], reduction="none")
-        total += nll.double().sum(0).cpu()
-    return total, len(rows)
+            logits = model(input_ids=inputs.reshape(1, -1), cu_seqlens=cu, use_cache=False).logits
+        nll = F.cross_entropy(logits[0].float(), targets.reshape(-1), reduction="none").view_as(targets)
+        keep = targets != eos_id
+        step = torch.arange(seq_len, device=inputs.device).expand_as(inputs)
+        last_start = torch.cummax(torch.where(starts, step, torch.zeros_like(step)), dim=1).values
+        pos = (step - last_start)[keep].cpu()
+        total.index_add_(0, pos, nll[keep].double().cpu())
+        count.index_add_(0, pos, torch.ones(len(pos), dtype=torch.float64))
+    return total, count
 
 
 def default_edges(seq_len: int, first: int = 64) -> List[int]:
@@ -96,19 +131,29 @@ def default_edges(seq_len: int, first: int = 64) -> List[int]:
     return edges + [seq_len]
 
 
-def bucket_report(total: torch.Tensor, n_windows: int, edges: Sequence[int], *,
-                  train_len: Optional[int] = None) -> dict:
-    """Overall and per-bucket loss/perplexity from per-position NLL sums."""
+def bucket_report(total: torch.Tensor, count: Union[int, torch.Tensor], edges: Sequence[int], *,
+                  train_len: Optional[int] = None, windows: Optional[int] = None) -> dict:
+    """Overall and per-bucket loss/perplexity from per-position NLL sums ``total`` and
+    prediction counts ``count`` (per position, or one number for every position: the
+    number of windows). Buckets without predictions report ``loss``/``ppl`` as ``None``."""
     seq_len = len(total)
     if list(edges) != sorted(set(edges)) or edges[0] != 0 or edges[-1] != seq_len:
         raise ValueError(f"buckets must rise strictly from 0 to seq_len={seq_len}, got {list(edges)}")
+    if isinstance(count, int):
+        windows = count if windows is None else windows
+        count = torch.full((seq_len,), float(count), dtype=torch.float64)
     buckets = []
     for a, b in zip(edges[:-1], edges[1:]):
-        loss = float(total[a:b].sum() / (n_windows * (b - a)))
-        buckets.append({"start": a, "end": b, "tokens": n_windows * (b - a), "loss": loss, "ppl": math.exp(loss),
+        n = float(count[a:b].sum())
+        loss = float(total[a:b].sum()) / n if n > 0 else None
+        buckets.append({"start": a, "end": b, "tokens": int(n), "loss": loss,
+                        "ppl": None if loss is None else math.exp(loss),
                         "beyond_train_len": bool(train_len is not None and a >= train_len)})
-    loss = float(total.sum() / (n_windows * seq_len))
-    return {"seq_len": seq_len, "windows": n_windows, "tokens": n_windows * seq_len, "loss": loss,
+    n = float(count.sum())
+    if n == 0:
+        raise ValueError("no predictions to average (every target was a document boundary)")
+    loss = float(total.sum()) / n
+    return {"seq_len": seq_len, "windows": windows, "tokens": int(n), "loss": loss,
             "ppl": math.exp(loss), "train_len": train_len, "buckets": buckets}
 
 
@@ -118,13 +163,14 @@ def plot_buckets(report: dict, path: str, label: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mids = [(b["start"] + b["end"]) / 2 for b in report["buckets"]]
+    filled = [b for b in report["buckets"] if b["ppl"] is not None]
+    mids = [(b["start"] + b["end"]) / 2 for b in filled]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(mids, [b["ppl"] for b in report["buckets"]], marker="o", label=label or None)
+    ax.plot(mids, [b["ppl"] for b in filled], marker="o", label=label or None)
     if report.get("train_len"):
         ax.axvline(report["train_len"], color="gray", ls="--", lw=1, label="training length")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("position in window")
+    ax.set_xlabel("position in document" if report.get("documents") == "reset" else "position in window")
     ax.set_ylabel("perplexity")
     ax.legend()
     fig.tight_layout()

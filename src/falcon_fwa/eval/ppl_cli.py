@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buckets", default=None, help="comma-separated bucket edges from 0 to seq-len (default powers of 2)")
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     parser.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
+    parser.add_argument("--documents", default="reset", choices=["reset", "carry"],
+                        help="reset: every document starts from an empty state, positions count from its start (as "
+                             "training with cu_seqlens packing); carry: the state runs across documents in a window")
     parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS,
                         help="how text files split into documents")
     parser.add_argument("--text-field", default="text", help="JSONL/Parquet column holding the text")
@@ -38,17 +41,22 @@ def run(args: argparse.Namespace) -> int:
     tokens = token_stream(args.data, tokenizer, text_split=args.text_split, text_field=args.text_field,
                           max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1)
     rows = windows(tokens, args.seq_len, args.max_windows)
-    total, n = position_nll(model, rows, batch_size=args.batch_size, device=args.device, bf16=args.dtype == "bf16")
+    eos_id = tokenizer.eos_token_id if args.documents == "reset" else None
+    if args.documents == "reset" and eos_id is None:
+        raise ValueError("--documents reset needs a tokenizer with an end-of-text token (eos_token_id is None)")
+    total, count = position_nll(model, rows, batch_size=args.batch_size, device=args.device,
+                                bf16=args.dtype == "bf16", eos_id=eos_id)
     edges = [int(e) for e in args.buckets.split(",")] if args.buckets else default_edges(args.seq_len)
-    report = bucket_report(total, n, edges, train_len=args.train_len)
-    report["model"] = os.path.abspath(args.model)
-    report["data"] = args.data
-    print(f"perplexity {report['ppl']:.4f} (loss {report['loss']:.4f}) over {report['tokens']} tokens, "
-          f"{n} windows of {args.seq_len}")
-    print(f"{'positions':>16} {'tokens':>10} {'loss':>8} {'ppl':>10}")
+    report = bucket_report(total, count, edges, train_len=args.train_len, windows=len(rows))
+    report.update(model=os.path.abspath(args.model), data=args.data, documents=args.documents)
+    where = "document" if args.documents == "reset" else "window"
+    print(f"perplexity {report['ppl']:.4f} (loss {report['loss']:.4f}) over {report['tokens']} predictions, "
+          f"{len(rows)} windows of {args.seq_len}, documents: {args.documents}")
+    print(f"{'position in ' + where:>20} {'tokens':>10} {'loss':>8} {'ppl':>10}")
     for b in report["buckets"]:
         mark = "  (beyond training length)" if b["beyond_train_len"] else ""
-        print(f"{b['start']:>7}-{b['end']:<8} {b['tokens']:>10} {b['loss']:>8.4f} {b['ppl']:>10.4f}{mark}")
+        loss, ppl = ("-", "-") if b["loss"] is None else (f"{b['loss']:.4f}", f"{b['ppl']:.4f}")
+        print(f"{b['start']:>11}-{b['end']:<8} {b['tokens']:>10} {loss:>8} {ppl:>10}{mark}")
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:

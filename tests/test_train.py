@@ -209,10 +209,10 @@ def test_compare_shares_one_data_folder_and_uses_calib_steps(tmp_path, monkeypat
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(raw))
     seen = {}
-    monkeypatch.setattr(compare, "calibrate_sequential", lambda configs, sets, steps: seen.update(
-        steps=steps) or {c: {"tokens_per_s": 1e6} for c in configs})
-    monkeypatch.setattr(compare, "run_sequential", lambda configs, names, out, sets, tag: seen.update(
-        sets=sets) or {n: {} for n in names})
+    monkeypatch.setattr(compare, "calibrate_sequential", lambda configs, names, sets, **kw: seen.update(
+        steps=kw["steps"]) or {n: dict(setup_s=0, eval_s=0, save_s=0, export_s=0, step_s=1e-6) for n in names})
+    monkeypatch.setattr(compare, "run_sequential", lambda configs, names, out, sets, tag, **kw: seen.update(
+        sets=sets) or iter(()))
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     out = tmp_path / "cmp"

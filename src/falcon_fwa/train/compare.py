@@ -1,27 +1,213 @@
 """Train several recipes on the same data, tokens and schedule, then collect validation
 perplexity, tokens/s and peak memory of each.
 
-``falcon-fwa compare --configs configs/small/*.yaml --names ... --time-budget 300 --out runs/compare``
+``falcon-fwa compare --configs configs/small/*.yaml --names ... --deadline 380 --out runs/compare``
 
-By default the recipes train one after another in this process (each alone on the device, so
-its tokens/s and peak memory are its own). ``--concurrent`` starts them all at once as separate
-processes instead (only sensible where one model leaves the device mostly idle).
-With ``--time-budget`` (seconds of training for all recipes together) the step count is chosen
-from a short throughput calibration so that the budget holds; every recipe trains for the same
-number of steps (same tokens), with warmup scaled to 1/15 of them and four evaluations.
+The recipes train one after another in this process, each alone on the device (so its
+tokens/s and peak memory are its own), each from scratch in ``OUT/main/NAME`` (an earlier run
+there is replaced). ``--concurrent`` starts them all at once as separate processes instead
+(only sensible where one model leaves the device mostly idle).
+
+Step count: every recipe trains for the same number of steps (the same tokens), with learning-
+rate warmup over 1/15 of them and four evaluations. ``--steps`` fixes it; otherwise it is
+calibrated up front. Calibration trains each recipe for ``--calib-warmup`` + ``--calib-steps``
+steps with the real trainer and measures ``setup_s`` (building the trainer), ``first_step_s``
+(kernel compilation and autotuning happen here), ``step_s`` (median of the steps after the
+warm-up ones: steady state, compilation excluded) and one evaluation, checkpoint and export
+(``eval_s``, ``save_s``, ``export_s``). The step count is the largest ``N`` with
+
+    sum over recipes of (setup_s + 5 eval_s + save_s + export_s + N step_s) <= budget,
+
+where the budget is the smaller of ``--time-budget`` and 90% of what ``--deadline`` leaves
+after calibration (whichever are given); at least 20, capped by ``--max-steps``. Compilation
+is paid once per process, during calibration (same shapes as the real runs), so it is recorded
+but not charged again. (With ``--concurrent``, calibration runs all recipes at once for
+``--calib-steps`` steps and the slowest one's tokens/s sets the count for ``--time-budget``.)
+
+``--deadline`` (wall-clock seconds for the whole command) is enforced as well: the recipe
+training when it passes stops at its next step boundary, is evaluated and is marked
+``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``.
+
+``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
+it ends: ``status`` gives every recipe's state (pending, running, done, partial, failed,
+not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
-from typing import List
+import traceback
+from typing import Iterator, List, Optional, Tuple
 
+from .compare_report import write_json
 from .config import load_config
 from .logger import read_log
+
+_clock = time.monotonic  # every time in this module comes from here
+MIN_STEPS = 20
+EVALS_PER_RUN = 5  # eval_every = steps // 4: four evaluations, a fifth at the end when 4 does not divide steps
+DEADLINE_SHARE = 0.9  # of the time left after calibration that the planned runs may fill
+
+Event = Tuple[str, str, Optional[dict]]  # (name, status, result)
+
+
+class StepClock:
+    """The ``should_stop`` hook of ``Trainer.train``: notes the time of every step boundary and
+    answers true once ``deadline_at`` (a ``_clock()`` value) has passed."""
+
+    def __init__(self, deadline_at: Optional[float] = None):
+        self.deadline_at = deadline_at
+        self.start = _clock()
+        self.marks: List[float] = []
+
+    def __call__(self, step: int) -> bool:
+        self.marks.append(_clock())
+        return self.deadline_at is not None and self.marks[-1] >= self.deadline_at
+
+    def durations(self) -> List[float]:
+        """Seconds of each step so far (the first includes everything since construction)."""
+        times = [self.start] + self.marks
+        return [b - a for a, b in zip(times[:-1], times[1:])]
+
+
+def _fresh_dir(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def _free_device() -> None:
+    """Give the last trainer's device memory back before the next one starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        gc.collect()  # the model and optimizer may sit in reference cycles
+        torch.cuda.empty_cache()
+
+
+def _error(err: BaseException) -> dict:
+    return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+
+
+# ----------------------------------------------------------------------------- calibration
+def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], *, out_dir: str, warmup: int = 2,
+                         steps: int = 6, deadline_at: Optional[float] = None) -> dict:
+    """Each recipe's costs (name -> dict, see the module docstring), from ``warmup + steps``
+    steps of its real trainer in ``out_dir/NAME``. A recipe that fails gets ``{"error"}``; one
+    stopped by the deadline before its timed steps ``{"stopped": "deadline"}``."""
+    from .throughput import falcon_op_calls, op_backend
+    from .trainer import Trainer
+
+    out = {}
+    for path, name in zip(configs, names):
+        if deadline_at is not None and _clock() >= deadline_at:
+            out[name] = {"stopped": "deadline"}
+            continue
+        run_dir = _fresh_dir(os.path.join(out_dir, name))
+        cfg = load_config(path, sets + [f"train.out_dir={run_dir}", f"train.steps={warmup + steps}",
+                                        "train.eval_every=0", "train.save_every=0", "train.export_model=false",
+                                        "train.resume=none", f"log.every={warmup + steps}", "log.progress=false"])
+        print(f"calibrating {name}: {warmup} + {steps} steps", flush=True)
+        trainer = None
+        try:
+            t0 = _clock()
+            trainer = Trainer(cfg)
+            clock = StepClock(deadline_at)
+            with falcon_op_calls(trainer.core) as counts:
+                trainer.train(should_stop=clock)
+            durations = clock.durations()
+            if len(durations) <= warmup:
+                out[name] = {"stopped": "deadline", "first_step_s": durations[0]}
+                continue
+            t_eval = _clock()
+            trainer.evaluate()
+            t_export = _clock()
+            if load_config(path, sets).train.export_model:  # the real runs export their model
+                trainer.export(os.path.join(run_dir, "model"))
+            step_s = statistics.median(durations[warmup:])
+            out[name] = {"setup_s": clock.start - t0, "first_step_s": durations[0],
+                         "warmup_s": sum(durations[:warmup]), "step_s": step_s,
+                         "timed_steps": len(durations) - warmup, "save_s": t_eval - clock.marks[-1],
+                         "eval_s": t_export - t_eval, "export_s": _clock() - t_export,
+                         "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / step_s if step_s else None,
+                         "falcon_op": op_backend(counts, cfg.model, str(trainer.info.device)),
+                         "wall_s": _clock() - t0}
+            if len(durations) < warmup + steps:
+                out[name]["stopped"] = "deadline"
+        except Exception as err:  # noqa: BLE001 - recorded; the main run shows the failure again
+            out[name] = _error(err)
+        finally:
+            if trainer is not None:
+                trainer.close()
+            del trainer
+            _free_device()
+            for sub in ("checkpoints", "model"):
+                shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)
+        print(f"calibrated {name}: " + ("  ".join(f"{k} {v:.3f}" for k, v in out[name].items() if k.endswith("_s"))
+                                        or out[name].get("error", "")), flush=True)
+    return out
+
+
+def plan_steps(calibration: dict, budget_s: float) -> Tuple[int, dict]:
+    """The largest step count whose runs fit ``budget_s`` (see the module docstring), and how."""
+    measured = [c for c in calibration.values() if "step_s" in c]
+    if not measured:
+        raise RuntimeError(f"calibration measured no recipe: {calibration}")
+    fixed = sum(c["setup_s"] + EVALS_PER_RUN * c["eval_s"] + c["save_s"] + c["export_s"] for c in measured)
+    per_step = sum(c["step_s"] for c in measured)
+    fit = int((budget_s - fixed) // per_step) if budget_s > fixed else 0
+    return fit, {"budget_s": budget_s, "fixed_s": fixed, "step_s_sum": per_step, "steps_fit": fit}
+
+
+# ----------------------------------------------------------------------------- runners
+def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str, *,
+                   deadline_at: Optional[float] = None) -> Iterator[Event]:
+    """Train every recipe in turn in this process, from scratch in ``out_dir/tag/NAME``. Yields
+    ``(name, "running", None)`` before each and ``(name, status, result)`` after it: done,
+    partial (stopped by ``deadline_at``, then evaluated), failed or not_run."""
+    from .trainer import Trainer
+
+    for cfg_path, name in zip(configs, names):
+        if deadline_at is not None and _clock() >= deadline_at:
+            yield name, "not_run", {"error": "the deadline passed before this recipe started"}
+            continue
+        yield name, "running", None
+        run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
+        cfg = load_config(cfg_path, sets + [f"train.out_dir={run_dir}"])
+        t0, trainer, status = _clock(), None, "done"
+        try:
+            trainer = Trainer(cfg)
+            clock = StepClock(deadline_at)
+            result = trainer.train(should_stop=clock)
+            result["first_step_s"] = clock.durations()[0]
+            if result["steps"] < cfg.train.steps:
+                status = "partial"
+                every = cfg.train.eval_every
+                if not (every and result["steps"] % every == 0):  # not evaluated at this step yet
+                    val = trainer.evaluate()
+                    trainer.logger.log(result["steps"], **val)
+                    result.update(val)
+        except Exception as err:  # noqa: BLE001 - one failing recipe must not lose the others
+            status, result = "failed", _error(err)
+        finally:
+            if trainer is not None:
+                trainer.close()
+            del trainer
+            _free_device()
+        result.update(status=status, planned_steps=cfg.train.steps, wall_s=_clock() - t0)
+        if status != "failed":
+            write_json(os.path.join(run_dir, "summary.json"), result)
+        log_path = os.path.join(run_dir, "log.jsonl")
+        if os.path.isfile(log_path):
+            result["log"] = read_log(log_path)
+        yield name, status, result
 
 
 def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
@@ -33,148 +219,191 @@ def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
 
 
-def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str) -> dict:
-    """Run every recipe concurrently; returns {name: summary + log}."""
+def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str) -> Iterator[Event]:
+    """Run every recipe concurrently, one process each, from scratch in ``out_dir/tag/NAME``;
+    yields like ``run_sequential``, each recipe as its process ends."""
     procs = {}
     for cfg, name in zip(configs, names):
-        run_dir = os.path.join(out_dir, tag, name)
-        os.makedirs(run_dir, exist_ok=True)
+        run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
         procs[name] = (_launch(cfg, run_dir, sets, os.path.join(run_dir, "stdout.txt")), run_dir)
-    results = {}
-    for name, (proc, run_dir) in procs.items():
-        rc = proc.wait()
-        summary_path = os.path.join(run_dir, "summary.json")
-        if rc != 0 or not os.path.isfile(summary_path):
-            with open(os.path.join(run_dir, "stdout.txt")) as f:
-                tail = f.read()[-2000:]
-            results[name] = {"error": f"exit code {rc}", "stdout_tail": tail}
-            continue
-        with open(summary_path) as f:
-            results[name] = json.load(f)
-        results[name]["log"] = read_log(os.path.join(run_dir, "log.jsonl"))
-    return results
+        yield name, "running", None
+    while procs:
+        ended = [name for name, (proc, _) in procs.items() if proc.poll() is not None]
+        if not ended:
+            time.sleep(0.5)
+        for name in ended:
+            proc, run_dir = procs.pop(name)
+            summary_path = os.path.join(run_dir, "summary.json")
+            if proc.returncode != 0 or not os.path.isfile(summary_path):
+                with open(os.path.join(run_dir, "stdout.txt")) as f:
+                    tail = f.read()[-2000:]
+                yield name, "failed", {"error": f"exit code {proc.returncode}", "stdout_tail": tail}
+                continue
+            with open(summary_path) as f:
+                result = json.load(f)
+            result["log"] = read_log(os.path.join(run_dir, "log.jsonl"))
+            yield name, "done", result
 
 
-def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str) -> dict:
-    """Train every recipe in turn in this process; returns {name: summary + log}."""
-    import torch
-
-    from .trainer import Trainer
-
-    results = {}
-    for cfg_path, name in zip(configs, names):
-        run_dir = os.path.join(out_dir, tag, name)
-        cfg = load_config(cfg_path, sets + [f"train.out_dir={run_dir}"])
-        print(f"training {name} ({cfg_path})", flush=True)
-        trainer = Trainer(cfg)
-        try:
-            results[name] = trainer.train()
-        except Exception as err:  # keep going: one failing recipe must not lose the others
-            results[name] = {"error": f"{type(err).__name__}: {err}"}
-        finally:
-            trainer.close()
-        if os.path.isfile(os.path.join(run_dir, "log.jsonl")):
-            results[name]["log"] = read_log(os.path.join(run_dir, "log.jsonl"))
-        del trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        print(f"{name}: {({k: v for k, v in results[name].items() if k != 'log'})}", flush=True)
-    return results
+def summary_line(name: str, result: dict, index: int, total: int) -> str:
+    """``[3/7] DeltaNet: partial 212/330 steps  val_ppl 4.123  45,678 tok/s  peak 1.23 GiB  61 s (first step 2.1 s)``"""
+    r = result
+    head = f"[{index}/{total}] {name}: {r['status']}"
+    if r.get("error"):
+        return f"{head}  {r['error'][:200]}"
+    parts = [head + (f" {r.get('steps')}/{r.get('planned_steps')} steps" if r.get("planned_steps") else "")]
+    if r.get("val_ppl") is not None:
+        parts.append(f"val_ppl {r['val_ppl']:.3f}")
+    if r.get("tokens_per_s"):
+        parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    if r.get("peak_mem_bytes"):
+        parts.append(f"peak {r['peak_mem_bytes'] / 2**30:.2f} GiB")
+    if r.get("wall_s") is not None:
+        parts.append(f"{r['wall_s']:.0f} s" + (f" (first step {r['first_step_s']:.1f} s)"
+                                               if r.get("first_step_s") is not None else ""))
+    return "  ".join(parts)
 
 
-def calibrate_sequential(configs: List[str], sets: List[str], steps: int = 6) -> dict:
-    """Isolated training tokens/s of each recipe's model at its seq_len and micro_batch."""
-    import torch
-
-    from ..models import get_preset
-    from .throughput import measure
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {}
-    for path in configs:
-        cfg = load_config(path, sets)
-        config = get_preset(cfg.model.preset, **cfg.model.overrides)
-        out[path] = measure(config, seq_len=cfg.data.seq_len, batch_size=cfg.train.micro_batch, steps=steps,
-                            warmup=2, device=device, bf16=cfg.train.dtype == "bf16")
-    return out
-
-
+# ----------------------------------------------------------------------------- command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="+", required=True, help="recipe files (same data, optim, global_batch)")
     parser.add_argument("--names", nargs="+", default=None, help="display names (default: file names)")
-    parser.add_argument("--out", required=True, help="folder for the runs and compare.json")
+    parser.add_argument("--out", required=True, help="folder for the runs (and compare.json)")
+    parser.add_argument("--results", default=None, help="the results file (default: OUT/compare.json)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="applied to every recipe")
     parser.add_argument("--concurrent", action="store_true", help="all recipes at once, one process each")
-    parser.add_argument("--steps", type=int, default=None, help="train steps of every recipe")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds of training (calibrated)")
+    parser.add_argument("--steps", type=int, default=None, help="train steps of every recipe (no calibration)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for all the runs together after calibration (sets the step count)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="wall-clock seconds for the whole command: sets the step count unless --steps "
+                             "or --time-budget does, and stops the run in progress when it passes")
     parser.add_argument("--calib-steps", type=int, default=None,
-                        help="steps of the --time-budget calibration (default: 6 timed steps per recipe; "
-                             "30 training steps with --concurrent)")
-    parser.add_argument("--max-steps", type=int, default=None, help="cap on the calibrated step count")
+                        help="timed calibration steps per recipe (default 6; with --concurrent: 30 training steps)")
+    parser.add_argument("--calib-warmup", type=int, default=2, help="untimed calibration steps first")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="cap on the calibrated step count (which is at least 20 otherwise)")
+
+
+def _check_args(args: argparse.Namespace, names: List[str]) -> None:
+    if len(names) != len(args.configs):
+        raise ValueError("--names needs one name per --configs file")
+    for name in names:
+        if not name or name in (".", "..") or os.sep in name:
+            raise ValueError(f"--names: {name!r} is not a folder name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--names must differ from each other, got {names}")
+    if args.deadline is not None and args.concurrent:
+        raise ValueError("--deadline needs the sequential runs (drop --concurrent)")
+    if args.calib_warmup < 1:
+        raise ValueError(f"--calib-warmup must be >= 1, got {args.calib_warmup}")
+
+
+def _sequential_steps(args, names: List[str], sets: List[str], report: dict, deadline_at: Optional[float]):
+    """Calibrate in this process and plan the step count (None: the deadline passed first)."""
+    t0 = _clock()
+    calib_dir = os.path.join(args.out, "calibration")
+    report["calibration"] = calibrate_sequential(args.configs, names, sets, out_dir=calib_dir, warmup=args.calib_warmup,
+                                                 steps=args.calib_steps or 6, deadline_at=deadline_at)
+    report["calibration_wall_s"] = _clock() - t0
+    budgets = [] if args.time_budget is None else [args.time_budget]
+    if deadline_at is not None:
+        left = deadline_at - _clock()
+        if left <= 0:
+            return None
+        budgets.append(DEADLINE_SHARE * left)
+    steps, report["plan"] = plan_steps(report["calibration"], min(budgets))
+    plan = report["plan"]
+    print(f"calibrated: {plan['fixed_s']:.1f} s fixed + {plan['step_s_sum']:.3f} s per step for all recipes; "
+          f"{plan['steps_fit']} steps fit in {plan['budget_s']:.0f} s", flush=True)
+    return steps
+
+
+def _concurrent_steps(args, names: List[str], sets: List[str], report: dict) -> int:
+    """Run every recipe at once for ``--calib-steps`` steps; the slowest sets the step count."""
+    calib_steps = args.calib_steps or 30
+    calib = [f"train.steps={calib_steps}", "train.eval_every=0", "train.save_every=0",
+             "train.export_model=false", f"log.every={max(1, calib_steps // 3)}"]
+    t0 = _clock()
+    res = {n: r for n, _, r in run_all(args.configs, names, args.out, sets + calib, "calibration") if r}
+    report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
+    report["calibration_wall_s"] = _clock() - t0
+    slowest = min(r.get("tokens_per_s") or 0.0 for r in res.values())
+    if slowest <= 0:
+        raise RuntimeError(f"calibration failed: {report['calibration']}")
+    steps = int(args.time_budget * slowest / (report["tokens_per_step"]))
+    print(f"calibrated: slowest {slowest:,.0f} tokens/s concurrently -> {steps} steps", flush=True)
+    return steps
 
 
 def run(args: argparse.Namespace) -> int:
     from ..data import prepare_dataset
 
+    started = _clock()
+    deadline_at = None if args.deadline is None else started + args.deadline
     names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
-    if len(names) != len(args.configs):
-        raise ValueError("--names needs one name per --configs file")
+    _check_args(args, names)
     first = load_config(args.configs[0], args.overrides)
     d = first.data
     for c in args.configs[1:]:
         other = load_config(c, args.overrides)
         if (other.data, other.optim, other.train.global_batch) != (d, first.optim, first.train.global_batch):
             raise ValueError(f"{c}: data, optim and train.global_batch must equal {args.configs[0]}'s")
+    results_path = args.results or os.path.join(args.out, "compare.json")
+    report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
+              "time_budget_s": args.time_budget, "tokens_per_step": first.train.global_batch * d.seq_len,
+              "status": {n: "pending" for n in names}, "runs": {}, "finished": False}
+
+    def save() -> None:
+        report["wall_s"] = _clock() - started
+        write_json(results_path, report)
+
+    save()
     sets = list(args.overrides)
     data_dir = d.out_dir
     if not data_dir:  # one tokenized copy shared by every recipe
         data_dir = os.path.join(args.out, "data")
         sets.append(f"data.out_dir={data_dir}")
     prepare_dataset(d.spec(), data_dir)
-    report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides}
     steps = args.steps
-    tokens_per_step = first.train.global_batch * d.seq_len
-    if args.time_budget and not args.concurrent:
-        t0 = time.time()
-        calib = calibrate_sequential(args.configs, sets, steps=args.calib_steps or 6)
-        report["calibration"] = {n: calib[c] for n, c in zip(names, args.configs)}
-        report["calibration_wall_s"] = time.time() - t0
-        seconds_per_step = sum(tokens_per_step / r["tokens_per_s"] for r in calib.values())
-        steps = int(args.time_budget / seconds_per_step)
+    if steps is None and (args.time_budget or args.deadline):
+        if args.concurrent:
+            steps = _concurrent_steps(args, names, sets, report)
+        else:
+            steps = _sequential_steps(args, names, sets, report, deadline_at)
+            if steps is None:
+                report.update(status={n: "not_run" for n in names}, finished=True,
+                              error=f"calibration took the whole --deadline of {args.deadline:g} s")
+                save()
+                print(report["error"], flush=True)
+                return 1
+        if steps < MIN_STEPS:
+            print(f"only {steps} steps fit: training {MIN_STEPS}", flush=True)
+            steps = MIN_STEPS
         if args.max_steps:
             steps = min(steps, args.max_steps)
-        print(f"calibrated: {seconds_per_step:.3f} s per step for all recipes -> {steps} steps", flush=True)
-    elif args.time_budget:
-        calib_steps = args.calib_steps or 30
-        calib = [f"train.steps={calib_steps}", "train.eval_every=0", "train.save_every=0",
-                 "train.export_model=false", f"log.every={max(1, calib_steps // 3)}"]
-        t0 = time.time()
-        res = run_all(args.configs, names, args.out, sets + calib, "calibration")
-        report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
-        report["calibration_wall_s"] = time.time() - t0
-        slowest = min(r.get("tokens_per_s") or 0.0 for r in res.values())
-        if slowest <= 0:
-            raise RuntimeError(f"calibration failed: {report['calibration']}")
-        steps = int(args.time_budget * slowest / tokens_per_step)
-        if args.max_steps:
-            steps = min(steps, args.max_steps)
-        print(f"calibrated: slowest {slowest:,.0f} tokens/s concurrently -> {steps} steps", flush=True)
     if steps is not None:
-        steps = max(steps, 20)
         sets += [f"train.steps={steps}", f"optim.warmup_steps={max(1, steps // 15)}",
                  f"train.eval_every={max(1, steps // 4)}", f"train.save_every={steps}"]
         report["steps"] = steps
-    t0 = time.time()
-    runner = run_all if args.concurrent else run_sequential
-    report["runs"] = runner(args.configs, names, args.out, sets, "main")
-    report["main_wall_s"] = time.time() - t0
-    tmp = os.path.join(args.out, "compare.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, os.path.join(args.out, "compare.json"))
-    for name, r in report["runs"].items():
-        print(f"{name:>16}: val_ppl {r.get('val_ppl')}  params {r.get('params')}  tokens {r.get('tokens')}  "
-              f"{r.get('error', '')}", flush=True)
+        report.setdefault("plan", {})["steps"] = steps
+    save()
+    t0 = _clock()
+    runner = (run_all(args.configs, names, args.out, sets, "main") if args.concurrent else
+              run_sequential(args.configs, names, args.out, sets, "main", deadline_at=deadline_at))
+    finished = 0
+    for name, status, result in runner:
+        report["status"][name] = status
+        if result is not None:
+            result.setdefault("status", status)
+            result.setdefault("planned_steps", steps)
+            report["runs"][name] = result
+            finished += 1
+            print(summary_line(name, result, finished, len(names)), flush=True)
+        report["main_wall_s"] = _clock() - t0
+        save()
+    report["finished"] = True
+    save()
     return 0
 
 
@@ -186,4 +415,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -1,11 +1,33 @@
 """Tables and plots of a ``compare`` run: ``python -m falcon_fwa.train.compare_report
-runs/compare/compare.json results/lm/small`` writes ``small.json`` (rows: model, params, tokens,
-val_ppl, tokens_per_s, peak_mem_bytes), ``small_table.md`` and ``small_loss.png``."""
+runs/compare/compare.json results/lm/small`` writes ``small.json`` (rows: model, status, steps,
+params, tokens, val_ppl, tokens_per_s, peak_mem_bytes), ``small_table.md`` and ``small_loss.png``.
+
+A ``compare.json`` of a command that was stopped early reads too: recipes that trained only
+part of the steps (``partial``) are shown with their step count and left out of the verdict
+(they saw fewer tokens); those that did not finish are listed with their status."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+
+
+def write_json(path: str, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, then a rename)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
@@ -23,15 +45,17 @@ def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
         tokens_per_step = logged[0]["tokens"] / logged[0]["step"] if logged else 1
         val = [(r["step"] * tokens_per_step, r["val_loss"]) for r in log if "val_loss" in r]
         color = f"C{i}"
+        label = name if run.get("status", "done") == "done" else f"{name} ({run['status']})"
         if train:
-            ax.plot(*zip(*train), color=color, lw=1.2, label=name)
+            ax.plot(*zip(*train), color=color, lw=1.2, label=label)
         if val:
             ax.plot(*zip(*val), color=color, ls="none", marker="o", ms=4)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("loss (nats/token): lines train, dots validation")
     if title:
         ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -39,32 +63,51 @@ def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
 
 
 def result_rows(report: dict) -> list:
-    """``results/lm/small.json`` rows: model, params, tokens, val_ppl, tokens_per_s, peak_mem_bytes."""
+    """Rows: model, status, steps, planned_steps, params, tokens, val_ppl, tokens_per_s,
+    peak_mem_bytes, error; one per recipe of ``report["configs"]``, in that order."""
+    runs = report.get("runs", {})
+    statuses = report.get("status", {})
     rows = []
-    for name, run in report["runs"].items():
-        rows.append({"model": name, "params": run.get("params"), "tokens": run.get("tokens"),
-                     "val_ppl": run.get("val_ppl"), "tokens_per_s": run.get("tokens_per_s"),
-                     "peak_mem_bytes": run.get("peak_mem_bytes"), "error": run.get("error")})
+    for name in report.get("configs", runs):
+        run = runs.get(name, {})
+        status = statuses.get(name, run.get("status", "done" if run else "pending"))
+        rows.append({"model": name, "status": status, "steps": run.get("steps"),
+                     "planned_steps": run.get("planned_steps", report.get("steps")), "params": run.get("params"),
+                     "tokens": run.get("tokens"), "val_ppl": run.get("val_ppl"),
+                     "tokens_per_s": run.get("tokens_per_s"), "peak_mem_bytes": run.get("peak_mem_bytes"),
+                     "error": run.get("error")})
     return rows
 
 
 def markdown_table(rows: list) -> str:
-    lines = ["| model | params | tokens | val ppl | tokens/s | peak memory |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | status | params | tokens | val ppl | tokens/s | peak memory |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
+        status = r["status"]
+        if status == "partial":
+            status = f"partial: {r['steps']:,} of {r['planned_steps']:,} steps"
         if r.get("error"):
-            lines.append(f"| {r['model']} | failed: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['model']} | {status}: {r['error'][:80]} | | | | | |")
+            continue
+        if r.get("val_ppl") is None:
+            lines.append(f"| {r['model']} | {status} | | | | | |")
             continue
         mem = f"{r['peak_mem_bytes'] / 2**30:.2f} GiB" if r.get("peak_mem_bytes") else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
-        lines.append(f"| {r['model']} | {r['params']:,} | {r['tokens']:,} | {r['val_ppl']:.3f} | {tps} | {mem} |")
-    falcon = [r for r in rows if r["model"].startswith("Falcon") and r.get("val_ppl")]
-    base = [r for r in rows if not r["model"].startswith("Falcon") and r.get("val_ppl")]
+        lines.append(f"| {r['model']} | {status} | {r['params']:,} | {r['tokens']:,} | {r['val_ppl']:.3f} | {tps} "
+                     f"| {mem} |")
+    done = [r for r in rows if r["status"] == "done" and r.get("val_ppl")]
+    falcon = [r for r in done if r["model"].startswith("Falcon")]
+    base = [r for r in done if not r["model"].startswith("Falcon")]
     if falcon and base:
         f, b = min(falcon, key=lambda r: r["val_ppl"]), min(base, key=lambda r: r["val_ppl"])
         gap = (f["val_ppl"] / b["val_ppl"] - 1) * 100
         verdict = "at or below" if gap <= 0 else f"{gap:.1f}% above"
         lines.append(f"\nBest Falcon ({f['model']}, {f['val_ppl']:.3f}) is {verdict} the best baseline "
                      f"({b['model']}, {b['val_ppl']:.3f}).")
+    left_out = [r["model"] for r in rows if r["status"] != "done"]
+    if left_out:
+        lines.append(f"\nNot in the comparison (fewer or no tokens trained): {', '.join(left_out)}.")
     return "\n".join(lines) + "\n"
 
 
@@ -78,11 +121,9 @@ def main(argv=None) -> int:
     rows = result_rows(report)
     prefix = argv[1]
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    with open(prefix + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(prefix + "_table.md", "w") as f:
-        f.write(markdown_table(rows))
-    plot_curves(report["runs"], prefix + "_loss.png", title=f"{len(rows)} models, {report.get('steps')} steps")
+    write_json(prefix + ".json", rows)
+    _write_text(prefix + "_table.md", markdown_table(rows))
+    plot_curves(report.get("runs", {}), prefix + "_loss.png", title=f"{len(rows)} models, {report.get('steps')} steps")
     print(markdown_table(rows))
     return 0
 

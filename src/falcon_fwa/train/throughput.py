@@ -1,22 +1,99 @@
 """Training throughput of a model configuration: tokens/s of full optimizer steps
 (forward, backward, AdamW; bf16 autocast) on random tokens, and peak device memory.
 
-``falcon-fwa throughput --preset falcon-1a.3-130m transformer-124m --seq-len 2048 8192``
+``falcon-fwa throughput --preset falcon-1a.3-130m transformer-124m --seq-len 2048 8192 --deadline 110``
+
+Every measurement runs ``--warmup`` untimed steps first (the first step compiles and autotunes
+kernels; its time is reported as ``first_step_s``, never counted against ``--max-seconds``),
+then up to ``--steps`` timed steps, each synchronized. Timing ends early once ``--max-seconds``
+of timed steps have passed, but never before ``--min-steps`` of them. The one hard cap is
+``--deadline`` (wall-clock seconds for the whole command): the measurement in progress ends at
+its next step boundary and its row says ``"stopped": "deadline"`` (``"steady": false`` when fewer
+than ``--min-steps`` were timed); measurements not started get a row with ``"skipped"``.
+
+Measurements go by sequence length first: every preset at the first length, then every preset
+at the next one, so a killed command still leaves one comparable row per preset. Each row is
+appended to ``--out`` (JSON lines) as soon as it is measured. ``falcon_op`` says what computed
+the falcon layers: ``"triton"`` (the chunk kernels), ``"torch"`` (the PyTorch forms), ``"fla"``,
+``"none"`` (no falcon layers), or ``"mixed"``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from contextlib import contextmanager
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+_clock = time.perf_counter  # every time in this module comes from here
 
-def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: int = 2, device: str = "cuda",
-            bf16: bool = True, max_seconds: float = 60.0, seed: int = 0) -> dict:
-    """Mean time of ``steps`` timed optimizer steps after ``warmup`` untimed ones.
-    Stops early (fewer timed steps, recorded) once ``max_seconds`` have passed."""
+
+@contextmanager
+def falcon_op_calls(model: torch.nn.Module):
+    """Count, inside the block, the calls of the model's falcon layers (``counts["layer"]``) and
+    those the Triton chunk kernels served (``counts["triton"]``); ``op_backend`` reads them."""
+    from ..layers.falcon_attention import FalconAttention
+
+    counts = {"layer": 0, "triton": 0}
+
+    def count_layer(*_):
+        counts["layer"] += 1
+
+    layers = [m for m in model.modules() if isinstance(m, FalconAttention)]
+    hooks = [m.register_forward_hook(count_layer) for m in layers]
+    kernels = None
+    if layers:
+        try:
+            from ..ops import triton as kernels
+        except ImportError:  # no Triton: the falcon layers run the PyTorch forms
+            pass
+    original = getattr(kernels, "falcon_chunk_triton", None)
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)  # NotImplementedError here: the op falls back to PyTorch
+        counts["triton"] += 1
+        return out
+
+    if original is not None:
+        kernels.falcon_chunk_triton = counted  # the op looks the kernels up at every call
+    try:
+        yield counts
+    finally:
+        if original is not None:
+            kernels.falcon_chunk_triton = original
+        for h in hooks:
+            h.remove()
+
+
+def op_backend(counts: dict, config, device: str) -> str:
+    """``"none"`` | ``"triton"`` | ``"torch"`` | ``"fla"`` | ``"mixed"`` from ``falcon_op_calls`` counts."""
+    if counts["layer"] == 0:
+        return "none"
+    if counts["triton"] == counts["layer"]:
+        return "triton"
+    if counts["triton"] == 0:
+        fla = getattr(config, "backend", "native") == "fla" and device.startswith("cuda")
+        return "fla" if fla else "torch"
+    return "mixed"
+
+
+def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: int = 2, min_steps: int = 3,
+            max_seconds: float = 60.0, deadline: Optional[float] = None, device: str = "cuda", bf16: bool = True,
+            seed: int = 0) -> dict:
+    """Time optimizer steps of ``FalconForCausalLM(config)`` on ``[batch_size, seq_len]`` random tokens.
+
+    ``warmup`` untimed steps, then up to ``steps`` timed ones; timing ends once ``max_seconds``
+    of timed steps have passed and at least ``min_steps`` were timed. ``deadline`` (a value of
+    this module's clock) ends the measurement at the first step boundary past it, whatever
+    was timed. The row: ``first_step_s`` and ``warmup_s`` (compilation included), ``timed_steps``,
+    ``step_s`` (mean of the timed steps), ``step_s_median``, ``tokens_per_s``, ``steady``
+    (at least ``min_steps`` timed), ``stopped`` (None, ``"max_seconds"`` or ``"deadline"``),
+    ``peak_mem_bytes``, ``params``, ``falcon_op``.
+    """
     from ..models import FalconForCausalLM
     from .model_factory import param_groups
 
@@ -30,7 +107,8 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    def step():
+    def step() -> float:
+        """One synchronized optimizer step; returns the clock after it."""
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
@@ -38,24 +116,38 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-
-    start = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    timed, t0 = 0, time.perf_counter()
-    while timed < steps and (timed == 0 or time.perf_counter() - start < max_seconds):
-        step()
-        timed += 1
         if cuda:
             torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    out = {"seq_len": seq_len, "batch_size": batch_size, "timed_steps": timed, "step_s": seconds / timed,
-           "tokens_per_s": timed * batch_size * seq_len / seconds,
-           "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-           "params": sum(p.numel() for p in model.parameters())}
-    return out
+        return _clock()
+
+    def past_deadline(now: float) -> bool:
+        return deadline is not None and now >= deadline
+
+    start = _clock()
+    marks, stopped = [start], None
+    with falcon_op_calls(model) as counts:
+        while len(marks) <= warmup and stopped is None:
+            marks.append(step())
+            stopped = "deadline" if past_deadline(marks[-1]) else None
+        timed_start = len(marks) - 1
+        while len(marks) - 1 - timed_start < steps and stopped is None:
+            marks.append(step())
+            timed = len(marks) - 1 - timed_start
+            if past_deadline(marks[-1]):
+                stopped = "deadline"
+            elif timed >= min_steps and marks[-1] - marks[timed_start] >= max_seconds and timed < steps:
+                stopped = "max_seconds"
+    durations = [b - a for a, b in zip(marks[:-1], marks[1:])]
+    timed_durations = durations[timed_start:]
+    step_s = sum(timed_durations) / len(timed_durations) if timed_durations else None
+    return {"seq_len": seq_len, "batch_size": batch_size, "tokens_per_step": batch_size * seq_len,
+            "warmup_steps": timed_start, "first_step_s": durations[0] if durations else None,
+            "warmup_s": marks[timed_start] - start, "timed_steps": len(timed_durations), "step_s": step_s,
+            "step_s_median": statistics.median(timed_durations) if timed_durations else None,
+            "tokens_per_s": batch_size * seq_len / step_s if step_s else None,
+            "steady": len(timed_durations) >= min_steps, "stopped": stopped,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "params": sum(p.numel() for p in model.parameters()), "falcon_op": op_backend(counts, config, device)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,9 +156,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and micro_batch (overrides --seq-len / --batch-tokens)")
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048], help="sequence lengths to measure")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per step (batch = this / seq-len)")
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    parser.add_argument("--max-seconds", type=float, default=60.0, help="per measurement")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (at most)")
+    parser.add_argument("--min-steps", type=int, default=3, help="timed steps that --max-seconds never cuts")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation)")
+    parser.add_argument("--max-seconds", type=float, default=60.0,
+                        help="per measurement: seconds of timed steps (warm-up not counted)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="wall-clock seconds for the whole command (the only hard cap)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="default: cuda when available")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
@@ -85,33 +181,47 @@ def parse_preset(spec: str):
 
 
 def _jobs(args):
+    """``(name, config, seq_len, batch_size)``: recipes, then presets length by length."""
     from ..models import get_preset
     from .config import load_config
 
-    for spec in args.preset:
-        for seq_len in args.seq_len:
-            yield spec, parse_preset(spec), seq_len, max(1, args.batch_tokens // seq_len)
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
         yield path, get_preset(cfg.model.preset, **cfg.model.overrides), cfg.data.seq_len, cfg.train.micro_batch
+    configs = {spec: parse_preset(spec) for spec in args.preset}  # a bad spec fails before anything runs
+    for seq_len in args.seq_len:
+        for spec in args.preset:
+            yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len)
+
+
+def _append_row(path: Optional[str], row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.preset and not args.config:
         raise ValueError("give --preset and/or --config")
-    for spec, config, seq_len, batch_size in _jobs(args):
-        row: dict = {"preset": spec}
+    if args.min_steps < 1 or args.steps < args.min_steps:
+        raise ValueError(f"--steps ({args.steps}) must be >= --min-steps ({args.min_steps}) >= 1")
+    deadline = None if args.deadline is None else _clock() + args.deadline
+    for name, config, seq_len, batch_size in list(_jobs(args)):
+        row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size}
+        if deadline is not None and _clock() >= deadline:
+            row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
+            _append_row(args.out, row)
+            continue
         try:
-            row.update(measure(config, seq_len=seq_len, batch_size=batch_size,
-                               steps=args.steps, warmup=args.warmup, device=args.device, bf16=not args.fp32,
-                               max_seconds=args.max_seconds))
+            row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
+                               warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
+                               deadline=deadline, device=args.device, bf16=not args.fp32))
         except torch.OutOfMemoryError as err:
-            row.update({"seq_len": seq_len, "error": f"out of memory: {str(err)[:200]}"})
+            row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        _append_row(args.out, row)
     return 0
 
 

@@ -193,8 +193,10 @@ class Trainer:
         self.logger.log(self.step + 1, event="non_finite", loss=loss, grad_norm=grad_norm)
         raise NonFiniteLoss(msg)
 
-    def train(self, *, stop_at: Optional[int] = None) -> dict:
-        """Run to ``train.steps`` (or stop after step ``stop_at`` with a checkpoint); returns a summary."""
+    def train(self, *, stop_at: Optional[int] = None, should_stop: Optional[Callable[[int], bool]] = None) -> dict:
+        """Run to ``train.steps`` (or stop after step ``stop_at`` with a checkpoint); returns a summary.
+        ``should_stop(step)`` is asked after every step (give every process the same answer); once it
+        answers true, the run ends at that step as if it were ``stop_at``."""
         cfg, t, o, info = self.cfg, self.cfg.train, self.cfg.optim, self.info
         stream = BatchStream(self.train_rows, micro_batch=t.micro_batch, packing=cfg.data.packing, seed=t.seed,
                              rank=info.rank, world_size=info.world_size, position=self.position)
@@ -227,6 +229,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             self.position = stream.position
+            if should_stop is not None and should_stop(self.step):
+                end = self.step
             if self.step > skip:
                 timed_tokens += tokens_per_step
                 timed_seconds += time.perf_counter() - step_start

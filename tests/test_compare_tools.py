@@ -1,0 +1,237 @@
+"""The comparison and throughput tools under slow first steps, deadlines and kills.
+
+Time is simulated: the tools read a module clock, and the tests advance it by one second per
+training micro-step (the first micro-step of each kind of model costs 100 seconds more,
+like kernel compilation), so every expected step count is hand-computed."""
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from falcon_fwa.train import compare, compare_report, throughput
+from falcon_fwa.train import trainer as trainer_module
+from falcon_fwa.train.logger import read_log
+from test_train import recipe
+
+COMPILE_S = 100.0
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+        self.compiled = set()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def charge(self, kind: str) -> None:
+        """One second of work, plus ``COMPILE_S`` the first time a ``kind`` of model runs."""
+        self.now += 1.0 + (COMPILE_S if kind not in self.compiled else 0.0)
+        self.compiled.add(kind)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Training micro-steps (not evaluation) advance ``compare``'s clock."""
+    fake = FakeClock()
+    original = trainer_module.causal_lm_loss
+
+    def timed_loss(model, batch, device, autocast):
+        if torch.is_grad_enabled():
+            fake.charge(model.config.mixer)
+        return original(model, batch, device, autocast)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", timed_loss)
+    monkeypatch.setattr(compare, "_clock", fake)
+    return fake
+
+
+def recipes(tmp_path, presets):
+    """One recipe file per ``name: preset`` (global_batch 4 = 2 micro-steps of 2 rows per step)."""
+    paths = []
+    for name, preset in presets.items():
+        raw = recipe(tmp_path)
+        raw["model"]["preset"] = preset
+        raw["data"]["out_dir"] = ""  # compare tokenizes once for every recipe
+        raw["log"]["every"] = 2
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        paths.append(str(path))
+    return paths
+
+
+def run_compare(tmp_path, presets, *extra):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    out = tmp_path / "cmp"
+    code = compare.run(parser.parse_args(["--configs", *recipes(tmp_path, presets), "--names", *presets,
+                                          "--out", str(out), *extra]))
+    return code, out
+
+
+def load(out):
+    with open(out / "compare.json") as f:
+        return json.load(f)
+
+
+def test_compare_writes_results_after_every_recipe_and_a_kill_loses_only_the_one_running(tmp_path, monkeypatch,
+                                                                                         capsys):
+    presets = {"good": "tiny-falcon", "broken": "tiny-falcon", "killed": "tiny-transformer", "later": "tiny-falcon"}
+    original = trainer_module.Trainer.train
+
+    def train(self, **kwargs):
+        if self.out_dir.endswith("broken"):
+            raise RuntimeError("loss exploded")
+        if self.out_dir.endswith("killed"):
+            raise KeyboardInterrupt  # what a kill of the command leaves behind
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train", train)
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(tmp_path, presets, "--steps", "4")
+    report = load(tmp_path / "cmp")
+    assert report["status"] == {"good": "done", "broken": "failed", "killed": "running", "later": "pending"}
+    assert report["finished"] is False and set(report["runs"]) == {"good", "broken"}
+    good = report["runs"]["good"]
+    assert good["steps"] == good["planned_steps"] == 4 and good["tokens"] == 4 * 4 * 24
+    assert [r["step"] for r in good["log"] if "val_loss" in r] == [1, 2, 3, 4]  # eval_every = steps // 4
+    assert "loss exploded" in report["runs"]["broken"]["error"]
+    printed = capsys.readouterr().out
+    assert "[1/4] good: done 4/4 steps  val_ppl" in printed and "[2/4] broken: failed" in printed
+    rows = compare_report.result_rows(report)
+    assert [(r["model"], r["status"]) for r in rows] == list(report["status"].items())
+    assert "| killed | running |" in compare_report.markdown_table(rows)
+
+
+def test_deadline_stops_the_running_recipe_at_a_step_boundary_then_evaluates_it(tmp_path, clock):
+    # falcon: 101 + 1 s for step 1, then 2 s a step: the deadline of 110 s is reached at step 5
+    code, out = run_compare(tmp_path, {"falcon": "tiny-falcon", "transformer": "tiny-transformer"},
+                            "--steps", "12", "--deadline", "110")
+    assert code == 0
+    report = load(out)
+    assert report["status"] == {"falcon": "partial", "transformer": "not_run"} and report["finished"]
+    run = report["runs"]["falcon"]
+    assert (run["steps"], run["planned_steps"], run["tokens"]) == (5, 12, 5 * 4 * 24)
+    assert run["first_step_s"] == COMPILE_S + 2
+    val_steps = [r["step"] for r in run["log"] if "val_loss" in r]
+    assert val_steps == [3, 5]  # eval_every = 3, then the evaluation at the stop
+    assert run["val_loss"] == [r["val_loss"] for r in run["log"] if "val_loss" in r][-1]
+    assert [r["step"] for r in read_log(out / "main" / "falcon" / "log.jsonl") if "loss" in r] == [2, 4, 5]
+    with open(out / "main" / "falcon" / "summary.json") as f:
+        assert json.load(f)["status"] == "partial"
+    assert not os.path.exists(out / "main" / "transformer")
+
+    assert compare_report.main([str(out / "compare.json"), str(tmp_path / "report" / "small")]) == 0
+    table = (tmp_path / "report" / "small_table.md").read_text()
+    assert "| falcon | partial: 5 of 12 steps |" in table and "| transformer | not_run: the deadline passed" in table
+    assert "Best Falcon" not in table and "falcon, transformer" in table  # partial runs are no comparison
+    assert (tmp_path / "report" / "small_loss.png").stat().st_size > 0
+
+
+def test_calibration_times_steady_steps_and_plans_the_budget_without_the_compile_step(tmp_path, clock):
+    # 1 + 3 calibration steps each: the first costs 102 s, every other 2 s (two micro-steps).
+    # Fixed costs (setup, evaluation, save, export) take no simulated time, so 100 s buy
+    # 100 // (2 + 2) = 25 steps; had the compile step been averaged in, 9.
+    code, out = run_compare(tmp_path, {"falcon": "tiny-falcon", "transformer": "tiny-transformer"},
+                            "--time-budget", "100", "--calib-warmup", "1", "--calib-steps", "3", "--max-steps", "6")
+    assert code == 0
+    report = load(out)
+    for name, op in (("falcon", "torch"), ("transformer", "none")):
+        cal = report["calibration"][name]
+        assert (cal["first_step_s"], cal["warmup_s"], cal["step_s"], cal["timed_steps"]) == (102, 102, 2, 3)
+        assert cal["falcon_op"] == op
+    assert report["plan"] == {"budget_s": 100, "fixed_s": 0, "step_s_sum": 4, "steps_fit": 25, "steps": 6}
+    assert report["status"] == {"falcon": "done", "transformer": "done"}
+    for name in ("falcon", "transformer"):
+        run = report["runs"][name]
+        assert run["steps"] == 6 and run["wall_s"] == 12  # compiled during calibration: 2 s a step
+    assert os.path.isfile(out / "data" / "prepared.json")  # one tokenized copy for every recipe
+    assert not os.path.exists(out / "main" / "falcon" / "data")
+
+
+@pytest.fixture
+def forward_clock(monkeypatch):
+    """Every forward of a model advances ``throughput``'s clock (the first of a kind by 101 s)."""
+    from falcon_fwa.models import FalconForCausalLM
+
+    fake = FakeClock()
+    original = FalconForCausalLM.forward
+
+    def forward(self, *args, **kwargs):
+        fake.charge(self.config.mixer)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FalconForCausalLM, "forward", forward)
+    monkeypatch.setattr(throughput, "_clock", fake)
+    return fake
+
+
+def run_throughput(tmp_path, *extra):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    out = tmp_path / "rows.jsonl"
+    throughput.run(parser.parse_args(["--preset", "tiny-falcon", "tiny-transformer", "--seq-len", "8", "16",
+                                      "--batch-tokens", "32", "--warmup", "1", "--device", "cpu", "--fp32",
+                                      "--out", str(out), *extra]))
+    with open(out) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_throughput_times_after_warmup_and_measures_every_preset_per_length_first(tmp_path, forward_clock):
+    rows = run_throughput(tmp_path, "--steps", "5", "--min-steps", "3", "--max-seconds", "2.5")
+    assert [(r["preset"], r["seq_len"]) for r in rows] == [("tiny-falcon", 8), ("tiny-transformer", 8),
+                                                           ("tiny-falcon", 16), ("tiny-transformer", 16)]
+    first = rows[0]
+    assert (first["first_step_s"], first["warmup_s"], first["batch_size"]) == (101, 101, 4)
+    for r in rows:  # 2.5 s of 1-s steps would stop at 3; the warm-up never counts against it
+        assert (r["timed_steps"], r["step_s"], r["tokens_per_s"], r["stopped"], r["steady"]) == (
+            3, 1, 32, "max_seconds", True)
+    assert [r["falcon_op"] for r in rows] == ["torch", "none", "torch", "none"]
+
+    # a deadline 6 s in: the second measurement stops after one timed step, the others are skipped
+    (tmp_path / "rows.jsonl").unlink()
+    rows = run_throughput(tmp_path, "--steps", "3", "--deadline", "6")
+    assert (rows[0]["timed_steps"], rows[0]["stopped"]) == (3, None)
+    assert (rows[1]["timed_steps"], rows[1]["stopped"], rows[1]["steady"]) == (1, "deadline", False)
+    assert all("skipped" in r and "timed_steps" not in r for r in rows[2:]) and len(rows) == 4
+
+
+def test_throughput_rows_are_on_disk_before_a_kill(tmp_path, monkeypatch):
+    calls = []
+
+    def measure(config, **kwargs):
+        calls.append(kwargs["seq_len"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return {"timed_steps": 3}
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    with pytest.raises(KeyboardInterrupt):
+        run_throughput(tmp_path)
+    with open(tmp_path / "rows.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["preset"], r["seq_len"], r["timed_steps"]) for r in rows] == [("tiny-falcon", 8, 3),
+                                                                             ("tiny-transformer", 8, 3)]
+
+
+def test_throughput_reports_the_triton_kernels_when_they_serve_the_falcon_layers(monkeypatch):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or Triton's interpreter")
+    import falcon_fwa.ops.api as op_api
+    from falcon_fwa.ops import triton as kernels
+
+    # "auto" keeps to PyTorch on CPU and for rules not checked on a GPU: route the chunk form to the kernels
+    monkeypatch.setattr(op_api, "_triton_chunk", lambda backend, q, rule: kernels.falcon_chunk_triton)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = throughput.parse_preset("tiny-falcon:chunk_size=16")
+    row = throughput.measure(config, seq_len=16, batch_size=2, steps=1, warmup=0, min_steps=1, device=device,
+                             bf16=False)
+    assert row["falcon_op"] == "triton" and row["timed_steps"] == 1
+    assert kernels.falcon_chunk_triton.__name__ == "falcon_chunk_triton"  # the counter is gone afterwards

@@ -135,6 +135,13 @@ def test_strong_decay_never_overflows():
     assert all(math.isfinite(e) for e in errors.values())
 
 
+def test_strong_decay_in_a_partial_last_sub_chunk():
+    # T = 40: the last 16-step sub-chunk holds 8 steps; its reference log-prefix must be read at its
+    # last real step (reading past the end gave 0 and exp(-u) = inf in the backward)
+    errors = _check((1, 40, 1, 16, 16), normalize=False, lam_scale=40.0, chunk_size=64, read="after", seed=10)
+    assert all(math.isfinite(e) for e in errors.values())
+
+
 def test_state_in_and_out_several_key_and_value_blocks():
     # K = V = 80 span two key and two value blocks; initial state with the last-key carry
     _check((2, 21, 1, 80, 80), state=True, output_final_state=True, seed=3)

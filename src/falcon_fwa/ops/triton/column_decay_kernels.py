@@ -313,7 +313,8 @@ def dv_bwd(
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
     b_du_state = b_xdh * _decay(u_last[None, :] - b_u, m_r[:, None])
     # later sub-chunks read these sources through r, the log-prefix at the end of this one
-    r = _row(u, first + i_s * BS + BS - 1, first + i_s * BS + BS - 1 < end, i_h, H, V, o_v, m_v)
+    # (a partial last sub-chunk has no later reader: take its last real row, so r - u stays <= 0)
+    r = _row(u, tl.minimum(first + i_s * BS + BS - 1, last), True, i_h, H, V, o_v, m_v)
     b_du_intra = tl.zeros([BS, BV], dtype=tl.float32)
     for i in range(i_s + 1, n_sub):
         tgt = first + i * BS + tl.arange(0, BS)

@@ -52,7 +52,7 @@ def _leaves(*ts):
 
 
 def _falcon_inputs(B, T, H, K, V, per_column=False):
-    """``beta`` is ``[B, T, H, V]`` for the per-column rules (2A), ``[B, T, H]`` otherwise."""
+    """``beta`` is ``[B, T, H, V]`` for the per-column rules (2, 2A), ``[B, T, H]`` otherwise."""
     q, k = _randn(B, T, H, K, scale=K ** -0.5), _randn(B, T, H, K, scale=K ** -0.5)
     v = _randn(B, T, H, V)
     beta = torch.rand(B, T, H, *((V,) if per_column else ()), device="cuda").to(torch.bfloat16)
@@ -66,7 +66,7 @@ def falcon_triton(rule: str, validate: bool = True) -> Builder:
     sliding rules run with ``window=WINDOW``."""
     def build(B, T, H, K, V):
         from falcon_fwa.ops.triton import falcon_chunk_triton
-        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule == "2A")
+        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"))
         return (lambda: falcon_chunk_triton(*leaves, rule=rule, window=WINDOW, chunk_size=64,
                                             validate=validate)[0]), leaves
     return build
@@ -85,7 +85,7 @@ def falcon_core(B, T, H, K, V):
 def torch_chunk(rule: str) -> Builder:
     def build(B, T, H, K, V):
         from falcon_fwa import falcon_attention
-        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule == "2A")
+        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"))
         return (lambda: falcon_attention(*leaves, rule=rule, window=WINDOW, form="chunk", chunk_size=64,
                                          backend="torch")[0]), leaves
     return build
@@ -140,11 +140,13 @@ OPS: Dict[str, Builder] = {
     "falcon-3a": falcon_triton("3A"),
     "falcon-3a-unchecked": falcon_triton("3A", validate=False),
     "falcon-2a": falcon_triton("2A"),
+    "falcon-2": falcon_triton("2"),
     "falcon-1a-kernels-only": falcon_core,
     "torch-chunk-1A": torch_chunk("1A"),
     "torch-chunk-1": torch_chunk("1"),
     "torch-chunk-3A": torch_chunk("3A"),
     "torch-chunk-2A": torch_chunk("2A"),
+    "torch-chunk-2": torch_chunk("2"),
     "fla-simple-gla": fla_simple_gla,
     "fla-gla": fla_gla,
     "fla-delta-rule": fla_delta_rule,

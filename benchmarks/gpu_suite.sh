@@ -22,19 +22,19 @@ case "$STAGE" in
     # Eight processes: most of the time is the first-call compilation of each kernel variant (CPU work).
     timeout 400 $PY -m pytest -q -n 8 -p no:cacheprovider -rfEs --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
         tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
-        tests/test_triton_dispatch.py tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
+        tests/test_triton_column_delta.py tests/test_triton_dispatch.py tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
     # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows).
     timeout 170 $PY tests/test_models_fla.py "$OUT/fla_compare.md" 2>&1 | tee "$OUT/fla_compare.log"
     ;;
   kernels)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
-        --ops falcon-1a falcon-1 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
-              torch-chunk-1A torch-chunk-1 torch-chunk-2A torch-chunk-3A falcon-1a-kernels-only \
+        --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
+              torch-chunk-1A torch-chunk-1 torch-chunk-2 torch-chunk-2A torch-chunk-3A falcon-1a-kernels-only \
         2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   kernels-long)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
-        --ops falcon-1a falcon-1 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
+        --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
         --profile falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   lm)

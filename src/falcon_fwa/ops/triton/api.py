@@ -16,6 +16,7 @@ from ..rules import get_rule
 from ..state import FalconState
 from ..validate import check_inputs, check_state
 from .column_decay import column_decay_chunk, column_step_sizes
+from .column_delta import column_delta_chunk
 from .delta import delta_chunk
 from .launch import SUPPORTED_CHUNK_SIZES
 from .scalar_decay import scalar_decay_chunk
@@ -24,15 +25,15 @@ from .step_sizes import scalar_step_sizes
 
 __all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_DTYPES"]
 
-TRITON_RULES = ("1", "1A", "2A", "3A")  # rules with chunk kernels
+TRITON_RULES = ("1", "1A", "2", "2A", "3A")  # rules with chunk kernels
 # Rules whose current kernels have passed the float64 checks on a GPU; backend="auto" uses only these.
 # Rules 1A and 1 passed tests/test_triton_chunk.py's switch, state, packed and chunk-size checks
 # (outputs and gradients against the float64 recurrent form) on an H200
-# (benchmarks/results/h200_tests.md). Rules 2A and 3A stay on PyTorch under "auto" until
-# tests/test_triton_column.py and tests/test_triton_window.py have passed there.
+# (benchmarks/results/h200_tests.md). Rules 2, 2A and 3A stay on PyTorch under "auto" until
+# tests/test_triton_column_delta.py, test_triton_column.py and test_triton_window.py have passed there.
 GPU_CHECKED_RULES: tuple = ("1A", "1")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_WY_HEAD_DIM = 128  # the WY kernels (rule 1) keep the whole key dimension in one tile
+MAX_WY_HEAD_DIM = 128  # the regression kernels (rules 1, 2) keep the whole key dimension in one tile
 
 
 def _interpreting() -> bool:
@@ -115,7 +116,10 @@ def falcon_chunk_triton(
 
     Supported: rules "1A" (scalar-decay masked attention, any head dims), "2A" (one
     decay per value column, any head dims; ``ops.triton.column_decay``), "1" (WY
-    form, one triangular solve per chunk, key dim ``K <= 128``) and "3A" (the
+    form, one triangular solve per chunk, key dim ``K <= 128``), "2" (per-column
+    regression: a Gram shared by the value columns, one triangular solve per column
+    and block of 16 steps in the sequential pass, ``K <= 128``;
+    ``ops.triton.column_delta``) and "3A" (the
     rule-1A scan over completed window pairs plus the band of open pairs, any
     ``window``; ``ops.triton.sliding``); every switch
     (``shift``, ``normalize``, ``log_gate``, ``read``, ``scale_ridge``,
@@ -164,9 +168,14 @@ def falcon_chunk_triton(
     S0 = None if initial_state is None else initial_state.S
     scan = dict(read_after=read == "after", chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 output_final_state=output_final_state)
-    if spec.regression:  # rule 1: the residual is read at the gated state, kappa = eta exp(g)
-        kappa = eta if log_gate is None else eta * torch.exp(log_gate.float())
-        o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
+    if spec.regression:  # rules 1, 2: the residual is read at the gated state, kappa = eta exp(g)
+        gate = None if log_gate is None else torch.exp(log_gate.float())
+        if spec.per_column:  # rule 2: eta, kappa and the decay per value column
+            kappa = eta if gate is None else eta * gate[..., None]
+            o, S_T = column_delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
+        else:
+            kappa = eta if gate is None else eta * gate
+            o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
     elif spec.per_column:  # rule 2A: eta and the decay per value column
         o, S_T = column_decay_chunk(q, x, v, eta, log_a, S0, **scan)
     else:

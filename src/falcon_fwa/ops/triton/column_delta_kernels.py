@@ -1,0 +1,209 @@
+r"""Triton kernels of the chunk form of the regression rule with per-column step sizes (Falcon-2).
+
+Per head and value column ``j``, with the carry ``a_{t,j}`` (``log_a`` = ``log gamma_{t,j} + g_t``)
+and the residual gain ``kappa_{t,j}`` (``eta_{t,j} exp(g_t)``), the state column follows::
+
+    S_t[:, j] = a_{t,j} S_{t-1}[:, j] + x_t d_{t,j},     d_{t,j} = eta_{t,j} y_t[j] - kappa_{t,j} R_{t,j}
+
+where ``R_{t,j} = x_t^T S_{t-1}[:, j]`` is the read of the write key at the state before
+the step. Every column is a scalar-decay delta rule of its own; all of them share the
+keys, so a block of steps shares one Gram matrix ``G = X X^T`` and differs per column
+only in its decays. With log-prefixes ``u_{t,j}`` (inclusive, chunk-local) and
+``w_{t,j} = u_{t-1,j}``, a block ``I`` of ``BS`` steps entered with the state ``h`` (at the
+log-prefix ``r``) solves, per column, the unit lower-triangular system::
+
+    R[p, j] = exp(w[p, j] - r_j) (X_I h)[p, j] + sum_{s in I, s < p} G[p, s] exp(w[p, j] - u[s, j]) d[s, j]
+    d[p, j] = eta[p, j] y[p, j] - kappa[p, j] R[p, j]
+
+i.e. ``(I + N_j) d_j = eta_j y_j - kappa_j exp(w_j - r_j) (X_I h)_j`` with ``N_j[p, s] =
+kappa[p, j] exp(w[p, j] - u[s, j]) G[p, s]`` (``s < p``). The right-hand side depends on
+``h``, so ``state_fwd`` solves it inside the sequential pass, block after block, by forward
+substitution on a ``[BS, BV]`` register tile (``BV`` columns at once; step ``i`` adds
+``G[:, i] exp(w - u_i) d_i`` to the reads of the later rows), then carries
+``h <- exp(r' - r) h + X_I^T (exp(r' - u_I) d_I)`` (``r'``: the log-prefix at the block's
+end). The substitution works on blocks of ``BS`` steps whatever the chunk size; the
+entry state of every chunk goes to ``h`` for the outputs, which are the per-column-decay
+reads of ``ops.triton.column_decay_kernels`` with the values ``D``. ``gram_fwd`` stores
+the ``BS x BS`` diagonal blocks of the Gram.
+
+Backward, with ``dD_o`` the outputs' gradient of ``D`` from within the chunk: walking the
+blocks backwards with ``g`` the gradient of the state at a block's end (without the
+outputs of the chunk, which ``dD_o`` holds), the adjoint ``z`` of ``d`` solves, per column,
+``(I + N_j)^T z_j = dD_o_j + exp(r'_j - u_j) (X_I g)_j`` (backward substitution,
+``state_bwd``); the reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w -
+r) dR)``, and at the chunk's start ``dh = g + Q^T (exp(uq) dO)``. Then::
+
+    deta = y z,   dy = eta z,   dkappa = -R z
+
+and the gradients of ``q``, ``x`` (as query and as key) and of the log-prefixes are those
+of two per-column-decay reads with values ``D``: the outputs (queries ``q``, ``dO``) and
+the residual reads (queries ``x``, read before the write, ``dR``), computed by the
+rule-2A backward kernels. Only non-positive exponents are ever evaluated. Tensors are
+time-major ``[B, T, H, D]``; states are ``[num_chunks, H, K, V]``; ``G`` is
+``[B, T, H, BS]`` fp32 (row ``p`` holds ``x_p . x_s`` for the ``BS`` rows ``s`` of its block).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .column_decay_kernels import _decay, _read_prefix, _row, _rows, _rows_t, _subchunk_program
+from .scalar_decay_kernels import _sequence
+
+
+@triton.jit
+def gram_fwd(
+    x, G, cu_seqlens, chunk_indices, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(num_chunks * BT // BS, H)``: ``G[p, s] = x_p . x_s`` within every block of
+    ``BS`` steps (fp32)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_t, first, end, last, rows, m_r, boh, n_sub, n_diag = _subchunk_program(
+        i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT, BS, IS_VARLEN)
+    b_g = tl.zeros([BS, BS], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_g += tl.dot(_rows(x, rows, m_r, i_h, H, K, o_k, m_k), _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k),
+                      input_precision=PRECISION)
+    tl.store(G + (rows[:, None] * H + i_h) * BS + tl.arange(0, BS)[None, :], b_g, mask=m_r[:, None])
+
+
+@triton.jit
+def _block(u, first, last, b0, end, i_h, H: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, o_v, m_v):
+    """A block of ``BS`` steps starting at row ``b0`` of the chunk starting at ``first``:
+    its rows and mask, the log-prefix ``r`` before it (0 at the chunk's start), the one at
+    its end ``r'`` (at most the chunk's last row), and the number of its steps."""
+    rows = b0 + tl.arange(0, BS)
+    m_r = rows < end
+    r_in = _row(u, b0 - 1, b0 > first, i_h, H, V, o_v, m_v)
+    r_out = _row(u, tl.minimum(b0 + BS - 1, last), True, i_h, H, V, o_v, m_v)
+    return rows, m_r, r_in, r_out, tl.minimum(BS, last + 1 - b0)
+
+
+@triton.jit
+def state_fwd(
+    x, v, eta, kappa, u, G, h, D, R, s0, s_final, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K`` (the whole key dimension): block after
+    block, the per-column solve for ``D`` and ``R`` (fp32) and the state carry; every
+    chunk's entry state into ``h``."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    end = bos + T_n
+    o_s = tl.arange(0, BS)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_S0:
+        b_h += tl.load(s0 + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0)
+    for i_t in range(tl.cdiv(T_n, BT)):
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_off, b_h.to(h.dtype.element_ty), mask=m_kv)
+        first = bos + i_t * BT
+        n_steps = tl.minimum(BT, T_n - i_t * BT)
+        last = first + n_steps - 1
+        for i_b in range(0, tl.cdiv(n_steps, BS)):
+            b0 = first + i_b * BS
+            rows, m_r, r_in, r_out, steps = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
+            b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+            b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
+            b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
+            b_r = tl.dot(b_x, b_h.to(b_x.dtype), input_precision=PRECISION) * _decay(
+                b_w - r_in[None, :], m_r[:, None])
+            b_d = tl.zeros([BS, BV], dtype=tl.float32)
+            for i in range(0, steps):  # forward substitution, all BV columns at once
+                row_i = b0 + i
+                sel = (o_s == i)[:, None]
+                r_i = tl.sum(tl.where(sel, b_r, 0.0), axis=0)
+                d_i = (_row(v, row_i, True, i_h, H, V, o_v, m_v) * _row(eta, row_i, True, i_h, H, V, o_v, m_v)
+                       - _row(kappa, row_i, True, i_h, H, V, o_v, m_v) * r_i)
+                b_d = tl.where(sel, d_i[None, :], b_d)
+                g_i = tl.load(G + (row_i * H + i_h) * BS + o_s, mask=m_r, other=0.0)  # G[p, i] = G[i, p]
+                u_i = _row(u, row_i, True, i_h, H, V, o_v, m_v)
+                later = ((o_s > i) & m_r)[:, None]
+                b_r += g_i[:, None] * _decay(b_w - u_i[None, :], later) * d_i[None, :]
+            off = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            tl.store(D + off, b_d, mask=m_r[:, None] & m_v[None, :])
+            tl.store(R + off, b_r, mask=m_r[:, None] & m_v[None, :])
+            b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
+            b_wd = b_d * _decay(r_out[None, :] - b_u, m_r[:, None])
+            b_h = b_h * tl.exp(r_out - r_in)[None, :] + tl.dot(b_xt, b_wd.to(b_xt.dtype), input_precision=PRECISION)
+    if STORE_FINAL:
+        tl.store(s_final + i_nh.to(tl.int64) * K * V + state_off, b_h, mask=m_kv)
+
+
+@triton.jit
+def state_bwd(
+    q, x, kappa, u, G, do, dD_local, dh, z, ds_final, ds0, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks and their blocks,
+    the gradient of every chunk's exit state into ``dh``, the per-column transposed solve
+    for the adjoint ``z`` of ``D`` (fp32), ``g <- exp(r' - r) g - X_I^T (exp(w - r) kappa z)``
+    and, at the chunk's start, ``dh_prev = g + Q^T (exp(uq) dO)``."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    end = bos + T_n
+    o_s = tl.arange(0, BS)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DS_FINAL:
+        b_dh += tl.load(ds_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0)
+    for j in range(tl.cdiv(T_n, BT)):
+        i_t = tl.cdiv(T_n, BT) - 1 - j
+        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_off, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        first = bos + i_t * BT
+        n_steps = tl.minimum(BT, T_n - i_t * BT)
+        last = first + n_steps - 1
+        b_dq = tl.zeros([BK, BV], dtype=tl.float32)  # Q^T (exp(uq) dO) of the chunk
+        for jb in range(0, tl.cdiv(n_steps, BS)):
+            b0 = first + (tl.cdiv(n_steps, BS) - 1 - jb) * BS
+            rows, m_r, r_in, r_out, steps = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
+            m_rv = m_r[:, None] & m_v[None, :]
+            off = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+            b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
+            b_dd = tl.load(dD_local + off, mask=m_rv, other=0.0) + tl.dot(
+                b_x, b_dh.to(b_x.dtype), input_precision=PRECISION) * _decay(r_out[None, :] - b_u, m_r[:, None])
+            b_acc = tl.zeros([BS, BV], dtype=tl.float32)  # sum_{p > s} N[p, s] z_p, gathered row by row
+            b_z = tl.zeros([BS, BV], dtype=tl.float32)
+            for jj in range(0, steps):  # backward substitution, all BV columns at once
+                i = steps - 1 - jj
+                row_i = b0 + i
+                sel = (o_s == i)[:, None]
+                z_i = tl.sum(tl.where(sel, b_dd - b_acc, 0.0), axis=0)
+                b_z = tl.where(sel, z_i[None, :], b_z)
+                kz_i = _row(kappa, row_i, True, i_h, H, V, o_v, m_v) * z_i
+                w_i = _row(u, row_i - 1, row_i > first, i_h, H, V, o_v, m_v)
+                g_i = tl.load(G + (row_i * H + i_h) * BS + o_s, mask=m_r, other=0.0)
+                earlier = ((o_s < i) & m_r)[:, None]
+                b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
+            tl.store(z + off, b_z, mask=m_rv)
+            dt = b_x.dtype
+            b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
+            b_dr = -tl.load(kappa + off, mask=m_rv, other=0.0) * b_z * _decay(b_w - r_in[None, :], m_r[:, None])
+            b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
+            b_g = tl.load(do + off, mask=m_rv, other=0.0).to(tl.float32) * _decay(b_uq, m_r[:, None])
+            b_qt = _rows_t(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
+            b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)
+            b_dq += tl.dot(b_qt, b_g.to(dt), input_precision=PRECISION)
+            b_dh = b_dh * tl.exp(r_out - r_in)[None, :] + tl.dot(b_xt, b_dr.to(dt), input_precision=PRECISION)
+        b_dh += b_dq
+    if STORE_DS0:
+        tl.store(ds0 + i_nh.to(tl.int64) * K * V + state_off, b_dh, mask=m_kv)

@@ -9,7 +9,7 @@ with CUDA the same checks run at larger and ragged shapes.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from falcon_fwa import FalconState, falcon_attention  # noqa: E402
 from falcon_fwa.ops.triton import falcon_chunk_triton  # noqa: E402
-from falcon_fwa.ops.triton.sliding import completed_gains, open_weights  # noqa: E402
+from falcon_fwa.ops.triton.sliding import MAX_WINDOW, window_gains  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -30,8 +30,9 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 STATE_NAMES = ("S0", "last_key", "tail_x", "tail_y")
 
 
-def _inputs(B, T, H, K, V, W, dtype, *, seed, state, N=None):
-    """Leaf tensors (state ones ``None`` without ``state``) and the tail validity."""
+def _inputs(B, T, H, K, V, W, dtype, *, seed, state, N=None, empty_slot=0.0):
+    """Leaf tensors (state ones ``None`` without ``state``) and the tail validity; the
+    empty tail slot holds ``empty_slot``."""
     g = torch.Generator().manual_seed(seed)
     N = B if N is None else N
     t = dict(
@@ -50,8 +51,8 @@ def _inputs(B, T, H, K, V, W, dtype, *, seed, state, N=None):
     if state and W > 1:  # the oldest slot of the first row is empty (that segment was short)
         tail_valid = torch.ones(N, W - 1, dtype=torch.bool)
         tail_valid[0, 0] = False
-        t["tail_x"][0, :, 0] = 0.0
-        t["tail_y"][0, :, 0] = 0.0
+        t["tail_x"][0, :, 0] = empty_slot
+        t["tail_y"][0, :, 0] = empty_slot
     return {n: None if x is None else x.to(dtype) for n, x in t.items()}, tail_valid
 
 
@@ -89,18 +90,46 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+class _Poisoned:
+    """Fresh float buffers from ``torch.empty``, ``torch.empty_like`` and
+    ``Tensor.new_empty`` come filled with NaN while active, so a kernel that reads
+    memory nobody wrote fails the comparison."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    @staticmethod
+    def _fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def __enter__(self):
+        empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+        self.monkeypatch.setattr(torch, "empty", lambda *a, **kw: self._fill(empty(*a, **kw)))
+        self.monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: self._fill(empty_like(*a, **kw)))
+        self.monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **kw: self._fill(new_empty(t, *a, **kw)))
+
+    def __exit__(self, *exc):
+        self.monkeypatch.undo()
+
+
 def _check(dims, window, dtype=torch.float32, *, device=DEVICE, seed=0, state=False, shift=True,
-           output_final_state=True, cu_seqlens=None, chunk_size=16, **options):
+           output_final_state=True, cu_seqlens=None, chunk_size=16, poison=None, empty_slot=0.0, **options):
+    """Compare with the float64 recurrent form; ``poison`` (a ``monkeypatch``) runs the
+    kernels on NaN-filled fresh buffers."""
     B, T, H, K, V = dims
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
-    leaves, tail_valid = _inputs(B, T, H, K, V, window, dtype, seed=seed, state=state, N=N)
+    leaves, tail_valid = _inputs(B, T, H, K, V, window, dtype, seed=seed, state=state, N=N, empty_slot=empty_slot)
     tv = None if tail_valid is None else tail_valid.to(device)
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
-    tri = _run(falcon_chunk_triton, {n: None if x is None else x.to(device) for n, x in leaves.items()}, tv,
-               window, shift, output_final_state, chunk_size=chunk_size, cu_seqlens=cu, **options)
+    with contextlib.nullcontext() if poison is None else _Poisoned(poison):
+        tri = _run(falcon_chunk_triton, {n: None if x is None else x.to(device) for n, x in leaves.items()}, tv,
+                   window, shift, output_final_state, chunk_size=chunk_size, cu_seqlens=cu, **options)
+    tol = TOL[dtype]
+    if empty_slot != 0.0:  # what the empty slot held must not matter: compare with it zeroed
+        leaves["tail_x"][0, :, 0] = 0.0
+        leaves["tail_y"][0, :, 0] = 0.0
     ref = _run(falcon_attention, {n: None if x is None else x.to(device, torch.float64) for n, x in leaves.items()},
                tv, window, shift, output_final_state, form="recurrent", cu_seqlens=cu, backend="torch", **options)
-    tol = TOL[dtype]
     assert tri[0]["o"].dtype == dtype and tri[0]["o"].shape == ref[0]["o"].shape
     errors = {}
     for name, r in ref[0].items():
@@ -117,24 +146,66 @@ def _check(dims, window, dtype=torch.float32, *, device=DEVICE, seed=0, state=Fa
     return errors
 
 
-# ---- the decomposition itself: completed gains and open weights, by hand ----
+# ---- the step sizes and the gains of the decomposition, against a literal loop ----
 
-def test_gains_and_open_weights_by_hand():
-    # W = 3, constant carry a: pair j is written at steps j, j+1, j+2 with gains c[j, 0],
-    # c[j+1, 1], c[j+2, 2]; completed at step j+2 with e = c[j,0] a^2 + c[j+1,1] a + c[j+2,2].
-    T, a = 6, 0.5
-    c = torch.arange(1.0, 1.0 + 3 * T, dtype=torch.float64).reshape(T, 3)
-    log_a = torch.full((T,), math.log(a), dtype=torch.float64)
-    e = completed_gains(c, log_a)
-    for p in range(T):
-        want = sum(c[s, s - (p - 2)] * a ** (p - s) for s in range(max(0, p - 2), p + 1))
-        assert abs(e[p].item() - want) < 1e-12
-    rho = open_weights(c, log_a)  # rho[t, d-1]: pair t + d - 2 after step t
-    for t in range(T):
-        for d in (1, 2):
-            j = t + d - 2
-            want = sum(c[s, s - j] * a ** (t - s) for s in range(max(0, j), t + 1))
-            assert abs(rho[t, d - 1].item() - want) < 1e-12
+def _gains_by_hand(n_ext, valid_ext, beta, lam, log_gate, W, eps, decay_floor, normalize, scale_ridge):
+    """Float64, one step at a time: every write ``c_{s,p}`` of pair ``p`` (extended
+    position) decayed to step ``t``; ``e_t`` is pair ``t``'s weight once complete,
+    ``rho[t, d-1]`` pair ``t+d``'s weight so far."""
+    T = beta.shape[0]
+    c, log_a = {}, []
+    for s in range(T):
+        window = [p for p in range(s, s + W) if valid_ext[p]]
+        stat = sum(n_ext[p] for p in window) / max(len(window), 1)
+        lam_s = lam[s] * stat.detach() if scale_ridge else lam[s]
+        eta = beta[s] * 0.0
+        if window:
+            eta = beta[s] / (stat + lam_s + eps) if normalize else beta[s]
+        log_a.append(torch.log1p(-torch.clamp(eta * lam_s, max=1 - decay_floor)) + log_gate[s])
+        for p in window:
+            c[s, p] = eta / len(window)
+
+    zero = torch.zeros((), dtype=torch.float64)
+
+    def weight(p, t):  # pair p in S_t: its writes up to step t, decayed
+        return sum((c[s, p] * torch.exp(sum(log_a[s + 1:t + 1], zero))
+                    for s in range(max(0, p - W + 1), t + 1) if (s, p) in c), zero)
+
+    e = torch.stack([weight(t, t) for t in range(T)])
+    rho = torch.stack([torch.stack([weight(t + d, t) for d in range(1, W)]) for t in range(T)])
+    return e, rho, torch.stack(log_a)
+
+
+@pytest.mark.parametrize("normalize,scale_ridge", [(True, False), (False, True), (True, True)])
+def test_window_gains_kernels_against_a_literal_loop(normalize, scale_ridge):
+    # W = 3 over 9 steps with two empty slots (the sentinel and a tail slot) and a large
+    # ridge, so that the clamp is active on some steps; values and all gradients
+    W, T = 3, 9
+    g = torch.Generator().manual_seed(7)
+    n_ext = torch.rand(T + W - 1, generator=g, dtype=torch.float64) * 2
+    valid_ext = torch.ones(T + W - 1, dtype=torch.bool)
+    valid_ext[0] = valid_ext[W - 1] = False
+    beta = torch.rand(T, generator=g, dtype=torch.float64) + 0.5
+    lam = torch.rand(T, generator=g, dtype=torch.float64) * 4
+    log_gate = -torch.rand(T, generator=g, dtype=torch.float64) * 0.3
+    opts = dict(eps=1e-6, decay_floor=0.05, normalize=normalize, scale_ridge=scale_ridge)
+    leaves = [t.clone().requires_grad_() for t in (n_ext, beta, lam, log_gate)]
+    want = _gains_by_hand(*leaves[:1], valid_ext, *leaves[1:], W, **opts)
+    probes = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in want]
+    want_grads = torch.autograd.grad(sum((p * t).sum() for p, t in zip(probes, want)), leaves, allow_unused=True)
+    want_grads = [torch.zeros_like(x) if d is None else d for d, x in zip(want_grads, leaves)]
+    clamped = (-torch.expm1(want[2] - leaves[3]) >= 0.95 - 1e-9).sum().item()
+    assert 0 < clamped < T  # the clamp is active on some steps only
+
+    kleaves = [t.detach().float().to(DEVICE).requires_grad_() for t in leaves]
+    n_k, b_k, l_k, g_k = (t[None, :, None] for t in kleaves)  # B = H = 1
+    got = window_gains(n_k, valid_ext[None].to(DEVICE), b_k, l_k, g_k, window=W, **opts)
+    got = (got[0][0, :, 0], got[1][0, :, 0], got[2][0, :, 0])
+    got_grads = torch.autograd.grad(sum((p.to(DEVICE).float() * t).sum() for p, t in zip(probes, got)), kleaves)
+    for name, a, b in zip(("e", "rho", "log_a"), got, want):
+        assert _rel(a.cpu(), b) < 1e-5, name
+    for name, a, b in zip(("n", "beta", "lam", "log_gate"), got_grads, want_grads):
+        assert (a.cpu() - b).abs().max() <= 1e-5 * max(b.abs().max().item(), 1.0), f"d{name}"
 
 
 # ---- every switch, tiny shapes (interpreter on CPU, GPU when present) ----
@@ -152,6 +223,12 @@ def test_read_and_shift(window, read, shift):
 @pytest.mark.parametrize("window", [1, 3])
 def test_unnormalized_scale_ridge_chunk_32(window):
     _check((1, 45, 1, 16, 16), window, normalize=False, scale_ridge=True, chunk_size=32, seed=20 + window)
+
+
+def test_band_across_blocks_of_steps():
+    # T = 75 > 64 rows per band program: the open pairs of a block's last steps sit in the
+    # next block, and the pairs at the start of a block are read from the previous one
+    _check((1, 75, 1, 16, 16), 5, state=True, read="before", chunk_size=32, seed=25)
 
 
 @pytest.mark.parametrize("window,shift", [(1, True), (4, True), (3, False)])
@@ -173,6 +250,19 @@ def test_fp16_inputs():
     _check((1, 33, 2, 32, 32), 4, torch.float16, seed=60)
 
 
+def test_poisoned_buffers_and_garbage_in_empty_tail_slots(monkeypatch):
+    # every fresh buffer starts as NaN and the empty tail slot holds NaN: neither may reach
+    # the outputs, the final state or any gradient (read before write: the band's last row
+    # and the first step's missing open pairs are the edge cases)
+    _check((1, 23, 2, 16, 16), 4, state=True, read="before", poison=monkeypatch, empty_slot=float("nan"), seed=90)
+
+
+@pytest.mark.parametrize("shift,read", [(True, "after"), (False, "before")])
+def test_segment_shorter_than_the_window(shift, read):
+    # T = 3 < W - 1: the delayed pairs, the open pairs and the next tail all reach into the old tail
+    _check((2, 3, 1, 16, 16), 6, state=True, shift=shift, read=read, seed=91)
+
+
 def test_two_segments_continue_exactly():
     # a segment cut inside the windows: the tail carries the open writes across the cut
     B, T, H, K, V, W = 1, 40, 2, 16, 16, 4
@@ -189,6 +279,13 @@ def test_two_segments_continue_exactly():
     second, end2 = run(18, T, st, final=True)
     assert _rel(torch.cat([first, second], 1), whole) < 1e-5
     assert _rel(end2.S, end.S) < 1e-5 and torch.equal(end2.tail_x, end.tail_x)
+
+
+def test_window_wider_than_the_kernels_raises():
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    beta, lam = torch.rand(1, 4, 1, device=DEVICE), torch.rand(1, 4, 1, device=DEVICE)
+    with pytest.raises(NotImplementedError, match=f"window={MAX_WINDOW + 1}"):
+        falcon_chunk_triton(q, q, q, beta, lam, rule="3A", window=MAX_WINDOW + 1)
 
 
 def test_window_state_is_checked():
@@ -215,6 +312,12 @@ def test_cuda_benchmark_head_dims(window, dtype):
                                              (256, 256, "after", 4)])
 def test_cuda_ragged(K, V, read, window):
     _check((2, 1000, 2, K, V), window, torch.bfloat16, chunk_size=64, read=read, device="cuda")
+
+
+@needs_cuda
+def test_cuda_widest_band():
+    # the open pairs of a step reach a whole block of steps ahead
+    _check((1, 300, 2, 64, 64), MAX_WINDOW, torch.bfloat16, chunk_size=64, state=True, read="before", device="cuda")
 
 
 @needs_cuda

@@ -120,8 +120,8 @@ def falcon_chunk_triton(
     regression: a Gram shared by the value columns, one triangular solve per column
     and block of 16 steps in the sequential pass, ``K <= 128``;
     ``ops.triton.column_delta``) and "3A" (the
-    rule-1A scan over completed window pairs plus the band of open pairs, any
-    ``window``; ``ops.triton.sliding``); every switch
+    rule-1A scan over completed window pairs plus the band of open pairs, as
+    kernels; ``window`` up to 65, ``ops.triton.sliding.MAX_WINDOW``); every switch
     (``shift``, ``normalize``, ``log_gate``, ``read``, ``scale_ridge``,
     ``initial_state`` with the last-key carry, ``output_final_state``,
     ``cu_seqlens``); bf16/fp16/fp32 inputs (``k``, ``v`` are

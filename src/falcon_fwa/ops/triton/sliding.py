@@ -16,10 +16,8 @@ Split the state into the completed pairs and the pairs still inside some window:
 
 where ``Lam_{s,n} = sum_{r=s+1}^{s+n} log a_r <= 0`` is the decay over ``n`` steps (only
 non-positive exponents are evaluated). So the chunk kernels of rule 1A run unchanged on
-the delayed pairs ``(x_{t-W+1}, y_{t-W+1})`` with the gains ``e_t`` (that scan is the
-banded decay mask ``M_{t,j} = sum_s (eta_s/B_s) exp(u_t - u_s) [j in I_s]`` summed
-for the pairs whose band lies wholly at or before ``t``), and the outputs and the final
-state add the band of open pairs::
+the delayed pairs ``(x_{t-W+1}, y_{t-W+1})`` with the gains ``e_t``, and the outputs
+and the final state add the band of open pairs::
 
     o_t  = L_tau^T q_t + sum_d rho_{tau,d} (q_t . x_{tau+d-W+1}) y_{tau+d-W+1}
     S_T  = L_T + R_T
@@ -27,84 +25,213 @@ state add the band of open pairs::
 with ``tau = t`` (read after write) or ``t - 1`` (read before). Pairs before the
 segment (``j <= 0``) are the state's tail, so a continued sequence resumes the
 windows and the writes that were still open. With ``W = 1`` this is rule 1A exactly
-(``e = c``, no open pairs). The band costs ``O(T W (K + V))`` per head, next to the
-``O(T C (K + V) + T K V)`` of the scan.
+(``e = c``, no open pairs).
+
+Everything per token is a kernel (``sliding_kernels``): the pair energies, the step
+sizes and the gains ``e``, ``rho`` (two launches forward, three backward, on
+``[B, T, H]``-sized scalars), the scan (``scalar_decay``) and the band (two masked
+``BT x BT`` score tiles per block of steps, on the tensor cores; one launch forward,
+two backward). The pairs live on an extended time axis ``[prefix | k]`` and
+``[tail_y | v]``: the band reads ``k`` and ``v`` in place, and the delayed pairs the
+scan reads are one copy, rebuilt in the backward rather than saved. No
+``[B, H, T, W, K]`` window and no fp32 copy of a feature tensor is formed.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
+import triton
 
-from ..pairs import next_tail, window_slots, write_pairs
-from ..rules import get_rule
-from ..step_sizes import step_sizes
-from .scalar_decay import scalar_decay_chunk
+from . import sliding_kernels as kern
+from .chunk_index import chunk_layout
+from .launch import dot_precision
+from .scalar_decay import _backward as scan_backward
+from .scalar_decay import _forward as scan_forward
 
-__all__ = ["sliding_chunk", "completed_gains", "open_weights"]
+__all__ = ["sliding_chunk", "window_gains", "MAX_WINDOW"]
 
-
-def _shift(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``out[..., s] = t[..., s + n]`` along the last dim (``n`` may be negative), 0 outside."""
-    if n == 0:
-        return t
-    T = t.shape[-1]
-    if abs(n) >= T:
-        return torch.zeros_like(t)
-    return F.pad(t[..., n:], (0, n)) if n > 0 else F.pad(t[..., :n], (-n, 0))
+_BT = 64  # rows per band program
+MAX_WINDOW = _BT + 1  # the band of a block of steps reaches into the next block only
+_BR = 64  # rows per energy program
 
 
-def _lag_decays(log_a: torch.Tensor, W: int) -> list:
-    """``Lam[n][..., s] = sum_{r=s+1}^{s+n} log_a[..., r]`` for ``n = 0 .. W-1`` (``[..., T]`` each)."""
-    lam = [torch.zeros_like(log_a)]
-    for n in range(1, W):
-        lam.append(lam[-1] + _shift(log_a, n))
-    return lam
+# ---- the pairs on the extended axis ----
+
+def _delayed(prefix: torch.Tensor, body: torch.Tensor) -> torch.Tensor:
+    """Rows ``0 .. T-1`` of the extended axis ``[prefix | body]`` (the delayed pairs), contiguous."""
+    n_pre, T = prefix.shape[1], body.shape[1]
+    if n_pre == 0:
+        return body
+    return torch.cat([prefix[:, :min(T, n_pre)], body[:, :max(0, T - n_pre)]], 1)
 
 
-def completed_gains(c: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
-    """``e`` ``[..., T]``: the gain of the pair completed at each step, from the slot gains
-    ``c`` ``[..., T, W]`` (``c[..., t, m] = eta_t [t-m in I_t] / B_t``) and ``log_a`` ``[..., T]``."""
-    W = c.shape[-1]
-    lam = _lag_decays(log_a, W)
-    e = torch.zeros_like(log_a)
-    for n in range(W):
-        e = e + _shift(c[..., W - 1 - n] * torch.exp(lam[n]), -n)
-    return e
+def _ext_rows(prefix: torch.Tensor, body: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rows ``pos`` ``[B, n]`` of the extended axis ``[prefix | body]``: ``[B, n, H, D]``."""
+    n_pre, T = prefix.shape[1], body.shape[1]
+    b = torch.arange(body.shape[0], device=body.device)[:, None]
+    rows = body[b, (pos - n_pre).clamp(0, T - 1)]
+    if n_pre == 0:
+        return rows
+    return torch.where((pos < n_pre)[..., None, None], prefix[b, pos.clamp(max=n_pre - 1)], rows)
 
 
-def open_weights(c: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
-    """``rho`` ``[..., T, W-1]``: ``rho[..., t, d-1]`` weighs pair ``t+d-W+1`` (still open
-    after step ``t``) in ``S_t``, for ``d = 1 .. W-1``."""
-    W = c.shape[-1]
-    lam = _lag_decays(log_a, W)
-    cols = []
-    for d in range(1, W):
-        r = torch.zeros_like(log_a)
-        for i in range(W - d):
-            r = r + _shift(c[..., W - 1 - d - i] * torch.exp(lam[i]), -i)
-        cols.append(r)
-    return torch.stack(cols, -1)
+# ---- kernels behind autograd ----
+
+def _block(D: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(D)))
 
 
-def _band(q: torch.Tensor, x_ext: torch.Tensor, y_ext: torch.Tensor, rho: torch.Tensor, read_after: bool) -> torch.Tensor:
-    """Open-pair outputs ``[B, H, T, V]``: ``sum_d rho_{tau,d} (q_t . x_ext[tau+d]) y_ext[tau+d]``.
+def _band_args(q: torch.Tensor, K: int, V: int, W: int) -> dict:
+    return dict(H=q.shape[2], K=K, V=V, W=W, BT=_BT, BK=_block(K), BV=_block(V), PRECISION=dot_precision(q.dtype))
 
-    Head-first: ``q`` ``[B, H, T, K]``, ``x_ext`` ``[B, H, T+W-1, K]`` and ``y_ext``
-    (the ``W-1`` pairs before the segment first), ``rho`` ``[B, H, T, W-1]``. One
-    diagonal of the band at a time, on slices (no gathered copies)."""
-    T, W = q.shape[2], rho.shape[-1] + 1
-    lag = 0 if read_after else 1
-    if lag:  # tau = t - 1; nothing is open before the first step
-        rho = F.pad(rho[:, :, :-1], (0, 0, 1, 0))
-    out = None
-    for d in range(1, W):
-        xd, yd = x_ext[:, :, d - lag:d - lag + T], y_ext[:, :, d - lag:d - lag + T]
-        score = torch.einsum("bhtk,bhtk->bht", q, xd) * rho[..., d - 1]
-        term = score[..., None] * yd
-        out = term if out is None else out + term
-    return out
+
+def _or(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """A launchable pointer: an empty buffer is never read, pass another one."""
+    return t if t.numel() else fallback
+
+
+class _Energy(torch.autograd.Function):
+    """``n = ||k||^2`` per row ``[B, T, H]`` fp32 (no fp32 copy of ``k``)."""
+
+    @staticmethod
+    def forward(ctx, k):
+        rows, K = k.numel() // k.shape[-1], k.shape[-1]
+        n = torch.empty(k.shape[:-1], dtype=torch.float32, device=k.device)
+        kern.energy_fwd[(triton.cdiv(rows, _BR),)](k, n, rows, K=K, BR=_BR, BK=_block(K))
+        ctx.save_for_backward(k)
+        return n
+
+    @staticmethod
+    def backward(ctx, dn):
+        (k,) = ctx.saved_tensors
+        rows, K = k.numel() // k.shape[-1], k.shape[-1]
+        dk = torch.empty_like(k)
+        kern.energy_bwd[(triton.cdiv(rows, _BR),)](k, dn.float().contiguous(), dk, rows, K=K, BR=_BR, BK=_block(K))
+        return dk
+
+
+class _WindowGains(torch.autograd.Function):
+    """``window_gains``: ``step_fwd`` (``g = eta / B``, ``log a``) then ``gains_fwd``;
+    backward ``gains_bwd``, ``step_bwd``, ``energy_spread``."""
+
+    @staticmethod
+    def forward(ctx, n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, normalize, scale_ridge):
+        B, T, H = beta.shape
+        W, grid = window, (triton.cdiv(T, _BT), B * H)
+        f32 = dict(dtype=torch.float32, device=beta.device)
+        lags = dict(H=H, W=W, WP=max(2, triton.next_power_of_2(W)), BT=_BT)
+        flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None)
+        g, log_a, e = (torch.empty(B, T, H, **f32) for _ in range(3))
+        rho = torch.empty(B, T, H, W - 1, **f32)
+        kern.step_fwd[grid](n_ext, valid_ext, beta, lam, log_gate, g, log_a, T, eps, decay_floor, **lags, **flags)
+        kern.gains_fwd[grid](g, log_a, valid_ext, e, _or(rho, e), T, **lags)
+        ctx.save_for_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a)
+        ctx.options = (eps, decay_floor, lags, flags)
+        return e, rho, log_a
+
+    @staticmethod
+    def backward(ctx, de, drho, dlog_a):
+        n_ext, valid_ext, beta, lam, log_gate, g, log_a = ctx.saved_tensors
+        eps, decay_floor, lags, flags = ctx.options
+        B, T, H = beta.shape
+        W, WP, grid = lags["W"], lags["WP"], (triton.cdiv(T, _BT), B * H)
+        de = torch.zeros_like(g) if de is None else de.float().contiguous()
+        dlog_a = torch.zeros_like(g) if dlog_a is None else dlog_a.float().contiguous()
+        drho = g.new_zeros(B, T, H, W - 1) if drho is None else drho.float().contiguous()
+        lag_a, lag_d = g.new_empty(B, T, H, WP), g.new_empty(B, T, H, WP)
+        kern.gains_bwd[grid](g, log_a, valid_ext, de, _or(drho, de), lag_a, lag_d, T, **lags)
+        d_beta, d_lam, d_gate, d_stat = (torch.empty_like(g) for _ in range(4))
+        kern.step_bwd[grid](n_ext, valid_ext, beta, lam, log_gate, lag_a, lag_d, dlog_a, d_beta, d_lam, d_gate,
+                            d_stat, T, eps, decay_floor, **lags, **flags)
+        dn_ext = torch.empty_like(n_ext)
+        kern.energy_spread[(triton.cdiv(T + W - 1, _BT), B * H)](d_stat, valid_ext, dn_ext, T, **lags)
+        d_gate = None if log_gate is None else d_gate.to(log_gate.dtype)
+        return dn_ext, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype), d_gate, None, None, None, None, None
+
+
+def window_gains(
+    n_ext: torch.Tensor,
+    valid_ext: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    log_gate: Optional[torch.Tensor],
+    *,
+    window: int,
+    eps: float,
+    decay_floor: float,
+    normalize: bool,
+    scale_ridge: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step sizes of rule 3A (the equations of ``ops.step_sizes``) turned into scan gains.
+
+    ``n_ext`` ``[B, T+W-1, H]``: ``||x_j||^2`` of the pairs on the extended axis (the
+    ``W-1`` tail pairs first); ``valid_ext`` ``[B, T+W-1]`` bool; ``beta``, ``lam``,
+    ``log_gate`` ``[B, T, H]``. Step ``t``'s window holds the extended positions
+    ``t .. t+W-1``; with ``B_t`` its real pairs and ``Ebar_t`` their mean energy::
+
+        eta_t = beta_t / (Ebar_t + lambda_t + eps),   log a_t = log1p(-min(eta_t lambda_t, 1 - decay_floor)) + g_t
+        c_{t,m} = eta_t [t-m in I_t] / B_t
+
+    Returns fp32 ``e`` ``[B, T, H]`` (gain of the pair completed at ``t``), ``rho``
+    ``[B, T, H, W-1]`` (``rho[t, d-1]`` weighs the open pair at extended position
+    ``t+d`` in ``S_t``) and ``log_a`` ``[B, T, H]``; differentiable in ``n_ext``,
+    ``beta``, ``lam`` and ``log_gate``.
+    """
+    return _WindowGains.apply(n_ext.float().contiguous(), valid_ext.to(torch.uint8).contiguous(),
+                              beta.contiguous(), lam.contiguous(),
+                              None if log_gate is None else log_gate.contiguous(), int(window), float(eps),
+                              float(decay_floor), bool(normalize), bool(scale_ridge))
+
+
+class _SlidingScan(torch.autograd.Function):
+    """The rule-1A scan on the delayed pairs plus the open band (see the module docstring).
+
+    ``q``, ``k`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]`` (one dtype), ``x_pre``
+    ``[B, n_pre, H, K]``, ``y_pre`` ``[B, W-1, H, V]`` (the extended-axis prefixes),
+    ``e``, ``log_a`` ``[B, T, H]`` and ``rho`` ``[B, T, H, W-1]`` fp32 (``None`` when
+    ``W = 1``), ``S0`` ``[B, H, K, V]`` fp32 or ``None``. Returns ``o`` and ``L_T``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, x_pre, y_pre, e, rho, log_a, S0, window, read_after, chunk_size, want_final):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        layout = chunk_layout(B, T, chunk_size, None)
+        o, h, L_T = scan_forward(q, _delayed(x_pre, k), _delayed(y_pre, v), e, log_a, S0, layout, read_after,
+                                 want_final)
+        if window > 1:
+            kern.band_fwd[(triton.cdiv(T, _BT), triton.cdiv(V, _block(V)), B * H)](
+                q, k, _or(x_pre, k), v, y_pre, rho, o, T, x_pre.shape[1], window - 1, **_band_args(q, K, V, window),
+                LAG=1 - int(read_after))
+        ctx.save_for_backward(q, k, v, x_pre, y_pre, e, rho, log_a, h, S0)
+        ctx.layout, ctx.window, ctx.read_after = layout, window, read_after
+        return o, L_T
+
+    @staticmethod
+    def backward(ctx, do, dL_T):
+        q, k, v, x_pre, y_pre, e, rho, log_a, h, S0 = ctx.saved_tensors
+        W, lag = ctx.window, 0 if ctx.read_after else 1
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        n_x, n_y = x_pre.shape[1], W - 1
+        do = do.contiguous()
+        dq, dx_del, dy_del, de, dlog_a, dS0 = scan_backward(
+            q, _delayed(x_pre, k), _delayed(y_pre, v), e, log_a, h, S0, do,
+            None if dL_T is None else dL_T.contiguous(), ctx.layout, ctx.read_after)
+        if W == 1:  # no band: only the shift, back onto k and the first write feature
+            m = min(n_x, T)
+            dk = torch.cat([dx_del[:, n_x:], dx_del.new_zeros(B, m, H, K)], 1)
+            dx_pre = torch.cat([dx_del[:, :n_x], dx_del.new_zeros(B, n_x - m, H, K)], 1)
+            return dq, dk, dy_del, dx_pre, torch.zeros_like(y_pre), de, None, dlog_a, dS0, None, None, None, None
+        args = dict(**_band_args(q, K, V, W), LAG=lag)
+        drho = torch.zeros_like(rho)  # the rows whose step is past the end stay 0
+        kern.band_bwd_rows[(triton.cdiv(T, _BT), B * H)](
+            q, k, _or(x_pre, k), v, y_pre, do, rho, dq, drho, T, n_x, n_y, **args, num_warps=8)
+        dk, dx_pre, dv, dy_pre = (torch.empty_like(t) for t in (k, x_pre, v, y_pre))
+        kern.band_bwd_pairs[(triton.cdiv(T + n_x, _BT), B * H)](
+            q, do, k, _or(x_pre, k), v, y_pre, rho, dx_del, dy_del, dk, _or(dx_pre, dk), dv, dy_pre, T, n_x, n_y,
+            **args, num_warps=8)
+        return dq, dk, dv, dx_pre, dy_pre, de, drho, dlog_a, dS0, None, None, None, None
 
 
 def sliding_chunk(
@@ -135,54 +262,60 @@ def sliding_chunk(
     ``beta``, ``lam``, ``log_gate`` ``[B, T, H]`` (zero ``beta``, ``lam``, ``log_gate`` on
     padding steps makes them no-ops); ``S0`` ``[B, H, K, V]``, ``last_key`` ``[B, H, K]``,
     ``tail = (tail_x, tail_y, tail_valid)`` as in ``FalconState`` (or ``None``).
-    The step sizes (mean window energy, ``B_t``, the clamp) are ``ops.step_sizes`` in
-    fp32; the scan is ``scalar_decay_chunk``. Returns ``o`` ``[B, T, H, V]`` in ``q``'s
-    dtype and, with ``output_final_state``, ``(S_T, tail_x, tail_y, tail_valid)``.
+    The step sizes and gains are ``window_gains`` (fp32); the scan and the band are kernels.
+    Returns ``o`` ``[B, T, H, V]`` in ``q``'s dtype and, with ``output_final_state``,
+    ``(S_T, tail_x, tail_y, tail_valid)`` (fp32 states).
     """
     W = window
-    T = q.shape[1]
-    f32 = torch.float32
-    qh, kh, vh = (t.transpose(1, 2).to(f32) for t in (q, k, v))
-    beta_h, lam_h = beta.transpose(1, 2).to(f32), lam.transpose(1, 2).to(f32)
-    step_mask = None if lengths is None else torch.arange(T, device=q.device)[None, :] < lengths[:, None]
-    x, valid = write_pairs(kh, shift, last_key, step_mask)
-    if tail is not None:
-        tail = (tail[0].to(f32), tail[1].to(f32), tail[2])
-    xs, ys, slot_valid = window_slots(x, vh, valid, W, tail)
-    eta_slots, log_gamma = step_sizes(get_rule("3A"), xs, slot_valid, beta_h, lam_h, eps=eps,
-                                      decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
-    del xs, ys
-    c = eta_slots[..., 0]  # [B, H, T, W]
-    log_a = log_gamma[..., 0]
-    if log_gate is not None:
-        log_a = log_a + log_gate.transpose(1, 2).to(f32)
+    if W > MAX_WINDOW:
+        raise NotImplementedError(f"window={W} is above {MAX_WINDOW}, the widest band the Triton kernels hold")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt, dev = q.dtype, q.device
+    q, k, v = (t.contiguous() for t in (q, k, v))
 
+    # pair validity on the extended axis (the W-1 tail pairs first)
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if lengths is not None:
+        valid = torch.arange(T, device=dev)[None, :] < lengths[:, None]
+    if shift and last_key is None:
+        valid[:, 0] = False  # the sentinel
     if tail is None:
-        x_ext = F.pad(x, (0, 0, W - 1, 0))
-        y_ext = F.pad(vh, (0, 0, W - 1, 0))
-    else:
-        x_ext = torch.cat([tail[0], x], 2)
-        y_ext = torch.cat([tail[1], vh], 2)
+        tail_valid = torch.zeros(B, W - 1, dtype=torch.bool, device=dev)
+        x_tail, y_tail = q.new_zeros(B, W - 1, H, K), q.new_zeros(B, W - 1, H, V)
+    else:  # empty slots are zeroed, whatever they hold
+        tail_valid = tail[2]
+        keep = tail_valid[:, :, None, None]
+        x_tail = torch.where(keep, tail[0].transpose(1, 2).to(dt), 0.0)
+        y_tail = torch.where(keep, tail[1].transpose(1, 2).to(dt), 0.0)
+    valid_ext = torch.cat([tail_valid, valid], 1)  # [B, T+W-1]
+    x_pre = x_tail
+    if shift:  # the first write feature: the last key, or the sentinel's zero
+        first = q.new_zeros(B, 1, H, K) if last_key is None else last_key.to(dt)[:, None]
+        x_pre = torch.cat([x_tail, first], 1)
+    x_pre, y_pre = x_pre.contiguous(), y_tail.contiguous()
 
-    # the completed pairs: a rule-1A scan on the pairs delayed by W-1 steps
-    e = completed_gains(c, log_a)
-    dt = q.dtype
-    o, L_T = scalar_decay_chunk(q, x_ext[:, :, :T].transpose(1, 2).to(dt), y_ext[:, :, :T].transpose(1, 2).to(dt),
-                                e.transpose(1, 2), log_a.transpose(1, 2), S0, read_after=read_after,
-                                chunk_size=chunk_size, output_final_state=output_final_state)
-    rho = None
-    if W > 1:  # the open pairs: a band of W-1 diagonals
-        rho = open_weights(c, log_a)
-        o = o.float() + _band(qh, x_ext, y_ext, rho, read_after).transpose(1, 2)
+    # step sizes and gains from the pair energies (the body rows of x are rows of k)
+    n_ext = torch.cat([(x_pre.float() ** 2).sum(-1), _Energy.apply(k)], 1)[:, :T + W - 1]
+    e, rho, log_a = window_gains(n_ext, valid_ext, beta, lam, log_gate, window=W, eps=eps, decay_floor=decay_floor,
+                                 normalize=normalize, scale_ridge=scale_ridge)
+    rho = rho if W > 1 else None
+
+    S0 = None if S0 is None else S0.float().contiguous()
+    o, L_T = _SlidingScan.apply(q, k, v, x_pre, y_pre, e, rho, log_a, S0, W, read_after, chunk_size,
+                                output_final_state)
     final = None
     if output_final_state:
-        S_T = L_T
-        if W > 1:  # the pairs still open after the last step
-            r = rho[:, :, -1]  # [B, H, W-1]
-            xo, yo = x_ext[:, :, T:], y_ext[:, :, T:]
-            S_T = S_T + torch.einsum("bhd,bhdk,bhdv->bhkv", r, xo, yo)
-            tx, ty, tv = next_tail(x, vh, valid, W, tail, lengths)
-            final = (S_T, tx, ty, tv)
-        else:
-            final = (S_T, None, None, None)
-    return o.to(dt), final
+        if W == 1:
+            return o, (L_T, None, None, None)
+        steps = torch.arange(W - 1, device=dev)[None, :]
+        # the pairs still open after the last step (padding steps are no-ops, so step T-1 holds)
+        pos = T + steps.expand(B, W - 1)
+        xo, yo = _ext_rows(x_pre, k, pos).float(), _ext_rows(y_pre, v, pos).float()
+        S_T = L_T + torch.einsum("bhd,bdhk,bdhv->bhkv", rho[:, T - 1], xo, yo)
+        # the last W-1 pairs of every row, oldest first
+        end = pos if lengths is None else lengths.to(dev)[:, None] + steps
+        tx = _ext_rows(x_pre, k, end).transpose(1, 2).float()
+        ty = _ext_rows(y_pre, v, end).transpose(1, 2).float()
+        final = (S_T, tx, ty, valid_ext.gather(1, end))
+    return o, final

@@ -1,0 +1,424 @@
+r"""Triton kernels of rule 3A (``ops.triton.sliding``): the pair energies, the step
+sizes and gains of the decomposition, and the band of open pairs.
+
+Pairs live on an *extended* time axis: position ``p`` holds pair ``p - W + 1`` of the
+segment, so the ``W - 1`` pairs before the segment (the state's tail) come first.
+An extended row is read from two buffers, a short ``prefix`` ``[B, n_pre, H, D]``
+(positions ``p < n_pre``) and the ``body`` ``[B, T, H, D]`` (position ``p`` is body
+row ``p - n_pre``): the keys ``k`` with the tail and the first write feature in front
+(``n_pre = W`` with the shift, ``W - 1`` without) and the values ``v`` with the tail
+values in front (``n_pre = W - 1``). No shifted copy of ``k`` or ``v`` is made.
+
+With ``tau = t - LAG`` (``LAG = 0`` read after write, 1 read before) the band adds to
+every output::
+
+    o_t += sum_{d=1}^{W-1} rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}
+
+A program owns ``BT`` rows of one ``(b, h)``; the band of its rows reaches the pairs of
+its own block and of the next one, so it is two masked ``BT x BT`` score tiles and two
+dots (the decay-masked attention of rule 1A with a band mask ``1 <= d < W``).
+
+* ``energy_fwd`` / ``energy_bwd``: ``n = ||k||^2`` per row (fp32) and ``dk = 2 k dn``.
+* ``step_fwd``, ``gains_fwd`` / ``gains_bwd``, ``step_bwd``, ``energy_spread``: the
+  step sizes (``ops.step_sizes``) and the gains ``e``, ``rho`` (see below), forward and
+  backward, on ``[B, T, H]`` scalars.
+* ``band_fwd``: the band added in place to the scan's outputs.
+* ``band_bwd_rows``: per step, ``d rho`` and the band's part of ``dq`` (in place).
+* ``band_bwd_pairs``: per extended position, the band's part of ``dx`` and ``dy`` plus
+  the scan's gradient of the delayed pairs, stored to the prefix or the body gradient.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .step_size_kernels import _log1p
+
+
+@triton.jit
+def _ext_rows(prefix, body, i_b, pos, i_h, m_row, n_pre, T, H: tl.constexpr, D: tl.constexpr):
+    """Row pointers of the extended positions ``pos`` ``[BT]`` and where they exist."""
+    ptr = tl.where(pos < n_pre, prefix + ((i_b * n_pre + pos) * H + i_h) * D,
+                   body + ((i_b * T + pos - n_pre) * H + i_h) * D)
+    return ptr, m_row & (pos >= 0) & (pos < n_pre + T)
+
+
+@triton.jit
+def _dots(r_ptr, m_r, c_ptr, m_c, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """``[BT, BT]`` fp32: ``r_i . c_j`` for the rows at the pointers ``r_ptr`` and ``c_ptr``."""
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_d in range(tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)
+        m_d = o_d < D
+        b_r = tl.load(r_ptr[:, None] + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
+        b_c = tl.load(c_ptr[None, :] + o_d[:, None], mask=m_c[None, :] & m_d[:, None], other=0.0)
+        acc += tl.dot(b_r, b_c, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _band_weights(rho, i_b, i_h, o_tau, m_tau, d, T, H: tl.constexpr, W: tl.constexpr):
+    """``rho_{tau, d}`` on a tile of diagonals ``d`` (0 off the band ``1 <= d < W``)."""
+    return tl.load(rho + ((i_b * T + o_tau) * H + i_h) * (W - 1) + d - 1, mask=m_tau & (d >= 1) & (d < W), other=0.0)
+
+
+@triton.jit
+def energy_fwd(k, n, rows_total, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Grid ``(cdiv(rows, BR),)``: ``n_r = sum_c k[r, c]^2`` in fp32."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < rows_total
+    acc = tl.zeros([BR], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K), other=0.0)
+        b = b.to(tl.float32)
+        acc += tl.sum(b * b, axis=1)
+    tl.store(n + rows, acc, mask=m_r)
+
+
+@triton.jit
+def energy_bwd(k, dn, dk, rows_total, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Grid ``(cdiv(rows, BR),)``: ``dk[r] = 2 k[r] dn_r``."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < rows_total
+    g = 2.0 * tl.load(dn + rows, mask=m_r, other=0.0)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m = m_r[:, None] & (o_k[None, :] < K)
+        b = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(dk + rows[:, None] * K + o_k[None, :], (b * g[:, None]).to(dk.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def band_fwd(
+    q, x_body, x_pre, y_body, y_pre, rho, o, T, n_pre_x, n_pre_y,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), cdiv(V, BV), B * H)``, rows ``tau`` of one block, in place on
+    the scan's outputs: ``o_t += sum_d rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}`` as two
+    masked score tiles (the pairs of this block and of the next) and two dots."""
+    i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    r = tl.arange(0, BT)
+    o_tau = i_t * BT + r
+    o_t = o_tau + LAG
+    m_t = o_t < T
+    row = (i_b * T + o_t) * H + i_h
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v[None, :] < V
+    acc = tl.load(o + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v, other=0.0).to(tl.float32)
+    for blk in tl.static_range(2):
+        pos = i_t * BT + blk * BT + r
+        x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
+        y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
+        s = _dots(q + row * K, m_t, x_ptr, m_x, K, BK, BT, PRECISION)
+        w = _band_weights(rho, i_b, i_h, o_tau[:, None], m_t[:, None], blk * BT + r[None, :] - r[:, None], T, H, W)
+        b_y = tl.load(y_ptr[:, None] + o_v[None, :], mask=m_y[:, None] & m_v, other=0.0)
+        acc += tl.dot((s * w).to(b_y.dtype), b_y, input_precision=PRECISION)
+    tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v)
+
+
+@triton.jit
+def _scores_ahead(q_ptr, do_ptr, m_t, x_ptr, m_x, y_ptr, m_y, rho, drho, i_b, i_h, o_tau, d, T,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    """For steps ``tau`` (rows) and pairs ``p`` (columns, ``d = p - tau``): stores
+    ``drho_{tau,d} = sq sd`` and returns ``rho_{tau,d} sd`` (weighs ``x_p`` in ``dq_t``)."""
+    sq = _dots(q_ptr, m_t, x_ptr, m_x, K, BK, BT, PRECISION)
+    sd = _dots(do_ptr, m_t, y_ptr, m_y, V, BV, BT, PRECISION)
+    band = m_t[:, None] & (d >= 1) & (d < W)
+    tl.store(drho + ((i_b * T + o_tau) * H + i_h)[:, None] * (W - 1) + d - 1, sq * sd, mask=band)
+    return _band_weights(rho, i_b, i_h, o_tau[:, None], m_t[:, None], d, T, H, W) * sd
+
+
+@triton.jit
+def band_bwd_rows(
+    q, x_body, x_pre, y_body, y_pre, do, rho, dq, drho, T, n_pre_x, n_pre_y,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), B * H)``, rows ``tau``: ``drho_{tau,d} = sq sd`` and, in place,
+    ``dq_t += sum_d rho_{tau,d} sd x_{tau+d}`` (``sq = q_t . x_{tau+d}``, ``sd = do_t . y_{tau+d}``;
+    the pairs of this block and of the next)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    r = tl.arange(0, BT)
+    o_tau = i_t * BT + r
+    o_t = o_tau + LAG
+    m_t = o_t < T
+    row = (i_b * T + o_t) * H + i_h
+    d = r[None, :] - r[:, None]
+    pos = i_t * BT + r
+    xa_ptr, m_xa = _ext_rows(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
+    ya_ptr, m_ya = _ext_rows(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
+    m_a = _scores_ahead(q + row * K, do + row * V, m_t, xa_ptr, m_xa, ya_ptr, m_ya, rho, drho, i_b, i_h, o_tau, d,
+                        T, H, K, V, W, BT, BK, BV, PRECISION)
+    xb_ptr, m_xb = _ext_rows(x_pre, x_body, i_b, pos + BT, i_h, pos >= 0, n_pre_x, T, H, K)
+    yb_ptr, m_yb = _ext_rows(y_pre, y_body, i_b, pos + BT, i_h, pos >= 0, n_pre_y, T, H, V)
+    m_b = _scores_ahead(q + row * K, do + row * V, m_t, xb_ptr, m_xb, yb_ptr, m_yb, rho, drho, i_b, i_h, o_tau,
+                        d + BT, T, H, K, V, W, BT, BK, BV, PRECISION)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k[None, :] < K
+        ptr = dq + row[:, None] * K + o_k[None, :]
+        b_xa = tl.load(xa_ptr[:, None] + o_k[None, :], mask=m_xa[:, None] & m_k, other=0.0)
+        b_xb = tl.load(xb_ptr[:, None] + o_k[None, :], mask=m_xb[:, None] & m_k, other=0.0)
+        acc = tl.load(ptr, mask=m_t[:, None] & m_k, other=0.0).to(tl.float32)
+        acc += tl.dot(m_a.to(b_xa.dtype), b_xa, input_precision=PRECISION)
+        acc += tl.dot(m_b.to(b_xb.dtype), b_xb, input_precision=PRECISION)
+        tl.store(ptr, acc.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k)
+
+
+@triton.jit
+def _scores_behind(q, do, x_ptr, m_x, y_ptr, m_y, rho, i_b, i_h, o_tau, d, T, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   LAG: tl.constexpr, PRECISION: tl.constexpr):
+    """For pairs ``p`` (rows) and steps ``tau`` (columns, ``d = p - tau``):
+    ``rho_{tau,d} (y_p . do_t)`` (weighs ``q_t`` in ``dx_p``), ``rho_{tau,d} (x_p . q_t)``
+    (weighs ``do_t`` in ``dy_p``) and the row pointers of ``q_t``, ``do_t``."""
+    o_t = o_tau + LAG
+    m_t = (o_tau >= 0) & (o_t < T)
+    row = (i_b * T + o_t) * H + i_h
+    w = _band_weights(rho, i_b, i_h, o_tau[None, :], m_t[None, :], d, T, H, W)
+    sq = _dots(x_ptr, m_x, q + row * K, m_t, K, BK, BT, PRECISION)
+    sd = _dots(y_ptr, m_y, do + row * V, m_t, V, BV, BT, PRECISION)
+    return w * sd, w * sq, q + row * K, do + row * V, m_t
+
+
+@triton.jit
+def band_bwd_pairs(
+    q, do, x_body, x_pre, y_body, y_pre, rho, dx_del, dy_del, dx_body, dx_pre, dy_body, dy_pre, T, n_pre_x, n_pre_y,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(T + n_pre_x, BT), B * H)`` over extended positions ``p``:
+    ``dx_p = dx_del_p + sum_d rho_{p-d,d} (do_t . y_p) q_t`` and
+    ``dy_p = dy_del_p + sum_d rho_{p-d,d} (q_t . x_p) do_t`` (``t = p - d + LAG``; the
+    steps of this block and of the previous one), stored to the prefix or the body."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    r = tl.arange(0, BT)
+    pos = i_t * BT + r
+    x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
+    y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
+    d = r[:, None] - r[None, :]
+    mx_c, my_c, qc_ptr, doc_ptr, m_c = _scores_behind(q, do, x_ptr, m_x, y_ptr, m_y, rho, i_b, i_h, pos, d, T,
+                                                      H, K, V, W, BT, BK, BV, LAG, PRECISION)
+    mx_p, my_p, qp_ptr, dop_ptr, m_p = _scores_behind(q, do, x_ptr, m_x, y_ptr, m_y, rho, i_b, i_h, pos - BT,
+                                                      d + BT, T, H, K, V, W, BT, BK, BV, LAG, PRECISION)
+    delayed = (pos < T)[:, None]
+    dx_ptr, m_dx = _ext_rows(dx_pre, dx_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k[None, :] < K
+        acc = tl.load(dx_del + ((i_b * T + pos) * H + i_h)[:, None] * K + o_k[None, :], mask=delayed & m_k,
+                      other=0.0).to(tl.float32)
+        b_q = tl.load(qc_ptr[:, None] + o_k[None, :], mask=m_c[:, None] & m_k, other=0.0)
+        acc += tl.dot(mx_c.to(b_q.dtype), b_q, input_precision=PRECISION)
+        b_q = tl.load(qp_ptr[:, None] + o_k[None, :], mask=m_p[:, None] & m_k, other=0.0)
+        acc += tl.dot(mx_p.to(b_q.dtype), b_q, input_precision=PRECISION)
+        tl.store(dx_ptr[:, None] + o_k[None, :], acc.to(dx_body.dtype.element_ty), mask=m_dx[:, None] & m_k)
+    dy_ptr, m_dy = _ext_rows(dy_pre, dy_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v[None, :] < V
+        acc = tl.load(dy_del + ((i_b * T + pos) * H + i_h)[:, None] * V + o_v[None, :], mask=delayed & m_v,
+                      other=0.0).to(tl.float32)
+        b_do = tl.load(doc_ptr[:, None] + o_v[None, :], mask=m_c[:, None] & m_v, other=0.0)
+        acc += tl.dot(my_c.to(b_do.dtype), b_do, input_precision=PRECISION)
+        b_do = tl.load(dop_ptr[:, None] + o_v[None, :], mask=m_p[:, None] & m_v, other=0.0)
+        acc += tl.dot(my_p.to(b_do.dtype), b_do, input_precision=PRECISION)
+        tl.store(dy_ptr[:, None] + o_v[None, :], acc.to(dy_body.dtype.element_ty), mask=m_dy[:, None] & m_v)
+
+
+# ---- per-token scalars: step sizes, completed gains and open weights ----
+#
+# With g_s = eta_s / B_s (the window of step s holds the extended positions s .. s+W-1),
+# the lag tiles G[t, i] = g_{t-i}, L[t, i] = log a_{t-i} (i < W) and
+# U[t, i] = L[t, 0] + ... + L[t, i-1] (the decay over the i steps after t-i), the gains are
+#
+#     P[t, j] = sum_{i<=j} G[t, i] exp(U[t, i]),   e_t = v_t P[t, W-1],   rho_{t,d} = v_{t+d} P[t, W-1-d]
+#
+# (v_p: validity of the pair at extended position p). Backward, with dP[t, j] the gradient
+# reaching P[t, j], Q = its suffix sums over j and A = exp(U) Q:
+#
+#     dg_r = sum_i A[r+i, i],    dlog a_r = sum_a D[r+a, a],   D[t, a] = sum_{i>a} G[t, i] A[t, i]
+
+
+@triton.jit
+def _step_terms(n_ext, valid_ext, beta, lam, log_gate, i_b, i_h, s, m_s, T, eps, decay_floor,
+                H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, NORMALIZE: tl.constexpr,
+                SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr):
+    """The equations of ``ops.step_sizes`` for rule 3A at the steps ``s`` (no-ops where
+    ``m_s`` is False): ``1 / B_s``, ``Ebar_s``, ``lambda_s``, the denominator, whether
+    ``eta_s`` is live, ``eta_s``, ``eta_s lambda_s`` and ``log a_s``."""
+    TE = T + W - 1
+    m = tl.arange(0, WP)
+    p = s[:, None] + m[None, :]  # the window's extended positions
+    m_p = m_s[:, None] & (m[None, :] < W)
+    ok_p = tl.load(valid_ext + i_b * TE + p, mask=m_p, other=0) != 0
+    n_p = tl.load(n_ext + (i_b * TE + p) * H + i_h, mask=ok_p, other=0.0)
+    count = tl.sum(tl.where(ok_p, 1.0, 0.0), axis=1)
+    inv_count = 1.0 / tl.maximum(count, 1.0)
+    stat = tl.sum(tl.where(ok_p, n_p, 0.0), axis=1) * inv_count
+    row = (i_b * T + s) * H + i_h
+    b_beta = tl.load(beta + row, mask=m_s, other=0.0).to(tl.float32)
+    b_lam = tl.load(lam + row, mask=m_s, other=0.0).to(tl.float32)
+    if SCALE_RIDGE:
+        lam_eff = b_lam * stat
+    else:
+        lam_eff = b_lam
+    denom = stat + lam_eff + eps
+    ok = count > 0
+    if NORMALIZE:
+        ok = ok & (denom > 0)
+        eta = tl.where(ok, b_beta / tl.where(ok, denom, 1.0), 0.0)
+    else:
+        eta = tl.where(ok, b_beta, 0.0)
+    alpha_raw = eta * lam_eff
+    la = _log1p(-tl.minimum(alpha_raw, 1.0 - decay_floor))
+    if HAS_GATE:
+        la += tl.load(log_gate + row, mask=m_s, other=0.0).to(tl.float32)
+    return inv_count, stat, lam_eff, denom, ok, eta, alpha_raw, la
+
+
+@triton.jit
+def step_fwd(
+    n_ext, valid_ext, beta, lam, log_gate, g, log_a, T, eps, decay_floor,
+    H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, NORMALIZE: tl.constexpr,
+    SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), B * H)``: ``g = eta / B`` and ``log a`` per step."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    inv_count, _stat, _lam, _den, _ok, eta, _ar, la = _step_terms(
+        n_ext, valid_ext, beta, lam, log_gate, i_b, i_h, o_t, m_t, T, eps, decay_floor,
+        H, W, WP, NORMALIZE, SCALE_RIDGE, HAS_GATE)
+    row = (i_b * T + o_t) * H + i_h
+    tl.store(g + row, eta * inv_count, mask=m_t)
+    tl.store(log_a + row, la, mask=m_t)
+
+
+@triton.jit
+def _lag_tiles(g, log_a, i_b, i_h, o_t, m_t, T, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """``G[t, i] = g_{t-i}``, ``L[t, i] = log a_{t-i}`` and ``exp(U[t, i])`` (0 / 1 outside)."""
+    i = tl.arange(0, WP)
+    s = o_t[:, None] - i[None, :]
+    m = m_t[:, None] & (i[None, :] < W) & (s >= 0)
+    G = tl.load(g + (i_b * T + s) * H + i_h, mask=m, other=0.0)
+    L = tl.load(log_a + (i_b * T + s) * H + i_h, mask=m, other=0.0)
+    return G, L, tl.exp(tl.cumsum(L, axis=1) - L)
+
+
+@triton.jit
+def gains_fwd(
+    g, log_a, valid_ext, e, rho, T,
+    H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), B * H)``: ``e`` ``[B, T, H]`` and ``rho`` ``[B, T, H, W-1]``."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    TE = T + W - 1
+    G, L, eU = _lag_tiles(g, log_a, i_b, i_h, o_t, m_t, T, H, W, WP)
+    P = tl.cumsum(G * eU, axis=1)
+    j = tl.arange(0, WP)[None, :]
+    v = tl.load(valid_ext + i_b * TE + o_t[:, None] + (W - 1 - j), mask=m_t[:, None] & (j < W), other=0) != 0
+    P = tl.where(v, P, 0.0)
+    row = (i_b * T + o_t) * H + i_h
+    tl.store(e + row, tl.sum(tl.where(j == W - 1, P, 0.0), axis=1), mask=m_t)
+    tl.store(rho + row[:, None] * (W - 1) + (W - 2 - j), P, mask=m_t[:, None] & (j < W - 1))
+
+
+@triton.jit
+def gains_bwd(
+    g, log_a, valid_ext, de, drho, lag_a, lag_d, T,
+    H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), B * H)``: the tiles ``A`` and ``D`` ``[B, T, H, WP]``."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    TE = T + W - 1
+    G, L, eU = _lag_tiles(g, log_a, i_b, i_h, o_t, m_t, T, H, W, WP)
+    j = tl.arange(0, WP)[None, :]
+    row = (i_b * T + o_t) * H + i_h
+    v = tl.load(valid_ext + i_b * TE + o_t[:, None] + (W - 1 - j), mask=m_t[:, None] & (j < W), other=0) != 0
+    d_e = tl.load(de + row, mask=m_t, other=0.0)
+    d_rho = tl.load(drho + row[:, None] * (W - 1) + (W - 2 - j), mask=m_t[:, None] & (j < W - 1), other=0.0)
+    dP = tl.where(v, tl.where(j == W - 1, d_e[:, None], d_rho), 0.0)
+    Q = tl.sum(dP, axis=1)[:, None] - tl.cumsum(dP, axis=1) + dP  # suffix sums
+    A = eU * Q
+    GA = G * A
+    D = tl.sum(GA, axis=1)[:, None] - tl.cumsum(GA, axis=1)  # strict suffix sums
+    off = row[:, None] * WP + j
+    tl.store(lag_a + off, A, mask=m_t[:, None])
+    tl.store(lag_d + off, D, mask=m_t[:, None])
+
+
+@triton.jit
+def step_bwd(
+    n_ext, valid_ext, beta, lam, log_gate, lag_a, lag_d, dlog_a, d_beta, d_lam, d_gate, d_stat, T,
+    eps, decay_floor, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), B * H)``, rows ``r``: ``dg_r = sum_i A[r+i, i]``,
+    ``dlog a_r`` (plus ``D[r+a, a]``), then the gradients of ``beta``, ``lam``,
+    ``log_gate`` and ``d_stat = dEbar_r / B_r`` (spread onto the energies by ``energy_spread``)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    o_r = i_t * BT + tl.arange(0, BT)
+    m_r = o_r < T
+    row = (i_b * T + o_r) * H + i_h
+    a = tl.arange(0, WP)[None, :]
+    t = o_r[:, None] + a
+    m = m_r[:, None] & (a < W) & (t < T)
+    off = ((i_b * T + t) * H + i_h) * WP + a
+    d_g = tl.sum(tl.load(lag_a + off, mask=m, other=0.0), axis=1)
+    d_la = tl.sum(tl.load(lag_d + off, mask=m, other=0.0), axis=1) + tl.load(dlog_a + row, mask=m_r, other=0.0)
+    inv_count, stat, lam_eff, denom, ok, eta, alpha_raw, la = _step_terms(
+        n_ext, valid_ext, beta, lam, log_gate, i_b, i_h, o_r, m_r, T, eps, decay_floor,
+        H, W, WP, NORMALIZE, SCALE_RIDGE, HAS_GATE)
+    alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
+    d_alpha = tl.where(alpha_raw <= 1.0 - decay_floor, -d_la / (1.0 - alpha), 0.0)
+    d_eta = d_g * inv_count + d_alpha * lam_eff
+    d_lam_eff = d_alpha * eta
+    if NORMALIZE:
+        safe = tl.where(ok, denom, 1.0)
+        g_beta = tl.where(ok, d_eta / safe, 0.0)
+        g_stat = tl.where(ok, -d_eta * eta / safe, 0.0)
+        d_lam_eff += g_stat
+    else:
+        g_beta = tl.where(ok, d_eta, 0.0)
+        g_stat = tl.zeros([BT], dtype=tl.float32)
+    if SCALE_RIDGE:  # lambda = lam * Ebar with Ebar detached
+        g_lam = d_lam_eff * stat
+    else:
+        g_lam = d_lam_eff
+    tl.store(d_beta + row, g_beta, mask=m_r)
+    tl.store(d_lam + row, g_lam, mask=m_r)
+    if HAS_GATE:
+        tl.store(d_gate + row, d_la, mask=m_r)
+    tl.store(d_stat + row, g_stat * inv_count, mask=m_r)
+
+
+@triton.jit
+def energy_spread(d_stat, valid_ext, dn_ext, T, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                  BT: tl.constexpr):
+    """Grid ``(cdiv(T + W - 1, BT), B * H)``: ``dn_p = v_p sum_{m<W} d_stat_{p-m}`` over the
+    extended positions ``p`` (the steps whose window holds ``p``)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    TE = T + W - 1
+    p = i_t * BT + tl.arange(0, BT)
+    m_p = p < TE
+    mm = tl.arange(0, WP)[None, :]
+    s = p[:, None] - mm
+    grads = tl.load(d_stat + (i_b * T + s) * H + i_h, mask=m_p[:, None] & (mm < W) & (s >= 0) & (s < T), other=0.0)
+    ok = tl.load(valid_ext + i_b * TE + p, mask=m_p, other=0) != 0
+    tl.store(dn_ext + (i_b * TE + p) * H + i_h, tl.where(ok, tl.sum(grads, axis=1), 0.0), mask=m_p)

@@ -16,10 +16,11 @@ from . import scalar_decay_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
 from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, launch_config, layout_args
 
-__all__ = ["scalar_decay_chunk"]
+__all__ = ["scalar_decay_chunk", "scan_forward", "scan_backward"]
 
 
-def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
+def scan_forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
+    """Forward kernels (state pass, outputs): ``o``, the chunk entry states ``h`` and the final states."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec = dot_precision(q.dtype)
@@ -37,7 +38,8 @@ def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, wan
     return o, h, S_T
 
 
-def _backward(q, x, v, eta, log_a, h, S0, do, dS_T, layout: ChunkLayout, read_after: bool):
+def scan_backward(q, x, v, eta, log_a, h, S0, do, dS_T, layout: ChunkLayout, read_after: bool):
+    """Backward kernels: ``dq, dx, dv, deta, dlog_a, dS0`` from ``do`` and ``dS_T`` (``h`` from the forward)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec = dot_precision(q.dtype)
@@ -74,7 +76,7 @@ class _ScalarDecayChunk(torch.autograd.Function):
     def forward(ctx, q, x, v, eta, log_a, S0, cu_seqlens, chunk_size, read_after, want_final):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
-        o, h, S_T = _forward(q, x, v, eta, log_a, S0, layout, read_after, want_final)
+        o, h, S_T = scan_forward(q, x, v, eta, log_a, S0, layout, read_after, want_final)
         ctx.save_for_backward(q, x, v, eta, log_a, h, S0)
         ctx.layout, ctx.read_after = layout, read_after
         return o, S_T
@@ -82,7 +84,7 @@ class _ScalarDecayChunk(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dS_T):
         q, x, v, eta, log_a, h, S0 = ctx.saved_tensors
-        dq, dx, dv, deta, dlog_a, dS0 = _backward(
+        dq, dx, dv, deta, dlog_a, dS0 = scan_backward(
             q, x, v, eta, log_a, h, S0, do.contiguous(), None if dS_T is None else dS_T.contiguous(),
             ctx.layout, ctx.read_after)
         return dq, dx, dv, deta, dlog_a, dS0, None, None, None, None

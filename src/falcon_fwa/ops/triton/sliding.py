@@ -46,8 +46,7 @@ import triton
 from . import sliding_kernels as kern
 from .chunk_index import chunk_layout
 from .launch import dot_precision
-from .scalar_decay import _backward as scan_backward
-from .scalar_decay import _forward as scan_forward
+from .scalar_decay import scan_backward, scan_forward
 
 __all__ = ["sliding_chunk", "window_gains", "MAX_WINDOW"]
 

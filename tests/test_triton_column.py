@@ -10,103 +10,26 @@ and ragged shapes.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
-from test_triton_interpreter import FRESH_PROCESS_REASON, prepare_interpreter  # noqa: E402
+# kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
+from kernel_checks import (check_kernel, check_public_op_routing, check_segments_continue, in_this_process,
+                           needs_cuda, poison_allocator)
 
-CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not prepare_interpreter(), reason=FRESH_PROCESS_REASON)
-pytest.importorskip("triton")
+from falcon_fwa.ops.triton import column_decay, falcon_chunk_triton
 
-from falcon_fwa import FalconState, falcon_attention  # noqa: E402
-from falcon_fwa.ops.triton import column_decay, falcon_chunk_triton  # noqa: E402
-
-DEVICE = "cuda" if CUDA else "cpu"
-TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+pytestmark = in_this_process
+_check = functools.partial(check_kernel, "2A")
 
 
 @pytest.fixture(autouse=True)
 def nan_buffers(monkeypatch):
     """Kernel buffers start as NaN instead of whatever memory held."""
-    def poisoned(shape, like, dtype=None):
-        return torch.full(shape, float("nan"), dtype=like.dtype if dtype is None else dtype, device=like.device)
-
-    monkeypatch.setattr(column_decay, "_empty", poisoned)
-
-
-def _inputs(B, T, H, K, V, dtype, *, seed, gate=True, state=False, N=None, lam_scale=0.5):
-    """Leaf tensors ``q, k, v, beta, lam, log_gate, S0, last_key`` (gate/state may be None)."""
-    g = torch.Generator().manual_seed(seed)
-    N = B if N is None else N
-    t = dict(
-        q=torch.randn(B, T, H, K, generator=g) / K ** 0.25,
-        k=torch.randn(B, T, H, K, generator=g) / K ** 0.25,
-        v=torch.randn(B, T, H, V, generator=g),
-        beta=torch.rand(B, T, H, V, generator=g) * 0.9 + 0.1,
-        lam=torch.rand(B, T, H, generator=g) * lam_scale,
-        log_gate=-torch.rand(B, T, H, generator=g) * 0.1 if gate else None,
-        S0=torch.randn(N, H, K, V, generator=g) * 0.1 if state else None,
-        last_key=torch.randn(N, H, K, generator=g) / K ** 0.25 if state else None,
-    )
-    return {n: None if x is None else x.to(dtype) for n, x in t.items()}
-
-
-def _run(fn, leaves, shift, output_final_state, **options):
-    leaves = {n: None if x is None else x.detach().clone().requires_grad_() for n, x in leaves.items()}
-    state = None
-    if leaves["S0"] is not None:
-        state = FalconState(rule="2A", window=1, shift=shift, S=leaves["S0"],
-                            last_key=leaves["last_key"] if shift else None)
-    o, final = fn(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], leaves["lam"], rule="2A",
-                  log_gate=leaves["log_gate"], shift=shift, initial_state=state,
-                  output_final_state=output_final_state, **options)
-    g = torch.Generator().manual_seed(123)
-
-    def probe(t):
-        t = t.double()
-        return (t * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device)).sum()
-
-    loss = probe(o)
-    if output_final_state:
-        loss = loss + probe(final.S)
-        if shift:
-            loss = loss + probe(final.last_key)
-    loss.backward()
-    grads = {n: x.grad for n, x in leaves.items() if x is not None and (shift or n != "last_key")}
-    return o, final, grads
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _check(dims, dtype=torch.float32, *, device=DEVICE, seed=0, gate=True, state=False, shift=True,
-           output_final_state=False, cu_seqlens=None, chunk_size=16, lam_scale=0.5, **options):
-    B, T, H, K, V = dims
-    N = None if cu_seqlens is None else len(cu_seqlens) - 1
-    leaves = _inputs(B, T, H, K, V, dtype, seed=seed, gate=gate, state=state, N=N, lam_scale=lam_scale)
-    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
-    tri = _run(falcon_chunk_triton, {n: None if x is None else x.to(device) for n, x in leaves.items()},
-               shift, output_final_state, chunk_size=chunk_size, cu_seqlens=cu, **options)
-    ref = _run(falcon_attention, {n: None if x is None else x.to(device, torch.float64) for n, x in leaves.items()},
-               shift, output_final_state, form="recurrent", cu_seqlens=cu, **options)
-    tol = TOL[dtype]
-    assert tri[0].dtype == dtype and tri[0].shape == ref[0].shape
-    errors = {"o": _rel(tri[0], ref[0])}
-    if output_final_state:
-        errors["S_T"] = _rel(tri[1].S, ref[1].S)
-        if shift:
-            errors["last_key"] = _rel(tri[1].last_key, ref[1].last_key)
-    assert set(tri[2]) == set(ref[2])
-    errors.update({f"d{n}": _rel(tri[2][n], ref[2][n]) for n in ref[2]})
-    bad = {n: e for n, e in errors.items() if not e <= tol}
-    assert not bad, f"relative errors above {tol}: {bad} (all: {errors})"
-    return errors
+    poison_allocator(monkeypatch, column_decay)
 
 
 # ---- every switch, tiny shapes (interpreter on CPU, GPU when present) ----
@@ -165,33 +88,11 @@ def test_fp16_inputs():
 
 
 def test_two_segments_continue_exactly():
-    B, T, H, K, V = 1, 40, 2, 16, 16
-    x = _inputs(B, T, H, K, V, torch.float32, seed=7)
-    x = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
-
-    def run(a, b, state=None):
-        return falcon_chunk_triton(*[x[n][:, a:b] for n in ("q", "k", "v", "beta", "lam")], rule="2A",
-                                   log_gate=x["log_gate"][:, a:b], chunk_size=16, initial_state=state,
-                                   output_final_state=True)
-
-    whole, end = run(0, T)
-    first, st = run(0, 23)
-    second, end2 = run(23, T, st)
-    assert _rel(torch.cat([first, second], 1), whole) < 1e-5
-    assert _rel(end2.S, end.S) < 1e-5 and torch.equal(end2.last_key, end.last_key)
+    check_segments_continue("2A", seed=7, cut=23)
 
 
 def test_public_op_routes_2a_to_the_kernels_only_when_asked():
-    from falcon_fwa.ops.triton import GPU_CHECKED_RULES, TRITON_RULES
-    x = _inputs(2, 21, 2, 16, 16, torch.float32, seed=11)
-    args = [x[n].to(DEVICE) for n in ("q", "k", "v", "beta", "lam")]
-    ref, _ = falcon_attention(*args, rule="2A", chunk_size=16, backend="torch")
-    out, _ = falcon_attention(*args, rule="2A", chunk_size=16, backend="triton")
-    assert _rel(out, ref) < 1e-5
-    assert "2A" in TRITON_RULES
-    if "2A" not in GPU_CHECKED_RULES:  # "auto" keeps the PyTorch chunk form until the kernels pass on a GPU
-        auto, _ = falcon_attention(*args, rule="2A", chunk_size=16)
-        assert torch.equal(auto, ref)
+    args = check_public_op_routing("2A", seed=11)
     with pytest.raises(NotImplementedError, match="chunk_size"):
         falcon_chunk_triton(*args, rule="2A", chunk_size=24)
 

@@ -9,141 +9,20 @@ with CUDA the same checks run at larger and ragged shapes.
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import pytest
 import torch
 
-from test_triton_interpreter import FRESH_PROCESS_REASON, prepare_interpreter  # noqa: E402
+# kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
+from kernel_checks import (DEVICE, check_kernel, check_public_op_routing, check_segments_continue, in_this_process,
+                           needs_cuda, rel_norm)
 
-CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not prepare_interpreter(), reason=FRESH_PROCESS_REASON)
-pytest.importorskip("triton")
+from falcon_fwa.ops.triton import falcon_chunk_triton
+from falcon_fwa.ops.triton.sliding import MAX_WINDOW, window_gains
 
-from falcon_fwa import FalconState, falcon_attention  # noqa: E402
-from falcon_fwa.ops.triton import falcon_chunk_triton  # noqa: E402
-from falcon_fwa.ops.triton.sliding import MAX_WINDOW, window_gains  # noqa: E402
-
-DEVICE = "cuda" if CUDA else "cpu"
-TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-STATE_NAMES = ("S0", "last_key", "tail_x", "tail_y")
-
-
-def _inputs(B, T, H, K, V, W, dtype, *, seed, state, N=None, empty_slot=0.0):
-    """Leaf tensors (state ones ``None`` without ``state``) and the tail validity; the
-    empty tail slot holds ``empty_slot``."""
-    g = torch.Generator().manual_seed(seed)
-    N = B if N is None else N
-    t = dict(
-        q=torch.randn(B, T, H, K, generator=g) / K ** 0.25,
-        k=torch.randn(B, T, H, K, generator=g) / K ** 0.25,
-        v=torch.randn(B, T, H, V, generator=g),
-        beta=torch.rand(B, T, H, generator=g) * 0.9 + 0.1,
-        lam=torch.rand(B, T, H, generator=g) * 0.5,
-        log_gate=-torch.rand(B, T, H, generator=g) * 0.1,
-        S0=torch.randn(N, H, K, V, generator=g) * 0.1 if state else None,
-        last_key=torch.randn(N, H, K, generator=g) / K ** 0.25 if state else None,
-        tail_x=torch.randn(N, H, W - 1, K, generator=g) / K ** 0.25 if state and W > 1 else None,
-        tail_y=torch.randn(N, H, W - 1, V, generator=g) if state and W > 1 else None,
-    )
-    tail_valid = None
-    if state and W > 1:  # the oldest slot of the first row is empty (that segment was short)
-        tail_valid = torch.ones(N, W - 1, dtype=torch.bool)
-        tail_valid[0, 0] = False
-        t["tail_x"][0, :, 0] = empty_slot
-        t["tail_y"][0, :, 0] = empty_slot
-    return {n: None if x is None else x.to(dtype) for n, x in t.items()}, tail_valid
-
-
-def _run(fn, leaves, tail_valid, window, shift, output_final_state, **options):
-    leaves = {n: None if x is None else x.detach().clone().requires_grad_() for n, x in leaves.items()}
-    state = None
-    if leaves["S0"] is not None:
-        state = FalconState(rule="3A", window=window, shift=shift, S=leaves["S0"],
-                            last_key=leaves["last_key"] if shift else None, tail_x=leaves["tail_x"],
-                            tail_y=leaves["tail_y"], tail_valid=tail_valid)
-    o, final = fn(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], leaves["lam"], rule="3A", window=window,
-                  log_gate=leaves["log_gate"], shift=shift, initial_state=state,
-                  output_final_state=output_final_state, **options)
-    g = torch.Generator().manual_seed(123)
-
-    def probe(t):
-        t = t.double()
-        return (t * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device)).sum()
-
-    loss = probe(o)
-    outs = {"o": o}
-    if output_final_state:
-        outs.update(S_T=final.S, last_key=final.last_key, tail_x=final.tail_x, tail_y=final.tail_y,
-                    tail_valid=final.tail_valid)
-        for name in ("S_T", "last_key", "tail_x", "tail_y"):
-            if outs[name] is not None:
-                loss = loss + probe(outs[name])
-    loss.backward()
-    grads = {n: x.grad for n, x in leaves.items() if x is not None and x.grad is not None}
-    return outs, grads
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-class _Poisoned:
-    """Fresh float buffers from ``torch.empty``, ``torch.empty_like`` and
-    ``Tensor.new_empty`` come filled with NaN while active, so a kernel that reads
-    memory nobody wrote fails the comparison."""
-
-    def __init__(self, monkeypatch):
-        self.monkeypatch = monkeypatch
-
-    @staticmethod
-    def _fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def __enter__(self):
-        empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-        self.monkeypatch.setattr(torch, "empty", lambda *a, **kw: self._fill(empty(*a, **kw)))
-        self.monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: self._fill(empty_like(*a, **kw)))
-        self.monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **kw: self._fill(new_empty(t, *a, **kw)))
-
-    def __exit__(self, *exc):
-        self.monkeypatch.undo()
-
-
-def _check(dims, window, dtype=torch.float32, *, device=DEVICE, seed=0, state=False, shift=True,
-           output_final_state=True, cu_seqlens=None, chunk_size=16, poison=None, empty_slot=0.0, **options):
-    """Compare with the float64 recurrent form; ``poison`` (a ``monkeypatch``) runs the
-    kernels on NaN-filled fresh buffers."""
-    B, T, H, K, V = dims
-    N = None if cu_seqlens is None else len(cu_seqlens) - 1
-    leaves, tail_valid = _inputs(B, T, H, K, V, window, dtype, seed=seed, state=state, N=N, empty_slot=empty_slot)
-    tv = None if tail_valid is None else tail_valid.to(device)
-    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
-    with contextlib.nullcontext() if poison is None else _Poisoned(poison):
-        tri = _run(falcon_chunk_triton, {n: None if x is None else x.to(device) for n, x in leaves.items()}, tv,
-                   window, shift, output_final_state, chunk_size=chunk_size, cu_seqlens=cu, **options)
-    tol = TOL[dtype]
-    if empty_slot != 0.0:  # what the empty slot held must not matter: compare with it zeroed
-        leaves["tail_x"][0, :, 0] = 0.0
-        leaves["tail_y"][0, :, 0] = 0.0
-    ref = _run(falcon_attention, {n: None if x is None else x.to(device, torch.float64) for n, x in leaves.items()},
-               tv, window, shift, output_final_state, form="recurrent", cu_seqlens=cu, backend="torch", **options)
-    assert tri[0]["o"].dtype == dtype and tri[0]["o"].shape == ref[0]["o"].shape
-    errors = {}
-    for name, r in ref[0].items():
-        if name == "tail_valid":
-            assert (r is None) == (tri[0][name] is None) and (r is None or torch.equal(tri[0][name], r))
-        elif r is None:
-            assert tri[0][name] is None, name
-        else:
-            errors[name] = _rel(tri[0][name], r)
-    assert set(tri[1]) == set(ref[1]), (set(tri[1]), set(ref[1]))
-    errors.update({f"d{n}": _rel(tri[1][n], ref[1][n]) for n in ref[1]})
-    bad = {n: e for n, e in errors.items() if not e <= tol}
-    assert not bad, f"relative errors above {tol}: {bad} (all: {errors})"
-    return errors
+pytestmark = in_this_process
+_check = functools.partial(check_kernel, "3A", output_final_state=True)
 
 
 # ---- the step sizes and the gains of the decomposition, against a literal loop ----
@@ -203,7 +82,7 @@ def test_window_gains_kernels_against_a_literal_loop(normalize, scale_ridge):
     got = (got[0][0, :, 0], got[1][0, :, 0], got[2][0, :, 0])
     got_grads = torch.autograd.grad(sum((p.to(DEVICE).float() * t).sum() for p, t in zip(probes, got)), kleaves)
     for name, a, b in zip(("e", "rho", "log_a"), got, want):
-        assert _rel(a.cpu(), b) < 1e-5, name
+        assert rel_norm(a.cpu(), b) < 1e-5, name
     for name, a, b in zip(("n", "beta", "lam", "log_gate"), got_grads, want_grads):
         assert (a.cpu() - b).abs().max() <= 1e-5 * max(b.abs().max().item(), 1.0), f"d{name}"
 
@@ -212,73 +91,62 @@ def test_window_gains_kernels_against_a_literal_loop(normalize, scale_ridge):
 
 @pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 6])
 def test_windows_read_after(window):
-    _check((2, 21, 2, 16, 16), window, seed=window)
+    _check((2, 21, 2, 16, 16), window=window, seed=window)
 
 
 @pytest.mark.parametrize("window,read,shift", [(2, "before", True), (4, "before", False), (5, "after", False)])
 def test_read_and_shift(window, read, shift):
-    _check((1, 37, 2, 16, 24), window, read=read, shift=shift, seed=10 + window)
+    _check((1, 37, 2, 16, 24), window=window, read=read, shift=shift, seed=10 + window)
 
 
 @pytest.mark.parametrize("window", [1, 3])
 def test_unnormalized_scale_ridge_chunk_32(window):
-    _check((1, 45, 1, 16, 16), window, normalize=False, scale_ridge=True, chunk_size=32, seed=20 + window)
+    _check((1, 45, 1, 16, 16), window=window, normalize=False, scale_ridge=True, chunk_size=32, seed=20 + window)
 
 
 def test_band_across_blocks_of_steps():
     # T = 75 > 64 rows per band program: the open pairs of a block's last steps sit in the
     # next block, and the pairs at the start of a block are read from the previous one
-    _check((1, 75, 1, 16, 16), 5, state=True, read="before", chunk_size=32, seed=25)
+    _check((1, 75, 1, 16, 16), window=5, state=True, read="before", chunk_size=32, seed=25)
 
 
 @pytest.mark.parametrize("window,shift", [(1, True), (4, True), (3, False)])
 def test_continuation_from_state_with_tail(window, shift):
     # K = 80 spans two key blocks; the window reaches into the previous segment's tail.
-    _check((2, 19, 1, 80, 20), window, state=True, shift=shift, seed=30 + window)
+    _check((2, 19, 1, 80, 20), window=window, state=True, shift=shift, seed=30 + window)
 
 
 @pytest.mark.parametrize("window", [1, 4])
 def test_packed_sequences_with_states(window):
-    _check((1, 46, 2, 16, 16), window, state=True, cu_seqlens=[0, 5, 30, 31, 46], read="before", seed=40 + window)
+    _check((1, 46, 2, 16, 16), window=window, state=True, cu_seqlens=[0, 5, 30, 31, 46], read="before",
+           seed=40 + window)
 
 
 def test_packed_sequences_fresh_start():
-    _check((1, 40, 1, 16, 16), 3, cu_seqlens=[0, 2, 40], seed=50)
+    _check((1, 40, 1, 16, 16), window=3, cu_seqlens=[0, 2, 40], seed=50)
 
 
 def test_fp16_inputs():
-    _check((1, 33, 2, 32, 32), 4, torch.float16, seed=60)
+    _check((1, 33, 2, 32, 32), torch.float16, window=4, seed=60)
 
 
 def test_poisoned_buffers_and_garbage_in_empty_tail_slots(monkeypatch):
     # every fresh buffer starts as NaN and the empty tail slot holds NaN: neither may reach
     # the outputs, the final state or any gradient (read before write: the band's last row
     # and the first step's missing open pairs are the edge cases)
-    _check((1, 23, 2, 16, 16), 4, state=True, read="before", poison=monkeypatch, empty_slot=float("nan"), seed=90)
+    _check((1, 23, 2, 16, 16), window=4, state=True, read="before", poison=monkeypatch, empty_slot=float("nan"),
+           seed=90)
 
 
 @pytest.mark.parametrize("shift,read", [(True, "after"), (False, "before")])
 def test_segment_shorter_than_the_window(shift, read):
     # T = 3 < W - 1: the delayed pairs, the open pairs and the next tail all reach into the old tail
-    _check((2, 3, 1, 16, 16), 6, state=True, shift=shift, read=read, seed=91)
+    _check((2, 3, 1, 16, 16), window=6, state=True, shift=shift, read=read, seed=91)
 
 
 def test_two_segments_continue_exactly():
     # a segment cut inside the windows: the tail carries the open writes across the cut
-    B, T, H, K, V, W = 1, 40, 2, 16, 16, 4
-    x, _ = _inputs(B, T, H, K, V, W, torch.float32, seed=70, state=False)
-    x = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
-
-    def run(a, b, state=None, final=False):
-        return falcon_chunk_triton(*[x[n][:, a:b] for n in ("q", "k", "v", "beta", "lam")], rule="3A", window=W,
-                                   log_gate=x["log_gate"][:, a:b], chunk_size=16, initial_state=state,
-                                   output_final_state=final)
-
-    whole, end = run(0, T, final=True)
-    first, st = run(0, 18, final=True)
-    second, end2 = run(18, T, st, final=True)
-    assert _rel(torch.cat([first, second], 1), whole) < 1e-5
-    assert _rel(end2.S, end.S) < 1e-5 and torch.equal(end2.tail_x, end.tail_x)
+    check_segments_continue("3A", seed=70, cut=18, window=4)
 
 
 def test_window_wider_than_the_kernels_raises():
@@ -304,36 +172,28 @@ def test_window_state_is_checked():
 @pytest.mark.parametrize("window", [2, 4, 8])
 def test_cuda_benchmark_head_dims(window, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
-    _check((1, 2048, 2, 128, 128), window, dtype, chunk_size=64, state=True, device="cuda")
+    _check((1, 2048, 2, 128, 128), dtype, window=window, chunk_size=64, state=True, device="cuda")
 
 
 @needs_cuda
 @pytest.mark.parametrize("K,V,read,window", [(64, 64, "after", 4), (100, 100, "before", 3), (128, 64, "before", 8),
                                              (256, 256, "after", 4)])
 def test_cuda_ragged(K, V, read, window):
-    _check((2, 1000, 2, K, V), window, torch.bfloat16, chunk_size=64, read=read, device="cuda")
+    _check((2, 1000, 2, K, V), torch.bfloat16, window=window, chunk_size=64, read=read, device="cuda")
 
 
 @needs_cuda
 def test_cuda_widest_band():
     # the open pairs of a step reach a whole block of steps ahead
-    _check((1, 300, 2, 64, 64), MAX_WINDOW, torch.bfloat16, chunk_size=64, state=True, read="before", device="cuda")
+    _check((1, 300, 2, 64, 64), torch.bfloat16, window=MAX_WINDOW, chunk_size=64, state=True, read="before",
+           device="cuda")
 
 
 @needs_cuda
 def test_cuda_packed_fp16():
-    _check((1, 1500, 2, 128, 128), 4, torch.float16, chunk_size=64, state=True,
+    _check((1, 1500, 2, 128, 128), torch.float16, window=4, chunk_size=64, state=True,
            cu_seqlens=[0, 1, 300, 301, 999, 1500], device="cuda")
 
 
 def test_public_op_routes_3a_to_the_kernels_only_when_asked():
-    from falcon_fwa.ops.triton import GPU_CHECKED_RULES, TRITON_RULES
-    x, _ = _inputs(2, 21, 2, 16, 16, 4, torch.float32, seed=80, state=False)
-    args = [x[n].to(DEVICE) for n in ("q", "k", "v", "beta", "lam")]
-    ref, _ = falcon_attention(*args, rule="3A", window=4, chunk_size=16, backend="torch")
-    out, _ = falcon_attention(*args, rule="3A", window=4, chunk_size=16, backend="triton")
-    assert _rel(out, ref) < 1e-5
-    assert "3A" in TRITON_RULES
-    if "3A" not in GPU_CHECKED_RULES:  # "auto" keeps the PyTorch chunk form until the kernels pass on a GPU
-        auto, _ = falcon_attention(*args, rule="3A", window=4, chunk_size=16)
-        assert torch.equal(auto, ref)
+    check_public_op_routing("3A", seed=80, window=4)

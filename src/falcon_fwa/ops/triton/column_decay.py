@@ -16,7 +16,7 @@ import triton
 
 from . import column_decay_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
-from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, layout_args
+from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, empty_buffer, launch_config, layout_args
 
 __all__ = ["column_decay_chunk", "column_step_sizes", "SUB_CHUNK"]
 
@@ -35,16 +35,10 @@ LAUNCH = {
 
 
 def _config(name: str, K: int, V: int) -> dict:
-    c = dict(LAUNCH[name])
-    if "BK" in c:
-        c["BK"] = min(c["BK"], max(16, triton.next_power_of_2(K)))
-    c["BV"] = min(c["BV"], max(16, triton.next_power_of_2(V)))
-    return c
+    return launch_config(name, K, V, LAUNCH)
 
 
-def _empty(shape, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Uninitialized buffer (every element the kernels read is written first)."""
-    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+_empty = empty_buffer  # module-level, so tests can poison this module's buffers
 
 
 def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):

@@ -28,7 +28,7 @@ from . import column_delta_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
 from .column_decay import SUB_CHUNK
 from .column_decay import _config as column_config
-from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, layout_args
+from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, empty_buffer, layout_args
 
 __all__ = ["column_delta_chunk"]
 
@@ -39,9 +39,7 @@ SEQUENTIAL = dict(BV=32, num_warps=4, num_warps_wide=8)
 GRAM = dict(BK=64, num_warps=4)
 
 
-def _empty(shape, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Uninitialized buffer (every element the kernels read is written first)."""
-    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+_empty = empty_buffer  # module-level, so tests can poison this module's buffers
 
 
 def _sequential(K: int, V: int) -> dict:

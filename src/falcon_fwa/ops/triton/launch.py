@@ -2,12 +2,14 @@
 sizes and warps per kernel, and the layout arguments every chunk kernel takes."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 
 from .chunk_index import ChunkLayout
 
-__all__ = ["SUPPORTED_CHUNK_SIZES", "LAUNCH", "dot_precision", "launch_config", "layout_args"]
+__all__ = ["SUPPORTED_CHUNK_SIZES", "LAUNCH", "dot_precision", "launch_config", "empty_buffer", "layout_args"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 
@@ -26,12 +28,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_config(name: str, K: int, V: int) -> dict:
-    """``LAUNCH[name]`` with the block sizes capped by the head dims."""
-    c = dict(LAUNCH[name])
-    c["BK"] = min(c["BK"], max(16, triton.next_power_of_2(K)))
-    c["BV"] = min(c["BV"], max(16, triton.next_power_of_2(V)))
+def launch_config(name: str, K: int, V: int, table: Optional[dict] = None) -> dict:
+    """``table[name]`` (default ``LAUNCH``) with its block sizes ``BK`` / ``BV`` capped by the head dims."""
+    c = dict((LAUNCH if table is None else table)[name])
+    for block, dim in (("BK", K), ("BV", V)):
+        if block in c:
+            c[block] = min(c[block], max(16, triton.next_power_of_2(dim)))
     return c
+
+
+def empty_buffer(shape, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Uninitialized buffer on ``like``'s device (every element the kernels read is written first)."""
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
 
 
 def layout_args(layout: ChunkLayout) -> dict:

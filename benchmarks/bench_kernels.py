@@ -37,6 +37,8 @@ TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=204
     ("falcon-1-unchecked", "fla-gated-delta-rule", 0.8),
     ("falcon-3a", "fla-simple-gla", 1.3),
     ("falcon-3a-unchecked", "fla-simple-gla", 1.3),
+    ("falcon-2a", "fla-gla", 1.0),
+    ("falcon-2", "fla-gated-delta-rule", 1.5),
 ]
 WINDOW = 4  # the window B of the sliding rules' rows
 

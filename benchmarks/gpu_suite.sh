@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in stages that each fit in about 8 minutes:
 #   bash benchmarks/gpu_suite.sh OUT_DIR tests     # kernel and fla-comparison tests (CUDA-only tests included)
+#   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048, decode step
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
@@ -19,12 +20,19 @@ git rev-parse HEAD >> "$OUT/gpu.txt" 2>/dev/null
 
 case "$STAGE" in
   tests)
-    # Eight processes: most of the time is the first-call compilation of each kernel variant (CPU work).
-    timeout 400 $PY -m pytest -q -n 8 -p no:cacheprovider -rfEs --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
+    # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows), alongside the
+    # kernel tests: both are mostly first-call compilation and autotuning, i.e. CPU work.
+    timeout 380 $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1 &
+    # Eight processes: most of the time is the first-call compilation of each kernel variant.
+    timeout 380 $PY -m pytest -q -n 8 -p no:cacheprovider -rfEs --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
         tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
         tests/test_triton_column_delta.py tests/test_triton_dispatch.py tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
-    # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows).
-    timeout 170 $PY tests/test_models_fla.py "$OUT/fla_compare.md" 2>&1 | tee "$OUT/fla_compare.log"
+    wait
+    ;;
+  profile)
+    # Device time per kernel of each Falcon kernel op, fwd+bwd at B=8 T=2048 H=16 K=V=128.
+    timeout 200 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --shapes 0 --ops \
+        --profile falcon-1 falcon-1a falcon-2 falcon-2a falcon-3a 2>&1 | tee "$OUT/profile.log"
     ;;
   kernels)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
@@ -46,5 +54,5 @@ case "$STAGE" in
         --runs "$OUT/addition_runs" --results "$OUT" --name paper 2>&1 | tee "$OUT/addition.log"
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, kernels, kernels-long, lm or addition" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, profile, kernels, kernels-long, lm or addition" >&2; exit 2;;
 esac

@@ -22,16 +22,16 @@ case "$STAGE" in
   tests)
     # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows), alongside the
     # kernel tests: both are mostly first-call compilation and autotuning, i.e. CPU work.
-    timeout 380 $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1 &
+    timeout 350 $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1 &
     # Eight processes: most of the time is the first-call compilation of each kernel variant.
-    timeout 380 $PY -m pytest -q -n 8 -p no:cacheprovider -rfEs --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
+    timeout 350 $PY -m pytest -q -n 8 -p no:cacheprovider -rfEs --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
         tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
         tests/test_triton_column_delta.py tests/test_triton_dispatch.py tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
     wait
     ;;
   profile)
     # Device time per kernel of each Falcon kernel op, fwd+bwd at B=8 T=2048 H=16 K=V=128.
-    timeout 200 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --shapes 0 --ops \
+    timeout 170 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --shapes 0 --ops \
         --profile falcon-1 falcon-1a falcon-2 falcon-2a falcon-3a 2>&1 | tee "$OUT/profile.log"
     ;;
   kernels)

@@ -13,8 +13,8 @@ key ``x`` and values ``D``::
     o_t    = exp(uq_t) q_t^T h + sum_{s in M(t)} exp(uq_t - u_s) (q_t . x_s) D_s
     h_next = exp(u_C) h + sum_s exp(u_C - u_s) x_s D_s^T
 
-Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk; ``A`` by forward
-substitution on the ``BT x BT`` tile), ``state_fwd`` (sequential: entry states and
+Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk; ``A`` block row by block row:
+forward substitution on 16 x 16 diagonal blocks, products for the rest), ``state_fwd`` (sequential: entry states and
 ``D``), ``state_bwd`` (reverse: ``dD = dD_local + exp(u_C - u) X dh`` and
 ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
 (through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``).
@@ -30,6 +30,63 @@ from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _sequence
 
 
 @triton.jit
+def _pick(vec, rows, BT: tl.constexpr):
+    """``vec[rows]`` for a ``[BT]`` register vector (one nonzero term per sum: exact)."""
+    return tl.sum(tl.where(tl.arange(0, BT)[None, :] == rows[:, None], vec[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, PRECISION: tl.constexpr):
+    """``A = (I + N)^{-1}`` of one chunk, ``N[p, r] = ka_p exp(w_p - u_r) (x_p . x_r)`` for ``r < p``,
+    block row by block row (16 rows each)::
+
+        A_i = (I + N_ii)^{-1} (E_i - sum_{j < i} N_ij A_j)
+
+    The 16 x 16 diagonal inverses come from forward substitution, the rest are products."""
+    o_c = tl.arange(0, BT)
+    o_s = tl.arange(0, 16)
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_b in tl.static_range(BT // 16):
+        r_loc = i_b * 16 + o_s          # chunk-local rows of this block
+        r_abs = i_t * BT + r_loc
+        m_r = r_abs < T_n
+        g_r = tl.zeros([16, BT], dtype=tl.float32)   # x_r . x_c, all columns of the chunk
+        g_d = tl.zeros([16, 16], dtype=tl.float32)   # x_r . x_r', the diagonal block
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_xr = tl.load(x + ((bos + r_abs[:, None]) * H + i_h) * K + o_k[None, :],
+                           mask=m_r[:, None] & m_k[None, :], other=0.0)
+            b_xrt = tl.load(x + ((bos + r_abs[None, :]) * H + i_h) * K + o_k[:, None],
+                            mask=m_r[None, :] & m_k[:, None], other=0.0)
+            b_xt = tl.load(x + ((bos + i_t * BT + o_c[None, :]) * H + i_h) * K + o_k[:, None],
+                           mask=(i_t * BT + o_c[None, :] < T_n) & m_k[:, None], other=0.0)
+            g_r += tl.dot(b_xr, b_xt, input_precision=PRECISION)
+            g_d += tl.dot(b_xr, b_xrt, input_precision=PRECISION)
+        ka_r, w_r, u_r = _pick(ka, r_loc, BT), _pick(w, r_loc, BT), _pick(u, r_loc, BT)
+        below = o_c[None, :] < r_loc[:, None]
+        n_r = tl.where(below, ka_r[:, None] * tl.exp(tl.where(below, w_r[:, None] - u[None, :], float("-inf"))) * g_r,
+                       0.0)
+        below_d = o_s[None, :] < o_s[:, None]
+        n_d = tl.where(below_d, ka_r[:, None] * tl.exp(tl.where(below_d, w_r[:, None] - u_r[None, :], float("-inf")))
+                       * g_d, 0.0)
+        # (I + N_ii)^{-1}: row j = e_j - sum_{l < j} N_ii[j, l] (row l)
+        a_d = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+        for j in range(1, 16):
+            n_j = tl.sum(tl.where(o_s[:, None] == j, n_d, 0.0), axis=0)
+            a_j = tl.sum(n_j[:, None] * a_d, axis=0)
+            a_d = tl.where(o_s[:, None] == j, a_d - a_j[None, :], a_d)
+        # E_i - sum_{j < i} N_ij A_j  (rows of b_a at and after block i are still zero)
+        rhs = tl.where(o_c[None, :] == r_loc[:, None], 1.0, 0.0) - tl.dot(n_r, b_a, input_precision=PRECISION)
+        a_r = tl.dot(a_d, rhs, input_precision=PRECISION)
+        # place the block row into the chunk's inverse (a 0/1 selection in exact fp32)
+        place = tl.where(o_c[:, None] == r_loc[None, :], 1.0, 0.0)
+        b_a += tl.dot(place, a_r, input_precision="ieee")
+    return b_a
+
+
+@triton.jit
 def wy_fwd(
     x, v, eta, kappa, log_a, A, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -42,34 +99,22 @@ def wy_fwd(
     o_c = tl.arange(0, BT)
     u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
     ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_g = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
-        b_g += tl.dot(b_x, b_xt, input_precision=PRECISION)
-    strict = o_c[None, :] < o_c[:, None]
-    b_n = tl.where(strict, ka[:, None] * tl.exp(tl.where(strict, w[:, None] - u[None, :], float("-inf"))) * b_g, 0.0)
-    # A = (I + N)^{-1} by forward substitution: row i = e_i - sum_{j < i} N[i, j] A[j, :]
-    b_a = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        n_i = tl.sum(tl.where(o_c[:, None] == i, b_n, 0.0), axis=0)
-        a_i = tl.sum(n_i[:, None] * b_a, axis=0)
-        b_a = tl.where(o_c[:, None] == i, b_a - a_i[None, :], b_a)
+    b_a = _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H, K, BT, BK, PRECISION)
     tl.store(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_a, mask=m_t[:, None])
+    dt = x.dtype.element_ty  # U and W: products in the input dtype, fp32 accumulation
+    b_a16 = b_a.to(dt)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m = m_t[:, None] & (o_v[None, :] < V)
         b_y = tl.load(v + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_a, b_y * et[:, None], input_precision=PRECISION)
+        b_u = tl.dot(b_a16, (b_y * et[:, None]).to(dt), input_precision=PRECISION)
         tl.store(U + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m)
     kw = ka * tl.exp(w)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m = m_t[:, None] & (o_k[None, :] < K)
         b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_w = tl.dot(b_a, b_x * kw[:, None], input_precision=PRECISION)
+        b_w = tl.dot(b_a16, (b_x * kw[:, None]).to(dt), input_precision=PRECISION)
         tl.store(W + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m)
 
 
@@ -169,8 +214,10 @@ def wy_bwd(
     u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
     ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     kw = ka * tl.exp(w)
-    b_a = tl.load(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
-    b_at = tl.load(A + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0)
+    # dot operands in the input dtype (the tensor cores' native type for 16-bit inputs), fp32 accumulation
+    dt = x.dtype.element_ty
+    b_a = tl.load(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
+    b_at = tl.load(A + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0).to(dt)
     state = ((boh + i_t) * H + i_h) * K * V
     b_da = tl.zeros([BT, BT], dtype=tl.float32)   # dA
     b_dat = tl.zeros([BT, BT], dtype=tl.float32)  # dA^T
@@ -183,34 +230,35 @@ def wy_bwd(
         m_tv = m_t[:, None] & m_v[None, :]
         rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         rows_vt = ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None]
-        b_dd = tl.load(dD + rows_v, mask=m_tv, other=0.0)
-        b_ddt = tl.load(dD + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0)
-        b_y = tl.load(v + rows_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_yt = tl.load(v + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0).to(tl.float32)
-        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0).to(tl.float32)
+        b_dd = tl.load(dD + rows_v, mask=m_tv, other=0.0).to(dt)
+        b_ddt = tl.load(dD + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0).to(dt)
+        b_y = tl.load(v + rows_v, mask=m_tv, other=0.0).to(dt)
+        b_yt = tl.load(v + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0).to(dt)
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(dt)
+        b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0).to(dt)
         b_da += tl.dot(b_dd, b_yt, input_precision=PRECISION) * et[None, :]
         b_dat += tl.dot(b_y, b_ddt, input_precision=PRECISION) * et[:, None]
         b_atdu = tl.dot(b_at, b_dd, input_precision=PRECISION)  # A^T dU
         tl.store(dv + rows_v, (b_atdu * et[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        d_eta += tl.sum(b_y * b_atdu, axis=1)
+        d_eta += tl.sum(b_y.to(tl.float32) * b_atdu, axis=1)
         b_dw -= tl.dot(b_dd, b_ht, input_precision=PRECISION)
         b_dwt -= tl.dot(b_h, b_ddt, input_precision=PRECISION)
     rows_k = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
-    b_x = tl.load(x + rows_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_x = tl.load(x + rows_k, mask=m_tk, other=0.0)
     b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None],
-                   other=0.0).to(tl.float32)
-    b_da += tl.dot(b_dw, b_xt, input_precision=PRECISION) * kw[None, :]
-    b_dat += tl.dot(b_x, b_dwt, input_precision=PRECISION) * kw[:, None]
-    b_atdw = tl.dot(b_at, b_dw, input_precision=PRECISION)  # A^T dW
+                   other=0.0)
+    b_dw16, b_dwt16 = b_dw.to(dt), b_dwt.to(dt)
+    b_da += tl.dot(b_dw16, b_xt, input_precision=PRECISION) * kw[None, :]
+    b_dat += tl.dot(b_x, b_dwt16, input_precision=PRECISION) * kw[:, None]
+    b_atdw = tl.dot(b_at, b_dw16, input_precision=PRECISION)  # A^T dW
     b_dx = b_atdw * kw[:, None]
-    d_kw = tl.sum(b_x * b_atdw, axis=1)
+    d_kw = tl.sum(b_x.to(tl.float32) * b_atdw, axis=1)
     d_kappa = d_kw * tl.exp(w)
     d_w = d_kw * kw
     # dL = -A^T dA A^T and its transpose -A dA^T A, restricted to the strict lower triangle
-    b_dl = -tl.dot(tl.dot(b_at, b_da, input_precision=PRECISION), b_at, input_precision=PRECISION)
-    b_dlt = -tl.dot(tl.dot(b_a, b_dat, input_precision=PRECISION), b_a, input_precision=PRECISION)
+    b_dl = -tl.dot(tl.dot(b_at, b_da.to(dt), input_precision=PRECISION).to(dt), b_at, input_precision=PRECISION)
+    b_dlt = -tl.dot(tl.dot(b_a, b_dat.to(dt), input_precision=PRECISION).to(dt), b_a, input_precision=PRECISION)
     b_g = tl.dot(b_x, b_xt, input_precision=PRECISION)
     strict = o_c[None, :] < o_c[:, None]   # [p, r]: r < p
     strict_t = o_c[:, None] < o_c[None, :]  # [r, p]: r < p
@@ -222,7 +270,7 @@ def wy_bwd(
     d_w += tl.sum(b_dnn, axis=1)
     d_u = -tl.sum(b_dnn, axis=0)
     b_dg = b_dn * dec * ka[:, None] + tl.where(strict_t, b_dlt, 0.0) * dec_t * ka[None, :]  # dG + dG^T
-    b_dx += tl.dot(b_dg, b_x, input_precision=PRECISION)
+    b_dx += tl.dot(b_dg.to(dt), b_x, input_precision=PRECISION)
     b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)
     row = (bos + o_t) * H + i_h

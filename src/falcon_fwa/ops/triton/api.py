@@ -76,7 +76,9 @@ def _shifted_keys(k, shift, last_key, starts):
         first = last_key.to(k.dtype)[:, None]
     else:
         first = k.new_zeros(B, 1, *k.shape[2:])
-    x = torch.cat([first, k[:, :-1]], dim=1)
+    x = torch.empty_like(k)  # two copies: faster than torch.cat on these sizes
+    x[:, :1] = first
+    x[:, 1:] = k[:, :-1]
     if len(starts) > 1:  # packed sequences (B = 1): every sequence starts fresh or from its last key
         idx = torch.as_tensor(starts, device=k.device)
         fill = k.new_zeros(len(starts), *k.shape[2:]) if last_key is None else last_key.to(k.dtype)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not fla_backend.available(), reason="needs CUDA 
 
 BASELINES = {"deltanet": "delta", "gated_deltanet": "gated_delta", "mamba2": "gated_linear", "retnet": "gated_linear"}
 BF16_TOL = 3e-2  # relative to the largest reference magnitude
-GRAD_TOL = 1e-2
+GRAD_TOL = 3e-2
 
 
 def _rel(a, b):
@@ -63,8 +63,9 @@ def core_forward_errors(kind):
 
 
 def core_gradient_errors(kind):
-    """float32 fla kernel gradients vs float64 native gradients (catches Hopper miscompiles)."""
-    ins = _core_inputs(kind, 1, 200, 2, 64, 64, torch.float32, seed=1)
+    """bfloat16 fla kernel gradients (fla's chunk kernels take no float32) vs float64 native
+    gradients on the same rounded inputs (catches Hopper miscompiles)."""
+    ins = _core_inputs(kind, 1, 200, 2, 64, 64, torch.bfloat16, seed=1)
     w = torch.randn(1, 200, 2, 64, device="cuda", dtype=torch.float64)
     names = ["q", "k", "v", "beta", "log_gate"]
 
@@ -76,7 +77,7 @@ def core_gradient_errors(kind):
 
     ref = grads(lambda *a: _native(kind, *a)[0], torch.float64)
     got = grads(lambda *a: fla_backend.run(kind, *a, initial_state=None, output_final_state=False, cu_seqlens=None,
-                                           rule="1", window=1, shift=False)[0], torch.float32)
+                                           rule="1", window=1, shift=False)[0], torch.bfloat16)
     return {f"d{n}": _rel(a, b) for n, a, b in zip(names, got, ref) if b is not None}
 
 
@@ -104,8 +105,21 @@ def test_fla_forward_matches_native_within_bf16(mixer):
         assert err <= BF16_TOL, (mixer, name, err)
 
 
+def _gated_backward_refused(kind):
+    """fla 0.6.0 refuses its gated chunk backward on Triton 3.4-3.7.0 (a Hopper miscompile)."""
+    if kind == "delta":
+        return False
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        return False
+    return not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
+
+
 @pytest.mark.parametrize("kind", sorted(set(BASELINES.values())))
 def test_fla_kernel_gradients_match_float64(kind):
+    if _gated_backward_refused(kind):
+        pytest.skip("fla refuses its gated backward on this Triton version")
     for name, err in core_gradient_errors(kind).items():
         assert err <= GRAD_TOL, (kind, name, err)
 
@@ -121,7 +135,7 @@ def report(path):
              f"fla {getattr(fla, '__version__', '?')}, transformers {transformers.__version__}.",
              "Errors are max |a - b| / max |b|. Forward: fla in bfloat16 vs the native op in float64 on the same "
              "inputs (B=2, T=300, H=2, K=V=64, chunk 64), and the full LM (width 128, 2 layers, T=250) in bfloat16 "
-             "with the same weights on both backends. Gradients: fla in float32 vs float64.", "",
+             "with the same weights on both backends. Gradients: fla in bfloat16 vs float64 on the same inputs.", "",
              "| mixer | quantity | rel. error | tolerance | ok |", "|---|---|---|---|---|"]
 
     def emit(row):
@@ -142,6 +156,9 @@ def report(path):
     for mixer in BASELINES:
         rows(mixer, lm_forward_errors(mixer), BF16_TOL)
     for kind in sorted(set(BASELINES.values())):
+        if _gated_backward_refused(kind):
+            emit(f"| {kind} kernel | gradients | - | - | not run: fla refuses this backward on this Triton |")
+            continue
         rows(f"{kind} kernel", {f"grad {k}": v for k, v in core_gradient_errors(kind).items()}, GRAD_TOL)
 
 

@@ -22,9 +22,10 @@ case "$STAGE" in
   tests)
     # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows), alongside the
     # kernel tests: both are mostly first-call compilation and autotuning, i.e. CPU work.
-    timeout 350 $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1 &
-    # Eight processes: most of the time is the first-call compilation of each kernel variant.
-    timeout 350 $PY -m pytest -q -n 8 -p no:cacheprovider -rfEs --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
+    timeout ${TESTS_TIMEOUT:-350} $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1 &
+    # One process per core: most of the time is the first-call compilation of each kernel variant.
+    # -v prints every result as it comes, so a cut-off run still says which tests failed.
+    timeout ${TESTS_TIMEOUT:-350} $PY -m pytest -v -n ${JOBS:-16} -p no:cacheprovider -rfEs --durations=30 --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
         tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
         tests/test_triton_column_delta.py tests/test_triton_dispatch.py tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
     wait
@@ -35,10 +36,11 @@ case "$STAGE" in
         --profile falcon-1 falcon-1a falcon-2 falcon-2a falcon-3a 2>&1 | tee "$OUT/profile.log"
     ;;
   kernels)
-    timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
-        --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
-              torch-chunk-1A torch-chunk-1 torch-chunk-2 torch-chunk-2A torch-chunk-3A falcon-1a-kernels-only \
-        2>&1 | tee "$OUT/bench_kernels.log"
+    # BENCH_OPS narrows the rows (default: every Falcon kernel, the fla counterparts, SDPA and the PyTorch forms)
+    timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
+        --ops ${BENCH_OPS:-falcon-1a falcon-1 falcon-2 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule \
+              fla-gated-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-2 torch-chunk-2A torch-chunk-3A} \
+        ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   kernels-long)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \

@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048, decode step
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
+#   bash benchmarks/gpu_suite.sh OUT_DIR multigpu  # DDP/FSDP2 scaling over the GPUs of the machine
 #   bash benchmarks/gpu_suite.sh OUT_DIR addition  # the Table-3 lineup on variable-length addition
 # Run from the repository root with falcon_fwa importable (pip install -e . or PYTHONPATH=$PWD/src) and,
 # for the fla rows and tests, flash-linear-attention 0.6.0 installed. Logs and results land in OUT_DIR.
@@ -55,6 +56,18 @@ case "$STAGE" in
         --models Falcon-3A.3 Falcon-1A.3 Falcon-1.3 Transformer Mamba-2 --seeds 0 --jobs 5 --deadline 480 --partial \
         --runs "$OUT/addition_runs" --results "$OUT" --name paper 2>&1 | tee "$OUT/addition.log"
     ;;
+  multigpu)
+    # DDP and FSDP2 at 1 and every larger GPU count of the machine (up to 4), Falcon-1A.3 and the Transformer,
+    # small recipe at its per-GPU batch; rows into OUT/multigpu.{json,md} after every run.
+    NGPU=$(nvidia-smi -L | wc -l)
+    COUNTS="1"; for n in 2 4; do [ "$n" -le "$NGPU" ] && COUNTS="$COUNTS $n"; done
+    timeout ${MULTIGPU_TIMEOUT:-560} $PY -m falcon_fwa.cli scaling \
+        --configs configs/small/falcon-1a.3.yaml configs/small/transformer.yaml --names Falcon-1A.3 Transformer \
+        --gpus $COUNTS --strategies ddp fsdp2 --noise-seeds 0 1 --steps ${MULTIGPU_STEPS:-120} \
+        --deadline ${MULTIGPU_DEADLINE:-520} --out runs/scaling --results "$OUT/multigpu" \
+        --set train.eval_batches=16 2>&1 | tee "$OUT/multigpu.log"
+    tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
+    ;;
   *)
-    echo "unknown stage $STAGE: choose tests, profile, kernels, kernels-long, lm or addition" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, profile, kernels, multigpu, kernels-long, lm or addition" >&2; exit 2;;
 esac

@@ -18,6 +18,7 @@ COMMANDS = {
     "data": ("falcon_fwa.data.cli", "tokenize a corpus once into memory-mapped token shards"),
     "train": ("falcon_fwa.train.cli", "train a language model from a recipe (torchrun for DDP/FSDP2)"),
     "compare": ("falcon_fwa.train.compare", "train several recipes on the same tokens and tabulate them"),
+    "scaling": ("falcon_fwa.train.scaling", "DDP/FSDP2 scaling through torchrun: tokens/s, efficiency, memory, loss"),
     "throughput": ("falcon_fwa.train.throughput", "training tokens/s and peak memory of model presets"),
     "ppl": ("falcon_fwa.eval.ppl_cli", "perplexity of a saved model over held-out files, by position bucket"),
     "lm-eval": ("falcon_fwa.eval.lm_eval_cli", "lm-evaluation-harness tasks on a saved model folder"),

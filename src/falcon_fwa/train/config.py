@@ -68,7 +68,7 @@ class TrainSection:
     save_every: int = 1000
     keep_checkpoints: int = 2
     eval_every: int = 1000
-    eval_batches: int = 20
+    eval_batches: int = 20  # validation: the first eval_batches x global_batch rows
     export_model: bool = True
     deterministic: bool = False
 

@@ -36,12 +36,16 @@ def setup(strategy: str = "auto") -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
+    launched = "TORCHELASTIC_RUN_ID" in os.environ  # torchrun: a process group even of one member
+    if (world > 1 or launched) and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     if strategy == "auto":
         strategy = "ddp" if world > 1 else "single"
     if strategy == "single" and world > 1:
         raise ValueError(f"train.strategy 'single' cannot run with {world} processes; use 'ddp' or 'fsdp2'")
+    if strategy in ("ddp", "fsdp2") and not dist.is_initialized():
+        raise ValueError(f"train.strategy {strategy!r} needs a process group: launch with torchrun "
+                         f"(torchrun --nproc_per_node=N -m falcon_fwa.train.cli ...)")
     return DistInfo(rank, world, local_rank, device, strategy)
 
 

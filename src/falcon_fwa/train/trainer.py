@@ -166,13 +166,16 @@ class Trainer:
     # ----------------------------------------------------------------------------- loop
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Validation loss over the first ``eval_batches x micro_batch x processes`` validation rows."""
+        """Validation loss over the first ``eval_batches x global_batch`` validation rows (fewer if the
+        split is shorter), in micro-batches shared among the processes: the same rows and the same
+        micro-batches whatever the number of processes."""
         t = self.cfg.train
         rows = PackedRows(self.val_split, self.cfg.data.seq_len)
-        n_batches = min(t.eval_batches, len(rows) // (t.micro_batch * self.info.world_size))
-        if n_batches == 0:
+        n_global = min(t.eval_batches, len(rows) // t.global_batch)
+        if n_global == 0:
             raise ValueError(f"the validation split has {len(rows)} rows of data.seq_len={self.cfg.data.seq_len}: "
-                             f"fewer than train.micro_batch x processes")
+                             f"fewer than train.global_batch={t.global_batch}")
+        n_batches = n_global * self.accum  # micro-batches per process
         stream = BatchStream(rows, micro_batch=t.micro_batch, packing=self.cfg.data.packing, seed=0,
                              rank=self.info.rank, world_size=self.info.world_size, shuffle=False)
         self.model.eval()

@@ -1,0 +1,239 @@
+"""Multi-GPU scaling of training recipes: DDP and FSDP2 through ``torchrun`` at several process counts.
+
+``falcon-fwa scaling --configs configs/small/falcon-1a.3.yaml configs/small/transformer.yaml
+--names Falcon-1A.3 Transformer --gpus 1 2 --strategies ddp fsdp2 --steps 200 --results results/multigpu``
+
+Every run keeps the recipe's per-process batch (``--micro-batch``, default the recipe's
+``train.micro_batch``) and one global batch for all process counts: micro batch times the
+largest count in ``--gpus``. A run on fewer processes accumulates gradients over the missing
+ones, so every process count trains on the same token stream with the same optimizer steps,
+and the validation loss after the same tokens must agree across counts within run-to-run
+noise. The noise is measured by repeating the one-process run of the first strategy with
+every seed in ``--noise-seeds``. Scaling efficiency: tokens/s at N processes over N times
+tokens/s at one process, same model and strategy (a one-process DDP/FSDP2 run is a real
+one-member process group).
+
+Each run is ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
+falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink multicast off
+(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
+After every run, ``RESULTS.json`` (rows: ``model``, ``strategy``, ``gpus``, ``seed``,
+``tokens_per_s``, ``efficiency``, ``peak_mem_bytes_per_gpu``, ``val_loss``, ``tokens``,
+``steps``, ``status``, ``command``) and ``RESULTS.md`` are rewritten, so an interrupted sweep
+keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
+progress.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+from .config import load_config
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+STRATEGIES = ("ddp", "fsdp2")
+
+
+def plan(configs: List[str], names: List[str], gpus: List[int], strategies: List[str],
+         noise_seeds: List[int]) -> List[dict]:
+    """The runs in launch order: for each model, the one-process runs first (every noise seed
+    for the first strategy), then each larger count."""
+    jobs = []
+    for config, name in zip(configs, names):
+        for n in sorted(gpus):
+            for i, strategy in enumerate(strategies):
+                seeds = noise_seeds if (n == min(gpus) and i == 0) else noise_seeds[:1]
+                jobs += [dict(model=name, config=config, gpus=n, strategy=strategy, seed=s) for s in seeds]
+    return jobs
+
+
+def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_dir: str,
+            extra_sets: List[str]) -> List[str]:
+    """The ``torchrun`` command line of one run."""
+    sets = [f"train.strategy={job['strategy']}", f"train.steps={steps}", f"train.seed={job['seed']}",
+            f"train.micro_batch={micro_batch}", f"train.global_batch={global_batch}",
+            f"optim.warmup_steps={max(1, steps // 15)}", f"train.eval_every={steps}", f"train.save_every={steps}",
+            "train.resume=none", "train.export_model=false", f"train.out_dir={out_dir}", "log.progress=false",
+            f"log.every={max(1, steps // 10)}", *extra_sets]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job['gpus']}",
+           "-m", "falcon_fwa.train.cli", "--config", job["config"]]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def efficiencies(rows: List[dict]) -> None:
+    """Fill ``efficiency`` in place: tokens/s at N / (N x tokens/s at the smallest count, seed of
+    the first row there), per model and strategy."""
+    base: Dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("tokens_per_s") is None:
+            continue
+        key = (r["model"], r["strategy"])
+        if key not in base or r["gpus"] < base[key]["gpus"]:
+            base[key] = r
+    for r in rows:
+        b = base.get((r["model"], r["strategy"]))
+        ok = b is not None and r.get("tokens_per_s") is not None
+        r["efficiency"] = (r["tokens_per_s"] * b["gpus"] / (r["gpus"] * b["tokens_per_s"])) if ok else None
+
+
+def markdown(rows: List[dict], meta: dict) -> str:
+    """The results table, the noise band and the commands."""
+    out = ["# Multi-GPU scaling", "",
+           f"Machine: {meta.get('machine', '?')}; commit {meta.get('commit', '?')}; {meta.get('steps')} steps of "
+           f"{meta.get('global_batch')} rows x {meta.get('seq_len')} tokens (micro batch {meta.get('micro_batch')} "
+           f"per process; fewer processes accumulate gradients), the same for every run.", "",
+           "| model | strategy | GPUs | seed | tokens/s | efficiency | peak memory / GPU | val loss | status |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        tok = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+        eff = f"{100 * r['efficiency']:.1f} %" if r.get("efficiency") is not None else "-"
+        mem = f"{r['peak_mem_bytes_per_gpu'] / 2**30:.2f} GiB" if r.get("peak_mem_bytes_per_gpu") else "-"
+        val = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
+        out.append(f"| {r['model']} | {r['strategy']} | {r['gpus']} | {r['seed']} | {tok} | {eff} | {mem} | {val} | "
+                   f"{r['status']} |")
+    out += ["", "## Validation loss against the one-process noise", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r.get("val_loss") is not None]
+        if not mine:
+            continue
+        low = min(r["gpus"] for r in mine)
+        noise = [r["val_loss"] for r in mine if r["gpus"] == low and r["strategy"] == mine[0]["strategy"]]
+        spread = max(noise) - min(noise) if len(noise) > 1 else None
+        ref = noise[0]
+        worst = max(abs(r["val_loss"] - ref) for r in mine)
+        line = f"- {model}: one-process seeds {', '.join(f'{v:.4f}' for v in noise)}"
+        if spread is not None:
+            line += f" (spread {spread:.4f}); largest difference of any run from seed {mine[0]['seed']} at " \
+                    f"{low} process(es): {worst:.4f}, {'within' if worst <= spread else 'outside'} the seed spread"
+        out.append(line + ".")
+    out += ["", "## Commands", ""] + [f"    {r['command']}" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _write(results: str, rows: List[dict], meta: dict) -> None:
+    os.makedirs(os.path.dirname(results) or ".", exist_ok=True)
+    for path, text in ((results + ".json", json.dumps(rows, indent=1) + "\n"), (results + ".md", markdown(rows, meta))):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
+def _read_summary(out_dir: str) -> Optional[dict]:
+    path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--configs", nargs="+", required=True, help="recipe files, one per model")
+    parser.add_argument("--names", nargs="+", default=None, help="model names for the table (default: file names)")
+    parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2], help="process counts (GPUs) to run")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps of every run")
+    parser.add_argument("--micro-batch", type=int, default=None, help="rows per process (default: the recipe's)")
+    parser.add_argument("--noise-seeds", nargs="+", type=int, default=[0, 1],
+                        help="seeds of the one-process runs that measure run-to-run noise")
+    parser.add_argument("--out", default="runs/scaling", help="folder of the runs")
+    parser.add_argument("--results", default="results/multigpu", help="writes RESULTS.json and RESULTS.md")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds: no run starts after, the current stops")
+    parser.add_argument("--machine", default=None, help="machine description for the table")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a recipe field in every run (repeatable)")
+
+
+def _check(args: argparse.Namespace, names: List[str]) -> None:
+    if len(names) != len(args.configs):
+        raise ValueError(f"--names has {len(names)} entries for {len(args.configs)} --configs")
+    if any(n < 1 for n in args.gpus):
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if not args.noise_seeds:
+        raise ValueError("--noise-seeds needs at least one seed")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
+
+
+def _commit(given: Optional[str]) -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args: argparse.Namespace) -> int:
+    names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
+    _check(args, names)
+    first = load_config(args.configs[0], args.overrides)
+    micro = args.micro_batch or first.train.micro_batch
+    global_batch = micro * max(args.gpus)
+    meta = dict(machine=args.machine or _machine(), commit=_commit(args.commit), steps=args.steps,
+                global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len)
+    deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
+    env = {**os.environ, **MULTICAST_OFF}
+    rows: List[dict] = []
+    jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
+    for i, job in enumerate(jobs):
+        run_dir = os.path.join(args.out, f"{job['model']}-{job['strategy']}-n{job['gpus']}-s{job['seed']}".replace(" ", "_"))
+        cmd = command(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
+                      extra_sets=args.overrides)
+        row = dict(model=job["model"], strategy=job["strategy"], gpus=job["gpus"], seed=job["seed"], tokens_per_s=None,
+                   efficiency=None, peak_mem_bytes_per_gpu=None, val_loss=None, tokens=None, steps=None,
+                   status="not run", command=" ".join(shlex.quote(c) for c in cmd))
+        rows.append(row)
+        left = None if deadline_at is None else deadline_at - time.monotonic()
+        if left is not None and left <= 0:
+            continue
+        print(f"[{i + 1}/{len(jobs)}] {job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}", flush=True)
+        log_path = run_dir + ".log"
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+        with open(log_path, "w") as log:
+            try:
+                done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left)
+                row["status"] = "done" if done.returncode == 0 else f"failed (exit {done.returncode}, {log_path})"
+            except subprocess.TimeoutExpired:
+                row["status"] = "stopped: deadline"
+        summary = _read_summary(run_dir)
+        if summary is not None and row["status"] == "done":
+            row.update(tokens_per_s=summary.get("tokens_per_s"), peak_mem_bytes_per_gpu=summary.get("peak_mem_bytes"),
+                       val_loss=summary.get("val_loss"), tokens=summary.get("tokens"), steps=summary.get("steps"))
+        efficiencies(rows)
+        _write(args.results, rows, meta)
+        print(f"    {row['status']}: tokens/s {row['tokens_per_s']}, val_loss {row['val_loss']}", flush=True)
+    efficiencies(rows)
+    _write(args.results, rows, meta)
+    return 0 if all(r["status"] == "done" for r in rows) else 1
+
+
+def _machine() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    except ImportError:
+        pass
+    return f"CPU ({os.cpu_count()} cores, gloo)"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="falcon-fwa scaling", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The scaling sweep (``falcon-fwa scaling``): its plan, its efficiency arithmetic, and a real
+sweep of torchrun launches on CPU (gloo) at one and two processes, DDP and FSDP2."""
+import json
+import os
+
+import pytest
+
+from falcon_fwa.train import scaling
+from test_train import recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_plan_runs_the_noise_seeds_once_at_the_smallest_count():
+    jobs = scaling.plan(["a.yaml", "b.yaml"], ["A", "B"], [2, 1], ["ddp", "fsdp2"], [0, 1])
+    got = [(j["model"], j["gpus"], j["strategy"], j["seed"]) for j in jobs]
+    assert got == [("A", 1, "ddp", 0), ("A", 1, "ddp", 1), ("A", 1, "fsdp2", 0), ("A", 2, "ddp", 0),
+                   ("A", 2, "fsdp2", 0), ("B", 1, "ddp", 0), ("B", 1, "ddp", 1), ("B", 1, "fsdp2", 0),
+                   ("B", 2, "ddp", 0), ("B", 2, "fsdp2", 0)]
+
+
+def test_efficiency_is_tokens_per_s_over_n_times_the_one_process_rate():
+    rows = [dict(model="A", strategy="ddp", gpus=1, tokens_per_s=100.0),
+            dict(model="A", strategy="ddp", gpus=1, tokens_per_s=90.0),   # second seed: not the reference
+            dict(model="A", strategy="ddp", gpus=2, tokens_per_s=180.0),
+            dict(model="A", strategy="ddp", gpus=4, tokens_per_s=340.0),
+            dict(model="A", strategy="fsdp2", gpus=2, tokens_per_s=150.0),  # no one-process fsdp2 row
+            dict(model="A", strategy="ddp", gpus=8, tokens_per_s=None)]
+    scaling.efficiencies(rows)
+    assert [r["efficiency"] for r in rows[:4]] == [1.0, 0.9, 0.9, 0.85]
+    assert rows[4]["efficiency"] == 1.0  # its own smallest count is the reference
+    assert rows[5]["efficiency"] is None
+
+
+def test_bad_arguments_name_themselves(tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    scaling.add_arguments(parser)
+    for argv, match in ((["--configs", "a", "b", "--names", "A"], "--names"), (["--configs", "a", "--gpus", "0"], "--gpus"),
+                        (["--configs", "a", "--steps", "0"], "--steps")):
+        with pytest.raises(ValueError, match=match):
+            scaling.run(parser.parse_args(argv))
+
+
+@pytest.mark.slow
+def test_sweep_on_cpu_processes_matches_the_one_process_loss(tmp_path, monkeypatch):
+    raw = recipe(tmp_path)
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(raw))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "src"))
+    results = str(tmp_path / "multigpu")
+    rc = scaling.main(["--configs", str(path), "--names", "Tiny", "--gpus", "1", "2", "--strategies", "ddp", "fsdp2",
+                       "--noise-seeds", "0", "--steps", "3", "--micro-batch", "2", "--out", str(tmp_path / "runs"),
+                       "--results", results, "--set", "train.dtype=fp32", "--machine", "CPU test"])
+    rows = json.load(open(results + ".json"))
+    assert rc == 0, [r["status"] for r in rows]
+    assert [(r["strategy"], r["gpus"]) for r in rows] == [("ddp", 1), ("fsdp2", 1), ("ddp", 2), ("fsdp2", 2)]
+    assert {r["tokens"] for r in rows} == {3 * 4 * 24}  # global batch 2 x 2 rows of 24 tokens, 3 steps
+    for r in rows:
+        assert set(r) >= {"model", "strategy", "gpus", "tokens_per_s", "efficiency", "peak_mem_bytes_per_gpu",
+                          "val_loss"}
+        assert r["tokens_per_s"] > 0 and r["efficiency"] > 0
+    # the same token stream and optimizer steps: two processes reproduce the one-process loss
+    ref = rows[0]["val_loss"]
+    assert all(abs(r["val_loss"] - ref) <= 1e-5 * abs(ref) for r in rows), [r["val_loss"] for r in rows]
+    assert [r["efficiency"] for r in rows[:2]] == [1.0, 1.0]
+    text = open(results + ".md").read()
+    assert "| Tiny | fsdp2 | 2 |" in text and "torch.distributed.run" in text

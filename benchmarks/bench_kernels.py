@@ -39,6 +39,7 @@ TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=204
     ("falcon-3a-unchecked", "fla-simple-gla", 1.3),
     ("falcon-2a", "fla-gla", 1.0),
     ("falcon-2", "fla-gated-delta-rule", 1.5),
+    ("falcon-3", "fla-gated-delta-rule", 3.0),
 ]
 WINDOW = 4  # the window B of the sliding rules' rows
 
@@ -143,12 +144,14 @@ OPS: Dict[str, Builder] = {
     "falcon-3a-unchecked": falcon_triton("3A", validate=False),
     "falcon-2a": falcon_triton("2A"),
     "falcon-2": falcon_triton("2"),
+    "falcon-3": falcon_triton("3"),
     "falcon-1a-kernels-only": falcon_core,
     "torch-chunk-1A": torch_chunk("1A"),
     "torch-chunk-1": torch_chunk("1"),
     "torch-chunk-3A": torch_chunk("3A"),
     "torch-chunk-2A": torch_chunk("2A"),
     "torch-chunk-2": torch_chunk("2"),
+    "torch-chunk-3": torch_chunk("3"),
     "fla-simple-gla": fla_simple_gla,
     "fla-gla": fla_gla,
     "fla-delta-rule": fla_delta_rule,
@@ -360,7 +363,7 @@ def main(argv=None) -> None:
                     continue
                 B, T, H, K, V = shape
                 rows.append(dict(op=name, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=peak))
-                if "3a" in name.lower():
+                if "3" in name.split("-", 1)[-1]:  # the sliding rules 3 and 3A
                     rows[-1]["window"] = WINDOW
                 print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB", flush=True)
                 _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")

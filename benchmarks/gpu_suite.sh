@@ -28,24 +28,25 @@ case "$STAGE" in
     # -v prints every result as it comes, so a cut-off run still says which tests failed.
     timeout ${TESTS_TIMEOUT:-350} $PY -m pytest -v -n ${JOBS:-16} -p no:cacheprovider -rfEs --durations=30 --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
         tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
-        tests/test_triton_column_delta.py tests/test_triton_dispatch.py tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
+        tests/test_triton_column_delta.py tests/test_triton_sliding_delta.py tests/test_triton_dispatch.py \
+        tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
     wait
     ;;
   profile)
     # Device time per kernel of each Falcon kernel op, fwd+bwd at B=8 T=2048 H=16 K=V=128.
     timeout 170 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --shapes 0 --ops \
-        --profile falcon-1 falcon-1a falcon-2 falcon-2a falcon-3a 2>&1 | tee "$OUT/profile.log"
+        --profile falcon-1 falcon-1a falcon-2 falcon-2a falcon-3 falcon-3a 2>&1 | tee "$OUT/profile.log"
     ;;
   kernels)
     # BENCH_OPS narrows the rows (default: every Falcon kernel, the fla counterparts, SDPA and the PyTorch forms)
     timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
-        --ops ${BENCH_OPS:-falcon-1a falcon-1 falcon-2 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule \
-              fla-gated-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-2 torch-chunk-2A torch-chunk-3A} \
+        --ops ${BENCH_OPS:-falcon-1a falcon-1 falcon-2 falcon-2a falcon-3 falcon-3a fla-simple-gla fla-gla fla-delta-rule \
+              fla-gated-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-2 torch-chunk-2A torch-chunk-3 torch-chunk-3A} \
         ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   kernels-long)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
-        --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
+        --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3 falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
         --profile falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   lm)

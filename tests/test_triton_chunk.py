@@ -76,8 +76,8 @@ def test_two_segments_continue_exactly(rule):
 def test_unsupported_switches_name_themselves():
     q = torch.randn(1, 8, 1, 16, device=DEVICE)
     beta, lam = torch.rand(1, 8, 1, device=DEVICE), torch.rand(1, 8, 1, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="rule"):
-        falcon_chunk_triton(q, q, q, beta, lam, rule="3")
+    with pytest.raises(NotImplementedError, match="window=3"):
+        falcon_chunk_triton(q, q, q, beta, lam, rule="3", window=3)
     with pytest.raises(NotImplementedError, match="chunk_size"):
         falcon_chunk_triton(q, q, q, beta, lam, chunk_size=24)
     with pytest.raises(NotImplementedError, match="dtype"):

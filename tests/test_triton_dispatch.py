@@ -32,10 +32,10 @@ def test_backend_is_checked():
         falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state=None, backend="gpu")
 
 
-def test_triton_backend_refuses_a_rule_without_kernels():
+def test_triton_backend_refuses_what_the_kernels_do_not_cover():
     q, k, v, beta, lam = _inputs(T=4)
-    with pytest.raises(NotImplementedError, match="rule"):
-        falcon_attention(q, k, v, beta, lam, rule="3", backend="triton")
+    with pytest.raises(NotImplementedError, match="chunk_size=24"):
+        falcon_attention(q, k, v, beta, lam, rule="3", chunk_size=24, backend="triton")
 
 
 @pytest.mark.skipif(not KERNELS_RUN, reason="triton was imported before the interpreter could be enabled")

@@ -21,11 +21,12 @@ from .delta import delta_chunk
 from .launch import SUPPORTED_CHUNK_SIZES
 from .scalar_decay import scalar_decay_chunk
 from .sliding import sliding_chunk
+from .sliding_delta import sliding_delta_chunk
 from .step_sizes import scalar_step_sizes
 
 __all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_DTYPES"]
 
-TRITON_RULES = ("1", "1A", "2", "2A", "3A")  # rules with chunk kernels
+TRITON_RULES = ("1", "1A", "2", "2A", "3", "3A")  # rules with chunk kernels
 # Rules whose current kernels have passed the float64 checks on a GPU; backend="auto" uses only these.
 # On an H200, every kernel test (tests/test_triton_*.py: switches, states, packed sequences, chunk
 # sizes, benchmark-sized and ragged head dims; outputs and gradients against the float64 recurrent
@@ -121,9 +122,12 @@ def falcon_chunk_triton(
     form, one triangular solve per chunk, key dim ``K <= 128``), "2" (per-column
     regression: a Gram shared by the value columns, one triangular solve per column
     and block of 16 steps in the sequential pass, ``K <= 128``;
-    ``ops.triton.column_delta``) and "3A" (the
+    ``ops.triton.column_delta``), "3A" (the
     rule-1A scan over completed window pairs plus the band of open pairs, as
-    kernels; ``window`` up to 65, ``ops.triton.sliding.MAX_WINDOW``); every switch
+    kernels; ``window`` up to 65, ``ops.triton.sliding.MAX_WINDOW``) and "3" (the
+    rule-1 WY kernels over the ``T * window`` window writes, those of one step
+    uncoupled; ``window`` in {1, 2, 4, 8, 16}, ``K <= 128``;
+    ``ops.triton.sliding_delta``); every switch
     (``shift``, ``normalize``, ``log_gate``, ``read``, ``scale_ridge``,
     ``initial_state`` with the last-key carry, ``output_final_state``,
     ``cu_seqlens``); bf16/fp16/fp32 inputs (``k``, ``v`` are
@@ -155,7 +159,8 @@ def falcon_chunk_triton(
     if initial_state is not None and validate:
         check_state(initial_state, spec, window=W, shift=shift, B=N, H=H, K=K, V=V)
     if spec.sliding:
-        return _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, ends, window=W, eps=eps,
+        return _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, ends, rule=spec.name, window=W,
+                        eps=eps,
                         decay_floor=decay_floor, shift=shift, normalize=normalize, scale_ridge=scale_ridge,
                         read_after=read == "after", chunk_size=chunk_size, output_final_state=output_final_state)
 
@@ -191,10 +196,11 @@ def falcon_chunk_triton(
     return o.to(out_dtype), final
 
 
-def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, ends, *, window, eps, decay_floor,
-             shift, normalize, scale_ridge, read_after, chunk_size, output_final_state):
-    """Rule 3A. Packed sequences are unpacked into right-padded rows (padding steps
-    are no-ops: zero ``beta``, ``lam``, ``log_gate``), run as one batch and packed back."""
+def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, ends, *, rule, window, eps,
+             decay_floor, shift, normalize, scale_ridge, read_after, chunk_size, output_final_state):
+    """Rules 3A (``sliding.sliding_chunk``) and 3 (``sliding_delta.sliding_delta_chunk``). Packed
+    sequences are unpacked into right-padded rows (padding steps are no-ops: zero ``beta``,
+    ``lam``, ``log_gate``), run as one batch and packed back."""
     st = initial_state
     S0 = None if st is None else st.S
     last_key = None if st is None or not shift else st.last_key
@@ -217,10 +223,11 @@ def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, en
             return rows.masked_fill(~real.view(*real.shape, *([1] * (rows.dim() - 2))), 0.0)
 
         q, k, v, beta, lam, log_gate = map(unpack, (q, k, v, beta, lam, log_gate))
-    o, final = sliding_chunk(q, k, v, beta, lam, log_gate, S0, last_key, tail, window=window, eps=eps,
-                             decay_floor=decay_floor, shift=shift, normalize=normalize, scale_ridge=scale_ridge,
-                             read_after=read_after, chunk_size=chunk_size, lengths=lengths,
-                             output_final_state=output_final_state)
+    scan = sliding_chunk if rule == "3A" else sliding_delta_chunk
+    o, final = scan(q, k, v, beta, lam, log_gate, S0, last_key, tail, window=window, eps=eps,
+                    decay_floor=decay_floor, shift=shift, normalize=normalize, scale_ridge=scale_ridge,
+                    read_after=read_after, chunk_size=chunk_size, lengths=lengths,
+                    output_final_state=output_final_state)
     if cu_seqlens is not None:
         o = o[real][None]
     state = None
@@ -229,6 +236,6 @@ def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, en
         last = None
         if shift:
             last = k[:, -1] if lengths is None else k[torch.arange(len(starts), device=k.device), lengths - 1]
-        state = FalconState(rule="3A", window=window, shift=shift, S=S_T, last_key=last, tail_x=tx, tail_y=ty,
+        state = FalconState(rule=rule, window=window, shift=shift, S=S_T, last_key=last, tail_x=tx, tail_y=ty,
                             tail_valid=tv)
     return o.to(out_dtype), state

@@ -18,7 +18,9 @@ from . import scalar_decay_kernels as sd
 from .chunk_index import ChunkLayout, chunk_layout
 from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, launch_config, layout_args
 
-__all__ = ["delta_chunk"]
+__all__ = ["delta_chunk", "SLOT_COUNTS"]
+
+SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row blocks of the inverse)
 
 
 def _full_k(K: int, V: int) -> Tuple[int, int, int]:
@@ -28,7 +30,7 @@ def _full_k(K: int, V: int) -> Tuple[int, int, int]:
     return BK, BV, 4 if BK <= 128 else 8
 
 
-def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
+def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool, slots: int):
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, prec, meta = layout.BT, dot_precision(q.dtype), layout_args(layout)
@@ -37,7 +39,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     c = launch_config("dv_bwd", K, V)
     wy.wy_fwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BK=c["BK"],
-        BV=c["BV"], PRECISION=prec, num_warps=4, **meta)
+        BV=c["BV"], PRECISION=prec, SLOTS=slots, num_warps=4, **meta)
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(v)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
@@ -53,7 +55,8 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     return o, A, W, h, D, S_T
 
 
-def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: ChunkLayout, read_after: bool):
+def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: ChunkLayout, read_after: bool,
+              slots: int):
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
@@ -84,7 +87,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, num_warps=8, **meta)
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=8, **meta)
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     sd.dlog_bwd[(layout.num_chunks, H)](
         parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
@@ -94,20 +97,20 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
 
 class _DeltaChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final):
+    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
-        o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final)
+        o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final, slots)
         ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
-        ctx.layout, ctx.read_after = layout, read_after
+        ctx.layout, ctx.read_after, ctx.slots = layout, read_after, slots
         return o, S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
         q, x, v, eta, kappa, log_a, S0, A, W, h, D = ctx.saved_tensors
         grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
-                          None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after)
-        return (*grads, None, None, None, None)
+                          None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots)
+        return (*grads, None, None, None, None, None)
 
 
 def delta_chunk(
@@ -123,8 +126,14 @@ def delta_chunk(
     chunk_size: int = 64,
     cu_seqlens: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
+    slots: int = 1,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunk-parallel regression (delta) scan with scalar step sizes.
+
+    ``slots`` > 1: rows come in groups of ``slots`` writes of one step (rows ``j*slots ..
+    j*slots+slots-1``; every sequence length a multiple of ``slots``; ``log_a`` nonzero only
+    on a group's first row), which all see the state before their step, not one another:
+    the rule-3 layout (``ops.triton.sliding_delta``). ``slots`` must divide 16.
 
     ``q``, ``x`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` of one dtype; ``eta``,
     ``kappa``, ``log_a`` ``[B, T, H]`` fp32; ``S0`` ``[N, H, K, V]`` fp32 or ``None``.
@@ -132,7 +141,10 @@ def delta_chunk(
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
+    if slots not in SLOT_COUNTS:
+        raise ValueError(f"slots must be one of {SLOT_COUNTS} (a divisor of 16), got {slots}")
     q, x, v = (t.contiguous() for t in (q, x, v))
     eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
     S0 = None if S0 is None else S0.float().contiguous()
-    return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state)
+    return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state,
+                             slots)

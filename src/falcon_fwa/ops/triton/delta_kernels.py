@@ -30,6 +30,24 @@ from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _sequence
 
 
 @triton.jit
+def _step_prefix(u, w, BT: tl.constexpr, SLOTS: tl.constexpr):
+    """Exclusive log-prefix of each write's step. One step per row (``SLOTS = 1``): ``w``
+    itself. ``SLOTS`` writes per step (rows ``j*SLOTS .. j*SLOTS+SLOTS-1``, the carry on the
+    first): every row of step ``j`` gets the prefix before that step, ``u - la_first``."""
+    if SLOTS == 1:
+        return w
+    o = tl.arange(0, BT)
+    same = (o[None, :] // SLOTS) == (o[:, None] // SLOTS)
+    return u - tl.sum(tl.where(same, (u - w)[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _earlier_step(rows, cols, SLOTS: tl.constexpr):
+    """``[p, r]`` -> write ``r`` belongs to an earlier step than write ``p``."""
+    return (cols[None, :] // SLOTS) < (rows[:, None] // SLOTS)
+
+
+@triton.jit
 def _pick(vec, rows, BT: tl.constexpr):
     """``vec[rows]`` for a ``[BT]`` register vector (one nonzero term per sum: exact)."""
     return tl.sum(tl.where(tl.arange(0, BT)[None, :] == rows[:, None], vec[None, :], 0.0), axis=1)
@@ -37,9 +55,9 @@ def _pick(vec, rows, BT: tl.constexpr):
 
 @triton.jit
 def _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, PRECISION: tl.constexpr):
-    """``A = (I + N)^{-1}`` of one chunk, ``N[p, r] = ka_p exp(w_p - u_r) (x_p . x_r)`` for ``r < p``,
-    block row by block row (16 rows each)::
+                        BK: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr):
+    """``A = (I + N)^{-1}`` of one chunk, ``N[p, r] = ka_p exp(w_p - u_r) (x_p . x_r)`` for ``r`` of an
+    earlier step than ``p`` (``r < p`` with one write per step), block row by block row (16 rows each)::
 
         A_i = (I + N_ii)^{-1} (E_i - sum_{j < i} N_ij A_j)
 
@@ -65,10 +83,10 @@ def _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.
             g_r += tl.dot(b_xr, b_xt, input_precision=PRECISION)
             g_d += tl.dot(b_xr, b_xrt, input_precision=PRECISION)
         ka_r, w_r, u_r = _pick(ka, r_loc, BT), _pick(w, r_loc, BT), _pick(u, r_loc, BT)
-        below = o_c[None, :] < r_loc[:, None]
+        below = _earlier_step(r_loc, o_c, SLOTS)
         n_r = tl.where(below, ka_r[:, None] * tl.exp(tl.where(below, w_r[:, None] - u[None, :], float("-inf"))) * g_r,
                        0.0)
-        below_d = o_s[None, :] < o_s[:, None]
+        below_d = _earlier_step(r_loc, r_loc, SLOTS)
         n_d = tl.where(below_d, ka_r[:, None] * tl.exp(tl.where(below_d, w_r[:, None] - u_r[None, :], float("-inf")))
                        * g_d, 0.0)
         # (I + N_ii)^{-1}: row j = e_j - sum_{l < j} N_ii[j, l] (row l)
@@ -90,7 +108,7 @@ def _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.
 def wy_fwd(
     x, v, eta, kappa, log_a, A, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
 ):
     """Grid ``(num_chunks, H)``: ``A`` ``[rows, H, BT]`` fp32, ``U`` ``[rows, H, V]``, ``W`` ``[rows, H, K]``."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -98,8 +116,9 @@ def wy_fwd(
     o_t = i_t * BT + tl.arange(0, BT)
     o_c = tl.arange(0, BT)
     u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
+    w = _step_prefix(u, w, BT, SLOTS)
     ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_a = _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H, K, BT, BK, PRECISION)
+    b_a = _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
     tl.store(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_a, mask=m_t[:, None])
     dt = x.dtype.element_ty  # U and W: products in the input dtype, fp32 accumulation
     b_a16 = b_a.to(dt)
@@ -200,7 +219,7 @@ def state_bwd(
 def wy_bwd(
     x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
 ):
     """Grid ``(num_chunks, H)`` with ``BK >= K``: gradients through ``D = U - W h``,
     ``U = A (eta Y)``, ``W = A (kappa exp(w) X)`` and ``A = (I + N)^{-1}``. Writes ``dv``,
@@ -212,6 +231,7 @@ def wy_bwd(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
+    w = _step_prefix(u, w, BT, SLOTS)
     ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     kw = ka * tl.exp(w)
     # dot operands in the input dtype (the tensor cores' native type for 16-bit inputs), fp32 accumulation
@@ -260,8 +280,8 @@ def wy_bwd(
     b_dl = -tl.dot(tl.dot(b_at, b_da.to(dt), input_precision=PRECISION).to(dt), b_at, input_precision=PRECISION)
     b_dlt = -tl.dot(tl.dot(b_a, b_dat.to(dt), input_precision=PRECISION).to(dt), b_a, input_precision=PRECISION)
     b_g = tl.dot(b_x, b_xt, input_precision=PRECISION)
-    strict = o_c[None, :] < o_c[:, None]   # [p, r]: r < p
-    strict_t = o_c[:, None] < o_c[None, :]  # [r, p]: r < p
+    strict = _earlier_step(o_c, o_c, SLOTS)    # [p, r]: r before p
+    strict_t = (o_c[:, None] // SLOTS) < (o_c[None, :] // SLOTS)  # [r, p]: r before p
     dec = tl.exp(tl.where(strict, w[:, None] - u[None, :], float("-inf")))      # [p, r]
     dec_t = tl.exp(tl.where(strict_t, w[None, :] - u[:, None], float("-inf")))  # [r, p]
     b_dn = tl.where(strict, b_dl, 0.0)
@@ -277,4 +297,7 @@ def wy_bwd(
     tl.store(dkappa + row, d_kappa, mask=m_t)
     tl.store(extra + row, d_eta, mask=m_t)
     tl.store(extra + n_rows * H + row, d_u, mask=m_t)
+    if SLOTS > 1:  # w_p = u_p - la(first write of p's step): its gradient, summed per step, onto that write
+        same = (o_c[None, :] // SLOTS) == (o_c[:, None] // SLOTS)
+        d_w = tl.where(o_c % SLOTS == 0, tl.sum(tl.where(same, d_w[None, :], 0.0), axis=1), 0.0)
     tl.store(extra + 2 * n_rows * H + row, d_w, mask=m_t)

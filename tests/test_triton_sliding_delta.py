@@ -1,0 +1,133 @@
+"""Falcon-3 (sliding-window regression rule) on the Triton chunk kernels against the
+float64 recurrent form (the definition).
+
+Outputs, final states (``S``, the last key and the window tail) and the gradients of
+``q, k, v, beta, lam, log_gate`` and of every initial-state tensor are compared with
+``falcon_attention(rule="3", form="recurrent")`` in float64 on the same inputs. On a
+machine without CUDA the kernels run through Triton's interpreter on tiny shapes;
+with CUDA the same checks run at larger and ragged shapes.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+# kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
+from kernel_checks import (DEVICE, check_kernel, check_public_op_routing, check_segments_continue, in_this_process,
+                           needs_cuda)
+
+from falcon_fwa.ops.triton import falcon_chunk_triton
+from falcon_fwa.ops.triton.delta import delta_chunk
+
+pytestmark = in_this_process
+_check = functools.partial(check_kernel, "3", output_final_state=True)
+
+
+# ---- the grouped WY solve itself, against a literal loop ----
+
+def test_grouped_writes_see_the_state_before_their_step():
+    """``delta_chunk(slots=2)`` against the recurrence written out by hand in float64: the two
+    writes of a step both read ``S_{t-1}``, the carry applies once per step, and the last row
+    of a step reads the state after it."""
+    g = torch.Generator().manual_seed(3)
+    T, S, K, V = 12, 2, 16, 16  # 6 steps of 2 writes
+    x = torch.randn(1, T, 1, K, generator=g) / 4
+    v = torch.randn(1, T, 1, V, generator=g)
+    q = torch.randn(1, T, 1, K, generator=g) / 4
+    eta = torch.rand(1, T, 1, generator=g) * 0.5
+    kappa = eta * 0.9
+    carry = -torch.rand(1, T // S, 1, generator=g) * 0.2
+    log_a = torch.zeros(1, T, 1)
+    log_a[:, ::S] = carry
+    o, S_T = delta_chunk(q.to(DEVICE), x.to(DEVICE), v.to(DEVICE), eta.to(DEVICE), kappa.to(DEVICE),
+                         log_a.to(DEVICE), None, read_after=True, chunk_size=16, output_final_state=True, slots=S)
+    st = torch.zeros(K, V, dtype=torch.float64)
+    want = torch.zeros(T, V, dtype=torch.float64)
+    xd, vd, qd = x[0, :, 0].double(), v[0, :, 0].double(), q[0, :, 0].double()
+    for t in range(T // S):
+        rows = range(t * S, t * S + S)
+        prev = st
+        st = torch.exp(carry[0, t, 0].double()) * prev
+        for r in rows:
+            st = st + torch.outer(xd[r], eta[0, r, 0].double() * vd[r] - kappa[0, r, 0].double() * (prev.T @ xd[r]))
+        want[t * S + S - 1] = st.T @ qd[t * S + S - 1]  # a step's last row reads the state after the step
+    last = torch.arange(S - 1, T, S)
+    assert torch.allclose(o[0, last, 0].double().cpu(), want[last], atol=1e-5, rtol=1e-4)
+    assert torch.allclose(S_T[0, 0].double().cpu(), st, atol=1e-5, rtol=1e-4)
+
+
+# ---- every switch, tiny shapes (interpreter on CPU, GPU when present) ----
+
+@pytest.mark.parametrize("window", [1, 2, 4, 8])
+def test_windows_read_after(window):
+    _check((2, 21, 2, 16, 16), window=window, seed=window)
+
+
+@pytest.mark.parametrize("window,read,shift", [(2, "before", True), (4, "before", False), (4, "after", False)])
+def test_read_and_shift(window, read, shift):
+    _check((1, 37, 2, 16, 24), window=window, read=read, shift=shift, seed=10 + window)
+
+
+def test_unnormalized_scale_ridge_no_gate_chunk_32():
+    _check((1, 45, 1, 16, 16), window=2, normalize=False, scale_ridge=True, gate=False, chunk_size=32, seed=21)
+
+
+def test_clamped_decay():
+    _check((1, 30, 2, 16, 16), window=4, normalize=False, lam_scale=3.0, decay_floor=0.05, seed=22)
+
+
+@pytest.mark.parametrize("window,shift", [(1, True), (4, True), (2, False)])
+def test_continuation_from_state_with_tail(window, shift):
+    # K = 80 spans two key blocks; the window reaches into the previous segment's tail.
+    _check((2, 19, 1, 80, 20), window=window, state=True, shift=shift, seed=30 + window)
+
+
+def test_packed_sequences_with_states():
+    _check((1, 46, 2, 16, 16), window=4, state=True, cu_seqlens=[0, 5, 30, 31, 46], read="before", seed=44)
+
+
+def test_fp16_inputs():
+    _check((1, 33, 2, 32, 32), torch.float16, window=4, seed=60)
+
+
+def test_garbage_in_empty_tail_slots_and_short_segment():
+    # T = 3 < W - 1 and the empty tail slot holds NaN: it must act as zero
+    _check((2, 3, 1, 16, 16), window=8, state=True, read="before", empty_slot=float("nan"), seed=91)
+
+
+def test_two_segments_continue_exactly():
+    check_segments_continue("3", seed=70, cut=18, window=4)
+
+
+def test_unsupported_window_names_itself():
+    q = torch.randn(1, 6, 1, 16, device=DEVICE)
+    beta, lam = torch.rand(1, 6, 1, device=DEVICE), torch.rand(1, 6, 1, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="window=3"):
+        falcon_chunk_triton(q, q, q, beta, lam, rule="3", window=3)
+
+
+def test_public_op_routes_3_to_the_kernels_only_when_asked():
+    check_public_op_routing("3", seed=80, window=4)
+
+
+# ---- GPU: larger, ragged and packed shapes ----
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_benchmark_head_dims(dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check((1, 2048, 2, 128, 128), dtype, window=4, chunk_size=64, state=True, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("K,V,read,window", [(64, 64, "after", 4), (100, 100, "before", 2), (128, 64, "before", 8)])
+def test_cuda_ragged(K, V, read, window):
+    _check((2, 1000, 2, K, V), torch.bfloat16, window=window, chunk_size=64, read=read, device="cuda")
+
+
+@needs_cuda
+def test_cuda_packed_fp16():
+    _check((1, 1500, 2, 128, 128), torch.float16, window=4, chunk_size=64, state=True,
+           cu_seqlens=[0, 1, 300, 301, 999, 1500], device="cuda")

@@ -83,7 +83,7 @@ def op_backend(counts: dict, config, device: str) -> str:
 
 def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: int = 2, min_steps: int = 3,
             max_seconds: float = 60.0, deadline: Optional[float] = None, device: str = "cuda", bf16: bool = True,
-            seed: int = 0) -> dict:
+            seed: int = 0, compile: bool = False) -> dict:
     """Time optimizer steps of ``FalconForCausalLM(config)`` on ``[batch_size, seq_len]`` random tokens.
 
     ``warmup`` untimed steps, then up to ``steps`` timed ones; timing ends once ``max_seconds``
@@ -92,7 +92,9 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
     was timed. The row: ``first_step_s`` and ``warmup_s`` (compilation included), ``timed_steps``,
     ``step_s`` (mean of the timed steps), ``step_s_median``, ``tokens_per_s``, ``steady``
     (at least ``min_steps`` timed), ``stopped`` (None, ``"max_seconds"`` or ``"deadline"``),
-    ``peak_mem_bytes``, ``params``, ``falcon_op``.
+    ``peak_mem_bytes``, ``params``, ``falcon_op``, ``compiled``. ``compile``: ``torch.compile``
+    the model first (as ``train.compile`` does); ``falcon_op`` is then read from one uncompiled
+    forward on a short input, since compiled code does not call the Python-level op.
     """
     from ..models import FalconForCausalLM
     from .model_factory import param_groups
@@ -103,6 +105,13 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
                             **({"fused": True} if device.startswith("cuda") else {}))
     x = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
     cuda = device.startswith("cuda")
+    op = None
+    if compile:
+        with falcon_op_calls(model) as counts, torch.no_grad(), torch.autocast(
+                device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            model(input_ids=x[:1, :min(seq_len, 64)], use_cache=False)
+        op = op_backend(counts, config, device)
+        model.compile()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -147,7 +156,8 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
             "tokens_per_s": batch_size * seq_len / step_s if step_s else None,
             "steady": len(timed_durations) >= min_steps, "stopped": stopped,
             "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-            "params": sum(p.numel() for p in model.parameters()), "falcon_op": op_backend(counts, config, device)}
+            "params": sum(p.numel() for p in model.parameters()),
+            "falcon_op": op if compile else op_backend(counts, config, device), "compiled": compile}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="default: cuda when available")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does)")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) here")
 
 
@@ -217,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
                                warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
-                               deadline=deadline, device=args.device, bf16=not args.fp32))
+                               deadline=deadline, device=args.device, bf16=not args.fp32, compile=args.compile))
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()

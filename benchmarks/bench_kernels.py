@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
@@ -279,13 +278,8 @@ def _versions() -> Dict[str, str]:
 
 
 def _commit(given: Optional[str]) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    from falcon_fwa.provenance import git_commit
+    return given or git_commit() or "unknown"
 
 
 def _markdown(rows, versions, commit, notes, errors) -> str:

@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from ..provenance import git_commit
 from .config import load_config
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -165,23 +166,13 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
 
 
-def _commit(given: Optional[str]) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(args: argparse.Namespace) -> int:
     names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
     _check(args, names)
     first = load_config(args.configs[0], args.overrides)
     micro = args.micro_batch or first.train.micro_batch
     global_batch = micro * max(args.gpus)
-    meta = dict(machine=args.machine or _machine(), commit=_commit(args.commit), steps=args.steps,
+    meta = dict(machine=args.machine or _machine(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len)
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
     env = {**os.environ, **MULTICAST_OFF}

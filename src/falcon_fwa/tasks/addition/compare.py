@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ...provenance import git_commit
 from .cli import add_model_arguments, preset_from_args, slug
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .storage import read_json, write_json, write_text
@@ -216,12 +217,7 @@ def _invocation() -> str:
 
 
 def _git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        sha = out.stdout.strip()
-        return sha if out.returncode == 0 and len(sha) == 40 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return git_commit(short=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -235,3 +235,13 @@ def test_throughput_reports_the_triton_kernels_when_they_serve_the_falcon_layers
                              bf16=False)
     assert row["falcon_op"] == "triton" and row["timed_steps"] == 1
     assert kernels.falcon_chunk_triton.__name__ == "falcon_chunk_triton"  # the counter is gone afterwards
+
+
+def test_throughput_profile_lists_the_most_expensive_operators_of_one_extra_step(tmp_path):
+    rows = run_throughput(tmp_path, "--steps", "1", "--min-steps", "1", "--profile", "4")
+    for r in rows:
+        assert r["timed_steps"] == 1  # the profiled step comes after the timed ones
+        top = r["profile"]
+        assert len(top) == 4 and all(t["ms"] > 0 and t["calls"] >= 1 and t["name"] for t in top)
+        assert [t["ms"] for t in top] == sorted((t["ms"] for t in top), reverse=True)
+    assert any("mm" in t["name"] or "linear" in t["name"] for t in rows[1]["profile"])  # the transformer's matmuls

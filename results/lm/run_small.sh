@@ -32,7 +32,7 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 if [ "${MEASURE_130M:-1}" = 1 ]; then
   step timeout -k 5 120 python -m falcon_fwa.train.throughput \
       --preset falcon-1a.3-130m "falcon-1a.3-130m:rule=1" transformer-124m --seq-len 2048 8192 \
-      --batch-tokens 16384 --warmup 2 --steps 5 --min-steps 3 --max-seconds 10 --deadline 100 \
+      --batch-tokens 16384 --warmup 2 --steps 5 --min-steps 3 --max-seconds 10 --deadline 100 --profile 25 \
       --out "$OUT/throughput_130m.jsonl" > >(tee "$OUT/throughput_130m.log") 2>&1
   echo "throughput: $((SECONDS - START)) s" >> "$OUT/gpu.txt"
 fi

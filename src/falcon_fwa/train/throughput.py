@@ -83,7 +83,7 @@ def op_backend(counts: dict, config, device: str) -> str:
 
 def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: int = 2, min_steps: int = 3,
             max_seconds: float = 60.0, deadline: Optional[float] = None, device: str = "cuda", bf16: bool = True,
-            seed: int = 0, compile: bool = False) -> dict:
+            seed: int = 0, compile: bool = False, profile: int = 0) -> dict:
     """Time optimizer steps of ``FalconForCausalLM(config)`` on ``[batch_size, seq_len]`` random tokens.
 
     ``warmup`` untimed steps, then up to ``steps`` timed ones; timing ends once ``max_seconds``
@@ -95,6 +95,9 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
     ``peak_mem_bytes``, ``params``, ``falcon_op``, ``compiled``. ``compile``: ``torch.compile``
     the model first (as ``train.compile`` does); ``falcon_op`` is then read from one uncompiled
     forward on a short input, since compiled code does not call the Python-level op.
+    ``profile`` > 0: one more step under ``torch.profiler`` after the timed ones; the row's
+    ``profile`` lists its ``profile`` most expensive kernels (CUDA) or operators (CPU):
+    ``name``, ``ms`` (total in that step), ``calls``.
     """
     from ..models import FalconForCausalLM
     from .model_factory import param_groups
@@ -148,6 +151,7 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
                 stopped = "max_seconds"
     durations = [b - a for a, b in zip(marks[:-1], marks[1:])]
     timed_durations = durations[timed_start:]
+    top = _profile_step(step, cuda, profile) if profile > 0 and stopped != "deadline" else None
     step_s = sum(timed_durations) / len(timed_durations) if timed_durations else None
     return {"seq_len": seq_len, "batch_size": batch_size, "tokens_per_step": batch_size * seq_len,
             "warmup_steps": timed_start, "first_step_s": durations[0] if durations else None,
@@ -157,7 +161,23 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
             "steady": len(timed_durations) >= min_steps, "stopped": stopped,
             "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             "params": sum(p.numel() for p in model.parameters()),
-            "falcon_op": op if compile else op_backend(counts, config, device), "compiled": compile}
+            "falcon_op": op if compile else op_backend(counts, config, device), "compiled": compile,
+            **({"profile": top} if top is not None else {})}
+
+
+def _profile_step(step, cuda: bool, n: int) -> list:
+    """The ``n`` most expensive kernels (CUDA) or operators (CPU) of one call of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+    rows = []
+    for e in prof.key_averages():
+        us = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": e.key[:80], "ms": round(us / 1e3, 4), "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:n]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +197,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: cuda when available")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile one step and keep its N most expensive kernels in the row")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) here")
 
 
@@ -228,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
                                warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
-                               deadline=deadline, device=args.device, bf16=not args.fp32, compile=args.compile))
+                               deadline=deadline, device=args.device, bf16=not args.fp32, compile=args.compile,
+                               profile=args.profile))
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()

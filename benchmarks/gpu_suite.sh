@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in stages that each fit in about 8 minutes:
 #   bash benchmarks/gpu_suite.sh OUT_DIR tests     # kernel and fla-comparison tests (CUDA-only tests included)
+#   bash benchmarks/gpu_suite.sh OUT_DIR diagnose  # per-quantity errors of rule 1 (fp32/bf16) under several WY warp counts
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048, decode step
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
@@ -31,6 +32,14 @@ case "$STAGE" in
         tests/test_triton_column_delta.py tests/test_triton_sliding_delta.py tests/test_triton_dispatch.py \
         tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
     wait
+    ;;
+  diagnose)
+    # Rule 1 in fp32 and bf16 at the benchmark shape: every quantity's error, under three warp settings of
+    # the WY kernels (the one GPU test failure so far: rule 1, fp32, T=2048, K=V=128).
+    for dt in fp32 bf16; do
+      timeout 120 $PY benchmarks/diagnose_kernels.py --rule 1 --dtype $dt --out "$OUT/diagnose_rule1_$dt.json" \
+          2>&1 | tee -a "$OUT/diagnose.log"
+    done
     ;;
   profile)
     # Device time per kernel of each Falcon kernel op, fwd+bwd at B=8 T=2048 H=16 K=V=128.
@@ -70,5 +79,5 @@ case "$STAGE" in
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, profile, kernels, multigpu, kernels-long, lm or addition" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, diagnose, profile, kernels, multigpu, kernels-long, lm or addition" >&2; exit 2;;
 esac

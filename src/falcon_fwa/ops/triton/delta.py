@@ -21,6 +21,9 @@ from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, launch_config, layout_
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
 SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row blocks of the inverse)
+# Warps of the two WY kernels (module-level so that a diagnosis can vary them; Triton 3.4-3.7.0
+# is known to miscompile a WY backward at chunk 64 with 4 warps on Hopper).
+WY_WARPS = {"wy_fwd": 4, "wy_bwd": 8}
 
 
 def _full_k(K: int, V: int) -> Tuple[int, int, int]:
@@ -39,7 +42,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     c = launch_config("dv_bwd", K, V)
     wy.wy_fwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BK=c["BK"],
-        BV=c["BV"], PRECISION=prec, SLOTS=slots, num_warps=4, **meta)
+        BV=c["BV"], PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_fwd"], **meta)
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(v)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
@@ -87,7 +90,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=8, **meta)
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_bwd"], **meta)
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     sd.dlog_bwd[(layout.num_chunks, H)](
         parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,

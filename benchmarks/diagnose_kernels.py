@@ -1,0 +1,58 @@
+"""Per-quantity errors of the Triton kernels against the float64 recurrent form, without a pass/fail
+cut, for one rule, dtype and shape, under several warp counts of the WY kernels (rules 1 and 3).
+
+    python benchmarks/diagnose_kernels.py --rule 1 --dtype fp32 --shape 1 2048 2 128 128 --out OUT.json
+
+Prints one line per configuration: the relative error (``||a - b|| / ||b||``) of the output, the final
+state and the gradient of every input, as ``tests/kernel_checks.check_kernel`` measures them. Use it
+when a kernel test fails on a GPU, to see which quantity is off and whether a launch setting moves it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rule", default="1")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--shape", nargs=5, type=int, default=[1, 2048, 2, 128, 128], metavar=("B", "T", "H", "K", "V"))
+    p.add_argument("--window", type=int, default=1)
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--warps", nargs="*", default=["4,8", "4,4", "8,8"],
+                   help="WY kernel warps as wy_fwd,wy_bwd (rules 1 and 3)")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    import kernel_checks as kc  # switches the interpreter on without CUDA, before triton is imported
+    from falcon_fwa.ops.triton import delta
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for spec in args.warps:
+        fwd, bwd = (int(w) for w in spec.split(","))
+        delta.WY_WARPS.update(wy_fwd=fwd, wy_bwd=bwd)
+        errors = kc.check_kernel(args.rule, tuple(args.shape), DTYPES[args.dtype], window=args.window,
+                                 chunk_size=args.chunk_size, state=True, output_final_state=True,
+                                 device=kc.DEVICE, tol={DTYPES[args.dtype]: float("inf")})
+        rows.append(dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd,
+                         errors=errors))
+        worst = max(errors, key=errors.get)
+        print(f"warps {fwd},{bwd}: worst {worst} {errors[worst]:.2e} | "
+              + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

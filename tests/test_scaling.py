@@ -36,9 +36,38 @@ def test_bad_arguments_name_themselves(tmp_path):
     parser = __import__("argparse").ArgumentParser()
     scaling.add_arguments(parser)
     for argv, match in ((["--configs", "a", "b", "--names", "A"], "--names"), (["--configs", "a", "--gpus", "0"], "--gpus"),
-                        (["--configs", "a", "--steps", "0"], "--steps")):
+                        (["--configs", "a", "--steps", "0"], "--steps"),
+                        (["--configs", "a", "--set", "train.global_batch=8"], "train.global_batch")):
         with pytest.raises(ValueError, match=match):
             scaling.run(parser.parse_args(argv))
+
+
+def test_one_global_batch_splits_for_every_process_count():
+    assert scaling.shared_global_batch(32, [1, 2, 4]) == 128
+    assert scaling.shared_global_batch(16, [2, 3]) == 96  # not 16 x 3: two processes need an even count
+    for n in (2, 3):
+        assert scaling.shared_global_batch(16, [2, 3]) % (16 * n) == 0
+
+
+def test_a_run_past_its_deadline_is_stopped_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    cmd = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
+    with open(tmp_path / "log", "w") as log:
+        assert scaling._run_group(cmd, dict(os.environ), log, timeout=1.0, grace=5.0) is None
+    assert not _running(int(pid_file.read_text()))  # the grandchild is stopped too, not only the launcher
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan nobody has reaped yet is dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ def test_grouped_writes_see_the_state_before_their_step():
 
 # ---- every switch, tiny shapes (interpreter on CPU, GPU when present) ----
 
-@pytest.mark.parametrize("window", [1, 2, 4, 8])
+@pytest.mark.parametrize("window", [1, 2, 4, 8, 16])
 def test_windows_read_after(window):
     _check((2, 21, 2, 16, 16), window=window, seed=window)
 
@@ -99,6 +99,16 @@ def test_garbage_in_empty_tail_slots_and_short_segment():
 
 def test_two_segments_continue_exactly():
     check_segments_continue("3", seed=70, cut=18, window=4)
+
+
+def test_grouped_rows_must_be_whole_steps():
+    x = torch.randn(1, 6, 1, 16, device=DEVICE)
+    eta = torch.rand(1, 6, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="T=6 must be a multiple"):
+        delta_chunk(x, x, x, eta, eta, -eta, None, read_after=True, chunk_size=16, slots=4)
+    with pytest.raises(ValueError, match="cu_seqlens boundary"):
+        delta_chunk(x, x, x, eta, eta, -eta, None, read_after=True, chunk_size=16, slots=2,
+                    cu_seqlens=torch.tensor([0, 3, 6], device=DEVICE))
 
 
 def test_unsupported_window_names_itself():

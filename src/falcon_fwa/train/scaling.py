@@ -3,15 +3,16 @@
 ``falcon-fwa scaling --configs configs/small/falcon-1a.3.yaml configs/small/transformer.yaml
 --names Falcon-1A.3 Transformer --gpus 1 2 --strategies ddp fsdp2 --steps 200 --results results/multigpu``
 
-Every run keeps the recipe's per-process batch (``--micro-batch``, default the recipe's
+Every run keeps the recipe's per-process batch (``--micro-batch``, default the first recipe's
 ``train.micro_batch``) and one global batch for all process counts: micro batch times the
-largest count in ``--gpus``. A run on fewer processes accumulates gradients over the missing
-ones, so every process count trains on the same token stream with the same optimizer steps,
+least common multiple of ``--gpus`` (times the largest count for 1, 2, 4, 8). A run on fewer
+processes accumulates gradients over the missing ones, so every process count trains on the
+same token stream with the same optimizer steps,
 and the validation loss after the same tokens must agree across counts within run-to-run
 noise. The noise is measured by repeating the one-process run of the first strategy with
 every seed in ``--noise-seeds``. Scaling efficiency: tokens/s at N processes over N times
-tokens/s at one process, same model and strategy (a one-process DDP/FSDP2 run is a real
-one-member process group).
+tokens/s at the smallest count run (one process, normally), same model and strategy, scaled
+by that count (a one-process DDP/FSDP2 run is a real one-member process group).
 
 Each run is ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
 falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink multicast off
@@ -20,14 +21,16 @@ After every run, ``RESULTS.json`` (rows: ``model``, ``strategy``, ``gpus``, ``se
 ``tokens_per_s``, ``efficiency``, ``peak_mem_bytes_per_gpu``, ``val_loss``, ``tokens``,
 ``steps``, ``status``, ``command``) and ``RESULTS.md`` are rewritten, so an interrupted sweep
 keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
-progress.
+progress (the launcher and its workers: the whole process group).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +54,12 @@ def plan(configs: List[str], names: List[str], gpus: List[int], strategies: List
                 seeds = noise_seeds if (n == min(gpus) and i == 0) else noise_seeds[:1]
                 jobs += [dict(model=name, config=config, gpus=n, strategy=strategy, seed=s) for s in seeds]
     return jobs
+
+
+def shared_global_batch(micro_batch: int, gpus: List[int]) -> int:
+    """One global batch that every process count in ``gpus`` splits into whole micro-batches:
+    ``micro_batch x lcm(gpus)``."""
+    return micro_batch * math.lcm(*gpus)
 
 
 def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_dir: str,
@@ -164,6 +173,29 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError("--noise-seeds needs at least one seed")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
+    for o in args.overrides:
+        if o.split("=", 1)[0].strip() in ("train.global_batch", "train.micro_batch", "train.strategy", "train.steps"):
+            raise ValueError(f"--set {o}: the sweep sets this field itself (use --micro-batch, --strategies, --steps)")
+
+
+def _run_group(cmd: List[str], env: dict, log, timeout: Optional[float], grace: float = 30.0) -> Optional[int]:
+    """Run ``cmd`` in a new session; past ``timeout`` seconds, stop its whole process group (torchrun's
+    workers too: TERM, then KILL after ``grace`` seconds). Returns the exit code, or None if stopped."""
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args, names)
     first = load_config(args.configs[0], args.overrides)
     micro = args.micro_batch or first.train.micro_batch
-    global_batch = micro * max(args.gpus)
+    global_batch = shared_global_batch(micro, args.gpus)
     meta = dict(machine=args.machine or _machine(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len)
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
@@ -193,11 +225,9 @@ def run(args: argparse.Namespace) -> int:
         log_path = run_dir + ".log"
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         with open(log_path, "w") as log:
-            try:
-                done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left)
-                row["status"] = "done" if done.returncode == 0 else f"failed (exit {done.returncode}, {log_path})"
-            except subprocess.TimeoutExpired:
-                row["status"] = "stopped: deadline"
+            code = _run_group(cmd, env, log, left)
+        row["status"] = ("stopped: deadline" if code is None else "done" if code == 0
+                         else f"failed (exit {code}, {log_path})")
         summary = _read_summary(run_dir)
         if summary is not None and row["status"] == "done":
             row.update(tokens_per_s=summary.get("tokens_per_s"), peak_mem_bytes_per_gpu=summary.get("peak_mem_bytes"),

@@ -23,7 +23,7 @@ import argparse
 import json
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
@@ -114,6 +114,7 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
                 device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
             model(input_ids=x[:1, :min(seq_len, 64)], use_cache=False)
         op = op_backend(counts, config, device)
+        torch._dynamo.reset()  # each model compiles on its own, not against the guards of the last one
         model.compile()
     if cuda:
         torch.cuda.empty_cache()
@@ -137,7 +138,8 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
 
     start = _clock()
     marks, stopped = [start], None
-    with falcon_op_calls(model) as counts:
+    # compiled code is not wrapped in the counting hooks: they would change its guards every step
+    with (nullcontext({}) if compile else falcon_op_calls(model)) as counts:
         while len(marks) <= warmup and stopped is None:
             marks.append(step())
             stopped = "deadline" if past_deadline(marks[-1]) else None
@@ -151,7 +153,7 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
                 stopped = "max_seconds"
     durations = [b - a for a, b in zip(marks[:-1], marks[1:])]
     timed_durations = durations[timed_start:]
-    top = _profile_step(step, cuda, profile) if profile > 0 and stopped != "deadline" else None
+    top = _profile_step(step, cuda, profile) if profile > 0 and not past_deadline(_clock()) else None
     step_s = sum(timed_durations) / len(timed_durations) if timed_durations else None
     return {"seq_len": seq_len, "batch_size": batch_size, "tokens_per_step": batch_size * seq_len,
             "warmup_steps": timed_start, "first_step_s": durations[0] if durations else None,

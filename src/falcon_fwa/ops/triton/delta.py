@@ -146,6 +146,11 @@ def delta_chunk(
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
     if slots not in SLOT_COUNTS:
         raise ValueError(f"slots must be one of {SLOT_COUNTS} (a divisor of 16), got {slots}")
+    if slots > 1:  # whole steps only: every sequence a multiple of ``slots`` rows
+        if q.shape[1] % slots:
+            raise ValueError(f"with slots={slots}, T={q.shape[1]} must be a multiple of slots")
+        if cu_seqlens is not None and bool((cu_seqlens % slots).any()):
+            raise ValueError(f"with slots={slots}, every cu_seqlens boundary must be a multiple of slots")
     q, x, v = (t.contiguous() for t in (q, x, v))
     eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
     S0 = None if S0 is None else S0.float().contiguous()

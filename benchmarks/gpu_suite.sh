@@ -20,6 +20,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD >> "$OUT/gpu.txt" 2>/dev/null
 
+# stop_group_after SECONDS PID: wait for PID; past SECONDS, TERM then KILL its whole process group.
+stop_group_after() {
+  local limit=$1 pid=$2 waited=0
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$limit" ]; do sleep 1; waited=$((waited + 1)); done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+  fi
+  wait "$pid" 2>/dev/null
+}
+
 case "$STAGE" in
   tests)
     # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows), alongside the
@@ -27,11 +37,15 @@ case "$STAGE" in
     timeout ${TESTS_TIMEOUT:-350} $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1 &
     # One process per core: most of the time is the first-call compilation of each kernel variant.
     # -v prints every result as it comes, so a cut-off run still says which tests failed.
-    timeout ${TESTS_TIMEOUT:-350} $PY -m pytest -v -n ${JOBS:-16} -p no:cacheprovider -rfEs --durations=30 --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
+    # In a session of its own, so that the timeout stops the xdist workers too (left running, they would
+    # share the GPU with whatever stage comes next).
+    setsid $PY -m pytest -v -n ${JOBS:-16} -p no:cacheprovider -rfEs --durations=30 --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
         tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
         tests/test_triton_column_delta.py tests/test_triton_sliding_delta.py tests/test_triton_dispatch.py \
-        tests/test_layers.py 2>&1 | tee "$OUT/gpu_tests.txt"
+        tests/test_layers.py > "$OUT/gpu_tests.txt" 2>&1 &
+    stop_group_after ${TESTS_TIMEOUT:-350} $!
     wait
+    tail -n 40 "$OUT/gpu_tests.txt"
     ;;
   diagnose)
     # Rule 1 in fp32 and bf16 at the benchmark shape: every quantity's error, under three warp settings of

@@ -132,6 +132,30 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypat
     assert trainer.step == 4 and not any(n.startswith(".tmp-") for n in os.listdir(ckdir))
 
 
+def test_resaving_a_step_replaces_it_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    d = str(tmp_path / "ck")
+    ckpt_module.save_checkpoint(d, 1, {"v": torch.tensor(1.0)})
+    ckpt_module.save_checkpoint(d, 2, {"v": torch.tensor(2.0)})
+    # a crash right after the old step-2 folder is moved aside: step 1 is what loads
+    real_rename = os.rename
+
+    def crash_on_second_rename(src, dst, _calls=[]):
+        _calls.append(src)
+        if len(_calls) == 2:
+            raise KeyboardInterrupt
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt_module.os, "rename", crash_on_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt_module.save_checkpoint(d, 2, {"v": torch.tensor(20.0)})
+    monkeypatch.undo()
+    assert load_checkpoint(latest_checkpoint(d))["v"].item() == 1.0
+    # a complete re-save: the new state, and no temporary folder left
+    ckpt_module.save_checkpoint(d, 2, {"v": torch.tensor(30.0)})
+    assert load_checkpoint(latest_checkpoint(d))["v"].item() == 30.0
+    assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     raw = recipe(tmp_path, "run")
     run_trainer(raw, stop_at=2)

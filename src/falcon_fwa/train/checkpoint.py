@@ -65,10 +65,14 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 
     _write_file(os.path.join(tmp, "state.pt"), lambda f: torch.save(state, f))
     meta = json.dumps({"step": step, "complete": True}).encode()
     _write_file(os.path.join(tmp, "meta.json"), lambda f: f.write(meta))
-    if os.path.exists(final):
-        shutil.rmtree(final)
+    stale = None
+    if os.path.exists(final):  # a re-save of this step: move the old one aside (one rename), delete it last
+        stale = os.path.join(checkpoint_dir, f".tmp-old-{name}")
+        os.rename(final, stale)
     os.rename(tmp, final)
     _fsync_dir(checkpoint_dir)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
     pointer = os.path.join(checkpoint_dir, f".tmp-{LATEST}")
     _write_file(pointer, lambda f: f.write(name.encode()))
     os.replace(pointer, os.path.join(checkpoint_dir, LATEST))

@@ -159,6 +159,8 @@ OPS: Dict[str, Builder] = {
 }
 
 
+SLIDING_OPS = ("falcon-3", "falcon-3a", "falcon-3a-unchecked", "torch-chunk-3", "torch-chunk-3A")  # run at WINDOW
+
 DECODE_PRESET = dict(layers=12, H=6, K=128, V=128)  # the 130M presets' mixer: 12 layers, 6 heads of 128
 
 
@@ -357,7 +359,7 @@ def main(argv=None) -> None:
                     continue
                 B, T, H, K, V = shape
                 rows.append(dict(op=name, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=peak))
-                if "3" in name.split("-", 1)[-1]:  # the sliding rules 3 and 3A
+                if name in SLIDING_OPS:
                     rows[-1]["window"] = WINDOW
                 print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB", flush=True)
                 _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")

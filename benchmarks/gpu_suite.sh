@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048, decode step
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
+#   bash benchmarks/gpu_suite.sh OUT_DIR decode    # whole-model decoding tokens/s, fused step vs PyTorch step
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
 #   bash benchmarks/gpu_suite.sh OUT_DIR multigpu  # DDP/FSDP2 scaling over the GPUs of the machine
 #   bash benchmarks/gpu_suite.sh OUT_DIR addition  # the Table-3 lineup on variable-length addition
@@ -63,14 +64,18 @@ case "$STAGE" in
   kernels)
     # BENCH_OPS narrows the rows (default: every Falcon kernel, the fla counterparts, SDPA and the PyTorch forms)
     timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
-        --ops ${BENCH_OPS:-falcon-1a falcon-1 falcon-2 falcon-2a falcon-3 falcon-3a fla-simple-gla fla-gla fla-delta-rule \
-              fla-gated-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-2 torch-chunk-2A torch-chunk-3 torch-chunk-3A} \
+        --ops ${BENCH_OPS:-falcon-2a fla-gla falcon-2 fla-gated-delta-rule falcon-3 falcon-1 falcon-1a fla-simple-gla \
+              falcon-3a fla-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3} \
         ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   kernels-long)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
         --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3 falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
         --profile falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
+    ;;
+  decode)
+    timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \
+        --batch 1 64 --out "$OUT" --name h200-decode 2>&1 | tee "$OUT/bench_decode.log"
     ;;
   lm)
     MEASURE_130M=1 bash results/lm/run_small.sh "$OUT" 2>&1 | tee "$OUT/lm.log"
@@ -93,5 +98,5 @@ case "$STAGE" in
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, diagnose, profile, kernels, multigpu, kernels-long, lm or addition" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, diagnose, profile, kernels, kernels-long, decode, lm, multigpu or addition" >&2; exit 2;;
 esac

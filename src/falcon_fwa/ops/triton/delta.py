@@ -26,11 +26,15 @@ SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row b
 WY_WARPS = {"wy_fwd": 4, "wy_bwd": 8}
 
 
-def _full_k(K: int, V: int) -> Tuple[int, int, int]:
-    """Kernels that hold the whole key dimension: ``BK >= K``, ``BV`` and warps."""
+def _full_k(K: int, V: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
+    """Kernels that hold the whole key dimension: ``BK >= K``, ``BV``, warps and pipeline
+    stages. Four-byte inputs at ``BK = 128`` take two stages instead of Triton's three: with
+    three, ``state_bwd`` needs 246 KB of shared memory, above the 227 KB of an sm_90 block
+    (``benchmarks/kernel_resources.py``)."""
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(32, triton.next_power_of_2(V), 4096 // BK))
-    return BK, BV, 4 if BK <= 128 else 8
+    stages = 2 if dtype.itemsize >= 4 and BK >= 128 else 3
+    return BK, BV, 4 if BK <= 128 else 8, stages
 
 
 def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool, slots: int):
@@ -46,10 +50,10 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(v)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
-    BK, BV, warps = _full_k(K, V)
+    BK, BV, warps, stages = _full_k(K, V, q.dtype)
     wy.state_fwd[(triton.cdiv(V, BV), layout.N * H)](
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
-        STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, **meta)
+        STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta)
     o = torch.empty_like(v)
     c = launch_config("output_fwd", K, V)
     sd.output_fwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
@@ -71,11 +75,11 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     dD = torch.empty_like(dD_local)
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
-    BK, BV, warps = _full_k(K, V)
+    BK, BV, warps, stages = _full_k(K, V, q.dtype)
     wy.state_bwd[(triton.cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD_local, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
-        num_warps=warps, **meta)
+        num_warps=warps, num_stages=stages, **meta)
     dq, dx = torch.empty_like(q), torch.empty_like(x)
     rows = B * T
     c = launch_config("dqk_bwd", K, V)
@@ -90,7 +94,8 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_bwd"], **meta)
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_bwd"], num_stages=stages,
+        **meta)
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     sd.dlog_bwd[(layout.num_chunks, H)](
         parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,

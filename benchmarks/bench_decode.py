@@ -1,0 +1,134 @@
+"""Decoding speed of whole models: tokens/s of cached greedy decoding with the fused Triton
+step against the PyTorch step, at several batch sizes, for the 130M presets.
+
+    python benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \
+        --batch 1 64 --out benchmarks/results --name h200-decode
+
+Each row: a model in bf16 (random weights; speed does not depend on them) reads a prompt of
+``--prompt`` tokens with ``use_cache=True`` (the chunk kernels), then decodes ``--new-tokens``
+greedy tokens one at a time from its cache, each step ``model(next_ids, cache=cache)``; tokens/s =
+batch x new tokens / the decoding loop's wall time (CUDA-synchronized, median of ``--repeats``).
+The Falcon layers' step op is ``falcon_step(..., backend=...)``, forced here to ``"triton"`` (the
+fused step kernel, the default on CUDA) or ``"torch"`` (the PyTorch step); both rows of a preset must
+pick the same tokens, and the table gives the largest logit difference between them. The Transformer
+row (its KV cache, SDPA) is the reference.
+
+Writes ``<out>/<name>.json`` (rows ``{preset, impl, batch, prompt, new_tokens, tokens_per_s,
+ms_per_step, max_logit_diff}``) and ``<out>/<name>.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+
+def decode(model, prompt: torch.Tensor, new_tokens: int):
+    """Greedy decoding from a cache; returns (tokens [B, new], last logits, seconds of the loop)."""
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        cache = getattr(out, "cache", None)
+        cache = out.past_key_values if cache is None else cache
+        ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens = [ids]
+        sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = model(ids, cache=cache, use_cache=True)
+            ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(ids)
+        sync()
+        return torch.cat(tokens, 1), out.logits[:, -1].float(), time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=["falcon-1a.3-130m", "falcon-3a.3-130m", "transformer-124m"])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 64])
+    p.add_argument("--prompt", type=int, default=64, help="prompt length (tokens)")
+    p.add_argument("--new-tokens", type=int, default=128, help="decoded tokens per row")
+    p.add_argument("--repeats", type=int, default=3, help="timed decoding loops per row (median)")
+    p.add_argument("--impls", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="decode")
+    args = p.parse_args(argv)
+    for name in ("prompt", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+
+    from falcon_fwa.layers import falcon_attention as layer_module
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+    from falcon_fwa.ops import falcon_step
+
+    dtype = getattr(torch, args.dtype)
+    rows: List[Dict] = []
+    for preset in args.presets:
+        config = get_preset(preset)
+        torch.manual_seed(0)
+        model = FalconForCausalLM(config).to(args.device, dtype).eval()
+        impls = args.impls if config.mixer == "falcon" else ["-"]
+        for B in args.batch:
+            g = torch.Generator().manual_seed(B)
+            prompt = torch.randint(0, config.vocab_size, (B, args.prompt), generator=g).to(args.device)
+            first = {}
+            for impl in impls:
+                if impl != "-":
+                    layer_module.falcon_step = functools.partial(falcon_step, backend=impl)
+                decode(model, prompt, 4)  # compile / warm up
+                times, tokens, logits = [], None, None
+                for _ in range(args.repeats):
+                    tokens, logits, seconds = decode(model, prompt, args.new_tokens)
+                    times.append(seconds)
+                seconds = statistics.median(times)
+                steps = args.new_tokens - 1
+                row = dict(preset=preset, impl=impl, batch=B, prompt=args.prompt, new_tokens=args.new_tokens,
+                           tokens_per_s=round(B * steps / seconds, 1), ms_per_step=round(1e3 * seconds / steps, 3))
+                if first:
+                    row["same_tokens"] = bool(torch.equal(tokens, first["tokens"]))
+                    row["max_logit_diff"] = float((logits - first["logits"]).abs().max())
+                else:
+                    first = dict(tokens=tokens, logits=logits)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        layer_module.falcon_step = falcon_step
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+            f.write(report(rows, args))
+    return 0
+
+
+def report(rows: List[Dict], args) -> str:
+    from falcon_fwa.provenance import git_commit
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    out = [f"# Decoding speed: {dev}", "",
+           f"commit `{git_commit()}`; torch {torch.__version__}; {args.dtype}; prompt {args.prompt} tokens, "
+           f"{args.new_tokens} greedy tokens per row, median of {args.repeats} loops; random weights.", "",
+           "| preset | step op | batch | tokens/s | ms/step | vs torch step | same tokens | max logit diff |",
+           "|---|---|---|---|---|---|---|---|"]
+    base = {(r["preset"], r["batch"]): r["tokens_per_s"] for r in rows if r["impl"] == "torch"}
+    for r in rows:
+        ref = base.get((r["preset"], r["batch"]))
+        ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref and r["impl"] != "torch" else "-"
+        out.append(f"| {r['preset']} | {r['impl']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']} | "
+                   f"{ratio} | {r.get('same_tokens', '-')} | {r.get('max_logit_diff', '-')} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Shared memory of every Triton kernel launch of a rule, compiled for a GPU
+architecture on a machine without one.
+
+    python benchmarks/kernel_resources.py --rules 1 2 --dtypes fp32 bf16 --dims 64 128 [--arch 90]
+
+Runs each rule's forward and backward through ``falcon_chunk_triton`` on CPU tensors with every
+kernel launch replaced by a compile for ``sm_<arch>`` (Triton ships ``ptxas``; no GPU or driver is
+used, nothing is executed, so the outputs are garbage and only the launch configurations matter).
+Prints one row per distinct compiled kernel: its launch settings and shared memory against the
+architecture's limit. A kernel that needs more shared memory than the limit fails at launch on the
+GPU with ``OutOfResources``; this finds it before the GPU does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List
+
+import torch
+
+# The limits of one thread block (dynamic shared memory opt-in), per architecture.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _compile_only(arch: int, rows: List[Dict], context: Dict):
+    """A replacement for ``JITFunction.run`` that compiles for ``sm_<arch>`` and records resources."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    seen = {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+        key = (self.fn.__name__, str(sorted((str(k), repr(v)) for k, v in constexprs.items())),
+               str(signature), str(options))
+        if key not in seen:
+            kernel = compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
+            md = kernel.metadata
+            blocks = {self.params[p[0]].name: v for p, v in constexprs.items()
+                      if self.params[p[0]].name.startswith("B") or self.params[p[0]].name in ("K", "V", "SLOTS")}
+            seen[key] = dict(context, kernel=self.fn.__name__, blocks=blocks, num_warps=md.num_warps,
+                             num_stages=md.num_stages, shared=md.shared, limit=SHARED_LIMIT.get(arch))
+            rows.append(seen[key])
+        return None
+
+    return run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rules", nargs="+", default=["1A", "1", "2A", "2", "3A", "3"])
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256], help="head dims K = V")
+    p.add_argument("--chunk-sizes", nargs="+", type=int, default=[64])
+    p.add_argument("--window", type=int, default=4, help="window of rules 3 and 3A")
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        p.error("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")
+
+    from triton.runtime.jit import JITFunction
+    from falcon_fwa.ops.triton import api
+    from falcon_fwa.ops.triton.api import MAX_WY_HEAD_DIM, falcon_chunk_triton
+    from falcon_fwa.ops.rules import get_rule
+
+    rows: List[Dict] = []
+    context: Dict = {}
+    JITFunction.run = _compile_only(args.arch, rows, context)
+    api._interpreting = lambda: True  # let CPU tensors through; no kernel runs
+    failures = 0
+    for rule in args.rules:
+        spec = get_rule(rule)
+        for dtype in args.dtypes:
+            for d in args.dims:
+                if spec.regression and d > MAX_WY_HEAD_DIM:
+                    continue
+                for chunk in args.chunk_sizes:
+                    context.clear()
+                    context.update(rule=spec.name, dtype=dtype, K=d, V=d, chunk_size=chunk)
+                    B, T, H = 1, 2 * chunk, 1
+                    g = torch.Generator().manual_seed(0)
+                    q, k = (torch.randn(B, T, H, d, generator=g).to(DTYPES[dtype]).requires_grad_() for _ in range(2))
+                    v = torch.randn(B, T, H, d, generator=g).to(DTYPES[dtype]).requires_grad_()
+                    beta = torch.rand(*((B, T, H, d) if spec.per_column else (B, T, H)), generator=g)
+                    lam, log_gate = (torch.rand(B, T, H, generator=g) for _ in range(2))
+                    window = args.window if spec.sliding else 1
+                    try:
+                        o, state = falcon_chunk_triton(
+                            q, k, v, beta.requires_grad_(), lam.requires_grad_(), rule=spec.name, window=window,
+                            log_gate=(-log_gate).requires_grad_(), chunk_size=chunk, output_final_state=True)
+                        (o.float().sum() + state.S.sum()).backward()
+                    except Exception as e:  # noqa: BLE001 - reported per configuration
+                        failures += 1
+                        print(f"rule {spec.name} {dtype} K=V={d} chunk {chunk}: {type(e).__name__}: {e}")
+    over = [r for r in rows if r["limit"] is not None and r["shared"] > r["limit"]]
+    print(f"{'rule':4} {'dtype':5} {'K':>4} {'kernel':24} {'warps':>5} {'stages':>6} {'shared':>8}  blocks")
+    for r in rows:
+        flag = "  OVER" if r in over else ""
+        print(f"{r['rule']:4} {r['dtype']:5} {r['K']:>4} {r['kernel']:24} {r['num_warps']:>5} {r['num_stages']:>6} "
+              f"{r['shared']:>8}  {r['blocks']}{flag}")
+    print(f"{len(rows)} kernels compiled for sm_{args.arch}; {len(over)} above the shared-memory limit "
+          f"({SHARED_LIMIT.get(args.arch)} bytes); {failures} configurations failed")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if over or failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -92,7 +92,7 @@ PRESETS: Dict[str, AdditionPreset] = {
     ),
     "paper": AdditionPreset(
         hidden_size=256, num_hidden_layers=4, num_heads=4,
-        steps=2000, batch_size=512, lr=2e-3, warmup=200, eval_every=200,
+        steps=2000, batch_size=128, lr=1e-3, warmup=100, eval_every=100,
         val_per_width=64, ood_per_width=100, model=_fan_in_init(256),
     ),
 }

@@ -81,8 +81,8 @@ case "$STAGE" in
     MEASURE_130M=1 bash results/lm/run_small.sh "$OUT" 2>&1 | tee "$OUT/lm.log"
     ;;
   addition)
-    timeout 540 $PY -m falcon_fwa.cli addition-compare --preset paper --device cuda \
-        --models Falcon-3A.3 Falcon-1A.3 Falcon-1.3 Transformer Mamba-2 --seeds 0 --jobs 5 --deadline 480 --partial \
+    timeout ${ADDITION_TIMEOUT:-540} $PY -m falcon_fwa.cli addition-compare --preset paper --device cuda \
+        --models Falcon-3A.3 Falcon-1A.3 Falcon-1.3 Transformer Mamba-2 --seeds 0 --jobs 5 --deadline ${ADDITION_DEADLINE:-480} --partial \
         --runs "$OUT/addition_runs" --results "$OUT" --name paper 2>&1 | tee "$OUT/addition.log"
     ;;
   multigpu)

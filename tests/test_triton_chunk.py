@@ -63,6 +63,17 @@ def test_chunk_128_two_chunks(rule):
     check_kernel(rule, (1, 150, 1, 16, 16), torch.float32, chunk_size=128, read="before", seed=9)
 
 
+@pytest.mark.parametrize("rule", ["1", "3"])
+def test_wy_kernels_run_chunk_128_as_64(rule):
+    # delta.WY_MAX_CHUNK: a request for 128 computes exactly what 64 computes
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 70, 1, 16, generator=g).to(DEVICE) * 0.5 for _ in range(3))
+    beta, lam = torch.rand(1, 70, 1, generator=g).to(DEVICE), 0.2 * torch.rand(1, 70, 1, generator=g).to(DEVICE)
+    o128, _ = falcon_chunk_triton(q, k, v, beta, lam, rule=rule, window=2, chunk_size=128)
+    o64, _ = falcon_chunk_triton(q, k, v, beta, lam, rule=rule, window=2, chunk_size=64)
+    assert torch.equal(o128, o64)
+
+
 @each_rule
 def test_fp16_inputs(rule):
     check_kernel(rule, (1, 40, 2, 32, 32), torch.float16, seed=6)

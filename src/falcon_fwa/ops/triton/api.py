@@ -30,9 +30,9 @@ TRITON_RULES = ("1", "1A", "2", "2A", "3", "3A")  # rules with chunk kernels
 # Rules whose current kernels have passed the float64 checks on a GPU; backend="auto" uses only these.
 # On an H200, every kernel test (tests/test_triton_*.py: switches, states, packed sequences, chunk
 # sizes, benchmark-sized and ragged head dims; outputs and gradients against the float64 recurrent
-# form) passed for rules 1A, 2A, 2 and 3A, and all but the float32 benchmark-shape check for rule 1
-# (its bfloat16 twin passed); benchmarks/results/h200_tests.md.
-GPU_CHECKED_RULES: tuple = ("1A", "1", "2A", "2", "3A")
+# form) passed for all six rules, rules 1 and 3 in fp32 at K = V = 128 after the WY state kernels
+# went to two pipeline stages there; benchmarks/results/h200_tests.md.
+GPU_CHECKED_RULES: tuple = ("1A", "1", "2A", "2", "3A", "3")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WY_HEAD_DIM = 128  # the regression kernels (rules 1, 2) keep the whole key dimension in one tile
 
@@ -131,7 +131,8 @@ def falcon_chunk_triton(
     (``shift``, ``normalize``, ``log_gate``, ``read``, ``scale_ridge``,
     ``initial_state`` with the last-key carry, ``output_final_state``,
     ``cu_seqlens``); bf16/fp16/fp32 inputs (``k``, ``v`` are
-    cast to ``q``'s dtype; fp32 accumulation); ``chunk_size`` in {16, 32, 64, 128}.
+    cast to ``q``'s dtype; fp32 accumulation); ``chunk_size`` in {16, 32, 64, 128}
+    (the WY kernels of rules 1 and 3 run a request for 128 as 64: ``delta.WY_MAX_CHUNK``).
     Anything else raises ``NotImplementedError`` naming the switch.
 
     ``validate=False`` skips ``ops.validate.check_inputs`` and the check of

@@ -24,6 +24,10 @@ SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row b
 # Warps of the two WY kernels (module-level so that a diagnosis can vary them; Triton 3.4-3.7.0
 # is known to miscompile a WY backward at chunk 64 with 4 warps on Hopper).
 WY_WARPS = {"wy_fwd": 4, "wy_bwd": 8}
+# The largest chunk the WY kernels run: a request for 128 runs at 64 (the result is the same up to
+# rounding). At 128 the fp32 kernels take 6.5 minutes to compile for sm_90 (even at K = V = 16;
+# benchmarks/kernel_resources.py) and the 128 x 128 solve gains nothing over two 64 x 64 ones.
+WY_MAX_CHUNK = 64
 
 
 def _full_k(K: int, V: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
@@ -143,6 +147,8 @@ def delta_chunk(
     on a group's first row), which all see the state before their step, not one another:
     the rule-3 layout (``ops.triton.sliding_delta``). ``slots`` must divide 16.
 
+    ``chunk_size`` 128 runs as 64 (``WY_MAX_CHUNK``).
+
     ``q``, ``x`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` of one dtype; ``eta``,
     ``kappa``, ``log_a`` ``[B, T, H]`` fp32; ``S0`` ``[N, H, K, V]`` fp32 or ``None``.
     Returns ``o`` ``[B, T, H, V]`` and the final states ``[N, H, K, V]`` fp32 (or ``None``).
@@ -156,6 +162,7 @@ def delta_chunk(
             raise ValueError(f"with slots={slots}, T={q.shape[1]} must be a multiple of slots")
         if cu_seqlens is not None and bool((cu_seqlens % slots).any()):
             raise ValueError(f"with slots={slots}, every cu_seqlens boundary must be a multiple of slots")
+    chunk_size = min(chunk_size, WY_MAX_CHUNK)
     q, x, v = (t.contiguous() for t in (q, x, v))
     eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
     S0 = None if S0 is None else S0.float().contiguous()

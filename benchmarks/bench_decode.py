@@ -10,7 +10,8 @@ greedy tokens one at a time from its cache, each step ``model(next_ids, cache=ca
 batch x new tokens / the decoding loop's wall time (CUDA-synchronized, median of ``--repeats``).
 The Falcon layers' step op is ``falcon_step(..., backend=...)``, forced here to ``"triton"`` (the
 fused step kernel, the default on CUDA) or ``"torch"`` (the PyTorch step); both rows of a preset must
-pick the same tokens, and the table gives the largest logit difference between them. The Transformer
+pick the same tokens, and the table gives the largest logit difference between them (rules without a
+fused step kernel, ``ops.triton.STEP_RULES``, get the PyTorch row only). The Transformer
 row (its KV cache, SDPA) is the reference.
 
 Writes ``<out>/<name>.json`` (rows ``{preset, impl, batch, prompt, new_tokens, tokens_per_s,
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
     from falcon_fwa.layers import falcon_attention as layer_module
     from falcon_fwa.models import FalconForCausalLM, get_preset
     from falcon_fwa.ops import falcon_step
+    from falcon_fwa.ops.rules import get_rule
+    from falcon_fwa.ops.triton import STEP_RULES
 
     dtype = getattr(torch, args.dtype)
     rows: List[Dict] = []
@@ -76,7 +79,10 @@ def main(argv=None) -> int:
         config = get_preset(preset)
         torch.manual_seed(0)
         model = FalconForCausalLM(config).to(args.device, dtype).eval()
-        impls = args.impls if config.mixer == "falcon" else ["-"]
+        if config.mixer != "falcon":
+            impls = ["-"]
+        else:  # rules without a fused step kernel have only the PyTorch step
+            impls = [i for i in args.impls if i == "torch" or get_rule(config.rule).name in STEP_RULES]
         for B in args.batch:
             g = torch.Generator().manual_seed(B)
             prompt = torch.randint(0, config.vocab_size, (B, args.prompt), generator=g).to(args.device)

@@ -18,9 +18,11 @@ Hopper (a known miscompile); ``--allow-fla-gated`` lifts that guard for timing o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import tempfile
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
@@ -182,6 +184,25 @@ def measure_decode(impl: str, rule: str, B: int) -> float:
         return float(do_bench(run, warmup=25, rep=100, return_mode="median"))
 
 
+class RowTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise :class:`RowTimeout` in the main thread after ``seconds`` (checked between Python
+    bytecodes, so a long-running CUDA call ends first)."""
+    def _raise(signum, frame):
+        raise RowTimeout(f"row took more than {seconds:g} s (--row-timeout); skipped")
+    previous = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def measure(build: Builder, shape, mode: str) -> Tuple[float, int]:
     from triton.testing import do_bench
     fn, leaves = build(*shape)
@@ -332,7 +353,11 @@ def main(argv=None) -> None:
                    help=f"indices into {SHAPES}")
     p.add_argument("--profile", nargs="*", default=[], help="ops whose fwd+bwd is profiled per kernel (first shape)")
     p.add_argument("--decode", action="store_true", help="also time the fused decoding step against the PyTorch step")
+    p.add_argument("--row-timeout", type=float, default=90.0,
+                   help="seconds one row (compilation included) may take before it is skipped and reported")
     args = p.parse_args(argv)
+    if args.row_timeout <= 0:
+        p.error("--row-timeout must be positive")
     notes = []
     if args.allow_fla_gated:
         import fla.ops.common.chunk_o as chunk_o
@@ -351,8 +376,9 @@ def main(argv=None) -> None:
         for name in args.ops:
             for mode in ("fwd", "fwdbwd"):
                 try:
-                    ms, peak = measure(OPS[name], shape, mode)
-                except Exception as e:  # one failing op must not lose the others
+                    with _time_limit(args.row_timeout):
+                        ms, peak = measure(OPS[name], shape, mode)
+                except Exception as e:  # one failing or stalled op must not lose the others
                     errors.append(f"{name} {shape} {mode}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     traceback.print_exc()
                     torch.cuda.empty_cache()

@@ -40,11 +40,17 @@ def main(argv=None) -> int:
     for spec in args.warps:
         fwd, bwd = (int(w) for w in spec.split(","))
         delta.WY_WARPS.update(wy_fwd=fwd, wy_bwd=bwd)
-        errors = kc.check_kernel(args.rule, tuple(args.shape), DTYPES[args.dtype], window=args.window,
-                                 chunk_size=args.chunk_size, state=True, output_final_state=True,
-                                 device=kc.DEVICE, tol={DTYPES[args.dtype]: float("inf")})
-        rows.append(dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd,
-                         errors=errors))
+        row = dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd)
+        rows.append(row)
+        try:
+            errors = kc.check_kernel(args.rule, tuple(args.shape), DTYPES[args.dtype], window=args.window,
+                                     chunk_size=args.chunk_size, state=True, output_final_state=True,
+                                     device=kc.DEVICE, tol={DTYPES[args.dtype]: float("inf")})
+        except Exception as e:  # e.g. a launch out of shared memory: report it and try the next setting
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(f"warps {fwd},{bwd}: {row['error']}", flush=True)
+            continue
+        row["errors"] = errors
         worst = max(errors, key=errors.get)
         print(f"warps {fwd},{bwd}: worst {worst} {errors[worst]:.2e} | "
               + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in stages that each fit in about 8 minutes:
-#   bash benchmarks/gpu_suite.sh OUT_DIR tests     # kernel and fla-comparison tests (CUDA-only tests included)
+#   bash benchmarks/gpu_suite.sh OUT_DIR tests     # kernel and layer tests on the GPU (CUDA-only tests included)
+#   bash benchmarks/gpu_suite.sh OUT_DIR fla       # fla 0.6.0 against the native op (baselines, fwd and grads)
 #   bash benchmarks/gpu_suite.sh OUT_DIR diagnose  # per-quantity errors of rule 1 (fp32/bf16) under several WY warp counts
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048, decode step
@@ -33,9 +34,6 @@ stop_group_after() {
 
 case "$STAGE" in
   tests)
-    # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows), alongside the
-    # kernel tests: both are mostly first-call compilation and autotuning, i.e. CPU work.
-    timeout ${TESTS_TIMEOUT:-350} $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1 &
     # One process per core: most of the time is the first-call compilation of each kernel variant.
     # -v prints every result as it comes, so a cut-off run still says which tests failed.
     # In a session of its own, so that the timeout stops the xdist workers too (left running, they would
@@ -45,8 +43,13 @@ case "$STAGE" in
         tests/test_triton_column_delta.py tests/test_triton_sliding_delta.py tests/test_triton_dispatch.py \
         tests/test_layers.py > "$OUT/gpu_tests.txt" 2>&1 &
     stop_group_after ${TESTS_TIMEOUT:-350} $!
-    wait
     tail -n 40 "$OUT/gpu_tests.txt"
+    ;;
+  fla)
+    # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows); alone, so
+    # that its gradient rows are reached (beside the kernel tests it was cut off before them twice).
+    timeout ${FLA_TIMEOUT:-300} $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1
+    tail -n 30 "$OUT/fla_compare.md"
     ;;
   diagnose)
     # Rule 1 in fp32 and bf16 at the benchmark shape: every quantity's error, under three warp settings of
@@ -66,12 +69,12 @@ case "$STAGE" in
     timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
         --ops ${BENCH_OPS:-falcon-2a fla-gla falcon-2 fla-gated-delta-rule falcon-3 falcon-1 falcon-1a fla-simple-gla \
               falcon-3a fla-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3} \
-        ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
+        --row-timeout ${ROW_TIMEOUT:-90} ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   kernels-long)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
         --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3 falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
-        --profile falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
+        --row-timeout ${ROW_TIMEOUT:-90} --profile falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   decode)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \
@@ -98,5 +101,5 @@ case "$STAGE" in
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, diagnose, profile, kernels, kernels-long, decode, lm, multigpu or addition" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, fla, diagnose, profile, kernels, kernels-long, decode, lm, multigpu or addition" >&2; exit 2;;
 esac

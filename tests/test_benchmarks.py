@@ -1,0 +1,72 @@
+"""The benchmark and diagnosis scripts' CPU-checkable parts: the row time limit of the kernel
+benchmark, the whole-model decoding benchmark on a tiny model, and the compile-only resource
+check of the kernels for sm_90 (Triton's bundled ptxas, no GPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def test_row_time_limit_stops_a_slow_row_only():
+    import bench_kernels
+    start = time.perf_counter()
+    with pytest.raises(bench_kernels.RowTimeout, match="row-timeout"):
+        with bench_kernels._time_limit(0.2):
+            while True:
+                time.sleep(0.01)
+    assert time.perf_counter() - start < 2.0
+    with bench_kernels._time_limit(5.0):  # a fast row is untouched, and the alarm is cleared after it
+        time.sleep(0.05)
+    time.sleep(0.1)
+
+
+def test_decode_benchmark_tiny_model(tmp_path):
+    import bench_decode
+    assert bench_decode.main(["--presets", "tiny-falcon", "tiny-transformer", "--batch", "1", "3", "--prompt", "5",
+                              "--new-tokens", "4", "--repeats", "1", "--impls", "torch", "--device", "cpu",
+                              "--dtype", "float32", "--out", str(tmp_path), "--name", "d"]) == 0
+    rows = json.loads((tmp_path / "d.json").read_text())
+    assert [(r["preset"], r["impl"], r["batch"]) for r in rows] == [
+        ("tiny-falcon", "torch", 1), ("tiny-falcon", "torch", 3), ("tiny-transformer", "-", 1),
+        ("tiny-transformer", "-", 3)]
+    assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 4 for r in rows)
+    assert "| tiny-falcon | torch | 3 |" in (tmp_path / "d.md").read_text()
+
+
+def test_decode_matches_generate():
+    # the benchmark's greedy loop over the cache picks the tokens of HF generate
+    import bench_decode
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon")).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6))
+    tokens, _, _ = bench_decode.decode(model, prompt, 5)
+    ref = model.generate(prompt, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert torch.equal(tokens, ref[:, 6:])
+
+
+def test_kernel_resources_compiles_for_sm90_and_flags_the_limit(tmp_path):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_resources.py"), "--rules", "1A",
+                        "--dtypes", "bf16", "--dims", "16", "--limit", "1024", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr  # some kernel needs more than 1 KB
+    rows = json.loads(out.read_text())
+    kernels = {row["kernel"] for row in rows}
+    assert {"output_fwd", "dv_bwd", "dqk_bwd"} <= kernels
+    assert all(row["limit"] == 1024 and row["rule"] == "1A" and row["K"] == 16 for row in rows)
+    over = [row for row in rows if row["shared"] > 1024]
+    assert over and len(over) < len(rows)  # tiny kernels (the per-row step-size maps) stay under
+    assert f"{len(over)} above the shared-memory limit" in r.stdout

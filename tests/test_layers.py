@@ -283,3 +283,23 @@ def test_op_gets_the_projection_dtype_under_autocast(monkeypatch):
     seen.clear()
     layer(h, _dense(h))  # no autocast: float32 throughout
     assert seen == {"q": torch.float32, "k": torch.float32, "v": torch.float32}
+
+
+def test_rmsnorm_matches_the_textbook_formula():
+    # y = x / sqrt(mean(x^2) + eps) * w * silu(gate), in float32 for bf16 inputs, returned in x's dtype
+    from falcon_fwa.layers.norms import RMSNorm, normalize_features
+    g = torch.Generator().manual_seed(0)
+    x, gate = (torch.randn(2, 7, 48, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.rand(48, generator=g, dtype=torch.float64) + 0.5
+    norm = RMSNorm(48, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    unit = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(norm(x), unit * w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(norm(x, gate), unit * w * gate * torch.sigmoid(gate), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(normalize_features(x, "rmsnorm", 1e-5), unit, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(normalize_features(x, "l2", 1e-5), x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-5),
+                               rtol=1e-12, atol=1e-12)
+    y = norm.float()(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), unit * w, rtol=2e-2, atol=2e-2)

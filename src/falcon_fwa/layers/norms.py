@@ -10,9 +10,10 @@ from torch import nn
 __all__ = ["RMSNorm", "rms_normalize", "normalize_features"]
 
 
-def rms_normalize(u: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm(u) = u / sqrt(||u||^2 / d_u + eps)`` over the last dimension (no gain)."""
-    return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+def rms_normalize(u: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``RMSNorm(u) = u / sqrt(||u||^2 / d_u + eps)`` over the last dimension, times ``weight``
+    if given (``torch.nn.functional.rms_norm``: one fused kernel on CUDA)."""
+    return F.rms_norm(u, (u.shape[-1],), weight, eps)
 
 
 def normalize_features(u: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
@@ -42,7 +43,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         dt = torch.promote_types(x.dtype, torch.float32)
-        y = rms_normalize(x.to(dt), self.eps) * self.weight.to(dt)
+        y = rms_normalize(x.to(dt), self.eps, self.weight.to(dt))
         if gate is not None:
             y = y * F.silu(gate.to(dt))
         return y.to(x.dtype)

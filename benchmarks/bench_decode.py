@@ -7,15 +7,19 @@ step against the PyTorch step, at several batch sizes, for the 130M presets.
 Each row: a model in bf16 (random weights; speed does not depend on them) reads a prompt of
 ``--prompt`` tokens with ``use_cache=True`` (the chunk kernels), then decodes ``--new-tokens``
 greedy tokens one at a time from its cache, each step ``model(next_ids, cache=cache)``; tokens/s =
-batch x new tokens / the decoding loop's wall time (CUDA-synchronized, median of ``--repeats``).
+batch x (new tokens - 1) / the decoding loop's wall time (the first new token comes from the prompt's
+pass; CUDA-synchronized, median of ``--repeats``).
 The Falcon layers' step op is ``falcon_step(..., backend=...)``, forced here to ``"triton"`` (the
 fused step kernel, the default on CUDA) or ``"torch"`` (the PyTorch step); both rows of a preset must
 pick the same tokens, and the table gives the largest logit difference between them (rules without a
-fused step kernel, ``ops.triton.STEP_RULES``, get the PyTorch row only). The Transformer
-row (its KV cache, SDPA) is the reference.
+fused step kernel, ``ops.triton.STEP_RULES``, get the PyTorch row only). The recurrent baselines
+(Mamba-2, DeltaNet, ...) decode through the same step op and get both rows; the Transformer row (its KV
+cache, SDPA) is the reference. A failing row is reported and the others still run; both files are
+rewritten after every row.
 
 Writes ``<out>/<name>.json`` (rows ``{preset, impl, batch, prompt, new_tokens, tokens_per_s,
-ms_per_step, max_logit_diff}``) and ``<out>/<name>.md``.
+ms_per_step}``, plus ``same_tokens`` and ``max_logit_diff`` on a preset's second row) and
+``<out>/<name>.md``.
 """
 from __future__ import annotations
 
@@ -63,9 +67,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="decode")
     args = p.parse_args(argv)
-    for name in ("prompt", "new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name, least in (("prompt", 1), ("new_tokens", 2), ("repeats", 1)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}")
 
     from falcon_fwa.layers import falcon_attention as layer_module
     from falcon_fwa.models import FalconForCausalLM, get_preset
@@ -75,51 +79,76 @@ def main(argv=None) -> int:
 
     dtype = getattr(torch, args.dtype)
     rows: List[Dict] = []
-    for preset in args.presets:
-        config = get_preset(preset)
-        torch.manual_seed(0)
-        model = FalconForCausalLM(config).to(args.device, dtype).eval()
-        if config.mixer != "falcon":
-            impls = ["-"]
-        else:  # rules without a fused step kernel have only the PyTorch step
-            impls = [i for i in args.impls if i == "torch" or get_rule(config.rule).name in STEP_RULES]
-        for B in args.batch:
-            g = torch.Generator().manual_seed(B)
-            prompt = torch.randint(0, config.vocab_size, (B, args.prompt), generator=g).to(args.device)
-            first = {}
-            for impl in impls:
-                if impl != "-":
-                    layer_module.falcon_step = functools.partial(falcon_step, backend=impl)
-                decode(model, prompt, 4)  # compile / warm up
-                times, tokens, logits = [], None, None
-                for _ in range(args.repeats):
-                    tokens, logits, seconds = decode(model, prompt, args.new_tokens)
-                    times.append(seconds)
-                seconds = statistics.median(times)
-                steps = args.new_tokens - 1
-                row = dict(preset=preset, impl=impl, batch=B, prompt=args.prompt, new_tokens=args.new_tokens,
-                           tokens_per_s=round(B * steps / seconds, 1), ms_per_step=round(1e3 * seconds / steps, 3))
-                if first:
-                    row["same_tokens"] = bool(torch.equal(tokens, first["tokens"]))
-                    row["max_logit_diff"] = float((logits - first["logits"]).abs().max())
-                else:
-                    first = dict(tokens=tokens, logits=logits)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    errors: List[str] = []
+    try:
+        for preset in args.presets:
+            config = get_preset(preset)
+            torch.manual_seed(0)
+            model = FalconForCausalLM(config).to(args.device, dtype).eval()
+            if config.mixer == "transformer":  # KV cache and SDPA: no step op
+                impls = ["-"]
+            elif config.mixer == "falcon":  # rules without a fused step kernel have only the PyTorch step
+                impls = [i for i in args.impls if i == "torch" or get_rule(config.rule).name in STEP_RULES]
+            else:  # the recurrent baselines decode through the same step op
+                impls = list(args.impls)
+            for B in args.batch:
+                g = torch.Generator().manual_seed(B)
+                prompt = torch.randint(0, config.vocab_size, (B, args.prompt), generator=g).to(args.device)
+                first = {}
+                for impl in impls:
+                    if impl != "-":
+                        layer_module.falcon_step = functools.partial(falcon_step, backend=impl)
+                    try:
+                        row, tokens, logits = _measure(model, prompt, args, preset, impl)
+                    except Exception as e:  # one failing row must not lose the others
+                        errors.append(f"{preset} {impl} batch {B}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                        print(errors[-1], flush=True)
+                        continue
+                    if first:
+                        row["same_tokens"] = bool(torch.equal(tokens, first["tokens"]))
+                        row["max_logit_diff"] = float((logits - first["logits"]).abs().max())
+                    else:
+                        first = dict(tokens=tokens, logits=logits)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    _write(rows, errors, args)
+            layer_module.falcon_step = falcon_step
+            del model
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    finally:
         layer_module.falcon_step = falcon_step
-        del model
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-            f.write(report(rows, args))
+        _write(rows, errors, args)
     return 0
 
 
-def report(rows: List[Dict], args) -> str:
+def _measure(model, prompt, args, preset, impl):
+    decode(model, prompt, 4)  # compile / warm up
+    times, tokens, logits = [], None, None
+    for _ in range(args.repeats):
+        tokens, logits, seconds = decode(model, prompt, args.new_tokens)
+        times.append(seconds)
+    seconds = statistics.median(times)
+    steps = args.new_tokens - 1  # the first new token comes from the prompt's pass
+    B = prompt.shape[0]
+    row = dict(preset=preset, impl=impl, batch=B, prompt=args.prompt, new_tokens=args.new_tokens,
+               tokens_per_s=round(B * steps / seconds, 1), ms_per_step=round(1e3 * seconds / steps, 3))
+    return row, tokens, logits
+
+
+def _write(rows: List[Dict], errors: List[str], args) -> None:
+    """Both files, rewritten after every row (each replaced in one rename)."""
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for suffix, text in (("json", json.dumps(rows, indent=1) + "\n"), ("md", report(rows, args, errors))):
+        path = os.path.join(args.out, f"{args.name}.{suffix}")
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
+def report(rows: List[Dict], args, errors: List[str] = ()) -> str:
     from falcon_fwa.provenance import git_commit
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     out = [f"# Decoding speed: {dev}", "",
@@ -133,6 +162,7 @@ def report(rows: List[Dict], args) -> str:
         ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref and r["impl"] != "torch" else "-"
         out.append(f"| {r['preset']} | {r['impl']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']} | "
                    f"{ratio} | {r.get('same_tokens', '-')} | {r.get('max_logit_diff', '-')} |")
+    out += [""] + [f"- failed: {e}" for e in errors] if errors else []
     return "\n".join(out) + "\n"
 
 

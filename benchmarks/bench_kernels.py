@@ -190,8 +190,10 @@ class RowTimeout(Exception):
 
 @contextlib.contextmanager
 def _time_limit(seconds: float):
-    """Raise :class:`RowTimeout` in the main thread after ``seconds`` (checked between Python
-    bytecodes, so a long-running CUDA call ends first)."""
+    """Raise :class:`RowTimeout` in the main thread after ``seconds``. Python checks for the
+    signal between bytecodes of the main thread, so a call already under way (a kernel
+    compile, or a backward pass, which autograd runs on its device thread) finishes first:
+    the limit stops a row's timing loop, not a single call that hangs."""
     def _raise(signum, frame):
         raise RowTimeout(f"row took more than {seconds:g} s (--row-timeout); skipped")
     previous = signal.signal(signal.SIGALRM, _raise)
@@ -354,7 +356,8 @@ def main(argv=None) -> None:
     p.add_argument("--profile", nargs="*", default=[], help="ops whose fwd+bwd is profiled per kernel (first shape)")
     p.add_argument("--decode", action="store_true", help="also time the fused decoding step against the PyTorch step")
     p.add_argument("--row-timeout", type=float, default=90.0,
-                   help="seconds one row (compilation included) may take before it is skipped and reported")
+                   help="seconds one row may take before it is skipped and reported (checked between calls: "
+                        "one call that hangs is not interrupted)")
     args = p.parse_args(argv)
     if args.row_timeout <= 0:
         p.error("--row-timeout must be positive")

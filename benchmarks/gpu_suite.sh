@@ -53,7 +53,7 @@ case "$STAGE" in
     ;;
   diagnose)
     # Rule 1 in fp32 and bf16 at the benchmark shape: every quantity's error, under three warp settings of
-    # the WY kernels (the one GPU test failure so far: rule 1, fp32, T=2048, K=V=128).
+    # the WY kernels (how the fp32 failure at T=2048, K=V=128 was traced to shared memory).
     for dt in fp32 bf16; do
       timeout 120 $PY benchmarks/diagnose_kernels.py --rule 1 --dtype $dt --out "$OUT/diagnose_rule1_$dt.json" \
           2>&1 | tee -a "$OUT/diagnose.log"

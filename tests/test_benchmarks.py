@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,22 +25,29 @@ def test_row_time_limit_stops_a_slow_row_only():
             while True:
                 time.sleep(0.01)
     assert time.perf_counter() - start < 2.0
-    with bench_kernels._time_limit(5.0):  # a fast row is untouched, and the alarm is cleared after it
-        time.sleep(0.05)
-    time.sleep(0.1)
+    before = signal.getsignal(signal.SIGALRM)
+    with bench_kernels._time_limit(0.1):  # a fast row is untouched, and the alarm is cleared after it
+        pass
+    time.sleep(0.3)  # past the 0.1 s: a timer left running would raise here
+    assert signal.getsignal(signal.SIGALRM) is before
 
 
 def test_decode_benchmark_tiny_model(tmp_path):
     import bench_decode
+    # on the CPU the fused step runs through Triton's interpreter (tests set TRITON_INTERPRET)
     assert bench_decode.main(["--presets", "tiny-falcon", "tiny-transformer", "--batch", "1", "3", "--prompt", "5",
-                              "--new-tokens", "4", "--repeats", "1", "--impls", "torch", "--device", "cpu",
+                              "--new-tokens", "4", "--repeats", "1", "--device", "cpu",
                               "--dtype", "float32", "--out", str(tmp_path), "--name", "d"]) == 0
     rows = json.loads((tmp_path / "d.json").read_text())
     assert [(r["preset"], r["impl"], r["batch"]) for r in rows] == [
-        ("tiny-falcon", "torch", 1), ("tiny-falcon", "torch", 3), ("tiny-transformer", "-", 1),
-        ("tiny-transformer", "-", 3)]
+        ("tiny-falcon", "triton", 1), ("tiny-falcon", "torch", 1), ("tiny-falcon", "triton", 3),
+        ("tiny-falcon", "torch", 3), ("tiny-transformer", "-", 1), ("tiny-transformer", "-", 3)]
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 4 for r in rows)
+    torch_rows = [r for r in rows if r["impl"] == "torch"]
+    assert all(r["same_tokens"] and r["max_logit_diff"] < 1e-3 for r in torch_rows)  # fused step == PyTorch step
     assert "| tiny-falcon | torch | 3 |" in (tmp_path / "d.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--new-tokens", "1"])
 
 
 def test_decode_matches_generate():

@@ -26,7 +26,7 @@ SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row b
 WY_WARPS = {"wy_fwd": 4, "wy_bwd": 8}
 # The largest chunk the WY kernels run: a request for 128 runs at 64 (the result is the same up to
 # rounding). At 128 the fp32 kernels take 6.5 minutes to compile for sm_90 (even at K = V = 16;
-# benchmarks/kernel_resources.py) and the 128 x 128 solve gains nothing over two 64 x 64 ones.
+# benchmarks/kernel_resources.py), and no GPU run of them at 128 ever finished.
 WY_MAX_CHUNK = 64
 
 

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
 #   bash benchmarks/gpu_suite.sh OUT_DIR multigpu  # DDP/FSDP2 scaling over the GPUs of the machine
 #   bash benchmarks/gpu_suite.sh OUT_DIR addition  # the Table-3 lineup on variable-length addition
+#   bash benchmarks/gpu_suite.sh OUT_DIR addition-step  # ms per training step of that lineup at batch 128 and 512
 # Run from the repository root with falcon_fwa importable (pip install -e . or PYTHONPATH=$PWD/src) and,
 # for the fla rows and tests, flash-linear-attention 0.6.0 installed. Logs and results land in OUT_DIR.
 set -uo pipefail
@@ -88,6 +89,10 @@ case "$STAGE" in
         --models Falcon-3A.3 Falcon-1A.3 Falcon-1.3 Transformer Mamba-2 --seeds 0 --jobs 5 --deadline ${ADDITION_DEADLINE:-480} --partial \
         --runs "$OUT/addition_runs" --results "$OUT" --name paper 2>&1 | tee "$OUT/addition.log"
     ;;
+  addition-step)
+    timeout ${STEP_TIMEOUT:-240} $PY benchmarks/bench_addition_step.py --batch 128 512 --profile 12 \
+        --out "$OUT" --name h200-addition-step 2>&1 | tee "$OUT/addition_step.log"
+    ;;
   multigpu)
     # DDP and FSDP2 at 1 and every larger GPU count of the machine (up to 4), Falcon-1A.3 and the Transformer,
     # small recipe at its per-GPU batch; rows into OUT/multigpu.{json,md} after every run.
@@ -101,5 +106,5 @@ case "$STAGE" in
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, fla, diagnose, profile, kernels, kernels-long, decode, lm, multigpu or addition" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, fla, diagnose, profile, kernels, kernels-long, decode, lm, multigpu, addition or addition-step" >&2; exit 2;;
 esac

@@ -78,3 +78,18 @@ def test_kernel_resources_compiles_for_sm90_and_flags_the_limit(tmp_path):
     over = [row for row in rows if row["shared"] > 1024]
     assert over and len(over) < len(rows)  # tiny kernels (the per-row step-size maps) stay under
     assert f"{len(over)} above the shared-memory limit" in r.stdout
+
+
+def test_addition_step_timer_tiny(tmp_path):
+    import bench_addition_step
+    assert bench_addition_step.main(["--models", "Falcon-3A.3", "Transformer", "--preset", "tiny", "--batch", "4", "8",
+                                     "--steps", "2", "--warmup", "1", "--profile", "3", "--device", "cpu",
+                                     "--out", str(tmp_path), "--name", "s"]) == 0
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert [(r["model"], r["batch"]) for r in rows] == [("Falcon-3A.3", 4), ("Falcon-3A.3", 8), ("Transformer", 4),
+                                                       ("Transformer", 8)]
+    assert all(r["ms_per_step"] > 0 and len(r["top_kernels"]) == 3 for r in rows)
+    # tiny trains on widths 1-5: a sample is 3n + 4 <= 19 tokens, padded to the batch's longest
+    assert all(r["batch"] * 7 <= r["tokens_per_step"] <= r["batch"] * 19 for r in rows)
+    with pytest.raises(SystemExit):
+        bench_addition_step.main(["--batch", "0"])

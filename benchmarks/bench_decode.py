@@ -9,7 +9,9 @@ Each row: a model in bf16 (random weights; speed does not depend on them) reads 
 greedy tokens one at a time from its cache, each step ``model(next_ids, cache=cache)``; tokens/s =
 batch x (new tokens - 1) / the decoding loop's wall time (the first new token comes from the prompt's
 pass; CUDA-synchronized, median of ``--repeats``).
-The Falcon layers' step op is ``falcon_step(..., backend=...)``, forced here to ``"triton"`` (the
+``--compile`` wraps each model in ``torch.compile`` first (the warm-up loop compiles the prompt's
+pass and the decoding step; the cache's token counter is kept out of the graph, so the step does not
+recompile per token). The Falcon layers' step op is ``falcon_step(..., backend=...)``, forced here to ``"triton"`` (the
 fused step kernel, the default on CUDA) or ``"torch"`` (the PyTorch step); both rows of a preset must
 pick the same tokens, and the table gives the largest logit difference between them (rules without a
 fused step kernel, ``ops.triton.STEP_RULES``, get the PyTorch row only). The recurrent baselines
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--compile", default="none", choices=["none", "default", "reduce-overhead"],
+                   help="torch.compile the model with this mode (reduce-overhead: CUDA graphs)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="decode")
     args = p.parse_args(argv)
@@ -85,6 +89,8 @@ def main(argv=None) -> int:
             config = get_preset(preset)
             torch.manual_seed(0)
             model = FalconForCausalLM(config).to(args.device, dtype).eval()
+            if args.compile != "none":
+                model = torch.compile(model, mode=args.compile, dynamic=False)
             if config.mixer == "transformer":  # KV cache and SDPA: no step op
                 impls = ["-"]
             elif config.mixer == "falcon":  # rules without a fused step kernel have only the PyTorch step
@@ -131,7 +137,7 @@ def _measure(model, prompt, args, preset, impl):
     seconds = statistics.median(times)
     steps = args.new_tokens - 1  # the first new token comes from the prompt's pass
     B = prompt.shape[0]
-    row = dict(preset=preset, impl=impl, batch=B, prompt=args.prompt, new_tokens=args.new_tokens,
+    row = dict(preset=preset, impl=impl, batch=B, prompt=args.prompt, new_tokens=args.new_tokens, compile=args.compile,
                tokens_per_s=round(B * steps / seconds, 1), ms_per_step=round(1e3 * seconds / steps, 3))
     return row, tokens, logits
 
@@ -153,7 +159,8 @@ def report(rows: List[Dict], args, errors: List[str] = ()) -> str:
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     out = [f"# Decoding speed: {dev}", "",
            f"commit `{git_commit()}`; torch {torch.__version__}; {args.dtype}; prompt {args.prompt} tokens, "
-           f"{args.new_tokens} greedy tokens per row, median of {args.repeats} loops; random weights.", "",
+           f"{args.new_tokens} greedy tokens per row, median of {args.repeats} loops; random weights; "
+           f"torch.compile: {args.compile}.", "",
            "| preset | step op | batch | tokens/s | ms/step | vs torch step | same tokens | max logit diff |",
            "|---|---|---|---|---|---|---|---|"]
     base = {(r["preset"], r["batch"]): r["tokens_per_s"] for r in rows if r["impl"] == "torch"}

@@ -80,6 +80,9 @@ case "$STAGE" in
   decode)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \
         --batch 1 64 --out "$OUT" --name h200-decode 2>&1 | tee "$OUT/bench_decode.log"
+    # the same under torch.compile (fewer, fused launches per token: batch 1 is bound by the host)
+    timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m transformer-124m \
+        --batch 1 64 --compile default --out "$OUT" --name h200-decode-compiled 2>&1 | tee -a "$OUT/bench_decode.log"
     ;;
   lm)
     MEASURE_130M=1 bash results/lm/run_small.sh "$OUT" 2>&1 | tee "$OUT/lm.log"

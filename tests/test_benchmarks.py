@@ -62,6 +62,29 @@ def test_decode_matches_generate():
     assert torch.equal(tokens, ref[:, 6:])
 
 
+def test_compiled_decoding_does_not_recompile_per_token():
+    # FalconCache.advance stays out of the graph: its Python token counter would otherwise be a guard that
+    # fails at every step. Frames: the prompt's pass, the first step (conv buffers from the prompt's pass
+    # have other strides), the steady step; a second decoding loop adds none.
+    from torch._dynamo.testing import CompileCounter
+    import bench_decode
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon", num_hidden_layers=1)).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6))
+    ref, _, _ = bench_decode.decode(model, prompt, 6)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, dynamic=False)
+    tokens, _, _ = bench_decode.decode(compiled, prompt, 6)
+    frames = counter.frame_count
+    assert torch.equal(tokens, ref)
+    assert frames <= 3
+    bench_decode.decode(compiled, prompt, 8)
+    assert counter.frame_count == frames
+    torch._dynamo.reset()
+
+
 def test_kernel_resources_compiles_for_sm90_and_flags_the_limit(tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -50,8 +50,12 @@ class FalconCache:
         """Input columns consumed so far (pads included)."""
         return self.num_positions
 
+    @torch.compiler.disable
     def advance(self, real_tokens: torch.Tensor, columns: int) -> None:
-        """Record ``real_tokens`` ``[B]`` new real tokens per row over ``columns`` input columns."""
+        """Record ``real_tokens`` ``[B]`` new real tokens per row over ``columns`` input columns.
+
+        Left out of ``torch.compile``: traced, the Python counter ``num_positions`` becomes a
+        guard and a compiled decoding loop would recompile at every token."""
         self.seen = real_tokens.clone() if self.seen is None else self.seen + real_tokens.to(self.seen.device)
         self.num_positions += columns
 

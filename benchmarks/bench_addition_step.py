@@ -4,7 +4,8 @@
         --out benchmarks/results --name h200-addition-step [--profile 10]
 
 Builds each model of the ``--preset`` (``paper`` by default) as ``falcon-fwa addition`` does, with its
-optimizer, and times ``--steps`` full steps (forward, suffix loss, backward, AdamW) on fixed training
+optimizer, and times ``--steps`` of its training step (``train_step``: forward, suffix loss, backward,
+clipping, AdamW) on fixed training
 batches after ``--warmup`` untimed ones; device-synchronized, median ms per step. With ``--profile N``
 the N most expensive device (or CPU) kernels of one extra step are kept per row. Rows go to
 ``<out>/<name>.json`` after every row: ``{model, batch, ms_per_step, tokens_per_step, steps, top_kernels}``.
@@ -22,11 +23,13 @@ from typing import Dict, List
 
 import torch
 
+from bench_kernels import _atomic_write
+
 
 def time_steps(name: str, preset, batch: int, steps: int, warmup: int, device: str, profile: int) -> Dict:
     from falcon_fwa.tasks.addition.data import VOCAB, training_batch
     from falcon_fwa.tasks.addition.lineup import build_model, resolve_model
-    from falcon_fwa.tasks.addition.train import make_optimizer, suffix_loss
+    from falcon_fwa.tasks.addition.train import _autocast, make_optimizer, train_step
 
     torch.manual_seed(0)
     model = build_model(resolve_model(name), preset.size(), vocab_size=len(VOCAB)).to(device)
@@ -34,12 +37,10 @@ def time_steps(name: str, preset, batch: int, steps: int, warmup: int, device: s
     lo, hi = preset.train_widths
     batches = [training_batch(0, s, batch, lo, hi).to(device) for s in range(warmup + steps + 1)]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    autocast = _autocast(torch.device(device), "float32")
 
-    def step(b):
-        loss = suffix_loss(model(b.input_ids).logits, b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step(b):  # the training loop's step, as `falcon-fwa addition` runs it
+        train_step(model, opt, b, preset.grad_clip, autocast, label=f"{name} batch {batch}")
 
     for b in batches[:warmup]:
         step(b)
@@ -97,10 +98,7 @@ def main(argv=None) -> int:
                   f"({row['tokens_per_step']:,} tokens)", flush=True)
             if args.out:
                 os.makedirs(args.out, exist_ok=True)
-                path = os.path.join(args.out, f"{args.name}.json")
-                with open(path + ".tmp", "w") as f:
-                    json.dump(rows, f, indent=1)
-                os.replace(path + ".tmp", path)
+                _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
     return 0
 
 

@@ -36,6 +36,8 @@ from typing import Dict, List
 
 import torch
 
+from bench_kernels import _atomic_write
+
 
 def decode(model, prompt: torch.Tensor, new_tokens: int):
     """Greedy decoding from a cache; returns (tokens [B, new], last logits, seconds of the loop)."""
@@ -118,7 +120,6 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     _write(rows, errors, args)
-            layer_module.falcon_step = falcon_step
             del model
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -148,10 +149,7 @@ def _write(rows: List[Dict], errors: List[str], args) -> None:
         return
     os.makedirs(args.out, exist_ok=True)
     for suffix, text in (("json", json.dumps(rows, indent=1) + "\n"), ("md", report(rows, args, errors))):
-        path = os.path.join(args.out, f"{args.name}.{suffix}")
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        _atomic_write(os.path.join(args.out, f"{args.name}.{suffix}"), text)
 
 
 def report(rows: List[Dict], args, errors: List[str] = ()) -> str:

@@ -75,6 +75,23 @@ def suffix_loss(logits: torch.Tensor, batch: AdditionBatch) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1][mask].float(), batch.input_ids[:, 1:][mask])
 
 
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: AdditionBatch, grad_clip: float,
+               autocast: Callable, *, label: str) -> torch.Tensor:
+    """One optimizer step on ``batch``: forward, suffix loss, backward, gradient clipping, update.
+    Returns the loss; a non-finite loss raises ``FloatingPointError`` naming ``label`` before
+    any update."""
+    with autocast():
+        logits = model(batch.input_ids).logits
+    loss = suffix_loss(logits, batch)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite training loss at {label}")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss
+
+
 def eval_batches(seed: int, widths: range, per_width: int, batch: int) -> Dict[int, List[AdditionBatch]]:
     """Fixed evaluation batches, one width per batch (no padding)."""
     sets = width_set(seed, widths, per_width)
@@ -195,15 +212,8 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_multiplier", 1.0)
         batch = training_batch(spec.seed, step, p.batch_size, *p.train_widths).to(device)
-        with autocast():
-            logits = model(batch.input_ids).logits
-        loss = suffix_loss(logits, batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss at step {step + 1} ({spec.model}, seed {spec.seed})")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
-        optimizer.step()
+        loss = train_step(model, optimizer, batch, p.grad_clip, autocast,
+                          label=f"step {step + 1} ({spec.model}, seed {spec.seed})")
         loss_sum += loss.item()
         loss_n += 1
         done = step + 1

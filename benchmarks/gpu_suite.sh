@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR multigpu  # DDP/FSDP2 scaling over the GPUs of the machine
 #   bash benchmarks/gpu_suite.sh OUT_DIR addition  # the Table-3 lineup on variable-length addition
 #   bash benchmarks/gpu_suite.sh OUT_DIR addition-step  # ms per training step of that lineup at batch 128 and 512
+# COMMIT=<sha> records that commit in the multigpu results (a copied tree may carry stale git metadata).
 # Run from the repository root with falcon_fwa importable (pip install -e . or PYTHONPATH=$PWD/src) and,
 # for the fla rows and tests, flash-linear-attention 0.6.0 installed. Logs and results land in OUT_DIR.
 set -uo pipefail
@@ -105,7 +106,7 @@ case "$STAGE" in
         --configs configs/small/falcon-1a.3.yaml configs/small/transformer.yaml --names Falcon-1A.3 Transformer \
         --gpus $COUNTS --strategies ddp fsdp2 --noise-seeds 0 1 --steps ${MULTIGPU_STEPS:-120} \
         --deadline ${MULTIGPU_DEADLINE:-520} --out runs/scaling --results "$OUT/multigpu" \
-        --set train.eval_batches=16 2>&1 | tee "$OUT/multigpu.log"
+        --set train.eval_batches=16 ${COMMIT:+--commit $COMMIT} 2>&1 | tee "$OUT/multigpu.log"
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)

@@ -10,9 +10,12 @@ processes accumulates gradients over the missing ones, so every process count tr
 same token stream with the same optimizer steps,
 and the validation loss after the same tokens must agree across counts within run-to-run
 noise. The noise is measured by repeating the one-process run of the first strategy with
-every seed in ``--noise-seeds``. Scaling efficiency: tokens/s at N processes over N times
-tokens/s at the smallest count run (one process, normally), same model and strategy, scaled
-by that count (a one-process DDP/FSDP2 run is a real one-member process group).
+every seed in ``--noise-seeds``. Scaling efficiency: tokens/s at N processes over N times the
+mean tokens/s of the runs at the smallest count (one process, normally; every seed run there),
+same model and strategy, scaled by that count (a one-process DDP/FSDP2 run is a real
+one-member process group). Before a model's timed runs, a short untimed warm-up run
+(``--warmup-steps``) fills the kernel caches (Triton compiles each kernel variant on first
+use), so that the first timed run does not pay for compilation the later ones skip.
 
 Each run is ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
 falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink multicast off
@@ -78,27 +81,36 @@ def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_d
 
 
 def efficiencies(rows: List[dict]) -> None:
-    """Fill ``efficiency`` in place: tokens/s at N / (N x tokens/s at the smallest count, seed of
-    the first row there), per model and strategy."""
-    base: Dict[tuple, dict] = {}
+    """Fill ``efficiency`` in place: tokens/s at N / (N x the reference rate), per model and
+    strategy; the reference is the mean tokens/s of that model and strategy's rows at the
+    smallest process count run (every seed there), scaled by that count."""
+    low: Dict[tuple, int] = {}
     for r in rows:
-        if r.get("tokens_per_s") is None:
-            continue
-        key = (r["model"], r["strategy"])
-        if key not in base or r["gpus"] < base[key]["gpus"]:
-            base[key] = r
+        if r.get("tokens_per_s") is not None:
+            key = (r["model"], r["strategy"])
+            low[key] = min(low.get(key, r["gpus"]), r["gpus"])
+    ref: Dict[tuple, float] = {}
+    for key, n in low.items():
+        rates = [r["tokens_per_s"] for r in rows if (r["model"], r["strategy"]) == key and r["gpus"] == n
+                 and r.get("tokens_per_s") is not None]
+        ref[key] = sum(rates) / len(rates) / n
     for r in rows:
-        b = base.get((r["model"], r["strategy"]))
-        ok = b is not None and r.get("tokens_per_s") is not None
-        r["efficiency"] = (r["tokens_per_s"] * b["gpus"] / (r["gpus"] * b["tokens_per_s"])) if ok else None
+        per_gpu = ref.get((r["model"], r["strategy"]))
+        ok = per_gpu is not None and r.get("tokens_per_s") is not None
+        r["efficiency"] = r["tokens_per_s"] / (r["gpus"] * per_gpu) if ok else None
 
 
 def markdown(rows: List[dict], meta: dict) -> str:
     """The results table, the noise band and the commands."""
+    warm = ", ".join(f"{w['model']}: {w['status']}" for w in meta.get("warmup") or [])
     out = ["# Multi-GPU scaling", "",
            f"Machine: {meta.get('machine', '?')}; commit {meta.get('commit', '?')}; {meta.get('steps')} steps of "
            f"{meta.get('global_batch')} rows x {meta.get('seq_len')} tokens (micro batch {meta.get('micro_batch')} "
-           f"per process; fewer processes accumulate gradients), the same for every run.", "",
+           f"per process; fewer processes accumulate gradients), the same for every run. Efficiency: tokens/s over "
+           f"N times the mean one-process rate (all seeds) of the same model and strategy. Tokens/s excludes each "
+           f"run's first steps (allocation and warm-up)"
+           + (f"; an untimed warm-up run of {meta.get('warmup_steps')} steps per model filled the kernel caches "
+              f"first ({warm})." if warm else "."), "",
            "| model | strategy | GPUs | seed | tokens/s | efficiency | peak memory / GPU | val loss | status |",
            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -122,6 +134,15 @@ def markdown(rows: List[dict], meta: dict) -> str:
         if spread is not None:
             line += f" (spread {spread:.4f}); largest difference of any run from seed {mine[0]['seed']} at " \
                     f"{low} process(es): {worst:.4f}, {'within' if worst <= spread else 'outside'} the seed spread"
+        same = []
+        for r in mine:
+            if r["gpus"] == low:
+                continue
+            base = [b for b in mine if b["gpus"] == low and b["strategy"] == r["strategy"] and b["seed"] == r["seed"]]
+            if base:
+                same.append(f"{r['strategy']} x{r['gpus']} {r['val_loss'] - base[0]['val_loss']:+.4f}")
+        if same:
+            line += "; same seed and strategy against " + f"{low} process(es): " + ", ".join(same)
         out.append(line + ".")
     out += ["", "## Commands", ""] + [f"    {r['command']}" for r in rows]
     return "\n".join(out) + "\n"
@@ -151,6 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of every run")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per process (default: the recipe's)")
+    parser.add_argument("--warmup-steps", type=int, default=20,
+                        help="steps of an untimed run per model before its timed runs, to fill the kernel caches "
+                             "(0: none)")
     parser.add_argument("--noise-seeds", nargs="+", type=int, default=[0, 1],
                         help="seeds of the one-process runs that measure run-to-run noise")
     parser.add_argument("--out", default="runs/scaling", help="folder of the runs")
@@ -171,6 +195,8 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if not args.noise_seeds:
         raise ValueError("--noise-seeds needs at least one seed")
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     for o in args.overrides:
@@ -205,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     micro = args.micro_batch or first.train.micro_batch
     global_batch = shared_global_batch(micro, args.gpus)
     meta = dict(machine=args.machine or _machine(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
-                global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len)
+                global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len,
+                warmup_steps=args.warmup_steps, warmup=[])
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
     env = {**os.environ, **MULTICAST_OFF}
     rows: List[dict] = []
@@ -221,6 +248,11 @@ def run(args: argparse.Namespace) -> int:
         left = None if deadline_at is None else deadline_at - time.monotonic()
         if left is not None and left <= 0:
             continue
+        if args.warmup_steps and job["model"] not in {w["model"] for w in meta["warmup"]}:
+            meta["warmup"].append(_warm_up(job, args, micro, global_batch, env, left))
+            left = None if deadline_at is None else deadline_at - time.monotonic()
+            if left is not None and left <= 0:
+                continue
         print(f"[{i + 1}/{len(jobs)}] {job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}", flush=True)
         log_path = run_dir + ".log"
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
@@ -238,6 +270,20 @@ def run(args: argparse.Namespace) -> int:
     efficiencies(rows)
     _write(args.results, rows, meta)
     return 0 if all(r["status"] == "done" for r in rows) else 1
+
+
+def _warm_up(job: dict, args: argparse.Namespace, micro: int, global_batch: int, env: dict,
+             timeout: Optional[float]) -> dict:
+    """One short untimed run of ``job`` (``--warmup-steps`` steps): fills the kernel caches."""
+    run_dir = os.path.join(args.out, f"{job['model']}-warmup".replace(" ", "_"))
+    cmd = command(job, steps=args.warmup_steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
+                  extra_sets=args.overrides)
+    print(f"[warm-up] {job['model']} {job['strategy']} x{job['gpus']}, {args.warmup_steps} steps", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(run_dir + ".log", "w") as log:
+        code = _run_group(cmd, env, log, timeout)
+    status = "stopped: deadline" if code is None else "done" if code == 0 else f"failed (exit {code})"
+    return dict(model=job["model"], status=status)
 
 
 def _machine() -> str:

@@ -195,5 +195,5 @@ def column_step_sizes(
     ``gamma_{t,j} = 1 - min(eta_{t,j} lam_t, 1 - decay_floor)``."""
     x, beta, lam = x.contiguous(), beta.contiguous(), lam.contiguous()
     log_gate = None if log_gate is None else log_gate.contiguous()
-    return _ColumnStepSizes.apply(x, valid.contiguous().view(torch.uint8), beta, lam, log_gate, float(eps),
+    return _ColumnStepSizes.apply(x, valid.to(torch.uint8).contiguous(), beta, lam, log_gate, float(eps),
                                   float(decay_floor), bool(normalize), bool(scale_ridge))

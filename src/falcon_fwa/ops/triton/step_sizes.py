@@ -66,5 +66,5 @@ def scalar_step_sizes(
     for the rules 1 and 1A)."""
     x, beta, lam = x.contiguous(), beta.contiguous(), lam.contiguous()
     log_gate = None if log_gate is None else log_gate.contiguous()
-    return _ScalarStepSizes.apply(x, valid.contiguous().view(torch.uint8), beta, lam, log_gate, float(eps),
+    return _ScalarStepSizes.apply(x, valid.to(torch.uint8).contiguous(), beta, lam, log_gate, float(eps),
                                   float(decay_floor), bool(normalize), bool(scale_ridge))

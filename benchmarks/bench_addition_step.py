@@ -8,7 +8,9 @@ optimizer, and times ``--steps`` of its training step (``train_step``: forward, 
 clipping, AdamW) on fixed training
 batches after ``--warmup`` untimed ones; device-synchronized, median ms per step. With ``--profile N``
 the N most expensive device (or CPU) kernels of one extra step are kept per row. Rows go to
-``<out>/<name>.json`` after every row: ``{model, batch, ms_per_step, tokens_per_step, steps, top_kernels}``.
+``<out>/<name>.json`` after every row: ``{model, batch, matmul_precision, ms_per_step, tokens_per_step, steps,
+top_kernels}``. ``--matmul-precision highest high`` times each row under both float32 matmul settings
+(exact fp32 products vs TF32 tensor cores; default: the preset's), side by side in one run.
 Use it to see whether a budget's wall time comes from the model or from the way it is run.
 """
 from __future__ import annotations
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="keep the N most expensive kernels of a step")
+    p.add_argument("--matmul-precision", nargs="+", default=None, choices=["highest", "high", "medium"],
+                   help="torch.set_float32_matmul_precision values to time (default: the preset's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None)
@@ -92,10 +96,13 @@ def main(argv=None) -> int:
     rows: List[Dict] = []
     for name in args.models:
         for batch in args.batch:
-            row = time_steps(name, preset, batch, args.steps, args.warmup, args.device, args.profile)
-            rows.append(row)
-            print(f"{name:12s} batch {batch:5d}: {row['ms_per_step']:9.2f} ms/step "
-                  f"({row['tokens_per_step']:,} tokens)", flush=True)
+            for precision in args.matmul_precision or [preset.matmul_precision]:
+                torch.set_float32_matmul_precision(precision)
+                row = {"matmul_precision": precision,
+                       **time_steps(name, preset, batch, args.steps, args.warmup, args.device, args.profile)}
+                rows.append(row)
+                print(f"{name:12s} batch {batch:5d} {precision:7s}: {row['ms_per_step']:9.2f} ms/step "
+                      f"({row['tokens_per_step']:,} tokens)", flush=True)
             if args.out:
                 os.makedirs(args.out, exist_ok=True)
                 _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")

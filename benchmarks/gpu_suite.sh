@@ -67,11 +67,12 @@ case "$STAGE" in
         --profile falcon-1 falcon-1a falcon-2 falcon-2a falcon-3 falcon-3a 2>&1 | tee "$OUT/profile.log"
     ;;
   kernels)
-    # BENCH_OPS narrows the rows (default: every Falcon kernel, the fla counterparts, SDPA and the PyTorch forms)
+    # BENCH_OPS narrows the rows (default: every Falcon kernel, the fla counterparts, SDPA and the PyTorch forms).
+    # ROW_TIMEOUT covers compilation: fla's autotuned rows need more than 45 s of it on a fresh machine.
     timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
         --ops ${BENCH_OPS:-falcon-2a fla-gla falcon-2 fla-gated-delta-rule falcon-3 falcon-1 falcon-1a fla-simple-gla \
               falcon-3a fla-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3} \
-        --row-timeout ${ROW_TIMEOUT:-90} ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
+        --row-timeout ${ROW_TIMEOUT:-150} ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   kernels-long)
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
@@ -94,7 +95,9 @@ case "$STAGE" in
         --runs "$OUT/addition_runs" --results "$OUT" --name paper 2>&1 | tee "$OUT/addition.log"
     ;;
   addition-step)
+    # both float32 matmul settings side by side: exact fp32 products (FMA units) and TF32 tensor cores
     timeout ${STEP_TIMEOUT:-240} $PY benchmarks/bench_addition_step.py --batch 128 512 --profile 12 \
+        --matmul-precision highest high \
         --out "$OUT" --name h200-addition-step 2>&1 | tee "$OUT/addition_step.log"
     ;;
   multigpu)

@@ -72,6 +72,10 @@ def test_lineup_names_map_to_the_paper_variants():
         resolve_model("Falcon-9")
     with pytest.raises(ValueError, match="train_widths"):
         get_addition_preset("tiny").replace(train_widths=(5, 2))
+    with pytest.raises(ValueError, match="matmul_precision"):
+        get_addition_preset("paper").replace(matmul_precision="tf32")
+    assert get_addition_preset("paper").matmul_precision == "high"  # TF32 products on the GPU
+    assert get_addition_preset("tiny").matmul_precision == "highest"
 
 
 @pytest.mark.parametrize("name", ["tiny", "paper"])

@@ -112,6 +112,7 @@ def test_addition_step_timer_tiny(tmp_path):
     assert [(r["model"], r["batch"]) for r in rows] == [("Falcon-3A.3", 4), ("Falcon-3A.3", 8), ("Transformer", 4),
                                                        ("Transformer", 8)]
     assert all(r["ms_per_step"] > 0 and len(r["top_kernels"]) == 3 for r in rows)
+    assert all(r["matmul_precision"] == "highest" for r in rows)  # the tiny preset's setting
     # tiny trains on widths 1-5: a sample is 3n + 4 <= 19 tokens, padded to the batch's longest
     assert all(r["batch"] * 7 <= r["tokens_per_step"] <= r["batch"] * 19 for r in rows)
     with pytest.raises(SystemExit):

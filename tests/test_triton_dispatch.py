@@ -67,3 +67,37 @@ def test_auto_backend_keeps_the_form_asked_for(form, monkeypatch):
     out, _ = falcon_attention(q, k, v, beta, lam, form=form, backend="auto")
     ref, _ = falcon_attention(q, k, v, beta, lam, form=form, backend="torch")
     assert torch.equal(out, ref)
+
+
+@pytest.fixture
+def restore_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_fp32_dots_follow_torch_matmul_precision(restore_matmul_precision):
+    from falcon_fwa.ops.triton.launch import dot_precision
+    torch.set_float32_matmul_precision("highest")
+    assert dot_precision(torch.float32) == "ieee"
+    for setting in ("high", "medium"):
+        torch.set_float32_matmul_precision(setting)
+        assert dot_precision(torch.float32) == "tf32"
+    for dtype in (torch.bfloat16, torch.float16):  # tensor cores whatever the setting
+        assert dot_precision(dtype) == "tf32"
+        torch.set_float32_matmul_precision("highest")
+        assert dot_precision(dtype) == "tf32"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 dots exist on CUDA only")
+@pytest.mark.parametrize("rule", ["1A", "1"])
+def test_fp32_kernels_under_tf32_stay_close_to_float64(rule, restore_matmul_precision):
+    q, k, v, beta, lam = _inputs(T=100)
+    ref, _ = falcon_attention(q.double(), k.double(), v.double(), beta.double(), lam.double(), rule=rule,
+                              form="recurrent", backend="torch")
+    errs = {}
+    for setting in ("highest", "high"):
+        torch.set_float32_matmul_precision(setting)
+        o, _ = falcon_attention(q, k, v, beta, lam, rule=rule, form="chunk", chunk_size=16, backend="triton")
+        errs[setting] = ((o.double() - ref).norm() / ref.norm()).item()
+    assert errs["highest"] <= 1e-4 and errs["high"] <= 5e-3, errs

@@ -24,8 +24,14 @@ LAUNCH = {
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 products; 16-bit inputs use the tensor cores (fp32 accumulation)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """The ``input_precision`` of the kernels' dots. 16-bit inputs use the tensor cores (fp32
+    accumulation). fp32 inputs follow PyTorch's float32 matmul setting, as cuBLAS does: exact fp32
+    products ("ieee", FMA units) under ``torch.get_float32_matmul_precision() == "highest"`` (the
+    default), TF32 tensor cores under "high" or "medium"
+    (``torch.set_float32_matmul_precision("high")``; about 10 bits of mantissa per product)."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def launch_config(name: str, K: int, V: int, table: Optional[dict] = None) -> dict:

@@ -156,6 +156,8 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
     p = spec.preset
     device = torch.device(spec.device)
     autocast = _autocast(device, spec.dtype)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision(p.matmul_precision)
 
     torch.manual_seed(spec.seed)
     model = build_model(spec.fields, p.size(), vocab_size=len(VOCAB)).to(device)

@@ -32,6 +32,14 @@ def test_efficiency_is_tokens_per_s_over_n_times_the_mean_one_process_rate():
     assert rows[5]["efficiency"] is None
 
 
+def test_every_run_gets_one_thread_setting_and_multicast_off():
+    env = scaling.launch_env({"PATH": "/bin", "NCCL_NVLS_ENABLE": "1"})
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert scaling.launch_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the caller's choice stays
+
+
 def test_bad_arguments_name_themselves(tmp_path):
     parser = __import__("argparse").ArgumentParser()
     scaling.add_arguments(parser)

@@ -15,7 +15,9 @@ mean tokens/s of the runs at the smallest count (one process, normally; every se
 same model and strategy, scaled by that count (a one-process DDP/FSDP2 run is a real
 one-member process group). Before a model's timed runs, a short untimed warm-up run
 (``--warmup-steps``) fills the kernel caches (Triton compiles each kernel variant on first
-use), so that the first timed run does not pay for compilation the later ones skip.
+use), so that the first timed run does not pay for compilation the later ones skip. Every run
+gets the same ``OMP_NUM_THREADS`` (1 unless the caller's environment sets it): ``torchrun`` sets 1
+for more than one process only, which would give the one-process runs a different CPU setup.
 
 Each run is ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
 falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink multicast off
@@ -80,6 +82,12 @@ def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_d
     return cmd
 
 
+def launch_env(base) -> Dict[str, str]:
+    """The environment of every run: ``base`` with NVLink multicast off and ``OMP_NUM_THREADS``
+    1 unless ``base`` sets it (``torchrun`` sets 1 for more than one process only)."""
+    return {"OMP_NUM_THREADS": "1", **base, **MULTICAST_OFF}
+
+
 def efficiencies(rows: List[dict]) -> None:
     """Fill ``efficiency`` in place: tokens/s at N / (N x the reference rate), per model and
     strategy; the reference is the mean tokens/s of that model and strategy's rows at the
@@ -108,7 +116,7 @@ def markdown(rows: List[dict], meta: dict) -> str:
            f"{meta.get('global_batch')} rows x {meta.get('seq_len')} tokens (micro batch {meta.get('micro_batch')} "
            f"per process; fewer processes accumulate gradients), the same for every run. Efficiency: tokens/s over "
            f"N times the mean one-process rate (all seeds) of the same model and strategy. Tokens/s excludes each "
-           f"run's first steps (allocation and warm-up)"
+           f"run's first steps (allocation and warm-up); OMP_NUM_THREADS={meta.get('omp_num_threads', '?')} in every run"
            + (f"; an untimed warm-up run of {meta.get('warmup_steps')} steps per model filled the kernel caches "
               f"first ({warm})." if warm else "."), "",
            "| model | strategy | GPUs | seed | tokens/s | efficiency | peak memory / GPU | val loss | status |",
@@ -128,21 +136,20 @@ def markdown(rows: List[dict], meta: dict) -> str:
         low = min(r["gpus"] for r in mine)
         noise = [r["val_loss"] for r in mine if r["gpus"] == low and r["strategy"] == mine[0]["strategy"]]
         spread = max(noise) - min(noise) if len(noise) > 1 else None
-        ref = noise[0]
-        worst = max(abs(r["val_loss"] - ref) for r in mine)
         line = f"- {model}: one-process seeds {', '.join(f'{v:.4f}' for v in noise)}"
         if spread is not None:
-            line += f" (spread {spread:.4f}); largest difference of any run from seed {mine[0]['seed']} at " \
-                    f"{low} process(es): {worst:.4f}, {'within' if worst <= spread else 'outside'} the seed spread"
+            line += f" (spread {spread:.4f})"
         same = []
         for r in mine:
-            if r["gpus"] == low:
-                continue
             base = [b for b in mine if b["gpus"] == low and b["strategy"] == r["strategy"] and b["seed"] == r["seed"]]
-            if base:
-                same.append(f"{r['strategy']} x{r['gpus']} {r['val_loss'] - base[0]['val_loss']:+.4f}")
+            if r["gpus"] != low and base:
+                same.append((f"{r['strategy']} x{r['gpus']}", r["val_loss"] - base[0]["val_loss"]))
         if same:
-            line += "; same seed and strategy against " + f"{low} process(es): " + ", ".join(same)
+            worst = max(abs(d) for _, d in same)
+            line += f"; against the {low}-process run of the same strategy and seed: " + \
+                    ", ".join(f"{name} {d:+.4f}" for name, d in same)
+            if spread is not None:
+                line += f" (largest {worst:.4f}: {'within' if worst <= spread else 'outside'} the seed spread)"
         out.append(line + ".")
     out += ["", "## Commands", ""] + [f"    {r['command']}" for r in rows]
     return "\n".join(out) + "\n"
@@ -234,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
                 global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len,
                 warmup_steps=args.warmup_steps, warmup=[])
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
-    env = {**os.environ, **MULTICAST_OFF}
+    env = launch_env(os.environ)
+    meta["omp_num_threads"] = env["OMP_NUM_THREADS"]
     rows: List[dict] = []
     jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
     for i, job in enumerate(jobs):

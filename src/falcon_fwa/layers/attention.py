@@ -82,6 +82,14 @@ class CausalSelfAttention(nn.Module):
 
     def _cached(self, q, k, v, packing: Packing, cache: LayerCache) -> torch.Tensor:
         """Each sequence attends to its row's cached keys plus its own causal prefix."""
+        if not packing.packed and len({t.shape[1] for t in cache.keys}) == 1:
+            # every row holds the same number of cached tokens: one batched call instead of one per row
+            keys = torch.cat([torch.stack(cache.keys), k], dim=2)  # [B, H, P + L, d]
+            values = torch.cat([torch.stack(cache.values), v], dim=2)
+            cache.keys, cache.values = list(keys.unbind(0)), list(values.unbind(0))
+            P, L = keys.shape[2] - q.shape[2], q.shape[2]
+            allowed = torch.arange(P + L, device=q.device)[None, :] <= (P + torch.arange(L, device=q.device))[:, None]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
         outs = []
         for b, a, e, r in self._segments(q, packing):
             keys = torch.cat([cache.keys[r], k[b, :, a:e]], dim=1)

@@ -34,7 +34,10 @@ def test_two_step_run_writes_results_and_resumes(tmp_path):
 def test_compare_trains_and_writes_the_table(tmp_path):
     assert compare.main(["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2",
                          "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"), "--name", "t",
-                         *SMALL]) == 0
+                         "--hidden-size", "32", "--layers", "1", "--heads", "2", *SMALL]) == 0
+    run = json.loads(next((tmp_path / "runs").rglob("results.json")).read_text())
+    assert run["size"] == {"hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2,
+                           "initializer_range": pytest.approx(32 ** -0.5)}  # the overrides reach the run
     rows = json.loads((tmp_path / "res" / "t.json").read_text())
     assert [r["model"] for r in rows] == ["Transformer"]
     for key in ("model", "mean_acc_4_5", "acc_d4", "acc_d5", "val_acc", "best_step", "seeds"):
@@ -76,6 +79,10 @@ def test_lineup_names_map_to_the_paper_variants():
         get_addition_preset("paper").replace(matmul_precision="tf32")
     assert get_addition_preset("paper").matmul_precision == "high"  # TF32 products on the GPU
     assert get_addition_preset("tiny").matmul_precision == "highest"
+    with pytest.raises(ValueError, match="num_heads"):
+        get_addition_preset("paper").replace(num_heads=3)
+    wide = get_addition_preset("paper").replace(hidden_size=512, num_heads=8)
+    assert wide.size()["initializer_range"] == pytest.approx(512 ** -0.5)  # the init scale follows the width
 
 
 @pytest.mark.parametrize("name", ["tiny", "paper"])

@@ -6,8 +6,8 @@
           weights, TF32 matrix products on CUDA: ``matmul_precision="high"``).
 
 Both presets initialize every matrix and the (tied) embedding with the fan-in
-standard deviation ``1 / sqrt(hidden_size)`` (``initializer_range`` in
-:attr:`AdditionPreset.model`) instead of the language-model default ``0.02``.
+standard deviation ``1 / sqrt(hidden_size)`` (``initializer_range``, from
+:attr:`AdditionPreset.fan_in_init`, following the width when it is overridden) instead of the language-model default ``0.02``.
 Each sum digit is ``(a_i + b_i + carry) mod 10`` of two digits read from two
 different places of the prompt; neither digit alone says anything about it, so its
 gradient signal is a product of two read-outs and grows with the initial weight
@@ -53,6 +53,8 @@ class AdditionPreset:
     ood_widths: Tuple[int, int] = (33, 48)
     model: Dict[str, Any] = field(default_factory=dict)
     """Extra model config fields shared by every model of the preset."""
+    fan_in_init: bool = True
+    """Initialize at ``initializer_range = 1 / sqrt(hidden_size)`` (unless ``model`` sets it)."""
     cpu_threads: Optional[int] = None
     """torch threads on CPU (``None``: torch's default). Small models train fastest on one thread."""
     matmul_precision: str = "highest"
@@ -66,6 +68,9 @@ class AdditionPreset:
                      "val_per_width", "ood_per_width"):
             if getattr(self, name) < 1:
                 raise ValueError(f"preset field {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"preset fields: hidden_size {self.hidden_size} is not a multiple of num_heads "
+                             f"{self.num_heads}")
         if self.lr <= 0 or self.warmup < 0:
             raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
         if self.matmul_precision not in ("highest", "high", "medium"):
@@ -77,8 +82,10 @@ class AdditionPreset:
                 raise ValueError(f"preset field {name!r} must be an inclusive range 1 <= lo <= hi, got {(lo, hi)}")
 
     def size(self) -> Dict[str, Any]:
+        """The model config fields of the preset: width, depth, heads, the initialization scale and ``model``."""
+        init = {"initializer_range": self.hidden_size ** -0.5} if self.fan_in_init else {}
         return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
-                "num_heads": self.num_heads, **self.model}
+                "num_heads": self.num_heads, **init, **self.model}
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -87,22 +94,16 @@ class AdditionPreset:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
-def _fan_in_init(hidden_size: int) -> Dict[str, Any]:
-    """``initializer_range = 1 / sqrt(hidden_size)`` (see the module docstring)."""
-    return {"initializer_range": hidden_size ** -0.5}
-
-
 PRESETS: Dict[str, AdditionPreset] = {
     "tiny": AdditionPreset(
         hidden_size=64, num_hidden_layers=2, num_heads=2,
         steps=1000, batch_size=64, lr=3e-3, warmup=100, eval_every=250,
         val_per_width=64, ood_per_width=32, train_widths=(1, 5), ood_widths=(6, 8), cpu_threads=1,
-        model=_fan_in_init(64),
     ),
     "paper": AdditionPreset(
         hidden_size=256, num_hidden_layers=4, num_heads=4,
         steps=2000, batch_size=128, lr=1e-3, warmup=100, eval_every=100,
-        val_per_width=64, ood_per_width=100, model=_fan_in_init(256), matmul_precision="high",
+        val_per_width=64, ood_per_width=100, matmul_precision="high",
     ),
 }
 

@@ -175,6 +175,7 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
         "config_fields": spec.fields,
         "preset_name": spec.preset_name,
         "preset": p.to_dict(),
+        "size": p.size(),
         "seed": spec.seed,
         "eval_seed": spec.eval_seed,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

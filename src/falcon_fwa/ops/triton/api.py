@@ -15,6 +15,7 @@ import torch
 from ..rules import get_rule
 from ..state import FalconState
 from ..validate import check_inputs, check_state
+from .chunk_index import sequence_bounds
 from .column_decay import column_decay_chunk, column_step_sizes
 from .column_delta import column_delta_chunk
 from .delta import delta_chunk
@@ -66,7 +67,8 @@ def _check_supported(q, v, rule, chunk_size, initial_state) -> None:
 def _shifted_keys(k, shift, last_key, starts):
     """Write features ``x`` ``[B, T, H, K]`` and pair validity ``[B, T]``, time-major.
 
-    ``starts``: first row of every sequence (``[0]`` for fixed-length rows); a
+    ``starts``: first row of every sequence (``[0]`` for fixed-length rows; a device
+    tensor for packed ones, so that no host-to-device copy waits on the stream); a
     sequence starts from ``last_key`` (``[N, H, K]``, valid pair) or from the
     sentinel (``x = 0``, invalid)."""
     B, T = k.shape[:2]
@@ -147,7 +149,7 @@ def falcon_chunk_triton(
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
-        bounds = [int(b) for b in cu_seqlens.tolist()]
+        bounds = sequence_bounds(cu_seqlens)
         if B != 1:
             raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
         if bounds[0] != 0 or bounds[-1] != T or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
@@ -168,7 +170,7 @@ def falcon_chunk_triton(
     out_dtype = v.dtype
     k, v = k.to(q.dtype), v.to(q.dtype)
     last_key = None if initial_state is None or not shift else initial_state.last_key
-    x, valid = _shifted_keys(k, shift, last_key, starts)
+    x, valid = _shifted_keys(k, shift, last_key, starts if cu_seqlens is None else cu_seqlens[:-1].long())
 
     step = column_step_sizes if spec.per_column else scalar_step_sizes
     eta, log_a = step(x, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor, normalize=normalize,
@@ -192,7 +194,7 @@ def falcon_chunk_triton(
     if output_final_state:
         last = None
         if shift:
-            last = k[0, [e - 1 for e in ends]] if cu_seqlens is not None else k[:, -1]
+            last = k[0, cu_seqlens[1:].long() - 1] if cu_seqlens is not None else k[:, -1]
         final = FalconState(rule=spec.name, window=1, shift=shift, S=S_T, last_key=last)
     return o.to(out_dtype), final
 
@@ -211,8 +213,8 @@ def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, en
     lengths = None
     if cu_seqlens is not None:
         dev = q.device
-        first = torch.tensor(starts, device=dev)
-        lengths = torch.tensor(ends, device=dev) - first
+        first = cu_seqlens[:-1].long()
+        lengths = cu_seqlens[1:].long() - first
         L = max(e - s for s, e in zip(starts, ends))
         real = torch.arange(L, device=dev)[None, :] < lengths[:, None]  # [N, L]
         pos = torch.where(real, first[:, None] + torch.arange(L, device=dev)[None, :], torch.zeros_like(real, dtype=torch.long))

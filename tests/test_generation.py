@@ -71,9 +71,12 @@ def test_left_padded_batched_generate_equals_each_prompt_alone(mixer, overrides)
             assert torch.equal(batched[b, T:], alone[0, len(p):]), b
 
 
-def test_continuing_a_cache_across_calls_equals_one_pass():
-    """Prefill, then feed chunks of several tokens through the same cache (chunk form with initial states)."""
-    model = _model("falcon", {"rule": "3A", "window": 3})
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {})],
+                         ids=["falcon-3A", "transformer"])
+def test_continuing_a_cache_across_calls_equals_one_pass(mixer, overrides):
+    """Prefill, then feed chunks of several tokens through the same cache (Falcon: the chunk form with
+    initial states; Transformer: the batched cached attention with its causal offset mask)."""
+    model = _model(mixer, overrides)
     x = torch.randint(0, 64, (2, 20))
     with torch.no_grad():
         full = model(x, use_cache=False).logits

@@ -76,19 +76,21 @@ class CausalSelfAttention(nn.Module):
     def _segments(q, packing: Packing):
         """``(batch index, start, end, cache row)`` of every sequence in the layout."""
         if packing.packed:
-            bounds = packing.cu_seqlens.tolist()
+            bounds = packing.bounds if packing.bounds is not None else packing.cu_seqlens.tolist()
             return [(0, a, b, int(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), packing.rows.tolist())]
         return [(b, 0, q.shape[2], b) for b in range(q.shape[0])]
 
     def _cached(self, q, k, v, packing: Packing, cache: LayerCache) -> torch.Tensor:
         """Each sequence attends to its row's cached keys plus its own causal prefix."""
-        if not packing.packed and len({t.shape[1] for t in cache.keys}) == 1:
+        if not packing.packed and len(cache.keys) == q.shape[0] and len({t.shape[1] for t in cache.keys}) == 1:
             # every row holds the same number of cached tokens: one batched call instead of one per row
             keys = torch.cat([torch.stack(cache.keys), k], dim=2)  # [B, H, P + L, d]
             values = torch.cat([torch.stack(cache.values), v], dim=2)
             cache.keys, cache.values = list(keys.unbind(0)), list(values.unbind(0))
             P, L = keys.shape[2] - q.shape[2], q.shape[2]
-            allowed = torch.arange(P + L, device=q.device)[None, :] <= (P + torch.arange(L, device=q.device))[:, None]
+            allowed = None  # one new token sees every key
+            if L > 1:
+                allowed = torch.arange(P + L, device=q.device)[None, :] <= (P + torch.arange(L, device=q.device))[:, None]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
         outs = []
         for b, a, e, r in self._segments(q, packing):

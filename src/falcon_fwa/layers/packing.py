@@ -16,7 +16,7 @@ prefix (for RoPE).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -29,13 +29,16 @@ class Packing:
 
     ``cu_seqlens`` ``[N + 1]`` (packed) or ``None`` (dense); ``rows`` ``[N]`` (packed)
     or ``None``; ``positions`` ``[B, T]`` (dense) or ``[1, N_tok]`` (packed), int64;
-    ``seq_ids`` ``[N_tok]``: sequence index of every packed token (packed only).
+    ``seq_ids`` ``[N_tok]``: sequence index of every packed token (packed only);
+    ``bounds``: ``cu_seqlens`` as Python ints (packed only), read once per batch and
+    declared to the op for the model's pass (``ops.seqlens.known_sequence_bounds``).
     """
 
     cu_seqlens: Optional[torch.Tensor]
     rows: Optional[torch.Tensor]
     positions: torch.Tensor
     seq_ids: Optional[torch.Tensor] = None
+    bounds: Optional[Tuple[int, ...]] = None
 
     @property
     def packed(self) -> bool:
@@ -54,16 +57,19 @@ class Packing:
         return Packing(cu_seqlens=None, rows=None, positions=pos)
 
     @staticmethod
-    def from_cu_seqlens(cu_seqlens: torch.Tensor, rows: torch.Tensor, offsets: Optional[torch.Tensor]) -> "Packing":
-        """Packed sequences; ``offsets`` ``[B]`` tokens already cached per cache row."""
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, rows: torch.Tensor, offsets: Optional[torch.Tensor],
+                        bounds: Optional[Sequence[int]] = None) -> "Packing":
+        """Packed sequences; ``offsets`` ``[B]`` tokens already cached per cache row; ``bounds``:
+        ``cu_seqlens``'s values if the caller holds them (else read here, once)."""
         cu = cu_seqlens.to(torch.int64)
+        bounds = tuple(int(b) for b in (cu.tolist() if bounds is None else bounds))
         lengths = cu[1:] - cu[:-1]
-        total = int(cu[-1])
+        total = bounds[-1]
         seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
         pos = torch.arange(total, device=cu.device) - cu[:-1][seq_ids]
         if offsets is not None:
             pos = pos + offsets.to(cu.device)[rows][seq_ids]
-        return Packing(cu_seqlens=cu, rows=rows.to(cu.device), positions=pos[None, :], seq_ids=seq_ids)
+        return Packing(cu_seqlens=cu, rows=rows.to(cu.device), positions=pos[None, :], seq_ids=seq_ids, bounds=bounds)
 
 
 def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from ..layers.layer_cache import LayerCache
 from ..layers.mlp import SwiGLU
 from ..layers.norms import RMSNorm
 from ..layers.packing import Packing, repad, unpad
+from ..ops.seqlens import known_sequence_bounds, sequence_bounds
 from .cache import FalconCache
 from .configuration import FalconConfig
 
@@ -212,11 +213,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             if attention_mask is not None and not bool(attention_mask.bool().all()):
                 raise ValueError("pass either cu_seqlens or an attention_mask with padding, not both")
             cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
-            bounds = cu.tolist()
-            if bounds[0] != 0 or bounds[-1] != T or any(b <= a for a, b in zip(bounds, bounds[1:])):
-                raise ValueError(f"cu_seqlens must rise strictly from 0 to {T}, got {bounds}")
+            bounds = sequence_bounds(cu, T)
             rows = torch.arange(cu.numel() - 1, device=input_ids.device)
-            return Packing.from_cu_seqlens(cu, rows, offsets), None, cu[1:] - cu[:-1]
+            return Packing.from_cu_seqlens(cu, rows, offsets, bounds), None, cu[1:] - cu[:-1]
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
                 raise ValueError(f"attention_mask must have shape [B, >= T] = [{B}, >= {T}], "
@@ -254,7 +253,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         h = self.model.embed_tokens(input_ids)
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]
-        h = self.model(h, packing, cache)
+        with known_sequence_bounds(packing.cu_seqlens, packing.bounds):  # one device read per batch
+            h = self.model(h, packing, cache)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, weight).to(torch.promote_types(h.dtype, torch.float32)) / self.config.width_multiplier
         if index is not None:

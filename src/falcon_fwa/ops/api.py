@@ -10,6 +10,7 @@ from .pairs import next_tail, window_slots, write_pairs
 from .parallel import parallel_form
 from .recurrent import recurrent_form
 from .rules import get_rule
+from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
 from .validate import check_inputs, check_state
@@ -203,9 +204,7 @@ def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_
     spec = options["spec"]
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
-    bounds = [int(b) for b in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {q.shape[1]}, got {bounds}")
+    bounds = sequence_bounds(cu_seqlens, q.shape[1])
     N = len(bounds) - 1
     check_inputs(q, k, v, beta, lam, log_gate, spec, window=options["window"] if spec.sliding else 1,
                  form=options["form"], chunk_size=options["chunk_size"], eps=options["eps"],

@@ -13,9 +13,9 @@ from typing import Optional, Tuple
 import torch
 
 from ..rules import get_rule
+from ..seqlens import sequence_bounds
 from ..state import FalconState
 from ..validate import check_inputs, check_state
-from .chunk_index import sequence_bounds
 from .column_decay import column_decay_chunk, column_step_sizes
 from .column_delta import column_delta_chunk
 from .delta import delta_chunk
@@ -149,11 +149,10 @@ def falcon_chunk_triton(
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
-        bounds = sequence_bounds(cu_seqlens)
         if B != 1:
             raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
-        if bounds[0] != 0 or bounds[-1] != T or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {T}, got {bounds}")
+        bounds = sequence_bounds(cu_seqlens, T)
+        cu_seqlens = cu_seqlens.to(q.device)  # the kernels index it on the device
         starts, ends = bounds[:-1], bounds[1:]
     else:
         starts, ends = [0], [T]

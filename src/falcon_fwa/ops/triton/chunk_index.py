@@ -1,52 +1,18 @@
 """Chunk bookkeeping shared by the chunk kernels: which sequence and which chunk
 of it every kernel program owns, for fixed-length batches and for packed
-variable-length sequences (``cu_seqlens``).
-
-Both need ``cu_seqlens`` on the host: reading it from the GPU waits for every queued
-kernel, which leaves the GPU idle while the host launches the next ones. A model
-passes the same ``cu_seqlens`` tensor to each of its layers, so the host copy and
-the layouts are kept per tensor object (``_per_tensor``): one device read per batch
-instead of one per layer and call."""
+variable-length sequences (``cu_seqlens``). A packed layout is built from the host
+copy of ``cu_seqlens`` (``ops.seqlens``): inside the model's
+``known_sequence_bounds`` block it is built once per batch and shared by every layer."""
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Optional
 
 import torch
 
-__all__ = ["ChunkLayout", "chunk_layout", "sequence_bounds"]
+from ..seqlens import memo, sequence_bounds
 
-_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
-_CACHE_SIZE = 64
-
-
-def _per_tensor(t: torch.Tensor, what, build: Callable):
-    """``build()``, kept while the tensor object ``t`` lives unmodified: keyed by its identity and
-    its version counter (an in-place write bumps it), checked through a weak reference, so a new
-    tensor at a recycled id or address never hits. Tensors without a version counter (inference
-    mode) and traced code are not cached."""
-    if torch.compiler.is_compiling():
-        return build()
-    try:
-        key = (id(t), t._version, what)
-    except RuntimeError:  # inference tensors do not track versions
-        return build()
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is t:
-        _CACHE.move_to_end(key)
-        return hit[1]
-    value = build()
-    _CACHE[key] = (weakref.ref(t), value)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return value
-
-
-def sequence_bounds(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
-    """``cu_seqlens`` as a tuple of Python ints (one device read per tensor object)."""
-    return _per_tensor(cu_seqlens, "bounds", lambda: tuple(int(b) for b in cu_seqlens.tolist()))
+__all__ = ["ChunkLayout", "chunk_layout"]
 
 
 @dataclass
@@ -81,7 +47,7 @@ def chunk_layout(B: int, T: int, BT: int, cu_seqlens: Optional[torch.Tensor]) ->
         nt = -(-T // BT)
         return ChunkLayout(N=B, T=T, BT=BT, num_chunks=B * nt, max_chunks=nt, cu_seqlens=None,
                            chunk_offsets=None, chunk_indices=None)
-    return _per_tensor(cu_seqlens, ("layout", T, BT), lambda: _varlen_layout(T, BT, cu_seqlens))
+    return memo(cu_seqlens, ("chunk_layout", T, BT), lambda: _varlen_layout(T, BT, cu_seqlens))
 
 
 def _varlen_layout(T: int, BT: int, cu_seqlens: torch.Tensor) -> ChunkLayout:

@@ -1,0 +1,85 @@
+"""Host copies of ``cu_seqlens``, the offsets of packed variable-length sequences.
+
+The varlen paths need the sequence boundaries as Python ints (to cut sequences, to
+lay out chunks). Reading them from a GPU tensor waits for every queued kernel, so a
+model that reads them at every layer leaves the GPU idle once per layer while the
+host launches the next kernels. A caller that already holds the boundaries on the
+host (the model reads them once per batch) declares them for the duration of a
+block with :func:`known_sequence_bounds`; inside it, :func:`sequence_bounds` and
+:func:`memo` answer for that tensor object without a device read. Outside such a
+block every call reads the tensor, so a direct caller of the op never sees a stale
+copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["sequence_bounds", "known_sequence_bounds", "memo"]
+
+_LOCAL = threading.local()
+
+
+def _registry() -> dict:
+    if not hasattr(_LOCAL, "known"):
+        _LOCAL.known = {}
+    return _LOCAL.known
+
+
+def _entry(cu_seqlens: torch.Tensor) -> Optional[tuple]:
+    if torch.compiler.is_compiling():
+        return None
+    hit = _registry().get(id(cu_seqlens))
+    return hit if hit is not None and hit[0] is cu_seqlens else None
+
+
+def check_sequence_bounds(bounds: Sequence[int], total: int) -> None:
+    """``bounds`` must rise strictly from 0 to ``total`` (every sequence at least one token)."""
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {total}, got {list(bounds)}")
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor, total: Optional[int] = None) -> Tuple[int, ...]:
+    """``cu_seqlens`` ``[N + 1]`` as a tuple of Python ints: the declared host copy inside
+    :func:`known_sequence_bounds` for this tensor object, else read from the tensor. With
+    ``total``, checked to rise strictly from 0 to ``total``."""
+    hit = _entry(cu_seqlens)
+    bounds = hit[1] if hit is not None else tuple(int(b) for b in cu_seqlens.tolist())
+    if total is not None:
+        check_sequence_bounds(bounds, total)
+    return bounds
+
+
+def memo(cu_seqlens: torch.Tensor, key, build: Callable):
+    """``build()``, computed once per ``key`` for ``cu_seqlens`` inside its
+    :func:`known_sequence_bounds` block (every call outside one builds anew)."""
+    hit = _entry(cu_seqlens)
+    if hit is None:
+        return build()
+    if key not in hit[2]:
+        hit[2][key] = build()
+    return hit[2][key]
+
+
+@contextlib.contextmanager
+def known_sequence_bounds(cu_seqlens: Optional[torch.Tensor], bounds: Optional[Sequence[int]]) -> Iterator[None]:
+    """Within the block, ``bounds`` stand for the values of the tensor object ``cu_seqlens``
+    (which the caller must not write to inside it); quantities derived from them through
+    :func:`memo` are shared by every call in the block. ``None`` for either does nothing."""
+    if cu_seqlens is None or bounds is None or torch.compiler.is_compiling():
+        yield
+        return
+    known = _registry()
+    key = id(cu_seqlens)
+    outer = known.get(key)
+    known[key] = (cu_seqlens, tuple(int(b) for b in bounds), {})
+    try:
+        yield
+    finally:
+        if outer is None:
+            known.pop(key, None)
+        else:
+            known[key] = outer

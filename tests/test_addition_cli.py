@@ -34,7 +34,7 @@ def test_two_step_run_writes_results_and_resumes(tmp_path):
 def test_compare_trains_and_writes_the_table(tmp_path):
     assert compare.main(["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2",
                          "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"), "--name", "t",
-                         "--hidden-size", "32", "--layers", "1", "--heads", "2", *SMALL]) == 0
+                         "--hidden-size", "32", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]) == 0
     run = json.loads(next((tmp_path / "runs").rglob("results.json")).read_text())
     assert run["size"] == {"hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2,
                            "initializer_range": pytest.approx(32 ** -0.5)}  # the overrides reach the run

@@ -113,6 +113,13 @@ def test_addition_step_timer_tiny(tmp_path):
                                                        ("Transformer", 8)]
     assert all(r["ms_per_step"] > 0 and len(r["top_kernels"]) == 3 for r in rows)
     assert all(r["matmul_precision"] == "highest" for r in rows)  # the tiny preset's setting
+    before = torch.get_float32_matmul_precision()
+    assert bench_addition_step.main(["--models", "Transformer", "--preset", "tiny", "--batch", "4", "--steps", "1",
+                                     "--warmup", "0", "--device", "cpu", "--matmul-precision", "highest", "high",
+                                     "--out", str(tmp_path), "--name", "p"]) == 0
+    assert torch.get_float32_matmul_precision() == before  # the process setting is given back
+    rows = json.loads((tmp_path / "p.json").read_text())
+    assert [(r["batch"], r["matmul_precision"]) for r in rows] == [(4, "highest"), (4, "high")]  # side by side
     # tiny trains on widths 1-5: a sample is 3n + 4 <= 19 tokens, padded to the batch's longest
     assert all(r["batch"] * 7 <= r["tokens_per_step"] <= r["batch"] * 19 for r in rows)
     with pytest.raises(SystemExit):

@@ -30,8 +30,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="override the preset's batch size")
     p.add_argument("--lr", type=float, help="override the preset's peak learning rate")
     p.add_argument("--hidden-size", type=int, help="override the preset's model width (init scale follows it)")
-    p.add_argument("--layers", type=int, help="override the preset's number of layers")
-    p.add_argument("--heads", type=int, help="override the preset's number of heads")
+    p.add_argument("--num-hidden-layers", type=int, help="override the preset's number of layers")
+    p.add_argument("--num-heads", type=int, help="override the preset's number of heads")
     p.add_argument("--matmul-precision", choices=["highest", "high", "medium"],
                    help="override the preset's float32 matmul precision on CUDA (high: TF32 products)")
     p.add_argument("--eval-every", type=int, help="override the preset's evaluation interval (steps)")
@@ -69,7 +69,7 @@ def slug(name: str) -> str:
 def preset_from_args(args: argparse.Namespace):
     return get_addition_preset(args.preset).replace(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-        hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_heads=args.heads,
+        hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
         matmul_precision=args.matmul_precision,
         val_per_width=args.val_per_width, ood_per_width=args.ood_per_width,
         train_widths=tuple(args.train_widths) if args.train_widths else None,

@@ -63,7 +63,7 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
     cmd = [sys.executable, "-m", "falcon_fwa.tasks.addition.cli", "--model", model, "--seed", str(seed),
            "--out", str(out), "--no-progress", "--preset", args.preset, "--device", args.device,
            "--dtype", args.dtype, "--eval-seed", str(args.eval_seed)]
-    for flag in ("steps", "batch_size", "lr", "hidden_size", "layers", "heads", "matmul_precision", "eval_every",
+    for flag in ("steps", "batch_size", "lr", "hidden_size", "num_hidden_layers", "num_heads", "matmul_precision", "eval_every",
                  "val_per_width", "ood_per_width", "threads"):
         value = getattr(args, flag)
         if value is not None:

@@ -150,14 +150,23 @@ def _autocast(device: torch.device, dtype: str) -> Callable:
 
 def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = True,
               log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Train ``spec`` and return the results dict (also written to ``out_dir/results.json``)."""
+    """Train ``spec`` and return the results dict (also written to ``out_dir/results.json``). On
+    CUDA the preset's float32 matmul precision holds for the run; the previous one is restored."""
+    before = torch.get_float32_matmul_precision()
+    if torch.device(spec.device).type == "cuda":
+        torch.set_float32_matmul_precision(spec.preset.matmul_precision)
+    try:
+        return _train(spec, out_dir, progress=progress, resume=resume, log=log)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callable[[str], None]) -> Dict[str, Any]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     p = spec.preset
     device = torch.device(spec.device)
     autocast = _autocast(device, spec.dtype)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision(p.matmul_precision)
 
     torch.manual_seed(spec.seed)
     model = build_model(spec.fields, p.size(), vocab_size=len(VOCAB)).to(device)

@@ -24,6 +24,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD >> "$OUT/gpu.txt" 2>/dev/null
 
+# Compiled kernels and autotuning results persist across fresh machines: Triton's cache lives in
+# TRITON_CACHE_DIR (default .triton_cache/), is seeded from .triton_cache.tgz when that file was carried
+# along, and is packed into OUT/triton_cache.tgz at the end of every stage (skipped above 15 MiB). Keyed by
+# source, options, target and Triton version, a cached kernel is only reused where it is the same kernel.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton_cache.tgz ] && tar xzf .triton_cache.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
+pack_triton_cache() {
+  tar czf "$OUT/triton_cache.tgz.part" -C "$TRITON_CACHE_DIR" . 2>/dev/null || return
+  if [ "$(stat -c %s "$OUT/triton_cache.tgz.part")" -le $((15 * 1024 * 1024)) ]; then
+    mv "$OUT/triton_cache.tgz.part" "$OUT/triton_cache.tgz"
+  else
+    rm -f "$OUT/triton_cache.tgz.part"; echo "triton cache above 15 MiB: not packed" >&2
+  fi
+}
+trap pack_triton_cache EXIT
+
 # stop_group_after SECONDS PID: wait for PID; past SECONDS, TERM then KILL its whole process group.
 stop_group_after() {
   local limit=$1 pid=$2 waited=0

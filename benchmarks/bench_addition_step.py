@@ -90,31 +90,24 @@ def main(argv=None) -> int:
     if any(b < 1 for b in args.batch):
         p.error("--batch values must be at least 1")
     from falcon_fwa.tasks.addition.presets import get_addition_preset
+    from falcon_fwa.tasks.addition.train import float32_matmul_precision
     preset = get_addition_preset(args.preset)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows: List[Dict] = []
-    before = torch.get_float32_matmul_precision()
-    try:
-        _time_all(args, preset, rows)
-    finally:
-        torch.set_float32_matmul_precision(before)
-    return 0
-
-
-def _time_all(args, preset, rows: List[Dict]) -> None:
     for name in args.models:
         for batch in args.batch:
             for precision in args.matmul_precision or [preset.matmul_precision]:
-                torch.set_float32_matmul_precision(precision)
-                row = {"matmul_precision": precision,
-                       **time_steps(name, preset, batch, args.steps, args.warmup, args.device, args.profile)}
+                with float32_matmul_precision(precision):
+                    row = {"matmul_precision": precision,
+                           **time_steps(name, preset, batch, args.steps, args.warmup, args.device, args.profile)}
                 rows.append(row)
                 print(f"{name:12s} batch {batch:5d} {precision:7s}: {row['ms_per_step']:9.2f} ms/step "
                       f"({row['tokens_per_step']:,} tokens)", flush=True)
                 if args.out:
                     os.makedirs(args.out, exist_ok=True)
                     _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.seqlens import sequence_bounds
 from .layer_cache import LayerCache
 from .packing import Packing
 
@@ -76,7 +77,7 @@ class CausalSelfAttention(nn.Module):
     def _segments(q, packing: Packing):
         """``(batch index, start, end, cache row)`` of every sequence in the layout."""
         if packing.packed:
-            bounds = packing.bounds if packing.bounds is not None else packing.cu_seqlens.tolist()
+            bounds = sequence_bounds(packing.cu_seqlens)  # the model's declared copy inside its pass
             return [(0, a, b, int(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), packing.rows.tolist())]
         return [(b, 0, q.shape[2], b) for b in range(q.shape[0])]
 

@@ -20,6 +20,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..ops.seqlens import sequence_bounds
+
 __all__ = ["Packing", "unpad", "repad", "cu_seqlens_from_lengths"]
 
 
@@ -62,7 +64,7 @@ class Packing:
         """Packed sequences; ``offsets`` ``[B]`` tokens already cached per cache row; ``bounds``:
         ``cu_seqlens``'s values if the caller holds them (else read here, once)."""
         cu = cu_seqlens.to(torch.int64)
-        bounds = tuple(int(b) for b in (cu.tolist() if bounds is None else bounds))
+        bounds = sequence_bounds(cu) if bounds is None else tuple(bounds)
         lengths = cu[1:] - cu[:-1]
         total = bounds[-1]
         seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)

@@ -266,8 +266,7 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         with open(log_path, "w") as log:
             code = _run_group(cmd, env, log, left)
-        row["status"] = ("stopped: deadline" if code is None else "done" if code == 0
-                         else f"failed (exit {code}, {log_path})")
+        row["status"] = _status(code, log_path)
         summary = _read_summary(run_dir)
         if summary is not None and row["status"] == "done":
             row.update(tokens_per_s=summary.get("tokens_per_s"), peak_mem_bytes_per_gpu=summary.get("peak_mem_bytes"),
@@ -290,8 +289,12 @@ def _warm_up(job: dict, args: argparse.Namespace, micro: int, global_batch: int,
     os.makedirs(args.out, exist_ok=True)
     with open(run_dir + ".log", "w") as log:
         code = _run_group(cmd, env, log, timeout)
-    status = "stopped: deadline" if code is None else "done" if code == 0 else f"failed (exit {code})"
-    return dict(model=job["model"], status=status)
+    return dict(model=job["model"], status=_status(code, run_dir + ".log"))
+
+
+def _status(code: Optional[int], log_path: str) -> str:
+    """A run's status from its exit code (``None``: stopped at the deadline)."""
+    return "stopped: deadline" if code is None else "done" if code == 0 else f"failed (exit {code}, {log_path})"
 
 
 def _machine() -> str:

@@ -148,17 +148,26 @@ def _autocast(device: torch.device, dtype: str) -> Callable:
     raise ValueError(f"dtype: unknown {dtype!r}; choose float32 or bfloat16")
 
 
+@contextlib.contextmanager
+def float32_matmul_precision(value: Optional[str]):
+    """``torch.set_float32_matmul_precision(value)`` inside the block (``None``: unchanged); the
+    process's setting is given back after it."""
+    before = torch.get_float32_matmul_precision()
+    if value is not None:
+        torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = True,
               log: Callable[[str], None] = print) -> Dict[str, Any]:
     """Train ``spec`` and return the results dict (also written to ``out_dir/results.json``). On
     CUDA the preset's float32 matmul precision holds for the run; the previous one is restored."""
-    before = torch.get_float32_matmul_precision()
-    if torch.device(spec.device).type == "cuda":
-        torch.set_float32_matmul_precision(spec.preset.matmul_precision)
-    try:
+    on_cuda = torch.device(spec.device).type == "cuda"
+    with float32_matmul_precision(spec.preset.matmul_precision if on_cuda else None):
         return _train(spec, out_dir, progress=progress, resume=resume, log=log)
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callable[[str], None]) -> Dict[str, Any]:

@@ -216,3 +216,21 @@ def test_hand_scale_ridge(form):
     inp = dict(HAND_1D, lam=_s([1.0, 1.0, 1.0]))
     o, _ = falcon_attention(**inp, rule="1A", form=form, eps=0.0, scale_ridge=True, chunk_size=2)
     assert torch.allclose(o[0, :, 0, 0], torch.tensor([0.0, 0.75, 0.125], dtype=f64), rtol=1e-14, atol=1e-15)
+
+
+def test_top_eigenvalue_sliced_matches_closed_form():
+    # 2x2 symmetric [[a, b], [b, c]]: lambda_max = (a + c)/2 + sqrt(((a - c)/2)^2 + b^2). Slicing the
+    # batch (as done on CUDA, whose batched eigensolver fails on very large batches) must not change it.
+    from falcon_fwa.ops.step_sizes import top_eigenvalue
+
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(3, 5, 7, generator=g, dtype=f64) for _ in range(3))
+    gram = torch.stack([torch.stack([a, b], -1), torch.stack([b, c], -1)], -2)  # [3, 5, 7, 2, 2]
+    expected = (a + c) / 2 + torch.sqrt(((a - c) / 2) ** 2 + b ** 2)
+    for batch in (1, 4, 16384):
+        top = top_eigenvalue(gram, batch=batch)
+        assert top.shape == (3, 5, 7)
+        assert torch.allclose(top, expected, rtol=1e-12, atol=1e-12)
+    assert top_eigenvalue(gram[:0]).shape == (0, 5, 7)
+    with pytest.raises(ValueError, match="batch"):
+        top_eigenvalue(gram, batch=0)

@@ -23,7 +23,23 @@ import torch
 
 from .rules import RuleSpec
 
-__all__ = ["normalization_statistic", "step_sizes"]
+__all__ = ["normalization_statistic", "step_sizes", "top_eigenvalue"]
+
+# cuSOLVER's batched symmetric eigensolver (reached by torch.linalg.eigvalsh on CUDA) fails
+# with CUSOLVER_STATUS_INTERNAL_ERROR on batches of a few hundred thousand matrices (seen at
+# B=8, T=2048, H=16: 262,144 window Grams); it is called on slices of at most this many.
+EIGH_BATCH = 16384
+
+
+def top_eigenvalue(gram: torch.Tensor, batch: int = EIGH_BATCH) -> torch.Tensor:
+    """Largest eigenvalue of each symmetric matrix in ``gram`` ``[..., W, W]`` -> ``[...]``,
+    computed by ``torch.linalg.eigvalsh`` on slices of at most ``batch`` matrices."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    flat = gram.reshape(-1, *gram.shape[-2:])
+    tops = [torch.linalg.eigvalsh(part)[..., -1] for part in flat.split(batch)] if flat.shape[0] else []
+    top = torch.cat(tops) if tops else flat.new_zeros(0)
+    return top.reshape(gram.shape[:-2])
 
 
 def normalization_statistic(rule: RuleSpec, xs: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -37,7 +53,7 @@ def normalization_statistic(rule: RuleSpec, xs: torch.Tensor, count: torch.Tenso
         # A non-finite window (e.g. garbage past the end of a sequence) gets a NaN
         # statistic of its own instead of failing the batched eigensolver for all.
         bad = ~torch.isfinite(gram).all(-1).all(-1)
-        top = torch.linalg.eigvalsh(gram.masked_fill(bad[..., None, None], 0.0))[..., -1]
+        top = top_eigenvalue(gram.masked_fill(bad[..., None, None], 0.0))
         return top.masked_fill(bad, float("nan")) / bt
     return (xs ** 2).sum((-1, -2)) / bt
 

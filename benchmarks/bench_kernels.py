@@ -355,6 +355,8 @@ def main(argv=None) -> None:
                    help=f"indices into {SHAPES}")
     p.add_argument("--profile", nargs="*", default=[], help="ops whose fwd+bwd is profiled per kernel (first shape)")
     p.add_argument("--decode", action="store_true", help="also time the fused decoding step against the PyTorch step")
+    p.add_argument("--tag", default=None,
+                   help="recorded as 'process' on every row: ratios are only taken between rows of one process")
     p.add_argument("--row-timeout", type=float, default=90.0,
                    help="seconds one row may take before it is skipped and reported (checked between calls: "
                         "one call that hangs is not interrupted)")
@@ -387,7 +389,8 @@ def main(argv=None) -> None:
                     torch.cuda.empty_cache()
                     continue
                 B, T, H, K, V = shape
-                rows.append(dict(op=name, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=peak))
+                rows.append(dict(op=name, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=peak,
+                                 commit=commit, **({"process": args.tag} if args.tag else {})))
                 if name in SLIDING_OPS:
                     rows[-1]["window"] = WINDOW
                 print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB", flush=True)

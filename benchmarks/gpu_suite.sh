@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR fla       # fla 0.6.0 against the native op (baselines, fwd and grads)
 #   bash benchmarks/gpu_suite.sh OUT_DIR diagnose  # per-quantity errors of rule 1 (fp32/bf16) under several WY warp counts
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
-#   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048, decode step
+#   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048 (split over 2 GPUs)
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
 #   bash benchmarks/gpu_suite.sh OUT_DIR decode    # whole-model decoding tokens/s, fused step vs PyTorch step
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
@@ -85,16 +85,31 @@ case "$STAGE" in
     ;;
   kernels)
     # BENCH_OPS narrows the rows (default: every Falcon kernel, the fla counterparts, SDPA and the PyTorch forms).
-    # ROW_TIMEOUT covers compilation: fla's autotuned rows need more than 45 s of it on a fresh machine.
-    timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --allow-fla-gated --decode --shapes 0 \
-        --ops ${BENCH_OPS:-falcon-2a fla-gla falcon-2 fla-gated-delta-rule falcon-3 falcon-1 falcon-1a fla-simple-gla \
-              falcon-3a fla-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3} \
-        --row-timeout ${ROW_TIMEOUT:-150} ${BENCH_PROFILE:+--profile $BENCH_PROFILE} 2>&1 | tee "$OUT/bench_kernels.log"
+    # ROW_TIMEOUT covers compilation: fla's autotuned rows need more than 150 s of it on a fresh machine.
+    # With two or more GPUs (and no BENCH_OPS) the rows are split over two processes, one per GPU, each timing
+    # its own fla reference rows: every ratio is then taken between rows of one process (the `process` key).
+    KOPTS="--allow-fla-gated --shapes 0 --row-timeout ${ROW_TIMEOUT:-150} ${BENCH_PROFILE:+--profile $BENCH_PROFILE}"
+    if [ -z "${BENCH_OPS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-540} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu0 \
+          --tag gpu0 $KOPTS --ops falcon-1 fla-gated-delta-rule falcon-1a fla-simple-gla falcon-3a falcon-2a fla-gla sdpa \
+          > "$OUT/bench_kernels_gpu0.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-540} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu1 \
+          --tag gpu1 $KOPTS --ops fla-gated-delta-rule falcon-2 falcon-3 fla-delta-rule torch-chunk-1A torch-chunk-1 \
+          torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3 > "$OUT/bench_kernels_gpu1.log" 2>&1 &
+      wait
+      grep -h " ms  peak" "$OUT"/bench_kernels_gpu*.log
+    else
+      timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --decode $KOPTS \
+          --ops ${BENCH_OPS:-falcon-2a fla-gla falcon-2 fla-gated-delta-rule falcon-3 falcon-1 falcon-1a fla-simple-gla \
+                falcon-3a fla-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3} \
+          2>&1 | tee "$OUT/bench_kernels.log"
+    fi
     ;;
   kernels-long)
+    # each Falcon row next to its fla counterpart, in the order of the targets; rule 3 profiled per kernel
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
-        --ops falcon-1a falcon-1 falcon-2 falcon-2a falcon-3 falcon-3a fla-simple-gla fla-gla fla-delta-rule fla-gated-delta-rule sdpa \
-        --row-timeout ${ROW_TIMEOUT:-90} --profile falcon-1 falcon-3a 2>&1 | tee "$OUT/bench_kernels.log"
+        --ops falcon-1a fla-simple-gla falcon-1 fla-gated-delta-rule falcon-3a sdpa falcon-2a fla-gla falcon-3 falcon-2 \
+        fla-delta-rule --row-timeout ${ROW_TIMEOUT:-150} --profile falcon-3 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   decode)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \

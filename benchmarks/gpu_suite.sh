@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in stages that each fit in about 8 minutes:
 #   bash benchmarks/gpu_suite.sh OUT_DIR tests     # kernel and layer tests on the GPU (CUDA-only tests included)
+#   bash benchmarks/gpu_suite.sh OUT_DIR tests-full  # every rule at the full benchmark shape, bf16 and fp32
 #   bash benchmarks/gpu_suite.sh OUT_DIR fla       # fla 0.6.0 against the native op (baselines, fwd and grads)
 #   bash benchmarks/gpu_suite.sh OUT_DIR diagnose  # per-quantity errors of rule 1 (fp32/bf16) under several WY warp counts
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
@@ -63,6 +64,14 @@ case "$STAGE" in
         tests/test_layers.py > "$OUT/gpu_tests.txt" 2>&1 &
     stop_group_after ${TESTS_TIMEOUT:-350} $!
     tail -n 40 "$OUT/gpu_tests.txt"
+    ;;
+  tests-full)
+    # every rule at the full benchmark shape B=8 T=2048 H=16 K=V=128, bf16 and fp32, against the float64
+    # recurrence run one batch row at a time (about 13 GB per row): few workers, so that they fit in memory
+    setsid $PY -m pytest -v -n ${JOBS:-4} -p no:cacheprovider -rfEs --durations=20 --timeout 480 \
+        --junitxml="$OUT/gpu_tests_full.xml" tests/test_triton_full_shape.py > "$OUT/gpu_tests_full.txt" 2>&1 &
+    stop_group_after ${TESTS_TIMEOUT:-500} $!
+    tail -n 30 "$OUT/gpu_tests_full.txt"
     ;;
   fla)
     # fla against the native op, row by row into a markdown report (a cut-off run keeps its rows); alone, so
@@ -146,5 +155,5 @@ case "$STAGE" in
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, fla, diagnose, profile, kernels, kernels-long, decode, lm, multigpu, addition or addition-step" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, tests-full, fla, diagnose, profile, kernels, kernels-long, decode, lm, multigpu, addition or addition-step" >&2; exit 2;;
 esac

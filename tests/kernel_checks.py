@@ -85,12 +85,13 @@ def on_device(leaves: Dict[str, Optional[torch.Tensor]], device, dtype: Optional
 
 
 def run_op(op, leaves: Dict[str, Optional[torch.Tensor]], *, rule: str, window: int, shift: bool,
-           output_final_state: bool, **op_switches):
+           output_final_state: bool, probes: Optional[Dict[str, torch.Tensor]] = None, **op_switches):
     """Run ``op`` (``falcon_chunk_triton`` or ``falcon_attention``) on fresh copies of
     the leaves, from the initial state they hold, and backpropagate
     ``sum_t <P_t, t>`` over the outputs ``t`` (``o``, then the final ``S``, last key and
-    tail where present) with fixed float64 probes ``P_t`` (seed 123). Returns the
-    outputs by name and the gradients of the leaves that receive one."""
+    tail where present) with fixed float64 probes ``P_t``: drawn in that order from a
+    generator seeded 123 (``probe_tensors``), or taken from ``probes`` by name. Returns
+    the outputs by name and the gradients of the leaves that receive one."""
     tail_valid = leaves.get("tail_valid")
     leaves = {n: x.detach().clone().requires_grad_() for n, x in leaves.items()
               if x is not None and n != "tail_valid"}
@@ -101,22 +102,47 @@ def run_op(op, leaves: Dict[str, Optional[torch.Tensor]], *, rule: str, window: 
                             tail_y=leaves.get("tail_y"), tail_valid=tail_valid)
     o, final = op(*(leaves[n] for n in OP_INPUTS), rule=rule, window=window, log_gate=leaves.get("log_gate"),
                   shift=shift, initial_state=state, output_final_state=output_final_state, **op_switches)
-    g = torch.Generator().manual_seed(123)
-
-    def probe(t):
-        t = t.double()
-        return (t * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device)).sum()
-
     outs = {"o": o}
-    loss = probe(o)
     if output_final_state:
         outs.update(S_T=final.S, last_key=final.last_key, tail_x=final.tail_x, tail_y=final.tail_y,
                     tail_valid=final.tail_valid)
-        for name in FINAL_TENSORS:
-            if outs[name] is not None:
-                loss = loss + probe(outs[name])
+    probed = {n: t for n, t in outs.items() if n != "tail_valid" and t is not None}
+    if probes is None:
+        probes = probe_tensors({n: t.shape for n, t in probed.items()})
+    loss = sum((t.double() * probes[n].to(t.device)).sum() for n, t in probed.items())
     loss.backward()
     grads = {n: x.grad for n, x in leaves.items() if x.grad is not None}
+    return outs, grads
+
+
+def probe_tensors(shapes: Dict[str, Sequence[int]]) -> Dict[str, torch.Tensor]:
+    """The float64 probes of ``run_op`` for outputs of the given shapes (CPU tensors): one
+    generator seeded 123 draws them in the order ``o``, ``S_T``, ``last_key``, ``tail_x``,
+    ``tail_y`` (those present)."""
+    g = torch.Generator().manual_seed(123)
+    return {n: torch.randn(tuple(shapes[n]), generator=g, dtype=torch.float64)
+            for n in ("o",) + FINAL_TENSORS if n in shapes}
+
+
+def reference_by_rows(leaves: Dict[str, Optional[torch.Tensor]], shapes: Dict[str, Sequence[int]], device, *,
+                      rule: str, window: int, shift: bool, output_final_state: bool, **op_switches):
+    """``run_op(falcon_attention, form="recurrent")`` in float64, one batch row at a time.
+
+    The rows of a batch (without ``cu_seqlens``) are independent, so running them one by one
+    gives the whole batch's outputs and gradients (concatenated along the batch) with the
+    memory of one row: the recurrent form keeps every step's state for its backward, which
+    at B=8, T=2048, H=16, K=V=128 in float64 would hold tens of GB. ``shapes`` are the output
+    shapes of the whole batch; the probes are those of ``probe_tensors(shapes)``, cut by row."""
+    probes = probe_tensors(shapes)
+    B = shapes["o"][0]
+    rows = []
+    for b in range(B):
+        row = {n: None if x is None else x[b:b + 1] for n, x in leaves.items()}
+        rows.append(run_op(falcon_attention, on_device(row, device, torch.float64), rule=rule, window=window,
+                           shift=shift, output_final_state=output_final_state, form="recurrent", backend="torch",
+                           probes={n: p[b:b + 1] for n, p in probes.items()}, **op_switches))
+    outs = {n: None if rows[0][0][n] is None else torch.cat([r[0][n] for r in rows]) for n in rows[0][0]}
+    grads = {n: torch.cat([r[1][n] for r in rows]) for n in rows[0][1]}
     return outs, grads
 
 
@@ -163,14 +189,16 @@ def check_kernel(rule: str, dims: Sequence[int], dtype: torch.dtype = torch.floa
                  output_final_state: bool = False, cu_seqlens: Optional[Sequence[int]] = None, chunk_size: int = 16,
                  read: str = "after", normalize: bool = True, scale_ridge: bool = False, decay_floor: float = 1e-3,
                  key_power: float = 0.25, lam_scale: float = 0.5, beta_scale: float = 0.9, empty_slot: float = 0.0,
-                 poison=None, tol: Dict[torch.dtype, float] = TOL) -> Dict[str, float]:
+                 poison=None, tol: Dict[torch.dtype, float] = TOL, reference_rows: bool = False) -> Dict[str, float]:
     """``falcon_chunk_triton`` in ``dtype`` against ``falcon_attention(form="recurrent")``
     in float64 on the same inputs ``kernel_inputs(*dims, dtype, ...)`` (``dims`` =
     ``(B, T, H, K, V)``): the output's dtype and shape, every output and final-state
     tensor (``tail_valid`` exactly) and the gradient of every leaf must agree within
     ``tol[dtype]`` in ``rel_norm``. ``poison`` (a ``monkeypatch``) runs the kernels on
     NaN-filled fresh buffers; a non-zero ``empty_slot`` (e.g. NaN) in the empty tail
-    slot must act as zero. Returns the relative errors by name."""
+    slot must act as zero. ``reference_rows`` computes the reference one batch row at a
+    time (``reference_by_rows``), for shapes whose float64 recurrence would not fit at
+    once. Returns the relative errors by name."""
     B, T, H, K, V = dims
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
     leaves = kernel_inputs(B, T, H, K, V, dtype, seed=seed, rule=rule, window=window, gate=gate, state=state, N=N,
@@ -183,8 +211,15 @@ def check_kernel(rule: str, dims: Sequence[int], dtype: torch.dtype = torch.floa
     if empty_slot != 0.0:  # what the empty slot held must not matter: compare with it zeroed
         leaves["tail_x"][0, :, 0] = 0.0
         leaves["tail_y"][0, :, 0] = 0.0
-    ref = run_op(falcon_attention, on_device(leaves, device, torch.float64), form="recurrent", backend="torch",
-                 **switches)
+    if reference_rows:
+        if cu_seqlens is not None:
+            raise ValueError("reference_rows needs independent batch rows (no cu_seqlens)")
+        shapes = {n: t.shape for n, t in tri[0].items() if n != "tail_valid" and t is not None}
+        del switches["cu_seqlens"]
+        ref = reference_by_rows(leaves, shapes, device, **switches)
+    else:
+        ref = run_op(falcon_attention, on_device(leaves, device, torch.float64), form="recurrent", backend="torch",
+                     **switches)
     assert tri[0]["o"].dtype == dtype and tri[0]["o"].shape == ref[0]["o"].shape
     errors = {}
     for name, r in ref[0].items():

@@ -8,7 +8,7 @@ import torch
 from .chunk import chunk_form
 from .pairs import next_tail, window_slots, write_pairs
 from .parallel import parallel_form
-from .recurrent import recurrent_form
+from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
 from .seqlens import sequence_bounds
 from .state import FalconState
@@ -272,17 +272,55 @@ def falcon_step(
         except (ImportError, NotImplementedError):
             if backend == "triton":
                 raise
+    spec = get_rule(rule)
+    W = window if spec.sliding else 1
     if state is not None:
-        spec = get_rule(rule)
-        check_state(state, spec, window=window if spec.sliding else 1, shift=shift, B=q.shape[0], H=q.shape[1],
-                    K=q.shape[2], V=v.shape[2], name="state")
+        check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2], V=v.shape[2],
+                    name="state")
+    check_inputs(*(None if t is None else t[:, None] for t in (q, k, v, beta, lam, log_gate)), spec, window=window,
+                 form="recurrent", chunk_size=1, eps=eps, decay_floor=decay_floor, read=read, initial_state=None,
+                 shift=shift)
+    return _torch_step(q, k, v, beta, lam, log_gate, state, spec=spec, window=W, eps=eps, decay_floor=decay_floor,
+                       shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
 
-    def one(t):
-        return None if t is None else t.unsqueeze(1)
 
-    o, new_state = falcon_attention(one(q), one(k), one(v), one(beta), one(lam), rule=rule, window=window,
-                                    form="recurrent", eps=eps, decay_floor=decay_floor, shift=shift,
-                                    normalize=normalize, log_gate=one(log_gate), read=read,
-                                    scale_ridge=scale_ridge, initial_state=state, output_final_state=True,
-                                    backend="torch")
-    return o[:, 0], new_state
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``t`` in ``dtype`` (no call at all when it already is)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _torch_step(q, k, v, beta, lam, log_gate, state, *, spec, window, eps, decay_floor, shift, normalize, read,
+                scale_ridge):
+    """The recurrent form's computation for one token on checked inputs, without its sequence
+    plumbing: the inputs ``[B, H, ...]`` are already head-first, and a time axis of length one is
+    added only for the window and step-size helpers shared with the other forms."""
+    W = window
+    dt = _compute_dtype(q, k, v, beta, lam, log_gate)
+    q, k, v_c, beta, lam, log_gate = (_cast(t, dt) for t in (q, k, v, beta, lam, log_gate))
+    B, H, K = q.shape
+    if state is None:
+        S = q.new_zeros(B, H, K, v.shape[-1])
+        tail = None
+    else:
+        S = _cast(state.S, dt)
+        tail = None if W == 1 else (state.tail_x, state.tail_y, state.tail_valid)
+    # The pair written now: (x_t, y_t) = (k_{t-1}, v_t), the boundary sentinel x = 0 (no pair) on a
+    # fresh sequence; (k_t, v_t) unshifted.
+    if not shift:
+        x = k
+    elif state is None:
+        x = torch.zeros_like(k)
+    else:
+        x = _cast(state.last_key, dt)
+    valid = torch.full((B, 1), state is not None or not shift, dtype=torch.bool, device=q.device)
+    xh, vh = x[:, :, None], v_c[:, :, None]  # [B, H, 1, .]
+    xs, ys, slot_valid = window_slots(xh, vh, valid, W, tail)  # [B, H, 1, W, .]
+    eta_slots, log_gamma = step_sizes(spec, xs, slot_valid, beta[:, :, None], lam[:, :, None], eps=eps,
+                                      decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
+    o, S = recurrent_step(S, q, xs[:, :, 0], ys[:, :, 0], eta_slots[:, :, 0], torch.exp(log_gamma[:, :, 0]),
+                          None if log_gate is None else torch.exp(log_gate), regression=spec.regression,
+                          read_after=read == "after")
+    new_state = FalconState(rule=spec.name, window=W, shift=shift, S=S, last_key=k if shift else None)
+    if W > 1:
+        new_state.tail_x, new_state.tail_y, new_state.tail_valid = next_tail(xh, vh, valid, W, tail)
+    return _cast(o, v.dtype), new_state

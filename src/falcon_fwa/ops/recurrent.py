@@ -16,7 +16,36 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["recurrent_form"]
+__all__ = ["recurrent_form", "recurrent_step"]
+
+
+def recurrent_step(
+    S: torch.Tensor,
+    q_t: torch.Tensor,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    eta_t: torch.Tensor,
+    gamma_t: torch.Tensor,
+    gate_t: Optional[torch.Tensor],
+    *,
+    regression: bool,
+    read_after: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One step of the scan (the module docstring's equations).
+
+    ``S`` ``[B, H, K, V]`` (``S_{t-1}``), ``q_t`` ``[B, H, K]``, ``X`` ``[B, H, W, K]``,
+    ``Y`` ``[B, H, W, V]``, ``eta_t`` ``[B, H, W, Vd]``, ``gamma_t`` ``[B, H, Vd]``,
+    ``gate_t`` ``[B, H]`` (``exp(g_t)``) or ``None``. Returns ``o_t`` ``[B, H, V]`` and ``S_t``.
+    """
+    S_prev = S
+    if gate_t is not None:
+        S = gate_t[..., None, None] * S
+    R = Y - X @ S if regression else Y
+    X_T, update = X.transpose(-1, -2), eta_t * R
+    # X^T (eta R) sums over the window slots; with one slot it is an outer product (a broadcast product).
+    S = gamma_t[:, :, None, :] * S + (X_T * update if X.shape[-2] == 1 else X_T @ update)
+    read = S if read_after else S_prev
+    return (read.transpose(-1, -2) @ q_t[..., None])[..., 0], S
 
 
 def recurrent_form(
@@ -44,11 +73,6 @@ def recurrent_form(
     S = S0
     outs = []
     for q_t, X, Y, eta_t, gamma_t, gate_t in steps:  # X [B, H, W, K], Y [B, H, W, V]
-        S_prev = S
-        if gate_t is not None:
-            S = gate_t[..., None, None] * S
-        R = Y - X @ S if regression else Y
-        S = gamma_t[:, :, None, :] * S + X.transpose(-1, -2) @ (eta_t * R)
-        read = S if read_after else S_prev
-        outs.append((read.transpose(-1, -2) @ q_t[..., None])[..., 0])
+        o_t, S = recurrent_step(S, q_t, X, Y, eta_t, gamma_t, gate_t, regression=regression, read_after=read_after)
+        outs.append(o_t)
     return torch.stack(outs, dim=2), S

@@ -89,11 +89,13 @@ def step_sizes(
     if normalize:
         denom = stat_c + lam_c + eps
         ok = mask & (denom > 0)
-        eta = torch.where(ok, gain / torch.where(ok, denom, torch.ones_like(denom)), torch.zeros_like(gain))
+        eta = torch.where(ok, gain / torch.where(ok, denom, 1.0), 0.0)
     else:
-        eta = torch.where(mask, gain, torch.zeros_like(gain))
+        eta = torch.where(mask, gain, 0.0)
     alpha = (eta * lam_c).clamp(max=1.0 - decay_floor)
     log_gamma = torch.log1p(-alpha)
+    if xs.shape[-2] == 1:  # one slot (rules 1, 2, 1A, 2A): its weight [j in I_t] / B_t is 1 wherever eta_t != 0
+        return eta[:, :, :, None, :], log_gamma
     weight = slot_valid.to(xs.dtype) / count.clamp(min=1).to(xs.dtype)[..., None]  # [B, T, W]
     eta_slots = eta[:, :, :, None, :] * weight[:, None, :, :, None]
     return eta_slots, log_gamma

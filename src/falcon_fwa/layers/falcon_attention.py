@@ -33,7 +33,7 @@ from ..ops.rules import get_rule
 from . import fla_backend
 from .gates import ContextGates
 from .layer_cache import LayerCache
-from .norms import RMSNorm, normalize_features, rms_normalize
+from .norms import RMSNorm, cast_to, normalize_features, rms_normalize
 from .packing import Packing
 from .short_conv import ShortConv
 
@@ -106,10 +106,13 @@ class FalconAttention(nn.Module):
         # The normalizations compute in float32 under autocast; the op gets the projections' dtype back
         # (bf16 under bf16 autocast), so its kernels run on the tensor cores.
         dt = v.dtype
-        q = (normalize_features(self.feature_map(q), self.qk_norm, self.norm_eps) * self.query_scale).to(dt)
-        k = normalize_features(self.feature_map(k), self.qk_norm, self.norm_eps).to(dt)
+        q = normalize_features(self.feature_map(q), self.qk_norm, self.norm_eps)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        q = cast_to(q, dt)
+        k = cast_to(normalize_features(self.feature_map(k), self.qk_norm, self.norm_eps), dt)
         if self.v_norm:
-            v = rms_normalize(v, self.norm_eps).to(dt)
+            v = cast_to(rms_normalize(v, self.norm_eps), dt)
         return q, k, v
 
     def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache] = None) -> torch.Tensor:
@@ -118,7 +121,7 @@ class FalconAttention(nn.Module):
         beta, lam, log_gate = self.gates(h)
         o = self._core(q, k, v, beta, lam, log_gate, packing, cache)
         if self.D is not None:
-            o = o + self.D.to(o.dtype)[:, None] * v
+            o = o + cast_to(self.D, o.dtype)[:, None] * v
         gate = None if self.g_proj is None else self.g_proj(h).view(B, T, self.num_heads, self.head_v_dim)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(B, T, -1))

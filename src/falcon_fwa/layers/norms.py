@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "rms_normalize", "normalize_features"]
+__all__ = ["RMSNorm", "rms_normalize", "normalize_features", "cast_to"]
+
+
+def cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without dispatching a cast when it already is (a decoding step would make
+    dozens of such no-op calls per layer)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def rms_normalize(u: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -43,7 +49,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         dt = torch.promote_types(x.dtype, torch.float32)
-        y = rms_normalize(x.to(dt), self.eps, self.weight.to(dt))
+        y = rms_normalize(cast_to(x, dt), self.eps, cast_to(self.weight, dt))
         if gate is not None:
-            y = y * F.silu(gate.to(dt))
-        return y.to(x.dtype)
+            y = y * F.silu(cast_to(gate, dt))
+        return cast_to(y, x.dtype)

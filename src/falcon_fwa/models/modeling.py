@@ -28,7 +28,7 @@ from ..layers.attention import CausalSelfAttention
 from ..layers.falcon_attention import FalconAttention
 from ..layers.layer_cache import LayerCache
 from ..layers.mlp import SwiGLU
-from ..layers.norms import RMSNorm
+from ..layers.norms import RMSNorm, cast_to
 from ..layers.packing import Packing, repad, unpad
 from ..ops.seqlens import known_sequence_bounds, sequence_bounds
 from .cache import FalconCache
@@ -256,7 +256,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         with known_sequence_bounds(packing.cu_seqlens, packing.bounds):  # one device read per batch
             h = self.model(h, packing, cache)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, weight).to(torch.promote_types(h.dtype, torch.float32)) / self.config.width_multiplier
+        logits = cast_to(F.linear(h, weight), torch.promote_types(h.dtype, torch.float32))
+        if self.config.width_multiplier != 1.0:
+            logits = logits / self.config.width_multiplier
         if index is not None:
             logits = repad(logits, index, B, T)
         if cache is not None:

@@ -5,7 +5,7 @@ attention, bf16, forward and forward+backward, with peak memory.
     python benchmarks/bench_kernels.py --out benchmarks/results --name h200
 
 Writes ``<out>/<name>.json`` (a list of rows ``{op, B, T, H, K, V, mode, ms,
-peak_mem_bytes}``, plus ``window`` for the sliding rules) and ``<out>/<name>.md`` (the table, GPU, versions, commit and the
+peak_mem_bytes, commit}``, plus ``window`` for the sliding rules and ``process`` with ``--tag``) and ``<out>/<name>.md`` (the table, GPU, versions, commit and the
 ratios against the fla counterparts). ``ms`` is the median of
 ``triton.testing.do_bench``; ``peak_mem_bytes`` is the peak allocated during one call
 above what was allocated before it (inputs excluded). ``fwd`` runs under

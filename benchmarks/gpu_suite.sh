@@ -67,7 +67,7 @@ case "$STAGE" in
     ;;
   tests-full)
     # every rule at the full benchmark shape B=8 T=2048 H=16 K=V=128, bf16 and fp32, against the float64
-    # recurrence run one batch row at a time (about 13 GB per row): few workers, so that they fit in memory
+    # recurrence run one batch row at a time (18-20 GB per row in float64): at most 4 workers fit on one H200
     setsid $PY -m pytest -v -n ${JOBS:-4} -p no:cacheprovider -rfEs --durations=20 --timeout 480 \
         --junitxml="$OUT/gpu_tests_full.xml" tests/test_triton_full_shape.py > "$OUT/gpu_tests_full.txt" 2>&1 &
     stop_group_after ${TESTS_TIMEOUT:-500} $!
@@ -97,28 +97,31 @@ case "$STAGE" in
     # ROW_TIMEOUT covers compilation: fla's autotuned rows need more than 150 s of it on a fresh machine.
     # With two or more GPUs (and no BENCH_OPS) the rows are split over two processes, one per GPU, each timing
     # its own fla reference rows: every ratio is then taken between rows of one process (the `process` key).
-    KOPTS="--allow-fla-gated --shapes 0 --row-timeout ${ROW_TIMEOUT:-150} ${BENCH_PROFILE:+--profile $BENCH_PROFILE}"
+    KOPTS="--allow-fla-gated --shapes 0 --row-timeout ${ROW_TIMEOUT:-150}"
+    PROFILE_OPTS="${BENCH_PROFILE:+--profile $BENCH_PROFILE}"
     if [ -z "${BENCH_OPS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-      CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-540} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu0 \
-          --tag gpu0 $KOPTS --ops falcon-1 fla-gated-delta-rule falcon-1a fla-simple-gla falcon-3a falcon-2a fla-gla sdpa \
+      CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu0 \
+          --tag gpu0 --decode $KOPTS $PROFILE_OPTS \
+          --ops falcon-1 fla-gated-delta-rule falcon-1a fla-simple-gla falcon-3a falcon-2a fla-gla sdpa \
           > "$OUT/bench_kernels_gpu0.log" 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-540} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu1 \
+      CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu1 \
           --tag gpu1 $KOPTS --ops fla-gated-delta-rule falcon-2 falcon-3 fla-delta-rule torch-chunk-1A torch-chunk-1 \
           torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3 > "$OUT/bench_kernels_gpu1.log" 2>&1 &
       wait
       grep -h " ms  peak" "$OUT"/bench_kernels_gpu*.log
     else
-      timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --decode $KOPTS \
+      timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --decode $KOPTS $PROFILE_OPTS \
           --ops ${BENCH_OPS:-falcon-2a fla-gla falcon-2 fla-gated-delta-rule falcon-3 falcon-1 falcon-1a fla-simple-gla \
                 falcon-3a fla-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3} \
           2>&1 | tee "$OUT/bench_kernels.log"
     fi
     ;;
   kernels-long)
-    # each Falcon row next to its fla counterpart, in the order of the targets; rule 3 profiled per kernel
+    # each Falcon row next to its fla counterpart; rule 3 profiled per kernel. fla's autotuning of chunk_gla's
+    # backward took more than 260 s on a fresh machine at this shape, hence the longer row limit.
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
         --ops falcon-1a fla-simple-gla falcon-1 fla-gated-delta-rule falcon-3a sdpa falcon-2a fla-gla falcon-3 falcon-2 \
-        fla-delta-rule --row-timeout ${ROW_TIMEOUT:-150} --profile falcon-3 2>&1 | tee "$OUT/bench_kernels.log"
+        fla-delta-rule --row-timeout ${ROW_TIMEOUT:-300} --profile falcon-3 2>&1 | tee "$OUT/bench_kernels.log"
     ;;
   decode)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \

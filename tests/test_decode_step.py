@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_inputs, reference_falcon, rel_err
 
-from falcon_fwa import falcon_step
+from falcon_fwa import falcon_attention, falcon_step
 from falcon_fwa.layers import Packing, ShortConv
 
 
@@ -39,3 +39,23 @@ def test_unshifted_step_reading_before_the_write_equals_the_float64_loop(rule):
         assert rel_err(o_t, full[:, t]) <= 1e-13, t
     assert state.last_key is None
     assert rel_err(state.S, full_S) <= 1e-13
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("switches", [dict(scale_ridge=True), dict(normalize=False), dict(shift=False, read="before")])
+@pytest.mark.parametrize("rule", ["1", "2", "3", "1A", "2A", "3A"])
+def test_step_is_the_recurrent_form_bit_for_bit(rule, switches, dtype):
+    """In float32 and bfloat16, continuing from a 3-token prefix (a partly filled window tail), each
+    step gives exactly the recurrent form's output and final state: the step is that form's
+    computation for one token, not an approximation of it."""
+    inp = {n: x.to(dtype) for n, x in random_inputs(rule, B=2, T=7, seed=52, with_gate=True).items()}
+    options = dict(rule=rule, window=4, **switches)
+    full, full_state = falcon_attention(**inp, form="recurrent", output_final_state=True, **options)
+    _, state = falcon_attention(**{n: x[:, :3] for n, x in inp.items()}, form="recurrent", output_final_state=True,
+                                **options)
+    for t in range(3, 7):
+        o_t, state = falcon_step(**{n: x[:, t] for n, x in inp.items()}, state=state, backend="torch", **options)
+        assert o_t.dtype == dtype and torch.equal(o_t, full[:, t]), t
+    for name in ("S", "last_key", "tail_x", "tail_y", "tail_valid"):
+        a, b = getattr(state, name), getattr(full_state, name)
+        assert (a is None and b is None) or torch.equal(a, b), name

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 # kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
-from kernel_checks import (DEVICE, check_kernel, kernel_inputs, needs_cuda, probe_tensors, reference_by_rows,
-                           rel_norm, run_op)
+from kernel_checks import DEVICE, check_kernel, kernel_inputs, needs_cuda, reference_by_rows, rel_norm, run_op
 
-from falcon_fwa import falcon_attention
+from falcon_fwa import FalconState, falcon_attention
 
 RULES = ("1A", "1", "3A", "2A", "2", "3")
 FULL = (8, 2048, 16, 128, 128)
@@ -43,23 +42,32 @@ def test_reference_by_rows_equals_whole_batch(rule):
             assert rel_norm(rows[part][name], ref) < 1e-12, (part, name)
 
 
-def test_probes_are_the_run_op_probes():
-    """``probe_tensors`` draws what ``run_op`` backpropagates: a loss built from them by hand
-    has the gradient ``run_op`` returns."""
-    leaves = kernel_inputs(2, 5, 1, 3, 4, torch.float64, seed=1, rule="1A")
-    outs, grads = run_op(falcon_attention, leaves, rule="1A", window=1, shift=True, output_final_state=False,
-                         form="recurrent", backend="torch")
-    v = leaves["v"].detach().clone().requires_grad_()
-    o, _ = falcon_attention(leaves["q"], leaves["k"], v, leaves["beta"], leaves["lam"], rule="1A",
-                            log_gate=leaves["log_gate"], form="recurrent", backend="torch")
-    (o * probe_tensors({"o": o.shape})["o"]).sum().backward()
-    assert torch.allclose(v.grad, grads["v"], rtol=1e-13, atol=1e-13)
+def test_probes_are_drawn_in_output_order():
+    """``run_op`` backpropagates probes drawn from one generator seeded 123 in the order ``o``,
+    ``S_T``, ``last_key``, ``tail_x``, ``tail_y``: a loss built by hand from such draws gives
+    ``run_op``'s gradients, for every leaf including the initial state's."""
+    leaves = kernel_inputs(2, 6, 2, 3, 4, torch.float64, seed=1, rule="3A", window=3, state=True)
+    _, grads = run_op(falcon_attention, leaves, rule="3A", window=3, shift=True, output_final_state=True,
+                      form="recurrent", backend="torch")
+    x = {n: t.detach().clone().requires_grad_() for n, t in leaves.items() if t is not None and n != "tail_valid"}
+    state = FalconState(rule="3A", window=3, shift=True, S=x["S0"], last_key=x["last_key"], tail_x=x["tail_x"],
+                        tail_y=x["tail_y"], tail_valid=leaves["tail_valid"])
+    o, final = falcon_attention(x["q"], x["k"], x["v"], x["beta"], x["lam"], rule="3A", window=3,
+                                log_gate=x["log_gate"], initial_state=state, output_final_state=True,
+                                form="recurrent", backend="torch")
+    g = torch.Generator().manual_seed(123)
+    loss = sum((t * torch.randn(t.shape, generator=g, dtype=torch.float64)).sum()
+               for t in (o, final.S, final.last_key, final.tail_x, final.tail_y))
+    loss.backward()
+    assert set(grads) == set(x)
+    for name, leaf in x.items():
+        assert torch.allclose(leaf.grad, grads[name], rtol=1e-13, atol=1e-13), name
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rule", RULES)
-def test_cuda_full_benchmark_shape(rule, dtype):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_cuda_full_benchmark_shape(rule, dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     check_kernel(rule, FULL, dtype, window=4 if rule in ("3", "3A") else 1, chunk_size=64, state=True,
                  output_final_state=True, device=DEVICE, reference_rows=True)

@@ -34,7 +34,8 @@ def test_two_step_run_writes_results_and_resumes(tmp_path):
 def test_compare_trains_and_writes_the_table(tmp_path):
     assert compare.main(["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2",
                          "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"), "--name", "t",
-                         "--hidden-size", "32", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]) == 0
+                         "--hidden-size", "32", "--num-hidden-layers", "1", "--num-heads", "2",
+                         "--curriculum-steps", "2", *SMALL]) == 0
     run = json.loads(next((tmp_path / "runs").rglob("results.json")).read_text())
     assert run["size"] == {"hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2,
                            "initializer_range": pytest.approx(32 ** -0.5)}  # the overrides reach the run
@@ -43,7 +44,9 @@ def test_compare_trains_and_writes_the_table(tmp_path):
     for key in ("model", "mean_acc_4_5", "acc_d4", "acc_d5", "val_acc", "best_step", "seeds"):
         assert key in rows[0]
     assert rows[0]["seeds"] == [0] and rows[0]["best_step"] == 2
+    assert run["preset"]["curriculum_steps"] == 2
     assert "| Transformer |" in (tmp_path / "res" / "t.md").read_text()
+    assert "widths growing from 1 to 3 over the first 2 steps" in (tmp_path / "res" / "t.md").read_text()
     assert (tmp_path / "res" / "t.png").exists() and (tmp_path / "res" / "t_meta.json").exists()
 
 
@@ -102,3 +105,34 @@ def test_presets_initialize_at_the_fan_in_scale(name):
         q = model.model.layers[0].mixer.q_proj.weight.detach()  # a hidden matrix of fan-in hidden_size
         assert float(q.std()) == pytest.approx(want, rel=0.1)
         assert float(model.model.embed_tokens.weight.detach().std()) == pytest.approx(want, rel=0.15)
+
+
+def test_curriculum_schedule_by_hand():
+    """max width = lo + ceil((hi - lo) * min(1, (step + 1) / curriculum_steps)); 0 steps = no curriculum."""
+    p = get_addition_preset("tiny").replace(train_widths=(1, 5), curriculum_steps=4)
+    assert [p.max_train_width(s) for s in range(6)] == [2, 3, 4, 5, 5, 5]
+    assert [p.replace(curriculum_steps=10, train_widths=(1, 32)).max_train_width(s) for s in (0, 4, 9)] == [5, 17, 32]
+    assert {get_addition_preset("paper").max_train_width(s) for s in (0, 1999)} == {32}  # the paper: no curriculum
+    with pytest.raises(ValueError, match="curriculum_steps"):
+        p.replace(curriculum_steps=-1)
+
+
+def test_training_draws_widths_under_the_curriculum(tmp_path, monkeypatch):
+    from falcon_fwa.tasks.addition import train
+
+    drawn = []
+    original = train.training_batch
+
+    def recording(seed, step, batch_size, min_width, max_width):
+        batch = original(seed, step, batch_size, min_width, max_width)
+        drawn.append((step, min_width, max_width, int(batch.widths.max())))
+        return batch
+
+    monkeypatch.setattr(train, "training_batch", recording)
+    small = list(SMALL)
+    small[small.index("--train-widths") + 2] = "7"
+    assert cli.main(["--model", "Transformer", "--steps", "3", "--eval-every", "3", "--curriculum-steps", "3",
+                     "--out", str(tmp_path / "run"), "--no-progress", "--hidden-size", "16", "--num-heads", "2",
+                     *small]) == 0
+    assert [d[:3] for d in drawn] == [(0, 1, 3), (1, 1, 5), (2, 1, 7)]
+    assert all(widest <= top for _, _, top, widest in drawn)

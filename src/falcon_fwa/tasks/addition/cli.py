@@ -39,6 +39,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ood-per-width", type=int, help="override the test samples per out-of-distribution width")
     p.add_argument("--train-widths", type=int, nargs=2, metavar=("LO", "HI"),
                    help="override the (inclusive) range of training widths")
+    p.add_argument("--curriculum-steps", type=int,
+                   help="grow the largest training width linearly from LO to HI over this many steps "
+                        "(default: the preset's, 0 = the whole range from the start, as in the paper)")
     p.add_argument("--ood-widths", type=int, nargs=2, metavar=("LO", "HI"),
                    help="override the (inclusive) range of out-of-distribution widths")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -70,7 +73,7 @@ def preset_from_args(args: argparse.Namespace):
     return get_addition_preset(args.preset).replace(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
-        matmul_precision=args.matmul_precision,
+        matmul_precision=args.matmul_precision, curriculum_steps=args.curriculum_steps,
         val_per_width=args.val_per_width, ood_per_width=args.ood_per_width,
         train_widths=tuple(args.train_widths) if args.train_widths else None,
         ood_widths=tuple(args.ood_widths) if args.ood_widths else None)

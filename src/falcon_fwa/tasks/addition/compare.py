@@ -63,8 +63,8 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
     cmd = [sys.executable, "-m", "falcon_fwa.tasks.addition.cli", "--model", model, "--seed", str(seed),
            "--out", str(out), "--no-progress", "--preset", args.preset, "--device", args.device,
            "--dtype", args.dtype, "--eval-seed", str(args.eval_seed)]
-    for flag in ("steps", "batch_size", "lr", "hidden_size", "num_hidden_layers", "num_heads", "matmul_precision", "eval_every",
-                 "val_per_width", "ood_per_width", "threads"):
+    for flag in ("steps", "batch_size", "lr", "hidden_size", "num_hidden_layers", "num_heads", "matmul_precision",
+                 "curriculum_steps", "eval_every", "val_per_width", "ood_per_width", "threads"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -199,7 +199,10 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     lines += ["", "## Against the paper's goal", ""] + _verdict(rows, mean_key)
     lines += ["", "## Run", "",
               f"- seeds: {meta['seeds']}; every model: {meta['size']} ({meta['steps']} steps, batch "
-              f"{meta['batch_size']}, peak lr {meta['lr']}), {meta['val_per_width']} validation samples per "
+              f"{meta['batch_size']}, peak lr {meta['lr']}"
+              + (f", widths growing from {meta['train_widths'][0]} to {meta['train_widths'][1]} over the first "
+                 f"{meta['curriculum_steps']} steps" if meta.get("curriculum_steps") else "")
+              + f"), {meta['val_per_width']} validation samples per "
               f"training width, {meta['ood_per_width']} test samples per OOD width",
               f"- device: {meta['device']}; wall time of the comparison: {meta['wall_time_s']:.0f} s",
               f"- command: `{meta['command']}`", f"- commit: {meta['commit']}"]
@@ -261,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         "steps": preset.steps,
         "batch_size": preset.batch_size,
         "lr": preset.lr,
+        "curriculum_steps": preset.curriculum_steps,
         "val_per_width": preset.val_per_width,
         "ood_per_width": preset.ood_per_width,
         "seeds": seeds,

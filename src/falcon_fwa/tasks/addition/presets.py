@@ -57,6 +57,10 @@ class AdditionPreset:
     """Initialize at ``initializer_range = 1 / sqrt(hidden_size)`` (unless ``model`` sets it)."""
     cpu_threads: Optional[int] = None
     """torch threads on CPU (``None``: torch's default). Small models train fastest on one thread."""
+    curriculum_steps: int = 0
+    """Steps over which the largest training width grows linearly from ``train_widths[0]`` to
+    ``train_widths[1]`` (:meth:`max_train_width`); 0 (the paper's setting) draws from the whole range
+    from the first step."""
     matmul_precision: str = "highest"
     """``torch.set_float32_matmul_precision`` on CUDA: "high" runs float32 matrix products (cuBLAS and
     the Falcon kernels' dots) on TF32 tensor cores; "highest" keeps exact fp32 products, which on a
@@ -71,6 +75,8 @@ class AdditionPreset:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"preset fields: hidden_size {self.hidden_size} is not a multiple of num_heads "
                              f"{self.num_heads}")
+        if self.curriculum_steps < 0:
+            raise ValueError(f"preset field 'curriculum_steps' must be >= 0, got {self.curriculum_steps}")
         if self.lr <= 0 or self.warmup < 0:
             raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
         if self.matmul_precision not in ("highest", "high", "medium"):
@@ -86,6 +92,14 @@ class AdditionPreset:
         init = {"initializer_range": self.hidden_size ** -0.5} if self.fan_in_init else {}
         return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
                 "num_heads": self.num_heads, **init, **self.model}
+
+    def max_train_width(self, step: int) -> int:
+        """The largest width drawn at training step ``step`` (0-based): with a curriculum,
+        ``lo + ceil((hi - lo) * min(1, (step + 1) / curriculum_steps))``, else ``hi``."""
+        lo, hi = self.train_widths
+        if self.curriculum_steps == 0 or step + 1 >= self.curriculum_steps:
+            return hi
+        return lo + -(-(hi - lo) * (step + 1) // self.curriculum_steps)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -232,7 +232,7 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
         lr = lr_at(step, p)
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_multiplier", 1.0)
-        batch = training_batch(spec.seed, step, p.batch_size, *p.train_widths).to(device)
+        batch = training_batch(spec.seed, step, p.batch_size, p.train_widths[0], p.max_train_width(step)).to(device)
         loss = train_step(model, optimizer, batch, p.grad_clip, autocast,
                           label=f"step {step + 1} ({spec.model}, seed {spec.seed})")
         loss_sum += loss.item()

@@ -70,6 +70,7 @@ def time_steps(name: str, preset, batch: int, steps: int, warmup: int, device: s
 
 
 def main(argv=None) -> int:
+    from falcon_fwa.tasks.addition.presets import MATMUL_PRECISIONS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["Falcon-3A.3", "Falcon-1A.3", "Falcon-1.3", "Transformer", "Mamba-2"])
     p.add_argument("--batch", nargs="+", type=int, default=[128, 512])
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="keep the N most expensive kernels of a step")
-    p.add_argument("--matmul-precision", nargs="+", default=None, choices=["highest", "high", "medium"],
+    p.add_argument("--matmul-precision", nargs="+", default=None, choices=MATMUL_PRECISIONS,
                    help="torch.set_float32_matmul_precision values to time (default: the preset's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

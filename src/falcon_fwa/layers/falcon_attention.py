@@ -29,11 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import falcon_attention, falcon_step
+from ..ops.api import cast_to
 from ..ops.rules import get_rule
 from . import fla_backend
 from .gates import ContextGates
 from .layer_cache import LayerCache
-from .norms import RMSNorm, cast_to, normalize_features, rms_normalize
+from .norms import RMSNorm, normalize_features, rms_normalize
 from .packing import Packing
 from .short_conv import ShortConv
 

@@ -7,13 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "rms_normalize", "normalize_features", "cast_to"]
+from ..ops.api import cast_to
 
-
-def cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, without dispatching a cast when it already is (a decoding step would make
-    dozens of such no-op calls per layer)."""
-    return t if t.dtype == dtype else t.to(dtype)
+__all__ = ["RMSNorm", "rms_normalize", "normalize_features"]
 
 
 def rms_normalize(u: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norms import cast_to
+from ..ops.api import cast_to
 from .packing import Packing
 
 __all__ = ["ShortConv"]

@@ -28,8 +28,9 @@ from ..layers.attention import CausalSelfAttention
 from ..layers.falcon_attention import FalconAttention
 from ..layers.layer_cache import LayerCache
 from ..layers.mlp import SwiGLU
-from ..layers.norms import RMSNorm, cast_to
+from ..layers.norms import RMSNorm
 from ..layers.packing import Packing, repad, unpad
+from ..ops.api import cast_to
 from ..ops.seqlens import known_sequence_bounds, sequence_bounds
 from .cache import FalconCache
 from .configuration import FalconConfig

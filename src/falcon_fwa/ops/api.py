@@ -284,8 +284,9 @@ def falcon_step(
                        shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
 
 
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``t`` in ``dtype`` (no call at all when it already is)."""
+def cast_to(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``t`` in ``dtype``, without dispatching a cast when it already is (``None`` stays ``None``):
+    a decoding step would otherwise make dozens of no-op calls per layer."""
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
@@ -296,24 +297,16 @@ def _torch_step(q, k, v, beta, lam, log_gate, state, *, spec, window, eps, decay
     added only for the window and step-size helpers shared with the other forms."""
     W = window
     dt = _compute_dtype(q, k, v, beta, lam, log_gate)
-    q, k, v_c, beta, lam, log_gate = (_cast(t, dt) for t in (q, k, v, beta, lam, log_gate))
+    q, k, v_c, beta, lam, log_gate = (cast_to(t, dt) for t in (q, k, v, beta, lam, log_gate))
     B, H, K = q.shape
     if state is None:
         S = q.new_zeros(B, H, K, v.shape[-1])
         tail = None
     else:
-        S = _cast(state.S, dt)
+        S = cast_to(state.S, dt)
         tail = None if W == 1 else (state.tail_x, state.tail_y, state.tail_valid)
-    # The pair written now: (x_t, y_t) = (k_{t-1}, v_t), the boundary sentinel x = 0 (no pair) on a
-    # fresh sequence; (k_t, v_t) unshifted.
-    if not shift:
-        x = k
-    elif state is None:
-        x = torch.zeros_like(k)
-    else:
-        x = _cast(state.last_key, dt)
-    valid = torch.full((B, 1), state is not None or not shift, dtype=torch.bool, device=q.device)
-    xh, vh = x[:, :, None], v_c[:, :, None]  # [B, H, 1, .]
+    xh, valid = write_pairs(k[:, :, None], shift, None if state is None else state.last_key)  # [B, H, 1, K]
+    vh = v_c[:, :, None]
     xs, ys, slot_valid = window_slots(xh, vh, valid, W, tail)  # [B, H, 1, W, .]
     eta_slots, log_gamma = step_sizes(spec, xs, slot_valid, beta[:, :, None], lam[:, :, None], eps=eps,
                                       decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
@@ -323,4 +316,4 @@ def _torch_step(q, k, v, beta, lam, log_gate, state, *, spec, window, eps, decay
     new_state = FalconState(rule=spec.name, window=W, shift=shift, S=S, last_key=k if shift else None)
     if W > 1:
         new_state.tail_x, new_state.tail_y, new_state.tail_valid = next_tail(xh, vh, valid, W, tail)
-    return _cast(o, v.dtype), new_state
+    return cast_to(o, v.dtype), new_state

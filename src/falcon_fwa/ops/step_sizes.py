@@ -37,9 +37,7 @@ def top_eigenvalue(gram: torch.Tensor, batch: int = EIGH_BATCH) -> torch.Tensor:
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     flat = gram.reshape(-1, *gram.shape[-2:])
-    tops = [torch.linalg.eigvalsh(part)[..., -1] for part in flat.split(batch)] if flat.shape[0] else []
-    top = torch.cat(tops) if tops else flat.new_zeros(0)
-    return top.reshape(gram.shape[:-2])
+    return torch.cat([torch.linalg.eigvalsh(part)[..., -1] for part in flat.split(batch)]).reshape(gram.shape[:-2])
 
 
 def normalization_statistic(rule: RuleSpec, xs: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

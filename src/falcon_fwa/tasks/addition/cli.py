@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .lineup import LINEUP, MIXERS, resolve_model
-from .presets import PRESETS, get_addition_preset
+from .presets import MATMUL_PRECISIONS, PRESETS, get_addition_preset
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden-size", type=int, help="override the preset's model width (init scale follows it)")
     p.add_argument("--num-hidden-layers", type=int, help="override the preset's number of layers")
     p.add_argument("--num-heads", type=int, help="override the preset's number of heads")
-    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"],
+    p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS,
                    help="override the preset's float32 matmul precision on CUDA (high: TF32 products)")
     p.add_argument("--eval-every", type=int, help="override the preset's evaluation interval (steps)")
     p.add_argument("--val-per-width", type=int, help="override the validation samples per training width")

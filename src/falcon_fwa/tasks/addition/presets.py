@@ -23,6 +23,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+"""The values of ``torch.set_float32_matmul_precision``."""
+
 
 @dataclass(frozen=True)
 class AdditionPreset:
@@ -79,7 +82,7 @@ class AdditionPreset:
             raise ValueError(f"preset field 'curriculum_steps' must be >= 0, got {self.curriculum_steps}")
         if self.lr <= 0 or self.warmup < 0:
             raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
-        if self.matmul_precision not in ("highest", "high", "medium"):
+        if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"preset field 'matmul_precision' must be 'highest', 'high' or 'medium', "
                              f"got {self.matmul_precision!r}")
         for name in ("train_widths", "ood_widths"):

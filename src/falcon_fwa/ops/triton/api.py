@@ -22,6 +22,7 @@ from .delta import delta_chunk
 from .launch import SUPPORTED_CHUNK_SIZES
 from .scalar_decay import scalar_decay_chunk
 from .sliding import sliding_chunk
+from .shift import shift_rows
 from .sliding_delta import sliding_delta_chunk
 from .step_sizes import scalar_step_sizes
 
@@ -79,9 +80,7 @@ def _shifted_keys(k, shift, last_key, starts):
         first = last_key.to(k.dtype)[:, None]
     else:
         first = k.new_zeros(B, 1, *k.shape[2:])
-    x = torch.empty_like(k)  # two copies: faster than torch.cat on these sizes
-    x[:, :1] = first
-    x[:, 1:] = k[:, :-1]
+    x = shift_rows(k, first)
     if len(starts) > 1:  # packed sequences (B = 1): every sequence starts fresh or from its last key
         idx = torch.as_tensor(starts, device=k.device)
         fill = k.new_zeros(len(starts), *k.shape[2:]) if last_key is None else last_key.to(k.dtype)

@@ -47,6 +47,7 @@ from . import sliding_kernels as kern
 from .chunk_index import chunk_layout
 from .launch import dot_precision
 from .scalar_decay import scan_backward, scan_forward
+from .shift import advance_rows, delay_rows
 
 __all__ = ["sliding_chunk", "window_gains", "MAX_WINDOW"]
 
@@ -56,18 +57,6 @@ _BR = 64  # rows per energy program
 
 
 # ---- the pairs on the extended axis ----
-
-def _delayed(prefix: torch.Tensor, body: torch.Tensor) -> torch.Tensor:
-    """Rows ``0 .. T-1`` of the extended axis ``[prefix | body]`` (the delayed pairs), contiguous."""
-    n_pre, T = prefix.shape[1], body.shape[1]
-    if n_pre == 0:
-        return body
-    out = torch.empty_like(body)  # two copies: faster than torch.cat on these sizes
-    m = min(T, n_pre)
-    out[:, :m] = prefix[:, :m]
-    out[:, m:] = body[:, :T - m]
-    return out
-
 
 def _ext_rows(prefix: torch.Tensor, body: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Rows ``pos`` ``[B, n]`` of the extended axis ``[prefix | body]``: ``[B, n, H, D]``."""
@@ -200,7 +189,7 @@ class _SlidingScan(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         layout = chunk_layout(B, T, chunk_size, None)
-        o, h, L_T = scan_forward(q, _delayed(x_pre, k), _delayed(y_pre, v), e, log_a, S0, layout, read_after,
+        o, h, L_T = scan_forward(q, delay_rows(x_pre, k), delay_rows(y_pre, v), e, log_a, S0, layout, read_after,
                                  want_final)
         if window > 1:
             kern.band_fwd[(triton.cdiv(T, _BT), triton.cdiv(V, _block(V)), B * H)](
@@ -219,11 +208,11 @@ class _SlidingScan(torch.autograd.Function):
         n_x, n_y = x_pre.shape[1], W - 1
         do = do.contiguous()
         dq, dx_del, dy_del, de, dlog_a, dS0 = scan_backward(
-            q, _delayed(x_pre, k), _delayed(y_pre, v), e, log_a, h, S0, do,
+            q, delay_rows(x_pre, k), delay_rows(y_pre, v), e, log_a, h, S0, do,
             None if dL_T is None else dL_T.contiguous(), ctx.layout, ctx.read_after)
         if W == 1:  # no band: only the shift, back onto k and the first write feature
             m = min(n_x, T)
-            dk = torch.cat([dx_del[:, n_x:], dx_del.new_zeros(B, m, H, K)], 1)
+            dk = advance_rows(dx_del, n_x)
             dx_pre = torch.cat([dx_del[:, :n_x], dx_del.new_zeros(B, n_x - m, H, K)], 1)
             return dq, dk, dy_del, dx_pre, torch.zeros_like(y_pre), de, None, dlog_a, dS0, None, None, None, None
         args = dict(**_band_args(q, K, V, W), LAG=lag)

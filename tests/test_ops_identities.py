@@ -234,3 +234,39 @@ def test_top_eigenvalue_sliced_matches_closed_form():
     assert top_eigenvalue(gram[:0]).shape == (0, 5, 7)
     with pytest.raises(ValueError, match="batch"):
         top_eigenvalue(gram, batch=0)
+
+
+def test_top_eigenvalue_by_squaring_closed_form_and_bound():
+    # PSD 2x2 Grams: the closed form above; random W x W Grams, including nearly equal top
+    # eigenvalues (the slow case of power methods): within the documented bound W / (e (2m + 3))
+    # of float64 eigvalsh, m = 2^squarings; a zero matrix gives 0; the gradient is v v^T.
+    import math
+
+    from falcon_fwa.ops.step_sizes import top_eigenvalue_by_squaring
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 2, 3, generator=g, dtype=f64)
+    gram = x @ x.transpose(-1, -2)
+    a, b, c = gram[:, 0, 0], gram[:, 0, 1], gram[:, 1, 1]
+    expected = (a + c) / 2 + torch.sqrt(((a - c) / 2) ** 2 + b ** 2)
+    assert torch.allclose(top_eigenvalue_by_squaring(gram), expected, rtol=1e-12, atol=0)
+    for W in (3, 4, 8):
+        q, _ = torch.linalg.qr(torch.randn(300, W, W, generator=g, dtype=f64))
+        lam = torch.rand(300, W, generator=g, dtype=f64)
+        lam[:150, 1] = lam[:150, 0] * (1 - 1e-6 * torch.rand(150, generator=g, dtype=f64))  # near ties
+        gram = q @ torch.diag_embed(lam) @ q.transpose(-1, -2)
+        exact = torch.linalg.eigvalsh(gram)[..., -1]
+        for squarings in (4, 20):
+            bound = W / (math.e * (2 * 2 ** squarings + 3))
+            got = top_eigenvalue_by_squaring(gram, squarings=squarings)
+            assert ((exact - got) / exact).max() <= bound + 1e-13
+            assert (got <= exact * (1 + 1e-13)).all()  # a Rayleigh quotient never exceeds lambda_max
+    assert torch.equal(top_eigenvalue_by_squaring(torch.zeros(2, 4, 4, dtype=f64)), torch.zeros(2, dtype=f64))
+    x = torch.randn(50, 4, 6, generator=g, dtype=f64)
+    leaf = (x @ x.transpose(-1, -2)).requires_grad_()
+    top_eigenvalue_by_squaring(leaf).sum().backward()
+    _, vecs = torch.linalg.eigh(leaf.detach())
+    v = vecs[..., -1]
+    assert torch.allclose(leaf.grad, v[..., :, None] * v[..., None, :], rtol=1e-8, atol=1e-10)
+    with pytest.raises(ValueError, match="squarings"):
+        top_eigenvalue_by_squaring(leaf, squarings=-1)

@@ -12,10 +12,14 @@ block-strictly lower, which ``delta_chunk(..., slots=W)`` solves. The query of s
 sits on its last row (read after the write: it sees all ``W`` writes) or its first (read
 before: it sees the earlier steps only); the other rows read nothing.
 
-The pairs, the window step sizes (with the top-eigenvalue statistic of the window's Gram)
-and the tail that continues a segment are the PyTorch op's own (``ops.pairs``,
-``ops.step_sizes``), so their gradients come from autograd; only the scan runs on the
-kernels. The cost is that of a rule-1 scan ``W`` times as long.
+The pairs are laid out once on the extended time axis ``[tail | pairs]`` and the step's
+``W`` rows are slices of it. The window Gram of step ``t`` has ``W`` distinct lags,
+``G_t[i, j] = c_{|i-j|}(t - min(i, j))`` with ``c_d(p) = x_p . x_{p-d}``, so it is
+assembled from ``W`` lag products instead of a batched product of window slots, and its
+top eigenvalue comes from ``ops.step_sizes.top_eigenvalue_by_squaring`` (elementwise
+work, no eigensolver, no host synchronization). Gradients of the pairs and step sizes
+come from autograd; only the scan runs on the kernels. The cost is that of a rule-1 scan
+``W`` times as long.
 """
 from __future__ import annotations
 
@@ -23,18 +27,41 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..pairs import next_tail, window_slots, write_pairs
 from ..rules import get_rule
-from ..step_sizes import step_sizes
+from ..step_sizes import gains_from_statistic, top_eigenvalue_by_squaring
 from .delta import SLOT_COUNTS, delta_chunk
 
 __all__ = ["sliding_delta_chunk", "SLOT_COUNTS"]
 
 
 def _time_major_slots(t: torch.Tensor) -> torch.Tensor:
-    """``[B, H, T, W, *rest]`` -> ``[B, T * W, H, *rest]`` (step ``t``'s slots on rows ``t*W ..``)."""
-    B, H, T, W = t.shape[:4]
-    return t.movedim(1, 3).reshape(B, T * W, H, *t.shape[4:]).contiguous()
+    """``[B, H, T, W]`` -> ``[B, T * W, H]`` (step ``t``'s slots on rows ``t*W ..``)."""
+    B, H, T, W = t.shape
+    return t.permute(0, 2, 3, 1).reshape(B, T * W, H).contiguous()
+
+
+def _window_rows(ext: torch.Tensor, W: int, T: int) -> torch.Tensor:
+    """``ext`` ``[B, T + W - 1, H, D]`` (extended axis) -> ``[B, T * W, H, D]``: row
+    ``t*W + m`` is slot ``m`` of step ``t``, the pair at extended position ``t + W-1 - m``."""
+    n = W - 1
+    return torch.stack([ext[:, n - m:n - m + T] for m in range(W)], 2).flatten(1, 2)
+
+
+def _window_gram(x_ext: torch.Tensor, valid_ext: torch.Tensor, W: int, T: int) -> torch.Tensor:
+    """Window Grams ``[B, H, T, W, W]`` (fp32) of the pairs ``x_ext`` ``[B, T + W - 1, H, K]``
+    with validity ``valid_ext`` ``[B, T + W - 1]`` (invalid pairs count as zero), from the
+    ``W`` lag products ``c_d(p) = x_p . x_{p-d}``."""
+    B, L, H = x_ext.shape[:3]
+    xf, vf = x_ext.float(), valid_ext.float()
+    lags = []
+    for d in range(W):
+        prod = (xf[:, d:] * xf[:, :L - d]).sum(-1) * (vf[:, d:] * vf[:, :L - d])[..., None]  # [B, L-d, H]
+        lags.append(torch.cat([prod.new_zeros(B, d, H), prod], 1))
+    c = torch.stack(lags, -1).transpose(1, 2)  # [B, H, L, W]: c[..., p, d] = c_d(p)
+    i = torch.arange(W, device=x_ext.device)
+    lag = (i[:, None] - i[None, :]).abs()  # [W, W]
+    pos = torch.arange(T, device=x_ext.device)[:, None, None] + (W - 1) - torch.minimum(i[:, None], i[None, :])
+    return c[:, :, pos, lag]  # [B, H, T, W, W]
 
 
 def sliding_delta_chunk(
@@ -68,18 +95,42 @@ def sliding_delta_chunk(
     Returns ``o`` ``[B, T, H, V]`` in ``q``'s dtype and, with ``output_final_state``,
     ``(S_T, tail_x, tail_y, tail_valid)``.
     """
-    W = window
+    W, n = window, window - 1
     if W not in SLOT_COUNTS:
         raise NotImplementedError(f"window={W} is not supported by the rule-3 kernels (supported: {SLOT_COUNTS})")
     B, T, H, K = q.shape
-    dt = q.dtype
-    kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # head-first, as ops.pairs takes them
-    step_mask = None if lengths is None else torch.arange(T, device=q.device)[None, :] < lengths[:, None]
-    x, valid = write_pairs(kh, shift, None if last_key is None else last_key.to(dt), step_mask)
-    xs, ys, slot_valid = window_slots(x, vh, valid, W, tail)  # [B, H, T, W, K], [B, H, T, W, V]
-    eta_slots, log_gamma = step_sizes(get_rule("3"), xs.float(), slot_valid, beta.float().transpose(1, 2),
-                                      lam.float().transpose(1, 2), eps=eps, decay_floor=decay_floor,
-                                      normalize=normalize, scale_ridge=scale_ridge)
+    dt, dev = q.dtype, q.device
+    # pair validity: padding steps and the sentinel carry no pair
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if lengths is not None:
+        valid = torch.arange(T, device=dev)[None, :] < lengths[:, None]
+    if shift and last_key is None:
+        valid[:, 0] = False
+    # the extended axis [tail | pairs]: x_p = k_{p-1} (shift) or k_p; empty tail slots are zeroed
+    if tail is None:
+        tail_valid = torch.zeros(B, n, dtype=torch.bool, device=dev)
+        tail_x, tail_y = q.new_zeros(B, n, H, K), q.new_zeros(B, n, H, v.shape[-1])
+    else:
+        tail_valid = tail[2]
+        keep = tail_valid[:, :, None, None]
+        tail_x = torch.where(keep, tail[0].transpose(1, 2).to(dt), 0.0)
+        tail_y = torch.where(keep, tail[1].transpose(1, 2).to(dt), 0.0)
+    if shift:
+        first = q.new_zeros(B, 1, H, K) if last_key is None else last_key.to(dt)[:, None]
+        x_ext = torch.cat([tail_x, first, k[:, :T - 1]], 1)  # [B, T + n, H, K]
+    else:
+        x_ext = torch.cat([tail_x, k], 1)
+    y_ext = torch.cat([tail_y, v], 1)
+    valid_ext = torch.cat([tail_valid, valid], 1)  # [B, T + n]
+    slot = torch.arange(T, device=dev)[:, None] + n - torch.arange(W, device=dev)[None, :]  # [T, W]
+    slot_valid = valid_ext[:, slot]  # [B, T, W]
+
+    # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp
+    count = slot_valid.sum(-1).clamp(min=1)[:, None, :]  # [B, 1, T]
+    stat = top_eigenvalue_by_squaring(_window_gram(x_ext, valid_ext, W, T)) / count
+    eta_slots, log_gamma = gains_from_statistic(get_rule("3"), stat, slot_valid, beta.float().transpose(1, 2),
+                                                lam.float().transpose(1, 2), eps=eps, decay_floor=decay_floor,
+                                                normalize=normalize, scale_ridge=scale_ridge)
     eta, log_a = eta_slots[..., 0], log_gamma[..., 0]  # [B, H, T, W], [B, H, T]
     kappa = eta
     if log_gate is not None:  # the carry gamma * exp(g); the residual is read at the gated state
@@ -89,9 +140,9 @@ def sliding_delta_chunk(
     # the carry on each step's first row, nothing on the others
     carry = torch.cat([log_a[..., None], log_a.new_zeros(B, H, T, W - 1)], -1)
     read = W - 1 if read_after else 0
-    q_rows = torch.zeros(B, H, T, W, K, dtype=dt, device=q.device)
-    q_rows[:, :, :, read] = q.transpose(1, 2)
-    o, S_T = delta_chunk(_time_major_slots(q_rows), _time_major_slots(xs.to(dt)), _time_major_slots(ys.to(dt)),
+    q_rows = q.new_zeros(B, T, W, H, K)
+    q_rows[:, :, read] = q
+    o, S_T = delta_chunk(q_rows.flatten(1, 2), _window_rows(x_ext, W, T), _window_rows(y_ext, W, T),
                          _time_major_slots(eta), _time_major_slots(kappa), _time_major_slots(carry),
                          None if S0 is None else S0.float(), read_after=read_after, chunk_size=chunk_size,
                          output_final_state=output_final_state, slots=W)
@@ -100,5 +151,9 @@ def sliding_delta_chunk(
         return o, None
     if W == 1:
         return o, (S_T, None, None, None)
-    tx, ty, tv = next_tail(x, vh, valid, W, tail, lengths)
-    return o, (S_T, tx.float(), ty.float(), tv)
+    # the last W-1 pairs of every row (oldest first): extended positions end .. end + n - 1
+    end = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
+    idx = end[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
+    rows = torch.arange(B, device=dev)[:, None]
+    return o, (S_T, x_ext[rows, idx].transpose(1, 2).float(), y_ext[rows, idx].transpose(1, 2).float(),
+               valid_ext.gather(1, idx))

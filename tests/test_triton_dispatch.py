@@ -102,3 +102,17 @@ def test_fp32_kernels_under_tf32_stay_close_to_float64(rule, restore_matmul_prec
         errs[setting] = ((o.double() - ref).norm() / ref.norm()).item()
     assert errs["highest"] <= 1e-4 and errs["high"] <= 5e-3, errs
     assert errs["high"] > 10 * errs["highest"], errs  # the setting reached the kernels
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason="needs triton")
+def test_host_grid_helpers_match_triton():
+    """The host-side ``cdiv`` / ``next_power_of_2`` (plain integer arithmetic) give Triton's values."""
+    import triton
+
+    from falcon_fwa.ops.triton.launch import cdiv, next_power_of_2
+
+    for n in range(1, 600):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 100):
+            assert cdiv(n, d) == triton.cdiv(n, d) == -(-n // d), (n, d)
+    assert [next_power_of_2(n) for n in (1, 2, 3, 64, 65, 100)] == [1, 2, 4, 64, 128, 128]

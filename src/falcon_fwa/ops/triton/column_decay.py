@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from . import column_decay_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
-from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, empty_buffer, launch_config, layout_args
+from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, launch_config, layout_args
 
 __all__ = ["column_decay_chunk", "column_step_sizes", "SUB_CHUNK"]
 
@@ -48,17 +47,17 @@ def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, wan
     sub = layout.num_chunks * (layout.BT // SUB_CHUNK)
     u = _empty(eta.shape, eta)
     c = _config("elementwise", K, V)
-    kern.chunk_cumsum[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    kern.chunk_cumsum[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         log_a, u, chunk_indices=layout.chunk_indices, H=H, V=V, **c, **meta)
     h = _empty((layout.num_chunks, H, K, V), q)
     S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
     c = _config("state_fwd", K, V)
-    kern.state_fwd[(triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), layout.N * H)](
+    kern.state_fwd[(cdiv(K, c["BK"]), cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, u, h, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None, STORE_FINAL=want_final,
         PRECISION=prec, **c, **meta)
     o = _empty(v.shape, v)
     c = _config("output_fwd", K, V)
-    kern.output_fwd[(triton.cdiv(V, c["BV"]), sub, H)](
+    kern.output_fwd[(cdiv(V, c["BV"]), sub, H)](
         q, x, v, eta, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BS=SUB_CHUNK,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     return o, u, h, S_T
@@ -72,24 +71,24 @@ def _backward(q, x, v, eta, u, h, S0, do, dS_T, layout: ChunkLayout, read_after:
     dh = _empty((layout.num_chunks, H, K, V), q)
     dS0 = _empty(S0.shape, S0, torch.float32) if S0 is not None else None
     c = _config("state_bwd", K, V)
-    kern.state_bwd[(triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), layout.N * H)](
+    kern.state_bwd[(cdiv(K, c["BK"]), cdiv(V, c["BV"]), layout.N * H)](
         q, do, u, dh, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     dv, deta = _empty(v.shape, v), _empty(eta.shape, eta)
     du, dc = _empty(eta.shape, eta), _empty(eta.shape, eta)
     dw = None if read_after else _empty(eta.shape, eta)
     c = _config("dv_bwd", K, V)
-    kern.dv_bwd[(triton.cdiv(V, c["BV"]), sub, H)](
+    kern.dv_bwd[(cdiv(V, c["BV"]), sub, H)](
         q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = _config("dqk_bwd", K, V)
-    kern.dqk_bwd[(triton.cdiv(K, c["BK"]), sub, H)](
+    kern.dqk_bwd[(cdiv(K, c["BK"]), sub, H)](
         q, x, v, eta, u, h, dh, do, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     dlog_a = du  # written in place: every program reads its chunk whole before it writes
     c = _config("elementwise", K, V)
-    kern.dlog_bwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    kern.dlog_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         du, dw, dc, dlog_a, chunk_indices=layout.chunk_indices, H=H, V=V, READ_AFTER=read_after, **c, **meta)
     return dq, dx, dv, deta, dlog_a, dS0
 
@@ -149,7 +148,7 @@ class _ColumnStepSizes(torch.autograd.Function):
         eta = _empty(beta.shape, beta, torch.float32)
         log_a = _empty(beta.shape, beta, torch.float32)
         c = _config("steps", K, V)
-        kern.step_fwd[(triton.cdiv(n, c["BR"]), triton.cdiv(V, c["BV"]))](
+        kern.step_fwd[(cdiv(n, c["BR"]), cdiv(V, c["BV"]))](
             x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor, H=x.shape[2], K=K, V=V,
             NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, **c)
         ctx.save_for_backward(x, valid, beta, lam)
@@ -169,7 +168,7 @@ class _ColumnStepSizes(torch.autograd.Function):
         d_lam = _empty(lam.shape, lam, torch.float32)
         d_gate = _empty(lam.shape, lam, torch.float32)
         c = _config("steps", K, V)
-        kern.step_bwd[(triton.cdiv(n, c["BR"]),)](
+        kern.step_bwd[(cdiv(n, c["BR"]),)](
             x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, d_gate, n, eps, decay_floor, H=x.shape[2],
             K=K, V=V, NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, **c)
         return (dx, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype),

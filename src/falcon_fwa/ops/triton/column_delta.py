@@ -21,14 +21,13 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from . import column_decay_kernels as cd
 from . import column_delta_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
 from .column_decay import SUB_CHUNK
 from .column_decay import _config as column_config
-from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, empty_buffer, layout_args
+from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, layout_args, next_power_of_2
 
 __all__ = ["column_delta_chunk"]
 
@@ -44,8 +43,8 @@ _empty = empty_buffer  # module-level, so tests can poison this module's buffers
 
 def _sequential(K: int, V: int) -> dict:
     """Block sizes and warps of ``state_fwd`` / ``state_bwd``."""
-    BK = max(16, triton.next_power_of_2(K))
-    return dict(BS=SUB_CHUNK, BK=BK, BV=min(SEQUENTIAL["BV"], max(16, triton.next_power_of_2(V))),
+    BK = max(16, next_power_of_2(K))
+    return dict(BS=SUB_CHUNK, BK=BK, BV=min(SEQUENTIAL["BV"], max(16, next_power_of_2(V))),
                 num_warps=SEQUENTIAL["num_warps_wide" if BK >= 128 else "num_warps"])
 
 
@@ -56,22 +55,22 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     G = _empty((B, T, H, SUB_CHUNK), q, torch.float32)
     kern.gram_fwd[(layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
         x, G, chunk_indices=layout.chunk_indices, H=H, K=K, BS=SUB_CHUNK,
-        BK=min(GRAM["BK"], max(16, triton.next_power_of_2(K))), PRECISION=prec, num_warps=GRAM["num_warps"], **meta)
+        BK=min(GRAM["BK"], max(16, next_power_of_2(K))), PRECISION=prec, num_warps=GRAM["num_warps"], **meta)
     u = _empty(eta.shape, eta)
     c = column_config("elementwise", K, V)
-    cd.chunk_cumsum[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    cd.chunk_cumsum[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         log_a, u, chunk_indices=layout.chunk_indices, H=H, V=V, **c, **meta)
     h = _empty((layout.num_chunks, H, K, V), q)
     D, R = _empty(eta.shape, eta), _empty(eta.shape, eta)
     S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
     c = _sequential(K, V)
-    kern.state_fwd[(triton.cdiv(V, c["BV"]), layout.N * H)](
+    kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None, STORE_FINAL=want_final,
         PRECISION=prec, **c, **meta)
     ones = torch.ones_like(eta)
     o = _empty(v.shape, v)
     c = column_config("output_fwd", K, V)
-    cd.output_fwd[(triton.cdiv(V, c["BV"]), layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
+    cd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
         q, x, D, ones, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BS=SUB_CHUNK,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     return o, G, u, h, D, R, S_T
@@ -84,12 +83,12 @@ def _read_grads(query, x, D, ones, u, h, dh, d_read, dq, dx, du, dw, dc, dD, lay
     prec, meta = dot_precision(query.dtype), layout_args(layout)
     sub = layout.num_chunks * (layout.BT // SUB_CHUNK)
     c = column_config("dv_bwd", K, V)
-    cd.dv_bwd[(triton.cdiv(V, c["BV"]), sub, H)](
+    cd.dv_bwd[(cdiv(V, c["BV"]), sub, H)](
         query, x, D, ones, u, h, dh, d_read, dD, _empty(D.shape, D), du, dw, dc, chunk_indices=layout.chunk_indices,
         H=H, K=K, V=V, BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     if dq is not None:
         c = column_config("dqk_bwd", K, V)
-        cd.dqk_bwd[(triton.cdiv(K, c["BK"]), sub, H)](
+        cd.dqk_bwd[(cdiv(K, c["BK"]), sub, H)](
             query, x, D, ones, u, h, dh, d_read, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
             BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
 
@@ -112,7 +111,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLay
     z = _empty(eta.shape, eta)
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
     c = _sequential(K, V)
-    kern.state_bwd[(triton.cdiv(V, c["BV"]), layout.N * H)](
+    kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
         q, x, kappa, u, G, do, dD_o, dh, z, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None,
         STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     d_read = -kappa * z  # upstream gradient of the residual reads R
@@ -124,7 +123,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLay
     # 4. the outputs' q and x gradients (queries q; the exit-state term is counted in step 3)
     dq, dx_out = _empty(q.shape, q, f32), _empty(x.shape, x, f32)
     c = column_config("dqk_bwd", K, V)
-    cd.dqk_bwd[(triton.cdiv(K, c["BK"]), layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
+    cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
         q, x, D, ones, u, h, no_dh, do, dq, dx_out, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     # 5. the log carries from the per-step terms of both reads
@@ -132,7 +131,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLay
     dw = dw_r if dw_o is None else dw_o + dw_r
     dlog_a = _empty(eta.shape, eta)
     c = column_config("elementwise", K, V)
-    cd.dlog_bwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    cd.dlog_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         du, dw, dc, dlog_a, chunk_indices=layout.chunk_indices, H=H, V=V, READ_AFTER=False, **c, **meta)
     dx = (dx_query + dx_key + dx_out).to(x.dtype)
     dv = (eta * z).to(v.dtype)

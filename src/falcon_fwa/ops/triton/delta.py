@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from . import delta_kernels as wy
 from . import scalar_decay_kernels as sd
 from .chunk_index import ChunkLayout, chunk_layout
-from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, launch_config, layout_args
+from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args, next_power_of_2
 
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
@@ -35,8 +34,8 @@ def _full_k(K: int, V: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
     stages. Four-byte inputs at ``BK = 128`` take two stages instead of Triton's three: with
     three, ``state_bwd`` needs 246 KB of shared memory, above the 227 KB of an sm_90 block
     (``benchmarks/kernel_resources.py``)."""
-    BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(32, triton.next_power_of_2(V), 4096 // BK))
+    BK = max(16, next_power_of_2(K))
+    BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
     stages = 2 if dtype.itemsize >= 4 and BK >= 128 else 3
     return BK, BV, 4 if BK <= 128 else 8, stages
 
@@ -55,12 +54,12 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     D = torch.empty_like(v)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
     BK, BV, warps, stages = _full_k(K, V, q.dtype)
-    wy.state_fwd[(triton.cdiv(V, BV), layout.N * H)](
+    wy.state_fwd[(cdiv(V, BV), layout.N * H)](
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta)
     o = torch.empty_like(v)
     c = launch_config("output_fwd", K, V)
-    sd.output_fwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    sd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
     return o, A, W, h, D, S_T
@@ -73,21 +72,21 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     dD_local = torch.empty_like(v, dtype=torch.float32)
     c = launch_config("dv_bwd", K, V)
-    sd.dv_bwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    sd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, None, log_a, None, dD_local, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta)
     dD = torch.empty_like(dD_local)
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
     BK, BV, warps, stages = _full_k(K, V, q.dtype)
-    wy.state_bwd[(triton.cdiv(V, BV), layout.N * H)](
+    wy.state_bwd[(cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD_local, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
         num_warps=warps, num_stages=stages, **meta)
     dq, dx = torch.empty_like(q), torch.empty_like(x)
     rows = B * T
     c = launch_config("dqk_bwd", K, V)
-    NK = triton.cdiv(K, c["BK"])
+    NK = cdiv(K, c["BK"])
     parts = q.new_empty(3, NK, rows, H, dtype=torch.float32)
     sd.dqk_bwd[(NK, layout.num_chunks, H)](
         q, x, D, do, None, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from .chunk_index import ChunkLayout
 
-__all__ = ["SUPPORTED_CHUNK_SIZES", "LAUNCH", "dot_precision", "launch_config", "empty_buffer", "layout_args"]
+__all__ = ["SUPPORTED_CHUNK_SIZES", "LAUNCH", "cdiv", "next_power_of_2", "dot_precision", "launch_config", "empty_buffer",
+           "layout_args"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 
@@ -21,6 +21,18 @@ LAUNCH = {
     "dv_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "dqk_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
 }
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grid sizes. Plain integer arithmetic: ``triton.cdiv`` goes through
+    Triton's function wrapper, several microseconds per call on the host, and a training
+    step makes dozens of these calls per layer."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``n >= 1``), for block sizes; see ``cdiv``."""
+    return 1 << (n - 1).bit_length()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -39,7 +51,7 @@ def launch_config(name: str, K: int, V: int, table: Optional[dict] = None) -> di
     c = dict((LAUNCH if table is None else table)[name])
     for block, dim in (("BK", K), ("BV", V)):
         if block in c:
-            c[block] = min(c[block], max(16, triton.next_power_of_2(dim)))
+            c[block] = min(c[block], max(16, next_power_of_2(dim)))
     return c
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from ..rules import get_rule
 from ..state import FalconState
@@ -13,6 +12,7 @@ from ..validate import check_state
 from . import recurrent_step_kernels as kern
 from .api import TRITON_DTYPES, _interpreting
 from .step_sizes import scalar_step_sizes
+from .launch import cdiv, next_power_of_2
 
 __all__ = ["falcon_step_triton", "STEP_RULES"]
 
@@ -71,9 +71,9 @@ def falcon_step_triton(
     S = q.new_zeros(B, H, K, V, dtype=torch.float32) if state is None else state.S.float().contiguous()
     S_new = torch.empty_like(S)
     o = v.new_empty(B, H, V)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), 8192 // BK)
-    kern.recurrent_step[(triton.cdiv(V, BV), B * H)](
+    BK = max(16, next_power_of_2(K))
+    BV = min(max(16, next_power_of_2(V)), 8192 // BK)
+    kern.recurrent_step[(cdiv(V, BV), B * H)](
         S, q.contiguous(), x.contiguous(), v.contiguous(), eta, log_a, gate, S_new, o, H=H, K=K, V=V, BK=BK, BV=BV,
         REGRESSION=spec.regression, READ_AFTER=read == "after", HAS_GATE=gate is not None,
         num_warps=4)

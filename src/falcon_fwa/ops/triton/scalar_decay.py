@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from . import scalar_decay_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
-from .launch import SUPPORTED_CHUNK_SIZES, dot_precision, launch_config, layout_args
+from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args
 
 __all__ = ["scalar_decay_chunk", "scan_forward", "scan_backward"]
 
@@ -27,12 +26,12 @@ def scan_forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool,
     h = q.new_empty(layout.num_chunks, H, K, V)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
     c = launch_config("state_fwd", K, V)
-    kern.state_fwd[(triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), layout.N * H)](
+    kern.state_fwd[(cdiv(K, c["BK"]), cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, log_a, h, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, **c, **layout_args(layout))
     o = torch.empty_like(v)
     c = launch_config("output_fwd", K, V)
-    kern.output_fwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    kern.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, v, eta, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=True, PRECISION=prec, **c, **layout_args(layout))
     return o, h, S_T
@@ -47,18 +46,18 @@ def scan_backward(q, x, v, eta, log_a, h, S0, do, dS_T, layout: ChunkLayout, rea
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
     c = launch_config("state_bwd", K, V)
-    kern.state_bwd[(triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), layout.N * H)](
+    kern.state_bwd[(cdiv(K, c["BK"]), cdiv(V, c["BV"]), layout.N * H)](
         q, do, eta, log_a, dh, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None,
         STORE_DS0=dS0 is not None, READ_AFTER=read_after, HAS_ETA=True, PRECISION=prec, **c, **meta)
     dv = torch.empty_like(v)
     c = launch_config("dv_bwd", K, V)
-    kern.dv_bwd[(triton.cdiv(V, c["BV"]), layout.num_chunks, H)](
+    kern.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, eta, log_a, dh, dv, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, STATE_TERM=True, HAS_ETA=True, PRECISION=prec, **c, **meta)
     dq, dx = torch.empty_like(q), torch.empty_like(x)
     rows = B * T
     c = launch_config("dqk_bwd", K, V)
-    NK = triton.cdiv(K, c["BK"])
+    NK = cdiv(K, c["BK"])
     parts = q.new_empty(3, NK, rows, H, dtype=torch.float32)
     kern.dqk_bwd[(NK, layout.num_chunks, H)](
         q, x, v, do, eta, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],

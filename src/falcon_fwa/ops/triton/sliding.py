@@ -41,11 +41,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from . import sliding_kernels as kern
 from .chunk_index import chunk_layout
-from .launch import dot_precision
+from .launch import cdiv, dot_precision, next_power_of_2
 from .scalar_decay import scan_backward, scan_forward
 from .shift import advance_rows, delay_rows
 
@@ -71,7 +70,7 @@ def _ext_rows(prefix: torch.Tensor, body: torch.Tensor, pos: torch.Tensor) -> to
 # ---- kernels behind autograd ----
 
 def _block(D: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(D)))
+    return min(64, max(16, next_power_of_2(D)))
 
 
 def _band_args(q: torch.Tensor, K: int, V: int, W: int) -> dict:
@@ -90,7 +89,7 @@ class _Energy(torch.autograd.Function):
     def forward(ctx, k):
         rows, K = k.numel() // k.shape[-1], k.shape[-1]
         n = torch.empty(k.shape[:-1], dtype=torch.float32, device=k.device)
-        kern.energy_fwd[(triton.cdiv(rows, _BR),)](k, n, rows, K=K, BR=_BR, BK=_block(K))
+        kern.energy_fwd[(cdiv(rows, _BR),)](k, n, rows, K=K, BR=_BR, BK=_block(K))
         ctx.save_for_backward(k)
         return n
 
@@ -99,7 +98,7 @@ class _Energy(torch.autograd.Function):
         (k,) = ctx.saved_tensors
         rows, K = k.numel() // k.shape[-1], k.shape[-1]
         dk = torch.empty_like(k)
-        kern.energy_bwd[(triton.cdiv(rows, _BR),)](k, dn.float().contiguous(), dk, rows, K=K, BR=_BR, BK=_block(K))
+        kern.energy_bwd[(cdiv(rows, _BR),)](k, dn.float().contiguous(), dk, rows, K=K, BR=_BR, BK=_block(K))
         return dk
 
 
@@ -110,9 +109,9 @@ class _WindowGains(torch.autograd.Function):
     @staticmethod
     def forward(ctx, n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, normalize, scale_ridge):
         B, T, H = beta.shape
-        W, grid = window, (triton.cdiv(T, _BT), B * H)
+        W, grid = window, (cdiv(T, _BT), B * H)
         f32 = dict(dtype=torch.float32, device=beta.device)
-        lags = dict(H=H, W=W, WP=max(2, triton.next_power_of_2(W)), BT=_BT)
+        lags = dict(H=H, W=W, WP=max(2, next_power_of_2(W)), BT=_BT)
         flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None)
         g, log_a, e = (torch.empty(B, T, H, **f32) for _ in range(3))
         rho = torch.empty(B, T, H, W - 1, **f32)
@@ -127,7 +126,7 @@ class _WindowGains(torch.autograd.Function):
         n_ext, valid_ext, beta, lam, log_gate, g, log_a = ctx.saved_tensors
         eps, decay_floor, lags, flags = ctx.options
         B, T, H = beta.shape
-        W, WP, grid = lags["W"], lags["WP"], (triton.cdiv(T, _BT), B * H)
+        W, WP, grid = lags["W"], lags["WP"], (cdiv(T, _BT), B * H)
         de = torch.zeros_like(g) if de is None else de.float().contiguous()
         dlog_a = torch.zeros_like(g) if dlog_a is None else dlog_a.float().contiguous()
         drho = g.new_zeros(B, T, H, W - 1) if drho is None else drho.float().contiguous()
@@ -137,7 +136,7 @@ class _WindowGains(torch.autograd.Function):
         kern.step_bwd[grid](n_ext, valid_ext, beta, lam, log_gate, lag_a, lag_d, dlog_a, d_beta, d_lam, d_gate,
                             d_stat, T, eps, decay_floor, **lags, **flags)
         dn_ext = torch.empty_like(n_ext)
-        kern.energy_spread[(triton.cdiv(T + W - 1, _BT), B * H)](d_stat, valid_ext, dn_ext, T, **lags)
+        kern.energy_spread[(cdiv(T + W - 1, _BT), B * H)](d_stat, valid_ext, dn_ext, T, **lags)
         d_gate = None if log_gate is None else d_gate.to(log_gate.dtype)
         return dn_ext, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype), d_gate, None, None, None, None, None
 
@@ -192,7 +191,7 @@ class _SlidingScan(torch.autograd.Function):
         o, h, L_T = scan_forward(q, delay_rows(x_pre, k), delay_rows(y_pre, v), e, log_a, S0, layout, read_after,
                                  want_final)
         if window > 1:
-            kern.band_fwd[(triton.cdiv(T, _BT), triton.cdiv(V, _block(V)), B * H)](
+            kern.band_fwd[(cdiv(T, _BT), cdiv(V, _block(V)), B * H)](
                 q, k, _or(x_pre, k), v, y_pre, rho, o, T, x_pre.shape[1], window - 1, **_band_args(q, K, V, window),
                 LAG=1 - int(read_after))
         ctx.save_for_backward(q, k, v, x_pre, y_pre, e, rho, log_a, h, S0)
@@ -217,10 +216,10 @@ class _SlidingScan(torch.autograd.Function):
             return dq, dk, dy_del, dx_pre, torch.zeros_like(y_pre), de, None, dlog_a, dS0, None, None, None, None
         args = dict(**_band_args(q, K, V, W), LAG=lag)
         drho = torch.zeros_like(rho)  # the rows whose step is past the end stay 0
-        kern.band_bwd_rows[(triton.cdiv(T, _BT), B * H)](
+        kern.band_bwd_rows[(cdiv(T, _BT), B * H)](
             q, k, _or(x_pre, k), v, y_pre, do, rho, dq, drho, T, n_x, n_y, **args, num_warps=8)
         dk, dx_pre, dv, dy_pre = (torch.empty_like(t) for t in (k, x_pre, v, y_pre))
-        kern.band_bwd_pairs[(triton.cdiv(T + n_x, _BT), B * H)](
+        kern.band_bwd_pairs[(cdiv(T + n_x, _BT), B * H)](
             q, do, k, _or(x_pre, k), v, y_pre, rho, dx_del, dy_del, dk, _or(dx_pre, dk), dv, dy_pre, T, n_x, n_y,
             **args, num_warps=8)
         return dq, dk, dv, dx_pre, dy_pre, de, drho, dlog_a, dS0, None, None, None, None

@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from . import step_size_kernels as kern
+from .launch import cdiv, next_power_of_2
 
 __all__ = ["scalar_step_sizes"]
 
@@ -14,7 +14,7 @@ _BR = 64  # rows per program
 
 
 def _launch(x, K):
-    return dict(H=x.shape[2], K=K, BK=min(64, max(16, triton.next_power_of_2(K))), BR=_BR)
+    return dict(H=x.shape[2], K=K, BK=min(64, max(16, next_power_of_2(K))), BR=_BR)
 
 
 class _ScalarStepSizes(torch.autograd.Function):
@@ -23,7 +23,7 @@ class _ScalarStepSizes(torch.autograd.Function):
         n, K = beta.numel(), x.shape[-1]
         eta = torch.empty(beta.shape, dtype=torch.float32, device=x.device)
         log_a = torch.empty_like(eta)
-        kern.step_fwd[(triton.cdiv(n, _BR),)](
+        kern.step_fwd[(cdiv(n, _BR),)](
             x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor, NORMALIZE=normalize,
             SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, **_launch(x, K))
         ctx.save_for_backward(x, valid, beta, lam)
@@ -41,7 +41,7 @@ class _ScalarStepSizes(torch.autograd.Function):
         dx = torch.empty_like(x)
         d_beta = torch.empty(beta.shape, dtype=torch.float32, device=x.device)
         d_lam = torch.empty_like(d_beta)
-        kern.step_bwd[(triton.cdiv(n, _BR),)](
+        kern.step_bwd[(cdiv(n, _BR),)](
             x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, n, eps, decay_floor,
             NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, **_launch(x, K))
         d_gate = None if gate_dtype is None else d_log_a.to(gate_dtype)

@@ -114,12 +114,14 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLay
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
         q, x, kappa, u, G, do, dD_o, dh, z, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None,
         STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+    del dD_o  # read by state_bwd only: its memory serves the buffers below (peak memory)
     d_read = -kappa * z  # upstream gradient of the residual reads R
     # 3. the residual reads (queries x, read before the write) with the exit-state terms through dh
     du_r, dw_r, dc = (_empty(eta.shape, eta) for _ in range(3))
     dx_query, dx_key = _empty(x.shape, x, f32), _empty(x.shape, x, f32)
     _read_grads(x, x, D, ones, u, h, dh, d_read, dx_query, dx_key, du_r, dw_r, dc, _empty(eta.shape, eta), layout,
                 False, K, V, H)
+    del dh, d_read
     # 4. the outputs' q and x gradients (queries q; the exit-state term is counted in step 3)
     dq, dx_out = _empty(q.shape, q, f32), _empty(x.shape, x, f32)
     c = column_config("dqk_bwd", K, V)
@@ -129,11 +131,14 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLay
     # 5. the log carries from the per-step terms of both reads
     du = du_o + du_r
     dw = dw_r if dw_o is None else dw_o + dw_r
+    del du_o, du_r, dw_o, dw_r
     dlog_a = _empty(eta.shape, eta)
     c = column_config("elementwise", K, V)
     cd.dlog_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         du, dw, dc, dlog_a, chunk_indices=layout.chunk_indices, H=H, V=V, READ_AFTER=False, **c, **meta)
+    del du, dw, dc
     dx = (dx_query + dx_key + dx_out).to(x.dtype)
+    del dx_query, dx_key, dx_out
     dv = (eta * z).to(v.dtype)
     deta = v.float() * z
     dkappa = -R * z

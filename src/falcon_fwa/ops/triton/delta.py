@@ -83,6 +83,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         q, x, W, do, log_a, dD_local, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
         num_warps=warps, num_stages=stages, **meta)
+    del dD_local  # read by state_bwd only: its memory serves the buffers below (peak memory)
     dq, dx = torch.empty_like(q), torch.empty_like(x)
     rows = B * T
     c = launch_config("dqk_bwd", K, V)
@@ -92,6 +93,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         q, x, D, do, None, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
+    del dh  # read by dqk_bwd only
     dv = torch.empty_like(v)
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)

@@ -25,6 +25,32 @@ pytestmark = in_this_process
 _check = functools.partial(check_kernel, "3", output_final_state=True)
 
 
+# ---- the window Grams' top eigenvalue (the step-size statistic) ----
+
+@pytest.mark.parametrize("W", [1, 2, 4, 8, 16])
+def test_top_eigenvalue_kernel_against_eigvalsh(W):
+    """The kernel's top eigenvalue of PSD Grams against float64 ``eigvalsh`` (within float32
+    rounding and the squaring bound), including rank-deficient and zero matrices, and its
+    gradient against that of ``eigvalsh``."""
+    from falcon_fwa.ops.triton.step_sizes import top_eigenvalue_triton
+
+    g = torch.Generator().manual_seed(W)
+    x = torch.randn(5, 41, W, 3, generator=g, dtype=torch.float64)  # rank <= 3: ties at 0 for W > 3
+    x[0, :4] = 0.0  # zero windows (the start of a fresh sequence)
+    gram = (x @ x.transpose(-1, -2)).float().to(DEVICE)
+    exact = torch.linalg.eigvalsh(gram.double().cpu())[..., -1]
+    got = top_eigenvalue_triton(gram).double().cpu()
+    assert torch.equal(got[0, :4], torch.zeros(4, dtype=torch.float64))
+    assert torch.allclose(got, exact, rtol=2e-6, atol=1e-6)
+    leaf = gram.clone().requires_grad_()
+    top_eigenvalue_triton(leaf).sum().backward()
+    ref = gram.double().cpu()[1:].requires_grad_()
+    torch.linalg.eigvalsh(ref)[..., -1].sum().backward()
+    assert torch.allclose(leaf.grad[1:].double().cpu(), ref.grad, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="W in"):
+        top_eigenvalue_triton(torch.zeros(3, 3, 3, device=DEVICE))
+
+
 # ---- the grouped WY solve itself, against a literal loop ----
 
 def test_grouped_writes_see_the_state_before_their_step():

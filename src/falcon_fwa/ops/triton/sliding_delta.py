@@ -16,8 +16,9 @@ The pairs are laid out once on the extended time axis ``[tail | pairs]`` and the
 ``W`` rows are slices of it. The window Gram of step ``t`` has ``W`` distinct lags,
 ``G_t[i, j] = c_{|i-j|}(t - min(i, j))`` with ``c_d(p) = x_p . x_{p-d}``, so it is
 assembled from ``W`` lag products instead of a batched product of window slots, and its
-top eigenvalue comes from ``ops.step_sizes.top_eigenvalue_by_squaring`` (elementwise
-work, no eigensolver, no host synchronization). Gradients of the pairs and step sizes
+top eigenvalue comes from repeated squaring (``ops.step_sizes.top_eigenvalue_by_squaring``,
+as one kernel: ``step_sizes.top_eigenvalue_triton``; no eigensolver, no host
+synchronization). Gradients of the pairs and step sizes
 come from autograd; only the scan runs on the kernels. The cost is that of a rule-1 scan
 ``W`` times as long.
 """
@@ -28,8 +29,9 @@ from typing import Optional, Tuple
 import torch
 
 from ..rules import get_rule
-from ..step_sizes import gains_from_statistic, top_eigenvalue_by_squaring
+from ..step_sizes import gains_from_statistic
 from .delta import SLOT_COUNTS, delta_chunk
+from .step_sizes import top_eigenvalue_triton
 
 __all__ = ["sliding_delta_chunk", "SLOT_COUNTS"]
 
@@ -127,7 +129,7 @@ def sliding_delta_chunk(
 
     # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp
     count = slot_valid.sum(-1).clamp(min=1)[:, None, :]  # [B, 1, T]
-    stat = top_eigenvalue_by_squaring(_window_gram(x_ext, valid_ext, W, T)) / count
+    stat = top_eigenvalue_triton(_window_gram(x_ext, valid_ext, W, T)) / count
     eta_slots, log_gamma = gains_from_statistic(get_rule("3"), stat, slot_valid, beta.float().transpose(1, 2),
                                                 lam.float().transpose(1, 2), eps=eps, decay_floor=decay_floor,
                                                 normalize=normalize, scale_ridge=scale_ridge)

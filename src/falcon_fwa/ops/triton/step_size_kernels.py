@@ -114,3 +114,43 @@ def step_bwd(
         m = m_r[:, None] & (o_k[None, :] < K)
         b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(dx + rows[:, None] * K + o_k[None, :], (2.0 * b_x * g_E[:, None]).to(dx.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _column(m, k, W: tl.constexpr):
+    """Column ``k`` of each ``[W, W]`` matrix of ``m`` ``[BR, W, W]`` -> ``[BR, W]`` (exact selection)."""
+    o = tl.arange(0, W)
+    return tl.sum(tl.where(o[None, None, :] == k, m, 0.0), axis=2)
+
+
+@triton.jit
+def top_eigen_fwd(gram, lam_out, vec_out, n, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr):
+    """Top eigenpair of ``n`` symmetric PSD ``[W, W]`` matrices (``gram`` ``[n, W, W]`` fp32),
+    the kernel counterpart of ``ops.step_sizes.top_eigenvalue_by_squaring``: ``M = G / tr G``
+    squared ``SQUARINGS`` times at unit trace (``M M = sum_k m_k m_k^T`` over its columns, ``M``
+    symmetric), ``v`` = ``G`` times the column of ``M`` with the largest diagonal entry,
+    normalized; ``lambda = v^T G v``. Writes ``lam_out`` ``[n]`` and ``vec_out`` ``[n, W]``."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    o = tl.arange(0, W)
+    offs = rows[:, None, None] * (W * W) + o[None, :, None] * W + o[None, None, :]
+    g = tl.load(gram + offs, mask=m_r[:, None, None], other=0.0).to(tl.float32)
+    eye = o[None, :, None] == o[None, None, :]
+    tiny = 1.1754943508222875e-38
+    m = g / tl.maximum(tl.sum(tl.sum(tl.where(eye, g, 0.0), axis=2), axis=1), tiny)[:, None, None]
+    for _ in range(SQUARINGS):
+        p = tl.zeros([BR, W, W], dtype=tl.float32)
+        for k in tl.static_range(W):
+            c = _column(m, k, W)
+            p += c[:, :, None] * c[:, None, :]
+        m = p / tl.maximum(tl.sum(tl.sum(tl.where(eye, p, 0.0), axis=2), axis=1), tiny)[:, None, None]
+    diag = tl.sum(tl.where(eye, m, 0.0), axis=2)  # [BR, W]
+    top = tl.max(diag, axis=1)
+    # the first column whose diagonal entry is the largest (as torch.argmax picks)
+    first = tl.min(tl.where(diag == top[:, None], o[None, :], W), axis=1)
+    v = tl.sum(tl.where(o[None, None, :] == first[:, None, None], m, 0.0), axis=2)
+    v = tl.sum(g * v[:, None, :], axis=2)  # G v
+    v = v / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), tiny)[:, None]
+    lam = tl.sum(tl.sum(g * v[:, :, None] * v[:, None, :], axis=2), axis=1)
+    tl.store(lam_out + rows, lam, mask=m_r)
+    tl.store(vec_out + rows[:, None] * W + o[None, :], v, mask=m_r[:, None])

@@ -1,4 +1,5 @@
-"""Autograd function over the fused step-size kernels (scalar, non-sliding rules)."""
+"""Autograd functions over the fused step-size kernels: the scalar, non-sliding rules' step
+sizes, and the top eigenvalue of rule 3's window Grams."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -8,7 +9,7 @@ import torch
 from . import step_size_kernels as kern
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["scalar_step_sizes"]
+__all__ = ["scalar_step_sizes", "top_eigenvalue_triton"]
 
 _BR = 64  # rows per program
 
@@ -68,3 +69,38 @@ def scalar_step_sizes(
     log_gate = None if log_gate is None else log_gate.contiguous()
     return _ScalarStepSizes.apply(x, valid.to(torch.uint8).contiguous(), beta, lam, log_gate, float(eps),
                                   float(decay_floor), bool(normalize), bool(scale_ridge))
+
+
+_EIGEN_SQUARINGS = 20  # as ops.step_sizes.top_eigenvalue_by_squaring's default
+
+
+class _TopEigenvalue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gram):
+        W = gram.shape[-1]
+        flat = gram.reshape(-1, W, W).float().contiguous()
+        n = flat.shape[0]
+        lam = torch.empty(n, dtype=torch.float32, device=gram.device)
+        vec = torch.empty(n, W, dtype=torch.float32, device=gram.device)
+        BR = max(1, 2048 // (W * W))  # matrices per program: the [BR, W, W] tiles stay in registers
+        if n:
+            kern.top_eigen_fwd[(cdiv(n, BR),)](flat, lam, vec, n, W=W, SQUARINGS=_EIGEN_SQUARINGS, BR=BR)
+        ctx.save_for_backward(vec)
+        ctx.shape, ctx.dtype = gram.shape, gram.dtype
+        return lam.reshape(gram.shape[:-2]).to(gram.dtype)
+
+    @staticmethod
+    def backward(ctx, d_lam):
+        (vec,) = ctx.saved_tensors
+        d = d_lam.reshape(-1).float()[:, None, None] * vec[:, :, None] * vec[:, None, :]
+        return d.reshape(ctx.shape).to(ctx.dtype)
+
+
+def top_eigenvalue_triton(gram: torch.Tensor) -> torch.Tensor:
+    """Largest eigenvalue of each symmetric PSD matrix in ``gram`` ``[..., W, W]`` (``W`` a power
+    of two up to 16) -> ``[...]``: ``ops.step_sizes.top_eigenvalue_by_squaring`` in one kernel
+    (``step_size_kernels.top_eigen_fwd``), with the gradient ``v v^T`` of its eigenvector."""
+    W = gram.shape[-1]
+    if gram.shape[-2] != W or W not in (1, 2, 4, 8, 16):
+        raise ValueError(f"gram must end in [W, W] with W in (1, 2, 4, 8, 16), got {tuple(gram.shape)}")
+    return _TopEigenvalue.apply(gram)

@@ -1,0 +1,80 @@
+"""Host time against device time of the fast rows (bf16, forward + backward, B=8, T=2048,
+H=16, K=V=128): whether a row's median is set by the GPU or by the Python that launches it.
+
+For each op it prints ``do_bench``'s median (as ``bench_kernels.py`` times it), the host's
+enqueue time per call (ten calls with no synchronization: the GPU queue absorbs them), the
+wall time per call of those ten, and the device busy time per call (sum of the kernels'
+times in the profiler); then a ``cProfile`` of the host side of 20 calls of Falcon-1A and of
+fla's chunk_simple_gla. A row whose host enqueue time exceeds its device busy time is bound
+by the host: its median measures Python and launch overhead, not the kernels.
+
+    python benchmarks/host_overhead.py > host.txt     # CUDA, fla 0.6.0 for the fla rows
+"""
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+sys.path.insert(0, "benchmarks")
+import bench_kernels as bk  # noqa: E402
+
+try:  # time fla's gated kernels on this Triton, as bench_kernels.py --allow-fla-gated does
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+except ImportError as e:
+    print("fla not importable:", e)
+
+SHAPE = (8, 2048, 16, 128, 128)
+OPS = {"falcon-1a": bk.falcon_triton("1A"), "falcon-1a-nv": bk.falcon_triton("1A", validate=False),
+       "fla-simple-gla": bk.OPS["fla-simple-gla"], "falcon-1": bk.falcon_triton("1"),
+       "fla-gated-delta-rule": bk.OPS["fla-gated-delta-rule"], "falcon-3a": bk.falcon_triton("3A"),
+       "falcon-core-1a": bk.falcon_core}
+PROFILED = ("falcon-1a", "fla-simple-gla")
+
+
+def main() -> None:
+    for name, build in OPS.items():
+        fn, leaves = build(*SHAPE)
+        do = torch.randn_like(fn().detach())
+
+        def step():
+            fn().backward(do)
+            for t in leaves:
+                t.grad = None
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        ms = do_bench(step, warmup=25, rep=100, return_mode="median")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        host = (time.perf_counter() - t0) / 10 * 1e3
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 10 * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        busy = sum(e.device_time_total for e in prof.key_averages()) / 5 / 1e3
+        print(f"{name:22s} do_bench {ms:6.3f} ms | host enqueue {host:6.3f} ms | 10-call wall/call {wall:6.3f} ms"
+              f" | device busy {busy:6.3f} ms", flush=True)
+        if name in PROFILED:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(20):
+                step()
+            pr.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+            print(s.getvalue()[:6000])
+
+
+if __name__ == "__main__":
+    main()

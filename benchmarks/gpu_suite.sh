@@ -33,7 +33,9 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .triton_cache.tgz ] && tar xzf .triton_cache.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
 pack_triton_cache() {
-  tar czf "$OUT/triton_cache.tgz.part" -C "$TRITON_CACHE_DIR" . 2>/dev/null || return
+  # a failed tar (e.g. "file changed as we read it" while another stage compiles into the same cache) leaves
+  # no partial archive behind: one would be returned with the outputs and can exceed what comes back
+  tar czf "$OUT/triton_cache.tgz.part" -C "$TRITON_CACHE_DIR" . 2>/dev/null || { rm -f "$OUT/triton_cache.tgz.part"; return; }
   if [ "$(stat -c %s "$OUT/triton_cache.tgz.part")" -le $((15 * 1024 * 1024)) ]; then
     mv "$OUT/triton_cache.tgz.part" "$OUT/triton_cache.tgz"
   else

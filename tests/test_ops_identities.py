@@ -238,10 +238,9 @@ def test_top_eigenvalue_sliced_matches_closed_form():
 
 def test_top_eigenvalue_by_squaring_closed_form_and_bound():
     # PSD 2x2 Grams: the closed form above; random W x W Grams, including nearly equal top
-    # eigenvalues (the slow case of power methods): within the documented bound W / (e (2m + 3))
-    # of float64 eigvalsh, m = 2^squarings; a zero matrix gives 0; the gradient is v v^T.
-    import math
-
+    # eigenvalues (the slow case of power methods): within the documented bound
+    # W max_r (1 - r) r^p (p = 2m + 2, m = 2^squarings) of float64 eigvalsh; a zero matrix gives 0;
+    # a float32 Gram whose trace overflows (no entry does) is still right; the gradient is v v^T.
     from falcon_fwa.ops.step_sizes import top_eigenvalue_by_squaring
 
     g = torch.Generator().manual_seed(1)
@@ -257,11 +256,14 @@ def test_top_eigenvalue_by_squaring_closed_form_and_bound():
         gram = q @ torch.diag_embed(lam) @ q.transpose(-1, -2)
         exact = torch.linalg.eigvalsh(gram)[..., -1]
         for squarings in (4, 20):
-            bound = W / (math.e * (2 * 2 ** squarings + 3))
+            p = 2 * 2 ** squarings + 2
+            bound = W / (p + 1) * (p / (p + 1)) ** p  # = W max_r (1 - r) r^p
             got = top_eigenvalue_by_squaring(gram, squarings=squarings)
             assert ((exact - got) / exact).max() <= bound + 1e-13
             assert (got <= exact * (1 + 1e-13)).all()  # a Rayleigh quotient never exceeds lambda_max
     assert torch.equal(top_eigenvalue_by_squaring(torch.zeros(2, 4, 4, dtype=f64)), torch.zeros(2, dtype=f64))
+    big = torch.diag(torch.tensor([1e38, 1e38, 1e38, 5e37]))  # trace 3.5e38 > float32 max
+    assert torch.allclose(top_eigenvalue_by_squaring(big[None]).double(), torch.tensor([1e38], dtype=f64), rtol=1e-6)
     x = torch.randn(50, 4, 6, generator=g, dtype=f64)
     leaf = (x @ x.transpose(-1, -2)).requires_grad_()
     top_eigenvalue_by_squaring(leaf).sum().backward()

@@ -49,6 +49,10 @@ def test_top_eigenvalue_kernel_against_eigvalsh(W):
     assert torch.allclose(leaf.grad[1:].double().cpu(), ref.grad, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="W in"):
         top_eigenvalue_triton(torch.zeros(3, 3, 3, device=DEVICE))
+    # a Gram whose trace overflows float32 while no entry does
+    big = torch.eye(W, device=DEVICE) * 1e38
+    assert torch.allclose(top_eigenvalue_triton(big[None]).double().cpu(), torch.tensor([1e38], dtype=torch.float64),
+                          rtol=1e-6)
 
 
 # ---- the grouped WY solve itself, against a literal loop ----

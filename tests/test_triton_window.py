@@ -94,7 +94,8 @@ def test_windows_read_after(window):
     _check((2, 21, 2, 16, 16), window=window, seed=window)
 
 
-@pytest.mark.parametrize("window,read,shift", [(2, "before", True), (4, "before", False), (5, "after", False)])
+@pytest.mark.parametrize("window,read,shift", [(2, "before", True), (4, "before", False), (5, "after", False),
+                                               (1, "after", False)])
 def test_read_and_shift(window, read, shift):
     _check((1, 37, 2, 16, 24), window=window, read=read, shift=shift, seed=10 + window)
 

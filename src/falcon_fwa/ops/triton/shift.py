@@ -11,6 +11,8 @@ zero fill, two clones and two more strided copies of the whole tensor.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["delay_rows", "advance_rows", "shift_rows"]
@@ -27,7 +29,7 @@ def delay_rows(prefix: torch.Tensor, body: torch.Tensor) -> torch.Tensor:
     body = body.contiguous()
     out = torch.empty_like(body)
     if T > m:
-        shift = m * body[0, 0].numel()  # elements in m rows
+        shift = m * math.prod(body.shape[2:])  # elements in m rows
         out.view(-1)[shift:].copy_(body.view(-1)[:-shift])
     out[:, :m] = prefix[:, :m]
     return out
@@ -39,9 +41,11 @@ def advance_rows(d_out: torch.Tensor, m: int) -> torch.Tensor:
     T = d_out.shape[1]
     m = min(m, T)
     d_out = d_out.contiguous()
+    if m == 0:
+        return d_out
     d_body = torch.empty_like(d_out)
     if T > m:
-        shift = m * d_out[0, 0].numel()
+        shift = m * math.prod(d_out.shape[2:])
         d_body.view(-1)[:-shift].copy_(d_out.view(-1)[shift:])
     d_body[:, T - m:] = 0
     return d_body

@@ -94,6 +94,9 @@ def sliding_delta_chunk(
     ``v`` ``[B, T, H, V]``, ``beta``, ``lam``, ``log_gate`` ``[B, T, H]`` (zero on padding
     steps), ``S0`` ``[B, H, K, V]``, ``last_key`` ``[B, H, K]``, ``tail = (tail_x, tail_y,
     tail_valid)`` as in ``FalconState`` (or ``None``). ``window`` must be in ``SLOT_COUNTS``.
+    Padding rows of ``q``, ``k``, ``v`` must be finite (the op passes zeros there): their
+    pairs carry zero gains, but they still enter the kernels' products, where a NaN times a
+    zero gain stays NaN. Empty tail slots may hold anything (they are zeroed here).
     Returns ``o`` ``[B, T, H, V]`` in ``q``'s dtype and, with ``output_final_state``,
     ``(S_T, tail_x, tail_y, tail_valid)``.
     """

@@ -126,18 +126,20 @@ def _column(m, k, W: tl.constexpr):
 @triton.jit
 def top_eigen_fwd(gram, lam_out, vec_out, n, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr):
     """Top eigenpair of ``n`` symmetric PSD ``[W, W]`` matrices (``gram`` ``[n, W, W]`` fp32),
-    the kernel counterpart of ``ops.step_sizes.top_eigenvalue_by_squaring``: ``M = G / tr G``
+    the kernel counterpart of ``ops.step_sizes.top_eigenvalue_by_squaring``: ``M = G / max_i G_ii``
     squared ``SQUARINGS`` times at unit trace (``M M = sum_k m_k m_k^T`` over its columns, ``M``
     symmetric), ``v`` = ``G`` times the column of ``M`` with the largest diagonal entry,
     normalized; ``lambda = v^T G v``. Writes ``lam_out`` ``[n]`` and ``vec_out`` ``[n, W]``."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # int64: n * W * W may pass 2^31
     m_r = rows < n
     o = tl.arange(0, W)
     offs = rows[:, None, None] * (W * W) + o[None, :, None] * W + o[None, None, :]
     g = tl.load(gram + offs, mask=m_r[:, None, None], other=0.0).to(tl.float32)
     eye = o[None, :, None] == o[None, None, :]
     tiny = 1.1754943508222875e-38
-    m = g / tl.maximum(tl.sum(tl.sum(tl.where(eye, g, 0.0), axis=2), axis=1), tiny)[:, None, None]
+    # G up to a scale, entries <= 1 (the trace could overflow where no entry does)
+    g0 = g / tl.maximum(tl.max(tl.sum(tl.where(eye, g, 0.0), axis=2), axis=1), tiny)[:, None, None]
+    m = g0
     for _ in range(SQUARINGS):
         p = tl.zeros([BR, W, W], dtype=tl.float32)
         for k in tl.static_range(W):
@@ -149,7 +151,7 @@ def top_eigen_fwd(gram, lam_out, vec_out, n, W: tl.constexpr, SQUARINGS: tl.cons
     # the first column whose diagonal entry is the largest (as torch.argmax picks)
     first = tl.min(tl.where(diag == top[:, None], o[None, :], W), axis=1)
     v = tl.sum(tl.where(o[None, None, :] == first[:, None, None], m, 0.0), axis=2)
-    v = tl.sum(g * v[:, None, :], axis=2)  # G v
+    v = tl.sum(g0 * v[:, None, :], axis=2)  # G v, up to the scale
     v = v / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), tiny)[:, None]
     lam = tl.sum(tl.sum(g * v[:, :, None] * v[:, None, :], axis=2), axis=1)
     tl.store(lam_out + rows, lam, mask=m_r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import step_size_kernels as kern
 from .launch import cdiv, next_power_of_2
@@ -90,6 +91,7 @@ class _TopEigenvalue(torch.autograd.Function):
         return lam.reshape(gram.shape[:-2]).to(gram.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_lam):
         (vec,) = ctx.saved_tensors
         d = d_lam.reshape(-1).float()[:, None, None] * vec[:, :, None] * vec[:, None, :]

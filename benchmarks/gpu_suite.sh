@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048 (split over 2 GPUs)
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
+#   bash benchmarks/gpu_suite.sh OUT_DIR host      # host enqueue time against device time of the fast rows
 #   bash benchmarks/gpu_suite.sh OUT_DIR decode    # whole-model decoding tokens/s, fused step vs PyTorch step
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
 #   bash benchmarks/gpu_suite.sh OUT_DIR multigpu  # DDP/FSDP2 scaling over the GPUs of the machine
@@ -124,6 +125,11 @@ case "$STAGE" in
     timeout 480 $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-8k --allow-fla-gated --shapes 1 \
         --ops falcon-1a fla-simple-gla falcon-1 fla-gated-delta-rule falcon-3a sdpa falcon-2a fla-gla falcon-3 falcon-2 \
         fla-delta-rule --row-timeout ${ROW_TIMEOUT:-300} --profile falcon-3 2>&1 | tee "$OUT/bench_kernels.log"
+    ;;
+  host)
+    # fla's rows first: each row compiles (and fla autotunes) on first use
+    timeout ${HOST_TIMEOUT:-300} $PY benchmarks/host_overhead.py > "$OUT/host_overhead.txt" 2>&1
+    grep "do_bench" "$OUT/host_overhead.txt"
     ;;
   decode)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \

@@ -9,7 +9,9 @@ fla's chunk_simple_gla. A row whose host enqueue time exceeds its device busy ti
 by the host: its median measures Python and launch overhead, not the kernels.
 
     python benchmarks/host_overhead.py > host.txt     # CUDA, fla 0.6.0 for the fla rows
+    python benchmarks/host_overhead.py --ops falcon-1 fla-gated-delta-rule --profile falcon-1
 """
+import argparse
 import cProfile
 import io
 import pstats
@@ -30,16 +32,20 @@ except ImportError as e:
     print("fla not importable:", e)
 
 SHAPE = (8, 2048, 16, 128, 128)
-OPS = {"falcon-1a": bk.falcon_triton("1A"), "falcon-1a-nv": bk.falcon_triton("1A", validate=False),
-       "fla-simple-gla": bk.OPS["fla-simple-gla"], "falcon-1": bk.falcon_triton("1"),
-       "fla-gated-delta-rule": bk.OPS["fla-gated-delta-rule"], "falcon-3a": bk.falcon_triton("3A"),
+OPS = {"fla-simple-gla": bk.OPS["fla-simple-gla"], "falcon-1a": bk.falcon_triton("1A"),
+       "fla-gated-delta-rule": bk.OPS["fla-gated-delta-rule"], "falcon-1": bk.falcon_triton("1"),
+       "falcon-3a": bk.falcon_triton("3A"), "falcon-1a-nv": bk.falcon_triton("1A", validate=False),
        "falcon-core-1a": bk.falcon_core}
-PROFILED = ("falcon-1a", "fla-simple-gla")
 
 
 def main() -> None:
-    for name, build in OPS.items():
-        fn, leaves = build(*SHAPE)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS), help="rows, in this order")
+    p.add_argument("--profile", nargs="*", choices=list(OPS), default=["falcon-1a", "fla-simple-gla"],
+                   help="rows whose host side is profiled with cProfile")
+    args = p.parse_args()
+    for name in args.ops:
+        fn, leaves = OPS[name](*SHAPE)
         do = torch.randn_like(fn().detach())
 
         def step():
@@ -64,7 +70,7 @@ def main() -> None:
         busy = sum(e.device_time_total for e in prof.key_averages()) / 5 / 1e3
         print(f"{name:22s} do_bench {ms:6.3f} ms | host enqueue {host:6.3f} ms | 10-call wall/call {wall:6.3f} ms"
               f" | device busy {busy:6.3f} ms", flush=True)
-        if name in PROFILED:
+        if name in args.profile:
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(20):

@@ -48,7 +48,7 @@ from .launch import cdiv, dot_precision, next_power_of_2
 from .scalar_decay import scan_backward, scan_forward
 from .shift import advance_rows, delay_rows
 
-__all__ = ["sliding_chunk", "window_gains", "MAX_WINDOW"]
+__all__ = ["sliding_chunk", "window_gains", "window_prefix", "MAX_WINDOW"]
 
 _BT = 64  # rows per band program
 MAX_WINDOW = _BT + 1  # the band of a block of steps reaches into the next block only
@@ -56,6 +56,39 @@ _BR = 64  # rows per energy program
 
 
 # ---- the pairs on the extended axis ----
+
+def window_prefix(q, k, v, last_key, tail, lengths, *, window: int, shift: bool):
+    """The pairs that precede the body rows on the extended axis ``[tail | pairs]`` of the
+    sliding rules, and every pair's validity.
+
+    Time-major ``q``, ``k`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``; ``last_key``, ``tail`` and
+    ``lengths`` as in ``sliding_chunk``. Returns ``x_pre`` ``[B, n_pre, H, K]`` (the ``W - 1``
+    tail features, then with ``shift`` the first write feature: the last key, or the
+    sentinel's zero), ``y_pre`` ``[B, W - 1, H, V]`` and ``valid_ext`` ``[B, T + W - 1]`` (tail
+    slots as flagged, then the steps: padding steps and the sentinel carry no pair). Empty
+    tail slots are zeroed, whatever they hold. The pair at extended position ``p >= n_pre``
+    has feature ``k[:, p - n_pre]`` and, for ``p >= W - 1``, value ``v[:, p - W + 1]``."""
+    B, T, H, K = q.shape
+    n, dt, dev = window - 1, q.dtype, q.device
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if lengths is not None:
+        valid = torch.arange(T, device=dev)[None, :] < lengths[:, None]
+    if shift and last_key is None:
+        valid[:, 0] = False  # the sentinel
+    if tail is None:
+        tail_valid = torch.zeros(B, n, dtype=torch.bool, device=dev)
+        x_tail, y_tail = q.new_zeros(B, n, H, K), q.new_zeros(B, n, H, v.shape[-1])
+    else:
+        tail_valid = tail[2]
+        keep = tail_valid[:, :, None, None]
+        x_tail = torch.where(keep, tail[0].transpose(1, 2).to(dt), 0.0)
+        y_tail = torch.where(keep, tail[1].transpose(1, 2).to(dt), 0.0)
+    x_pre = x_tail
+    if shift:
+        first = q.new_zeros(B, 1, H, K) if last_key is None else last_key.to(dt)[:, None]
+        x_pre = torch.cat([x_tail, first], 1)
+    return x_pre.contiguous(), y_tail.contiguous(), torch.cat([tail_valid, valid], 1)
+
 
 def _ext_rows(prefix: torch.Tensor, body: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Rows ``pos`` ``[B, n]`` of the extended axis ``[prefix | body]``: ``[B, n, H, D]``."""
@@ -261,30 +294,10 @@ def sliding_chunk(
     if W > MAX_WINDOW:
         raise NotImplementedError(f"window={W} is above {MAX_WINDOW}, the widest band the Triton kernels hold")
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    dt, dev = q.dtype, q.device
+    dev = q.device
     q, k, v = (t.contiguous() for t in (q, k, v))
 
-    # pair validity on the extended axis (the W-1 tail pairs first)
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    if lengths is not None:
-        valid = torch.arange(T, device=dev)[None, :] < lengths[:, None]
-    if shift and last_key is None:
-        valid[:, 0] = False  # the sentinel
-    if tail is None:
-        tail_valid = torch.zeros(B, W - 1, dtype=torch.bool, device=dev)
-        x_tail, y_tail = q.new_zeros(B, W - 1, H, K), q.new_zeros(B, W - 1, H, V)
-    else:  # empty slots are zeroed, whatever they hold
-        tail_valid = tail[2]
-        keep = tail_valid[:, :, None, None]
-        x_tail = torch.where(keep, tail[0].transpose(1, 2).to(dt), 0.0)
-        y_tail = torch.where(keep, tail[1].transpose(1, 2).to(dt), 0.0)
-    valid_ext = torch.cat([tail_valid, valid], 1)  # [B, T+W-1]
-    x_pre = x_tail
-    if shift:  # the first write feature: the last key, or the sentinel's zero
-        first = q.new_zeros(B, 1, H, K) if last_key is None else last_key.to(dt)[:, None]
-        x_pre = torch.cat([x_tail, first], 1)
-    x_pre, y_pre = x_pre.contiguous(), y_tail.contiguous()
+    x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
 
     # step sizes and gains from the pair energies (the body rows of x are rows of k)
     n_ext = torch.cat([(x_pre.float() ** 2).sum(-1), _Energy.apply(k)], 1)[:, :T + W - 1]

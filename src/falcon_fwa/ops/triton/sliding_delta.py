@@ -31,6 +31,7 @@ import torch
 from ..rules import get_rule
 from ..step_sizes import gains_from_statistic
 from .delta import SLOT_COUNTS, delta_chunk
+from .sliding import window_prefix
 from .step_sizes import top_eigenvalue_triton
 
 __all__ = ["sliding_delta_chunk", "SLOT_COUNTS"]
@@ -104,29 +105,11 @@ def sliding_delta_chunk(
     if W not in SLOT_COUNTS:
         raise NotImplementedError(f"window={W} is not supported by the rule-3 kernels (supported: {SLOT_COUNTS})")
     B, T, H, K = q.shape
-    dt, dev = q.dtype, q.device
-    # pair validity: padding steps and the sentinel carry no pair
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    if lengths is not None:
-        valid = torch.arange(T, device=dev)[None, :] < lengths[:, None]
-    if shift and last_key is None:
-        valid[:, 0] = False
-    # the extended axis [tail | pairs]: x_p = k_{p-1} (shift) or k_p; empty tail slots are zeroed
-    if tail is None:
-        tail_valid = torch.zeros(B, n, dtype=torch.bool, device=dev)
-        tail_x, tail_y = q.new_zeros(B, n, H, K), q.new_zeros(B, n, H, v.shape[-1])
-    else:
-        tail_valid = tail[2]
-        keep = tail_valid[:, :, None, None]
-        tail_x = torch.where(keep, tail[0].transpose(1, 2).to(dt), 0.0)
-        tail_y = torch.where(keep, tail[1].transpose(1, 2).to(dt), 0.0)
-    if shift:
-        first = q.new_zeros(B, 1, H, K) if last_key is None else last_key.to(dt)[:, None]
-        x_ext = torch.cat([tail_x, first, k[:, :T - 1]], 1)  # [B, T + n, H, K]
-    else:
-        x_ext = torch.cat([tail_x, k], 1)
-    y_ext = torch.cat([tail_y, v], 1)
-    valid_ext = torch.cat([tail_valid, valid], 1)  # [B, T + n]
+    dev = q.device
+    # the extended axis [tail | pairs]: x_p = k_{p-1} (shift) or k_p
+    x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
+    x_ext = torch.cat([x_pre, k[:, :T + n - x_pre.shape[1]]], 1)  # [B, T + n, H, K]
+    y_ext = torch.cat([y_pre, v], 1)
     slot = torch.arange(T, device=dev)[:, None] + n - torch.arange(W, device=dev)[None, :]  # [T, W]
     slot_valid = valid_ext[:, slot]  # [B, T, W]
 

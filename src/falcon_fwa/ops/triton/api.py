@@ -24,7 +24,7 @@ from .scalar_decay import scalar_decay_chunk
 from .sliding import sliding_chunk
 from .shift import shift_rows
 from .sliding_delta import sliding_delta_chunk
-from .step_sizes import scalar_step_sizes
+from .step_sizes import scalar_step_sizes, shifted_step_sizes
 
 __all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_DTYPES"]
 
@@ -168,11 +168,13 @@ def falcon_chunk_triton(
     out_dtype = v.dtype
     k, v = k.to(q.dtype), v.to(q.dtype)
     last_key = None if initial_state is None or not shift else initial_state.last_key
-    x, valid = _shifted_keys(k, shift, last_key, starts if cu_seqlens is None else cu_seqlens[:-1].long())
-
-    step = column_step_sizes if spec.per_column else scalar_step_sizes
-    eta, log_a = step(x, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor, normalize=normalize,
-                      scale_ridge=scale_ridge)
+    steps = dict(eps=eps, decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
+    if shift and cu_seqlens is None and not spec.per_column:  # pairs and step sizes in one kernel
+        x, eta, log_a = shifted_step_sizes(k, last_key, beta, lam, log_gate, **steps)
+    else:
+        x, valid = _shifted_keys(k, shift, last_key, starts if cu_seqlens is None else cu_seqlens[:-1].long())
+        step = column_step_sizes if spec.per_column else scalar_step_sizes
+        eta, log_a = step(x, valid, beta, lam, log_gate, **steps)
     S0 = None if initial_state is None else initial_state.S
     scan = dict(read_after=read == "after", chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 output_final_state=output_final_state)

@@ -10,7 +10,16 @@ Per row, with the write feature ``x`` (``K`` values), ``E = ||x||^2`` and
     log_a = log1p(-alpha) + g            (g = log_gate, or 0)
 
 ``step_fwd`` writes ``eta`` and ``log_a``; ``step_bwd`` maps their gradients to
-``beta``, ``lam``, ``log_gate`` and ``x`` (``dx = 2 x dE``).
+``beta``, ``lam``, ``log_gate`` and ``x`` (``dx = dx_in + 2 x dE``, where ``dx_in`` is the
+gradient ``x`` receives from the scan, so that autograd adds nothing).
+
+With ``SHIFT`` the kernels also build the write features from the keys, for fixed-length
+rows: ``x_t = k_{t-1}`` and ``x_0 = first`` (the last key carried in) or the sentinel
+``0``, whose pair is invalid (``ops.pairs.write_pairs``). ``step_fwd`` then writes ``x``,
+and ``step_bwd`` writes the keys' gradient ``dk_{t-1} = dx_t`` (``dk_{T-1} = 0``) and
+``d first = dx_0``: no separate shift, validity mask or gradient sum is launched.
+Without ``SHIFT``, ``x`` is given and ``valid`` (``[B, T]``, or ``None`` when every pair is
+valid) marks its pairs.
 """
 from __future__ import annotations
 
@@ -37,10 +46,44 @@ def _energy(x, rows, m_r, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
-def _forward_terms(x, valid, beta, lam, rows, m_r, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                   BR: tl.constexpr, eps, decay_floor, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr):
-    E = _energy(x, rows, m_r, K, BK, BR)
-    ok = (tl.load(valid + rows // H, mask=m_r, other=0) != 0) & m_r
+def _feature_block(x, first, rows, m_r, o_k, T, H: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr,
+                   HAS_FIRST: tl.constexpr):
+    """The write features ``[BR, BK]`` (columns ``o_k``) of ``rows``, read from ``x`` itself or,
+    with ``SHIFT``, from the key row one step earlier (``first`` or zeros at ``t = 0``)."""
+    m = m_r[:, None] & (o_k[None, :] < K)
+    if SHIFT:
+        at_start = ((rows // H) % T) == 0
+        b_x = tl.load(x + (rows - H)[:, None] * K + o_k[None, :], mask=m & ~at_start[:, None], other=0.0)
+        if HAS_FIRST:  # first is [B, H, K]: row (b, h) = (rows // (T * H)) * H + rows % H
+            fr = (rows // (T * H)) * H + rows % H
+            b_f = tl.load(first + fr[:, None] * K + o_k[None, :], mask=m & at_start[:, None], other=0.0)
+            b_x = tl.where(at_start[:, None], b_f, b_x)
+        return b_x
+    return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _pair_valid(valid, rows, m_r, T, H: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr,
+                HAS_VALID: tl.constexpr):
+    if SHIFT:
+        if HAS_FIRST:
+            return m_r
+        return m_r & (((rows // H) % T) != 0)  # the sentinel pair at t = 0
+    if HAS_VALID:
+        return (tl.load(valid + rows // H, mask=m_r, other=0) != 0) & m_r
+    return m_r
+
+
+@triton.jit
+def _forward_terms(x, first, valid, beta, lam, rows, m_r, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   BR: tl.constexpr, eps, decay_floor, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
+                   SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
+    E = tl.zeros([BR], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_x = _feature_block(x, first, rows, m_r, i_k * BK + tl.arange(0, BK), T, H, K, SHIFT,
+                             HAS_FIRST).to(tl.float32)
+        E += tl.sum(b_x * b_x, axis=1)
+    ok = _pair_valid(valid, rows, m_r, T, H, SHIFT, HAS_FIRST, HAS_VALID)
     b_beta = tl.load(beta + rows, mask=m_r, other=0.0).to(tl.float32)
     b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
     if SCALE_RIDGE:
@@ -59,34 +102,46 @@ def _forward_terms(x, valid, beta, lam, rows, m_r, H: tl.constexpr, K: tl.conste
 
 @triton.jit
 def step_fwd(
-    x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor,
+    x, first, valid, beta, lam, log_gate, x_out, eta, log_a, n, T, eps, decay_floor,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
+    SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
-    """Grid ``(cdiv(n, BR),)`` over the ``n = B*T*H`` rows."""
+    """Grid ``(cdiv(n, BR),)`` over the ``n = B*T*H`` rows; with ``SHIFT``, ``x`` holds the keys
+    and the features are written to ``x_out``."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = rows < n
     E, ok, b_beta, b_lam, lam_eff, denom, b_eta, alpha_raw = _forward_terms(
-        x, valid, beta, lam, rows, m_r, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE)
+        x, first, valid, beta, lam, rows, m_r, T, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE,
+        SHIFT, HAS_FIRST, HAS_VALID)
     alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
     la = _log1p(-alpha)
     if HAS_GATE:
         la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)
     tl.store(eta + rows, b_eta, mask=m_r)
     tl.store(log_a + rows, la, mask=m_r)
+    if SHIFT:  # the features, read once more (the energy loop above kept no tiles)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST)
+            tl.store(x_out + rows[:, None] * K + o_k[None, :], b_x, mask=m_r[:, None] & (o_k[None, :] < K))
 
 
 @triton.jit
 def step_bwd(
-    x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, n, eps, decay_floor,
+    x, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, n, T, eps, decay_floor,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_DX_IN: tl.constexpr,
 ):
-    """Grid ``(cdiv(n, BR),)``; the gate's gradient is ``d_log_a`` itself."""
+    """Grid ``(cdiv(n, BR),)``; the gate's gradient is ``d_log_a`` itself. Writes ``dx`` (row by
+    row), or with ``SHIFT`` the keys' gradient ``dx`` one row earlier and ``d_first`` at
+    ``t = 0`` (``HAS_FIRST``)."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = rows < n
     E, ok, b_beta, b_lam, lam_eff, denom, b_eta, alpha_raw = _forward_terms(
-        x, valid, beta, lam, rows, m_r, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE)
+        x, first, valid, beta, lam, rows, m_r, T, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE,
+        SHIFT, HAS_FIRST, HAS_VALID)
     g_eta = tl.load(d_eta + rows, mask=m_r, other=0.0)
     g_la = tl.load(d_log_a + rows, mask=m_r, other=0.0)
     alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
@@ -107,13 +162,28 @@ def step_bwd(
         g_E += g_lam_eff * b_lam
     else:
         g_lam = g_lam_eff
-    tl.store(d_beta + rows, g_beta, mask=m_r)
-    tl.store(d_lam + rows, g_lam, mask=m_r)
+    tl.store(d_beta + rows, g_beta.to(d_beta.dtype.element_ty), mask=m_r)
+    tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
+    if SHIFT:
+        at_start = ((rows // H) % T) == 0
+        at_end = ((rows // H) % T) == T - 1
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m = m_r[:, None] & (o_k[None, :] < K)
-        b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(dx + rows[:, None] * K + o_k[None, :], (2.0 * b_x * g_E[:, None]).to(dx.dtype.element_ty), mask=m)
+        b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST).to(tl.float32)
+        g_x = 2.0 * b_x * g_E[:, None]
+        if HAS_DX_IN:
+            g_x += tl.load(dx_in + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        g_x = g_x.to(dx.dtype.element_ty)
+        if SHIFT:  # x_t = k_{t-1}: this row's gradient belongs to the key one row earlier
+            tl.store(dx + (rows - H)[:, None] * K + o_k[None, :], g_x, mask=m & ~at_start[:, None])
+            tl.store(dx + rows[:, None] * K + o_k[None, :], tl.zeros_like(g_x), mask=m & at_end[:, None])
+            if HAS_FIRST:
+                fr = (rows // (T * H)) * H + rows % H
+                tl.store(d_first + fr[:, None] * K + o_k[None, :], g_x.to(d_first.dtype.element_ty),
+                         mask=m & at_start[:, None])
+        else:
+            tl.store(dx + rows[:, None] * K + o_k[None, :], g_x, mask=m)
 
 
 @triton.jit

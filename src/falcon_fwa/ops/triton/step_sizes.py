@@ -10,7 +10,7 @@ from torch.autograd.function import once_differentiable
 from . import step_size_kernels as kern
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["scalar_step_sizes", "top_eigenvalue_triton"]
+__all__ = ["scalar_step_sizes", "shifted_step_sizes", "top_eigenvalue_triton"]
 
 _BR = 64  # rows per program
 
@@ -20,39 +20,59 @@ def _launch(x, K):
 
 
 class _ScalarStepSizes(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge):
-        n, K = beta.numel(), x.shape[-1]
-        eta = torch.empty(beta.shape, dtype=torch.float32, device=x.device)
-        log_a = torch.empty_like(eta)
-        kern.step_fwd[(cdiv(n, _BR),)](
-            x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor, NORMALIZE=normalize,
-            SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, **_launch(x, K))
-        ctx.save_for_backward(x, valid, beta, lam)
-        gate_dtype = None if log_gate is None else log_gate.dtype
-        ctx.options = (eps, decay_floor, normalize, scale_ridge, gate_dtype)
-        return eta, log_a
+    """``(x, eta, log_a)`` from the write features or, with ``shift``, from the keys
+    (``step_size_kernels``); the backward takes the gradient ``x`` received downstream."""
 
     @staticmethod
-    def backward(ctx, d_eta, d_log_a):
-        x, valid, beta, lam = ctx.saved_tensors
-        eps, decay_floor, normalize, scale_ridge, gate_dtype = ctx.options
-        n, K = beta.numel(), x.shape[-1]
-        d_eta = torch.zeros(beta.shape, device=x.device) if d_eta is None else d_eta.float().contiguous()
-        d_log_a = torch.zeros(beta.shape, device=x.device) if d_log_a is None else d_log_a.float().contiguous()
-        dx = torch.empty_like(x)
-        d_beta = torch.empty(beta.shape, dtype=torch.float32, device=x.device)
-        d_lam = torch.empty_like(d_beta)
+    def forward(ctx, src, first, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge, shift):
+        B, T, H, K = src.shape
+        n = beta.numel()
+        eta = torch.empty(beta.shape, dtype=torch.float32, device=src.device)
+        log_a = torch.empty_like(eta)
+        x = torch.empty_like(src) if shift else src
+        flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, SHIFT=shift, HAS_FIRST=first is not None,
+                     HAS_VALID=valid is not None)
+        kern.step_fwd[(cdiv(n, _BR),)](
+            src, first, valid, beta, lam, log_gate, x, eta, log_a, n, T, eps, decay_floor,
+            HAS_GATE=log_gate is not None, **flags, **_launch(src, K))
+        ctx.save_for_backward(src, first, valid, beta, lam)
+        ctx.options = (eps, decay_floor, flags, None if log_gate is None else log_gate.dtype)
+        if not shift:
+            ctx.mark_non_differentiable(x)  # src itself: callers use src (scalar_step_sizes drops this)
+        return x, eta, log_a
+
+    @staticmethod
+    def backward(ctx, dx_in, d_eta, d_log_a):
+        src, first, valid, beta, lam = ctx.saved_tensors
+        eps, decay_floor, flags, gate_dtype = ctx.options
+        B, T, H, K = src.shape
+        n = beta.numel()
+        d_eta = torch.zeros(beta.shape, device=src.device) if d_eta is None else d_eta.float().contiguous()
+        d_log_a = torch.zeros(beta.shape, device=src.device) if d_log_a is None else d_log_a.float().contiguous()
+        if not flags["SHIFT"]:
+            dx_in = None  # non-differentiable output (see forward)
+        dx = torch.empty_like(src)
+        d_first = None if first is None else torch.empty_like(first)
+        d_beta, d_lam = torch.empty_like(beta), torch.empty_like(lam)
         kern.step_bwd[(cdiv(n, _BR),)](
-            x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, n, eps, decay_floor,
-            NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, **_launch(x, K))
+            src, first, valid, beta, lam, d_eta, d_log_a, None if dx_in is None else dx_in.contiguous(), dx, d_first,
+            d_beta, d_lam, n, T, eps, decay_floor, HAS_DX_IN=dx_in is not None, **flags, **_launch(src, K))
         d_gate = None if gate_dtype is None else d_log_a.to(gate_dtype)
-        return dx, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype), d_gate, None, None, None, None
+        return dx, d_first, None, d_beta, d_lam, d_gate, None, None, None, None, None
+
+
+def _step_sizes(src, first, valid, beta, lam, log_gate, *, eps, decay_floor, normalize, scale_ridge, shift):
+    src, beta, lam = src.contiguous(), beta.contiguous(), lam.contiguous()
+    log_gate = None if log_gate is None else log_gate.contiguous()
+    first = None if first is None else first.to(src.dtype).contiguous()
+    valid = None if valid is None else valid.to(torch.uint8).contiguous()
+    return _ScalarStepSizes.apply(src, first, valid, beta, lam, log_gate, float(eps), float(decay_floor),
+                                  bool(normalize), bool(scale_ridge), bool(shift))
 
 
 def scalar_step_sizes(
     x: torch.Tensor,
-    valid: torch.Tensor,
+    valid: Optional[torch.Tensor],
     beta: torch.Tensor,
     lam: torch.Tensor,
     log_gate: Optional[torch.Tensor],
@@ -63,13 +83,32 @@ def scalar_step_sizes(
     scale_ridge: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``eta`` and ``log_a = log gamma + log_gate`` ``[B, T, H]`` fp32 from the write
-    features ``x`` ``[B, T, H, K]``, pair validity ``valid`` ``[B, T]`` (bool),
-    ``beta``, ``lam`` and ``log_gate`` ``[B, T, H]`` (the equations of ``ops.step_sizes``
-    for the rules 1 and 1A)."""
-    x, beta, lam = x.contiguous(), beta.contiguous(), lam.contiguous()
-    log_gate = None if log_gate is None else log_gate.contiguous()
-    return _ScalarStepSizes.apply(x, valid.to(torch.uint8).contiguous(), beta, lam, log_gate, float(eps),
-                                  float(decay_floor), bool(normalize), bool(scale_ridge))
+    features ``x`` ``[B, T, H, K]``, pair validity ``valid`` ``[B, T]`` (bool; ``None``: every
+    pair valid), ``beta``, ``lam`` and ``log_gate`` ``[B, T, H]`` (the equations of
+    ``ops.step_sizes`` for the rules 1 and 1A)."""
+    _, eta, log_a = _step_sizes(x, None, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor,
+                                normalize=normalize, scale_ridge=scale_ridge, shift=False)
+    return eta, log_a
+
+
+def shifted_step_sizes(
+    k: torch.Tensor,
+    first: Optional[torch.Tensor],
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    log_gate: Optional[torch.Tensor],
+    *,
+    eps: float,
+    decay_floor: float,
+    normalize: bool,
+    scale_ridge: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The write features ``x`` ``[B, T, H, K]`` of fixed-length rows, ``x_t = k_{t-1}`` and
+    ``x_0 = first`` ``[B, H, K]`` (the carried last key) or the invalid sentinel ``0``
+    (``first=None``), with their ``eta`` and ``log_a`` (as ``scalar_step_sizes``), in one
+    kernel each way; differentiable in ``k``, ``first``, ``beta``, ``lam`` and ``log_gate``."""
+    return _step_sizes(k, first, None, beta, lam, log_gate, eps=eps, decay_floor=decay_floor, normalize=normalize,
+                       scale_ridge=scale_ridge, shift=True)
 
 
 _EIGEN_SQUARINGS = 20  # as ops.step_sizes.top_eigenvalue_by_squaring's default

@@ -131,12 +131,6 @@ def test_fp16_inputs():
     _check((1, 33, 2, 32, 32), torch.float16, window=4, seed=60)
 
 
-@pytest.mark.parametrize("window", [17, 18])
-def test_band_blocks_of_32_rows(window):
-    # the band's programs own 16 rows up to window 17 and 32 rows from window 18 on (_band_rows)
-    _check((1, 70, 1, 16, 16), window=window, read="before", seed=61)
-
-
 def test_poisoned_buffers_and_garbage_in_empty_tail_slots(monkeypatch):
     # every fresh buffer starts as NaN and the empty tail slot holds NaN: neither may reach
     # the outputs, the final state or any gradient (read before write: the band's last row

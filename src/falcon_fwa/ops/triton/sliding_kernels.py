@@ -14,10 +14,9 @@ every output::
 
     o_t += sum_{d=1}^{W-1} rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}
 
-A program owns ``BT`` rows of one ``(b, h)`` (``BT`` the smallest power of two that is at
-least 16 and ``W - 1``); the band of its rows reaches the pairs of its own block and of
-the next one, so it is two masked ``BT x BT`` score tiles and two dots (the decay-masked
-attention of rule 1A with a band mask ``1 <= d < W``).
+A program owns ``BT`` rows of one ``(b, h)``; the band of its rows reaches the pairs of
+its own block and of the next one, so it is two masked ``BT x BT`` score tiles and two
+dots (the decay-masked attention of rule 1A with a band mask ``1 <= d < W``).
 
 * ``energy_fwd`` / ``energy_bwd``: ``n = ||k||^2`` per row (fp32) and ``dk = 2 k dn``.
 * ``step_fwd``, ``gains_fwd`` / ``gains_bwd``, ``step_bwd``, ``energy_spread``: the

@@ -44,14 +44,14 @@ import torch
 
 from . import sliding_kernels as kern
 from .chunk_index import chunk_layout
-from .launch import cdiv, dot_precision, next_power_of_2
+from .launch import cdiv, next_power_of_2
 from .scalar_decay import scan_backward, scan_forward
 from .shift import advance_rows, delay_rows
 
 __all__ = ["sliding_chunk", "window_gains", "window_prefix", "MAX_WINDOW"]
 
-_BT = 64  # rows per band program
-MAX_WINDOW = _BT + 1  # the band of a block of steps reaches into the next block only
+_BT = 64  # rows per program of the step-size and gain kernels
+MAX_WINDOW = 65  # the widest window tested on the GPU (the gain kernels hold [_BT, W] tiles in registers)
 _BR = 64  # rows per energy program
 
 
@@ -106,8 +106,12 @@ def _block(D: int) -> int:
     return min(64, max(16, next_power_of_2(D)))
 
 
+_BAND_ROWS = 32  # rows per band program: with all K (V) columns of a row in registers
+
+
 def _band_args(q: torch.Tensor, K: int, V: int, W: int) -> dict:
-    return dict(H=q.shape[2], K=K, V=V, W=W, BT=_BT, BK=_block(K), BV=_block(V), PRECISION=dot_precision(q.dtype))
+    return dict(H=q.shape[2], K=K, V=V, W=W, BT=_BAND_ROWS, BK=_block(K), BV=_block(V),
+                BKF=max(16, next_power_of_2(K)), BVF=max(16, next_power_of_2(V)))
 
 
 def _or(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -224,7 +228,7 @@ class _SlidingScan(torch.autograd.Function):
         o, h, L_T = scan_forward(q, delay_rows(x_pre, k), delay_rows(y_pre, v), e, log_a, S0, layout, read_after,
                                  want_final)
         if window > 1:
-            kern.band_fwd[(cdiv(T, _BT), cdiv(V, _block(V)), B * H)](
+            kern.band_fwd[(cdiv(T, _BAND_ROWS), B * H)](
                 q, k, _or(x_pre, k), v, y_pre, rho, o, T, x_pre.shape[1], window - 1, **_band_args(q, K, V, window),
                 LAG=1 - int(read_after))
         ctx.save_for_backward(q, k, v, x_pre, y_pre, e, rho, log_a, h, S0)
@@ -249,10 +253,10 @@ class _SlidingScan(torch.autograd.Function):
             return dq, dk, dy_del, dx_pre, torch.zeros_like(y_pre), de, None, dlog_a, dS0, None, None, None, None
         args = dict(**_band_args(q, K, V, W), LAG=lag)
         drho = torch.zeros_like(rho)  # the rows whose step is past the end stay 0
-        kern.band_bwd_rows[(cdiv(T, _BT), B * H)](
-            q, k, _or(x_pre, k), v, y_pre, do, rho, dq, drho, T, n_x, n_y, **args, num_warps=8)
+        kern.band_bwd_rows[(cdiv(T, _BAND_ROWS), B * H)](
+            q, k, _or(x_pre, k), v, y_pre, do, rho, dq, drho, T, n_x, n_y, **args)
         dk, dx_pre, dv, dy_pre = (torch.empty_like(t) for t in (k, x_pre, v, y_pre))
-        kern.band_bwd_pairs[(cdiv(T + n_x, _BT), B * H)](
+        kern.band_bwd_pairs[(cdiv(T + n_x, _BAND_ROWS), B * H)](
             q, do, k, _or(x_pre, k), v, y_pre, rho, dx_del, dy_del, dk, _or(dx_pre, dk), dv, dy_pre, T, n_x, n_y,
             **args, num_warps=8)
         return dq, dk, dv, dx_pre, dy_pre, de, drho, dlog_a, dS0, None, None, None, None

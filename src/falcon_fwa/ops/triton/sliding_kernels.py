@@ -14,9 +14,11 @@ every output::
 
     o_t += sum_{d=1}^{W-1} rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}
 
-A program owns ``BT`` rows of one ``(b, h)``; the band of its rows reaches the pairs of
-its own block and of the next one, so it is two masked ``BT x BT`` score tiles and two
-dots (the decay-masked attention of rule 1A with a band mask ``1 <= d < W``).
+A program owns ``BT`` rows of one ``(b, h)`` and walks the band one diagonal ``d`` at a
+time: row by row, ``q_t . x_{tau+d}`` is a product summed over the key dimension, and
+``y_{tau+d}`` is added with that weight. The band holds ``W - 1`` pairs per step, so this
+reads each row a few times (from cache) and computes no masked-out score; a tile of
+``BT x BT`` scores per block would do ``2 BT / (W - 1)`` times the work.
 
 * ``energy_fwd`` / ``energy_bwd``: ``n = ||k||^2`` per row (fp32) and ``dk = 2 k dn``.
 * ``step_fwd``, ``gains_fwd`` / ``gains_bwd``, ``step_bwd``, ``energy_spread``: the
@@ -44,22 +46,30 @@ def _ext_rows(prefix, body, i_b, pos, i_h, m_row, n_pre, T, H: tl.constexpr, D: 
 
 
 @triton.jit
-def _dots(r_ptr, m_r, c_ptr, m_c, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
-    """``[BT, BT]`` fp32: ``r_i . c_j`` for the rows at the pointers ``r_ptr`` and ``c_ptr``."""
-    acc = tl.zeros([BT, BT], dtype=tl.float32)
+def _row_dots(a_ptr, m_a, b_ptr, m_b, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    """``[BT]`` fp32: ``a_i . b_i`` for the rows at the pointers ``a_ptr`` and ``b_ptr`` (0 where
+    either row is missing)."""
+    acc = tl.zeros([BT], dtype=tl.float32)
     for i_d in range(tl.cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
-        m_d = o_d < D
-        b_r = tl.load(r_ptr[:, None] + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
-        b_c = tl.load(c_ptr[None, :] + o_d[:, None], mask=m_c[None, :] & m_d[:, None], other=0.0)
-        acc += tl.dot(b_r, b_c, input_precision=PRECISION)
+        m_d = o_d[None, :] < D
+        b_a = tl.load(a_ptr[:, None] + o_d[None, :], mask=m_a[:, None] & m_d, other=0.0).to(tl.float32)
+        b_b = tl.load(b_ptr[:, None] + o_d[None, :], mask=m_b[:, None] & m_d, other=0.0).to(tl.float32)
+        acc += tl.sum(b_a * b_b, axis=1)
     return acc
 
 
 @triton.jit
-def _band_weights(rho, i_b, i_h, o_tau, m_tau, d, T, H: tl.constexpr, W: tl.constexpr):
-    """``rho_{tau, d}`` on a tile of diagonals ``d`` (0 off the band ``1 <= d < W``)."""
-    return tl.load(rho + ((i_b * T + o_tau) * H + i_h) * (W - 1) + d - 1, mask=m_tau & (d >= 1) & (d < W), other=0.0)
+def _rows_tile(ptr, m_rows, D: tl.constexpr, BD: tl.constexpr):
+    """``[BT, BD]`` fp32: the rows at the pointers ``ptr`` (``BD >= D``; 0 where missing)."""
+    o_d = tl.arange(0, BD)
+    return tl.load(ptr[:, None] + o_d[None, :], mask=m_rows[:, None] & (o_d[None, :] < D), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _band_weight(rho, i_b, i_h, o_tau, m_tau, d, T, H: tl.constexpr, W: tl.constexpr):
+    """``rho_{tau, d}`` ``[BT]`` on one diagonal ``1 <= d < W``."""
+    return tl.load(rho + ((i_b * T + o_tau) * H + i_h) * (W - 1) + d - 1, mask=m_tau, other=0.0)
 
 
 @triton.jit
@@ -93,143 +103,96 @@ def energy_bwd(k, dn, dk, rows_total, K: tl.constexpr, BR: tl.constexpr, BK: tl.
 def band_fwd(
     q, x_body, x_pre, y_body, y_pre, rho, o, T, n_pre_x, n_pre_y,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, LAG: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BT), cdiv(V, BV), B * H)``, rows ``tau`` of one block, in place on
-    the scan's outputs: ``o_t += sum_d rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}`` as two
-    masked score tiles (the pairs of this block and of the next) and two dots."""
-    i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid ``(cdiv(T, BT), B * H)``, rows ``tau`` of one block (all ``V`` columns, ``BVF >= V``),
+    in place on the scan's outputs: ``o_t += sum_d rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}``."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    r = tl.arange(0, BT)
-    o_tau = i_t * BT + r
+    o_tau = i_t * BT + tl.arange(0, BT)
     o_t = o_tau + LAG
     m_t = o_t < T
     row = (i_b * T + o_t) * H + i_h
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v[None, :] < V
-    acc = tl.load(o + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v, other=0.0).to(tl.float32)
-    for blk in tl.static_range(2):
-        pos = i_t * BT + blk * BT + r
-        x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
-        y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
-        s = _dots(q + row * K, m_t, x_ptr, m_x, K, BK, BT, PRECISION)
-        w = _band_weights(rho, i_b, i_h, o_tau[:, None], m_t[:, None], blk * BT + r[None, :] - r[:, None], T, H, W)
-        b_y = tl.load(y_ptr[:, None] + o_v[None, :], mask=m_y[:, None] & m_v, other=0.0)
-        acc += tl.dot((s * w).to(b_y.dtype), b_y, input_precision=PRECISION)
-    tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v)
-
-
-@triton.jit
-def _scores_ahead(q_ptr, do_ptr, m_t, x_ptr, m_x, y_ptr, m_y, rho, drho, i_b, i_h, o_tau, d, T,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
-    """For steps ``tau`` (rows) and pairs ``p`` (columns, ``d = p - tau``): stores
-    ``drho_{tau,d} = sq sd`` and returns ``rho_{tau,d} sd`` (weighs ``x_p`` in ``dq_t``)."""
-    sq = _dots(q_ptr, m_t, x_ptr, m_x, K, BK, BT, PRECISION)
-    sd = _dots(do_ptr, m_t, y_ptr, m_y, V, BV, BT, PRECISION)
-    band = m_t[:, None] & (d >= 1) & (d < W)
-    tl.store(drho + ((i_b * T + o_tau) * H + i_h)[:, None] * (W - 1) + d - 1, sq * sd, mask=band)
-    return _band_weights(rho, i_b, i_h, o_tau[:, None], m_t[:, None], d, T, H, W) * sd
+    o_v = tl.arange(0, BVF)
+    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    acc = tl.load(o + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    for d in range(1, W):
+        pos = o_tau + d
+        x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, m_t, n_pre_x, T, H, K)
+        y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, m_t, n_pre_y, T, H, V)
+        s = _row_dots(q + row * K, m_t, x_ptr, m_x, K, BK, BT)
+        w = _band_weight(rho, i_b, i_h, o_tau, m_t, d, T, H, W)
+        acc += (w * s)[:, None] * _rows_tile(y_ptr, m_y, V, BVF)
+    tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
 def band_bwd_rows(
     q, x_body, x_pre, y_body, y_pre, do, rho, dq, drho, T, n_pre_x, n_pre_y,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, LAG: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BT), B * H)``, rows ``tau``: ``drho_{tau,d} = sq sd`` and, in place,
-    ``dq_t += sum_d rho_{tau,d} sd x_{tau+d}`` (``sq = q_t . x_{tau+d}``, ``sd = do_t . y_{tau+d}``;
-    the pairs of this block and of the next)."""
+    ``dq_t += sum_d rho_{tau,d} sd x_{tau+d}`` (``sq = q_t . x_{tau+d}``, ``sd = do_t . y_{tau+d}``)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    r = tl.arange(0, BT)
-    o_tau = i_t * BT + r
+    o_tau = i_t * BT + tl.arange(0, BT)
     o_t = o_tau + LAG
     m_t = o_t < T
     row = (i_b * T + o_t) * H + i_h
-    d = r[None, :] - r[:, None]
-    pos = i_t * BT + r
-    xa_ptr, m_xa = _ext_rows(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
-    ya_ptr, m_ya = _ext_rows(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
-    m_a = _scores_ahead(q + row * K, do + row * V, m_t, xa_ptr, m_xa, ya_ptr, m_ya, rho, drho, i_b, i_h, o_tau, d,
-                        T, H, K, V, W, BT, BK, BV, PRECISION)
-    xb_ptr, m_xb = _ext_rows(x_pre, x_body, i_b, pos + BT, i_h, pos >= 0, n_pre_x, T, H, K)
-    yb_ptr, m_yb = _ext_rows(y_pre, y_body, i_b, pos + BT, i_h, pos >= 0, n_pre_y, T, H, V)
-    m_b = _scores_ahead(q + row * K, do + row * V, m_t, xb_ptr, m_xb, yb_ptr, m_yb, rho, drho, i_b, i_h, o_tau,
-                        d + BT, T, H, K, V, W, BT, BK, BV, PRECISION)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k[None, :] < K
-        ptr = dq + row[:, None] * K + o_k[None, :]
-        b_xa = tl.load(xa_ptr[:, None] + o_k[None, :], mask=m_xa[:, None] & m_k, other=0.0)
-        b_xb = tl.load(xb_ptr[:, None] + o_k[None, :], mask=m_xb[:, None] & m_k, other=0.0)
-        acc = tl.load(ptr, mask=m_t[:, None] & m_k, other=0.0).to(tl.float32)
-        acc += tl.dot(m_a.to(b_xa.dtype), b_xa, input_precision=PRECISION)
-        acc += tl.dot(m_b.to(b_xb.dtype), b_xb, input_precision=PRECISION)
-        tl.store(ptr, acc.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k)
-
-
-@triton.jit
-def _scores_behind(q, do, x_ptr, m_x, y_ptr, m_y, rho, i_b, i_h, o_tau, d, T, H: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   LAG: tl.constexpr, PRECISION: tl.constexpr):
-    """For pairs ``p`` (rows) and steps ``tau`` (columns, ``d = p - tau``):
-    ``rho_{tau,d} (y_p . do_t)`` (weighs ``q_t`` in ``dx_p``), ``rho_{tau,d} (x_p . q_t)``
-    (weighs ``do_t`` in ``dy_p``) and the row pointers of ``q_t``, ``do_t``."""
-    o_t = o_tau + LAG
-    m_t = (o_tau >= 0) & (o_t < T)
-    row = (i_b * T + o_t) * H + i_h
-    w = _band_weights(rho, i_b, i_h, o_tau[None, :], m_t[None, :], d, T, H, W)
-    sq = _dots(x_ptr, m_x, q + row * K, m_t, K, BK, BT, PRECISION)
-    sd = _dots(y_ptr, m_y, do + row * V, m_t, V, BV, BT, PRECISION)
-    return w * sd, w * sq, q + row * K, do + row * V, m_t
+    o_k = tl.arange(0, BKF)
+    m_tk = m_t[:, None] & (o_k[None, :] < K)
+    acc = tl.load(dq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    for d in range(1, W):
+        pos = o_tau + d
+        x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, m_t, n_pre_x, T, H, K)
+        y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, m_t, n_pre_y, T, H, V)
+        sq = _row_dots(q + row * K, m_t, x_ptr, m_x, K, BK, BT)
+        sd = _row_dots(do + row * V, m_t, y_ptr, m_y, V, BV, BT)
+        tl.store(drho + ((i_b * T + o_tau) * H + i_h) * (W - 1) + d - 1, sq * sd, mask=m_t)
+        w = _band_weight(rho, i_b, i_h, o_tau, m_t, d, T, H, W)
+        acc += (w * sd)[:, None] * _rows_tile(x_ptr, m_x, K, BKF)
+    tl.store(dq + row[:, None] * K + o_k[None, :], acc.to(dq.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit
 def band_bwd_pairs(
     q, do, x_body, x_pre, y_body, y_pre, rho, dx_del, dy_del, dx_body, dx_pre, dy_body, dy_pre, T, n_pre_x, n_pre_y,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, LAG: tl.constexpr,
 ):
     """Grid ``(cdiv(T + n_pre_x, BT), B * H)`` over extended positions ``p``:
     ``dx_p = dx_del_p + sum_d rho_{p-d,d} (do_t . y_p) q_t`` and
-    ``dy_p = dy_del_p + sum_d rho_{p-d,d} (q_t . x_p) do_t`` (``t = p - d + LAG``; the
-    steps of this block and of the previous one), stored to the prefix or the body."""
+    ``dy_p = dy_del_p + sum_d rho_{p-d,d} (q_t . x_p) do_t`` (``t = p - d + LAG``), stored to
+    the prefix or the body."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    r = tl.arange(0, BT)
-    pos = i_t * BT + r
+    pos = i_t * BT + tl.arange(0, BT)
     x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
     y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
-    d = r[:, None] - r[None, :]
-    mx_c, my_c, qc_ptr, doc_ptr, m_c = _scores_behind(q, do, x_ptr, m_x, y_ptr, m_y, rho, i_b, i_h, pos, d, T,
-                                                      H, K, V, W, BT, BK, BV, LAG, PRECISION)
-    mx_p, my_p, qp_ptr, dop_ptr, m_p = _scores_behind(q, do, x_ptr, m_x, y_ptr, m_y, rho, i_b, i_h, pos - BT,
-                                                      d + BT, T, H, K, V, W, BT, BK, BV, LAG, PRECISION)
+    o_k, o_v = tl.arange(0, BKF), tl.arange(0, BVF)
     delayed = (pos < T)[:, None]
+    del_row = (i_b * T + pos) * H + i_h
+    acc_x = tl.load(dx_del + del_row[:, None] * K + o_k[None, :], mask=delayed & (o_k[None, :] < K),
+                    other=0.0).to(tl.float32)
+    acc_y = tl.load(dy_del + del_row[:, None] * V + o_v[None, :], mask=delayed & (o_v[None, :] < V),
+                    other=0.0).to(tl.float32)
+    for d in range(1, W):
+        o_tau = pos - d
+        o_t = o_tau + LAG
+        m_c = (o_tau >= 0) & (o_t < T)
+        row = (i_b * T + o_t) * H + i_h
+        w = _band_weight(rho, i_b, i_h, o_tau, m_c, d, T, H, W)
+        sq = _row_dots(x_ptr, m_x, q + row * K, m_c, K, BK, BT)
+        sd = _row_dots(y_ptr, m_y, do + row * V, m_c, V, BV, BT)
+        acc_x += (w * sd)[:, None] * _rows_tile(q + row * K, m_c, K, BKF)
+        acc_y += (w * sq)[:, None] * _rows_tile(do + row * V, m_c, V, BVF)
     dx_ptr, m_dx = _ext_rows(dx_pre, dx_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k[None, :] < K
-        acc = tl.load(dx_del + ((i_b * T + pos) * H + i_h)[:, None] * K + o_k[None, :], mask=delayed & m_k,
-                      other=0.0).to(tl.float32)
-        b_q = tl.load(qc_ptr[:, None] + o_k[None, :], mask=m_c[:, None] & m_k, other=0.0)
-        acc += tl.dot(mx_c.to(b_q.dtype), b_q, input_precision=PRECISION)
-        b_q = tl.load(qp_ptr[:, None] + o_k[None, :], mask=m_p[:, None] & m_k, other=0.0)
-        acc += tl.dot(mx_p.to(b_q.dtype), b_q, input_precision=PRECISION)
-        tl.store(dx_ptr[:, None] + o_k[None, :], acc.to(dx_body.dtype.element_ty), mask=m_dx[:, None] & m_k)
+    tl.store(dx_ptr[:, None] + o_k[None, :], acc_x.to(dx_body.dtype.element_ty),
+             mask=m_dx[:, None] & (o_k[None, :] < K))
     dy_ptr, m_dy = _ext_rows(dy_pre, dy_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v[None, :] < V
-        acc = tl.load(dy_del + ((i_b * T + pos) * H + i_h)[:, None] * V + o_v[None, :], mask=delayed & m_v,
-                      other=0.0).to(tl.float32)
-        b_do = tl.load(doc_ptr[:, None] + o_v[None, :], mask=m_c[:, None] & m_v, other=0.0)
-        acc += tl.dot(my_c.to(b_do.dtype), b_do, input_precision=PRECISION)
-        b_do = tl.load(dop_ptr[:, None] + o_v[None, :], mask=m_p[:, None] & m_v, other=0.0)
-        acc += tl.dot(my_p.to(b_do.dtype), b_do, input_precision=PRECISION)
-        tl.store(dy_ptr[:, None] + o_v[None, :], acc.to(dy_body.dtype.element_ty), mask=m_dy[:, None] & m_v)
+    tl.store(dy_ptr[:, None] + o_v[None, :], acc_y.to(dy_body.dtype.element_ty),
+             mask=m_dy[:, None] & (o_v[None, :] < V))
 
 
 # ---- per-token scalars: step sizes, completed gains and open weights ----

@@ -21,13 +21,14 @@ __all__ = ["column_decay_chunk", "column_step_sizes", "SUB_CHUNK"]
 
 SUB_CHUNK = 16  # steps per sub-chunk: the intra-chunk decay is factored at sub-chunk ends
 # Per kernel: key/value block sizes (capped by the head dims), warps and pipeline stages
-# (sizes at which the sm_90 build of every kernel keeps its values in registers, K = V = 128).
+# (sizes at which ptxas's sm_90 build of every kernel keeps its values in registers, K = V = 128;
+# dqk_bwd takes the whole key dimension, so its loop over the value blocks runs once per sub-chunk).
 LAUNCH = {
     "state_fwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
     "output_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "dv_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
-    "dqk_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
+    "dqk_bwd": dict(BK=128, BV=32, num_warps=8, num_stages=1),
     "elementwise": dict(BV=64, num_warps=4),  # chunk_cumsum, dlog_bwd
     "steps": dict(BR=32, BK=64, BV=32, num_warps=4),  # step_fwd, step_bwd (BR rows per program)
 }
@@ -63,7 +64,7 @@ def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, wan
     return o, u, h, S_T
 
 
-def _backward(q, x, v, eta, u, h, S0, do, dS_T, layout: ChunkLayout, read_after: bool):
+def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_after: bool):
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
@@ -80,7 +81,7 @@ def _backward(q, x, v, eta, u, h, S0, do, dS_T, layout: ChunkLayout, read_after:
     c = _config("dv_bwd", K, V)
     kern.dv_bwd[(cdiv(V, c["BV"]), sub, H)](
         q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, o=o, **c, **meta)
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = _config("dqk_bwd", K, V)
     kern.dqk_bwd[(cdiv(K, c["BK"]), sub, H)](
@@ -99,15 +100,15 @@ class _ColumnDecayChunk(torch.autograd.Function):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         o, u, h, S_T = _forward(q, x, v, eta, log_a, S0, layout, read_after, want_final)
-        ctx.save_for_backward(q, x, v, eta, u, h, S0)
+        ctx.save_for_backward(q, x, v, eta, u, h, S0, o)
         ctx.layout, ctx.read_after = layout, read_after
         return o, S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
-        q, x, v, eta, u, h, S0 = ctx.saved_tensors
+        q, x, v, eta, u, h, S0, o = ctx.saved_tensors
         dq, dx, dv, deta, dlog_a, dS0 = _backward(
-            q, x, v, eta, u, h, S0, do.contiguous(), None if dS_T is None else dS_T.contiguous(),
+            q, x, v, eta, u, h, S0, o, do.contiguous(), None if dS_T is None else dS_T.contiguous(),
             ctx.layout, ctx.read_after)
         return dq, dx, dv, deta, dlog_a, dS0, None, None, None, None
 

@@ -12,15 +12,17 @@ log a_{r,j}`` (``u``, written by ``chunk_cumsum``), computes::
 with ``uq_t = u_t``, ``M(t) = {s <= t}`` (read after write) or ``uq_t = u_{t-1}``,
 ``M(t) = {s < t}`` (read before write). The decay of the intra-chunk term depends on
 the column, so it is no ``BT x BT`` mask: the chunk is cut into sub-chunks of ``BS``
-steps, and for a target sub-chunk ``I`` and an earlier source sub-chunk ``J`` the decay
-factors through the log-prefix ``r_J`` at the last step of ``J``::
+steps. For a target sub-chunk ``I`` every earlier source of the chunk factors through
+one log-prefix, ``r_I`` at the row before ``I`` (``u`` is non-increasing in time)::
 
-    exp(uq_t - u_s) = exp(uq_t - r_J) * exp(r_J - u_s)          (t in I, s in J, both factors <= 1)
+    exp(uq_t - u_s) = exp(uq_t - r_I) * exp(r_I - u_s)          (t in I, s before I, both factors <= 1)
 
-so that block is ``exp(uq_I - r_J) * (P_IJ @ (exp(r_J - u_J) * U_J))`` with
-``P_IJ = Q_I X_J^T``; the diagonal block ``J = I`` runs an elementwise loop over its
-``BS`` sources. Only non-positive exponents are ever evaluated. Tensors are time-major
-``[B, T, H, D]`` (``B = 1`` with packed sequences); states are ``[num_chunks, H, K, V]``.
+so all earlier sub-chunks are one dot, ``exp(uq_I - r_I) * (P_I< @ (exp(r_I - u_<) * U_<))``
+with the scores ``P_I< = Q_I X_<^T`` of the earlier rows. The diagonal block ``J = I``
+takes the decays ``exp(uq_t - u_s)`` (``s in M(t)``) as one ``[BS, BS, BV]`` tile and
+sums ``P[t, s] * decay * U[s]`` over ``s``. Only non-positive exponents are ever
+evaluated. Tensors are time-major ``[B, T, H, D]`` (``B = 1`` with packed sequences);
+states are ``[num_chunks, H, K, V]``.
 
 Backward, with ``dH`` the gradient of a chunk's exit state and
 ``D[t, s] = sum_j do[t, j] exp(uq[t, j] - u[s, j]) U[s, j]`` (same split)::
@@ -31,10 +33,15 @@ Backward, with ``dH`` the gradient of a chunk's exit state and
     dU[s, j] = sum_{t: s in M(t)} (q_t . x_s) exp(uq[t, j] - u[s, j]) do[t, j]
                + exp(u_C,j - u[s, j]) (x_s^T dH)[j]                      (dv_bwd)
 
-and ``dv = eta * dU``, ``deta = v * dU``. Every term of ``o[t, j]`` carries
-``exp(uq[t, j])``, so ``d uq = dO * O`` (``O`` recomputed in fp32); the intra-chunk term
-gives ``d u_s = -U_s * dU^intra_s``; ``h_next`` gives ``d u_C = exp(u_C) colsum(h * dH)
-+ sum_s c_s`` with ``c_s = U_s * dU^state_s``, and ``d u_s = -c_s``. Since
+The sums over later targets go through ``r``, the log-prefix at the end of the source's
+sub-chunk (one dot for all later sub-chunks), the sums over earlier sources through the
+log-prefix before the target's sub-chunk, and the diagonal block through the same
+``[BS, BS, BV]`` decay tile as the forward (summed over ``t`` for ``dU``, over the value
+columns for ``D``). ``dv = eta * dU``, ``deta = v * dU``. Every term of ``o[t, j]``
+carries ``exp(uq[t, j])``, so ``d uq = dO * O`` (``O`` the forward's output, in ``v``'s
+dtype; recomputed in fp32 when not given); the intra-chunk term gives ``d u_s = -U_s *
+dU^intra_s``; ``h_next`` gives ``d u_C = exp(u_C) colsum(h * dH) + sum_s c_s`` with
+``c_s = U_s * dU^state_s``, and ``d u_s = -c_s``. Since
 ``u_t = sum_{r <= t} log a_r``, ``dlog_bwd`` assembles, within the chunk::
 
     d log a_r = sum_{t >= r} du_t + sum_{t > r} dw_t + sum_{s < r} c_s
@@ -46,8 +53,9 @@ after ``s``).
 
 Kernels: ``step_fwd``/``step_bwd`` (the per-column step sizes of ``ops.step_sizes``),
 ``chunk_cumsum``, ``state_fwd`` (entry state of every chunk, sequential over chunks),
-``output_fwd`` (one program per sub-chunk), ``state_bwd`` (reverse over chunks),
-``dv_bwd``, ``dqk_bwd`` (one program per sub-chunk) and ``dlog_bwd``.
+``output_fwd`` (one program per sub-chunk and value block), ``state_bwd`` (reverse over
+chunks), ``dv_bwd`` (per sub-chunk and value block), ``dqk_bwd`` (per sub-chunk and key
+block) and ``dlog_bwd``.
 """
 from __future__ import annotations
 
@@ -93,16 +101,15 @@ def _decay(delta, keep):
 
 
 @triton.jit
-def _scores(a, b, rows_a, m_a, rows_b, m_b, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-            BS: tl.constexpr, PRECISION: tl.constexpr):
-    """``[BS, BS]`` fp32 inner products ``a[rows_a] . b[rows_b]`` over the key dimension."""
-    s = tl.zeros([BS, BS], dtype=tl.float32)
+def _dots(a, b, rows_a, m_a, rows_b, m_b, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+          RA: tl.constexpr, RB: tl.constexpr, PRECISION: tl.constexpr):
+    """``[RA, RB]`` fp32 inner products ``a[rows_a] . b[rows_b]`` over the key dimension."""
+    s = tl.zeros([RA, RB], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_a = _rows(a, rows_a, m_a, i_h, H, K, o_k, m_k)
-        b_bt = _rows_t(b, rows_b, m_b, i_h, H, K, o_k, m_k)
-        s += tl.dot(b_a, b_bt, input_precision=PRECISION)
+        s += tl.dot(_rows(a, rows_a, m_a, i_h, H, K, o_k, m_k), _rows_t(b, rows_b, m_b, i_h, H, K, o_k, m_k),
+                    input_precision=PRECISION)
     return s
 
 
@@ -113,11 +120,46 @@ def _writes(v, eta, rows, m_rows, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_
 
 
 @triton.jit
-def _subchunk_output(q, x, v, eta, u, h_base, rows, m_r, b_uq, first, end, i_s, n_diag, i_h, o_v, m_v,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-                     BV: tl.constexpr, READ_AFTER: tl.constexpr, PRECISION: tl.constexpr):
+def _writes_t(v, eta, rows, m_rows, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v):
+    """The transpose ``[BV, R]`` of ``_writes``, loaded directly."""
+    return (_rows_t(v, rows, m_rows, i_h, H, V, o_v, m_v).to(tl.float32)
+            * _rows_t(eta, rows, m_rows, i_h, H, V, o_v, m_v))
+
+
+@triton.jit
+def _pairs(rows, m_rows, READ_AFTER: tl.constexpr):
+    """``[BS, BS]`` mask of the diagonal block's (target ``t``, source ``s``) pairs:
+    ``s <= t`` (read after) or ``s < t`` (read before), both real rows."""
+    if READ_AFTER:
+        causal = rows[None, :] <= rows[:, None]
+    else:
+        causal = rows[None, :] < rows[:, None]
+    return causal & m_rows[:, None] & m_rows[None, :]
+
+
+@triton.jit
+def _pair_decay(b_uq, b_u, keep):
+    """``[BS, BS, BV]`` decays ``exp(uq[t, j] - u[s, j])`` of the diagonal block (target
+    ``t``, source ``s``) where ``keep[t, s]``, 0 elsewhere; never ``exp`` of a positive."""
+    return tl.exp(tl.where(keep[:, :, None], b_uq[:, None, :] - b_u[None, :, :], float("-inf")))
+
+
+@triton.jit
+def _transposed(a, BS: tl.constexpr):
+    """``a^T`` of a ``[BS, BS]`` fp32 tile, by selection rather than ``tl.trans`` (whose
+    result some Hopper builds of Triton mishandle as a dot operand)."""
+    o = tl.arange(0, BS)
+    return tl.sum(tl.where(o[:, None, None] == o[None, None, :], a[:, :, None], 0.0), axis=0)
+
+
+@triton.jit
+def _subchunk_output(q, x, v, eta, u, h_base, rows, m_r, b_uq, first, end, i_s, i_h, o_v, m_v,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     BS: tl.constexpr, BV: tl.constexpr, READ_AFTER: tl.constexpr, PRECISION: tl.constexpr):
     """Outputs ``[BS, BV]`` fp32 of sub-chunk ``i_s`` (rows ``rows``) from the chunk's
-    entry state (``h_base``), the earlier sub-chunks and its own diagonal block."""
+    entry state (``h_base``), the earlier sub-chunks (one dot through the log-prefix
+    ``r`` at the row before this sub-chunk) and its own diagonal block."""
+    dt = q.dtype.element_ty
     b_o = tl.zeros([BS, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -126,28 +168,18 @@ def _subchunk_output(q, x, v, eta, u, h_base, rows, m_r, b_uq, first, end, i_s, 
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
     b_o = b_o * _decay(b_uq, m_r[:, None])
-    for j in range(0, tl.where(n_diag > 0, i_s, 0)):  # earlier sub-chunks, through the log-prefix r at their ends
-        src = first + j * BS + tl.arange(0, BS)
-        m_src = src < end
-        r = _row(u, first + j * BS + BS - 1, first + j * BS + BS - 1 < end, i_h, H, V, o_v, m_v)
-        b_p = _scores(q, x, rows, m_r, src, m_src, i_h, H, K, BK, BS, PRECISION)
+    start = first + i_s * BS  # this sub-chunk's first row
+    if (i_s > 0) & (start < end):
+        src = first + tl.arange(0, BT)
+        m_src = src < start
+        r = _row(u, start - 1, True, i_h, H, V, o_v, m_v)
+        b_p = _dots(q, x, rows, m_r, src, m_src, i_h, H, K, BK, BS, BT, PRECISION)  # [t, s]
         b_w = _writes(v, eta, src, m_src, i_h, H, V, o_v, m_v) * _decay(
             r[None, :] - _rows(u, src, m_src, i_h, H, V, o_v, m_v), m_src[:, None])
-        b_o += _decay(b_uq - r[None, :], m_r[:, None]) * tl.dot(
-            b_p.to(q.dtype.element_ty), b_w.to(q.dtype.element_ty), input_precision=PRECISION)
-    b_p = _scores(q, x, rows, m_r, rows, m_r, i_h, H, K, BK, BS, PRECISION)
-    o_s = tl.arange(0, BS)
-    for s in range(0, n_diag):  # the diagonal block, one source step at a time
-        row_s = first + i_s * BS + s
-        ok_s = row_s < end
-        p_col = tl.sum(tl.where(o_s[None, :] == s, b_p, 0.0), axis=1)  # [t] = q_t . x_s
-        u_s = _row(u, row_s, ok_s, i_h, H, V, o_v, m_v)
-        w_s = _row(v, row_s, ok_s, i_h, H, V, o_v, m_v) * _row(eta, row_s, ok_s, i_h, H, V, o_v, m_v)
-        if READ_AFTER:
-            keep = (o_s >= s) & m_r
-        else:
-            keep = (o_s > s) & m_r
-        b_o += p_col[:, None] * _decay(b_uq - u_s[None, :], keep[:, None]) * w_s[None, :]
+        b_o += _decay(b_uq - r[None, :], m_r[:, None]) * tl.dot(b_p.to(dt), b_w.to(dt), input_precision=PRECISION)
+    b_p = _dots(q, x, rows, m_r, rows, m_r, i_h, H, K, BK, BS, BS, PRECISION)  # the diagonal block [t, s]
+    b_e = _pair_decay(b_uq, _rows(u, rows, m_r, i_h, H, V, o_v, m_v), _pairs(rows, m_r, READ_AFTER))
+    b_o += tl.sum(b_p[:, :, None] * b_e * _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)[None, :, :], axis=1)
     return b_o
 
 
@@ -236,8 +268,8 @@ def output_fwd(
     m_v = o_v < V
     b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
     h_base = h + ((boh + i_t) * H + i_h) * K * V
-    b_o = _subchunk_output(q, x, v, eta, u, h_base, rows, m_r, b_uq, first, end, i_s, n_diag, i_h, o_v, m_v,
-                           H, K, V, BK, BS, BV, READ_AFTER, PRECISION)
+    b_o = _subchunk_output(q, x, v, eta, u, h_base, rows, m_r, b_uq, first, end, i_s, i_h, o_v, m_v,
+                           H, K, V, BT, BK, BS, BV, READ_AFTER, PRECISION)
     tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_r[:, None] & m_v[None, :])
 
@@ -282,11 +314,12 @@ def state_bwd(
 def dv_bwd(
     q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    BV: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, o=None,
 ):
     """Grid ``(cdiv(V, BV), num_chunks * BT // BS, H)``: ``dU`` of every sub-chunk's
     sources, mapped to ``dv = eta * dU`` and ``deta = v * dU``, and the per-step terms of
-    the log-prefix gradient (``du``, ``dw``, ``dc``; see the module docstring)."""
+    the log-prefix gradient (``du``, ``dw``, ``dc``; see the module docstring). ``o``: the
+    forward's outputs, for ``d uq = dO * O`` (``None``: recomputed here in fp32)."""
     i_v, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s, i_t, first, end, last, rows, m_r, boh, n_sub, n_diag = _subchunk_program(
         i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT, BS, IS_VARLEN)
@@ -297,10 +330,12 @@ def dv_bwd(
     state = ((boh + i_t) * H + i_h) * K * V
     b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
     b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
+    b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
     u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
-    b_o = _subchunk_output(q, x, v, eta, u, h + state, rows, m_r, b_uq, first, end, i_s, n_diag, i_h, o_v, m_v,
-                           H, K, V, BK, BS, BV, READ_AFTER, PRECISION)
-    # the exit state's term: exp(u_C - u_s) (x_s^T dH), and colsum(h * dH) for d u_C
+    # the exit state's term: exp(u_C - u_s) (x_s^T dH), and colsum(h * dH) for d u_C (read by
+    # the sub-chunk holding the chunk's last row only)
+    stop = first + i_s * BS + BS  # the first row after this sub-chunk
+    has_last = (last >= stop - BS) & (last < stop)
     b_xdh = tl.zeros([BS, BV], dtype=tl.float32)
     b_hdh = tl.zeros([BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -308,36 +343,25 @@ def dv_bwd(
         m_kv = (o_k[:, None] < K) & m_v[None, :]
         b_x = _rows(x, rows, m_r, i_h, H, K, o_k, o_k < K)
         b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=tl.where(has_last, m_kv, False), other=0.0)
         b_xdh += tl.dot(b_x, b_dh, input_precision=PRECISION)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
     b_du_state = b_xdh * _decay(u_last[None, :] - b_u, m_r[:, None])
-    # later sub-chunks read these sources through r, the log-prefix at the end of this one
-    # (a partial last sub-chunk has no later reader: take its last real row, so r - u stays <= 0)
-    r = _row(u, tl.minimum(first + i_s * BS + BS - 1, last), True, i_h, H, V, o_v, m_v)
+    # the later sub-chunks' targets, in one dot through r, the log-prefix at the end of this
+    # sub-chunk (a partial last sub-chunk has no later target: r is read at its last real row)
+    r = _row(u, tl.minimum(stop - 1, last), True, i_h, H, V, o_v, m_v)
     b_du_intra = tl.zeros([BS, BV], dtype=tl.float32)
-    for i in range(i_s + 1, n_sub):
-        tgt = first + i * BS + tl.arange(0, BS)
-        m_tgt = tgt < end
-        b_pt = _scores(x, q, rows, m_r, tgt, m_tgt, i_h, H, K, BK, BS, PRECISION)  # [s, t]
+    if stop <= last:
+        tgt = first + tl.arange(0, BT)
+        m_tgt = (tgt >= stop) & (tgt < end)
+        b_pt = _dots(x, q, rows, m_r, tgt, m_tgt, i_h, H, K, BK, BS, BT, PRECISION)  # [s, t]
         b_g = _rows(do, tgt, m_tgt, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(
             _read_prefix(u, tgt, m_tgt, first, i_h, H, V, o_v, m_v, READ_AFTER) - r[None, :], m_tgt[:, None])
-        b_du_intra += tl.dot(b_pt.to(dt), b_g.to(dt), input_precision=PRECISION)
-    b_du_intra = b_du_intra * _decay(r[None, :] - b_u, m_r[:, None])
-    b_pt = _scores(x, q, rows, m_r, rows, m_r, i_h, H, K, BK, BS, PRECISION)  # [s, t]
-    o_s = tl.arange(0, BS)
-    for t in range(0, n_diag):  # the diagonal block, one target step at a time
-        row_t = first + i_s * BS + t
-        ok_t = row_t < end
-        p_col = tl.sum(tl.where(o_s[None, :] == t, b_pt, 0.0), axis=1)  # [s] = x_s . q_t
-        if READ_AFTER:
-            uq_t = _row(u, row_t, ok_t, i_h, H, V, o_v, m_v)
-            keep = tl.where(ok_t, (o_s <= t) & m_r, False)
-        else:
-            uq_t = _row(u, row_t - 1, (row_t < end) & (row_t > first), i_h, H, V, o_v, m_v)
-            keep = tl.where(ok_t, (o_s < t) & m_r, False)
-        do_t = _row(do, row_t, ok_t, i_h, H, V, o_v, m_v)
-        b_du_intra += p_col[:, None] * _decay(uq_t[None, :] - b_u, keep[:, None]) * do_t[None, :]
+        b_du_intra = _decay(r[None, :] - b_u, m_r[:, None]) * tl.dot(b_pt.to(dt), b_g.to(dt),
+                                                                    input_precision=PRECISION)
+    b_p = _dots(q, x, rows, m_r, rows, m_r, i_h, H, K, BK, BS, BS, PRECISION)  # the diagonal block [t, s]
+    b_e = _pair_decay(b_uq, b_u, _pairs(rows, m_r, READ_AFTER))
+    b_du_intra += tl.sum(b_p[:, :, None] * b_e * b_do[:, None, :], axis=0)
     b_dU = b_du_intra + b_du_state
     b_v = _rows(v, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
     b_eta = _rows(eta, rows, m_r, i_h, H, V, o_v, m_v)
@@ -345,7 +369,12 @@ def dv_bwd(
     tl.store(dv + off, (b_eta * b_dU).to(dv.dtype.element_ty), mask=m_rv)
     tl.store(deta + off, b_v * b_dU, mask=m_rv)
     b_U = b_v * b_eta
-    d_read = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * b_o
+    if o is not None:
+        b_o = tl.load(o + off, mask=m_rv, other=0.0).to(tl.float32)
+    else:
+        b_o = _subchunk_output(q, x, v, eta, u, h + state, rows, m_r, b_uq, first, end, i_s, i_h, o_v, m_v,
+                               H, K, V, BT, BK, BS, BV, READ_AFTER, PRECISION)
+    d_read = b_do * b_o
     d_u = -b_U * b_du_intra + tl.where(rows[:, None] == last, (tl.exp(u_last) * b_hdh)[None, :], 0.0)
     if READ_AFTER:
         d_u += d_read
@@ -362,7 +391,10 @@ def dqk_bwd(
     BV: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(K, BK), num_chunks * BT // BS, H)``: ``dq`` of every sub-chunk's
-    targets and ``dx`` of its sources (``D`` summed over the value blocks)."""
+    targets and ``dx`` of its sources. ``D`` (summed over the value blocks) is built in
+    three parts: the rows of this sub-chunk's targets against the earlier sources
+    (through the log-prefix at the row before it), the columns of its sources against
+    the later targets (through the log-prefix at its end) and the diagonal block."""
     i_k, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s, i_t, first, end, last, rows, m_r, boh, n_sub, n_diag = _subchunk_program(
         i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT, BS, IS_VARLEN)
@@ -370,13 +402,14 @@ def dqk_bwd(
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     state = ((boh + i_t) * H + i_h) * K * V
-    r = first + i_s * BS + BS - 1  # the row of this sub-chunk's reference log-prefix
-    o_s = tl.arange(0, BS)
+    start = first + i_s * BS  # this sub-chunk's first row
+    stop = start + BS  # and the first row after it
+    chunk = first + tl.arange(0, BT)
+    keep = _pairs(rows, m_r, READ_AFTER)
     b_dq = tl.zeros([BS, BK], dtype=tl.float32)
     b_dx = tl.zeros([BS, BK], dtype=tl.float32)
-    b_d = tl.zeros([BS, BS], dtype=tl.float32)   # diagonal block D[t, s]
-    b_dt = tl.zeros([BS, BS], dtype=tl.float32)  # and its transpose
-    for i_v in range(tl.cdiv(V, BV)):  # the entry/exit state terms and the diagonal block
+    b_dd = tl.zeros([BS, BS], dtype=tl.float32)  # D[t, s] of the diagonal block
+    for i_v in range(tl.cdiv(V, BV)):  # the entry and exit states, and the diagonal block
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_kv = m_k[None, :] & m_v[:, None]
@@ -390,54 +423,42 @@ def dqk_bwd(
         b_dq += tl.dot((b_do * _decay(b_uq, m_r[:, None])).to(dt), b_ht.to(dt), input_precision=PRECISION)
         b_dx += tl.dot((b_U * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt), b_dht.to(dt),
                        input_precision=PRECISION)
-        for s in range(0, n_diag):
-            row_s = first + i_s * BS + s
-            ok_s = row_s < end
-            u_s = _row(u, row_s, ok_s, i_h, H, V, o_v, m_v)
-            w_s = _row(v, row_s, ok_s, i_h, H, V, o_v, m_v) * _row(eta, row_s, ok_s, i_h, H, V, o_v, m_v)
-            if READ_AFTER:
-                keep = (o_s >= s) & m_r
-            else:
-                keep = (o_s > s) & m_r
-            col = tl.sum(b_do * _decay(b_uq - u_s[None, :], keep[:, None]) * w_s[None, :], axis=1)  # [t]
-            b_d += tl.where(o_s[None, :] == s, col[:, None], 0.0)
-            b_dt += tl.where(o_s[:, None] == s, col[None, :], 0.0)
-    b_dq += tl.dot(b_d.to(dt), _rows(x, rows, m_r, i_h, H, K, o_k, m_k).to(dt), input_precision=PRECISION)
-    b_dx += tl.dot(b_dt.to(dt), _rows(q, rows, m_r, i_h, H, K, o_k, m_k).to(dt), input_precision=PRECISION)
-    for j in range(0, tl.where(n_diag > 0, i_s, 0)):  # dq from the earlier sub-chunks (reference: their ends)
-        src = first + j * BS + tl.arange(0, BS)
-        m_src = src < end
-        r_j = first + j * BS + BS - 1
-        b_d = tl.zeros([BS, BS], dtype=tl.float32)
+        b_dd += tl.sum(b_do[:, None, :] * _pair_decay(b_uq, b_u, keep) * b_U[None, :, :], axis=2)
+    b_dq += tl.dot(b_dd.to(dt), _rows(x, rows, m_r, i_h, H, K, o_k, m_k).to(dt), input_precision=PRECISION)
+    b_dx += tl.dot(_transposed(b_dd, BS).to(dt), _rows(q, rows, m_r, i_h, H, K, o_k, m_k).to(dt),
+                   input_precision=PRECISION)
+    if (i_s > 0) & (start < end):  # earlier sources, through r_in = u at the row before this sub-chunk
+        m_src = chunk < start
+        b_drow = tl.zeros([BS, BT], dtype=tl.float32)  # D[t, s]: targets here, earlier sources
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            ref = _row(u, r_j, r_j < end, i_h, H, V, o_v, m_v)
+            r_in = _row(u, start - 1, True, i_h, H, V, o_v, m_v)
             b_g = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(
-                _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER) - ref[None, :], m_r[:, None])
-            b_wt = (_rows_t(v, src, m_src, i_h, H, V, o_v, m_v).to(tl.float32)
-                    * _rows_t(eta, src, m_src, i_h, H, V, o_v, m_v)
-                    * _decay(ref[:, None] - _rows_t(u, src, m_src, i_h, H, V, o_v, m_v), m_src[None, :]))  # [BV, s]
-            b_d += tl.dot(b_g.to(dt), b_wt.to(dt), input_precision=PRECISION)
-        b_dq += tl.dot(b_d.to(dt), _rows(x, src, m_src, i_h, H, K, o_k, m_k).to(dt), input_precision=PRECISION)
-    for i in range(i_s + 1, n_sub):  # dx from the later sub-chunks (reference: the end of this one)
-        tgt = first + i * BS + tl.arange(0, BS)
-        m_tgt = tgt < end
-        b_dt = tl.zeros([BS, BS], dtype=tl.float32)
+                _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER) - r_in[None, :], m_r[:, None])
+            b_wt = _writes_t(v, eta, chunk, m_src, i_h, H, V, o_v, m_v) * _decay(
+                r_in[:, None] - _rows_t(u, chunk, m_src, i_h, H, V, o_v, m_v), m_src[None, :])  # [BV, s]
+            b_drow += tl.dot(b_g.to(dt), b_wt.to(dt), input_precision=PRECISION)
+        b_dq += tl.dot(b_drow.to(dt), _rows(x, chunk, m_src, i_h, H, K, o_k, m_k).to(dt),
+                       input_precision=PRECISION)
+    if stop <= last:  # later targets, through r_out = u at the end of this sub-chunk
+        m_tgt = (chunk >= stop) & (chunk < end)
+        b_dcol = tl.zeros([BS, BT], dtype=tl.float32)  # D[t, s] transposed: sources here, later targets
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            ref = _row(u, r, r < end, i_h, H, V, o_v, m_v)
+            r_out = _row(u, stop - 1, True, i_h, H, V, o_v, m_v)
             b_w = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v) * _decay(
-                ref[None, :] - _rows(u, rows, m_r, i_h, H, V, o_v, m_v), m_r[:, None])  # [s, BV]
+                r_out[None, :] - _rows(u, rows, m_r, i_h, H, V, o_v, m_v), m_r[:, None])
             if READ_AFTER:
-                b_uqt = _rows_t(u, tgt, m_tgt, i_h, H, V, o_v, m_v)  # [BV, t]
-            else:  # tgt - 1 stays inside the chunk: target sub-chunks here are never the first
-                b_uqt = _rows_t(u, tgt - 1, m_tgt, i_h, H, V, o_v, m_v)
-            b_gt = _rows_t(do, tgt, m_tgt, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(
-                b_uqt - ref[:, None], m_tgt[None, :])  # [BV, t]
-            b_dt += tl.dot(b_w.to(dt), b_gt.to(dt), input_precision=PRECISION)
-        b_dx += tl.dot(b_dt.to(dt), _rows(q, tgt, m_tgt, i_h, H, K, o_k, m_k).to(dt), input_precision=PRECISION)
+                b_uqt = _rows_t(u, chunk, m_tgt, i_h, H, V, o_v, m_v)  # [BV, t]
+            else:  # chunk - 1 stays inside the chunk where m_tgt holds: later targets are never the first row
+                b_uqt = _rows_t(u, chunk - 1, m_tgt, i_h, H, V, o_v, m_v)
+            b_gt = _rows_t(do, chunk, m_tgt, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(
+                b_uqt - r_out[:, None], m_tgt[None, :])  # [BV, t]
+            b_dcol += tl.dot(b_w.to(dt), b_gt.to(dt), input_precision=PRECISION)
+        b_dx += tl.dot(b_dcol.to(dt), _rows(q, chunk, m_tgt, i_h, H, K, o_k, m_k).to(dt),
+                       input_precision=PRECISION)
     off = (rows[:, None] * H + i_h) * K + o_k[None, :]
     tl.store(dq + off, b_dq.to(dq.dtype.element_ty), mask=m_r[:, None] & m_k[None, :])
     tl.store(dx + off, b_dx.to(dx.dtype.element_ty), mask=m_r[:, None] & m_k[None, :])

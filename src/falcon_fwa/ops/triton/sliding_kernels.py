@@ -100,6 +100,18 @@ def energy_bwd(k, dn, dk, rows_total, K: tl.constexpr, BR: tl.constexpr, BK: tl.
 
 
 @triton.jit
+def _band_program_rows(T, H: tl.constexpr, BT: tl.constexpr, LAG: tl.constexpr):
+    """The steps ``tau`` of a band program of grid ``(cdiv(T, BT), B * H)``: batch row, head, ``tau``
+    ``[BT]``, whether its output step ``t = tau + LAG`` exists, and the flat row index of ``t``."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    o_tau = i_t * BT + tl.arange(0, BT)
+    o_t = o_tau + LAG
+    m_t = o_t < T
+    return i_b, i_h, o_tau, m_t, (i_b * T + o_t) * H + i_h
+
+
+@triton.jit
 def band_fwd(
     q, x_body, x_pre, y_body, y_pre, rho, o, T, n_pre_x, n_pre_y,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
@@ -107,12 +119,7 @@ def band_fwd(
 ):
     """Grid ``(cdiv(T, BT), B * H)``, rows ``tau`` of one block (all ``V`` columns, ``BVF >= V``),
     in place on the scan's outputs: ``o_t += sum_d rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}``."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    o_tau = i_t * BT + tl.arange(0, BT)
-    o_t = o_tau + LAG
-    m_t = o_t < T
-    row = (i_b * T + o_t) * H + i_h
+    i_b, i_h, o_tau, m_t, row = _band_program_rows(T, H, BT, LAG)
     o_v = tl.arange(0, BVF)
     m_tv = m_t[:, None] & (o_v[None, :] < V)
     acc = tl.load(o + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
@@ -134,12 +141,7 @@ def band_bwd_rows(
 ):
     """Grid ``(cdiv(T, BT), B * H)``, rows ``tau``: ``drho_{tau,d} = sq sd`` and, in place,
     ``dq_t += sum_d rho_{tau,d} sd x_{tau+d}`` (``sq = q_t . x_{tau+d}``, ``sd = do_t . y_{tau+d}``)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    o_tau = i_t * BT + tl.arange(0, BT)
-    o_t = o_tau + LAG
-    m_t = o_t < T
-    row = (i_b * T + o_t) * H + i_h
+    i_b, i_h, o_tau, m_t, row = _band_program_rows(T, H, BT, LAG)
     o_k = tl.arange(0, BKF)
     m_tk = m_t[:, None] & (o_k[None, :] < K)
     acc = tl.load(dq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)

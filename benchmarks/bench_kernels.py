@@ -268,6 +268,8 @@ def profile(name: str, shape, iters: int = 5) -> List[dict]:
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
+            for t in leaves:  # as do_bench(grad_to_none=leaves): no gradient accumulation is timed
+                t.grad = None
             fn().backward(do)
         torch.cuda.synchronize()
     rows = []

@@ -70,24 +70,28 @@ def window_prefix(q, k, v, last_key, tail, lengths, *, window: int, shift: bool)
     has feature ``k[:, p - n_pre]`` and, for ``p >= W - 1``, value ``v[:, p - W + 1]``."""
     B, T, H, K = q.shape
     n, dt, dev = window - 1, q.dtype, q.device
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    if lengths is not None:
-        valid = torch.arange(T, device=dev)[None, :] < lengths[:, None]
-    if shift and last_key is None:
-        valid[:, 0] = False  # the sentinel
-    if tail is None:
-        tail_valid = torch.zeros(B, n, dtype=torch.bool, device=dev)
-        x_tail, y_tail = q.new_zeros(B, n, H, K), q.new_zeros(B, n, H, v.shape[-1])
-    else:
-        tail_valid = tail[2]
-        keep = tail_valid[:, :, None, None]
-        x_tail = torch.where(keep, tail[0].transpose(1, 2).to(dt), 0.0)
-        y_tail = torch.where(keep, tail[1].transpose(1, 2).to(dt), 0.0)
-    x_pre = x_tail
+    sentinel = shift and last_key is None  # the first pair of the segment is the sentinel's
+    if lengths is None:
+        valid_ext = torch.ones(B, n + T, dtype=torch.bool, device=dev)
+    else:  # padding steps carry no pair (the tail slots are set below)
+        valid_ext = torch.arange(-n, T, device=dev)[None, :] < lengths[:, None]
+    if tail is None:  # no pair before the segment: empty slots, zero features (a few tensor ops in all)
+        valid_ext[:, :n + int(sentinel)] = False
+        x_pre = q.new_zeros(B, n + int(shift), H, K)
+        if shift and last_key is not None:
+            x_pre[:, n] = last_key.to(dt)
+        return x_pre, q.new_zeros(B, n, H, v.shape[-1]), valid_ext
+    tail_valid = tail[2]
+    valid_ext[:, :n] = tail_valid
+    if sentinel:
+        valid_ext[:, n] = False
+    keep = tail_valid[:, :, None, None]
+    x_pre = torch.where(keep, tail[0].transpose(1, 2).to(dt), 0.0)
+    y_pre = torch.where(keep, tail[1].transpose(1, 2).to(dt), 0.0)
     if shift:
         first = q.new_zeros(B, 1, H, K) if last_key is None else last_key.to(dt)[:, None]
-        x_pre = torch.cat([x_tail, first], 1)
-    return x_pre.contiguous(), y_tail.contiguous(), torch.cat([tail_valid, valid], 1)
+        x_pre = torch.cat([x_pre, first], 1)
+    return x_pre.contiguous(), y_pre.contiguous(), valid_ext
 
 
 def _ext_rows(prefix: torch.Tensor, body: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,6 @@ def main(argv=None) -> int:
     for spec in args.warps:
         fwd, bwd = (int(w) for w in spec.split(","))
         delta.WY_WARPS.update(wy_fwd=fwd, wy_bwd=bwd)
-        delta.WY_FWD_WARPS_FP32 = fwd  # the fp32 forward's own setting, varied alike
         row = dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd)
         rows.append(row)
         try:

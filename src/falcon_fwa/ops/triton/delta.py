@@ -23,17 +23,10 @@ SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row b
 # Warps of the two WY kernels (module-level so that a diagnosis can vary them; Triton 3.4-3.7.0
 # is known to miscompile a WY backward at chunk 64 with 4 warps on Hopper).
 WY_WARPS = {"wy_fwd": 4, "wy_bwd": 8}
-# fp32 inputs under exact fp32 products ("ieee": FMA units, no tensor cores) keep eight warps busy:
-# on an H200 wy_fwd took 17.1 ms with four warps and 3.5 ms with eight (B=8, T=2048, H=16, K=V=128).
-WY_FWD_WARPS_FP32 = 8
 # The largest chunk the WY kernels run: a request for 128 runs at 64 (the result is the same up to
 # rounding). At 128 the fp32 kernels take 6.5 minutes to compile for sm_90 (even at K = V = 16;
 # benchmarks/kernel_resources.py), and no GPU run of them at 128 ever finished.
 WY_MAX_CHUNK = 64
-
-
-def _wy_fwd_warps(precision: str) -> int:
-    return WY_FWD_WARPS_FP32 if precision == "ieee" else WY_WARPS["wy_fwd"]
 
 
 def _full_k(K: int, V: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
@@ -56,7 +49,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     c = launch_config("dv_bwd", K, V)
     wy.wy_fwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BK=c["BK"],
-        BV=c["BV"], PRECISION=prec, SLOTS=slots, num_warps=_wy_fwd_warps(prec), **meta)
+        BV=c["BV"], PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_fwd"], **meta)
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(v)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 # kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
-from kernel_checks import DEVICE, check_kernel, check_segments_continue, in_this_process, needs_cuda
+from kernel_checks import DEVICE, check_kernel, check_segments_continue, in_this_process, needs_cuda, rel_norm
 
+from falcon_fwa import falcon_attention
 from falcon_fwa.ops.triton import falcon_chunk_triton
 
 pytestmark = in_this_process
@@ -73,6 +74,23 @@ def test_wy_kernels_run_chunk_128_as_64(rule):
     o128, _ = falcon_chunk_triton(q, k, v, beta, lam, rule=rule, window=window, chunk_size=128)
     o64, _ = falcon_chunk_triton(q, k, v, beta, lam, rule=rule, window=window, chunk_size=64)
     assert torch.equal(o128, o64)
+
+
+def test_wy_inverse_with_strongly_coupled_writes():
+    # DeltaNet through the op with unit keys sharing a direction and beta near 2: the 16 x 16
+    # blocks of I + N are far from the identity (entries near 1.8), where a product of powers
+    # of N would cancel terms of order |N|^8 (the WY inverse must stay exact to fp32)
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 32, 1, 32, 16
+    k = torch.randn(1, 1, H, K, generator=g) + 0.3 * torch.randn(B, T, H, K, generator=g)
+    k = k / k.norm(dim=-1, keepdim=True)
+    q, v = torch.randn(B, T, H, K, generator=g) / K ** 0.25, torch.randn(B, T, H, V, generator=g)
+    beta, lam = 1.8 + 0.2 * torch.rand(B, T, H, generator=g), torch.zeros(B, T, H)
+    kw = dict(rule="1", shift=False, normalize=False)
+    o, _ = falcon_chunk_triton(*(t.to(DEVICE) for t in (q, k, v, beta, lam)), chunk_size=16, **kw)
+    ref, _ = falcon_attention(q.double(), k.double(), v.double(), beta.double(), lam.double(), form="recurrent",
+                              **kw)
+    assert rel_norm(o.cpu(), ref) < 1e-5
 
 
 @each_rule

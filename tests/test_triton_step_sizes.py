@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, in_this_process
+from kernel_checks import DEVICE, PoisonedEmpty, in_this_process
 
 from falcon_fwa.ops.triton.step_sizes import scalar_step_sizes, shifted_step_sizes
 
@@ -72,3 +72,45 @@ def test_unshifted_step_sizes_without_a_validity_mask_take_every_pair():
     assert torch.equal(eta_all, eta_m) and torch.equal(la_all, la_m)
     want = beta / ((x * x).sum(-1) + lam + 1e-6)
     assert torch.allclose(eta_all, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_shifted_step_sizes_of_fp16_keys_carry_an_fp32_last_key(T, monkeypatch):
+    # B > 1 and H > 1 rows (the row arithmetic of the shift), K = 80 over two key blocks (the
+    # second one partial), fp16 keys and a carried last key in fp32: the features are the fp16
+    # values, every gradient reaches its leaf in the leaf's dtype; T = 1 makes the first step
+    # also the last (the whole key gradient is 0, the carried key takes the step's). Fresh
+    # buffers start as NaN, so an element the kernels leave unwritten shows.
+    g = torch.Generator().manual_seed(40 + T)
+    B, H, K = 2, 3, 80
+    k = (torch.randn(B, T, H, K, generator=g) / 4).half()
+    first = (torch.randn(B, H, K, generator=g) / 4).half().float()  # fp32, its values exact in fp16
+    beta, lam = 0.2 + torch.rand(B, T, H, generator=g), torch.rand(B, T, H, generator=g)
+    w = [torch.randn(B, T, H, *d, generator=g, dtype=torch.float64) for d in ((K,), (), ())]
+    opts = dict(eps=1e-6, decay_floor=1e-3, scale_ridge=False)
+
+    leaves64 = [t.double().requires_grad_() for t in (k, first, beta, lam)]
+    ref = _reference(*leaves64, None, **opts)
+    sum((r * wi).sum() for r, wi in zip(ref, w)).backward()
+
+    leaves = [t.to(DEVICE).requires_grad_() for t in (k, first, beta, lam)]
+    with PoisonedEmpty(monkeypatch):
+        out = shifted_step_sizes(*leaves, None, normalize=True, **opts)
+        sum((o.double() * wi.to(DEVICE)).sum() for o, wi in zip(out, w)).backward()
+
+    assert out[0].dtype == torch.float16 and torch.equal(out[0].double().cpu(), ref[0].detach())
+    for name, got, want in zip(("eta", "log_a"), out[1:], ref[1:]):
+        assert torch.allclose(got.double().cpu(), want.detach(), rtol=1e-5, atol=1e-7), name
+    for a, b in zip(leaves, leaves64):
+        assert a.grad.dtype == a.dtype
+        assert torch.allclose(a.grad.double().cpu(), b.grad, rtol=2e-3, atol=2e-3)
+    assert T > 1 or not leaves[0].grad.any()
+
+
+def test_a_carried_key_of_the_wrong_shape_is_named():
+    # without the op's argument checks (validate=False) the kernel would read past the carried key
+    k = torch.zeros(2, 3, 1, 16, device=DEVICE)
+    beta = lam = torch.ones(2, 3, 1, device=DEVICE)
+    opts = dict(eps=1e-6, decay_floor=1e-3, normalize=True, scale_ridge=False)
+    with pytest.raises(ValueError, match=r"first \(the carried last key\) must have shape \(2, 1, 16\)"):
+        shifted_step_sizes(k, torch.zeros(1, 1, 16, device=DEVICE), beta, lam, None, **opts)

@@ -106,9 +106,16 @@ def test_unnormalized_scale_ridge_chunk_32(window):
 
 
 def test_band_across_blocks_of_steps():
-    # T = 75 > 64 rows per band program: the open pairs of a block's last steps sit in the
-    # next block, and the pairs at the start of a block are read from the previous one
+    # T = 75 spans several band programs (16 steps each) and scan chunks: the open pairs of a
+    # block's last steps sit in the next block, and the pairs at the start of a block are read
+    # from the previous one
     _check((1, 75, 1, 16, 16), window=5, state=True, read="before", chunk_size=32, seed=25)
+
+
+def test_band_wider_than_a_program():
+    # W - 1 = 17 open pairs per step reach two band programs (16 steps each) ahead; head dims
+    # off the blocks (K = 20, V = 24)
+    _check((1, 20, 2, 20, 24), window=18, state=True, read="before", seed=26)
 
 
 @pytest.mark.parametrize("window,shift", [(1, True), (4, True), (3, False)])
@@ -185,7 +192,7 @@ def test_cuda_ragged(K, V, read, window):
 
 @needs_cuda
 def test_cuda_widest_band():
-    # the open pairs of a step reach a whole block of steps ahead
+    # the open pairs of a step reach four band programs (16 steps each) ahead
     _check((1, 300, 2, 64, 64), torch.bfloat16, window=MAX_WINDOW, chunk_size=64, state=True, read="before",
            device="cuda")
 

@@ -29,9 +29,9 @@ windows and the writes that were still open. With ``W = 1`` this is rule 1A exac
 
 Everything per token is a kernel (``sliding_kernels``): the pair energies, the step
 sizes and the gains ``e``, ``rho`` (two launches forward, three backward, on
-``[B, T, H]``-sized scalars), the scan (``scalar_decay``) and the band (two masked
-``BT x BT`` score tiles per block of steps, on the tensor cores; one launch forward,
-two backward). The pairs live on an extended time axis ``[prefix | k]`` and
+``[B, T, H]``-sized scalars), the scan (``scalar_decay``) and the band (programs of 16
+steps walking its ``W - 1`` diagonals, row-wise products summed over the head
+dimension; one launch forward, two backward). The pairs live on an extended time axis ``[prefix | k]`` and
 ``[tail_y | v]``: the band reads ``k`` and ``v`` in place, and the delayed pairs the
 scan reads are one copy, rebuilt in the backward rather than saved. No
 ``[B, H, T, W, K]`` window and no fp32 copy of a feature tensor is formed.

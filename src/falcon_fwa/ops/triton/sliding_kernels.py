@@ -17,8 +17,9 @@ every output::
 A program owns ``BT`` rows of one ``(b, h)`` and walks the band one diagonal ``d`` at a
 time: row by row, ``q_t . x_{tau+d}`` is a product summed over the key dimension, and
 ``y_{tau+d}`` is added with that weight. The band holds ``W - 1`` pairs per step, so this
-reads each row a few times (from cache) and computes no masked-out score; a tile of
-``BT x BT`` scores per block would do ``2 BT / (W - 1)`` times the work.
+reads each row a few times (from cache) and computes no masked-out score; two masked
+``BT x BT`` score tiles per block (its own pairs and the next block's) would compute
+``2 BT / (W - 1)`` times the needed scores.
 
 * ``energy_fwd`` / ``energy_bwd``: ``n = ||k||^2`` per row (fp32) and ``dk = 2 k dn``.
 * ``step_fwd``, ``gains_fwd`` / ``gains_bwd``, ``step_bwd``, ``energy_spread``: the

@@ -30,7 +30,7 @@ class _ScalarStepSizes(torch.autograd.Function):
         eta = torch.empty(beta.shape, dtype=torch.float32, device=src.device)
         log_a = torch.empty_like(eta)
         x = torch.empty_like(src) if shift else src
-        flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, SHIFT=shift, HAS_FIRST=first is not None,
+        flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, SHIFT=shift, HAS_FIRST=shift and first is not None,
                      HAS_VALID=valid is not None)
         kern.step_fwd[(cdiv(n, _BR),)](
             src, first, valid, beta, lam, log_gate, x, eta, log_a, n, T, eps, decay_floor,
@@ -52,7 +52,7 @@ class _ScalarStepSizes(torch.autograd.Function):
         if not flags["SHIFT"]:
             dx_in = None  # non-differentiable output (see forward)
         dx = torch.empty_like(src)
-        d_first = None if first is None else torch.empty_like(first)
+        d_first = torch.empty_like(first) if flags["HAS_FIRST"] else None
         d_beta, d_lam = torch.empty_like(beta), torch.empty_like(lam)
         kern.step_bwd[(cdiv(n, _BR),)](
             src, first, valid, beta, lam, d_eta, d_log_a, None if dx_in is None else dx_in.contiguous(), dx, d_first,
@@ -107,6 +107,9 @@ def shifted_step_sizes(
     ``x_0 = first`` ``[B, H, K]`` (the carried last key) or the invalid sentinel ``0``
     (``first=None``), with their ``eta`` and ``log_a`` (as ``scalar_step_sizes``), in one
     kernel each way; differentiable in ``k``, ``first``, ``beta``, ``lam`` and ``log_gate``."""
+    want = (k.shape[0], *k.shape[2:])
+    if first is not None and tuple(first.shape) != want:
+        raise ValueError(f"first (the carried last key) must have shape {want} = [B, H, K], got {tuple(first.shape)}")
     return _step_sizes(k, first, None, beta, lam, log_gate, eps=eps, decay_floor=decay_floor, normalize=normalize,
                        scale_ridge=scale_ridge, shift=True)
 

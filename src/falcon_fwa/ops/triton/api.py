@@ -1,9 +1,11 @@
 """``falcon_chunk_triton``: the chunk form of ``falcon_attention`` on the Triton kernels.
 
-The pair construction (shifted keys, sentinel, last-key carry) is PyTorch; the step
-sizes (``eta``, the clamped decay ``gamma``, the equations of ``ops.step_sizes``) and
-the scan are kernels, each an autograd function, so gradients reach ``beta``,
-``lam``, ``log_gate``, ``k``, the initial state and its last key.
+The step sizes (``eta``, the clamped decay ``gamma``, the equations of ``ops.step_sizes``)
+and the scan are kernels, each an autograd function, so gradients reach ``beta``,
+``lam``, ``log_gate``, ``k``, the initial state and its last key. The pairs (shifted
+keys, sentinel, last-key carry) are built inside the step-size kernel for rules 1 and
+1A on fixed-length rows (``step_sizes.shifted_step_sizes``), in PyTorch otherwise
+(packed sequences, the per-column rules; the sliding rules in ``sliding.window_prefix``).
 """
 from __future__ import annotations
 

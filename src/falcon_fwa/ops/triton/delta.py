@@ -21,8 +21,14 @@ __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
 SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row blocks of the inverse)
 # Warps of the two WY kernels (module-level so that a diagnosis can vary them; Triton 3.4-3.7.0
-# is known to miscompile a WY backward at chunk 64 with 4 warps on Hopper).
+# is known to miscompile a WY backward at chunk 64 with 4 warps on Hopper). On an H200, ``wy_fwd`` is
+# fastest at 4 warps with both 16-bit and exact fp32 products (bf16 0.26 ms vs 0.52 at 8 warps; fp32
+# 1.25 vs 1.74 ms; B=8, T=2048, H=16, K=V=128).
 WY_WARPS = {"wy_fwd": 4, "wy_bwd": 8}
+# Key / value blocks of ``wy_fwd`` by dot precision. Exact fp32 products run on the FMA units with
+# their operands in registers: 16-wide blocks at 8 warps compile for sm_90 without spills (64-wide
+# ones spill at 4 or 8 warps).
+WY_FWD_BLOCKS = {"ieee": dict(BK=16, BV=16), "tf32": dict(BK=64, BV=64)}
 # The largest chunk the WY kernels run: a request for 128 runs at 64 (the result is the same up to
 # rounding). At 128 the fp32 kernels take 6.5 minutes to compile for sm_90 (even at K = V = 16;
 # benchmarks/kernel_resources.py), and no GPU run of them at 128 ever finished.
@@ -40,16 +46,27 @@ def _full_k(K: int, V: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
     return BK, BV, 4 if BK <= 128 else 8, stages
 
 
+def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int):
+    """``wy_fwd`` over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` fp32 (row ``t``
+    holds its chunk's row of the inverse), ``U = A (eta Y)`` ``[B, T, H, V]`` and
+    ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``)."""
+    B, T, H, K = x.shape
+    V = v.shape[-1]
+    prec = dot_precision(x.dtype)
+    A = x.new_empty(B, T, H, layout.BT, dtype=torch.float32)  # also the scratch of N (written before read)
+    U, W = torch.empty_like(v), torch.empty_like(x)
+    c = launch_config(prec, K, V, WY_FWD_BLOCKS)
+    wy.wy_fwd[(layout.num_chunks, H)](
+        x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c, PRECISION=prec,
+        SLOTS=slots, num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
+    return A, U, W
+
+
 def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool, slots: int):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BT, prec, meta = layout.BT, dot_precision(q.dtype), layout_args(layout)
-    A = q.new_empty(B, T, H, BT, dtype=torch.float32)
-    U, W = torch.empty_like(v), torch.empty_like(x)
-    c = launch_config("dv_bwd", K, V)
-    wy.wy_fwd[(layout.num_chunks, H)](
-        x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BK=c["BK"],
-        BV=c["BV"], PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_fwd"], **meta)
+    prec, meta = dot_precision(q.dtype), layout_args(layout)
+    A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots)
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(v)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None

@@ -13,8 +13,9 @@ key ``x`` and values ``D``::
     o_t    = exp(uq_t) q_t^T h + sum_{s in M(t)} exp(uq_t - u_s) (q_t . x_s) D_s
     h_next = exp(u_C) h + sum_s exp(u_C - u_s) x_s D_s^T
 
-Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk; ``A`` block row by block row:
-forward substitution on 16 x 16 diagonal blocks, products for the rest), ``state_fwd`` (sequential: entry states and
+Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk: one Gram per chunk, ``N`` staged in ``A``
+and inverted there in 16 x 16 blocks, forward substitution on the diagonal ones and
+products for the rest), ``state_fwd`` (sequential: entry states and
 ``D``), ``state_bwd`` (reverse: ``dD = dD_local + exp(u_C - u) X dh`` and
 ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
 (through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``).
@@ -48,60 +49,87 @@ def _earlier_step(rows, cols, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _pick(vec, rows, BT: tl.constexpr):
-    """``vec[rows]`` for a ``[BT]`` register vector (one nonzero term per sum: exact)."""
-    return tl.sum(tl.where(tl.arange(0, BT)[None, :] == rows[:, None], vec[None, :], 0.0), axis=1)
+def _decayed_gram(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr):
+    """``N`` ``[BT, BT]`` fp32 of one chunk, ``N[p, r] = ka_p exp(w_p - u_r) (x_p . x_r)`` for ``r`` of an
+    earlier step than ``p`` and 0 elsewhere: one Gram ``X X^T`` from ``[BT, BK] x [BK, BT]`` dots (``X^T``
+    loaded as such), then the decays."""
+    o_c = tl.arange(0, BT)
+    o_t = i_t * BT + o_c
+    m_t = o_t < T_n
+    b_g = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.0)
+        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None],
+                       other=0.0)
+        b_g += tl.dot(b_x, b_xt, input_precision=PRECISION)
+    below = _earlier_step(o_c, o_c, SLOTS)
+    return tl.where(below, ka[:, None] * tl.exp(tl.where(below, w[:, None] - u[None, :], float("-inf"))) * b_g, 0.0)
 
 
 @triton.jit
-def _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr):
-    """``A = (I + N)^{-1}`` of one chunk, ``N[p, r] = ka_p exp(w_p - u_r) (x_p . x_r)`` for ``r`` of an
-    earlier step than ``p`` (``r < p`` with one write per step), block row by block row (16 rows each)::
+def _block(a0, i, j, n_rows, H: tl.constexpr, BT: tl.constexpr):
+    """Pointers and row mask of the 16 x 16 block ``(i, j)`` of a chunk's ``[BT, BT]`` tile in ``A``
+    (``a0``: its first row; ``n_rows``: the chunk's rows inside its sequence)."""
+    o = tl.arange(0, 16)
+    r = i * 16 + o
+    return a0 + r[:, None] * (H * BT) + (j * 16 + o)[None, :], (r < n_rows)[:, None]
 
-        A_i = (I + N_ii)^{-1} (E_i - sum_{j < i} N_ij A_j)
 
-    The 16 x 16 diagonal inverses come from forward substitution, the rest are products."""
-    o_c = tl.arange(0, BT)
+@triton.jit
+def _invert_diagonal_blocks(a0, n_rows, H: tl.constexpr, BT: tl.constexpr):
+    """In place: every 16 x 16 diagonal block ``N_bb`` of the chunk's tile becomes ``(I + N_bb)^{-1}``, all
+    ``BT / 16`` blocks at once as one ``[BT / 16, 16, 16]`` tile, by forward substitution::
+
+        row j = e_j - sum_{l < j} N_bb[j, l] (row l)      (j = 1 .. 15)
+
+    ``N_bb[j, :]`` of every block is read from ``A`` (no extraction from registers)."""
+    NB: tl.constexpr = BT // 16
+    stride: tl.constexpr = H * BT
+    o_b = tl.arange(0, NB)
     o_s = tl.arange(0, 16)
-    b_a = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_b in tl.static_range(BT // 16):
-        r_loc = i_b * 16 + o_s          # chunk-local rows of this block
-        r_abs = i_t * BT + r_loc
-        m_r = r_abs < T_n
-        g_r = tl.zeros([16, BT], dtype=tl.float32)   # x_r . x_c, all columns of the chunk
-        g_d = tl.zeros([16, 16], dtype=tl.float32)   # x_r . x_r', the diagonal block
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = o_k < K
-            b_xr = tl.load(x + ((bos + r_abs[:, None]) * H + i_h) * K + o_k[None, :],
-                           mask=m_r[:, None] & m_k[None, :], other=0.0)
-            b_xrt = tl.load(x + ((bos + r_abs[None, :]) * H + i_h) * K + o_k[:, None],
-                            mask=m_r[None, :] & m_k[:, None], other=0.0)
-            b_xt = tl.load(x + ((bos + i_t * BT + o_c[None, :]) * H + i_h) * K + o_k[:, None],
-                           mask=(i_t * BT + o_c[None, :] < T_n) & m_k[:, None], other=0.0)
-            g_r += tl.dot(b_xr, b_xt, input_precision=PRECISION)
-            g_d += tl.dot(b_xr, b_xrt, input_precision=PRECISION)
-        ka_r, w_r, u_r = _pick(ka, r_loc, BT), _pick(w, r_loc, BT), _pick(u, r_loc, BT)
-        below = _earlier_step(r_loc, o_c, SLOTS)
-        n_r = tl.where(below, ka_r[:, None] * tl.exp(tl.where(below, w_r[:, None] - u[None, :], float("-inf"))) * g_r,
-                       0.0)
-        below_d = _earlier_step(r_loc, r_loc, SLOTS)
-        n_d = tl.where(below_d, ka_r[:, None] * tl.exp(tl.where(below_d, w_r[:, None] - u_r[None, :], float("-inf")))
-                       * g_d, 0.0)
-        # (I + N_ii)^{-1}: row j = e_j - sum_{l < j} N_ii[j, l] (row l)
-        a_d = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
-        for j in range(1, 16):
-            n_j = tl.sum(tl.where(o_s[:, None] == j, n_d, 0.0), axis=0)
-            a_j = tl.sum(n_j[:, None] * a_d, axis=0)
-            a_d = tl.where(o_s[:, None] == j, a_d - a_j[None, :], a_d)
-        # E_i - sum_{j < i} N_ij A_j  (rows of b_a at and after block i are still zero)
-        rhs = tl.where(o_c[None, :] == r_loc[:, None], 1.0, 0.0) - tl.dot(n_r, b_a, input_precision=PRECISION)
-        a_r = tl.dot(a_d, rhs, input_precision=PRECISION)
-        # place the block row into the chunk's inverse (a 0/1 selection in exact fp32)
-        place = tl.where(o_c[:, None] == r_loc[None, :], 1.0, 0.0)
-        b_a += tl.dot(place, a_r, input_precision="ieee")
-    return b_a
+    b_ai = tl.where(o_s[None, :, None] == o_s[None, None, :], 1.0, 0.0) + tl.zeros([NB, 16, 16], dtype=tl.float32)
+    for j in tl.static_range(1, 16):
+        r_j = o_b * 16 + j
+        n_j = tl.load(a0 + r_j[:, None] * stride + (o_b[:, None] * 16 + o_s[None, :]), mask=(r_j < n_rows)[:, None],
+                      other=0.0)  # [NB, 16]: row j of every N_bb
+        a_j = tl.sum(n_j[:, :, None] * b_ai, axis=1)
+        b_ai = tl.where(o_s[None, :, None] == j, b_ai - a_j[:, None, :], b_ai)
+    rows = o_b[:, None, None] * 16 + o_s[None, :, None]
+    tl.debug_barrier()  # every row of every N_bb read before its inverse replaces it
+    tl.store(a0 + rows * stride + o_b[:, None, None] * 16 + o_s[None, None, :], b_ai, mask=rows < n_rows)
+
+
+@triton.jit
+def _unit_lower_inverse(a0, n_rows, H: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """In place: the chunk's tile ``N`` in ``A`` (strictly lower, zero above the diagonal) becomes
+    ``(I + N)^{-1}``. Diagonal 16 x 16 blocks by ``_invert_diagonal_blocks``, then block row after block
+    row (block forward substitution, 16 x 16 products)::
+
+        A_ij = -A_ii sum_{j <= l < i} N_il A_lj       (j < i)
+
+    ``A_ij`` replaces ``N_ij`` once every program thread has read ``N_ij``; block row ``i`` reads rows
+    ``l < i``, already final."""
+    _invert_diagonal_blocks(a0, n_rows, H, BT)
+    tl.debug_barrier()
+    for i in tl.static_range(1, BT // 16):
+        p_ii, m_i = _block(a0, i, i, n_rows, H, BT)
+        a_ii = tl.load(p_ii, mask=m_i, other=0.0)
+        for j in tl.static_range(i):
+            b_s = tl.zeros([16, 16], dtype=tl.float32)  # sum_l N_il A_lj
+            for l in tl.static_range(j, i):
+                p_il, _m = _block(a0, i, l, n_rows, H, BT)
+                p_lj, m_l = _block(a0, l, j, n_rows, H, BT)
+                b_s = tl.dot(tl.load(p_il, mask=m_i, other=0.0), tl.load(p_lj, mask=m_l, other=0.0), b_s,
+                             input_precision=PRECISION)
+            a_ij = -tl.dot(a_ii, b_s, input_precision=PRECISION)
+            p_ij, _m = _block(a0, i, j, n_rows, H, BT)
+            tl.debug_barrier()  # N_ij read by every thread before A_ij replaces it
+            tl.store(p_ij, a_ij, mask=m_i)
+        tl.debug_barrier()  # block row i final before the next block row reads it
 
 
 @triton.jit
@@ -110,7 +138,10 @@ def wy_fwd(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
 ):
-    """Grid ``(num_chunks, H)``: ``A`` ``[rows, H, BT]`` fp32, ``U`` ``[rows, H, V]``, ``W`` ``[rows, H, K]``."""
+    """Grid ``(num_chunks, H)``: ``A = (I + N)^{-1}`` ``[rows, H, BT]`` fp32, ``U = A (eta Y)``
+    ``[rows, H, V]`` and ``W = A (kappa exp(w) X)`` ``[rows, H, K]`` of every chunk. ``N`` is written
+    into the chunk's rows of ``A`` and inverted there in place (``_unit_lower_inverse``); ``U`` and
+    ``W`` are ``[BT, BT] x [BT, BV]`` products in the input dtype with fp32 accumulation."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -118,10 +149,15 @@ def wy_fwd(
     u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
     w = _step_prefix(u, w, BT, SLOTS)
     ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_a = _unit_lower_inverse(x, ka, u, w, bos, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
-    tl.store(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_a, mask=m_t[:, None])
+    a0 = A + ((bos + i_t * BT) * H + i_h) * BT  # the chunk's first row of A; rows H * BT apart
+    p_a = a0 + o_c[:, None] * (H * BT) + o_c[None, :]
+    b_n = _decayed_gram(x, ka, u, w, bos, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
+    tl.store(p_a, b_n, mask=m_t[:, None])
+    tl.debug_barrier()
+    _unit_lower_inverse(a0, T_n - i_t * BT, H, BT, PRECISION)
+    tl.debug_barrier()
     dt = x.dtype.element_ty  # U and W: products in the input dtype, fp32 accumulation
-    b_a16 = b_a.to(dt)
+    b_a16 = tl.load(p_a, mask=m_t[:, None], other=0.0).to(dt)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m = m_t[:, None] & (o_v[None, :] < V)

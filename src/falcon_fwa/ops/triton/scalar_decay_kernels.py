@@ -12,6 +12,13 @@ with ``uq = u``, ``M(t) = {s <= t}`` (read after write) or ``uq = w``,
 evaluated. Tensors are time-major ``[B, T, H, D]`` (``B = 1`` with packed
 sequences); states are ``[num_chunks, H, K, V]``.
 
+With ``delayed = ((x_pre, x_delay), (v_pre, v_delay))`` the kernels read ``x`` and ``v``
+late, in place: row ``t`` of a sequence is row ``t`` of the concatenation ``[x_pre | x]``
+along time (``x_pre`` ``[N, x_delay, H, K]`` first, then the sequence's rows), so its rows
+``t >= x_delay`` are rows ``t - x_delay`` of ``x`` (likewise ``v``). ``dx`` and ``dv`` are then
+the gradients of the delayed rows. The default ``delayed=None`` reads the rows as they are
+(one launch argument, so the kernels of rule 1A pay nothing for it).
+
 Kernels: ``state_fwd`` (entry state of every chunk, sequential over chunks),
 ``output_fwd`` (all chunks at once), ``state_bwd`` (gradient of every chunk's exit
 state, reverse over chunks), ``dv_bwd``, ``dqk_bwd`` and ``dlog_bwd`` (the gradient
@@ -49,6 +56,27 @@ def _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT: tl.c
         i_t = i_c % nt
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     return i_n, i_t, bos, T_n, boh
+
+
+@triton.jit
+def _load_rows(x, delayed, WHICH: tl.constexpr, i_n, bos, o_t, m_t, i_h, o_d, m_d, H: tl.constexpr,
+               D: tl.constexpr, TRANS: tl.constexpr):
+    """The rows of steps ``o_t`` of sequence ``i_n`` (columns ``o_d``) as a ``[BT, BD]`` tile, or
+    ``[BD, BT]`` with ``TRANS``, 0 where ``m_t`` or ``m_d`` is False: rows ``bos + o_t`` of ``x``, or,
+    with ``(prefix, delay) = delayed[WHICH]``, rows ``o_t`` of ``[prefix | x]`` (``delay`` prefix
+    rows per sequence). The delayed read selects between whole pointer tiles (selecting row
+    pointers before adding the columns would lose the vectorized access along ``o_d``)."""
+    if TRANS:
+        rows, cols, mask = o_t[None, :], o_d[:, None], m_t[None, :] & m_d[:, None]
+    else:
+        rows, cols, mask = o_t[:, None], o_d[None, :], m_t[:, None] & m_d[None, :]
+    if delayed is None:
+        ptr = x + ((bos + rows) * H + i_h) * D + cols
+    else:
+        prefix, delay = delayed[WHICH][0], delayed[WHICH][1]
+        ptr = tl.where(rows < delay, prefix + ((i_n.to(tl.int64) * delay + rows) * H + i_h) * D + cols,
+                       x + ((bos + rows - delay) * H + i_h) * D + cols)
+    return tl.load(ptr, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -99,6 +127,7 @@ def state_fwd(
     x, v, eta, log_a, h, s0, s_final, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    delayed=None,
 ):
     """Grid ``(cdiv(K, BK), cdiv(V, BV), N * H)``: every chunk's entry state into ``h``."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -115,10 +144,8 @@ def state_fwd(
         tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_off, b_h.to(h.dtype.element_ty), mask=m_kv)
         u, _uq, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, True)
         o_t = i_t * BT + tl.arange(0, BT)
-        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None],
-                       mask=m_t[None, :] & (o_k[:, None] < K), other=0.0)  # [BK, BT]
-        b_v = tl.load(v + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :],
-                      mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)  # [BT, BV]
+        b_xt = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, o_k < K, H, K, True)  # [BK, BT]
+        b_v = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, o_v < V, H, V, False)  # [BT, BV]
         coef = et * tl.exp(u_last - u)
         b_kt = (b_xt * coef[None, :]).to(b_v.dtype)
         b_h = b_h * tl.exp(u_last) + tl.dot(b_kt, b_v, input_precision=PRECISION)
@@ -131,6 +158,7 @@ def output_fwd(
     q, x, v, eta, log_a, h, o, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
+    delayed=None,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``: outputs of every chunk from its entry state."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -145,11 +173,11 @@ def output_fwd(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        b_xt = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, True)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)
         b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
         b_s += tl.dot(b_q, b_xt, input_precision=PRECISION)
-    b_v = tl.load(v + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
+    b_v = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, o_v < V, H, V, False)
     b_a = b_s * _decay_mask(uq, u, READ_AFTER, BT) * et[None, :]
     b_o = b_o * tl.exp(uq)[:, None] + tl.dot(b_a.to(b_v.dtype), b_v, input_precision=PRECISION)
     tl.store(o + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
@@ -195,6 +223,7 @@ def dv_bwd(
     q, x, do, eta, log_a, dh, dv, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_TERM: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
+    delayed=None,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``:
     ``dv_s = sum_{t: s in M(t)} exp(uq_t - u_s) (q_t . kk_s) do_t + exp(u_C - u_s) dh^T kk_s``
@@ -211,7 +240,7 @@ def dv_bwd(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, False)
         b_qt = tl.load(q + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
         b_st += tl.dot(b_x, b_qt, input_precision=PRECISION)
         if STATE_TERM:
@@ -229,6 +258,7 @@ def dqk_bwd(
     cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
+    delayed=None,
 ):
     """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq``, ``dx`` and, per key block,
     partial sums of ``deta`` and of the log-prefix gradients: write side ``-kk . dkk``
@@ -249,9 +279,9 @@ def dqk_bwd(
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        b_v = tl.load(v + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_v = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, m_v, H, V, False)
         b_do = tl.load(do + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_vt = tl.load(v + ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None], other=0.0)
+        b_vt = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, m_v, H, V, True)
         b_dot = tl.load(do + ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None], other=0.0)
         b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0)  # [BV, BK]
         b_dht = tl.load(dh + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0)
@@ -261,7 +291,7 @@ def dqk_bwd(
         b_dks += tl.dot(b_v, b_dht, input_precision=PRECISION)
         b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
     b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, False)
     b_kk = b_x.to(tl.float32) * et[:, None]
     b_dp = (b_ds * _decay_mask(uq, u, READ_AFTER, BT)).to(b_q.dtype)
     b_dpt = (b_dst * _decay_mask_t(uq, u, READ_AFTER, BT)).to(b_q.dtype)

@@ -27,14 +27,17 @@ segment (``j <= 0``) are the state's tail, so a continued sequence resumes the
 windows and the writes that were still open. With ``W = 1`` this is rule 1A exactly
 (``e = c``, no open pairs).
 
-Everything per token is a kernel (``sliding_kernels``): the pair energies, the step
-sizes and the gains ``e``, ``rho`` (two launches forward, three backward, on
+Everything per token is a kernel (``sliding_kernels``), behind one autograd function: the
+pair energies (one launch forward; their gradient is part of the band's pair kernel), the
+step sizes and the gains ``e``, ``rho`` (two launches forward, two backward, on
 ``[B, T, H]``-sized scalars), the scan (``scalar_decay``) and the band (programs of 16
 steps walking its ``W - 1`` diagonals, row-wise products summed over the head
-dimension; one launch forward, two backward). The pairs live on an extended time axis ``[prefix | k]`` and
-``[tail_y | v]``: the band reads ``k`` and ``v`` in place, and the delayed pairs the
-scan reads are one copy, rebuilt in the backward rather than saved. No
-``[B, H, T, W, K]`` window and no fp32 copy of a feature tensor is formed.
+dimension; one launch forward, two backward). The pairs live on an extended time axis
+``[prefix | k]`` and ``[tail_y | v]``: the band reads ``k`` and ``v`` in place, and so does the scan (its
+delayed read: row ``t`` of ``[prefix | k]`` is row ``t - n_pre`` of ``k``, the first rows
+come from the prefix); the band's pair kernel stores the scan's gradient of the delayed
+rows back onto ``k``, ``v`` and the prefixes. No shifted copy, no ``[B, H, T, W, K]``
+window and no fp32 copy of a feature tensor is formed.
 """
 from __future__ import annotations
 
@@ -46,7 +49,6 @@ from . import sliding_kernels as kern
 from .chunk_index import chunk_layout
 from .launch import cdiv, next_power_of_2
 from .scalar_decay import scan_backward, scan_forward
-from .shift import advance_rows, delay_rows
 
 __all__ = ["sliding_chunk", "window_gains", "window_prefix", "MAX_WINDOW"]
 
@@ -114,72 +116,87 @@ _BAND_ROWS = 16  # rows per band program (all K and V columns of a row in regist
 
 
 def _band_args(q: torch.Tensor, K: int, V: int, W: int) -> dict:
-    return dict(H=q.shape[2], K=K, V=V, W=W, BT=_BAND_ROWS, BK=_block(K), BV=_block(V),
-                BKF=max(16, next_power_of_2(K)), BVF=max(16, next_power_of_2(V)))
+    return dict(H=q.shape[2], K=K, V=V, W=W, BT=_BAND_ROWS, BK=max(16, next_power_of_2(K)),
+                BV=max(16, next_power_of_2(V)))
 
 
-def _or(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """A launchable pointer: an empty buffer is never read, pass another one."""
-    return t if t.numel() else fallback
+def _or(t: Optional[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
+    """A launchable pointer: an empty (or absent) buffer is never read, pass another one."""
+    return t if t is not None and t.numel() else fallback
 
 
-class _Energy(torch.autograd.Function):
-    """``n = ||k||^2`` per row ``[B, T, H]`` fp32 (no fp32 copy of ``k``)."""
+def _delayed(x_pre: torch.Tensor, y_pre: torch.Tensor):
+    """The scan's delayed read of the pairs (``scalar_decay.scan_forward``): rows ``0 .. T-1`` of
+    ``[x_pre | k]`` and ``[y_pre | v]``; ``None`` when neither has a prefix (``W = 1``, no shift)."""
+    return (x_pre, y_pre) if x_pre.shape[1] or y_pre.shape[1] else None
 
-    @staticmethod
-    def forward(ctx, k):
-        rows, K = k.numel() // k.shape[-1], k.shape[-1]
-        n = torch.empty(k.shape[:-1], dtype=torch.float32, device=k.device)
-        kern.energy_fwd[(cdiv(rows, _BR),)](k, n, rows, K=K, BR=_BR, BK=_block(K))
-        ctx.save_for_backward(k)
-        return n
 
-    @staticmethod
-    def backward(ctx, dn):
-        (k,) = ctx.saved_tensors
-        rows, K = k.numel() // k.shape[-1], k.shape[-1]
-        dk = torch.empty_like(k)
-        kern.energy_bwd[(cdiv(rows, _BR),)](k, dn.float().contiguous(), dk, rows, K=K, BR=_BR, BK=_block(K))
-        return dk
+def _lags(H: int, W: int) -> dict:
+    return dict(H=H, W=W, WP=max(2, next_power_of_2(W)), BT=_BT)
+
+
+def _energies(x_pre: torch.Tensor, k: torch.Tensor, window: int) -> torch.Tensor:
+    """``n_ext`` ``[B, T+W-1, H]`` fp32: ``||x_p||^2`` of the pairs on the extended axis ``[x_pre | k]``."""
+    B, T, H, K = k.shape
+    TE = T + window - 1
+    n_ext = torch.empty(B, TE, H, dtype=torch.float32, device=k.device)
+    kern.energy_fwd[(cdiv(TE * H, _BR), B)](k, _or(x_pre, k), n_ext, T, TE, x_pre.shape[1], H=H, D=K, BR=_BR,
+                                            BD=_block(K))
+    return n_ext
+
+
+def _gains_forward(n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, flags):
+    """``step_fwd`` (``g = eta / B``, ``log a``) then ``gains_fwd``: fp32 ``g``, ``log_a``, ``e`` ``[B, T, H]``
+    and ``rho`` ``[B, T, H, W-1]``."""
+    B, T, H = beta.shape
+    grid, lags = (cdiv(T, _BT), B * H), _lags(H, window)
+    g, log_a, e = (torch.empty(B, T, H, dtype=torch.float32, device=beta.device) for _ in range(3))
+    rho = torch.empty(B, T, H, window - 1, dtype=torch.float32, device=beta.device)
+    kern.step_fwd[grid](n_ext, valid_ext, beta, lam, log_gate, g, log_a, T, eps, decay_floor, **lags, **flags)
+    kern.gains_fwd[grid](g, log_a, valid_ext, e, _or(rho, e), T, **lags)
+    return g, log_a, e, rho
+
+
+def _gains_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a, de, drho, dlog_a, window, eps, decay_floor,
+                    flags):
+    """``gains_bwd`` then ``step_bwd`` from the fp32 ``de``, ``drho``, ``dlog_a``: ``d_beta``, ``d_lam``,
+    ``d_gate`` (in their inputs' dtypes; ``None`` without a gate) and fp32 ``d_stat`` ``[B, T, H]``, the
+    gradient of each step's mean energy over its pair count (``energy_spread``, or within
+    ``band_bwd_pairs``, turns it into the energies' gradient)."""
+    B, T, H = beta.shape
+    grid, lags = (cdiv(T, _BT), B * H), _lags(H, window)
+    lag_a, lag_d = (torch.empty(B, T, H, lags["WP"], dtype=torch.float32, device=g.device) for _ in range(2))
+    kern.gains_bwd[grid](g, log_a, valid_ext, de, _or(drho, de), lag_a, lag_d, T, **lags)
+    d_beta, d_lam, d_stat = torch.empty_like(beta), torch.empty_like(lam), torch.empty_like(g)
+    d_gate = None if log_gate is None else torch.empty_like(log_gate)
+    kern.step_bwd[grid](n_ext, valid_ext, beta, lam, log_gate, lag_a, lag_d, dlog_a, d_beta, d_lam, d_gate,
+                        d_stat, T, eps, decay_floor, **lags, **flags)
+    return d_beta, d_lam, d_gate, d_stat
 
 
 class _WindowGains(torch.autograd.Function):
-    """``window_gains``: ``step_fwd`` (``g = eta / B``, ``log a``) then ``gains_fwd``;
-    backward ``gains_bwd``, ``step_bwd``, ``energy_spread``."""
+    """``window_gains``: ``_gains_forward``; backward ``_gains_backward`` and ``energy_spread``."""
 
     @staticmethod
-    def forward(ctx, n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, normalize, scale_ridge):
-        B, T, H = beta.shape
-        W, grid = window, (cdiv(T, _BT), B * H)
-        f32 = dict(dtype=torch.float32, device=beta.device)
-        lags = dict(H=H, W=W, WP=max(2, next_power_of_2(W)), BT=_BT)
-        flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None)
-        g, log_a, e = (torch.empty(B, T, H, **f32) for _ in range(3))
-        rho = torch.empty(B, T, H, W - 1, **f32)
-        kern.step_fwd[grid](n_ext, valid_ext, beta, lam, log_gate, g, log_a, T, eps, decay_floor, **lags, **flags)
-        kern.gains_fwd[grid](g, log_a, valid_ext, e, _or(rho, e), T, **lags)
+    def forward(ctx, n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, flags):
+        g, log_a, e, rho = _gains_forward(n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, flags)
         ctx.save_for_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a)
-        ctx.options = (eps, decay_floor, lags, flags)
+        ctx.options = (window, eps, decay_floor, flags)
         return e, rho, log_a
 
     @staticmethod
     def backward(ctx, de, drho, dlog_a):
         n_ext, valid_ext, beta, lam, log_gate, g, log_a = ctx.saved_tensors
-        eps, decay_floor, lags, flags = ctx.options
+        window, eps, decay_floor, flags = ctx.options
         B, T, H = beta.shape
-        W, WP, grid = lags["W"], lags["WP"], (cdiv(T, _BT), B * H)
         de = torch.zeros_like(g) if de is None else de.float().contiguous()
         dlog_a = torch.zeros_like(g) if dlog_a is None else dlog_a.float().contiguous()
-        drho = g.new_zeros(B, T, H, W - 1) if drho is None else drho.float().contiguous()
-        lag_a, lag_d = g.new_empty(B, T, H, WP), g.new_empty(B, T, H, WP)
-        kern.gains_bwd[grid](g, log_a, valid_ext, de, _or(drho, de), lag_a, lag_d, T, **lags)
-        d_beta, d_lam, d_gate, d_stat = (torch.empty_like(g) for _ in range(4))
-        kern.step_bwd[grid](n_ext, valid_ext, beta, lam, log_gate, lag_a, lag_d, dlog_a, d_beta, d_lam, d_gate,
-                            d_stat, T, eps, decay_floor, **lags, **flags)
+        drho = g.new_zeros(B, T, H, window - 1) if drho is None else drho.float().contiguous()
+        d_beta, d_lam, d_gate, d_stat = _gains_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a, de, drho,
+                                                        dlog_a, window, eps, decay_floor, flags)
         dn_ext = torch.empty_like(n_ext)
-        kern.energy_spread[(cdiv(T + W - 1, _BT), B * H)](d_stat, valid_ext, dn_ext, T, **lags)
-        d_gate = None if log_gate is None else d_gate.to(log_gate.dtype)
-        return dn_ext, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype), d_gate, None, None, None, None, None
+        kern.energy_spread[(cdiv(T + window - 1, _BT), B * H)](d_stat, valid_ext, dn_ext, T, **_lags(H, window))
+        return dn_ext, None, d_beta, d_lam, d_gate, None, None, None, None
 
 
 def window_gains(
@@ -210,60 +227,73 @@ def window_gains(
     ``t+d`` in ``S_t``) and ``log_a`` ``[B, T, H]``; differentiable in ``n_ext``,
     ``beta``, ``lam`` and ``log_gate``.
     """
+    flags = dict(NORMALIZE=bool(normalize), SCALE_RIDGE=bool(scale_ridge), HAS_GATE=log_gate is not None)
     return _WindowGains.apply(n_ext.float().contiguous(), valid_ext.to(torch.uint8).contiguous(),
                               beta.contiguous(), lam.contiguous(),
                               None if log_gate is None else log_gate.contiguous(), int(window), float(eps),
-                              float(decay_floor), bool(normalize), bool(scale_ridge))
+                              float(decay_floor), flags)
 
 
-class _SlidingScan(torch.autograd.Function):
-    """The rule-1A scan on the delayed pairs plus the open band (see the module docstring).
+class _SlidingRule(torch.autograd.Function):
+    """Rule 3A end to end (see the module docstring): the pair energies, the step sizes and
+    gains, the rule-1A scan reading the delayed pairs in place, and the open band.
 
     ``q``, ``k`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]`` (one dtype), ``x_pre``
     ``[B, n_pre, H, K]``, ``y_pre`` ``[B, W-1, H, V]`` (the extended-axis prefixes),
-    ``e``, ``log_a`` ``[B, T, H]`` and ``rho`` ``[B, T, H, W-1]`` fp32 (``None`` when
-    ``W = 1``), ``S0`` ``[B, H, K, V]`` fp32 or ``None``. Returns ``o`` and ``L_T``."""
+    ``valid_ext`` ``[B, T+W-1]`` uint8, ``beta``, ``lam``, ``log_gate`` ``[B, T, H]``, ``S0``
+    ``[B, H, K, V]`` fp32 or ``None``. Returns ``o``, ``L_T`` (``None`` unless ``want_final``)
+    and ``rho`` at the last step ``[B, H, W-1]`` fp32 (the weights of the pairs still open).
+
+    One function, so the backward chains its kernels without PyTorch glue: the scan's and the
+    band's gradients reach ``e``, ``rho`` and ``log a``, the step-size kernels turn them into
+    the gradients of ``beta``, ``lam``, ``log_gate`` and of every step's mean energy, and the
+    band's pair kernel adds the energies' part (``2 x_p dn_p``) to the pairs' gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, x_pre, y_pre, e, rho, log_a, S0, window, read_after, chunk_size, want_final):
+    def forward(ctx, q, k, v, x_pre, y_pre, valid_ext, beta, lam, log_gate, S0, window, eps, decay_floor, flags,
+                read_after, chunk_size, want_final):
         B, T, H, K = q.shape
-        V = v.shape[-1]
+        V, W = v.shape[-1], window
+        n_ext = _energies(x_pre, k, W)
+        g, log_a, e, rho = _gains_forward(n_ext, valid_ext, beta, lam, log_gate, W, eps, decay_floor, flags)
         layout = chunk_layout(B, T, chunk_size, None)
-        o, h, L_T = scan_forward(q, delay_rows(x_pre, k), delay_rows(y_pre, v), e, log_a, S0, layout, read_after,
-                                 want_final)
-        if window > 1:
+        o, h, L_T = scan_forward(q, k, v, e, log_a, S0, layout, read_after, want_final, _delayed(x_pre, y_pre))
+        if W > 1:
             kern.band_fwd[(cdiv(T, _BAND_ROWS), B * H)](
-                q, k, _or(x_pre, k), v, y_pre, rho, o, T, x_pre.shape[1], window - 1, **_band_args(q, K, V, window),
+                q, k, _or(x_pre, k), v, _or(y_pre, v), rho, o, T, x_pre.shape[1], W - 1, **_band_args(q, K, V, W),
                 LAG=1 - int(read_after))
-        ctx.save_for_backward(q, k, v, x_pre, y_pre, e, rho, log_a, h, S0)
-        ctx.layout, ctx.window, ctx.read_after = layout, window, read_after
-        return o, L_T
+        ctx.save_for_backward(q, k, v, x_pre, y_pre, valid_ext, n_ext, beta, lam, log_gate, g, log_a, e, rho, h, S0)
+        ctx.layout, ctx.options = layout, (W, eps, decay_floor, flags, read_after)
+        return o, L_T, rho[:, T - 1].clone() if want_final and W > 1 else None
 
     @staticmethod
-    def backward(ctx, do, dL_T):
-        q, k, v, x_pre, y_pre, e, rho, log_a, h, S0 = ctx.saved_tensors
-        W, lag = ctx.window, 0 if ctx.read_after else 1
+    def backward(ctx, do, dL_T, drho_last):
+        q, k, v, x_pre, y_pre, valid_ext, n_ext, beta, lam, log_gate, g, log_a, e, rho, h, S0 = ctx.saved_tensors
+        W, eps, decay_floor, flags, read_after = ctx.options
         B, T, H, K = q.shape
         V = v.shape[-1]
         n_x, n_y = x_pre.shape[1], W - 1
+        args = dict(**_band_args(q, K, V, W), LAG=0 if read_after else 1)
         do = do.contiguous()
         dq, dx_del, dy_del, de, dlog_a, dS0 = scan_backward(
-            q, delay_rows(x_pre, k), delay_rows(y_pre, v), e, log_a, h, S0, do,
-            None if dL_T is None else dL_T.contiguous(), ctx.layout, ctx.read_after)
-        if W == 1:  # no band: only the shift, back onto k and the first write feature
-            m = min(n_x, T)
-            dk = advance_rows(dx_del, n_x)
-            dx_pre = torch.cat([dx_del[:, :n_x], dx_del.new_zeros(B, n_x - m, H, K)], 1)
-            return dq, dk, dy_del, dx_pre, torch.zeros_like(y_pre), de, None, dlog_a, dS0, None, None, None, None
-        args = dict(**_band_args(q, K, V, W), LAG=lag)
-        drho = torch.zeros_like(rho)  # the rows whose step is past the end stay 0
-        kern.band_bwd_rows[(cdiv(T, _BAND_ROWS), B * H)](
-            q, k, _or(x_pre, k), v, y_pre, do, rho, dq, drho, T, n_x, n_y, **args)
-        dk, dx_pre, dv, dy_pre = (torch.empty_like(t) for t in (k, x_pre, v, y_pre))
+            q, k, v, e, log_a, h, S0, do, None if dL_T is None else dL_T.contiguous(), ctx.layout, read_after,
+            _delayed(x_pre, y_pre))
+        drho = torch.empty_like(rho)
+        if W > 1:
+            kern.band_bwd_rows[(cdiv(T, _BAND_ROWS), B * H)](
+                q, k, _or(x_pre, k), v, _or(y_pre, v), do, rho, dq, drho, T, n_x, n_y, **args)
+            if drho_last is not None:  # the open pairs of the final state
+                drho[:, T - 1] += drho_last
+        d_beta, d_lam, d_gate, d_stat = _gains_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a, de, drho,
+                                                        dlog_a, W, eps, decay_floor, flags)
+        # a pair's gradient stays in place where nothing delays it (W = 1: y, and x without the shift)
+        dk = dx_del if n_x == 0 else torch.empty_like(k)
+        dv = dy_del if n_y == 0 else torch.empty_like(v)
+        dx_pre, dy_pre = torch.empty_like(x_pre), torch.empty_like(y_pre)
         kern.band_bwd_pairs[(cdiv(T + n_x, _BAND_ROWS), B * H)](
-            q, do, k, _or(x_pre, k), v, y_pre, rho, dx_del, dy_del, dk, _or(dx_pre, dk), dv, dy_pre, T, n_x, n_y,
-            **args, num_warps=8)
-        return dq, dk, dv, dx_pre, dy_pre, de, drho, dlog_a, dS0, None, None, None, None
+            q, do, k, _or(x_pre, k), v, _or(y_pre, v), _or(rho, dq), dx_del, dy_del, d_stat, valid_ext, dk,
+            _or(dx_pre, dk), dv, _or(dy_pre, dv), T, n_x, n_y, **args, num_warps=8)
+        return (dq, dk, dv, dx_pre, dy_pre, None, d_beta, d_lam, d_gate, dS0) + (None,) * 7
 
 
 def sliding_chunk(
@@ -294,7 +324,8 @@ def sliding_chunk(
     ``beta``, ``lam``, ``log_gate`` ``[B, T, H]`` (zero ``beta``, ``lam``, ``log_gate`` on
     padding steps makes them no-ops); ``S0`` ``[B, H, K, V]``, ``last_key`` ``[B, H, K]``,
     ``tail = (tail_x, tail_y, tail_valid)`` as in ``FalconState`` (or ``None``).
-    The step sizes and gains are ``window_gains`` (fp32); the scan and the band are kernels.
+    The energies, step sizes and gains (fp32), the scan and the band are kernels, behind one
+    autograd function.
     Returns ``o`` ``[B, T, H, V]`` in ``q``'s dtype and, with ``output_final_state``,
     ``(S_T, tail_x, tail_y, tail_valid)`` (fp32 states).
     """
@@ -306,16 +337,12 @@ def sliding_chunk(
     q, k, v = (t.contiguous() for t in (q, k, v))
 
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
-
-    # step sizes and gains from the pair energies (the body rows of x are rows of k)
-    n_ext = torch.cat([(x_pre.float() ** 2).sum(-1), _Energy.apply(k)], 1)[:, :T + W - 1]
-    e, rho, log_a = window_gains(n_ext, valid_ext, beta, lam, log_gate, window=W, eps=eps, decay_floor=decay_floor,
-                                 normalize=normalize, scale_ridge=scale_ridge)
-    rho = rho if W > 1 else None
-
+    flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None)
+    beta, lam = beta.contiguous(), lam.contiguous()
+    log_gate = None if log_gate is None else log_gate.contiguous()
     S0 = None if S0 is None else S0.float().contiguous()
-    o, L_T = _SlidingScan.apply(q, k, v, x_pre, y_pre, e, rho, log_a, S0, W, read_after, chunk_size,
-                                output_final_state)
+    o, L_T, rho_last = _SlidingRule.apply(q, k, v, x_pre, y_pre, valid_ext.view(torch.uint8), beta, lam, log_gate,
+                                          S0, W, eps, decay_floor, flags, read_after, chunk_size, output_final_state)
     final = None
     if output_final_state:
         if W == 1:
@@ -324,10 +351,11 @@ def sliding_chunk(
         # the pairs still open after the last step (padding steps are no-ops, so step T-1 holds)
         pos = T + steps.expand(B, W - 1)
         xo, yo = _ext_rows(x_pre, k, pos).float(), _ext_rows(y_pre, v, pos).float()
-        S_T = L_T + torch.einsum("bhd,bdhk,bdhv->bhkv", rho[:, T - 1], xo, yo)
-        # the last W-1 pairs of every row, oldest first
-        end = pos if lengths is None else lengths.to(dev)[:, None] + steps
-        tx = _ext_rows(x_pre, k, end).transpose(1, 2).float()
-        ty = _ext_rows(y_pre, v, end).transpose(1, 2).float()
-        final = (S_T, tx, ty, valid_ext.gather(1, end))
+        S_T = L_T + torch.einsum("bhd,bdhk,bdhv->bhkv", rho_last, xo, yo)
+        # the last W-1 pairs of every row, oldest first (without padding: the open pairs)
+        end, tx, ty = pos, xo, yo
+        if lengths is not None:
+            end = lengths.to(dev)[:, None] + steps
+            tx, ty = _ext_rows(x_pre, k, end).float(), _ext_rows(y_pre, v, end).float()
+        final = (S_T, tx.transpose(1, 2), ty.transpose(1, 2), valid_ext.gather(1, end))
     return o, final

@@ -14,21 +14,24 @@ every output::
 
     o_t += sum_{d=1}^{W-1} rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}
 
-A program owns ``BT`` rows of one ``(b, h)`` and walks the band one diagonal ``d`` at a
-time: row by row, ``q_t . x_{tau+d}`` is a product summed over the key dimension, and
-``y_{tau+d}`` is added with that weight. The band holds ``W - 1`` pairs per step, so this
-reads each row a few times (from cache) and computes no masked-out score; two masked
-``BT x BT`` score tiles per block (its own pairs and the next block's) would compute
-``2 BT / (W - 1)`` times the needed scores.
+A program owns ``BT`` rows of one ``(b, h)``, holds their ``q`` (and ``do``) rows in
+registers (all ``K`` and ``V`` columns: ``BK >= K``, ``BV >= V``) and walks the band one
+diagonal ``d`` at a time: row by row, ``q_t . x_{tau+d}`` is a product summed over the key
+dimension, and ``y_{tau+d}`` is added with that weight. Each diagonal loads one ``x`` and
+one ``y`` row per step, and no masked-out score is computed; two masked ``BT x BT`` score
+tiles per block (its own pairs and the next block's) would compute ``2 BT / (W - 1)``
+times the needed scores.
 
-* ``energy_fwd`` / ``energy_bwd``: ``n = ||k||^2`` per row (fp32) and ``dk = 2 k dn``.
+* ``energy_fwd``: ``n = ||x_p||^2`` per extended position (fp32); its gradient ``2 x_p dn_p``
+  is part of ``band_bwd_pairs``.
 * ``step_fwd``, ``gains_fwd`` / ``gains_bwd``, ``step_bwd``, ``energy_spread``: the
   step sizes (``ops.step_sizes``) and the gains ``e``, ``rho`` (see below), forward and
   backward, on ``[B, T, H]`` scalars.
 * ``band_fwd``: the band added in place to the scan's outputs.
 * ``band_bwd_rows``: per step, ``d rho`` and the band's part of ``dq`` (in place).
 * ``band_bwd_pairs``: per extended position, the band's part of ``dx`` and ``dy`` plus
-  the scan's gradient of the delayed pairs, stored to the prefix or the body gradient.
+  the scan's gradient of the delayed pairs and the energies' gradient, stored to the prefix
+  or the body gradient.
 """
 from __future__ import annotations
 
@@ -39,25 +42,22 @@ from .step_size_kernels import _log1p
 
 
 @triton.jit
-def _ext_rows(prefix, body, i_b, pos, i_h, m_row, n_pre, T, H: tl.constexpr, D: tl.constexpr):
-    """Row pointers of the extended positions ``pos`` ``[BT]`` and where they exist."""
-    ptr = tl.where(pos < n_pre, prefix + ((i_b * n_pre + pos) * H + i_h) * D,
-                   body + ((i_b * T + pos - n_pre) * H + i_h) * D)
-    return ptr, m_row & (pos >= 0) & (pos < n_pre + T)
+def _ext_rows(prefix, body, i_b, pos, i_h, m_row, n_pre, T, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Pointers ``[BT, BD]`` to the rows of the extended positions ``pos`` ``[BT]`` (columns
+    ``0 .. BD-1``, ``BD >= D``) and where they exist. The select is between whole pointer tiles:
+    selecting row pointers before adding the columns would lose the vectorized access."""
+    o_d = tl.arange(0, BD)[None, :]
+    p = pos[:, None]
+    ptr = tl.where(p < n_pre, prefix + ((i_b * n_pre + p) * H + i_h) * D + o_d,
+                   body + ((i_b * T + p - n_pre) * H + i_h) * D + o_d)
+    return ptr, (m_row & (pos >= 0) & (pos < n_pre + T))[:, None] & (o_d < D)
 
 
 @triton.jit
-def _row_dots(a_ptr, m_a, b_ptr, m_b, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
-    """``[BT]`` fp32: ``a_i . b_i`` for the rows at the pointers ``a_ptr`` and ``b_ptr`` (0 where
-    either row is missing)."""
-    acc = tl.zeros([BT], dtype=tl.float32)
-    for i_d in range(tl.cdiv(D, BD)):
-        o_d = i_d * BD + tl.arange(0, BD)
-        m_d = o_d[None, :] < D
-        b_a = tl.load(a_ptr[:, None] + o_d[None, :], mask=m_a[:, None] & m_d, other=0.0).to(tl.float32)
-        b_b = tl.load(b_ptr[:, None] + o_d[None, :], mask=m_b[:, None] & m_d, other=0.0).to(tl.float32)
-        acc += tl.sum(b_a * b_b, axis=1)
-    return acc
+def _ext_tile(prefix, body, i_b, pos, i_h, m_row, n_pre, T, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """``[BT, BD]`` fp32: the rows of the extended positions ``pos`` (0 where missing)."""
+    ptr, m = _ext_rows(prefix, body, i_b, pos, i_h, m_row, n_pre, T, H, D, BD)
+    return tl.load(ptr, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -74,30 +74,22 @@ def _band_weight(rho, i_b, i_h, o_tau, m_tau, d, T, H: tl.constexpr, W: tl.const
 
 
 @triton.jit
-def energy_fwd(k, n, rows_total, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    """Grid ``(cdiv(rows, BR),)``: ``n_r = sum_c k[r, c]^2`` in fp32."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = rows < rows_total
+def energy_fwd(x_body, x_pre, n_ext, T, TE, n_pre, H: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
+               BD: tl.constexpr):
+    """Grid ``(cdiv(TE * H, BR), B)``: ``n_ext[b, p, h] = ||x_p||^2`` (fp32) for the extended
+    positions ``p < TE`` of ``[x_pre | x_body]``, ``BR`` rows ``(p, h)`` per program."""
+    i_b = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = r < TE * H
+    r2 = r[:, None]  # row (p, h) of the extended axis: prefix row r, or body row r - n_pre * H
     acc = tl.zeros([BR], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K), other=0.0)
-        b = b.to(tl.float32)
+    for i_d in range(tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)[None, :]
+        ptr = tl.where(r2 < n_pre * H, x_pre + (i_b * n_pre * H + r2) * D + o_d,
+                       x_body + (i_b * T * H + r2 - n_pre * H) * D + o_d)
+        b = tl.load(ptr, mask=m_r[:, None] & (o_d < D), other=0.0).to(tl.float32)
         acc += tl.sum(b * b, axis=1)
-    tl.store(n + rows, acc, mask=m_r)
-
-
-@triton.jit
-def energy_bwd(k, dn, dk, rows_total, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    """Grid ``(cdiv(rows, BR),)``: ``dk[r] = 2 k[r] dn_r``."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = rows < rows_total
-    g = 2.0 * tl.load(dn + rows, mask=m_r, other=0.0)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m = m_r[:, None] & (o_k[None, :] < K)
-        b = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(dk + rows[:, None] * K + o_k[None, :], (b * g[:, None]).to(dk.dtype.element_ty), mask=m)
+    tl.store(n_ext + i_b * TE * H + r, acc, mask=m_r)
 
 
 @triton.jit
@@ -116,21 +108,20 @@ def _band_program_rows(T, H: tl.constexpr, BT: tl.constexpr, LAG: tl.constexpr):
 def band_fwd(
     q, x_body, x_pre, y_body, y_pre, rho, o, T, n_pre_x, n_pre_y,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, LAG: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BT), B * H)``, rows ``tau`` of one block (all ``V`` columns, ``BVF >= V``),
-    in place on the scan's outputs: ``o_t += sum_d rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}``."""
+    """Grid ``(cdiv(T, BT), B * H)``, rows ``tau`` of one block (``BK >= K``, ``BV >= V``), in
+    place on the scan's outputs: ``o_t += sum_d rho_{tau,d} (q_t . x_{tau+d}) y_{tau+d}``."""
     i_b, i_h, o_tau, m_t, row = _band_program_rows(T, H, BT, LAG)
-    o_v = tl.arange(0, BVF)
+    o_v = tl.arange(0, BV)
     m_tv = m_t[:, None] & (o_v[None, :] < V)
+    b_q = _rows_tile(q + row * K, m_t, K, BK)
     acc = tl.load(o + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
     for d in range(1, W):
         pos = o_tau + d
-        x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, m_t, n_pre_x, T, H, K)
-        y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, m_t, n_pre_y, T, H, V)
-        s = _row_dots(q + row * K, m_t, x_ptr, m_x, K, BK, BT)
+        s = tl.sum(b_q * _ext_tile(x_pre, x_body, i_b, pos, i_h, m_t, n_pre_x, T, H, K, BK), axis=1)
         w = _band_weight(rho, i_b, i_h, o_tau, m_t, d, T, H, W)
-        acc += (w * s)[:, None] * _rows_tile(y_ptr, m_y, V, BVF)
+        acc += (w * s)[:, None] * _ext_tile(y_pre, y_body, i_b, pos, i_h, m_t, n_pre_y, T, H, V, BV)
     tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -138,64 +129,74 @@ def band_fwd(
 def band_bwd_rows(
     q, x_body, x_pre, y_body, y_pre, do, rho, dq, drho, T, n_pre_x, n_pre_y,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, LAG: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BT), B * H)``, rows ``tau``: ``drho_{tau,d} = sq sd`` and, in place,
-    ``dq_t += sum_d rho_{tau,d} sd x_{tau+d}`` (``sq = q_t . x_{tau+d}``, ``sd = do_t . y_{tau+d}``)."""
+    """Grid ``(cdiv(T, BT), B * H)``, rows ``tau``: ``drho_{tau,d} = sq sd`` (0 where the step
+    ``t = tau + LAG`` is past the end) and, in place, ``dq_t += sum_d rho_{tau,d} sd x_{tau+d}``
+    (``sq = q_t . x_{tau+d}``, ``sd = do_t . y_{tau+d}``)."""
     i_b, i_h, o_tau, m_t, row = _band_program_rows(T, H, BT, LAG)
-    o_k = tl.arange(0, BKF)
+    o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k[None, :] < K)
+    b_q = _rows_tile(q + row * K, m_t, K, BK)
+    b_do = _rows_tile(do + row * V, m_t, V, BV)
     acc = tl.load(dq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     for d in range(1, W):
         pos = o_tau + d
-        x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, m_t, n_pre_x, T, H, K)
-        y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, m_t, n_pre_y, T, H, V)
-        sq = _row_dots(q + row * K, m_t, x_ptr, m_x, K, BK, BT)
-        sd = _row_dots(do + row * V, m_t, y_ptr, m_y, V, BV, BT)
-        tl.store(drho + ((i_b * T + o_tau) * H + i_h) * (W - 1) + d - 1, sq * sd, mask=m_t)
+        b_x = _ext_tile(x_pre, x_body, i_b, pos, i_h, m_t, n_pre_x, T, H, K, BK)
+        sq = tl.sum(b_q * b_x, axis=1)
+        sd = tl.sum(b_do * _ext_tile(y_pre, y_body, i_b, pos, i_h, m_t, n_pre_y, T, H, V, BV), axis=1)
+        tl.store(drho + ((i_b * T + o_tau) * H + i_h) * (W - 1) + d - 1, sq * sd, mask=o_tau < T)
         w = _band_weight(rho, i_b, i_h, o_tau, m_t, d, T, H, W)
-        acc += (w * sd)[:, None] * _rows_tile(x_ptr, m_x, K, BKF)
+        acc += (w * sd)[:, None] * b_x
     tl.store(dq + row[:, None] * K + o_k[None, :], acc.to(dq.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit
 def band_bwd_pairs(
-    q, do, x_body, x_pre, y_body, y_pre, rho, dx_del, dy_del, dx_body, dx_pre, dy_body, dy_pre, T, n_pre_x, n_pre_y,
+    q, do, x_body, x_pre, y_body, y_pre, rho, dx_del, dy_del, d_stat, valid_ext, dx_body, dx_pre, dy_body, dy_pre,
+    T, n_pre_x, n_pre_y,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, LAG: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LAG: tl.constexpr,
 ):
     """Grid ``(cdiv(T + n_pre_x, BT), B * H)`` over extended positions ``p``:
-    ``dx_p = dx_del_p + sum_d rho_{p-d,d} (do_t . y_p) q_t`` and
+    ``dx_p = dx_del_p + 2 dn_p x_p + sum_d rho_{p-d,d} (do_t . y_p) q_t`` and
     ``dy_p = dy_del_p + sum_d rho_{p-d,d} (q_t . x_p) do_t`` (``t = p - d + LAG``), stored to
-    the prefix or the body."""
+    the prefix or the body; ``dn_p = v_p sum_{m<W} d_stat_{p-m}`` is the gradient of the energy
+    ``||x_p||^2`` (the steps whose window holds ``p``). Without a prefix (``n_pre = 0``) the
+    output may be the delayed gradient itself: each row is read, then written, by one program."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     pos = i_t * BT + tl.arange(0, BT)
-    x_ptr, m_x = _ext_rows(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
-    y_ptr, m_y = _ext_rows(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
-    o_k, o_v = tl.arange(0, BKF), tl.arange(0, BVF)
+    b_x = _ext_tile(x_pre, x_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K, BK)
+    b_y = _ext_tile(y_pre, y_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V, BV)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     delayed = (pos < T)[:, None]
     del_row = (i_b * T + pos) * H + i_h
     acc_x = tl.load(dx_del + del_row[:, None] * K + o_k[None, :], mask=delayed & (o_k[None, :] < K),
                     other=0.0).to(tl.float32)
     acc_y = tl.load(dy_del + del_row[:, None] * V + o_v[None, :], mask=delayed & (o_v[None, :] < V),
                     other=0.0).to(tl.float32)
+    TE = T + W - 1
+    dn = tl.zeros([BT], dtype=tl.float32)
+    for m in range(W):
+        s = pos - m
+        dn += tl.load(d_stat + (i_b * T + s) * H + i_h, mask=(s >= 0) & (s < T), other=0.0)
+    ok = tl.load(valid_ext + i_b * TE + pos, mask=pos < TE, other=0) != 0
+    acc_x += tl.where(ok, 2.0 * dn, 0.0)[:, None] * b_x
     for d in range(1, W):
         o_tau = pos - d
         o_t = o_tau + LAG
         m_c = (o_tau >= 0) & (o_t < T)
         row = (i_b * T + o_t) * H + i_h
         w = _band_weight(rho, i_b, i_h, o_tau, m_c, d, T, H, W)
-        sq = _row_dots(x_ptr, m_x, q + row * K, m_c, K, BK, BT)
-        sd = _row_dots(y_ptr, m_y, do + row * V, m_c, V, BV, BT)
-        acc_x += (w * sd)[:, None] * _rows_tile(q + row * K, m_c, K, BKF)
-        acc_y += (w * sq)[:, None] * _rows_tile(do + row * V, m_c, V, BVF)
-    dx_ptr, m_dx = _ext_rows(dx_pre, dx_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K)
-    tl.store(dx_ptr[:, None] + o_k[None, :], acc_x.to(dx_body.dtype.element_ty),
-             mask=m_dx[:, None] & (o_k[None, :] < K))
-    dy_ptr, m_dy = _ext_rows(dy_pre, dy_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V)
-    tl.store(dy_ptr[:, None] + o_v[None, :], acc_y.to(dy_body.dtype.element_ty),
-             mask=m_dy[:, None] & (o_v[None, :] < V))
+        b_q = _rows_tile(q + row * K, m_c, K, BK)
+        b_do = _rows_tile(do + row * V, m_c, V, BV)
+        acc_x += (w * tl.sum(b_y * b_do, axis=1))[:, None] * b_q
+        acc_y += (w * tl.sum(b_x * b_q, axis=1))[:, None] * b_do
+    dx_ptr, m_dx = _ext_rows(dx_pre, dx_body, i_b, pos, i_h, pos >= 0, n_pre_x, T, H, K, BK)
+    tl.store(dx_ptr, acc_x.to(dx_body.dtype.element_ty), mask=m_dx)
+    dy_ptr, m_dy = _ext_rows(dy_pre, dy_body, i_b, pos, i_h, pos >= 0, n_pre_y, T, H, V, BV)
+    tl.store(dy_ptr, acc_y.to(dy_body.dtype.element_ty), mask=m_dy)
 
 
 # ---- per-token scalars: step sizes, completed gains and open weights ----

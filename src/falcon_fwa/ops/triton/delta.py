@@ -114,8 +114,9 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     dv = torch.empty_like(v)
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
+    dG = torch.empty_like(A)  # wy_bwd's scratch: the Gram's gradient, read back transposed
     wy.wy_bwd[(layout.num_chunks, H)](
-        x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, chunk_indices=layout.chunk_indices, n_rows=rows,
+        x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, chunk_indices=layout.chunk_indices, n_rows=rows,
         H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_bwd"], num_stages=stages,
         **meta)
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)

@@ -18,9 +18,9 @@ and inverted there in 16 x 16 blocks, forward substitution on the diagonal ones 
 products for the rest), ``state_fwd`` (sequential: entry states and
 ``D``), ``state_bwd`` (reverse: ``dD = dD_local + exp(u_C - u) X dh`` and
 ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
-(through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``).
-Every transposed operand is loaded or computed as such, never ``tl.trans`` of a
-product.
+(through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``, each
+product once). Every transposed operand is loaded as such (``wy_bwd``'s ``dG^T`` read back
+from the scratch it was stored in), never ``tl.trans`` of a product.
 """
 from __future__ import annotations
 
@@ -253,13 +253,20 @@ def state_bwd(
 
 @triton.jit
 def wy_bwd(
-    x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
+    x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
 ):
     """Grid ``(num_chunks, H)`` with ``BK >= K``: gradients through ``D = U - W h``,
     ``U = A (eta Y)``, ``W = A (kappa exp(w) X)`` and ``A = (I + N)^{-1}``. Writes ``dv``,
-    ``dkappa``, adds into ``dx`` and writes ``extra = [deta, du, dw]`` ``[3, rows, H]``."""
+    ``dkappa``, adds into ``dx`` and writes ``extra = [deta, du, dw]`` ``[3, rows, H]``::
+
+        dU = dD,  dW = -dD h^T,  dA = dU (eta Y)^T + dW (kappa exp(w) X)^T,  dL = -A^T dA A^T
+
+    Each product is formed once, with ``A^T``, ``Y^T``, ``h^T`` and ``X^T`` loaded as such. The
+    Gram's gradient ``dG`` (``[p, r]``, ``r`` before ``p``) enters ``dx`` through ``dG + dG^T``:
+    ``dG`` is staged in the scratch ``dG`` (``[rows, H, BT]`` fp32, laid out as ``A``) and read
+    back transposed."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -272,60 +279,54 @@ def wy_bwd(
     kw = ka * tl.exp(w)
     # dot operands in the input dtype (the tensor cores' native type for 16-bit inputs), fp32 accumulation
     dt = x.dtype.element_ty
-    b_a = tl.load(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], mask=m_t[:, None], other=0.0).to(dt)
     b_at = tl.load(A + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0).to(dt)
     state = ((boh + i_t) * H + i_h) * K * V
-    b_da = tl.zeros([BT, BT], dtype=tl.float32)   # dA
-    b_dat = tl.zeros([BT, BT], dtype=tl.float32)  # dA^T
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dW = -dD h^T
-    b_dwt = tl.zeros([BK, BT], dtype=tl.float32)  # dW^T
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)  # dA
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # dW = -dD h^T
     d_eta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
-        rows_vt = ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None]
         b_dd = tl.load(dD + rows_v, mask=m_tv, other=0.0).to(dt)
-        b_ddt = tl.load(dD + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0).to(dt)
-        b_y = tl.load(v + rows_v, mask=m_tv, other=0.0).to(dt)
-        b_yt = tl.load(v + rows_vt, mask=m_t[None, :] & m_v[:, None], other=0.0).to(dt)
-        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(dt)
+        b_y = tl.load(v + rows_v, mask=m_tv, other=0.0)
+        b_yt = tl.load(v + ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None],
+                       other=0.0).to(dt)
         b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0).to(dt)
-        b_da += tl.dot(b_dd, b_yt, input_precision=PRECISION) * et[None, :]
-        b_dat += tl.dot(b_y, b_ddt, input_precision=PRECISION) * et[:, None]
+        b_da += tl.dot(b_dd, b_yt, input_precision=PRECISION)
         b_atdu = tl.dot(b_at, b_dd, input_precision=PRECISION)  # A^T dU
         tl.store(dv + rows_v, (b_atdu * et[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         d_eta += tl.sum(b_y.to(tl.float32) * b_atdu, axis=1)
         b_dw -= tl.dot(b_dd, b_ht, input_precision=PRECISION)
-        b_dwt -= tl.dot(b_h, b_ddt, input_precision=PRECISION)
+    b_da = b_da * et[None, :]
     rows_k = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
     b_x = tl.load(x + rows_k, mask=m_tk, other=0.0)
     b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None],
                    other=0.0)
-    b_dw16, b_dwt16 = b_dw.to(dt), b_dwt.to(dt)
+    b_dw16 = b_dw.to(dt)
     b_da += tl.dot(b_dw16, b_xt, input_precision=PRECISION) * kw[None, :]
-    b_dat += tl.dot(b_x, b_dwt16, input_precision=PRECISION) * kw[:, None]
     b_atdw = tl.dot(b_at, b_dw16, input_precision=PRECISION)  # A^T dW
     b_dx = b_atdw * kw[:, None]
     d_kw = tl.sum(b_x.to(tl.float32) * b_atdw, axis=1)
     d_kappa = d_kw * tl.exp(w)
     d_w = d_kw * kw
-    # dL = -A^T dA A^T and its transpose -A dA^T A, restricted to the strict lower triangle
+    # dL = -A^T dA A^T, restricted to the strict lower triangle (earlier steps)
     b_dl = -tl.dot(tl.dot(b_at, b_da.to(dt), input_precision=PRECISION).to(dt), b_at, input_precision=PRECISION)
-    b_dlt = -tl.dot(tl.dot(b_a, b_dat.to(dt), input_precision=PRECISION).to(dt), b_a, input_precision=PRECISION)
     b_g = tl.dot(b_x, b_xt, input_precision=PRECISION)
-    strict = _earlier_step(o_c, o_c, SLOTS)    # [p, r]: r before p
-    strict_t = (o_c[:, None] // SLOTS) < (o_c[None, :] // SLOTS)  # [r, p]: r before p
-    dec = tl.exp(tl.where(strict, w[:, None] - u[None, :], float("-inf")))      # [p, r]
-    dec_t = tl.exp(tl.where(strict_t, w[None, :] - u[:, None], float("-inf")))  # [r, p]
+    strict = _earlier_step(o_c, o_c, SLOTS)  # [p, r]: r before p
+    dec = tl.exp(tl.where(strict, w[:, None] - u[None, :], float("-inf")))
     b_dn = tl.where(strict, b_dl, 0.0)
     d_kappa += tl.sum(b_dn * dec * b_g, axis=1)
     b_dnn = b_dn * dec * b_g * ka[:, None]  # dN * N
     d_w += tl.sum(b_dnn, axis=1)
     d_u = -tl.sum(b_dnn, axis=0)
-    b_dg = b_dn * dec * ka[:, None] + tl.where(strict_t, b_dlt, 0.0) * dec_t * ka[None, :]  # dG + dG^T
+    p_g = dG + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :]
+    tl.store(p_g, b_dn * dec * ka[:, None], mask=m_t[:, None])  # dG
+    tl.debug_barrier()  # every row of dG stored before it is read back transposed
+    b_dg = tl.load(p_g, mask=m_t[:, None], other=0.0)
+    b_dg += tl.load(dG + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0)
     b_dx += tl.dot(b_dg.to(dt), b_x, input_precision=PRECISION)
     b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)

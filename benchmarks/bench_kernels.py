@@ -12,6 +12,10 @@ above what was allocated before it (inputs excluded). ``fwd`` runs under
 ``torch.no_grad()``; ``fwdbwd`` is the forward plus ``backward`` of the output with
 a fixed upstream gradient.
 
+``--paired ROUNDS`` also times each Falcon op against its fla counterpart in alternation
+(:func:`paired_ratio`) and writes ``<out>/<name>-paired.json``: rows ``{op, fla_op, B, T, H, K, V,
+mode: "fwdbwd-paired", ms, fla_ms, ratio, ratio_min, ratio_max, rounds, target, commit}``.
+
 flash-linear-attention 0.6.0 refuses its gated backward on Triton 3.4-3.7.0 on
 Hopper (a known miscompile); ``--allow-fla-gated`` lifts that guard for timing only.
 """
@@ -25,6 +29,7 @@ import platform
 import signal
 import tempfile
 import traceback
+from statistics import median
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -205,8 +210,9 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def measure(build: Builder, shape, mode: str) -> Tuple[float, int]:
-    from triton.testing import do_bench
+def _step(build: Builder, shape, mode: str) -> Tuple[Callable[[], None], List[torch.Tensor]]:
+    """One timed call of ``build`` at ``shape``: the forward under ``no_grad`` (``"fwd"``) or the forward
+    plus the backward of a fixed upstream gradient (``"fwdbwd"``), and the leaves whose gradients it sets."""
     fn, leaves = build(*shape)
     if mode == "fwd":
         def step():
@@ -217,6 +223,12 @@ def measure(build: Builder, shape, mode: str) -> Tuple[float, int]:
 
         def step():
             fn().backward(do)
+    return step, leaves
+
+
+def measure(build: Builder, shape, mode: str) -> Tuple[float, int]:
+    from triton.testing import do_bench
+    step, leaves = _step(build, shape, mode)
     step()  # compile / autotune
     for t in leaves:
         t.grad = None
@@ -231,6 +243,37 @@ def measure(build: Builder, shape, mode: str) -> Tuple[float, int]:
     ms = do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
     torch.cuda.empty_cache()
     return float(ms), int(peak)
+
+
+def paired_ratio(ours: Callable[[], float], theirs: Callable[[], float], rounds: int) -> dict:
+    """Ratio of two timings taken in alternation: round ``i`` times ``ours`` then ``theirs`` (each
+    timer returns a median in ms) and keeps ``ours / theirs``. A slow spell of the host (other
+    processes launching or compiling) then falls on both sides of most ratios, which a ratio of two
+    medians taken minutes apart does not ensure. Returns the median ratio, its range over the
+    rounds, and the median of each side."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(float(ours()))
+        b.append(float(theirs()))
+    ratios = [x / y for x, y in zip(a, b)]
+    return dict(ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios), ms=median(a), fla_ms=median(b),
+                rounds=rounds)
+
+
+def measure_paired(ours: str, theirs: str, shape, rounds: int) -> dict:
+    """:func:`paired_ratio` of two ops' forward+backward at ``shape`` (``do_bench`` medians of 20 ms each)."""
+    from triton.testing import do_bench
+    timers = []
+    for name in (ours, theirs):
+        step, leaves = _step(OPS[name], shape, "fwdbwd")
+        step()  # compile / autotune
+        timers.append(lambda step=step, leaves=leaves: do_bench(step, warmup=5, rep=20, grad_to_none=leaves,
+                                                                return_mode="median"))
+    found = paired_ratio(timers[0], timers[1], rounds)
+    torch.cuda.empty_cache()
+    return found
 
 
 SWEEP_CANDIDATES = [  # (BK, BV, num_warps, num_stages)
@@ -318,7 +361,7 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
     out += [f"- {n}" for n in notes] + [""]
     out += ["| op | B | T | H | K | V | mode | ms | peak MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["mode"] == "decode":
+        if r["mode"] in ("decode", "fwdbwd-paired"):
             continue
         op = r["op"] if "window" not in r else f"{r['op']} (window {r['window']})"
         out.append(f"| {op} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
@@ -333,6 +376,14 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
                 tgt = f"<= {target}" if (B, T) == SHAPES[0][:2] else "-"
                 out.append(f"| {ours} | {theirs} | {B} | {T} | {a['ms'] / b['ms']:.2f} | {tgt} | "
                            f"{a['peak_mem_bytes'] / max(b['peak_mem_bytes'], 1):.2f} |")
+    paired = [r for r in rows if r["mode"] == "fwdbwd-paired"]
+    if paired:
+        out += ["", "## Paired ratios (fwd+bwd, the two ops timed in alternation)", "",
+                "| Falcon op | fla op | B | T | rounds | median ratio | range | Falcon ms | fla ms | target |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r['op']} | {r['fla_op']} | {r['B']} | {r['T']} | {r['rounds']} | {r['ratio']:.2f} | "
+                f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['ms']:.3f} | {r['fla_ms']:.3f} | "
+                f"{'<= ' + str(r['target']) if (r['B'], r['T']) == SHAPES[0][:2] else '-'} |" for r in paired]
     decode = [r for r in rows if r["mode"] == "decode"]
     if decode:
         out += ["", "## Decoding step (one layer's mixer op, H=6, K=V=128)", "",
@@ -359,12 +410,17 @@ def main(argv=None) -> None:
     p.add_argument("--decode", action="store_true", help="also time the fused decoding step against the PyTorch step")
     p.add_argument("--tag", default=None,
                    help="recorded as 'process' on every row: ratios are only taken between rows of one process")
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="also time each Falcon op of --ops against its fla counterpart (also in --ops) in alternation, "
+                        "ROUNDS rounds, fwd+bwd at the first shape: a ratio robust to a busy host")
     p.add_argument("--row-timeout", type=float, default=90.0,
                    help="seconds one row may take before it is skipped and reported (checked between calls: "
                         "one call that hangs is not interrupted)")
     args = p.parse_args(argv)
     if args.row_timeout <= 0:
         p.error("--row-timeout must be positive")
+    if args.paired < 0:
+        p.error(f"--paired must be >= 0 rounds, got {args.paired}")
     notes = []
     if args.allow_fla_gated:
         import fla.ops.common.chunk_o as chunk_o
@@ -398,6 +454,30 @@ def main(argv=None) -> None:
                 print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB", flush=True)
                 _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
                 _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))
+    paired = []  # rows of --paired: written to <name>-paired.json, beside the plain rows
+    if args.paired:
+        shape = SHAPES[args.shapes[0]]
+        for ours, theirs, target in TARGETS:
+            if ours not in args.ops or theirs not in args.ops:
+                continue
+            try:
+                with _time_limit(args.row_timeout):
+                    found = measure_paired(ours, theirs, shape, args.paired)
+            except Exception as e:
+                errors.append(f"paired {ours} / {theirs}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                torch.cuda.empty_cache()
+                continue
+            B, T, H, K, V = shape
+            paired.append(dict(op=ours, fla_op=theirs, B=B, T=T, H=H, K=K, V=V, mode="fwdbwd-paired",
+                             ms=round(found["ms"], 4), fla_ms=round(found["fla_ms"], 4),
+                             ratio=round(found["ratio"], 4), ratio_min=round(found["ratio_min"], 4),
+                             ratio_max=round(found["ratio_max"], 4), rounds=found["rounds"], target=target,
+                             commit=commit, **({"process": args.tag} if args.tag else {})))
+            print(f"paired {ours} / {theirs}: ratio {found['ratio']:.3f} ({found['ratio_min']:.3f}-"
+                  f"{found['ratio_max']:.3f}) over {found['rounds']} rounds", flush=True)
+            _atomic_write(os.path.join(args.out, f"{args.name}-paired.json"), json.dumps(paired, indent=1) + "\n")
+            _atomic_write(os.path.join(args.out, f"{args.name}.md"),
+                          _markdown(rows + paired, versions, commit, notes, errors))
     for name in args.profile:
         try:
             found = profile(name, SHAPES[args.shapes[0]])
@@ -422,7 +502,7 @@ def main(argv=None) -> None:
                      f"the 130M presets), state carried, no gradients; tokens/s counts {layers} such layers and "
                      "nothing else of the model.")
     _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
-    _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))
+    _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ case "$STAGE" in
     # ROW_TIMEOUT covers compilation: fla's autotuned rows need more than 150 s of it on a fresh machine.
     # With two or more GPUs (and no BENCH_OPS) the rows are split over two processes, one per GPU, each timing
     # its own fla reference rows: every ratio is then taken between rows of one process (the `process` key).
-    KOPTS="--allow-fla-gated --shapes 0 --row-timeout ${ROW_TIMEOUT:-150}"
+    # PAIRED=N adds N rounds of each Falcon op timed in alternation with its fla counterpart (--paired): the
+    # ratio that holds up when the host is busy.
+    KOPTS="--allow-fla-gated --shapes 0 --row-timeout ${ROW_TIMEOUT:-150} ${PAIRED:+--paired $PAIRED}"
     PROFILE_OPTS="${BENCH_PROFILE:+--profile $BENCH_PROFILE}"
     if [ -z "${BENCH_OPS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu0 \

@@ -32,6 +32,38 @@ def test_row_time_limit_stops_a_slow_row_only():
     assert signal.getsignal(signal.SIGALRM) is before
 
 
+def test_paired_ratio_cancels_a_slow_spell_of_the_host():
+    import bench_kernels
+    # ours takes 2 ms and theirs 4 ms, except in rounds 2-4 where the host slows both by 3 ms
+    slow = {2, 3, 4}
+    calls = {"ours": 0, "theirs": 0}
+
+    def timer(name, base):
+        def t():
+            i = calls[name]
+            calls[name] += 1
+            return base + (3.0 if i in slow else 0.0)
+        return t
+    found = bench_kernels.paired_ratio(timer("ours", 2.0), timer("theirs", 4.0), rounds=9)
+    assert calls == {"ours": 9, "theirs": 9}  # alternated, one call each per round
+    assert found["ratio"] == pytest.approx(0.5)  # 6 of 9 rounds are clean: the median is theirs
+    assert found["ratio_min"] == pytest.approx(0.5) and found["ratio_max"] == pytest.approx(5.0 / 7.0)
+    assert found["ms"] == pytest.approx(2.0) and found["fla_ms"] == pytest.approx(4.0) and found["rounds"] == 9
+    with pytest.raises(ValueError, match="rounds"):
+        bench_kernels.paired_ratio(timer("ours", 1.0), timer("theirs", 1.0), rounds=0)
+
+
+def test_markdown_lists_paired_rows_apart_from_the_table():
+    import bench_kernels
+    versions = dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p")
+    B, T, H, K, V = bench_kernels.SHAPES[0]
+    row = dict(op="falcon-1", fla_op="fla-gated-delta-rule", B=B, T=T, H=H, K=K, V=V, mode="fwdbwd-paired", ms=2.0,
+               fla_ms=2.5, ratio=0.8, ratio_min=0.75, ratio_max=0.9, rounds=9, target=0.8, commit="x")
+    text = bench_kernels._markdown([row], versions, "x", [], [])
+    assert "| falcon-1 | fla-gated-delta-rule | 8 | 2048 | 9 | 0.80 | 0.75-0.90 | 2.000 | 2.500 | <= 0.8 |" in text
+    assert "| falcon-1 | 8 |" not in text  # not a timing row of the main table
+
+
 def test_decode_benchmark_tiny_model(tmp_path):
     import bench_decode
     # on the CPU the fused step runs through Triton's interpreter (tests set TRITON_INTERPRET)

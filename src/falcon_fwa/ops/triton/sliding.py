@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import sliding_kernels as kern
 from .chunk_index import chunk_layout
@@ -145,6 +146,11 @@ def _energies(x_pre: torch.Tensor, k: torch.Tensor, window: int) -> torch.Tensor
     return n_ext
 
 
+def _gain_flags(normalize: bool, scale_ridge: bool, log_gate: Optional[torch.Tensor]) -> dict:
+    """The step-size kernels' switches."""
+    return dict(NORMALIZE=bool(normalize), SCALE_RIDGE=bool(scale_ridge), HAS_GATE=log_gate is not None)
+
+
 def _gains_forward(n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, flags):
     """``step_fwd`` (``g = eta / B``, ``log a``) then ``gains_fwd``: fp32 ``g``, ``log_a``, ``e`` ``[B, T, H]``
     and ``rho`` ``[B, T, H, W-1]``."""
@@ -161,8 +167,8 @@ def _gains_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a, de, drho, d
                     flags):
     """``gains_bwd`` then ``step_bwd`` from the fp32 ``de``, ``drho``, ``dlog_a``: ``d_beta``, ``d_lam``,
     ``d_gate`` (in their inputs' dtypes; ``None`` without a gate) and fp32 ``d_stat`` ``[B, T, H]``, the
-    gradient of each step's mean energy over its pair count (``energy_spread``, or within
-    ``band_bwd_pairs``, turns it into the energies' gradient)."""
+    gradient of each step's mean energy over its pair count (``_WindowGains.backward``, or
+    ``band_bwd_pairs`` within the rule, turns it into the energies' gradient)."""
     B, T, H = beta.shape
     grid, lags = (cdiv(T, _BT), B * H), _lags(H, window)
     lag_a, lag_d = (torch.empty(B, T, H, lags["WP"], dtype=torch.float32, device=g.device) for _ in range(2))
@@ -175,7 +181,8 @@ def _gains_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a, de, drho, d
 
 
 class _WindowGains(torch.autograd.Function):
-    """``window_gains``: ``_gains_forward``; backward ``_gains_backward`` and ``energy_spread``."""
+    """``window_gains``: ``_gains_forward``; backward ``_gains_backward``, then each step's energy gradient
+    spread over the pairs of its window."""
 
     @staticmethod
     def forward(ctx, n_ext, valid_ext, beta, lam, log_gate, window, eps, decay_floor, flags):
@@ -194,8 +201,9 @@ class _WindowGains(torch.autograd.Function):
         drho = g.new_zeros(B, T, H, window - 1) if drho is None else drho.float().contiguous()
         d_beta, d_lam, d_gate, d_stat = _gains_backward(n_ext, valid_ext, beta, lam, log_gate, g, log_a, de, drho,
                                                         dlog_a, window, eps, decay_floor, flags)
-        dn_ext = torch.empty_like(n_ext)
-        kern.energy_spread[(cdiv(T + window - 1, _BT), B * H)](d_stat, valid_ext, dn_ext, T, **_lags(H, window))
+        # dn_p = [p valid] sum_{m < W} d_stat_{p-m}: the steps whose window holds extended position p
+        spread = F.pad(d_stat, (0, 0, window - 1, window - 1)).unfold(1, window, 1).sum(-1)  # [B, T+W-1, H]
+        dn_ext = spread * valid_ext[..., None]
         return dn_ext, None, d_beta, d_lam, d_gate, None, None, None, None
 
 
@@ -227,7 +235,7 @@ def window_gains(
     ``t+d`` in ``S_t``) and ``log_a`` ``[B, T, H]``; differentiable in ``n_ext``,
     ``beta``, ``lam`` and ``log_gate``.
     """
-    flags = dict(NORMALIZE=bool(normalize), SCALE_RIDGE=bool(scale_ridge), HAS_GATE=log_gate is not None)
+    flags = _gain_flags(normalize, scale_ridge, log_gate)
     return _WindowGains.apply(n_ext.float().contiguous(), valid_ext.to(torch.uint8).contiguous(),
                               beta.contiguous(), lam.contiguous(),
                               None if log_gate is None else log_gate.contiguous(), int(window), float(eps),
@@ -337,7 +345,7 @@ def sliding_chunk(
     q, k, v = (t.contiguous() for t in (q, k, v))
 
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
-    flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None)
+    flags = _gain_flags(normalize, scale_ridge, log_gate)
     beta, lam = beta.contiguous(), lam.contiguous()
     log_gate = None if log_gate is None else log_gate.contiguous()
     S0 = None if S0 is None else S0.float().contiguous()

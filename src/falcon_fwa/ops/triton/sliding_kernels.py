@@ -24,7 +24,7 @@ times the needed scores.
 
 * ``energy_fwd``: ``n = ||x_p||^2`` per extended position (fp32); its gradient ``2 x_p dn_p``
   is part of ``band_bwd_pairs``.
-* ``step_fwd``, ``gains_fwd`` / ``gains_bwd``, ``step_bwd``, ``energy_spread``: the
+* ``step_fwd``, ``gains_fwd`` / ``gains_bwd``, ``step_bwd``: the
   step sizes (``ops.step_sizes``) and the gains ``e``, ``rho`` (see below), forward and
   backward, on ``[B, T, H]`` scalars.
 * ``band_fwd``: the band added in place to the scan's outputs.
@@ -336,7 +336,7 @@ def step_bwd(
 ):
     """Grid ``(cdiv(T, BT), B * H)``, rows ``r``: ``dg_r = sum_i A[r+i, i]``,
     ``dlog a_r`` (plus ``D[r+a, a]``), then the gradients of ``beta``, ``lam``,
-    ``log_gate`` and ``d_stat = dEbar_r / B_r`` (spread onto the energies by ``energy_spread``)."""
+    ``log_gate`` and ``d_stat = dEbar_r / B_r`` (spread onto the energies by ``band_bwd_pairs``)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     o_r = i_t * BT + tl.arange(0, BT)
@@ -372,20 +372,3 @@ def step_bwd(
     if HAS_GATE:
         tl.store(d_gate + row, d_la, mask=m_r)
     tl.store(d_stat + row, g_stat * inv_count, mask=m_r)
-
-
-@triton.jit
-def energy_spread(d_stat, valid_ext, dn_ext, T, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                  BT: tl.constexpr):
-    """Grid ``(cdiv(T + W - 1, BT), B * H)``: ``dn_p = v_p sum_{m<W} d_stat_{p-m}`` over the
-    extended positions ``p`` (the steps whose window holds ``p``)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    TE = T + W - 1
-    p = i_t * BT + tl.arange(0, BT)
-    m_p = p < TE
-    mm = tl.arange(0, WP)[None, :]
-    s = p[:, None] - mm
-    grads = tl.load(d_stat + (i_b * T + s) * H + i_h, mask=m_p[:, None] & (mm < W) & (s >= 0) & (s < T), other=0.0)
-    ok = tl.load(valid_ext + i_b * TE + p, mask=m_p, other=0) != 0
-    tl.store(dn_ext + (i_b * TE + p) * H + i_h, tl.where(ok, tl.sum(grads, axis=1), 0.0), mask=m_p)

@@ -7,8 +7,9 @@ position within its sequence. Layouts (see :class:`Packing`):
 * dense, no cache: one causal SDPA call over ``[B, H, T, d]``;
 * packed, no cache: one SDPA call with a block-diagonal causal mask, so
   sequences packed into a row never attend to each other;
-* with a cache: keys/values of each row are kept (rows may hold different
-  numbers of real tokens) and each sequence attends to its own prefix.
+* with a cache: keys/values of each row are kept in ``[rows, H, capacity, d]``
+  buffers with a length per row (rows may hold different numbers of real tokens);
+  new tokens are written in place and each sequence attends to its own prefix.
 """
 from __future__ import annotations
 
@@ -67,8 +68,7 @@ class CausalSelfAttention(nn.Module):
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             if cache is not None:
-                cache.keys = [k[b, :, a:e] for b, a, e, _ in self._segments(q, packing)]
-                cache.values = [v[b, :, a:e] for b, a, e, _ in self._segments(q, packing)]
+                self._store_prefix(k, v, packing, cache)
         else:
             o = self._cached(q, k, v, packing, cache)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, D))
@@ -81,27 +81,67 @@ class CausalSelfAttention(nn.Module):
             return [(0, a, b, int(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), packing.rows.tolist())]
         return [(b, 0, q.shape[2], b) for b in range(q.shape[0])]
 
+    def _store_prefix(self, k, v, packing: Packing, cache: LayerCache) -> None:
+        """The first call's keys and values into the cache's buffers (row ``r`` of each sequence)."""
+        segments = self._segments(k, packing)
+        if not packing.packed:
+            cache.keys, cache.values = _with_room(k, k.shape[2]), _with_room(v, v.shape[2])
+            cache.lengths = [k.shape[2]] * k.shape[0]
+            return
+        rows = 1 + max(r for _, _, _, r in segments)
+        longest = max(e - a for _, a, e, _ in segments)
+        cache.keys = k.new_zeros(rows, k.shape[1], _capacity(longest), k.shape[3])
+        cache.values = torch.zeros_like(cache.keys)
+        cache.lengths = [0] * rows
+        for b, a, e, r in segments:
+            cache.keys[r, :, :e - a], cache.values[r, :, :e - a] = k[b, :, a:e], v[b, :, a:e]
+            cache.lengths[r] = e - a
+
     def _cached(self, q, k, v, packing: Packing, cache: LayerCache) -> torch.Tensor:
-        """Each sequence attends to its row's cached keys plus its own causal prefix."""
-        if not packing.packed and len(cache.keys) == q.shape[0] and len({t.shape[1] for t in cache.keys}) == 1:
-            # every row holds the same number of cached tokens: one batched call instead of one per row
-            keys = torch.cat([torch.stack(cache.keys), k], dim=2)  # [B, H, P + L, d]
-            values = torch.cat([torch.stack(cache.values), v], dim=2)
-            cache.keys, cache.values = list(keys.unbind(0)), list(values.unbind(0))
-            P, L = keys.shape[2] - q.shape[2], q.shape[2]
-            allowed = None  # one new token sees every key
-            if L > 1:
-                allowed = torch.arange(P + L, device=q.device)[None, :] <= (P + torch.arange(L, device=q.device))[:, None]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        """Each sequence attends to its row's cached keys plus its own causal prefix. The new keys
+        and values are written into the cache's buffers (grown by doubling when full), in place
+        unless autograd may still need them."""
+        L = q.shape[2]
+        if torch.is_grad_enabled() and (k.requires_grad or cache.keys.requires_grad):
+            # earlier calls' attention may still need the buffers for backward: write into copies
+            cache.keys, cache.values = cache.keys.clone(), cache.values.clone()
+        if not packing.packed and len(cache.lengths) == q.shape[0]:
+            # dense rows, row b = cache row b: one scatter of the new keys, one attention call
+            start = torch.tensor(cache.lengths, device=q.device)  # [B] tokens cached per row
+            end = max(cache.lengths) + L
+            cache.grow(end)
+            pos = start[:, None] + torch.arange(L, device=q.device)  # [B, L]: where the new tokens go
+            index = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            cache.keys.scatter_(2, index, k)
+            cache.values.scatter_(2, index, v)
+            cache.lengths = [n + L for n in cache.lengths]
+            allowed = None  # one new token per row, every row equally long: every key is visible
+            if L > 1 or len(set(cache.lengths)) > 1:
+                allowed = (torch.arange(end, device=q.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,L,end]
+            return F.scaled_dot_product_attention(q, cache.keys[:, :, :end], cache.values[:, :, :end],
+                                                  attn_mask=allowed)
+        segments = self._segments(q, packing)
+        cache.grow(max(cache.lengths[r] + e - a for _, a, e, r in segments))
         outs = []
-        for b, a, e, r in self._segments(q, packing):
-            keys = torch.cat([cache.keys[r], k[b, :, a:e]], dim=1)
-            values = torch.cat([cache.values[r], v[b, :, a:e]], dim=1)
-            cache.keys[r], cache.values[r] = keys, values
-            P, L = keys.shape[1] - (e - a), e - a
-            allowed = torch.arange(P + L, device=q.device)[None, :] <= (P + torch.arange(L, device=q.device))[:, None]
-            outs.append(F.scaled_dot_product_attention(q[b:b + 1, :, a:e], keys[None], values[None],
-                                                       attn_mask=allowed))
+        for b, a, e, r in segments:
+            P, n = cache.lengths[r], e - a
+            cache.keys[r, :, P:P + n], cache.values[r, :, P:P + n] = k[b, :, a:e], v[b, :, a:e]
+            cache.lengths[r] = P + n
+            allowed = torch.arange(P + n, device=q.device)[None, :] <= (P + torch.arange(n, device=q.device))[:, None]
+            outs.append(F.scaled_dot_product_attention(q[b:b + 1, :, a:e], cache.keys[r:r + 1, :, :P + n],
+                                                       cache.values[r:r + 1, :, :P + n], attn_mask=allowed))
         if packing.packed:
             return torch.cat(outs, dim=2)
         return torch.cat(outs, dim=0)
+
+
+def _capacity(n: int) -> int:
+    """Key slots for ``n`` tokens: the next multiple of 64, so that decoding reallocates rarely."""
+    return -(-max(n, 1) // 64) * 64
+
+
+def _with_room(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` ``[R, H, n, d]`` copied into a zero buffer of ``_capacity(n)`` slots."""
+    out = t.new_zeros(t.shape[0], t.shape[1], _capacity(n), t.shape[3])
+    out[:, :, :n] = t
+    return out

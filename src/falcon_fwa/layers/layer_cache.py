@@ -3,7 +3,7 @@
 Rows are batch rows. Recurrent mixers keep their :class:`~falcon_fwa.FalconState`
 (matrix state, last key, sliding tail) and the short-convolution buffers, so a new
 token costs ``O(1)`` whatever the context length; the Transformer keeps its keys
-and values, one tensor per row (rows may hold different numbers of real tokens).
+and values in buffers with a number of real tokens per row (rows may differ).
 """
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ def scatter_rows(old: Optional[torch.Tensor], rows: Optional[torch.Tensor], new:
 @dataclass
 class LayerCache:
     """``state``: the recurrent :class:`FalconState` (``[B, ...]``); ``conv``: short-conv
-    buffers by name (``[B, W-1, C]``); ``keys`` / ``values``: per row ``[H, L_b, D]``."""
+    buffers by name (``[B, W-1, C]``); ``keys`` / ``values``: ``[B, H, capacity, D]`` buffers
+    whose row ``b`` holds ``lengths[b]`` real tokens (the slots after them are unused)."""
 
     state: Optional[FalconState] = None
     conv: Dict[str, torch.Tensor] = field(default_factory=dict)
-    keys: Optional[List[torch.Tensor]] = None
-    values: Optional[List[torch.Tensor]] = None
+    keys: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    lengths: Optional[List[int]] = None
 
     def store_state(self, new: FalconState, rows: Optional[torch.Tensor]) -> None:
         """Store a state returned for the cache rows ``rows`` (``None``: all rows)."""
@@ -55,6 +57,17 @@ class LayerCache:
             self.state = self.state.index_select(index)
         self.conv = {k: v.index_select(0, index.to(v.device)) for k, v in self.conv.items()}
         if self.keys is not None:
-            idx = index.tolist()
-            self.keys = [self.keys[i] for i in idx]
-            self.values = [self.values[i] for i in idx]
+            self.keys = self.keys.index_select(0, index.to(self.keys.device))
+            self.values = self.values.index_select(0, index.to(self.values.device))
+            self.lengths = [self.lengths[i] for i in index.tolist()]
+
+    def grow(self, slots: int) -> None:
+        """Make room for ``slots`` tokens per row in ``keys`` / ``values`` (at least doubling)."""
+        if self.keys.shape[2] >= slots:
+            return
+        capacity = max(slots, 2 * self.keys.shape[2])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :old.shape[2]] = old
+            setattr(self, name, new)

@@ -80,6 +80,5 @@ class FalconCache:
                 layer.state = layer.state.detach()
             layer.conv = {k: v.detach() for k, v in layer.conv.items()}
             if layer.keys is not None:
-                layer.keys = [t.detach() for t in layer.keys]
-                layer.values = [t.detach() for t in layer.values]
+                layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
         return self

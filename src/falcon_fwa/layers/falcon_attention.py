@@ -14,7 +14,7 @@ One class serves every recurrent mixer; the mixer only sets the switches
 (``configuration.MIXER_DEFAULTS``): Falcon (shifted pairs, normalized step,
 scale-coupled ridge, QK-RMSNorm), DeltaNet (rule 1, unshifted, raw ``beta``, l2 keys),
 Gated DeltaNet (+ data-dependent ``g_t``), Mamba-2 SSD (rule 1A, ``beta = dt``,
-``g_t = -dt A``, ``D`` skip) and RetNet/Lightning (rule 1A, fixed per-head decay).
+``g_t = -dt exp(A_log)``, ``D`` skip) and RetNet/Lightning (rule 1A, fixed per-head decay).
 
 Training and prefill use ``form`` (``"chunk"`` by default); a cached forward over
 one token per row uses ``falcon_step`` (``O(1)`` per token). Packed input

@@ -77,7 +77,7 @@ class FalconConfig(PretrainedConfig):
     * ``rule`` ("1", "2", "3", "1A", "2A", "3A"), ``window`` (B of rules 3/3A),
       ``shift`` (pair ``(k_{t-1}, v_t)``), ``normalize`` (NLMS step),
       ``read`` ("after"/"before"), ``log_gate`` ("none"; "data": Gated DeltaNet's
-      ``g_t = -exp(A) softplus(w^T h_t + b)``; "dt": Mamba-2's ``g_t = -exp(A) dt_t``;
+      ``g_t = -exp(A_log) softplus(w^T h_t + b)``; "dt": Mamba-2's ``g_t = -exp(A_log) dt_t``;
       "fixed": RetNet's ``g = log(1 - 2^{-5-h})``), ``form``/``chunk_size`` of training,
       ``eps``, ``decay_floor``;
     * ``gate``: "ctx-beta" (context emits ``beta in (0, 2)``), "ctx-eta" (context emits

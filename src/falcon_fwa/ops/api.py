@@ -91,8 +91,9 @@ def falcon_attention(
           ``E_t = sum_{j in I_t} ||x_j||^2 / B_t``
     ====  =====================================================================
 
-    with the window ``I_t = {j : max(2, t-window+1) <= j <= t}`` (pairs of the
-    previous segment count after a continuation), ``B_t = |I_t|``, and the read
+    with the window ``I_t = {j : max(2, t-window+1) <= j <= t}`` (from ``j = 1`` with
+    ``shift=False``; pairs of the previous segment count after a continuation),
+    ``B_t = |I_t|``, and the read
     ``o_t = S_t^T q_t`` (``read="after"``) or ``S_{t-1}^T q_t`` (``"before"``).
 
     Args:
@@ -125,7 +126,9 @@ def falcon_attention(
     Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
     normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;
     linear attention = rule "1A", ``shift=False, normalize=False``, ``lam=0``,
-    ``beta=1``; Mamba-2's SSD recurrence = the same with ``log_gate``.
+    ``beta=1``; Mamba-2's SSD recurrence = the same with ``beta=dt`` and
+    ``log_gate = dt * A`` (``A < 0``); RetNet = linear attention with a fixed
+    per-head ``log_gate``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

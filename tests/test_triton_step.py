@@ -72,3 +72,24 @@ def test_step_cuda_bf16_head_dim_128(rule):
     ref = _decode(falcon_step, seq64, T, rule=rule)
     assert _rel(ours[0], ref[0]) < 1e-2
     assert _rel(ours[1].S, ref[1].S) < 1e-3
+
+
+def test_fused_step_checks_its_inputs_like_the_torch_step():
+    seq = _sequence(2, 1, 2, 16, 16, torch.float32, seed=5, gate=True)
+    a = {n: x[:, 0] for n, x in seq.items()}
+    bad = dict(a, lam=-a["lam"])
+    with pytest.raises(ValueError, match=r"\blam\b"):
+        falcon_step(bad["q"], bad["k"], bad["v"], bad["beta"], bad["lam"], log_gate=bad["log_gate"], state=None,
+                    rule="1A", backend="triton")
+    with pytest.raises(ValueError, match=r"\bbeta\b"):
+        falcon_step(a["q"], a["k"], a["v"], a["beta"][..., None].expand(-1, -1, 16), a["lam"],
+                    log_gate=a["log_gate"], state=None, rule="1A", backend="triton")
+    _, state = falcon_step(a["q"], a["k"], a["v"], a["beta"], a["lam"], log_gate=a["log_gate"], state=None, rule="1",
+                           backend="triton")
+    with pytest.raises(ValueError, match=r"\bstate\b.*rule"):
+        falcon_step(a["q"], a["k"], a["v"], a["beta"], a["lam"], log_gate=a["log_gate"], state=state, rule="1A",
+                    backend="triton")
+    # validate=False: the caller vouches for its inputs (the model's layers); the kernel runs unchecked
+    o, _ = falcon_step(bad["q"], bad["k"], bad["v"], bad["beta"], bad["lam"], log_gate=bad["log_gate"], state=None,
+                       rule="1A", backend="triton", validate=False)
+    assert o.shape == a["v"].shape

@@ -138,8 +138,9 @@ class FalconAttention(nn.Module):
         else:
             init = state
         if not packing.packed and q.shape[1] == 1 and init is not None:
+            # the layer's projections make valid inputs (lam >= 0, log_gate <= 0, its own state)
             o, final = falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state=init,
-                                   log_gate=None if log_gate is None else log_gate[:, 0], **opts)
+                                   log_gate=None if log_gate is None else log_gate[:, 0], validate=False, **opts)
             o = o[:, None]
         elif self.backend == "fla" and q.is_cuda:
             o, final = fla_backend.run(self.core_kind(), q, k, v, beta, log_gate, initial_state=init,

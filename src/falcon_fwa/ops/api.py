@@ -254,18 +254,33 @@ def falcon_step(
     read: str = "after",
     scale_ridge: bool = False,
     backend: str = "auto",
+    validate: bool = True,
 ) -> Tuple[torch.Tensor, FalconState]:
     """One decoding step in ``O(1)``: ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``,
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
     ``state=None`` starts a fresh sequence. Returns ``o`` ``[B, H, V]`` and the new
     state; identical to ``falcon_attention(form="recurrent")`` token by token.
-    ``backend="auto"`` uses the fused Triton step on CUDA when no gradient is needed."""
+    ``backend="auto"`` uses the fused Triton step on CUDA when no gradient is needed.
+    The arguments are checked as ``falcon_attention``'s (shapes with a time axis of one
+    step; ``lam >= 0``, ``log_gate <= 0``; the state's configuration) on every backend;
+    ``validate=False`` skips that, for callers whose inputs are valid by construction,
+    such as the model's layers, where the checks would add a few small device launches
+    to every layer of every decoded token."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             want = "[B, H, V]" if name == "v" else "[B, H, K]"
             raise ValueError(f"{name} must have shape {want} (one token), got {tuple(getattr(t, 'shape', ()))}")
+    spec = get_rule(rule)
+    W = window if spec.sliding else 1
+    if validate:
+        if state is not None:
+            check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2],
+                        V=v.shape[2], name="state")
+        check_inputs(*(None if t is None else t[:, None] for t in (q, k, v, beta, lam, log_gate)), spec,
+                     window=window, form="recurrent", chunk_size=1, eps=eps, decay_floor=decay_floor, read=read,
+                     initial_state=None, shift=shift)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         try:
             from .triton import falcon_step_triton
@@ -275,14 +290,6 @@ def falcon_step(
         except (ImportError, NotImplementedError):
             if backend == "triton":
                 raise
-    spec = get_rule(rule)
-    W = window if spec.sliding else 1
-    if state is not None:
-        check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2], V=v.shape[2],
-                    name="state")
-    check_inputs(*(None if t is None else t[:, None] for t in (q, k, v, beta, lam, log_gate)), spec, window=window,
-                 form="recurrent", chunk_size=1, eps=eps, decay_floor=decay_floor, read=read, initial_state=None,
-                 shift=shift)
     return _torch_step(q, k, v, beta, lam, log_gate, state, spec=spec, window=W, eps=eps, decay_floor=decay_floor,
                        shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
 

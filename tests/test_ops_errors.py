@@ -140,3 +140,11 @@ def test_falcon_step_names_a_tensor_with_a_time_axis(name):
     want = r"\[B, H, V\]" if name == "v" else r"\[B, H, K\]"
     with pytest.raises(ValueError, match=rf"^{name} must have shape {want}"):
         falcon_step(**inp, state=None)
+
+
+def test_window_is_checked_for_the_sliding_rules_only():
+    inp = _inp("1A")
+    o, _ = _call(inp, rule="1A", window=0)  # no window in rule 1A: ignored, as documented
+    assert torch.equal(o, _call(inp, rule="1A", window=4)[0])
+    with pytest.raises(ValueError, match=r"\bwindow\b.*3A"):
+        _call(_inp("3A"), rule="3A", window=0)

@@ -81,8 +81,8 @@ def check_inputs(
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if read not in READS:
         raise ValueError(f"read must be one of {READS}, got {read!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     if not eps >= 0:

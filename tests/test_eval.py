@@ -178,3 +178,10 @@ def test_lm_eval_harness_end_to_end_with_local_tasks(saved_model, tmp_path):
                 break
             new.append(nxt)
         assert gens[d["prompt"]] == tok.decode(new), d["prompt"]
+
+
+def test_load_model_names_a_missing_or_empty_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "runs" / "nothing" / "model"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))

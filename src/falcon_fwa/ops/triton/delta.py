@@ -42,13 +42,15 @@ WY_MAX_CHUNK = 64
 FULL_K_16BIT = {"state_fwd": (64, 4, 3), "state_bwd": (32, 4, 2), "wy_bwd": (64, None, 3)}
 
 
-def _full_k(name: str, K: int, V: int, dtype: torch.dtype) -> Tuple[int, int, Optional[int], int]:
+def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, Optional[int], int]:
     """Kernel ``name`` (``state_fwd``, ``state_bwd`` or ``wy_bwd``), which holds the whole key
     dimension: ``BK >= K``, ``BV``, warps and pipeline stages. Four-byte inputs at ``BK = 128``
     take two stages instead of Triton's three: with three, ``state_bwd`` needs 246 KB of shared
-    memory, above the 227 KB of an sm_90 block (``benchmarks/kernel_resources.py``)."""
+    memory, above the 227 KB of an sm_90 block (``benchmarks/kernel_resources.py``).
+    ``FULL_K_16BIT`` applies to one write per step (rule 1 and the delta-rule baselines), the
+    layout it was checked with on the GPU; grouped writes (rule 3) keep the earlier settings."""
     BK = max(16, next_power_of_2(K))
-    if dtype.itemsize == 2 and BK <= 128:
+    if dtype.itemsize == 2 and BK <= 128 and slots == 1:
         BV, warps, stages = FULL_K_16BIT[name]
         return BK, max(16, min(BV, next_power_of_2(V))), warps, stages
     BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
@@ -80,7 +82,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(v)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
-    BK, BV, warps, stages = _full_k("state_fwd", K, V, q.dtype)
+    BK, BV, warps, stages = _full_k("state_fwd", K, V, q.dtype, slots)
     wy.state_fwd[(cdiv(V, BV), layout.N * H)](
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta)
@@ -104,7 +106,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta)
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
-    BK, BV, warps, stages = _full_k("state_bwd", K, V, q.dtype)
+    BK, BV, warps, stages = _full_k("state_bwd", K, V, q.dtype, slots)
     wy.state_bwd[(cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
@@ -123,7 +125,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
     dG = torch.empty_like(A)  # wy_bwd's scratch: the Gram's gradient, read back transposed
-    BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype)
+    BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, chunk_indices=layout.chunk_indices, n_rows=rows,
         H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_bwd"], num_stages=stages,

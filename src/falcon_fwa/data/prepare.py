@@ -10,6 +10,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from ..atomic import write_json
 from .shards import TokenShards, write_token_shards
 from .sources import iter_documents
 from .tokenizer import load_tokenizer
@@ -75,10 +76,7 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) ->
                              f"that yields more documents than data.val_every") from None
         counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
     record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts}
-    tmp = record_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, record_path)
+    write_json(record_path, record)
     return record
 
 

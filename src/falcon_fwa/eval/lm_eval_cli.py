@@ -5,8 +5,8 @@ saved model folder, with falcon-fwa's model type registered. Local tasks are YAM
 from __future__ import annotations
 
 import argparse
-import json
-import os
+
+from ..atomic import write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +33,6 @@ def run(args: argparse.Namespace) -> int:
                        dtype=args.dtype)
     print(make_table(results))
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({k: results[k] for k in ("results", "versions", "n-shot", "config") if k in results}, f,
-                      indent=1, default=str)
-        os.replace(tmp, args.out)
+        write_json(args.out, {k: results[k] for k in ("results", "versions", "n-shot", "config") if k in results},
+                   default=str)
     return 0

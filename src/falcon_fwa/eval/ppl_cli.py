@@ -3,9 +3,9 @@ perplexity over held-out data, overall and by position bucket."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
+from ..atomic import write_json
 from ..data.sources import TEXT_SPLITS
 from .perplexity import bucket_report, default_edges, load_model, plot_buckets, position_nll, token_stream, windows
 
@@ -58,10 +58,7 @@ def run(args: argparse.Namespace) -> int:
         loss, ppl = ("-", "-") if b["loss"] is None else (f"{b['loss']:.4f}", f"{b['ppl']:.4f}")
         print(f"{b['start']:>11}-{b['end']:<8} {b['tokens']:>10} {loss:>8} {ppl:>10}{mark}")
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, args.out)
+        write_json(args.out, report)
     if args.plot:
         plot_buckets(report, args.plot, label=os.path.basename(os.path.normpath(args.model)))
     return 0

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 
+from ..atomic import write_text
 from .params import parameter_table
 from .presets import PRESETS, get_preset
 
@@ -26,10 +25,5 @@ def run(args: argparse.Namespace) -> int:
                (" " + " ".join(args.presets) if args.presets else "") + \
                (f" --vocab-size {args.vocab_size}" if args.vocab_size else "") + \
                "`. Tied input/output embeddings are counted once.\n\n" + table + "\n"
-        folder = os.path.dirname(os.path.abspath(args.output))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, args.output)
+        write_text(args.output, text)
     return 0

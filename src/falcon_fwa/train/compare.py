@@ -46,7 +46,7 @@ import time
 import traceback
 from typing import Iterator, List, Optional, Tuple
 
-from .compare_report import write_json
+from ..atomic import write_json
 from .config import load_config
 from .logger import read_log
 

@@ -11,23 +11,7 @@ import json
 import os
 import sys
 
-
-def write_json(path: str, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, then a rename)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+from ..atomic import write_json, write_text
 
 
 def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
@@ -122,7 +106,7 @@ def main(argv=None) -> int:
     prefix = argv[1]
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     write_json(prefix + ".json", rows)
-    _write_text(prefix + "_table.md", markdown_table(rows))
+    write_text(prefix + "_table.md", markdown_table(rows))
     plot_curves(report.get("runs", {}), prefix + "_loss.png", title=f"{len(rows)} models, {report.get('steps')} steps")
     print(markdown_table(rows))
     return 0

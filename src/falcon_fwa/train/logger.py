@@ -5,6 +5,8 @@ import json
 import os
 from typing import Optional
 
+from ..atomic import write_text
+
 
 class MetricLogger:
     def __init__(self, out_dir: str, *, enabled: bool, tensorboard: bool, wandb_project: Optional[str],
@@ -34,12 +36,7 @@ class MetricLogger:
         path = self.file.name
         self.file.close()
         kept = [r for r in read_log(path) if r.get("step", 0) <= step]
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         self.file = open(path, "a")
 
     def log(self, step: int, **metrics) -> None:

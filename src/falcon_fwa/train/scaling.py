@@ -41,6 +41,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from ..atomic import write_json, write_text
 from ..provenance import git_commit
 from .config import load_config
 
@@ -156,12 +157,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
 
 
 def _write(results: str, rows: List[dict], meta: dict) -> None:
-    os.makedirs(os.path.dirname(results) or ".", exist_ok=True)
-    for path, text in ((results + ".json", json.dumps(rows, indent=1) + "\n"), (results + ".md", markdown(rows, meta))):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+    write_json(results + ".json", rows)
+    write_text(results + ".md", markdown(rows, meta))
 
 
 def _read_summary(out_dir: str) -> Optional[dict]:

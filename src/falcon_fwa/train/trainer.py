@@ -7,7 +7,6 @@ the uninterrupted run exactly.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..atomic import write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -265,10 +265,7 @@ class Trainer:
                                       if info.device.type == "cuda" else None),
                    "world_size": info.world_size, "strategy": info.strategy, **last_val}
         if info.is_main:
-            tmp = os.path.join(self.out_dir, "summary.json.tmp")
-            with open(tmp, "w") as f:
-                json.dump(summary, f, indent=1)
-            os.replace(tmp, os.path.join(self.out_dir, "summary.json"))
+            write_json(os.path.join(self.out_dir, "summary.json"), summary)
         return summary
 
     def export(self, folder: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from ...provenance import git_commit
 from .cli import add_model_arguments, preset_from_args, slug
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
-from .storage import read_json, write_json, write_text
+from ...atomic import read_json, write_json, write_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

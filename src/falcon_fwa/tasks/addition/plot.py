@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ...atomic import atomic_path
+
 
 def width_curve(runs: List[Dict[str, Any]], key: str) -> Dict[int, float]:
     """Mean over ``runs`` (seeds) of the best step's per-width accuracy ``key`` ("exact"/"digit")."""
@@ -46,8 +48,7 @@ def plot_accuracy_vs_width(runs: Dict[str, List[Dict[str, Any]]], path,
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    tmp.replace(path)
     return path

@@ -28,7 +28,7 @@ from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
 from .lineup import build_model
 from .metrics import AccuracyTally, score_logits
 from .presets import AdditionPreset
-from .storage import read_json, save_torch, write_json
+from ...atomic import read_json, save_torch, write_json
 
 METRIC_NOTE = (
     "teacher-forced on the n+1 sum digits; 'acc' = exact match (all digits of a sample right), "

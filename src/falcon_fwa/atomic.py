@@ -1,0 +1,67 @@
+"""Atomic file writes: a reader (or a restart after a crash) finds either the previous
+version of a file or the complete new one, never a partial write.
+
+Each write goes to a uniquely named temporary file in the target's folder (two writers
+never share it), is flushed to disk, then renamed over the target.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+PathLike = Union[str, os.PathLike]
+
+__all__ = ["atomic_path", "write_json", "write_text", "save_torch", "read_json"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike) -> Iterator[str]:
+    """A temporary path next to ``path`` (same suffix, so writers that infer the format from it
+    still work); renamed over ``path`` when the block ends without an exception, removed if not."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _write_file(path: PathLike, write: Callable[[Any], None]) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_text(path: PathLike, text: str) -> None:
+    """``text`` into ``path``, atomically."""
+    _write_file(path, lambda f: f.write(text))
+
+
+def write_json(path: PathLike, obj: Any, *, default: Optional[Callable[[Any], Any]] = None) -> None:
+    """``obj`` as indented JSON (and a final newline) into ``path``, atomically; ``default`` as in
+    ``json.dump`` (e.g. ``str`` for values JSON cannot encode)."""
+    _write_file(path, lambda f: f.write(json.dumps(obj, indent=1, default=default) + "\n"))
+
+
+def save_torch(path: PathLike, obj: Any) -> None:
+    """``torch.save(obj)`` into ``path``, atomically."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def read_json(path: PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)

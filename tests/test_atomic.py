@@ -1,0 +1,30 @@
+"""Atomic writes: a failed write leaves the previous file and no temporary behind."""
+import json
+
+import pytest
+
+from falcon_fwa.atomic import atomic_path, read_json, write_json, write_text
+
+
+def test_a_failed_write_keeps_the_previous_version(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    write_json(path, {"a": 1})
+    with pytest.raises(ZeroDivisionError):
+        with atomic_path(path) as tmp:
+            with open(tmp, "w") as f:
+                f.write('{"a": ')  # half a file
+            1 / 0
+    assert read_json(path) == {"a": 1}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.json"]
+
+
+def test_writes_replace_whole_files_and_keep_the_suffix(tmp_path):
+    path = tmp_path / "t.md"
+    write_text(path, "first\n")
+    write_text(path, "second\n")
+    assert path.read_text() == "second\n"
+    with atomic_path(tmp_path / "p.png") as tmp:
+        assert tmp.endswith(".png") and tmp != str(tmp_path / "p.png")  # savefig infers the format from it
+        open(tmp, "wb").close()
+    write_json(tmp_path / "d.json", {"x": {7}}, default=str)  # a set is no JSON: written through default
+    assert json.loads((tmp_path / "d.json").read_text()) == {"x": "{7}"}

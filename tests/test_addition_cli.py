@@ -11,7 +11,17 @@ SMALL = ["--preset", "tiny", "--device", "cpu", "--batch-size", "4", "--val-per-
          "--train-widths", "1", "3", "--ood-widths", "4", "5", "--threads", "1"]
 
 
-def test_two_step_run_writes_results_and_resumes(tmp_path):
+def test_two_step_run_writes_results_and_resumes(tmp_path, monkeypatch, capsys):
+    from falcon_fwa.tasks.addition import train
+
+    trained = []  # the optimizer steps each call runs, through the training batches it draws
+    original = train.training_batch
+
+    def recording(seed, step, batch_size, min_width, max_width):
+        trained.append(step)
+        return original(seed, step, batch_size, min_width, max_width)
+
+    monkeypatch.setattr(train, "training_batch", recording)
     out = tmp_path / "run"
     assert cli.main(["--model", "Falcon-3A.3", "--steps", "2", "--eval-every", "2", "--out", str(out),
                      "--no-progress", *SMALL]) == 0
@@ -24,9 +34,13 @@ def test_two_step_run_writes_results_and_resumes(tmp_path):
         assert 0.0 <= res["best"][key] <= 100.0
     assert (out / "checkpoint.pt").exists() and (out / "best.pt").exists()
     assert (out / "accuracy_vs_width.png").stat().st_size > 0
-    # a longer budget on the same folder continues from step 2
+    assert trained == [0, 1] and "resuming" not in capsys.readouterr().out
+    # a longer budget on the same folder continues from step 2: it runs only the one remaining step
+    trained.clear()
     assert cli.main(["--model", "Falcon-3A.3", "--steps", "3", "--eval-every", "2", "--out", str(out),
                      "--no-progress", *SMALL]) == 0
+    assert "resuming Falcon-3A.3 seed 0 at step 2" in capsys.readouterr().out
+    assert trained == [2]
     res = json.loads((out / "results.json").read_text())
     assert [h["step"] for h in res["history"]] == [2, 3] and res["steps_done"] == 3
 

@@ -10,7 +10,7 @@ from falcon_fwa import falcon_attention
 
 TOL = 1e-10
 
-# Input regimes the issue names; each is run for every rule and every form.
+# Input regimes; each is run for every rule and every form.
 REGIMES = {
     "generic": dict(),
     "beta_near_0": dict(beta_range=(1e-4, 1e-2)),

@@ -9,6 +9,7 @@ in a fresh interpreter process instead, so that they always run somewhere.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# the modules (or single tests, ``module::test``) that launch kernels and skip themselves with
+# FRESH_PROCESS_REASON when the interpreter could not be switched on in this process
 KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_step.py", "test_triton_window.py", "test_triton_column.py",
                 "test_triton_column_delta.py", "test_triton_sliding_delta.py", "test_triton_wy_forward.py",
-                "test_triton_sliding_inplace.py", "test_triton_wy_backward.py")
+                "test_triton_sliding_inplace.py", "test_triton_wy_backward.py", "test_triton_step_sizes.py",
+                "test_triton_dispatch.py::test_triton_backend_matches_the_torch_forms")
 FRESH_PROCESS_REASON = ("triton was imported before TRITON_INTERPRET=1 could be set; "
                         "test_triton_interpreter.py runs this module in a fresh process")
 
@@ -45,3 +49,13 @@ def test_kernel_tests_in_a_fresh_interpreter_process():
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout, done.stdout[-4000:]
+
+
+def test_every_module_that_defers_to_a_fresh_process_is_listed():
+    """A kernel test module that skips itself with FRESH_PROCESS_REASON (directly or through
+    ``kernel_checks.in_this_process``) must be in KERNEL_TESTS, or a full run on a machine without
+    CUDA would run its kernels nowhere."""
+    here = Path(__file__).parent
+    deferring = {path.name for path in here.glob("test_*.py") if path.name != Path(__file__).name
+                 and re.search(r"\b(in_this_process|FRESH_PROCESS_REASON)\b", path.read_text())}
+    assert deferring == {name.split("::")[0] for name in KERNEL_TESTS}

@@ -9,6 +9,8 @@ __all__ = ["SwiGLU"]
 
 
 class SwiGLU(nn.Module):
+    """``down(silu(gate(h)) * up(h))``: ``[..., hidden_size]`` -> ``[..., hidden_size]``."""
+
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)

@@ -23,6 +23,9 @@ __all__ = ["FalconCache"]
 
 
 class FalconCache:
+    """The decoding cache of a model: ``cache[i]`` is layer ``i``'s :class:`LayerCache`; ``seen``
+    ``[B]`` counts each row's real tokens, ``num_positions`` the input columns consumed."""
+
     is_compileable = False
     is_croppable = False
 

@@ -101,11 +101,14 @@ def prepare_block(
 
 
 def group_state(S: torch.Tensor, Vd: int) -> torch.Tensor:
+    """``S`` ``[N, K, V]`` -> ``[N, Vd, K, V // Vd]``: the value columns in ``Vd`` groups that share a
+    transition (``Vd = V`` for the per-column rules, ``1`` otherwise)."""
     N, K, V = S.shape
     return S.reshape(N, K, Vd, V // Vd).permute(0, 2, 1, 3)  # [N, Vd, K, Vg]
 
 
 def ungroup_state(Sg: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``group_state``: ``[N, Vd, K, Vg]`` -> ``[N, K, Vd * Vg]``."""
     N, Vd, K, Vg = Sg.shape
     return Sg.permute(0, 2, 1, 3).reshape(N, K, Vd * Vg)
 

@@ -19,6 +19,10 @@ __all__ = ["RuleSpec", "RULES", "get_rule"]
 
 @dataclass(frozen=True)
 class RuleSpec:
+    """One of the six update rules: regression (residual write ``eta (y - S^T x)``) or
+    inner-product (``eta y``), one step size per head or per value column, one pair per
+    step or a window of ``B`` pairs. ``get_rule(name)`` returns the spec of ``name``."""
+
     name: str
     regression: bool  # residual (delta) write vs. direct inner-product write
     per_column: bool  # one step size per value column (Falcon-2 / 2A)

@@ -148,3 +148,16 @@ def test_window_is_checked_for_the_sliding_rules_only():
     assert torch.equal(o, _call(inp, rule="1A", window=4)[0])
     with pytest.raises(ValueError, match=r"\bwindow\b.*3A"):
         _call(_inp("3A"), rule="3A", window=0)
+
+
+@pytest.mark.parametrize("rule,name,bad,want", [
+    ("1A", "beta", lambda t: t[..., None].expand(-1, -1, 4), r"^beta must have shape \[B, H\] for rule 1A = \(2, 2\)"),
+    ("2", "beta", lambda t: t[..., 0], r"^beta must have shape \[B, H, V\] for the per-column rule 2 = \(2, 2, 4\)"),
+    ("1A", "lam", lambda t: t[:, :1], r"^lam must have shape \[B, H\] = \(2, 2\)"),
+    ("1A", "k", lambda t: t[..., :2], r"^k must have shape \[B, H, K\] like q = \(2, 2, 3\)"),
+])
+def test_falcon_step_shape_errors_speak_of_one_token(rule, name, bad, want):
+    inp = {n: t[:, 0] for n, t in _inp(rule).items() if t is not None}
+    inp[name] = bad(inp[name])
+    with pytest.raises(ValueError, match=want):
+        falcon_step(**inp, state=None, rule=rule)

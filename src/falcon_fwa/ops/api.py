@@ -13,7 +13,7 @@ from .rules import get_rule
 from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import check_inputs, check_state
+from .validate import check_inputs, check_state, check_step_shapes
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -275,6 +275,7 @@ def falcon_step(
     spec = get_rule(rule)
     W = window if spec.sliding else 1
     if validate:
+        check_step_shapes(q, k, v, beta, lam, log_gate, spec)
         if state is not None:
             check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2],
                         V=v.shape[2], name="state")

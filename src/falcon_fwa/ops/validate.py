@@ -97,6 +97,27 @@ def check_inputs(
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 
 
+def check_step_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, lam: torch.Tensor,
+                      log_gate: Optional[torch.Tensor], rule: RuleSpec) -> None:
+    """The shapes of one decoding step's arguments (``falcon_step``: ``q``, ``k`` ``[B, H, K]``,
+    ``v`` ``[B, H, V]``), named as such; ``check_inputs`` then checks the rest."""
+    B, H, K = q.shape
+    V = v.shape[-1]
+    for name, t in (("k", k), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _shape("k", k, (B, H, K), "[B, H, K] like q")
+    if tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"v must have shape [B, H, V] with B, H = {(B, H)} from q, got {tuple(v.shape)}")
+    if rule.per_column:
+        _shape("beta", beta, (B, H, V), f"[B, H, V] for the per-column rule {rule.name}")
+    else:
+        _shape("beta", beta, (B, H), f"[B, H] for rule {rule.name}")
+    _shape("lam", lam, (B, H), "[B, H]")
+    if log_gate is not None:
+        _shape("log_gate", log_gate, (B, H), "[B, H]")
+
+
 def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool, B: int, H: int, K: int, V: int,
                 name: str = "initial_state") -> None:
     """Check that ``state`` (the argument called ``name``) continues this configuration and shape."""

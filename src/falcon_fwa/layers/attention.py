@@ -82,15 +82,17 @@ class CausalSelfAttention(nn.Module):
         return [(b, 0, q.shape[2], b) for b in range(q.shape[0])]
 
     def _store_prefix(self, k, v, packing: Packing, cache: LayerCache) -> None:
-        """The first call's keys and values into the cache's buffers (row ``r`` of each sequence)."""
-        segments = self._segments(k, packing)
+        """The first call's keys and values into the cache's buffers (row ``r`` of each sequence;
+        ``LayerCache.grow`` makes room for later tokens)."""
         if not packing.packed:
-            cache.keys, cache.values = _with_room(k, k.shape[2]), _with_room(v, v.shape[2])
+            cache.keys = k.clone(memory_format=torch.contiguous_format)
+            cache.values = v.clone(memory_format=torch.contiguous_format)
             cache.lengths = [k.shape[2]] * k.shape[0]
             return
+        segments = self._segments(k, packing)
         rows = 1 + max(r for _, _, _, r in segments)
         longest = max(e - a for _, a, e, _ in segments)
-        cache.keys = k.new_zeros(rows, k.shape[1], _capacity(longest), k.shape[3])
+        cache.keys = k.new_zeros(rows, k.shape[1], longest, k.shape[3])
         cache.values = torch.zeros_like(cache.keys)
         cache.lengths = [0] * rows
         for b, a, e, r in segments:
@@ -134,14 +136,3 @@ class CausalSelfAttention(nn.Module):
             return torch.cat(outs, dim=2)
         return torch.cat(outs, dim=0)
 
-
-def _capacity(n: int) -> int:
-    """Key slots for ``n`` tokens: the next multiple of 64, so that decoding reallocates rarely."""
-    return -(-max(n, 1) // 64) * 64
-
-
-def _with_room(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` ``[R, H, n, d]`` copied into a zero buffer of ``_capacity(n)`` slots."""
-    out = t.new_zeros(t.shape[0], t.shape[1], _capacity(n), t.shape[3])
-    out[:, :, :n] = t
-    return out

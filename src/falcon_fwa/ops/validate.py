@@ -1,7 +1,7 @@
 """Argument checks for the public ops: every error names the argument at fault."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -61,22 +61,11 @@ def check_inputs(
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K], got {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if T < 1:
+    if q.dim() == 4 and q.shape[1] < 1:
         raise ValueError("q must have at least one time step (T >= 1)")
-    _shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v must have shape [B, T, H, V] with B, T, H = {(B, T, H)} from q, got {tuple(v.shape)}")
+    _check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"))
+    B, T, H, K = q.shape
     V = v.shape[-1]
-    if rule.per_column:
-        _shape("beta", beta, (B, T, H, V), f"[B, T, H, V] for the per-column rule {rule.name}")
-    else:
-        _shape("beta", beta, (B, T, H), f"[B, T, H] for rule {rule.name}")
-    _shape("lam", lam, (B, T, H), "[B, T, H]")
-    if log_gate is not None:
-        _shape("log_gate", log_gate, (B, T, H), "[B, T, H]")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if read not in READS:
@@ -97,25 +86,33 @@ def check_inputs(
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 
 
+def _check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...]) -> None:
+    """The shapes of the tensors against ``q``'s, whose leading axes are named ``axes``
+    (``("B", "T", "H")`` for a sequence, ``("B", "H")`` for one decoding step)."""
+    lead = ", ".join(axes)
+    if q.dim() != len(axes) + 1:
+        raise ValueError(f"q must have shape [{lead}, K], got {tuple(q.shape)}")
+    dims = tuple(q.shape[:-1])
+    _shape("k", k, tuple(q.shape), f"[{lead}, K] like q")
+    if v.dim() != len(axes) + 1 or tuple(v.shape[:-1]) != dims:
+        raise ValueError(f"v must have shape [{lead}, V] with {lead} = {dims} from q, got {tuple(v.shape)}")
+    if rule.per_column:
+        _shape("beta", beta, dims + (v.shape[-1],), f"[{lead}, V] for the per-column rule {rule.name}")
+    else:
+        _shape("beta", beta, dims, f"[{lead}] for rule {rule.name}")
+    _shape("lam", lam, dims, f"[{lead}]")
+    if log_gate is not None:
+        _shape("log_gate", log_gate, dims, f"[{lead}]")
+
+
 def check_step_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, lam: torch.Tensor,
                       log_gate: Optional[torch.Tensor], rule: RuleSpec) -> None:
     """The shapes of one decoding step's arguments (``falcon_step``: ``q``, ``k`` ``[B, H, K]``,
     ``v`` ``[B, H, V]``), named as such; ``check_inputs`` then checks the rest."""
-    B, H, K = q.shape
-    V = v.shape[-1]
     for name, t in (("k", k), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _shape("k", k, (B, H, K), "[B, H, K] like q")
-    if tuple(v.shape[:2]) != (B, H):
-        raise ValueError(f"v must have shape [B, H, V] with B, H = {(B, H)} from q, got {tuple(v.shape)}")
-    if rule.per_column:
-        _shape("beta", beta, (B, H, V), f"[B, H, V] for the per-column rule {rule.name}")
-    else:
-        _shape("beta", beta, (B, H), f"[B, H] for rule {rule.name}")
-    _shape("lam", lam, (B, H), "[B, H]")
-    if log_gate is not None:
-        _shape("log_gate", log_gate, (B, H), "[B, H]")
+    _check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "H"))
 
 
 def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool, B: int, H: int, K: int, V: int,

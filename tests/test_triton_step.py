@@ -3,6 +3,9 @@
 Runs on the CPU through Triton's interpreter without CUDA, on the GPU with it."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -78,9 +81,10 @@ def test_fused_step_checks_its_inputs_like_the_torch_step():
     seq = _sequence(2, 1, 2, 16, 16, torch.float32, seed=5, gate=True)
     a = {n: x[:, 0] for n, x in seq.items()}
     bad = dict(a, lam=-a["lam"])
-    with pytest.raises(ValueError, match=r"\blam\b"):
-        falcon_step(bad["q"], bad["k"], bad["v"], bad["beta"], bad["lam"], log_gate=bad["log_gate"], state=None,
-                    rule="1A", backend="triton")
+    if not CUDA:  # on a GPU a bad value is a device-side assertion (test below); it would end this process's context
+        with pytest.raises(ValueError, match=r"\blam\b"):
+            falcon_step(bad["q"], bad["k"], bad["v"], bad["beta"], bad["lam"], log_gate=bad["log_gate"], state=None,
+                        rule="1A", backend="triton")
     with pytest.raises(ValueError, match=r"\bbeta\b"):
         falcon_step(a["q"], a["k"], a["v"], a["beta"][..., None].expand(-1, -1, 16), a["lam"],
                     log_gate=a["log_gate"], state=None, rule="1A", backend="triton")
@@ -93,3 +97,22 @@ def test_fused_step_checks_its_inputs_like_the_torch_step():
     o, _ = falcon_step(bad["q"], bad["k"], bad["v"], bad["beta"], bad["lam"], log_gate=bad["log_gate"], state=None,
                        rule="1A", backend="triton", validate=False)
     assert o.shape == a["v"].shape
+
+
+_BAD_LAM_ON_CUDA = """
+import torch
+from falcon_fwa import falcon_step
+q, k, v = (torch.randn(2, 2, 16, device="cuda") for _ in range(3))
+beta, lam = torch.rand(2, 2, device="cuda"), -torch.rand(2, 2, device="cuda") - 0.1
+falcon_step(q, k, v, beta, lam, state=None, rule="1A", backend="triton")
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_bad_value_on_cuda_is_a_device_assertion_naming_the_argument():
+    # the value checks do not wait for the device: a negative lam stops the process at the next synchronization,
+    # with the argument's name in the message (run in a child process, since the assertion ends its CUDA context)
+    run = subprocess.run([sys.executable, "-c", _BAD_LAM_ON_CUDA], capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0
+    assert "lam must be >= 0" in run.stderr

@@ -66,6 +66,14 @@ def test_strong_decay_in_a_partial_last_sub_chunk():
     assert all(math.isfinite(e) for e in errors.values())
 
 
+def test_strong_decay_chunk_128_packed_short_sequences():
+    # 7 levels of pairs; sequences of 1 and 3 steps and a last chunk of 9 steps leave blocks whose
+    # first half runs past the chunk's end (their log-prefix is read at the chunk's last step)
+    errors = _check((1, 150, 1, 16, 24), normalize=False, lam_scale=40.0, chunk_size=128, read="before",
+                    cu_seqlens=[0, 1, 4, 150], state=True, output_final_state=True, seed=13)
+    assert all(math.isfinite(e) for e in errors.values())
+
+
 def test_state_in_and_out_several_key_and_value_blocks():
     # K = V = 80 span two key and two value blocks; initial state with the last-key carry
     _check((2, 21, 1, 80, 80), state=True, output_final_state=True, seed=3)

@@ -17,18 +17,23 @@ from . import column_decay_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
 from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, launch_config, layout_args
 
-__all__ = ["column_decay_chunk", "column_step_sizes", "SUB_CHUNK"]
+__all__ = ["column_decay_chunk", "column_step_sizes"]
 
-SUB_CHUNK = 16  # steps per sub-chunk: the intra-chunk decay is factored at sub-chunk ends
-# Per kernel: key/value block sizes (capped by the head dims), warps and pipeline stages
-# (sizes at which ptxas's sm_90 build of every kernel keeps its values in registers, K = V = 128;
-# dqk_bwd takes the whole key dimension, so its loop over the value blocks runs once per sub-chunk).
+# Per kernel: key/value block sizes (capped by the head dims), warps and pipeline stages.
+# output_fwd / dv_bwd run one program per chunk and value block, dqk_bwd one per chunk and
+# key block (its loops over the value blocks build D once per key block).
+# On an H200 with Triton 3.6, 32 value columns miscompiled at K = V = 64 (a single key block):
+# output_fwd gave wrong outputs at 8 warps and an illegal memory access at 4
+# (benchmarks/results/h200_rule2a_pick_42d45d2.txt), dv_bwd wrong log-decay gradients for rule 2
+# (h200_rule2_pick_5bc87be.txt). The settings below passed those checks, and took at the benchmark
+# shape (B=8, T=2048, H=16, K=V=128, bf16) 0.596 ms (output_fwd), 0.96 ms (dv_bwd) and 0.62 ms
+# (dqk_bwd), against 0.777, 1.18 and 0.79 ms at 32 columns.
 LAUNCH = {
     "state_fwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
     "output_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
-    "dv_bwd": dict(BK=64, BV=32, num_warps=4, num_stages=2),
-    "dqk_bwd": dict(BK=128, BV=32, num_warps=8, num_stages=1),
+    "dv_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "dqk_bwd": dict(BK=128, BV=64, num_warps=8, num_stages=1),
     "elementwise": dict(BV=64, num_warps=4),  # chunk_cumsum, dlog_bwd
     "steps": dict(BR=32, BK=64, BV=32, num_warps=4),  # step_fwd, step_bwd (BR rows per program)
 }
@@ -45,7 +50,6 @@ def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, wan
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
-    sub = layout.num_chunks * (layout.BT // SUB_CHUNK)
     u = _empty(eta.shape, eta)
     c = _config("elementwise", K, V)
     kern.chunk_cumsum[(cdiv(V, c["BV"]), layout.num_chunks, H)](
@@ -58,8 +62,8 @@ def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, wan
         PRECISION=prec, **c, **meta)
     o = _empty(v.shape, v)
     c = _config("output_fwd", K, V)
-    kern.output_fwd[(cdiv(V, c["BV"]), sub, H)](
-        q, x, v, eta, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BS=SUB_CHUNK,
+    kern.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
+        q, x, v, eta, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     return o, u, h, S_T
 
@@ -68,7 +72,6 @@ def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_aft
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
-    sub = layout.num_chunks * (layout.BT // SUB_CHUNK)
     dh = _empty((layout.num_chunks, H, K, V), q)
     dS0 = _empty(S0.shape, S0, torch.float32) if S0 is not None else None
     c = _config("state_bwd", K, V)
@@ -79,14 +82,14 @@ def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_aft
     du, dc = _empty(eta.shape, eta), _empty(eta.shape, eta)
     dw = None if read_after else _empty(eta.shape, eta)
     c = _config("dv_bwd", K, V)
-    kern.dv_bwd[(cdiv(V, c["BV"]), sub, H)](
+    kern.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, o=o, **c, **meta)
+        READ_AFTER=read_after, PRECISION=prec, o=o, **c, **meta)
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = _config("dqk_bwd", K, V)
-    kern.dqk_bwd[(cdiv(K, c["BK"]), sub, H)](
+    kern.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, dh, do, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     dlog_a = du  # written in place: every program reads its chunk whole before it writes
     c = _config("elementwise", K, V)
     kern.dlog_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
@@ -134,7 +137,7 @@ def column_decay_chunk(
     by ``cu_seqlens`` with ``B = 1``). Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype
     and the final states ``[N, H, K, V]`` fp32 (or ``None``).
     """
-    if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
     q, x, v = (t.contiguous() for t in (q, x, v))
     eta, log_a = (t.float().contiguous() for t in (eta, log_a))

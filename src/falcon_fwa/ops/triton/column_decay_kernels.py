@@ -6,40 +6,43 @@ column carries ``a_{t,j}`` (``log_a`` = ``log gamma_{t,j} + g_t``), the state co
 steps entered with state ``h``, with chunk-local log-prefixes ``u_{t,j} = sum_{r <= t}
 log a_{r,j}`` (``u``, written by ``chunk_cumsum``), computes::
 
-    o[t, j] = exp(uq[t, j]) (q_t^T h)[j] + sum_{s in M(t)} (q_t . x_s) exp(uq[t, j] - u[s, j]) U[s, j]
+    o[t, j] = exp(uq[t, j]) (q_t^T h)[j] + sum_{s in M(t)} P[t, s] exp(uq[t, j] - u[s, j]) U[s, j]
     h_next  = exp(u_C) * h + X^T (exp(u_C - u) * U)
 
-with ``uq_t = u_t``, ``M(t) = {s <= t}`` (read after write) or ``uq_t = u_{t-1}``,
-``M(t) = {s < t}`` (read before write). The decay of the intra-chunk term depends on
-the column, so it is no ``BT x BT`` mask: the chunk is cut into sub-chunks of ``BS``
-steps. For a target sub-chunk ``I`` every earlier source of the chunk factors through
-one log-prefix, ``r_I`` at the row before ``I`` (``u`` is non-increasing in time)::
+with the scores ``P = Q X^T`` (``[BT, BT]``, shared by all columns), ``uq_t = u_t``,
+``M(t) = {s <= t}`` (read after write) or ``uq_t = u_{t-1}``, ``M(t) = {s < t}`` (read
+before write). The decay of the intra-chunk term depends on the column, so it is no
+``BT x BT`` mask. The pairs ``s < t`` of a chunk are split by levels: at level ``b``
+(``b = 1, 2, 4, ..., BT / 2``) the chunk is cut into blocks of ``2b`` rows and the level
+holds the pairs with the source ``s`` in the first half of a block and the target ``t``
+in its second half (every pair ``s < t`` lies in exactly one level: the smallest aligned
+block holding both). With ``r`` the log-prefix at the last row ``m`` of the first half
+(``u`` is non-increasing in time, and ``s <= m``, ``uq_t <= u_m``)::
 
-    exp(uq_t - u_s) = exp(uq_t - r_I) * exp(r_I - u_s)          (t in I, s before I, both factors <= 1)
+    exp(uq_t - u_s) = exp(uq_t - r) * exp(r - u_s)          (both factors <= 1)
 
-so all earlier sub-chunks are one dot, ``exp(uq_I - r_I) * (P_I< @ (exp(r_I - u_<) * U_<))``
-with the scores ``P_I< = Q_I X_<^T`` of the earlier rows. The diagonal block ``J = I``
-takes the decays ``exp(uq_t - u_s)`` (``s in M(t)``) as one ``[BS, BS, BV]`` tile and
-sums ``P[t, s] * decay * U[s]`` over ``s``. Only non-positive exponents are ever
-evaluated. Tensors are time-major ``[B, T, H, D]`` (``B = 1`` with packed sequences);
-states are ``[num_chunks, H, K, V]``.
+so a level is one dot, ``E_t * (P_b @ (E_s * U))``, with ``P_b`` the scores of the pairs
+in one block and one ``[BT, BV]`` tile of decays ``E`` (``exp(r - u)`` on first-half
+rows, ``exp(uq - r)`` on second-half rows: a row is a source or a target at each level,
+never both). The pair ``s = t`` (read after write) has decay 1: ``P[t, t] U[t]``. Only
+non-positive exponents are ever evaluated, however strong the decay. Per chunk and value
+block: ``log2(BT) + 1`` tiles of exponentials and ``log2(BT)`` dots ``[BT, BT] @ [BT, BV]``
+besides the scores and the entry state's term. Tensors are time-major ``[B, T, H, D]``
+(``B = 1`` with packed sequences); states are ``[num_chunks, H, K, V]``.
 
 Backward, with ``dH`` the gradient of a chunk's exit state and
-``D[t, s] = sum_j do[t, j] exp(uq[t, j] - u[s, j]) U[s, j]`` (same split)::
+``D[t, s] = sum_j do[t, j] exp(uq[t, j] - u[s, j]) U[s, j]`` (same levels)::
 
     dh     = exp(u_C) * dH + Q^T (exp(uq) * dO)                         (state_bwd)
     dq_t   = h (exp(uq_t) * do_t) + sum_{s in M(t)} D[t, s] x_s          (dqk_bwd)
     dx_s   = sum_{t: s in M(t)} D[t, s] q_t + dH (exp(u_C - u_s) * U_s)  (dqk_bwd)
-    dU[s, j] = sum_{t: s in M(t)} (q_t . x_s) exp(uq[t, j] - u[s, j]) do[t, j]
+    dU[s, j] = sum_{t: s in M(t)} P[t, s] exp(uq[t, j] - u[s, j]) do[t, j]
                + exp(u_C,j - u[s, j]) (x_s^T dH)[j]                      (dv_bwd)
 
-The sums over later targets go through ``r``, the log-prefix at the end of the source's
-sub-chunk (one dot for all later sub-chunks), the sums over earlier sources through the
-log-prefix before the target's sub-chunk, and the diagonal block through the same
-``[BS, BS, BV]`` decay tile as the forward (summed over ``t`` for ``dU``, over the value
-columns for ``D``). ``dv = eta * dU``, ``deta = v * dU``. Every term of ``o[t, j]``
-carries ``exp(uq[t, j])``, so ``d uq = dO * O`` (``O`` the forward's output, in ``v``'s
-dtype; recomputed in fp32 when not given); the intra-chunk term gives ``d u_s = -U_s *
+level by level: ``dU += E_s * (P_b^T @ (E_t * dO))`` and ``D += mask_b * ((E_t * dO) @
+(E_s * U)^T)``. ``dv = eta * dU``, ``deta = v * dU``. Every term of ``o[t, j]`` carries
+``exp(uq[t, j])``, so ``d uq = dO * O`` (``O`` the forward's output, in ``v``'s dtype;
+recomputed in fp32 when not given); the intra-chunk term gives ``d u_s = -U_s *
 dU^intra_s``; ``h_next`` gives ``d u_C = exp(u_C) colsum(h * dH) + sum_s c_s`` with
 ``c_s = U_s * dU^state_s``, and ``d u_s = -c_s``. Since
 ``u_t = sum_{r <= t} log a_r``, ``dlog_bwd`` assembles, within the chunk::
@@ -53,9 +56,9 @@ after ``s``).
 
 Kernels: ``step_fwd``/``step_bwd`` (the per-column step sizes of ``ops.step_sizes``),
 ``chunk_cumsum``, ``state_fwd`` (entry state of every chunk, sequential over chunks),
-``output_fwd`` (one program per sub-chunk and value block), ``state_bwd`` (reverse over
-chunks), ``dv_bwd`` (per sub-chunk and value block), ``dqk_bwd`` (per sub-chunk and key
-block) and ``dlog_bwd``.
+``output_fwd`` (one program per chunk and value block), ``state_bwd`` (reverse over
+chunks), ``dv_bwd`` (per chunk and value block), ``dqk_bwd`` (per chunk and key block,
+the value blocks in a loop) and ``dlog_bwd``.
 """
 from __future__ import annotations
 
@@ -95,92 +98,25 @@ def _read_prefix(u, rows, m_rows, first, i_h, H: tl.constexpr, V: tl.constexpr, 
 
 
 @triton.jit
+def _query_prefix(u, b_u, rows, m_rows, first, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v,
+                  READ_AFTER: tl.constexpr):
+    """``uq`` ``[R, BV]`` given ``b_u = u[rows]`` (itself when reading after the write)."""
+    if READ_AFTER:
+        return b_u
+    else:
+        return _read_prefix(u, rows, m_rows, first, i_h, H, V, o_v, m_v, False)
+
+
+@triton.jit
 def _decay(delta, keep):
     """``exp(delta)`` where ``keep`` (``delta <= 0`` there), 0 elsewhere; never ``exp`` of a positive."""
     return tl.exp(tl.where(keep, delta, float("-inf")))
 
 
 @triton.jit
-def _dots(a, b, rows_a, m_a, rows_b, m_b, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-          RA: tl.constexpr, RB: tl.constexpr, PRECISION: tl.constexpr):
-    """``[RA, RB]`` fp32 inner products ``a[rows_a] . b[rows_b]`` over the key dimension."""
-    s = tl.zeros([RA, RB], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        s += tl.dot(_rows(a, rows_a, m_a, i_h, H, K, o_k, m_k), _rows_t(b, rows_b, m_b, i_h, H, K, o_k, m_k),
-                    input_precision=PRECISION)
-    return s
-
-
-@triton.jit
 def _writes(v, eta, rows, m_rows, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v):
     """``U = eta * v`` ``[R, BV]`` fp32."""
     return _rows(v, rows, m_rows, i_h, H, V, o_v, m_v).to(tl.float32) * _rows(eta, rows, m_rows, i_h, H, V, o_v, m_v)
-
-
-@triton.jit
-def _writes_t(v, eta, rows, m_rows, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v):
-    """The transpose ``[BV, R]`` of ``_writes``, loaded directly."""
-    return (_rows_t(v, rows, m_rows, i_h, H, V, o_v, m_v).to(tl.float32)
-            * _rows_t(eta, rows, m_rows, i_h, H, V, o_v, m_v))
-
-
-@triton.jit
-def _pairs(rows, m_rows, READ_AFTER: tl.constexpr):
-    """``[BS, BS]`` mask of the diagonal block's (target ``t``, source ``s``) pairs:
-    ``s <= t`` (read after) or ``s < t`` (read before), both real rows."""
-    if READ_AFTER:
-        causal = rows[None, :] <= rows[:, None]
-    else:
-        causal = rows[None, :] < rows[:, None]
-    return causal & m_rows[:, None] & m_rows[None, :]
-
-
-@triton.jit
-def _pair_decay(b_uq, b_u, keep):
-    """``[BS, BS, BV]`` decays ``exp(uq[t, j] - u[s, j])`` of the diagonal block (target
-    ``t``, source ``s``) where ``keep[t, s]``, 0 elsewhere; never ``exp`` of a positive."""
-    return tl.exp(tl.where(keep[:, :, None], b_uq[:, None, :] - b_u[None, :, :], float("-inf")))
-
-
-@triton.jit
-def _transposed(a, BS: tl.constexpr):
-    """``a^T`` of a ``[BS, BS]`` fp32 tile, by selection rather than ``tl.trans`` (whose
-    result some Hopper builds of Triton mishandle as a dot operand)."""
-    o = tl.arange(0, BS)
-    return tl.sum(tl.where(o[:, None, None] == o[None, None, :], a[:, :, None], 0.0), axis=0)
-
-
-@triton.jit
-def _subchunk_output(q, x, v, eta, u, h_base, rows, m_r, b_uq, first, end, i_s, i_h, o_v, m_v,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BS: tl.constexpr, BV: tl.constexpr, READ_AFTER: tl.constexpr, PRECISION: tl.constexpr):
-    """Outputs ``[BS, BV]`` fp32 of sub-chunk ``i_s`` (rows ``rows``) from the chunk's
-    entry state (``h_base``), the earlier sub-chunks (one dot through the log-prefix
-    ``r`` at the row before this sub-chunk) and its own diagonal block."""
-    dt = q.dtype.element_ty
-    b_o = tl.zeros([BS, BV], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_q = _rows(q, rows, m_r, i_h, H, K, o_k, m_k)
-        b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
-    b_o = b_o * _decay(b_uq, m_r[:, None])
-    start = first + i_s * BS  # this sub-chunk's first row
-    if (i_s > 0) & (start < end):
-        src = first + tl.arange(0, BT)
-        m_src = src < start
-        r = _row(u, start - 1, True, i_h, H, V, o_v, m_v)
-        b_p = _dots(q, x, rows, m_r, src, m_src, i_h, H, K, BK, BS, BT, PRECISION)  # [t, s]
-        b_w = _writes(v, eta, src, m_src, i_h, H, V, o_v, m_v) * _decay(
-            r[None, :] - _rows(u, src, m_src, i_h, H, V, o_v, m_v), m_src[:, None])
-        b_o += _decay(b_uq - r[None, :], m_r[:, None]) * tl.dot(b_p.to(dt), b_w.to(dt), input_precision=PRECISION)
-    b_p = _dots(q, x, rows, m_r, rows, m_r, i_h, H, K, BK, BS, BS, PRECISION)  # the diagonal block [t, s]
-    b_e = _pair_decay(b_uq, _rows(u, rows, m_r, i_h, H, V, o_v, m_v), _pairs(rows, m_r, READ_AFTER))
-    b_o += tl.sum(b_p[:, :, None] * b_e * _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)[None, :, :], axis=1)
-    return b_o
 
 
 @triton.jit
@@ -202,6 +138,74 @@ def _subchunk_program(i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT: tl.c
     n_sub = tl.cdiv(steps, BS)
     n_diag = tl.maximum(tl.minimum(steps - i_s * BS, BS), 0)
     return i_s, i_t, first, end, last, rows, rows < end, boh, n_sub, n_diag
+
+
+@triton.jit
+def _chunk_program(i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """For a per-chunk program (chunk ``i_p`` of the layout): the chunk's index in its
+    sequence, the sequence's first chunk, the chunk's first and last row (absolute), its
+    ``BT`` rows and their mask."""
+    i_n, i_t, bos, T_n, boh = _chunk_of_program(i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
+    first = bos + i_t * BT
+    last = first + tl.minimum(BT, T_n - i_t * BT) - 1
+    rows = first + tl.arange(0, BT)
+    return i_t, boh, first, last, rows, rows <= last
+
+
+@triton.jit
+def _level(u, b_u, b_uq, first, last, m_r, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v, BT: tl.constexpr, lvl):
+    """Level ``lvl`` of the chunk's pairs (blocks of ``2 b`` rows, ``b = 2^lvl``): whether
+    each row lies in the first half of its block (a source) or not (a target), the
+    ``[BT, BT]`` mask of the row pairs in one block and the ``[BT, BV]`` decays
+    ``exp(r - u_s)`` on source rows, ``exp(uq_t - r)`` on target rows (0 on masked rows
+    and columns), with ``r`` the log-prefix at the last row of the block's first half (at
+    the chunk's last row where the chunk ends before it: that block has no target)."""
+    i = tl.arange(0, BT)
+    source = ((i >> lvl) & 1) == 0
+    mid = first + tl.minimum(((i >> (lvl + 1)) << (lvl + 1)) + (1 << lvl) - 1, last - first)
+    r = _rows(u, mid, m_r, i_h, H, V, o_v, m_v)
+    decay = _decay(tl.where(source[:, None], r - b_u, b_uq - r), m_r[:, None] & m_v[None, :])
+    block = (i[:, None] >> (lvl + 1)) == (i[None, :] >> (lvl + 1))
+    return source, block, decay
+
+
+@triton.jit
+def _diagonal(a, BT: tl.constexpr):
+    """The diagonal ``[BT]`` of a ``[BT, BT]`` tile."""
+    i = tl.arange(0, BT)
+    return tl.sum(tl.where(i[:, None] == i[None, :], a, 0.0), axis=1)
+
+
+@triton.jit
+def _chunk_output(q, x, v, eta, u, h_base, first, last, rows, m_r, i_h, o_v, m_v,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, READ_AFTER: tl.constexpr, PRECISION: tl.constexpr):
+    """Outputs ``[BT, BV]`` fp32 of one chunk (value columns ``o_v``): the entry state's
+    term (``h_base``: the chunk's entry state) and the intra-chunk pairs, level by level."""
+    LEVELS: tl.constexpr = 4 + (BT >= 32) + (BT >= 64) + (BT >= 128)  # log2(BT), BT in 16..128
+    dt = q.dtype.element_ty
+    b_p = tl.zeros([BT, BT], dtype=tl.float32)  # P[t, s] = q_t . x_s
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _rows(q, rows, m_r, i_h, H, K, o_k, m_k)
+        b_p += tl.dot(b_q, _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k), input_precision=PRECISION)
+        b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
+    b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+    b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
+    b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
+    b_o = b_o * _decay(b_uq, m_r[:, None])
+    if READ_AFTER:  # the pairs s = t, decay 1
+        b_o += _diagonal(b_p, BT)[:, None] * b_U
+    b_p = b_p.to(dt)
+    for lvl in range(LEVELS):
+        source, block, b_e = _level(u, b_u, b_uq, first, last, m_r, i_h, H, V, o_v, m_v, BT, lvl)
+        b_w = (tl.where(source[:, None], b_e, 0.0) * b_U).to(dt)
+        b_o += tl.where(source[:, None], 0.0, b_e) * tl.dot(tl.where(block, b_p, 0.0).to(dt), b_w,
+                                                            input_precision=PRECISION)
+    return b_o
 
 
 @triton.jit
@@ -257,19 +261,18 @@ def state_fwd(
 @triton.jit
 def output_fwd(
     q, x, v, eta, u, h, o, cu_seqlens, chunk_indices, chunk_offsets, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), num_chunks * BT // BS, H)``: outputs of every sub-chunk."""
-    i_v, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s, i_t, first, end, last, rows, m_r, boh, n_sub, n_diag = _subchunk_program(
-        i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT, BS, IS_VARLEN)
+    """Grid ``(cdiv(V, BV), num_chunks, H)``: the outputs of every chunk."""
+    i_v, i_h = tl.program_id(0), tl.program_id(2)
+    i_c = tl.program_id(1)
+    i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
+                                                      IS_VARLEN)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
-    h_base = h + ((boh + i_t) * H + i_h) * K * V
-    b_o = _subchunk_output(q, x, v, eta, u, h_base, rows, m_r, b_uq, first, end, i_s, i_h, o_v, m_v,
-                           H, K, V, BT, BK, BS, BV, READ_AFTER, PRECISION)
+    b_o = _chunk_output(q, x, v, eta, u, h + ((boh + i_t) * H + i_h) * K * V, first, last, rows, m_r, i_h, o_v, m_v,
+                        H, K, V, BT, BK, BV, READ_AFTER, PRECISION)
     tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_r[:, None] & m_v[None, :])
 
@@ -313,55 +316,56 @@ def state_bwd(
 @triton.jit
 def dv_bwd(
     q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, cu_seqlens, chunk_indices, chunk_offsets, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, o=None,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, o=None,
 ):
-    """Grid ``(cdiv(V, BV), num_chunks * BT // BS, H)``: ``dU`` of every sub-chunk's
-    sources, mapped to ``dv = eta * dU`` and ``deta = v * dU``, and the per-step terms of
-    the log-prefix gradient (``du``, ``dw``, ``dc``; see the module docstring). ``o``: the
-    forward's outputs, for ``d uq = dO * O`` (``None``: recomputed here in fp32)."""
-    i_v, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s, i_t, first, end, last, rows, m_r, boh, n_sub, n_diag = _subchunk_program(
-        i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT, BS, IS_VARLEN)
+    """Grid ``(cdiv(V, BV), num_chunks, H)``: ``dU`` of every chunk's sources, mapped to
+    ``dv = eta * dU`` and ``deta = v * dU``, and the per-step terms of the log-prefix
+    gradient (``du``, ``dw``, ``dc``; see the module docstring). ``o``: the forward's
+    outputs, for ``d uq = dO * O`` (``None``: recomputed here in fp32)."""
+    i_v, i_h = tl.program_id(0), tl.program_id(2)
+    i_c = tl.program_id(1)
+    i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
+                                                      IS_VARLEN)
+    LEVELS: tl.constexpr = 4 + (BT >= 32) + (BT >= 64) + (BT >= 128)  # log2(BT), BT in 16..128
     dt = q.dtype.element_ty
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_rv = m_r[:, None] & m_v[None, :]
     state = ((boh + i_t) * H + i_h) * K * V
+    # the intra-chunk targets, level by level: dU_s += E_s * sum_t P[t, s] E_t do_t, with the
+    # scores transposed, P^T[s, t] = x_s . q_t
+    b_pt = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_pt += tl.dot(_rows(x, rows, m_r, i_h, H, K, o_k, m_k), _rows_t(q, rows, m_r, i_h, H, K, o_k, m_k),
+                       input_precision=PRECISION)
     b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
-    b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
+    b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
     b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
-    u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
-    # the exit state's term: exp(u_C - u_s) (x_s^T dH), and colsum(h * dH) for d u_C (read by
-    # the sub-chunk holding the chunk's last row only)
-    stop = first + i_s * BS + BS  # the first row after this sub-chunk
-    has_last = (last >= stop - BS) & (last < stop)
-    b_xdh = tl.zeros([BS, BV], dtype=tl.float32)
+    b_du_intra = tl.zeros([BT, BV], dtype=tl.float32)
+    if READ_AFTER:  # the pairs s = t, decay 1
+        b_du_intra += _diagonal(b_pt, BT)[:, None] * b_do
+    b_pt = b_pt.to(dt)
+    for lvl in range(LEVELS):
+        source, block, b_e = _level(u, b_u, b_uq, first, last, m_r, i_h, H, V, o_v, m_v, BT, lvl)
+        b_g = (tl.where(source[:, None], 0.0, b_e) * b_do).to(dt)
+        b_du_intra += tl.where(source[:, None], b_e, 0.0) * tl.dot(tl.where(block, b_pt, 0.0).to(dt), b_g,
+                                                                   input_precision=PRECISION)
+    # the exit state's term exp(u_C - u_s) (x_s^T dH), and colsum(h * dH) for d u_C
+    b_xdh = tl.zeros([BT, BV], dtype=tl.float32)
     b_hdh = tl.zeros([BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_kv = (o_k[:, None] < K) & m_v[None, :]
-        b_x = _rows(x, rows, m_r, i_h, H, K, o_k, o_k < K)
+        m_k = o_k < K
+        m_kv = m_k[:, None] & m_v[None, :]
         b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=tl.where(has_last, m_kv, False), other=0.0)
-        b_xdh += tl.dot(b_x, b_dh, input_precision=PRECISION)
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_xdh += tl.dot(_rows(x, rows, m_r, i_h, H, K, o_k, m_k), b_dh, input_precision=PRECISION)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
+    u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
     b_du_state = b_xdh * _decay(u_last[None, :] - b_u, m_r[:, None])
-    # the later sub-chunks' targets, in one dot through r, the log-prefix at the end of this
-    # sub-chunk (a partial last sub-chunk has no later target: r is read at its last real row)
-    r = _row(u, tl.minimum(stop - 1, last), True, i_h, H, V, o_v, m_v)
-    b_du_intra = tl.zeros([BS, BV], dtype=tl.float32)
-    if stop <= last:
-        tgt = first + tl.arange(0, BT)
-        m_tgt = (tgt >= stop) & (tgt < end)
-        b_pt = _dots(x, q, rows, m_r, tgt, m_tgt, i_h, H, K, BK, BS, BT, PRECISION)  # [s, t]
-        b_g = _rows(do, tgt, m_tgt, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(
-            _read_prefix(u, tgt, m_tgt, first, i_h, H, V, o_v, m_v, READ_AFTER) - r[None, :], m_tgt[:, None])
-        b_du_intra = _decay(r[None, :] - b_u, m_r[:, None]) * tl.dot(b_pt.to(dt), b_g.to(dt),
-                                                                    input_precision=PRECISION)
-    b_p = _dots(q, x, rows, m_r, rows, m_r, i_h, H, K, BK, BS, BS, PRECISION)  # the diagonal block [t, s]
-    b_e = _pair_decay(b_uq, b_u, _pairs(rows, m_r, READ_AFTER))
-    b_du_intra += tl.sum(b_p[:, :, None] * b_e * b_do[:, None, :], axis=0)
     b_dU = b_du_intra + b_du_state
     b_v = _rows(v, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
     b_eta = _rows(eta, rows, m_r, i_h, H, V, o_v, m_v)
@@ -372,8 +376,8 @@ def dv_bwd(
     if o is not None:
         b_o = tl.load(o + off, mask=m_rv, other=0.0).to(tl.float32)
     else:
-        b_o = _subchunk_output(q, x, v, eta, u, h + state, rows, m_r, b_uq, first, end, i_s, i_h, o_v, m_v,
-                               H, K, V, BT, BK, BS, BV, READ_AFTER, PRECISION)
+        b_o = _chunk_output(q, x, v, eta, u, h + state, first, last, rows, m_r, i_h, o_v, m_v,
+                            H, K, V, BT, BK, BV, READ_AFTER, PRECISION)
     d_read = b_do * b_o
     d_u = -b_U * b_du_intra + tl.where(rows[:, None] == last, (tl.exp(u_last) * b_hdh)[None, :], 0.0)
     if READ_AFTER:
@@ -387,81 +391,63 @@ def dv_bwd(
 @triton.jit
 def dqk_bwd(
     q, x, v, eta, u, h, dh, do, dq, dx, cu_seqlens, chunk_indices, chunk_offsets, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid ``(cdiv(K, BK), num_chunks * BT // BS, H)``: ``dq`` of every sub-chunk's
-    targets and ``dx`` of its sources. ``D`` (summed over the value blocks) is built in
-    three parts: the rows of this sub-chunk's targets against the earlier sources
-    (through the log-prefix at the row before it), the columns of its sources against
-    the later targets (through the log-prefix at its end) and the diagonal block."""
-    i_k, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s, i_t, first, end, last, rows, m_r, boh, n_sub, n_diag = _subchunk_program(
-        i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT, BS, IS_VARLEN)
+    """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` and ``dx`` of every chunk (key
+    columns ``o_k``). ``D`` ``[BT, BT]`` is summed over the value blocks in a loop, level
+    by level; ``dx`` is accumulated transposed (``dx^T = Q^T D``, ``[BK, BT]``), so that
+    no dot result is ever transposed."""
+    i_k, i_h = tl.program_id(0), tl.program_id(2)
+    i_c = tl.program_id(1)
+    i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
+                                                      IS_VARLEN)
+    LEVELS: tl.constexpr = 4 + (BT >= 32) + (BT >= 64) + (BT >= 128)  # log2(BT), BT in 16..128
     dt = q.dtype.element_ty
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     state = ((boh + i_t) * H + i_h) * K * V
-    start = first + i_s * BS  # this sub-chunk's first row
-    stop = start + BS  # and the first row after it
-    chunk = first + tl.arange(0, BT)
-    keep = _pairs(rows, m_r, READ_AFTER)
-    b_dq = tl.zeros([BS, BK], dtype=tl.float32)
-    b_dx = tl.zeros([BS, BK], dtype=tl.float32)
-    b_dd = tl.zeros([BS, BS], dtype=tl.float32)  # D[t, s] of the diagonal block
-    for i_v in range(tl.cdiv(V, BV)):  # the entry and exit states, and the diagonal block
+    # D over the value blocks, level by level: D[t, s] += sum_j (E_t do_t)[j] (E_s U_s)[j]
+    b_d = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dd = tl.zeros([BT], dtype=tl.float32)  # D[t, t] (read after)
+    for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_kv = m_k[None, :] & m_v[:, None]
         b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
-        b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
-        u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
+        b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
         b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
         b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
-        b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_kv, other=0.0)  # [BV, BK]
-        b_dht = tl.load(dh + state + o_k[None, :] * V + o_v[:, None], mask=m_kv, other=0.0)
-        b_dq += tl.dot((b_do * _decay(b_uq, m_r[:, None])).to(dt), b_ht.to(dt), input_precision=PRECISION)
-        b_dx += tl.dot((b_U * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt), b_dht.to(dt),
-                       input_precision=PRECISION)
-        b_dd += tl.sum(b_do[:, None, :] * _pair_decay(b_uq, b_u, keep) * b_U[None, :, :], axis=2)
-    b_dq += tl.dot(b_dd.to(dt), _rows(x, rows, m_r, i_h, H, K, o_k, m_k).to(dt), input_precision=PRECISION)
-    b_dx += tl.dot(_transposed(b_dd, BS).to(dt), _rows(q, rows, m_r, i_h, H, K, o_k, m_k).to(dt),
-                   input_precision=PRECISION)
-    if (i_s > 0) & (start < end):  # earlier sources, through r_in = u at the row before this sub-chunk
-        m_src = chunk < start
-        b_drow = tl.zeros([BS, BT], dtype=tl.float32)  # D[t, s]: targets here, earlier sources
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            r_in = _row(u, start - 1, True, i_h, H, V, o_v, m_v)
-            b_g = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(
-                _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER) - r_in[None, :], m_r[:, None])
-            b_wt = _writes_t(v, eta, chunk, m_src, i_h, H, V, o_v, m_v) * _decay(
-                r_in[:, None] - _rows_t(u, chunk, m_src, i_h, H, V, o_v, m_v), m_src[None, :])  # [BV, s]
-            b_drow += tl.dot(b_g.to(dt), b_wt.to(dt), input_precision=PRECISION)
-        b_dq += tl.dot(b_drow.to(dt), _rows(x, chunk, m_src, i_h, H, K, o_k, m_k).to(dt),
-                       input_precision=PRECISION)
-    if stop <= last:  # later targets, through r_out = u at the end of this sub-chunk
-        m_tgt = (chunk >= stop) & (chunk < end)
-        b_dcol = tl.zeros([BS, BT], dtype=tl.float32)  # D[t, s] transposed: sources here, later targets
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            r_out = _row(u, stop - 1, True, i_h, H, V, o_v, m_v)
-            b_w = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v) * _decay(
-                r_out[None, :] - _rows(u, rows, m_r, i_h, H, V, o_v, m_v), m_r[:, None])
-            if READ_AFTER:
-                b_uqt = _rows_t(u, chunk, m_tgt, i_h, H, V, o_v, m_v)  # [BV, t]
-            else:  # chunk - 1 stays inside the chunk where m_tgt holds: later targets are never the first row
-                b_uqt = _rows_t(u, chunk - 1, m_tgt, i_h, H, V, o_v, m_v)
-            b_gt = _rows_t(do, chunk, m_tgt, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(
-                b_uqt - r_out[:, None], m_tgt[None, :])  # [BV, t]
-            b_dcol += tl.dot(b_w.to(dt), b_gt.to(dt), input_precision=PRECISION)
-        b_dx += tl.dot(b_dcol.to(dt), _rows(q, chunk, m_tgt, i_h, H, K, o_k, m_k).to(dt),
-                       input_precision=PRECISION)
-    off = (rows[:, None] * H + i_h) * K + o_k[None, :]
-    tl.store(dq + off, b_dq.to(dq.dtype.element_ty), mask=m_r[:, None] & m_k[None, :])
-    tl.store(dx + off, b_dx.to(dx.dtype.element_ty), mask=m_r[:, None] & m_k[None, :])
+        if READ_AFTER:
+            b_dd += tl.sum(b_do * b_U, axis=1)
+        for lvl in range(LEVELS):
+            source, block, b_e = _level(u, b_u, b_uq, first, last, m_r, i_h, H, V, o_v, m_v, BT, lvl)
+            b_g = (tl.where(source[:, None], 0.0, b_e) * b_do).to(dt)
+            b_w = (tl.where(source[:, None], b_e, 0.0) * b_U).to(dt)
+            b_d += tl.where(block, tl.dot(b_g, tl.trans(b_w), input_precision=PRECISION), 0.0)
+    if READ_AFTER:
+        i = tl.arange(0, BT)
+        b_d += tl.where(i[:, None] == i[None, :], b_dd[:, None], 0.0)
+    b_d = b_d.to(dt)
+    b_dq = tl.dot(b_d, _rows(x, rows, m_r, i_h, H, K, o_k, m_k), input_precision=PRECISION)
+    b_dxt = tl.dot(_rows_t(q, rows, m_r, i_h, H, K, o_k, m_k), b_d, input_precision=PRECISION)
+    # the entry state's read (dq) and the exit state's write (dx)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+        b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
+        b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
+        b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
+        u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
+        b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0)
+        b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dq += tl.dot((b_do * _decay(b_uq, m_r[:, None])).to(dt), b_ht, input_precision=PRECISION)
+        b_wc = (b_U * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
+        b_dxt += tl.dot(b_dh, tl.trans(b_wc), input_precision=PRECISION)
+    tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
+             mask=m_r[:, None] & m_k[None, :])
+    tl.store(dx + (rows[None, :] * H + i_h) * K + o_k[:, None], b_dxt.to(dx.dtype.element_ty),
+             mask=m_r[None, :] & m_k[:, None])
 
 
 @triton.jit

@@ -25,12 +25,12 @@ import torch
 from . import column_decay_kernels as cd
 from . import column_delta_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
-from .column_decay import SUB_CHUNK
 from .column_decay import _config as column_config
 from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, layout_args, next_power_of_2
 
 __all__ = ["column_delta_chunk"]
 
+SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of gram_fwd)
 # The sequential kernels hold the whole key dimension (BK >= K) and BV value columns;
 # they solve blocks of SUB_CHUNK steps whatever the chunk size. With BK = 128 the sm_90
 # build of state_bwd spills at 4 warps (255 registers) and does not at 8.
@@ -70,8 +70,8 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     ones = torch.ones_like(eta)
     o = _empty(v.shape, v)
     c = column_config("output_fwd", K, V)
-    cd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
-        q, x, D, ones, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, BS=SUB_CHUNK,
+    cd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
+        q, x, D, ones, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     return o, G, u, h, D, R, S_T
 
@@ -81,16 +81,15 @@ def _read_grads(query, x, D, ones, u, h, dh, d_read, dq, dx, du, dw, dc, dD, lay
     ``dD`` (intra-chunk plus the exit-state term through ``dh``), the log-prefix terms
     ``du``, ``dw``, ``dc``, and ``dq`` (the queries), ``dx`` (the keys)."""
     prec, meta = dot_precision(query.dtype), layout_args(layout)
-    sub = layout.num_chunks * (layout.BT // SUB_CHUNK)
     c = column_config("dv_bwd", K, V)
-    cd.dv_bwd[(cdiv(V, c["BV"]), sub, H)](
+    cd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         query, x, D, ones, u, h, dh, d_read, dD, _empty(D.shape, D), du, dw, dc, chunk_indices=layout.chunk_indices,
-        H=H, K=K, V=V, BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        H=H, K=K, V=V, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     if dq is not None:
         c = column_config("dqk_bwd", K, V)
-        cd.dqk_bwd[(cdiv(K, c["BK"]), sub, H)](
+        cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
             query, x, D, ones, u, h, dh, d_read, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-            BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+            READ_AFTER=read_after, PRECISION=prec, **c, **meta)
 
 
 def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLayout, read_after: bool):
@@ -125,9 +124,9 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLay
     # 4. the outputs' q and x gradients (queries q; the exit-state term is counted in step 3)
     dq, dx_out = _empty(q.shape, q, f32), _empty(x.shape, x, f32)
     c = column_config("dqk_bwd", K, V)
-    cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
+    cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, D, ones, u, h, no_dh, do, dq, dx_out, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        BS=SUB_CHUNK, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     # 5. the log carries from the per-step terms of both reads
     du = du_o + du_r
     dw = dw_r if dw_o is None else dw_o + dw_r

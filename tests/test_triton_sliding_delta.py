@@ -55,6 +55,33 @@ def test_top_eigenvalue_kernel_against_eigvalsh(W):
                           rtol=1e-6)
 
 
+def test_window_gram_kernel_against_float64():
+    """The window Grams ``G_t[i, j] = x_{t+i} . x_{t+j}`` of ``_WindowGram`` (one kernel over the
+    extended axis, invalid pairs as zero) and their gradient for the pairs, against float64
+    products of the materialized windows; K = 80 spans two key blocks."""
+    from falcon_fwa.ops.triton.sliding_delta import _WindowGram
+
+    g = torch.Generator().manual_seed(5)
+    for W in (1, 2, 4, 16):
+        B, T, H, K = 2, 7, 2, 80
+        L = T + W - 1
+        x = torch.randn(B, L, H, K, generator=g)
+        valid = torch.rand(B, L, generator=g) > 0.3
+        x[~valid] = float("nan")  # an invalid pair is zero, whatever it holds
+        dG = torch.randn(B, H, T, W, W, generator=g, dtype=torch.float64)
+        leaf = x.to(DEVICE).requires_grad_()
+        G = _WindowGram.apply(leaf, valid.to(DEVICE), W)
+        (G.double() * dG.to(DEVICE)).sum().backward()
+        ref = torch.where(valid[..., None, None], x.detach().double(), 0.0).requires_grad_()
+        win = ref.unfold(1, W, 1).permute(0, 2, 1, 4, 3)  # [B, H, T, W, K]
+        want = win @ win.transpose(-1, -2)
+        (want * dG).sum().backward()
+        assert torch.allclose(G.double().cpu(), want.detach(), rtol=1e-5, atol=1e-5), W
+        got = leaf.grad.double().cpu()
+        assert torch.allclose(got[valid], ref.grad[valid], rtol=1e-5, atol=1e-5), W
+        assert torch.equal(got[~valid], torch.zeros_like(got[~valid])), W
+
+
 # ---- the grouped WY solve itself, against a literal loop ----
 
 def test_grouped_writes_see_the_state_before_their_step():
@@ -129,6 +156,39 @@ def test_garbage_in_empty_tail_slots_and_short_segment():
 
 def test_two_segments_continue_exactly():
     check_segments_continue("3", seed=70, cut=18, window=4)
+
+
+@pytest.mark.parametrize("S", [2, 4])
+def test_values_read_in_place_from_the_window_axis(S):
+    """``delta_chunk(..., windowed_v=True)`` reading ``v`` ``[B, T // S + S - 1, H, V]`` in place
+    (write ``j*S + i`` takes row ``j + i``) gives exactly the outputs, final state and gradient
+    (summed onto that axis) of the same scan on the materialized overlapping windows."""
+    g = torch.Generator().manual_seed(S)
+    n_steps, B, H, K, V = 20 // S, 2, 1, 16, 24  # 20 rows: two chunks of 16
+    T, L = n_steps * S, n_steps + S - 1
+    q, x = (torch.randn(B, T, H, K, generator=g).to(DEVICE) / 4 for _ in range(2))
+    y = torch.randn(B, L, H, V, generator=g).to(DEVICE)
+    eta = (torch.rand(B, T, H, generator=g) * 0.5).to(DEVICE)
+    log_a = torch.zeros(B, T, H)
+    log_a[:, ::S] = -torch.rand(B, n_steps, H, generator=g) * 0.2
+    log_a = log_a.to(DEVICE)
+    probe = torch.randn(B, T, H, V, generator=g).to(DEVICE)
+    S0 = torch.randn(B, H, K, V, generator=g).to(DEVICE) * 0.1
+    results = []
+    for windowed in (False, True):
+        leaf = y.clone().requires_grad_()
+        v = leaf if windowed else leaf.unfold(1, S, 1).permute(0, 1, 4, 2, 3).reshape(B, T, H, V)
+        o, S_T = delta_chunk(q, x, v, eta, eta * 0.9, log_a, S0, read_after=False, chunk_size=16,
+                             output_final_state=True, slots=S, windowed_v=windowed)
+        ((o * probe).sum() + S_T.sum()).backward()
+        results.append((o, S_T, leaf.grad))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="cu_seqlens=None"):
+        delta_chunk(q[:1], x[:1], y[:1], eta[:1], eta[:1], log_a[:1], None, read_after=True, slots=S,
+                    windowed_v=True, cu_seqlens=torch.tensor([0, T], device=DEVICE))
+    with pytest.raises(ValueError, match="v must have"):
+        delta_chunk(q, x, y[:, 1:], eta, eta, log_a, None, read_after=True, slots=S, windowed_v=True)
 
 
 def test_grouped_rows_must_be_whole_steps():

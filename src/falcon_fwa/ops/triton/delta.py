@@ -58,35 +58,37 @@ def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[
     return BK, BV, 4 if BK <= 128 else 8, stages
 
 
-def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int):
+def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowed_v: bool = False):
     """``wy_fwd`` over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` fp32 (row ``t``
     holds its chunk's row of the inverse), ``U = A (eta Y)`` ``[B, T, H, V]`` and
-    ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``)."""
+    ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``). With
+    ``windowed_v``, ``v`` is ``[B, T // slots + slots - 1, H, V]`` (``delta_chunk``)."""
     B, T, H, K = x.shape
     V = v.shape[-1]
     prec = dot_precision(x.dtype)
     A = x.new_empty(B, T, H, layout.BT, dtype=torch.float32)  # also the scratch of N (written before read)
-    U, W = torch.empty_like(v), torch.empty_like(x)
+    U, W = x.new_empty(B, T, H, V, dtype=v.dtype), torch.empty_like(x)
     c = launch_config(prec, K, V, WY_FWD_BLOCKS)
     wy.wy_fwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c, PRECISION=prec,
-        SLOTS=slots, num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
+        SLOTS=slots, WINDOWED_V=windowed_v, num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
     return A, U, W
 
 
-def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool, slots: int):
+def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool, slots: int,
+             windowed_v: bool):
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
-    A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots)
+    A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots, windowed_v)
     h = q.new_empty(layout.num_chunks, H, K, V)
-    D = torch.empty_like(v)
+    D = torch.empty_like(U)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
     BK, BV, warps, stages = _full_k("state_fwd", K, V, q.dtype, slots)
     wy.state_fwd[(cdiv(V, BV), layout.N * H)](
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta)
-    o = torch.empty_like(v)
+    o = torch.empty_like(D)
     c = launch_config("output_fwd", K, V)
     sd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
@@ -95,11 +97,11 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
 
 
 def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: ChunkLayout, read_after: bool,
-              slots: int):
+              slots: int, windowed_v: bool):
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
-    dD = torch.empty_like(v, dtype=torch.float32)  # dv_bwd's local part, completed in place by state_bwd
+    dD = torch.empty_like(D, dtype=torch.float32)  # dv_bwd's local part, completed in place by state_bwd
     c = launch_config("dv_bwd", K, V)
     sd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, None, log_a, None, dD, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
@@ -121,15 +123,18 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
     del dh  # read by dqk_bwd only
-    dv = torch.empty_like(v)
+    dv = torch.empty_like(D)  # per write (with ``windowed_v``, summed onto ``v``'s axis below)
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
     dG = torch.empty_like(A)  # wy_bwd's scratch: the Gram's gradient, read back transposed
     BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, num_warps=WY_WARPS["wy_bwd"], num_stages=stages,
-        **meta)
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, num_warps=WY_WARPS["wy_bwd"],
+        num_stages=stages, **meta)
+    if windowed_v:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
+        dv = torch.ops.aten.unfold_backward(dv.view(B, T // slots, slots, H, V).permute(0, 1, 3, 4, 2), v.shape, 1,
+                                            slots, 1)
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     sd.dlog_bwd[(layout.num_chunks, H)](
         parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
@@ -139,20 +144,22 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
 
 class _DeltaChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots):
+    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots, windowed_v):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
-        o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final, slots)
+        o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final, slots,
+                                      windowed_v)
         ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
-        ctx.layout, ctx.read_after, ctx.slots = layout, read_after, slots
+        ctx.layout, ctx.read_after, ctx.slots, ctx.windowed_v = layout, read_after, slots, windowed_v
         return o, S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
         q, x, v, eta, kappa, log_a, S0, A, W, h, D = ctx.saved_tensors
         grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
-                          None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots)
-        return (*grads, None, None, None, None, None)
+                          None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots,
+                          ctx.windowed_v)
+        return (*grads, None, None, None, None, None, None)
 
 
 def delta_chunk(
@@ -169,6 +176,7 @@ def delta_chunk(
     cu_seqlens: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     slots: int = 1,
+    windowed_v: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunk-parallel regression (delta) scan with scalar step sizes.
 
@@ -176,6 +184,11 @@ def delta_chunk(
     j*slots+slots-1``; every sequence length a multiple of ``slots``; ``log_a`` nonzero only
     on a group's first row), which all see the state before their step, not one another:
     the rule-3 layout (``ops.triton.sliding_delta``). ``slots`` must divide 16.
+
+    ``windowed_v`` (rows of equal length, no ``cu_seqlens``): ``v`` is ``[B, T // slots +
+    slots - 1, H, V]`` and write ``j*slots + i`` takes its value from row ``j + i`` (the rows
+    are the overlapping windows of ``slots`` consecutive rows of ``v``, read in place); the
+    gradient of ``v`` is summed onto that axis.
 
     ``chunk_size`` 128 runs as 64 (``WY_MAX_CHUNK``).
 
@@ -192,9 +205,15 @@ def delta_chunk(
             raise ValueError(f"with slots={slots}, T={q.shape[1]} must be a multiple of slots")
         if cu_seqlens is not None and bool((cu_seqlens % slots).any()):
             raise ValueError(f"with slots={slots}, every cu_seqlens boundary must be a multiple of slots")
+    if windowed_v:
+        if cu_seqlens is not None:
+            raise ValueError("windowed_v needs rows of equal length (cu_seqlens=None)")
+        if v.shape[1] != q.shape[1] // slots + slots - 1:
+            raise ValueError(f"with windowed_v, v must have T // slots + slots - 1 = {q.shape[1] // slots + slots - 1} "
+                             f"rows, got {v.shape[1]}")
     chunk_size = min(chunk_size, WY_MAX_CHUNK)
     q, x, v = (t.contiguous() for t in (q, x, v))
     eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
     S0 = None if S0 is None else S0.float().contiguous()
     return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state,
-                             slots)
+                             slots, windowed_v)

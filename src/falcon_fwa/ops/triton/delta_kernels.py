@@ -20,7 +20,11 @@ products for the rest), ``state_fwd`` (sequential: entry states and
 ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
 (through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``, each
 product once). Every transposed operand is loaded as such (``wy_bwd``'s ``dG^T`` read back
-from the scratch it was stored in), never ``tl.trans`` of a product.
+from the scratch it was stored in), never ``tl.trans`` of a product. With ``WINDOWED_V`` the WY
+kernels read the values in place from rule 3's extended time axis (``_value_rows``).
+
+Rule 3's step sizes: ``window_gram_fwd`` / ``window_gram_bwd`` (the window Grams
+``G_t[i, j] = x_{t+i} . x_{t+j}`` straight from the extended axis, and their gradient).
 """
 from __future__ import annotations
 
@@ -40,6 +44,17 @@ def _step_prefix(u, w, BT: tl.constexpr, SLOTS: tl.constexpr):
     o = tl.arange(0, BT)
     same = (o[None, :] // SLOTS) == (o[:, None] // SLOTS)
     return u - tl.sum(tl.where(same, (u - w)[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _value_rows(bos, o_t, i_n, T, SLOTS: tl.constexpr, WINDOWED_V: tl.constexpr):
+    """Rows of ``v`` that hold the values of the writes ``o_t`` of sequence ``i_n``: ``bos + o_t``, or
+    with ``WINDOWED_V`` (rows of equal length ``T``, a multiple of ``SLOTS``) ``v`` on the extended
+    axis ``[N, T // SLOTS + SLOTS - 1, H, V]``, write ``j*SLOTS + i`` reading position ``j + i``."""
+    if WINDOWED_V:
+        return i_n.to(tl.int64) * (T // SLOTS + SLOTS - 1) + o_t // SLOTS + o_t % SLOTS
+    else:
+        return bos + o_t
 
 
 @triton.jit
@@ -136,7 +151,7 @@ def _unit_lower_inverse(a0, n_rows, H: tl.constexpr, BT: tl.constexpr, PRECISION
 def wy_fwd(
     x, v, eta, kappa, log_a, A, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED_V: tl.constexpr = False,
 ):
     """Grid ``(num_chunks, H)``: ``A = (I + N)^{-1}`` ``[rows, H, BT]`` fp32, ``U = A (eta Y)``
     ``[rows, H, V]`` and ``W = A (kappa exp(w) X)`` ``[rows, H, K]`` of every chunk. ``N`` is written
@@ -158,10 +173,11 @@ def wy_fwd(
     tl.debug_barrier()
     dt = x.dtype.element_ty  # U and W: products in the input dtype, fp32 accumulation
     b_a16 = tl.load(p_a, mask=m_t[:, None], other=0.0).to(dt)
+    r_v = _value_rows(bos, o_t, i_n, T, SLOTS, WINDOWED_V)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m = m_t[:, None] & (o_v[None, :] < V)
-        b_y = tl.load(v + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
+        b_y = tl.load(v + (r_v[:, None] * H + i_h) * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
         b_u = tl.dot(b_a16, (b_y * et[:, None]).to(dt), input_precision=PRECISION)
         tl.store(U + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m)
     kw = ka * tl.exp(w)
@@ -256,7 +272,7 @@ def state_bwd(
 def wy_bwd(
     x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED_V: tl.constexpr = False,
 ):
     """Grid ``(num_chunks, H)`` with ``BK >= K``: gradients through ``D = U - W h``,
     ``U = A (eta Y)``, ``W = A (kappa exp(w) X)`` and ``A = (I + N)^{-1}``. Writes ``dv``,
@@ -267,7 +283,7 @@ def wy_bwd(
     Each product is formed once, with ``A^T``, ``Y^T``, ``h^T`` and ``X^T`` loaded as such. The
     Gram's gradient ``dG`` (``[p, r]``, ``r`` before ``p``) enters ``dx`` through ``dG + dG^T``:
     ``dG`` is staged in the scratch ``dG`` (``[rows, H, BT]`` fp32, laid out as ``A``) and read
-    back transposed."""
+    back transposed. ``v`` is read as in ``wy_fwd`` (``WINDOWED_V``); ``dv`` is per write."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -285,14 +301,15 @@ def wy_bwd(
     b_da = tl.zeros([BT, BT], dtype=tl.float32)  # dA
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # dW = -dD h^T
     d_eta = tl.zeros([BT], dtype=tl.float32)
+    r_v = _value_rows(bos, o_t, i_n, T, SLOTS, WINDOWED_V)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         b_dd = tl.load(dD + rows_v, mask=m_tv, other=0.0).to(dt)
-        b_y = tl.load(v + rows_v, mask=m_tv, other=0.0)
-        b_yt = tl.load(v + ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None],
+        b_y = tl.load(v + (r_v[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_yt = tl.load(v + (r_v[None, :] * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None],
                        other=0.0).to(dt)
         b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0).to(dt)
         b_da += tl.dot(b_dd, b_yt, input_precision=PRECISION)
@@ -323,7 +340,7 @@ def wy_bwd(
     b_dnn = b_dn * dec * b_g * ka[:, None]  # dN * N
     d_w += tl.sum(b_dnn, axis=1)
     d_u = -tl.sum(b_dnn, axis=0)
-    b_dg = tl.where(m_t[:, None], b_dn * dec * ka[:, None], 0.0)  # dG (rows past the sequence: 0)
+    b_dg = tl.where(m_t[:, None], b_dn * dec * ka[:, None], 0.0)  # dG (rows past the sequence: 0, as reloaded)
     tl.store(dG + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_dg, mask=m_t[:, None])
     tl.debug_barrier()  # every row of dG stored before it is read back transposed
     b_dg += tl.load(dG + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0)
@@ -338,3 +355,76 @@ def wy_bwd(
         same = (o_c[None, :] // SLOTS) == (o_c[:, None] // SLOTS)
         d_w = tl.where(o_c % SLOTS == 0, tl.sum(tl.where(same, d_w[None, :], 0.0), axis=1), 0.0)
     tl.store(extra + 2 * n_rows * H + row, d_w, mask=m_t)
+
+
+# ---- rule 3: the window Grams of the step sizes ----
+
+@triton.jit
+def window_gram_fwd(
+    x, valid, G, T, L,
+    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), B * H)``: ``G[b, h, t, i, j] = x_{t+i} . x_{t+j}`` ``[B, H, T, W, W]``
+    fp32 from the pairs ``x`` ``[B, L, H, K]`` on the extended axis (``L = T + W - 1``; slot ``i`` of
+    step ``t`` at position ``t + i``), a pair with ``valid[b, p]`` False counting as zero. Each key
+    block loads the ``[BT, W]`` window rows once and every slot's rows once more."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_w = tl.arange(0, W)
+    pos = o_t[:, None] + o_w[None, :]  # [BT, W]
+    ok = tl.load(valid + i_b.to(tl.int64) * L + pos, mask=m_t[:, None], other=0) != 0
+    rows = (i_b.to(tl.int64) * L + pos) * H + i_h
+    b_g = tl.zeros([BT, W, W], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_w = tl.load(x + rows[:, :, None] * K + o_k[None, None, :], mask=ok[:, :, None] & m_k[None, None, :],
+                      other=0.0).to(tl.float32)  # [BT, W, BK]
+        for j in tl.static_range(W):
+            ok_j = tl.load(valid + i_b.to(tl.int64) * L + o_t + j, mask=m_t, other=0) != 0
+            b_j = tl.load(x + ((i_b.to(tl.int64) * L + o_t[:, None] + j) * H + i_h) * K + o_k[None, :],
+                          mask=ok_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # slot j's rows [BT, BK]
+            col = tl.sum(b_w * b_j[:, None, :], axis=2)  # [BT, W]: G[:, :, j]
+            b_g += tl.where(o_w[None, None, :] == j, col[:, :, None], 0.0)
+    p_g = G + ((i_bh.to(tl.int64) * T + o_t[:, None, None]) * W + o_w[None, :, None]) * W + o_w[None, None, :]
+    tl.store(p_g, b_g, mask=m_t[:, None, None])
+
+
+@triton.jit
+def window_gram_bwd(
+    x, valid, dG, dx, T, L,
+    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+):
+    """Grid ``(cdiv(L, BP), B * H, cdiv(K, BK))``: the gradient of ``window_gram_fwd`` for the
+    pairs, ``dx_p = [p valid] sum_e c_e(p) x_{p+e}`` over the lags ``e = j - i`` in ``(-W, W)``,
+    with ``c_e(p) = sum_i dG[p-i, i, i+e] + dG[p-i, i+e, i]`` (steps ``0 <= p - i < T``) and
+    invalid pairs counting as zero."""
+    i_p, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_p = i_p * BP + tl.arange(0, BP)
+    m_p = o_p < L
+    o_w = tl.arange(0, W)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    row0 = i_b.to(tl.int64) * L
+    t = o_p[:, None] - o_w[None, :]  # [BP, W]: the step whose slot i holds pair p
+    m_s = (t >= 0) & (t < T)
+    g0 = dG + (i_bh.to(tl.int64) * T + t) * W * W
+    b_dx = tl.zeros([BP, BK], dtype=tl.float32)
+    for e_i in tl.static_range(2 * W - 1):
+        e = e_i - (W - 1)  # a constant of the unrolled loop (Triton 3.6 refuses a reassigned tl.constexpr)
+        j = o_w[None, :] + e
+        m = m_s & (j >= 0) & (j < W)
+        c = tl.sum(tl.load(g0 + o_w[None, :] * W + j, mask=m, other=0.0)
+                   + tl.load(g0 + j * W + o_w[None, :], mask=m, other=0.0), axis=1)  # [BP]
+        q = o_p + e
+        m_q = (q >= 0) & (q < L)
+        ok = tl.load(valid + row0 + q, mask=m_q, other=0) != 0
+        b_x = tl.load(x + ((row0 + q[:, None]) * H + i_h) * K + o_k[None, :], mask=ok[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        b_dx += c[:, None] * b_x
+    ok = tl.load(valid + row0 + o_p, mask=m_p, other=0) != 0
+    tl.store(dx + ((row0 + o_p[:, None]) * H + i_h) * K + o_k[None, :], tl.where(ok[:, None], b_dx, 0.0).to(
+        dx.dtype.element_ty), mask=m_p[:, None] & m_k[None, :])

@@ -1,36 +1,42 @@
 r"""Rule 3 (sliding-window regression, the ParallelFlow write) on the WY kernels of rule 1.
 
-Step ``t`` writes its ``W`` window pairs (slot ``m`` holds pair ``t - m``), every one
-against the state before the step::
+Step ``t`` writes its ``W`` window pairs (slot ``j`` holds pair ``t - W + 1 + j``, oldest
+first), every one against the state before the step::
 
-    S_t = a_t S_{t-1} + sum_m x_{t,m} (eta_{t,m} y_{t,m} - kappa_{t,m} S_{t-1}^T x_{t,m})^T
+    S_t = a_t S_{t-1} + sum_j x_{t,j} (eta_{t,j} y_{t,j} - kappa_{t,j} S_{t-1}^T x_{t,j})^T
 
 Laid out as a sequence of ``T * W`` writes (step ``t`` on rows ``t*W .. t*W+W-1``, the
 carry ``log a_t`` on the first of them and ``0`` on the others), this is the rule-1
 recurrence except that writes of one step do not see one another: the WY system is
 block-strictly lower, which ``delta_chunk(..., slots=W)`` solves. The query of step ``t``
 sits on its last row (read after the write: it sees all ``W`` writes) or its first (read
-before: it sees the earlier steps only); the other rows read nothing.
+before: it sees the earlier steps only); the other rows hold zeros.
 
-The pairs are laid out once on the extended time axis ``[tail | pairs]`` and the step's
-``W`` rows are slices of it. The window Gram of step ``t`` has ``W`` distinct lags,
-``G_t[i, j] = c_{|i-j|}(t - min(i, j))`` with ``c_d(p) = x_p . x_{p-d}``, so it is
-assembled from ``W`` lag products instead of a batched product of window slots, and its
-top eigenvalue comes from repeated squaring (``ops.step_sizes.top_eigenvalue_by_squaring``,
-as one kernel: ``step_sizes.top_eigenvalue_triton``; no eigensolver, no host
-synchronization). Gradients of the pairs and step sizes
-come from autograd; only the scan runs on the kernels. The cost is that of a rule-1 scan
-``W`` times as long.
+The pairs are laid out once on the extended time axis ``[tail | pairs]`` (positions
+``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``). The WY kernels read the
+values in place from that axis (``delta_chunk(..., windowed_v=True)``); the features, which
+the shared output kernels also read, are one copy of the axis' overlapping windows. Both
+gradients sum back onto the axis in one pass (``unfold``'s backward).
+The window Gram ``G_t[i, j] = x_{t+i} . x_{t+j}`` comes from one kernel over the axis
+(``delta_kernels.window_gram_fwd``, with its backward), and its top eigenvalue from
+repeated squaring (``ops.step_sizes.top_eigenvalue_by_squaring``, as one kernel:
+``step_sizes.top_eigenvalue_triton``; no eigensolver, no host synchronization). Gradients
+of the step sizes come from autograd. The cost is that of a rule-1 scan ``W`` times as
+long.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..rules import get_rule
 from ..step_sizes import gains_from_statistic
+from . import delta_kernels as wy
 from .delta import SLOT_COUNTS, delta_chunk
+from .launch import cdiv, next_power_of_2
 from .sliding import window_prefix
 from .step_sizes import top_eigenvalue_triton
 
@@ -43,28 +49,46 @@ def _time_major_slots(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1).reshape(B, T * W, H).contiguous()
 
 
-def _window_rows(ext: torch.Tensor, W: int, T: int) -> torch.Tensor:
-    """``ext`` ``[B, T + W - 1, H, D]`` (extended axis) -> ``[B, T * W, H, D]``: row
-    ``t*W + m`` is slot ``m`` of step ``t``, the pair at extended position ``t + W-1 - m``."""
-    n = W - 1
-    return torch.stack([ext[:, n - m:n - m + T] for m in range(W)], 2).flatten(1, 2)
+def _window_rows(ext: torch.Tensor, W: int) -> torch.Tensor:
+    """``ext`` ``[B, T + W - 1, H, D]`` (extended axis) -> ``[B, T * W, H, D]``: row ``t*W + j``
+    is slot ``j`` of step ``t``, the pair at extended position ``t + j``. One copy of the
+    overlapping windows (``unfold``); its gradient sums the rows back onto the extended axis
+    in one pass (``unfold``'s backward)."""
+    B, L, H, D = ext.shape
+    return ext.unfold(1, W, 1).permute(0, 1, 4, 2, 3).reshape(B, (L - W + 1) * W, H, D)
 
 
-def _window_gram(x_ext: torch.Tensor, valid_ext: torch.Tensor, W: int, T: int) -> torch.Tensor:
-    """Window Grams ``[B, H, T, W, W]`` (fp32) of the pairs ``x_ext`` ``[B, T + W - 1, H, K]``
-    with validity ``valid_ext`` ``[B, T + W - 1]`` (invalid pairs count as zero), from the
-    ``W`` lag products ``c_d(p) = x_p . x_{p-d}``."""
-    B, L, H = x_ext.shape[:3]
-    xf, vf = x_ext.float(), valid_ext.float()
-    lags = []
-    for d in range(W):
-        prod = (xf[:, d:] * xf[:, :L - d]).sum(-1) * (vf[:, d:] * vf[:, :L - d])[..., None]  # [B, L-d, H]
-        lags.append(torch.cat([prod.new_zeros(B, d, H), prod], 1))
-    c = torch.stack(lags, -1).transpose(1, 2)  # [B, H, L, W]: c[..., p, d] = c_d(p)
-    i = torch.arange(W, device=x_ext.device)
-    lag = (i[:, None] - i[None, :]).abs()  # [W, W]
-    pos = torch.arange(T, device=x_ext.device)[:, None, None] + (W - 1) - torch.minimum(i[:, None], i[None, :])
-    return c[:, :, pos, lag]  # [B, H, T, W, W]
+class _WindowGram(torch.autograd.Function):
+    """Window Grams ``[B, H, T, W, W]`` fp32, ``G_t[i, j] = x_{t+i} . x_{t+j}``, of the pairs
+    ``x_ext`` ``[B, T + W - 1, H, K]`` with validity ``valid_ext`` ``[B, T + W - 1]`` (an invalid pair
+    counts as zero): ``delta_kernels.window_gram_fwd`` / ``window_gram_bwd``."""
+
+    @staticmethod
+    def forward(ctx, x_ext, valid_ext, W):
+        B, L, H, K = x_ext.shape
+        T = L - W + 1
+        G = x_ext.new_empty(B, H, T, W, W, dtype=torch.float32)
+        BT, BK = max(1, 64 // W), min(64, max(16, next_power_of_2(K)))
+        if not x_ext.is_cuda:  # Triton's interpreter: its cost is per program and op, not per element
+            BT = min(1024, next_power_of_2(T))
+        wy.window_gram_fwd[(cdiv(T, BT), B * H)](x_ext, valid_ext, G, T, L, H=H, K=K, W=W, BT=BT, BK=BK)
+        ctx.save_for_backward(x_ext, valid_ext)
+        ctx.W = W
+        return G
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dG):
+        x_ext, valid_ext = ctx.saved_tensors
+        W = ctx.W
+        B, L, H, K = x_ext.shape
+        dx = torch.empty_like(x_ext)
+        BP, BK = 32, min(64, max(16, next_power_of_2(K)))
+        if not x_ext.is_cuda:  # the interpreter (see forward)
+            BP = min(1024, next_power_of_2(L))
+        wy.window_gram_bwd[(cdiv(L, BP), B * H, cdiv(K, BK))](
+            x_ext, valid_ext, dG.contiguous(), dx, L - W + 1, L, H=H, K=K, W=W, BP=BP, BK=BK)
+        return dx, None, None
 
 
 def sliding_delta_chunk(
@@ -110,12 +134,11 @@ def sliding_delta_chunk(
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
     x_ext = torch.cat([x_pre, k[:, :T + n - x_pre.shape[1]]], 1)  # [B, T + n, H, K]
     y_ext = torch.cat([y_pre, v], 1)
-    slot = torch.arange(T, device=dev)[:, None] + n - torch.arange(W, device=dev)[None, :]  # [T, W]
-    slot_valid = valid_ext[:, slot]  # [B, T, W]
+    slot_valid = valid_ext.unfold(1, W, 1)  # [B, T, W]: slot j of step t is the pair at t + j
 
     # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp
     count = slot_valid.sum(-1).clamp(min=1)[:, None, :]  # [B, 1, T]
-    stat = top_eigenvalue_triton(_window_gram(x_ext, valid_ext, W, T)) / count
+    stat = top_eigenvalue_triton(_WindowGram.apply(x_ext, valid_ext, W)) / count
     eta_slots, log_gamma = gains_from_statistic(get_rule("3"), stat, slot_valid, beta.float().transpose(1, 2),
                                                 lam.float().transpose(1, 2), eps=eps, decay_floor=decay_floor,
                                                 normalize=normalize, scale_ridge=scale_ridge)
@@ -125,23 +148,24 @@ def sliding_delta_chunk(
         g = log_gate.float().transpose(1, 2)
         log_a = log_a + g
         kappa = eta * torch.exp(g)[..., None]
-    # the carry on each step's first row, nothing on the others
-    carry = torch.cat([log_a[..., None], log_a.new_zeros(B, H, T, W - 1)], -1)
+    # the carry on each step's first row, nothing on the others; the query on the read row only
+    carry = F.pad(log_a[..., None], (0, W - 1))
     read = W - 1 if read_after else 0
-    q_rows = q.new_zeros(B, T, W, H, K)
-    q_rows[:, :, read] = q
-    o, S_T = delta_chunk(q_rows.flatten(1, 2), _window_rows(x_ext, W, T), _window_rows(y_ext, W, T),
+    q_rows = F.pad(q[:, :, None], (0, 0, 0, 0, read, W - 1 - read)).flatten(1, 2)
+    o, S_T = delta_chunk(q_rows, _window_rows(x_ext, W), y_ext,  # the values read in place from y_ext
                          _time_major_slots(eta), _time_major_slots(kappa), _time_major_slots(carry),
                          None if S0 is None else S0.float(), read_after=read_after, chunk_size=chunk_size,
-                         output_final_state=output_final_state, slots=W)
-    o = o.view(B, T, W, H, -1)[:, :, read]
+                         output_final_state=output_final_state, slots=W, windowed_v=True)
+    o = o.view(B, T, W, H, -1)[:, :, read].contiguous()  # (the [B, T * W] rows are freed)
     if not output_final_state:
         return o, None
     if W == 1:
         return o, (S_T, None, None, None)
     # the last W-1 pairs of every row (oldest first): extended positions end .. end + n - 1
-    end = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
-    idx = end[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
+    if lengths is None:
+        return o, (S_T, x_ext[:, T:].transpose(1, 2).float(), y_ext[:, T:].transpose(1, 2).float(),
+                   valid_ext[:, T:])
+    idx = lengths.to(dev)[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
     rows = torch.arange(B, device=dev)[:, None]
     return o, (S_T, x_ext[rows, idx].transpose(1, 2).float(), y_ext[rows, idx].transpose(1, 2).float(),
                valid_ext.gather(1, idx))

@@ -40,6 +40,10 @@ WY_MAX_CHUNK = 64
 # against the previous setting's (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt): state_fwd 0.159
 # -> 0.131 ms, state_bwd 0.393 -> 0.281 ms, wy_bwd 0.540 -> 0.512 ms (wy_bwd's warps: WY_WARPS).
 FULL_K_16BIT = {"state_fwd": (64, 4, 3), "state_bwd": (32, 4, 2), "wy_bwd": (64, None, 3)}
+# The same for grouped writes (slots > 1, rule 3), from a sweep of falcon-3 at that shape, window 4
+# (benchmarks/results/h200_rule3_launch_sweep_3c37f37.txt): state_fwd 0.615 -> 0.462 ms, state_bwd
+# 1.560 -> 0.822 ms, wy_bwd 2.391 -> 2.254 ms, against (32, 4, 3) for all three.
+FULL_K_16BIT_GROUPED = {"state_fwd": (64, 4, 2), "state_bwd": (64, 4, 2), "wy_bwd": (64, None, 3)}
 
 
 def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, Optional[int], int]:
@@ -47,11 +51,11 @@ def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[
     dimension: ``BK >= K``, ``BV``, warps and pipeline stages. Four-byte inputs at ``BK = 128``
     take two stages instead of Triton's three: with three, ``state_bwd`` needs 246 KB of shared
     memory, above the 227 KB of an sm_90 block (``benchmarks/kernel_resources.py``).
-    ``FULL_K_16BIT`` applies to one write per step (rule 1 and the delta-rule baselines), the
-    layout it was checked with on the GPU; grouped writes (rule 3) keep the earlier settings."""
+    ``FULL_K_16BIT`` applies to one write per step (rule 1 and the delta-rule baselines),
+    ``FULL_K_16BIT_GROUPED`` to grouped writes (rule 3)."""
     BK = max(16, next_power_of_2(K))
-    if dtype.itemsize == 2 and BK <= 128 and slots == 1:
-        BV, warps, stages = FULL_K_16BIT[name]
+    if dtype.itemsize == 2 and BK <= 128:
+        BV, warps, stages = (FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
         return BK, max(16, min(BV, next_power_of_2(V))), warps, stages
     BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
     stages = 2 if dtype.itemsize >= 4 and BK >= 128 else 3

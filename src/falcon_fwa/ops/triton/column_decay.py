@@ -25,7 +25,7 @@ __all__ = ["column_decay_chunk", "column_step_sizes"]
 # On an H200 with Triton 3.6, 32 value columns miscompiled at K = V = 64 (a single key block):
 # output_fwd gave wrong outputs at 8 warps and an illegal memory access at 4
 # (benchmarks/results/h200_rule2a_pick_42d45d2.txt), dv_bwd wrong log-decay gradients for rule 2
-# (h200_rule2_pick_5bc87be.txt). The settings below passed those checks, and took at the benchmark
+# (h200_rule2_pick_e371101.txt). The settings below passed those checks, and took at the benchmark
 # shape (B=8, T=2048, H=16, K=V=128, bf16) 0.596 ms (output_fwd), 0.96 ms (dv_bwd) and 0.62 ms
 # (dqk_bwd), against 0.777, 1.18 and 0.79 ms at 32 columns.
 LAUNCH = {

@@ -41,7 +41,7 @@ WY_MAX_CHUNK = 64
 # -> 0.131 ms, state_bwd 0.393 -> 0.281 ms, wy_bwd 0.540 -> 0.512 ms (wy_bwd's warps: WY_WARPS).
 FULL_K_16BIT = {"state_fwd": (64, 4, 3), "state_bwd": (32, 4, 2), "wy_bwd": (64, None, 3)}
 # The same for grouped writes (slots > 1, rule 3), from a sweep of falcon-3 at that shape, window 4
-# (benchmarks/results/h200_rule3_launch_sweep_3c37f37.txt): state_fwd 0.615 -> 0.462 ms, state_bwd
+# (benchmarks/results/h200_rule3_launch_sweep_f5fb5b2.txt): state_fwd 0.615 -> 0.462 ms, state_bwd
 # 1.560 -> 0.822 ms, wy_bwd 2.391 -> 2.254 ms, against (32, 4, 3) for all three.
 FULL_K_16BIT_GROUPED = {"state_fwd": (64, 4, 2), "state_bwd": (64, 4, 2), "wy_bwd": (64, None, 3)}
 

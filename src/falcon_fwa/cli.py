@@ -2,12 +2,19 @@
 
 Each command lives in its own module and exposes ``add_arguments(parser)`` and
 ``run(args)``; this file only routes to them, importing a module when it is used.
+
+A ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError`` that a command raises
+(a bad option value, a missing file, an unsupported combination; the messages name the
+argument) ends it with ``falcon-fwa COMMAND: error: MESSAGE`` and the place it was raised,
+exit status 2, instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from typing import List, Optional
 
 COMMANDS = {
@@ -41,7 +48,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = argparse.ArgumentParser(prog=f"falcon-fwa {name}", description=COMMANDS[name][1])
     module.add_arguments(cmd)
     args = cmd.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        if os.environ.get("FALCON_FWA_TRACEBACK"):
+            raise
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"falcon-fwa {name}: error: {e}\n  (raised at {where.filename}:{where.lineno}; "
+              "FALCON_FWA_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

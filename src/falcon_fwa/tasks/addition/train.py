@@ -19,7 +19,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -170,30 +170,15 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
         return _train(spec, out_dir, progress=progress, resume=resume, log=log)
 
 
-def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callable[[str], None]) -> Dict[str, Any]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    p = spec.preset
-    device = torch.device(spec.device)
-    autocast = _autocast(device, spec.dtype)
-
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.fields, p.size(), vocab_size=len(VOCAB)).to(device)
-    optimizer = make_optimizer(model, p)
-    n_params = sum(t.numel() for t in model.parameters())
-
-    val_widths = range(p.train_widths[0], p.train_widths[1] + 1)
-    ood_widths = range(p.ood_widths[0], p.ood_widths[1] + 1)
-    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch)
-    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch))
-
-    results: Dict[str, Any] = {
+def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str, Any]:
+    """The results dict of a fresh run: its settings, an empty history, no best step yet."""
+    return {
         "task": "addition",
         "model": spec.model,
         "config_fields": spec.fields,
         "preset_name": spec.preset_name,
-        "preset": p.to_dict(),
-        "size": p.size(),
+        "preset": spec.preset.to_dict(),
+        "size": spec.preset.size(),
         "seed": spec.seed,
         "eval_seed": spec.eval_seed,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -208,16 +193,57 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
         "wall_time_s": 0.0,
         **spec.extra,
     }
-    start, elapsed_before = 0, 0.0
-    ckpt_path = out_dir / "checkpoint.pt"
-    if resume and ckpt_path.exists() and (out_dir / "results.json").exists():
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        start = ckpt["step"]
-        old = read_json(out_dir / "results.json")
-        results.update(history=old["history"], best=old["best"], steps_done=start)
-        elapsed_before = old.get("wall_time_s", 0.0)
+
+
+def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, results: Dict[str, Any],
+            device: torch.device) -> Tuple[int, float]:
+    """Load ``out_dir``'s checkpoint into ``model`` / ``optimizer`` and its history into
+    ``results``; returns the step to continue from and the wall time already spent
+    (``(0, 0.0)`` when there is nothing to resume)."""
+    if not ((out_dir / "checkpoint.pt").exists() and (out_dir / "results.json").exists()):
+        return 0, 0.0
+    ckpt = torch.load(out_dir / "checkpoint.pt", map_location=device, weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    old = read_json(out_dir / "results.json")
+    results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"])
+    return ckpt["step"], old.get("wall_time_s", 0.0)
+
+
+def _record(entry: Dict[str, Any], results: Dict[str, Any], model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, spec: RunSpec, out_dir: Path, wall_time_s: float) -> None:
+    """Append an evaluation to the history and write, atomically: ``best.pt`` when it is the
+    best step so far, ``checkpoint.pt`` and ``results.json``."""
+    done = entry["step"]
+    results["history"].append(entry)
+    if _better(entry, results["best"]):
+        results["best"] = entry
+        save_torch(out_dir / "best.pt", {"model": model.state_dict(), "step": done,
+                                         "config_fields": spec.fields, "size": spec.preset.size()})
+    results.update(steps_done=done, finished=done == spec.preset.steps, wall_time_s=wall_time_s)
+    save_torch(out_dir / "checkpoint.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                           "step": done})
+    write_json(out_dir / "results.json", results)
+
+
+def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callable[[str], None]) -> Dict[str, Any]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    p = spec.preset
+    device = torch.device(spec.device)
+    autocast = _autocast(device, spec.dtype)
+
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.fields, p.size(), vocab_size=len(VOCAB)).to(device)
+    optimizer = make_optimizer(model, p)
+    val_widths = range(p.train_widths[0], p.train_widths[1] + 1)
+    ood_widths = range(p.ood_widths[0], p.ood_widths[1] + 1)
+    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch)
+    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch))
+
+    results = _new_results(spec, device, sum(t.numel() for t in model.parameters()))
+    start, elapsed_before = _resume(out_dir, model, optimizer, results, device) if resume else (0, 0.0)
+    if start:
         log(f"resuming {spec.model} seed {spec.seed} at step {start}")
 
     t0 = time.perf_counter()
@@ -245,16 +271,7 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
             entry = {"step": done, "lr": lr, "train_loss": loss_sum / max(loss_n, 1), "val_loss": val_loss,
                      **_summary(tally, val_widths, ood_widths)}
             loss_sum, loss_n = 0.0, 0
-            results["history"].append(entry)
-            if _better(entry, results["best"]):
-                results["best"] = entry
-                save_torch(out_dir / "best.pt", {"model": model.state_dict(), "step": done,
-                                                 "config_fields": spec.fields, "size": p.size()})
-            results["steps_done"] = done
-            results["finished"] = done == p.steps
-            results["wall_time_s"] = elapsed_before + time.perf_counter() - t0
-            save_torch(ckpt_path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done})
-            write_json(out_dir / "results.json", results)
+            _record(entry, results, model, optimizer, spec, out_dir, elapsed_before + time.perf_counter() - t0)
             msg = (f"step {done}: loss {entry['train_loss']:.3f} val {entry['val_acc']:.1f}% "
                    f"(digits {entry['val_digit_acc']:.1f}%) ood {entry['mean_acc_ood']:.1f}% "
                    f"(digits {entry['digit_mean_acc_ood']:.1f}%)")

@@ -135,3 +135,43 @@ def test_poisoned_future_does_not_leak(rule):
         o, _ = falcon_attention(**changed, rule=rule, window=3, form=form, chunk_size=8)
         assert rel_err(o[:, :t0], ref[:, :t0]) <= 1e-13
         assert rel_err(o[:, t0 + 1:], ref[:, t0 + 1:]) > 1e-3  # the future did change
+
+
+@pytest.mark.parametrize("cols_budget", [1, 3])
+@pytest.mark.parametrize("rule", ["2", "2A"])
+def test_chunk_form_in_column_groups(rule, cols_budget, monkeypatch):
+    """Per-column rules run their value columns in groups (recomputed in the backward) when
+    the block tensors would be large: outputs, final state and every gradient are those of
+    the float64 reference and of the ungrouped chunk form. A budget of 1 element gives one
+    column per group; 3 columns' worth gives groups of 3 and a last group of 1."""
+    from falcon_fwa.ops import chunk
+
+    inp = random_inputs(rule, B=2, T=21, seed=91, with_gate=True)
+    B, T, H, K = inp["q"].shape
+    per_column = B * H * -(-T // 8) * (8 * 8 + 8 * K + (K * K if rule == "2" else 0))
+    ref_o, ref_S, _ = reference_falcon(inp["q"], inp["k"], inp["v"], inp["beta"], inp["lam"], rule=rule,
+                                       log_gate=inp["log_gate"])
+    widths, inner = [], chunk._chunk_form
+
+    def spy(q, xs, ys, *args, **kwargs):
+        widths.append(ys.shape[-1])
+        return inner(q, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(chunk, "_chunk_form", spy)
+    results = []
+    for budget in (chunk.BLOCK_ELEMENTS, cols_budget * per_column):
+        monkeypatch.setattr(chunk, "BLOCK_ELEMENTS", budget)
+        widths.clear()
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in inp.items() if t is not None}
+        o, st = falcon_attention(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], leaves["lam"], rule=rule,
+                                 log_gate=leaves["log_gate"], form="chunk", chunk_size=8, output_final_state=True)
+        assert rel_err(o, ref_o) <= TOL and rel_err(st.S, ref_S) <= TOL
+        g = torch.Generator().manual_seed(3)
+        ((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() + st.S.square().sum()).backward()
+        results.append({n: t.grad for n, t in leaves.items()})
+    V = inp["v"].shape[-1]
+    groups = [cols_budget] * (V // cols_budget) + [V % cols_budget] * (V % cols_budget > 0)
+    # each group once in the forward, and once more when the backward recomputes it
+    assert widths[:len(groups)] == groups and sorted(widths[len(groups):]) == sorted(groups)
+    for n in results[0]:
+        assert rel_err(results[1][n], results[0][n]) <= TOL, n

@@ -11,17 +11,28 @@ no-op steps: zero gain, unit carry). Three phases, as in Algorithms 1, 3 and 4:
 3. every chunk's outputs from its entry state, all chunks at once.
 
 No product of decays ever spans more than one chunk.
+
+Per-column rules (2, 2A) carry one system per value column, so their block tensors grow
+with ``V`` (rule 2 at B=8, T=2048, H=16, K=V=128 would hold about 15e9 elements at once).
+Their columns are independent scans that share ``q`` and the write keys: when the blocks
+would exceed ``BLOCK_ELEMENTS`` elements, the form runs a few columns at a time, and under
+autograd recomputes each group's intermediates in the backward (activation checkpointing),
+so that one group's are alive at a time. The arithmetic of every column is unchanged.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .parallel import block_outputs, group_state, prepare_block, transition, ungroup_state, write_vectors
 
 __all__ = ["chunk_form"]
+
+BLOCK_ELEMENTS = 1 << 28  # elements of the per-column block tensors above which the columns run in groups
 
 
 def _chunked(t: Optional[torch.Tensor], T_pad: int, C: int) -> Optional[torch.Tensor]:
@@ -50,6 +61,35 @@ def chunk_form(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Inputs as in ``parallel.parallel_form`` (head-first). Returns ``o``
     ``[B, H, T, V]`` and ``S_T`` ``[B, H, K, V]``."""
+    form = partial(_chunk_form, read_after=read_after, chunk_size=chunk_size)
+    cols = _column_group(q, xs, log_a, regression=kappa_slots is not None, chunk_size=chunk_size)
+    if cols is None:
+        return form(q, xs, ys, eta_slots, kappa_slots, log_a, S0)
+    parts = []
+    for c in range(0, log_a.shape[-1], cols):
+        j = slice(c, c + cols)
+        args = (q, xs, ys[..., j], eta_slots[..., j], None if kappa_slots is None else kappa_slots[..., j],
+                log_a[..., j], S0[..., j])
+        parts.append(checkpoint(form, *args, use_reentrant=False) if torch.is_grad_enabled() else form(*args))
+    return torch.cat([o for o, _ in parts], -1), torch.cat([s for _, s in parts], -1)
+
+
+def _column_group(q: torch.Tensor, xs: torch.Tensor, log_a: torch.Tensor, *, regression: bool,
+                  chunk_size: int) -> Optional[int]:
+    """Columns per group for a per-column rule whose block tensors (scores ``[C, C W]``,
+    history coupling ``[C W, K]`` and, for regression, transition ``[K, K]`` per chunk and
+    column) would exceed ``BLOCK_ELEMENTS``; ``None`` to run all columns at once."""
+    B, H, T, K = q.shape
+    Vd, W = log_a.shape[-1], xs.shape[3]
+    if Vd == 1:
+        return None
+    C = max(1, min(chunk_size, T))
+    per_column = B * H * -(-T // C) * (C * C * W + C * W * K + (K * K if regression else 0))
+    cols = max(1, BLOCK_ELEMENTS // per_column)
+    return None if cols >= Vd else cols
+
+
+def _chunk_form(q, xs, ys, eta_slots, kappa_slots, log_a, S0, *, read_after: bool, chunk_size: int):
     B, H, T, K = q.shape
     C = max(1, min(chunk_size, T))
     nc = -(-T // C)

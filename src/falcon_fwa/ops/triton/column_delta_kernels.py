@@ -47,8 +47,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .column_decay_kernels import _decay, _read_prefix, _row, _rows, _rows_t, _subchunk_program
-from .scalar_decay_kernels import _sequence
+from .column_decay_kernels import _decay, _read_prefix, _row, _rows, _rows_t
+from .scalar_decay_kernels import _chunk_of_program, _sequence
+
+
+@triton.jit
+def _subchunk_program(i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT: tl.constexpr, BS: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    """For a per-sub-chunk program: sub-chunk index, chunk index in its sequence, the
+    chunk's first row, the sequence end (absolute rows), the chunk's last row, the
+    sub-chunk's rows and their mask, the first chunk of the sequence, the number of
+    sub-chunks holding steps and the number of steps in this one (0 past the end)."""
+    NS: tl.constexpr = BT // BS
+    i_c = i_p // NS
+    i_s = i_p % NS
+    i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
+    first = bos + i_t * BT
+    end = bos + T_n
+    steps = tl.minimum(BT, T_n - i_t * BT)
+    last = first + steps - 1
+    rows = first + i_s * BS + tl.arange(0, BS)
+    n_sub = tl.cdiv(steps, BS)
+    n_diag = tl.maximum(tl.minimum(steps - i_s * BS, BS), 0)
+    return i_s, i_t, first, end, last, rows, rows < end, boh, n_sub, n_diag
 
 
 @triton.jit

@@ -162,10 +162,8 @@ def sliding_delta_chunk(
     if W == 1:
         return o, (S_T, None, None, None)
     # the last W-1 pairs of every row (oldest first): extended positions end .. end + n - 1
-    if lengths is None:
-        return o, (S_T, x_ext[:, T:].transpose(1, 2).float(), y_ext[:, T:].transpose(1, 2).float(),
-                   valid_ext[:, T:])
-    idx = lengths.to(dev)[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
+    end = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
+    idx = end[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
     rows = torch.arange(B, device=dev)[:, None]
     return o, (S_T, x_ext[rows, idx].transpose(1, 2).float(), y_ext[rows, idx].transpose(1, 2).float(),
                valid_ext.gather(1, idx))

@@ -1,4 +1,4 @@
-"""The fused pairs-and-step-sizes kernels of rules 1 and 1A (``ops.triton.step_sizes``)
+"""The fused pairs-and-step-sizes kernels of rules 1, 1A, 2 and 2A (``ops.triton.step_sizes``)
 against the equations written out in float64: ``x_t = k_{t-1}`` (``x_0`` = the carried
 last key, or the invalid sentinel 0), ``E = ||x||^2``, ``eta = beta / (E + lambda + eps)``,
 ``log a = log1p(-min(eta lambda, 1 - decay_floor)) + g``; values and every gradient,
@@ -10,12 +10,13 @@ import torch
 
 from kernel_checks import DEVICE, PoisonedEmpty, in_this_process
 
-from falcon_fwa.ops.triton.step_sizes import scalar_step_sizes, shifted_step_sizes
+from falcon_fwa.ops.triton.step_sizes import feature_step_sizes, shifted_step_sizes
 
 pytestmark = in_this_process
 
 
 def _reference(k, first, beta, lam, gate, *, eps, decay_floor, scale_ridge):
+    """``beta`` ``[B, T, H]`` or, per value column (rules 2, 2A), ``[B, T, H, V]``."""
     B, T, H, K = k.shape
     head = first[:, None] if first is not None else torch.zeros_like(k[:, :1])
     x = torch.cat([head, k[:, :-1]], 1)
@@ -24,23 +25,30 @@ def _reference(k, first, beta, lam, gate, *, eps, decay_floor, scale_ridge):
         valid[:, 0] = False
     E = (x * x).sum(-1)
     lam_eff = lam * E if scale_ridge else lam
+    if beta.dim() == 4:  # the row quantities, broadcast over the value columns
+        valid, E, lam_eff, gate = valid[..., None], E[..., None], lam_eff[..., None], \
+            None if gate is None else gate[..., None]
     eta = torch.where(valid, beta / (E + lam_eff + eps), torch.zeros_like(beta))
     alpha = torch.clamp(eta * lam_eff, max=1 - decay_floor)
     log_a = torch.log1p(-alpha) + (0 if gate is None else gate)
     return x, eta, log_a
 
 
-@pytest.mark.parametrize("T,carry,gate,scale_ridge", [(9, False, True, False), (9, True, False, True),
-                                                      (1, True, True, False), (1, False, False, False)])
-def test_shifted_step_sizes_match_the_equations(T, carry, gate, scale_ridge):
+@pytest.mark.parametrize("T,carry,gate,scale_ridge,V", [(9, False, True, False, None), (9, True, False, True, None),
+                                                        (1, True, True, False, None), (1, False, False, False, None),
+                                                        (9, False, True, False, 40), (9, True, False, True, 24),
+                                                        (1, True, True, False, 40)])
+def test_shifted_step_sizes_match_the_equations(T, carry, gate, scale_ridge, V):
+    # V: the per-column rules' beta [B, T, H, V] (V = 40 spans two value blocks, the second partial)
     g = torch.Generator().manual_seed(T + 2 * carry)
     B, H, K = 2, 3, 20  # K below the key block: the masked columns
+    cols = () if V is None else (V,)
     k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64) / 3
     first = torch.randn(B, H, K, generator=g, dtype=torch.float64) / 3 if carry else None
-    beta = 0.2 + torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    beta = 0.2 + torch.rand(B, T, H, *cols, generator=g, dtype=torch.float64)
     lam = 2.0 * torch.rand(B, T, H, generator=g, dtype=torch.float64)  # large: the clamp is reached
     log_gate = -0.3 * torch.rand(B, T, H, generator=g, dtype=torch.float64) if gate else None
-    w = [torch.randn(B, T, H, *d, generator=g, dtype=torch.float64) for d in ((K,), (), ())]
+    w = [torch.randn(B, T, H, *d, generator=g, dtype=torch.float64) for d in ((K,), cols, cols)]
     opts = dict(eps=1e-6, decay_floor=0.05, scale_ridge=scale_ridge)
 
     leaves64 = [t.clone().requires_grad_() for t in (k, first, beta, lam, log_gate) if t is not None]
@@ -67,8 +75,8 @@ def test_unshifted_step_sizes_without_a_validity_mask_take_every_pair():
     x = (torch.randn(1, 5, 2, 16, generator=g) / 3).to(DEVICE)
     beta, lam = (torch.rand(1, 5, 2, generator=g).to(DEVICE) for _ in range(2))
     opts = dict(eps=1e-6, decay_floor=1e-3, normalize=True, scale_ridge=False)
-    eta_all, la_all = scalar_step_sizes(x, None, beta, lam, None, **opts)
-    eta_m, la_m = scalar_step_sizes(x, torch.ones(1, 5, dtype=torch.bool, device=DEVICE), beta, lam, None, **opts)
+    eta_all, la_all = feature_step_sizes(x, None, beta, lam, None, **opts)
+    eta_m, la_m = feature_step_sizes(x, torch.ones(1, 5, dtype=torch.bool, device=DEVICE), beta, lam, None, **opts)
     assert torch.equal(eta_all, eta_m) and torch.equal(la_all, la_m)
     want = beta / ((x * x).sum(-1) + lam + 1e-6)
     assert torch.allclose(eta_all, want, rtol=1e-6)

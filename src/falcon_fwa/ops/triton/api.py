@@ -3,9 +3,9 @@
 The step sizes (``eta``, the clamped decay ``gamma``, the equations of ``ops.step_sizes``)
 and the scan are kernels, each an autograd function, so gradients reach ``beta``,
 ``lam``, ``log_gate``, ``k``, the initial state and its last key. The pairs (shifted
-keys, sentinel, last-key carry) are built inside the step-size kernel for rules 1 and
-1A on fixed-length rows (``step_sizes.shifted_step_sizes``), in PyTorch otherwise
-(packed sequences, the per-column rules; the sliding rules in ``sliding.window_prefix``).
+keys, sentinel, last-key carry) are built inside the step-size kernel for the non-sliding
+rules on fixed-length rows (``step_sizes.shifted_step_sizes``), in PyTorch otherwise
+(packed sequences; the sliding rules in ``sliding.window_prefix``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ..rules import get_rule
 from ..seqlens import sequence_bounds
 from ..state import FalconState
 from ..validate import check_inputs, check_state
-from .column_decay import column_decay_chunk, column_step_sizes
+from .column_decay import column_decay_chunk
 from .column_delta import column_delta_chunk
 from .delta import delta_chunk
 from .launch import SUPPORTED_CHUNK_SIZES
@@ -26,7 +26,7 @@ from .scalar_decay import scalar_decay_chunk
 from .sliding import sliding_chunk
 from .shift import shift_rows
 from .sliding_delta import sliding_delta_chunk
-from .step_sizes import scalar_step_sizes, shifted_step_sizes
+from .step_sizes import feature_step_sizes, shifted_step_sizes
 
 __all__ = ["falcon_chunk_triton", "TRITON_RULES", "GPU_CHECKED_RULES", "TRITON_DTYPES"]
 
@@ -172,12 +172,11 @@ def falcon_chunk_triton(
     k, v = k.to(q.dtype), v.to(q.dtype)
     last_key = None if initial_state is None or not shift else initial_state.last_key
     steps = dict(eps=eps, decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
-    if shift and cu_seqlens is None and not spec.per_column:  # pairs and step sizes in one kernel
+    if shift and cu_seqlens is None:  # pairs and step sizes in one kernel
         x, eta, log_a = shifted_step_sizes(k, last_key, beta, lam, log_gate, **steps)
     else:
         x, valid = _shifted_keys(k, shift, last_key, starts if cu_seqlens is None else cu_seqlens[:-1].long())
-        step = column_step_sizes if spec.per_column else scalar_step_sizes
-        eta, log_a = step(x, valid, beta, lam, log_gate, **steps)
+        eta, log_a = feature_step_sizes(x, valid, beta, lam, log_gate, **steps)
     S0 = None if initial_state is None else initial_state.S
     scan = dict(read_after=read == "after", chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 output_final_state=output_final_state)

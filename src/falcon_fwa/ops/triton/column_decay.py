@@ -4,8 +4,7 @@ r"""Autograd function over the per-column decay chunk kernels (Falcon-2A).
 column ``j``, the recurrence ``S_t[:, j] = a_{t,j} S_{t-1}[:, j] + eta_{t,j} x_t v_t[j]``
 with ``a = exp(log_a)`` and reads ``o_t = S_t^T q_t`` (``read_after``) or
 ``S_{t-1}^T q_t``; gradients flow to ``q``, ``x``, ``v``, ``eta``, ``log_a`` and ``S0``.
-``column_step_sizes`` gives Falcon-2A's ``eta`` and ``log_a`` (the equations of
-``ops.step_sizes``, one fused kernel each way) from the write features.
+Falcon-2A's ``eta`` and ``log_a`` come from ``step_sizes`` (one fused kernel each way).
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from . import column_decay_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
 from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, launch_config, layout_args
 
-__all__ = ["column_decay_chunk", "column_step_sizes"]
+__all__ = ["column_decay_chunk"]
 
 # Per kernel: key/value block sizes (capped by the head dims), warps and pipeline stages.
 # output_fwd / dv_bwd run one program per chunk and value block, dqk_bwd one per chunk and
@@ -35,7 +34,6 @@ LAUNCH = {
     "dv_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "dqk_bwd": dict(BK=128, BV=64, num_warps=8, num_stages=1),
     "elementwise": dict(BV=64, num_warps=4),  # chunk_cumsum, dlog_bwd
-    "steps": dict(BR=32, BK=64, BV=32, num_warps=4),  # step_fwd, step_bwd (BR rows per program)
 }
 
 
@@ -78,22 +76,16 @@ def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_aft
     kern.state_bwd[(cdiv(K, c["BK"]), cdiv(V, c["BV"]), layout.N * H)](
         q, do, u, dh, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
-    dv, deta = _empty(v.shape, v), _empty(eta.shape, eta)
-    du, dc = _empty(eta.shape, eta), _empty(eta.shape, eta)
-    dw = None if read_after else _empty(eta.shape, eta)
+    dv, deta, dlog_a = _empty(v.shape, v), _empty(eta.shape, eta), _empty(eta.shape, eta)
     c = _config("dv_bwd", K, V)
     kern.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, PRECISION=prec, o=o, **c, **meta)
+        q, x, v, eta, u, h, dh, do, dv, deta, dlog_a, None, None, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, PRECISION=prec, o=o, STORE_DLOG=True, **c, **meta)
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = _config("dqk_bwd", K, V)
     kern.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, dh, do, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
-    dlog_a = du  # written in place: every program reads its chunk whole before it writes
-    c = _config("elementwise", K, V)
-    kern.dlog_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        du, dw, dc, dlog_a, chunk_indices=layout.chunk_indices, H=H, V=V, READ_AFTER=read_after, **c, **meta)
     return dq, dx, dv, deta, dlog_a, dS0
 
 
@@ -143,60 +135,3 @@ def column_decay_chunk(
     eta, log_a = (t.float().contiguous() for t in (eta, log_a))
     S0 = None if S0 is None else S0.float().contiguous()
     return _ColumnDecayChunk.apply(q, x, v, eta, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state)
-
-
-class _ColumnStepSizes(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge):
-        n, K, V = lam.numel(), x.shape[-1], beta.shape[-1]
-        eta = _empty(beta.shape, beta, torch.float32)
-        log_a = _empty(beta.shape, beta, torch.float32)
-        c = _config("steps", K, V)
-        kern.step_fwd[(cdiv(n, c["BR"]), cdiv(V, c["BV"]))](
-            x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor, H=x.shape[2], K=K, V=V,
-            NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, **c)
-        ctx.save_for_backward(x, valid, beta, lam)
-        ctx.options = (eps, decay_floor, normalize, scale_ridge, None if log_gate is None else log_gate.dtype)
-        return eta, log_a
-
-    @staticmethod
-    def backward(ctx, d_eta, d_log_a):
-        x, valid, beta, lam = ctx.saved_tensors
-        eps, decay_floor, normalize, scale_ridge, gate_dtype = ctx.options
-        n, K, V = lam.numel(), x.shape[-1], beta.shape[-1]
-        zeros = torch.zeros(beta.shape, dtype=torch.float32, device=x.device)
-        d_eta = zeros if d_eta is None else d_eta.float().contiguous()
-        d_log_a = zeros if d_log_a is None else d_log_a.float().contiguous()
-        dx = _empty(x.shape, x)
-        d_beta = _empty(beta.shape, beta, torch.float32)
-        d_lam = _empty(lam.shape, lam, torch.float32)
-        d_gate = _empty(lam.shape, lam, torch.float32)
-        c = _config("steps", K, V)
-        kern.step_bwd[(cdiv(n, c["BR"]),)](
-            x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, d_gate, n, eps, decay_floor, H=x.shape[2],
-            K=K, V=V, NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, **c)
-        return (dx, None, d_beta.to(beta.dtype), d_lam.to(lam.dtype),
-                None if gate_dtype is None else d_gate.to(gate_dtype), None, None, None, None)
-
-
-def column_step_sizes(
-    x: torch.Tensor,
-    valid: torch.Tensor,
-    beta: torch.Tensor,
-    lam: torch.Tensor,
-    log_gate: Optional[torch.Tensor],
-    *,
-    eps: float,
-    decay_floor: float,
-    normalize: bool,
-    scale_ridge: bool,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Falcon-2A's ``eta`` and ``log_a = log gamma + log_gate`` ``[B, T, H, V]`` fp32 from
-    the write features ``x`` ``[B, T, H, K]``, pair validity ``valid`` ``[B, T]`` (bool),
-    ``beta`` ``[B, T, H, V]``, ``lam`` and ``log_gate`` ``[B, T, H]`` in one fused kernel
-    (the equations of ``ops.step_sizes``): ``eta_{t,j} = beta_{t,j} / (||x_t||^2 + lam_t + eps)``,
-    ``gamma_{t,j} = 1 - min(eta_{t,j} lam_t, 1 - decay_floor)``."""
-    x, beta, lam = x.contiguous(), beta.contiguous(), lam.contiguous()
-    log_gate = None if log_gate is None else log_gate.contiguous()
-    return _ColumnStepSizes.apply(x, valid.to(torch.uint8).contiguous(), beta, lam, log_gate, float(eps),
-                                  float(decay_floor), bool(normalize), bool(scale_ridge))

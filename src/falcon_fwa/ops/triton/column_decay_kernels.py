@@ -54,11 +54,12 @@ at the last step; ``dw_t = do_t * o_t`` when reading before the write, whose ``u
 ``u_{t-1}``; the pair ``+c_s`` at ``u_C``, ``-c_s`` at ``u_s`` reaches exactly the steps
 after ``s``).
 
-Kernels: ``step_fwd``/``step_bwd`` (the per-column step sizes of ``ops.step_sizes``),
+Kernels (the per-column step sizes are ``step_size_kernels.column_step_fwd`` / ``_bwd``):
 ``chunk_cumsum``, ``state_fwd`` (entry state of every chunk, sequential over chunks),
 ``output_fwd`` (one program per chunk and value block), ``state_bwd`` (reverse over
-chunks), ``dv_bwd`` (per chunk and value block), ``dqk_bwd`` (per chunk and key block,
-the value blocks in a loop) and ``dlog_bwd``.
+chunks), ``dv_bwd`` (per chunk and value block; for one read it also sums the log-prefix
+terms within the chunk), ``dqk_bwd`` (per chunk and key block, the value blocks in a loop)
+and ``dlog_bwd`` (those sums, where the terms of several reads add up first: rule 2).
 """
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ import triton
 import triton.language as tl
 
 from .scalar_decay_kernels import _chunk_of_program, _sequence
-from .step_size_kernels import _energy, _log1p
 
 
 @triton.jit
@@ -297,11 +297,15 @@ def dv_bwd(
     q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, o=None,
+    STORE_DLOG: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``: ``dU`` of every chunk's sources, mapped to
     ``dv = eta * dU`` and ``deta = v * dU``, and the per-step terms of the log-prefix
     gradient (``du``, ``dw``, ``dc``; see the module docstring). ``o``: the forward's
-    outputs, for ``d uq = dO * O`` (``None``: recomputed here in fp32)."""
+    outputs, for ``d uq = dO * O`` (``None``: recomputed here in fp32). With
+    ``STORE_DLOG`` (one read, as in rule 2A) the program sums those terms within its chunk
+    itself, as ``dlog_bwd`` would, and stores ``d log a`` into ``du`` (``dw``, ``dc``
+    unused)."""
     i_v, i_h = tl.program_id(0), tl.program_id(2)
     i_c = tl.program_id(1)
     i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
@@ -359,12 +363,20 @@ def dv_bwd(
                             H, K, V, BT, BK, BV, READ_AFTER, PRECISION)
     d_read = b_do * b_o
     d_u = -b_U * b_du_intra + tl.where(rows[:, None] == last, (tl.exp(u_last) * b_hdh)[None, :], 0.0)
+    b_c = b_U * b_du_state
     if READ_AFTER:
         d_u += d_read
+    if STORE_DLOG:  # d log a_r = sum_{t >= r} du_t [+ sum_{t > r} dw_t] + sum_{s < r} c_s (rows past the
+        # chunk's end hold zeros)
+        d_log = tl.sum(d_u, axis=0)[None, :] - tl.cumsum(d_u, axis=0) + d_u + tl.cumsum(b_c, axis=0) - b_c
+        if not READ_AFTER:
+            d_log += tl.sum(d_read, axis=0)[None, :] - tl.cumsum(d_read, axis=0)
+        tl.store(du + off, d_log, mask=m_rv)
     else:
-        tl.store(dw + off, d_read, mask=m_rv)
-    tl.store(du + off, d_u, mask=m_rv)
-    tl.store(dc + off, b_U * b_du_state, mask=m_rv)
+        if not READ_AFTER:
+            tl.store(dw + off, d_read, mask=m_rv)
+        tl.store(du + off, d_u, mask=m_rv)
+        tl.store(dc + off, b_c, mask=m_rv)
 
 
 @triton.jit
@@ -450,111 +462,3 @@ def dlog_bwd(
         b_dw = _rows(dw, rows, m_r, i_h, H, V, o_v, m_v)
         d_log += tl.sum(b_dw, axis=0)[None, :] - tl.cumsum(b_dw, axis=0)
     tl.store(dlog_a + (rows[:, None] * H + i_h) * V + o_v[None, :], d_log, mask=m_r[:, None] & m_v[None, :])
-
-
-@triton.jit
-def _row_terms(x, valid, lam, rows, m_r, eps, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-               NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr):
-    """Per row: ``E = ||x||^2``, ``lam``, ``lambda``, the denominator and whether the row
-    takes a step (a valid pair, and a positive denominator with ``NORMALIZE``)."""
-    E = _energy(x, rows, m_r, K, BK, BR)
-    b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
-    if SCALE_RIDGE:
-        lam_eff = b_lam * E
-    else:
-        lam_eff = b_lam
-    denom = E + lam_eff + eps
-    ok = (tl.load(valid + rows // H, mask=m_r, other=0) != 0) & m_r
-    if NORMALIZE:
-        ok = ok & (denom > 0)
-    return E, b_lam, lam_eff, denom, ok
-
-
-@triton.jit
-def _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V: tl.constexpr, NORMALIZE: tl.constexpr):
-    """``eta`` ``[BR, BV]`` of the columns ``o_v`` and its mask."""
-    ok = ok_rows[:, None] & m_v[None, :]
-    b_beta = tl.load(beta + rows[:, None] * V + o_v[None, :], mask=ok, other=0.0).to(tl.float32)
-    if NORMALIZE:
-        eta = tl.where(ok, b_beta / tl.where(ok, denom[:, None], 1.0), 0.0)
-    else:
-        eta = tl.where(ok, b_beta, 0.0)
-    return ok, eta
-
-
-@triton.jit
-def step_fwd(
-    x, valid, beta, lam, log_gate, eta, log_a, n, eps, decay_floor,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
-):
-    """Grid ``(cdiv(n, BR), cdiv(V, BV))`` over the ``n = B*T*H`` rows: per value column
-    ``eta = beta / (E + lambda + eps)`` (0 at an invalid pair or a vanishing denominator;
-    ``beta`` without ``NORMALIZE``), ``log_a = log1p(-min(eta * lambda, 1 - decay_floor)) + g``
-    with ``E = ||x||^2`` and ``lambda = lam`` (``lam * E`` with ``SCALE_RIDGE``)."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = rows < n
-    o_v = tl.program_id(1) * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    E, b_lam, lam_eff, denom, ok_rows = _row_terms(x, valid, lam, rows, m_r, eps, H, K, BK, BR, NORMALIZE,
-                                                   SCALE_RIDGE)
-    ok, b_eta = _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V, NORMALIZE)
-    la = _log1p(-tl.minimum(b_eta * lam_eff[:, None], 1.0 - decay_floor))
-    if HAS_GATE:
-        la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)[:, None]
-    m = m_r[:, None] & m_v[None, :]
-    off = rows[:, None] * V + o_v[None, :]
-    tl.store(eta + off, b_eta, mask=m)
-    tl.store(log_a + off, la, mask=m)
-
-
-@triton.jit
-def step_bwd(
-    x, valid, beta, lam, d_eta, d_log_a, dx, d_beta, d_lam, d_gate, n, eps, decay_floor,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
-):
-    """Grid ``(cdiv(n, BR),)``: ``d beta`` per column; ``d lam``, ``d log_gate`` (the row
-    sum of ``d log_a``) and ``dx = 2 x dE`` summed over the value columns."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = rows < n
-    g_E = tl.zeros([BR], dtype=tl.float32)
-    g_lam_eff = tl.zeros([BR], dtype=tl.float32)
-    g_gate = tl.zeros([BR], dtype=tl.float32)
-    E, b_lam, lam_eff, denom, ok_rows = _row_terms(x, valid, lam, rows, m_r, eps, H, K, BK, BR, NORMALIZE,
-                                                   SCALE_RIDGE)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        ok, b_eta = _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V, NORMALIZE)
-        m = m_r[:, None] & m_v[None, :]
-        off = rows[:, None] * V + o_v[None, :]
-        g_eta = tl.load(d_eta + off, mask=m, other=0.0)
-        g_la = tl.load(d_log_a + off, mask=m, other=0.0)
-        g_gate += tl.sum(g_la, axis=1)
-        alpha_raw = b_eta * lam_eff[:, None]
-        alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
-        g_alpha = tl.where(alpha_raw <= 1.0 - decay_floor, -g_la / (1.0 - alpha), 0.0)
-        g_eta += g_alpha * lam_eff[:, None]
-        g_lam_eff += tl.sum(g_alpha * b_eta, axis=1)
-        if NORMALIZE:
-            safe = tl.where(ok, denom[:, None], 1.0)
-            g_beta = tl.where(ok, g_eta / safe, 0.0)
-            g_denom = tl.sum(tl.where(ok, -g_eta * b_eta / safe, 0.0), axis=1)
-            g_E += g_denom
-            g_lam_eff += g_denom
-        else:
-            g_beta = tl.where(ok, g_eta, 0.0)
-        tl.store(d_beta + off, g_beta, mask=m)
-    if SCALE_RIDGE:
-        g_lam = g_lam_eff * E
-        g_E += g_lam_eff * b_lam
-    else:
-        g_lam = g_lam_eff
-    tl.store(d_lam + rows, g_lam, mask=m_r)
-    tl.store(d_gate + rows, g_gate, mask=m_r)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m = m_r[:, None] & (o_k[None, :] < K)
-        b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(dx + rows[:, None] * K + o_k[None, :], (2.0 * b_x * g_E[:, None]).to(dx.dtype.element_ty), mask=m)

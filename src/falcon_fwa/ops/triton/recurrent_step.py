@@ -11,7 +11,7 @@ from ..state import FalconState
 from ..validate import check_state
 from . import recurrent_step_kernels as kern
 from .api import TRITON_DTYPES, _interpreting
-from .step_sizes import scalar_step_sizes
+from .step_sizes import feature_step_sizes
 from .launch import cdiv, next_power_of_2
 
 __all__ = ["falcon_step_triton", "STEP_RULES"]
@@ -65,7 +65,7 @@ def falcon_step_triton(
         x = k
     valid = torch.full((B,), state is not None or not shift, dtype=torch.bool, device=q.device)
     gate = None if log_gate is None else log_gate.float().contiguous()
-    eta, log_a = scalar_step_sizes(x[:, None], valid[:, None], beta[:, None], lam[:, None],
+    eta, log_a = feature_step_sizes(x[:, None], valid[:, None], beta[:, None], lam[:, None],
                                    None if gate is None else gate[:, None], eps=eps, decay_floor=decay_floor,
                                    normalize=normalize, scale_ridge=scale_ridge)
     S = q.new_zeros(B, H, K, V, dtype=torch.float32) if state is None else state.S.float().contiguous()

@@ -1,5 +1,7 @@
-r"""Fused step sizes of the scalar, non-sliding rules (1, 1A), one program per
-block of ``(b, t, h)`` rows: the kernel counterpart of ``ops.step_sizes``.
+r"""Fused step sizes of the non-sliding rules, one program per block of ``(b, t, h)``
+rows: the kernel counterpart of ``ops.step_sizes``. ``step_fwd`` / ``step_bwd`` serve the
+scalar rules (1, 1A), ``column_step_fwd`` / ``column_step_bwd`` the per-column rules (2, 2A),
+whose ``beta``, ``eta`` and ``log_a`` carry one value per value column.
 
 Per row, with the write feature ``x`` (``K`` values), ``E = ||x||^2`` and
 ``lambda = lam`` (``lam * E`` with ``scale_ridge``)::
@@ -35,17 +37,6 @@ def _log1p(x):
 
 
 @triton.jit
-def _energy(x, rows, m_r, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    E = tl.zeros([BR], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K), other=0.0)
-        b_x = b_x.to(tl.float32)
-        E += tl.sum(b_x * b_x, axis=1)
-    return E
-
-
-@triton.jit
 def _feature_block(x, first, rows, m_r, o_k, T, H: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr,
                    HAS_FIRST: tl.constexpr):
     """The write features ``[BR, BK]`` (columns ``o_k``) of ``rows``, read from ``x`` itself or,
@@ -60,6 +51,45 @@ def _feature_block(x, first, rows, m_r, o_k, T, H: tl.constexpr, K: tl.constexpr
             b_x = tl.where(at_start[:, None], b_f, b_x)
         return b_x
     return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _energy(x, first, rows, m_r, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+            SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr):
+    """``E = ||x||^2`` ``[BR]`` of the write features of ``rows`` (``_feature_block``)."""
+    E = tl.zeros([BR], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_x = _feature_block(x, first, rows, m_r, i_k * BK + tl.arange(0, BK), T, H, K, SHIFT,
+                             HAS_FIRST).to(tl.float32)
+        E += tl.sum(b_x * b_x, axis=1)
+    return E
+
+
+@triton.jit
+def _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_DX_IN: tl.constexpr):
+    """``dx = dx_in + 2 x dE`` of ``rows``, stored row by row or, with ``SHIFT``, as the keys'
+    gradient one row earlier (``dk_{T-1} = 0``) and ``d_first`` at ``t = 0`` (``HAS_FIRST``)."""
+    if SHIFT:
+        at_start = ((rows // H) % T) == 0
+        at_end = ((rows // H) % T) == T - 1
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m = m_r[:, None] & (o_k[None, :] < K)
+        b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST).to(tl.float32)
+        g_x = 2.0 * b_x * g_E[:, None]
+        if HAS_DX_IN:
+            g_x += tl.load(dx_in + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        g_x = g_x.to(dx.dtype.element_ty)
+        if SHIFT:  # x_t = k_{t-1}: this row's gradient belongs to the key one row earlier
+            tl.store(dx + (rows - H)[:, None] * K + o_k[None, :], g_x, mask=m & ~at_start[:, None])
+            tl.store(dx + rows[:, None] * K + o_k[None, :], tl.zeros_like(g_x), mask=m & at_end[:, None])
+            if HAS_FIRST:
+                fr = (rows // (T * H)) * H + rows % H
+                tl.store(d_first + fr[:, None] * K + o_k[None, :], g_x.to(d_first.dtype.element_ty),
+                         mask=m & at_start[:, None])
+        else:
+            tl.store(dx + rows[:, None] * K + o_k[None, :], g_x, mask=m)
 
 
 @triton.jit
@@ -78,11 +108,7 @@ def _pair_valid(valid, rows, m_r, T, H: tl.constexpr, SHIFT: tl.constexpr, HAS_F
 def _forward_terms(x, first, valid, beta, lam, rows, m_r, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    BR: tl.constexpr, eps, decay_floor, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
                    SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
-    E = tl.zeros([BR], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        b_x = _feature_block(x, first, rows, m_r, i_k * BK + tl.arange(0, BK), T, H, K, SHIFT,
-                             HAS_FIRST).to(tl.float32)
-        E += tl.sum(b_x * b_x, axis=1)
+    E = _energy(x, first, rows, m_r, T, H, K, BK, BR, SHIFT, HAS_FIRST)
     ok = _pair_valid(valid, rows, m_r, T, H, SHIFT, HAS_FIRST, HAS_VALID)
     b_beta = tl.load(beta + rows, mask=m_r, other=0.0).to(tl.float32)
     b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
@@ -164,26 +190,121 @@ def step_bwd(
         g_lam = g_lam_eff
     tl.store(d_beta + rows, g_beta.to(d_beta.dtype.element_ty), mask=m_r)
     tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
+    _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H, K, BK, SHIFT, HAS_FIRST, HAS_DX_IN)
+
+
+@triton.jit
+def _column_row_terms(x, first, valid, lam, rows, m_r, T, eps, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      BR: tl.constexpr, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr,
+                      HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Per row of the per-column rules: ``E``, ``lam``, ``lambda``, the denominator and
+    whether the row takes a step (a valid pair, and a positive denominator with ``NORMALIZE``)."""
+    E = _energy(x, first, rows, m_r, T, H, K, BK, BR, SHIFT, HAS_FIRST)
+    b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
+    if SCALE_RIDGE:
+        lam_eff = b_lam * E
+    else:
+        lam_eff = b_lam
+    denom = E + lam_eff + eps
+    ok = _pair_valid(valid, rows, m_r, T, H, SHIFT, HAS_FIRST, HAS_VALID)
+    if NORMALIZE:
+        ok = ok & (denom > 0)
+    return E, b_lam, lam_eff, denom, ok
+
+
+@triton.jit
+def _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V: tl.constexpr, NORMALIZE: tl.constexpr):
+    """``eta`` ``[BR, BV]`` of the columns ``o_v`` and its mask."""
+    ok = ok_rows[:, None] & m_v[None, :]
+    b_beta = tl.load(beta + rows[:, None] * V + o_v[None, :], mask=ok, other=0.0).to(tl.float32)
+    if NORMALIZE:
+        eta = tl.where(ok, b_beta / tl.where(ok, denom[:, None], 1.0), 0.0)
+    else:
+        eta = tl.where(ok, b_beta, 0.0)
+    return ok, eta
+
+
+@triton.jit
+def column_step_fwd(
+    x, first, valid, beta, lam, log_gate, x_out, eta, log_a, n, T, eps, decay_floor,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr, SHIFT: tl.constexpr,
+    HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR), cdiv(V, BV))`` over the ``n = B*T*H`` rows, the per-column rules
+    (2, 2A): per value column ``eta = beta / (E + lambda + eps)``, ``log_a = log1p(-min(eta *
+    lambda, 1 - decay_floor)) + g`` (``beta`` ``[n, V]``). With ``SHIFT`` the programs of the
+    first column block also write the features to ``x_out``."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    o_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    E, b_lam, lam_eff, denom, ok_rows = _column_row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR,
+                                                          NORMALIZE, SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    ok, b_eta = _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V, NORMALIZE)
+    la = _log1p(-tl.minimum(b_eta * lam_eff[:, None], 1.0 - decay_floor))
+    if HAS_GATE:
+        la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)[:, None]
+    m = m_r[:, None] & m_v[None, :]
+    off = rows[:, None] * V + o_v[None, :]
+    tl.store(eta + off, b_eta, mask=m)
+    tl.store(log_a + off, la, mask=m)
     if SHIFT:
-        at_start = ((rows // H) % T) == 0
-        at_end = ((rows // H) % T) == T - 1
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m = m_r[:, None] & (o_k[None, :] < K)
-        b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST).to(tl.float32)
-        g_x = 2.0 * b_x * g_E[:, None]
-        if HAS_DX_IN:
-            g_x += tl.load(dx_in + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        g_x = g_x.to(dx.dtype.element_ty)
-        if SHIFT:  # x_t = k_{t-1}: this row's gradient belongs to the key one row earlier
-            tl.store(dx + (rows - H)[:, None] * K + o_k[None, :], g_x, mask=m & ~at_start[:, None])
-            tl.store(dx + rows[:, None] * K + o_k[None, :], tl.zeros_like(g_x), mask=m & at_end[:, None])
-            if HAS_FIRST:
-                fr = (rows // (T * H)) * H + rows % H
-                tl.store(d_first + fr[:, None] * K + o_k[None, :], g_x.to(d_first.dtype.element_ty),
-                         mask=m & at_start[:, None])
+        if tl.program_id(1) == 0:
+            for i_k in range(tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST)
+                tl.store(x_out + rows[:, None] * K + o_k[None, :], b_x, mask=m_r[:, None] & (o_k[None, :] < K))
+
+
+@triton.jit
+def column_step_bwd(
+    x, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, d_gate, n, T, eps, decay_floor,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_DX_IN: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR),)``: ``d beta`` per column; ``d lam``, ``d log_gate`` (the row sum
+    of ``d log_a``) and the features' gradient (``_feature_grads``) summed over the columns."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    g_E = tl.zeros([BR], dtype=tl.float32)
+    g_lam_eff = tl.zeros([BR], dtype=tl.float32)
+    g_gate = tl.zeros([BR], dtype=tl.float32)
+    E, b_lam, lam_eff, denom, ok_rows = _column_row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR,
+                                                          NORMALIZE, SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        ok, b_eta = _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V, NORMALIZE)
+        m = m_r[:, None] & m_v[None, :]
+        off = rows[:, None] * V + o_v[None, :]
+        g_eta = tl.load(d_eta + off, mask=m, other=0.0)
+        g_la = tl.load(d_log_a + off, mask=m, other=0.0)
+        g_gate += tl.sum(g_la, axis=1)
+        alpha_raw = b_eta * lam_eff[:, None]
+        alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
+        g_alpha = tl.where(alpha_raw <= 1.0 - decay_floor, -g_la / (1.0 - alpha), 0.0)
+        g_eta += g_alpha * lam_eff[:, None]
+        g_lam_eff += tl.sum(g_alpha * b_eta, axis=1)
+        if NORMALIZE:
+            safe = tl.where(ok, denom[:, None], 1.0)
+            g_beta = tl.where(ok, g_eta / safe, 0.0)
+            g_denom = tl.sum(tl.where(ok, -g_eta * b_eta / safe, 0.0), axis=1)
+            g_E += g_denom
+            g_lam_eff += g_denom
         else:
-            tl.store(dx + rows[:, None] * K + o_k[None, :], g_x, mask=m)
+            g_beta = tl.where(ok, g_eta, 0.0)
+        tl.store(d_beta + off, g_beta.to(d_beta.dtype.element_ty), mask=m)
+    if SCALE_RIDGE:
+        g_lam = g_lam_eff * E
+        g_E += g_lam_eff * b_lam
+    else:
+        g_lam = g_lam_eff
+    tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
+    if HAS_GATE:
+        tl.store(d_gate + rows, g_gate.to(d_gate.dtype.element_ty), mask=m_r)
+    _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H, K, BK, SHIFT, HAS_FIRST, HAS_DX_IN)
 
 
 @triton.jit

@@ -1,5 +1,6 @@
-"""Autograd functions over the fused step-size kernels: the scalar, non-sliding rules' step
-sizes, and the top eigenvalue of rule 3's window Grams."""
+"""Autograd functions over the fused step-size kernels: the non-sliding rules' step sizes
+(scalar for rules 1 and 1A, per value column for rules 2 and 2A), and the top eigenvalue
+of rule 3's window Grams."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -10,35 +11,52 @@ from torch.autograd.function import once_differentiable
 from . import step_size_kernels as kern
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["scalar_step_sizes", "shifted_step_sizes", "top_eigenvalue_triton"]
+__all__ = ["feature_step_sizes", "shifted_step_sizes", "top_eigenvalue_triton"]
 
-_BR = 64  # rows per program
+_BR = 64  # rows per program of the scalar rules' kernels
+# The per-column rules' kernels: rows per program, key and value blocks, warps (grid: row blocks
+# times value blocks forward, row blocks backward).
+COLUMN_LAUNCH = dict(BR=32, BK=64, BV=32, num_warps=4)
 
 
 def _launch(x, K):
     return dict(H=x.shape[2], K=K, BK=min(64, max(16, next_power_of_2(K))), BR=_BR)
 
 
-class _ScalarStepSizes(torch.autograd.Function):
+def _column_launch(x, K, V):
+    c = dict(COLUMN_LAUNCH)
+    c["BK"] = min(c["BK"], max(16, next_power_of_2(K)))
+    c["BV"] = min(c["BV"], max(16, next_power_of_2(V)))
+    return dict(H=x.shape[2], K=K, V=V, **c)
+
+
+class _StepSizes(torch.autograd.Function):
     """``(x, eta, log_a)`` from the write features or, with ``shift``, from the keys
-    (``step_size_kernels``); the backward takes the gradient ``x`` received downstream."""
+    (``step_size_kernels``); the backward takes the gradient ``x`` received downstream.
+    ``beta`` ``[B, T, H]`` (the scalar rules) or ``[B, T, H, V]`` (the per-column rules:
+    ``eta``, ``log_a`` per value column)."""
 
     @staticmethod
     def forward(ctx, src, first, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge, shift):
         B, T, H, K = src.shape
-        n = beta.numel()
+        n = lam.numel()
+        per_column = beta.dim() == 4
         eta = torch.empty(beta.shape, dtype=torch.float32, device=src.device)
         log_a = torch.empty_like(eta)
         x = torch.empty_like(src) if shift else src
         flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, SHIFT=shift, HAS_FIRST=shift and first is not None,
                      HAS_VALID=valid is not None)
-        kern.step_fwd[(cdiv(n, _BR),)](
-            src, first, valid, beta, lam, log_gate, x, eta, log_a, n, T, eps, decay_floor,
-            HAS_GATE=log_gate is not None, **flags, **_launch(src, K))
+        args = (src, first, valid, beta, lam, log_gate, x, eta, log_a, n, T, eps, decay_floor)
+        if per_column:
+            c = _column_launch(src, K, beta.shape[-1])
+            kern.column_step_fwd[(cdiv(n, c["BR"]), cdiv(c["V"], c["BV"]))](
+                *args, HAS_GATE=log_gate is not None, **flags, **c)
+        else:
+            kern.step_fwd[(cdiv(n, _BR),)](*args, HAS_GATE=log_gate is not None, **flags, **_launch(src, K))
         ctx.save_for_backward(src, first, valid, beta, lam)
         ctx.options = (eps, decay_floor, flags, None if log_gate is None else log_gate.dtype)
         if not shift:
-            ctx.mark_non_differentiable(x)  # src itself: callers use src (scalar_step_sizes drops this)
+            ctx.mark_non_differentiable(x)  # src itself: callers use src (feature_step_sizes drops this)
         return x, eta, log_a
 
     @staticmethod
@@ -46,7 +64,7 @@ class _ScalarStepSizes(torch.autograd.Function):
         src, first, valid, beta, lam = ctx.saved_tensors
         eps, decay_floor, flags, gate_dtype = ctx.options
         B, T, H, K = src.shape
-        n = beta.numel()
+        n = lam.numel()
         d_eta = torch.zeros(beta.shape, device=src.device) if d_eta is None else d_eta.float().contiguous()
         d_log_a = torch.zeros(beta.shape, device=src.device) if d_log_a is None else d_log_a.float().contiguous()
         if not flags["SHIFT"]:
@@ -54,10 +72,19 @@ class _ScalarStepSizes(torch.autograd.Function):
         dx = torch.empty_like(src)
         d_first = torch.empty_like(first) if flags["HAS_FIRST"] else None
         d_beta, d_lam = torch.empty_like(beta), torch.empty_like(lam)
-        kern.step_bwd[(cdiv(n, _BR),)](
-            src, first, valid, beta, lam, d_eta, d_log_a, None if dx_in is None else dx_in.contiguous(), dx, d_first,
-            d_beta, d_lam, n, T, eps, decay_floor, HAS_DX_IN=dx_in is not None, **flags, **_launch(src, K))
-        d_gate = None if gate_dtype is None else d_log_a.to(gate_dtype)
+        dx_in = None if dx_in is None else dx_in.contiguous()
+        flags = dict(flags, HAS_DX_IN=dx_in is not None)
+        if beta.dim() == 4:  # per column: the gate's gradient is the row sum of d_log_a
+            d_gate = None if gate_dtype is None else torch.empty(lam.shape, dtype=gate_dtype, device=src.device)
+            c = _column_launch(src, K, beta.shape[-1])
+            kern.column_step_bwd[(cdiv(n, c["BR"]),)](
+                src, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, d_gate, n, T, eps,
+                decay_floor, HAS_GATE=d_gate is not None, **flags, **c)
+        else:  # the gate's gradient is d_log_a itself
+            d_gate = None if gate_dtype is None else d_log_a.to(gate_dtype)
+            kern.step_bwd[(cdiv(n, _BR),)](
+                src, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, n, T, eps,
+                decay_floor, **flags, **_launch(src, K))
         return dx, d_first, None, d_beta, d_lam, d_gate, None, None, None, None, None
 
 
@@ -66,11 +93,11 @@ def _step_sizes(src, first, valid, beta, lam, log_gate, *, eps, decay_floor, nor
     log_gate = None if log_gate is None else log_gate.contiguous()
     first = None if first is None else first.to(src.dtype).contiguous()
     valid = None if valid is None else valid.to(torch.uint8).contiguous()
-    return _ScalarStepSizes.apply(src, first, valid, beta, lam, log_gate, float(eps), float(decay_floor),
-                                  bool(normalize), bool(scale_ridge), bool(shift))
+    return _StepSizes.apply(src, first, valid, beta, lam, log_gate, float(eps), float(decay_floor),
+                            bool(normalize), bool(scale_ridge), bool(shift))
 
 
-def scalar_step_sizes(
+def feature_step_sizes(
     x: torch.Tensor,
     valid: Optional[torch.Tensor],
     beta: torch.Tensor,
@@ -82,10 +109,12 @@ def scalar_step_sizes(
     normalize: bool,
     scale_ridge: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``eta`` and ``log_a = log gamma + log_gate`` ``[B, T, H]`` fp32 from the write
+    """``eta`` and ``log_a = log gamma + log_gate`` fp32, of ``beta``'s shape, from the write
     features ``x`` ``[B, T, H, K]``, pair validity ``valid`` ``[B, T]`` (bool; ``None``: every
-    pair valid), ``beta``, ``lam`` and ``log_gate`` ``[B, T, H]`` (the equations of
-    ``ops.step_sizes`` for the rules 1 and 1A)."""
+    pair valid), ``beta`` (``[B, T, H]`` for rules 1 and 1A, ``[B, T, H, V]`` for the
+    per-column rules 2 and 2A), ``lam`` and ``log_gate`` ``[B, T, H]`` (the equations of
+    ``ops.step_sizes``): ``eta = beta / (||x_t||^2 + lambda_t + eps)``,
+    ``log gamma = log1p(-min(eta lambda_t, 1 - decay_floor))``."""
     _, eta, log_a = _step_sizes(x, None, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor,
                                 normalize=normalize, scale_ridge=scale_ridge, shift=False)
     return eta, log_a
@@ -105,7 +134,7 @@ def shifted_step_sizes(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The write features ``x`` ``[B, T, H, K]`` of fixed-length rows, ``x_t = k_{t-1}`` and
     ``x_0 = first`` ``[B, H, K]`` (the carried last key) or the invalid sentinel ``0``
-    (``first=None``), with their ``eta`` and ``log_a`` (as ``scalar_step_sizes``), in one
+    (``first=None``), with their ``eta`` and ``log_a`` (as ``feature_step_sizes``), in one
     kernel each way; differentiable in ``k``, ``first``, ``beta``, ``lam`` and ``log_gate``."""
     want = (k.shape[0], *k.shape[2:])
     if first is not None and tuple(first.shape) != want:

@@ -70,7 +70,9 @@ def test_window_gram_kernel_against_float64():
         x[~valid] = float("nan")  # an invalid pair is zero, whatever it holds
         dG = torch.randn(B, H, T, W, W, generator=g, dtype=torch.float64)
         leaf = x.to(DEVICE).requires_grad_()
-        G = _WindowGram.apply(leaf, valid.to(DEVICE), W)
+        G = _WindowGram.apply(leaf, valid.to(DEVICE), W)  # [B, T, H, W, W]
+        assert G.shape == (B, T, H, W, W) and G.is_contiguous()
+        G = G.transpose(1, 2)
         (G.double() * dG.to(DEVICE)).sum().backward()
         ref = torch.where(valid[..., None, None], x.detach().double(), 0.0).requires_grad_()
         win = ref.unfold(1, W, 1).permute(0, 2, 1, 4, 3)  # [B, H, T, W, K]

@@ -16,6 +16,7 @@ from . import delta_kernels as wy
 from . import scalar_decay_kernels as sd
 from .chunk_index import ChunkLayout, chunk_layout
 from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args, next_power_of_2
+from .window_sum import window_sum
 
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
@@ -137,8 +138,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, num_warps=WY_WARPS["wy_bwd"],
         num_stages=stages, **meta)
     if windowed_v:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
-        dv = torch.ops.aten.unfold_backward(dv.view(B, T // slots, slots, H, V).permute(0, 1, 3, 4, 2), v.shape, 1,
-                                            slots, 1)
+        dv = window_sum(dv.view(B, T // slots, slots, H, V))
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     sd.dlog_bwd[(layout.num_chunks, H)](
         parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
@@ -192,7 +192,7 @@ def delta_chunk(
     ``windowed_v`` (rows of equal length, no ``cu_seqlens``): ``v`` is ``[B, T // slots +
     slots - 1, H, V]`` and write ``j*slots + i`` takes its value from row ``j + i`` (the rows
     are the overlapping windows of ``slots`` consecutive rows of ``v``, read in place); the
-    gradient of ``v`` is summed onto that axis.
+    gradient of ``v`` is summed onto that axis (``window_sum``).
 
     ``chunk_size`` 128 runs as 64 (``WY_MAX_CHUNK``).
 

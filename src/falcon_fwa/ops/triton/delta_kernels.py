@@ -364,7 +364,7 @@ def window_gram_fwd(
     x, valid, G, T, L,
     H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BT), B * H)``: ``G[b, h, t, i, j] = x_{t+i} . x_{t+j}`` ``[B, H, T, W, W]``
+    """Grid ``(cdiv(T, BT), B * H)``: ``G[b, t, h, i, j] = x_{t+i} . x_{t+j}`` ``[B, T, H, W, W]``
     fp32 from the pairs ``x`` ``[B, L, H, K]`` on the extended axis (``L = T + W - 1``; slot ``i`` of
     step ``t`` at position ``t + i``), a pair with ``valid[b, p]`` False counting as zero. Each key
     block loads the ``[BT, W]`` window rows once and every slot's rows once more."""
@@ -388,7 +388,7 @@ def window_gram_fwd(
                           mask=ok_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # slot j's rows [BT, BK]
             col = tl.sum(b_w * b_j[:, None, :], axis=2)  # [BT, W]: G[:, :, j]
             b_g += tl.where(o_w[None, None, :] == j, col[:, :, None], 0.0)
-    p_g = G + ((i_bh.to(tl.int64) * T + o_t[:, None, None]) * W + o_w[None, :, None]) * W + o_w[None, None, :]
+    p_g = G + (((i_b.to(tl.int64) * T + o_t[:, None, None]) * H + i_h) * W + o_w[None, :, None]) * W + o_w[None, None, :]
     tl.store(p_g, b_g, mask=m_t[:, None, None])
 
 
@@ -411,7 +411,7 @@ def window_gram_bwd(
     row0 = i_b.to(tl.int64) * L
     t = o_p[:, None] - o_w[None, :]  # [BP, W]: the step whose slot i holds pair p
     m_s = (t >= 0) & (t < T)
-    g0 = dG + (i_bh.to(tl.int64) * T + t) * W * W
+    g0 = dG + ((i_b.to(tl.int64) * T + t) * H + i_h) * W * W  # dG [B, T, H, W, W]
     b_dx = tl.zeros([BP, BK], dtype=tl.float32)
     for e_i in tl.static_range(2 * W - 1):
         e = e_i - (W - 1)  # a constant of the unrolled loop (Triton 3.6 refuses a reassigned tl.constexpr)

@@ -15,8 +15,11 @@ before: it sees the earlier steps only); the other rows hold zeros.
 The pairs are laid out once on the extended time axis ``[tail | pairs]`` (positions
 ``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``). The WY kernels read the
 values in place from that axis (``delta_chunk(..., windowed_v=True)``); the features, which
-the shared output kernels also read, are one copy of the axis' overlapping windows. Both
-gradients sum back onto the axis in one pass (``unfold``'s backward).
+the shared output kernels also read, are one copy of the axis' overlapping windows
+(``_ExtendedKeys``). Both gradients sum back onto the axis in one pass each
+(``window_sum``), the features' straight onto ``k`` and the tail.
+The per-write scalars ``eta``, ``kappa`` and the carry are formed time-major (``[B, T, W, H]``,
+the rows' order) from the step sizes, which are time-major themselves.
 The window Gram ``G_t[i, j] = x_{t+i} . x_{t+j}`` comes from one kernel over the axis
 (``delta_kernels.window_gram_fwd``, with its backward), and its top eigenvalue from
 repeated squaring (``ops.step_sizes.top_eigenvalue_by_squaring``, as one kernel:
@@ -39,27 +42,47 @@ from .delta import SLOT_COUNTS, delta_chunk
 from .launch import cdiv, next_power_of_2
 from .sliding import window_prefix
 from .step_sizes import top_eigenvalue_triton
+from .window_sum import window_sum
 
 __all__ = ["sliding_delta_chunk", "SLOT_COUNTS"]
 
 
-def _time_major_slots(t: torch.Tensor) -> torch.Tensor:
-    """``[B, H, T, W]`` -> ``[B, T * W, H]`` (step ``t``'s slots on rows ``t*W ..``)."""
+def _slot_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, W]`` -> ``[B, T * W, H]`` (step ``t``'s slots on rows ``t*W ..``): a view when
+    ``t`` is laid out time-major (``[B, T, W, H]`` in memory, as the step sizes come), else a copy."""
     B, H, T, W = t.shape
-    return t.permute(0, 2, 3, 1).reshape(B, T * W, H).contiguous()
+    return t.permute(0, 2, 3, 1).contiguous().view(B, T * W, H)
 
 
-def _window_rows(ext: torch.Tensor, W: int) -> torch.Tensor:
-    """``ext`` ``[B, T + W - 1, H, D]`` (extended axis) -> ``[B, T * W, H, D]``: row ``t*W + j``
-    is slot ``j`` of step ``t``, the pair at extended position ``t + j``. One copy of the
-    overlapping windows (``unfold``); its gradient sums the rows back onto the extended axis
-    in one pass (``unfold``'s backward)."""
-    B, L, H, D = ext.shape
-    return ext.unfold(1, W, 1).permute(0, 1, 4, 2, 3).reshape(B, (L - W + 1) * W, H, D)
+class _ExtendedKeys(torch.autograd.Function):
+    """The features' extended axis ``x_ext = [x_pre | k]`` ``[B, T + W - 1, H, K]`` (``k`` cut to the
+    axis) and its overlapping windows ``x_rows`` ``[B, T * W, H, K]``: row ``t*W + j`` is slot ``j`` of
+    step ``t``, the pair at extended position ``t + j`` (one concatenation, one copy of the windows;
+    ``W > 1``: with one slot the rows are the axis itself).
+    The backward sums the rows' gradient onto the axis, adds the axis' own gradient and stores the
+    sum split onto ``x_pre`` and ``k`` (a row of ``k`` past the axis gets zero), all in one
+    ``window_sum``."""
+
+    @staticmethod
+    def forward(ctx, x_pre, k, W):
+        B, T, H, K = k.shape
+        n_pre = x_pre.shape[1]
+        x_ext = torch.cat([x_pre, k[:, :T + W - 1 - n_pre]], 1)
+        x_rows = x_ext.unfold(1, W, 1).permute(0, 1, 4, 2, 3).reshape(B, T * W, H, K)  # a copy for W > 1
+        ctx.n_pre, ctx.W = n_pre, W
+        return x_ext, x_rows
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_ext, d_rows):
+        B, TW, H, K = d_rows.shape
+        T, W = TW // ctx.W, ctx.W
+        d_pre, dk = window_sum(d_rows.view(B, T, W, H, K), d_ext, split=ctx.n_pre, n_body=T)
+        return d_pre, dk, None
 
 
 class _WindowGram(torch.autograd.Function):
-    """Window Grams ``[B, H, T, W, W]`` fp32, ``G_t[i, j] = x_{t+i} . x_{t+j}``, of the pairs
+    """Window Grams ``[B, T, H, W, W]`` fp32, ``G_t[i, j] = x_{t+i} . x_{t+j}``, of the pairs
     ``x_ext`` ``[B, T + W - 1, H, K]`` with validity ``valid_ext`` ``[B, T + W - 1]`` (an invalid pair
     counts as zero): ``delta_kernels.window_gram_fwd`` / ``window_gram_bwd``."""
 
@@ -67,7 +90,7 @@ class _WindowGram(torch.autograd.Function):
     def forward(ctx, x_ext, valid_ext, W):
         B, L, H, K = x_ext.shape
         T = L - W + 1
-        G = x_ext.new_empty(B, H, T, W, W, dtype=torch.float32)
+        G = x_ext.new_empty(B, T, H, W, W, dtype=torch.float32)
         BT, BK = max(1, 64 // W), min(64, max(16, next_power_of_2(K)))
         if not x_ext.is_cuda:  # Triton's interpreter: its cost is per program and op, not per element
             BT = min(1024, next_power_of_2(T))
@@ -132,28 +155,32 @@ def sliding_delta_chunk(
     dev = q.device
     # the extended axis [tail | pairs]: x_p = k_{p-1} (shift) or k_p
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
-    x_ext = torch.cat([x_pre, k[:, :T + n - x_pre.shape[1]]], 1)  # [B, T + n, H, K]
+    if W == 1:  # the rows are the axis
+        x_ext = x_rows = torch.cat([x_pre, k[:, :T - x_pre.shape[1]]], 1)
+    else:
+        x_ext, x_rows = _ExtendedKeys.apply(x_pre, k, W)  # [B, T + n, H, K], [B, T * W, H, K]
     y_ext = torch.cat([y_pre, v], 1)
     slot_valid = valid_ext.unfold(1, W, 1)  # [B, T, W]: slot j of step t is the pair at t + j
 
-    # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp
-    count = slot_valid.sum(-1).clamp(min=1)[:, None, :]  # [B, 1, T]
-    stat = top_eigenvalue_triton(_WindowGram.apply(x_ext, valid_ext, W)) / count
+    # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp; every [B, H, T]
+    # tensor below is a view of a time-major [B, T, H] one (as beta, lam and the gate come)
+    count = slot_valid.sum(-1).clamp(min=1)[..., None]  # [B, T, 1]
+    stat = (top_eigenvalue_triton(_WindowGram.apply(x_ext, valid_ext, W)) / count).transpose(1, 2)
     eta_slots, log_gamma = gains_from_statistic(get_rule("3"), stat, slot_valid, beta.float().transpose(1, 2),
                                                 lam.float().transpose(1, 2), eps=eps, decay_floor=decay_floor,
                                                 normalize=normalize, scale_ridge=scale_ridge)
-    eta, log_a = eta_slots[..., 0], log_gamma[..., 0]  # [B, H, T, W], [B, H, T]
+    eta = _slot_rows(eta_slots[..., 0])  # [B, T * W, H]
+    log_a = log_gamma[..., 0].transpose(1, 2)  # [B, T, H]
     kappa = eta
     if log_gate is not None:  # the carry gamma * exp(g); the residual is read at the gated state
-        g = log_gate.float().transpose(1, 2)
+        g = log_gate.float()
         log_a = log_a + g
-        kappa = eta * torch.exp(g)[..., None]
+        kappa = (eta.view(B, T, W, H) * torch.exp(g)[:, :, None]).reshape(B, T * W, H)
     # the carry on each step's first row, nothing on the others; the query on the read row only
-    carry = F.pad(log_a[..., None], (0, W - 1))
+    carry = log_a if W == 1 else F.pad(log_a.contiguous()[:, :, None], (0, 0, 0, W - 1)).reshape(B, T * W, H)
     read = W - 1 if read_after else 0
-    q_rows = F.pad(q[:, :, None], (0, 0, 0, 0, read, W - 1 - read)).flatten(1, 2)
-    o, S_T = delta_chunk(q_rows, _window_rows(x_ext, W), y_ext,  # the values read in place from y_ext
-                         _time_major_slots(eta), _time_major_slots(kappa), _time_major_slots(carry),
+    q_rows = q if W == 1 else F.pad(q[:, :, None], (0, 0, 0, 0, read, W - 1 - read)).flatten(1, 2)
+    o, S_T = delta_chunk(q_rows, x_rows, y_ext, eta, kappa, carry,  # the values read in place from y_ext
                          None if S0 is None else S0.float(), read_after=read_after, chunk_size=chunk_size,
                          output_final_state=output_final_state, slots=W, windowed_v=True)
     o = o.view(B, T, W, H, -1)[:, :, read].contiguous()  # (the [B, T * W] rows are freed)

@@ -80,9 +80,15 @@ def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowe
     return A, U, W
 
 
+def _query_args(slots: int, query_slot: Optional[int]) -> dict:
+    """The query-row arguments of the kernels that read ``q`` / ``do`` or write ``o`` / ``dq``
+    (``scalar_decay_kernels._query_rows``): one query per step on row ``query_slot``."""
+    return {} if query_slot is None else dict(QSLOTS=slots, QREAD=query_slot)
+
+
 def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool, slots: int,
-             windowed_v: bool):
-    B, T, H, K = q.shape
+             windowed_v: bool, query_slot: Optional[int]):
+    B, T, H, K = x.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots, windowed_v)
@@ -93,31 +99,32 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     wy.state_fwd[(cdiv(V, BV), layout.N * H)](
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta)
-    o = torch.empty_like(D)
+    o = D.new_empty(B, q.shape[1], H, V)
     c = launch_config("output_fwd", K, V)
     sd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **_query_args(slots, query_slot))
     return o, A, W, h, D, S_T
 
 
 def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: ChunkLayout, read_after: bool,
-              slots: int, windowed_v: bool):
-    B, T, H, K = q.shape
+              slots: int, windowed_v: bool, query_slot: Optional[int]):
+    B, T, H, K = x.shape
+    qa = _query_args(slots, query_slot)
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     dD = torch.empty_like(D, dtype=torch.float32)  # dv_bwd's local part, completed in place by state_bwd
     c = launch_config("dv_bwd", K, V)
     sd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, None, log_a, None, dD, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa)
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
     BK, BV, warps, stages = _full_k("state_bwd", K, V, q.dtype, slots)
     wy.state_bwd[(cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
-        num_warps=warps, num_stages=stages, **meta)
+        num_warps=warps, num_stages=stages, **meta, **qa)
     dq, dx = torch.empty_like(q), torch.empty_like(x)
     rows = B * T
     c = launch_config("dqk_bwd", K, V)
@@ -126,7 +133,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     sd.dqk_bwd[(NK, layout.num_chunks, H)](
         q, x, D, do, None, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa)
     del dh  # read by dqk_bwd only
     dv = torch.empty_like(D)  # per write (with ``windowed_v``, summed onto ``v``'s axis below)
     dkappa = torch.empty_like(kappa)
@@ -148,13 +155,15 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
 
 class _DeltaChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots, windowed_v):
-        B, T = q.shape[:2]
+    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots, windowed_v,
+                query_slot):
+        B, T = x.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final, slots,
-                                      windowed_v)
+                                      windowed_v, query_slot)
         ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
         ctx.layout, ctx.read_after, ctx.slots, ctx.windowed_v = layout, read_after, slots, windowed_v
+        ctx.query_slot = query_slot
         return o, S_T
 
     @staticmethod
@@ -162,8 +171,8 @@ class _DeltaChunk(torch.autograd.Function):
         q, x, v, eta, kappa, log_a, S0, A, W, h, D = ctx.saved_tensors
         grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots,
-                          ctx.windowed_v)
-        return (*grads, None, None, None, None, None, None)
+                          ctx.windowed_v, ctx.query_slot)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def delta_chunk(
@@ -181,6 +190,7 @@ def delta_chunk(
     output_final_state: bool = False,
     slots: int = 1,
     windowed_v: bool = False,
+    query_slot: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunk-parallel regression (delta) scan with scalar step sizes.
 
@@ -194,6 +204,10 @@ def delta_chunk(
     are the overlapping windows of ``slots`` consecutive rows of ``v``, read in place); the
     gradient of ``v`` is summed onto that axis (``window_sum``).
 
+    ``query_slot`` (with ``slots`` > 1): ``q`` is ``[B, T // slots, H, K]``, one query per
+    step, read on row ``j*slots + query_slot`` of its group (the other rows read nothing, as
+    zero queries would); ``o`` is then ``[B, T // slots, H, V]``, one output per step.
+
     ``chunk_size`` 128 runs as 64 (``WY_MAX_CHUNK``).
 
     ``q``, ``x`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` of one dtype; ``eta``,
@@ -204,20 +218,27 @@ def delta_chunk(
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
     if slots not in SLOT_COUNTS:
         raise ValueError(f"slots must be one of {SLOT_COUNTS} (a divisor of 16), got {slots}")
+    T = x.shape[1]
     if slots > 1:  # whole steps only: every sequence a multiple of ``slots`` rows
-        if q.shape[1] % slots:
-            raise ValueError(f"with slots={slots}, T={q.shape[1]} must be a multiple of slots")
+        if T % slots:
+            raise ValueError(f"with slots={slots}, T={T} must be a multiple of slots")
         if cu_seqlens is not None and bool((cu_seqlens % slots).any()):
             raise ValueError(f"with slots={slots}, every cu_seqlens boundary must be a multiple of slots")
     if windowed_v:
         if cu_seqlens is not None:
             raise ValueError("windowed_v needs rows of equal length (cu_seqlens=None)")
-        if v.shape[1] != q.shape[1] // slots + slots - 1:
-            raise ValueError(f"with windowed_v, v must have T // slots + slots - 1 = {q.shape[1] // slots + slots - 1} "
+        if v.shape[1] != T // slots + slots - 1:
+            raise ValueError(f"with windowed_v, v must have T // slots + slots - 1 = {T // slots + slots - 1} "
                              f"rows, got {v.shape[1]}")
+    if query_slot is not None:
+        if not 0 <= query_slot < slots or slots == 1:
+            raise ValueError(f"query_slot must be in [0, slots) with slots > 1, got query_slot={query_slot}, "
+                             f"slots={slots}")
+        if q.shape[1] != T // slots:
+            raise ValueError(f"with query_slot, q must have T // slots = {T // slots} rows, got {q.shape[1]}")
     chunk_size = min(chunk_size, WY_MAX_CHUNK)
     q, x, v = (t.contiguous() for t in (q, x, v))
     eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
     S0 = None if S0 is None else S0.float().contiguous()
     return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state,
-                             slots, windowed_v)
+                             slots, windowed_v, query_slot)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _sequence
+from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _query_rows, _sequence
 
 
 @triton.jit
@@ -230,11 +230,12 @@ def state_bwd(
     q, x, W, do, log_a, dD_local, dD, dh, ds_final, ds0, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks, the
     gradient of every exit state into ``dh`` and the full ``dD`` (fp32). ``dD`` may be
-    ``dD_local`` itself: each element is read, then written, by the same program."""
+    ``dD_local`` itself: each element is read, then written, by the same program. ``q`` and
+    ``do`` on the query rows (``scalar_decay_kernels._query_rows``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -254,12 +255,13 @@ def state_bwd(
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
         b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_do = tl.load(do + rows_v, mask=m_tv, other=0.0)
+        b_do = tl.load(do + (qr[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :], other=0.0)
         b_x = (b_x * tl.exp(u_last - u)[:, None]).to(b_do.dtype)
         b_dd = tl.load(dD_local + rows_v, mask=m_tv, other=0.0) + tl.dot(b_x, b_dh.to(b_do.dtype), input_precision=PRECISION)
         tl.store(dD + rows_v, b_dd, mask=m_tv)
-        b_qt = tl.load(q + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        b_qt = tl.load(q + (qr[None, :] * H + i_h) * K + o_k[:, None], mask=m_q[None, :] & m_k[:, None], other=0.0)
         b_wt = tl.load(W + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
         b_qt = (b_qt * tl.exp(uq)[None, :]).to(b_do.dtype)
         b_dh = (b_dh * tl.exp(u_last) + tl.dot(b_qt, b_do, input_precision=PRECISION)

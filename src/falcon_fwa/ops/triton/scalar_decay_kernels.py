@@ -59,6 +59,18 @@ def _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT: tl.c
 
 
 @triton.jit
+def _query_rows(bos, o_t, m_t, QSLOTS: tl.constexpr, QREAD: tl.constexpr):
+    """Rows of ``q``, ``do``, ``o`` and ``dq`` for steps ``o_t`` and their mask: the rows
+    themselves, or, with ``QSLOTS > 1`` (one query per group of ``QSLOTS`` rows, on the group's
+    row ``QREAD``: the rule-3 layout), row ``r // QSLOTS`` for the rows ``r`` of slot ``QREAD``
+    and nothing for the others (they read zeros, as a zero query would)."""
+    r = bos + o_t
+    if QSLOTS == 1:
+        return r, m_t
+    return r // QSLOTS, m_t & (r % QSLOTS == QREAD)
+
+
+@triton.jit
 def _load_rows(x, delayed, WHICH: tl.constexpr, i_n, bos, o_t, m_t, i_h, o_d, m_d, H: tl.constexpr,
                D: tl.constexpr, TRANS: tl.constexpr):
     """The rows of steps ``o_t`` of sequence ``i_n`` (columns ``o_d``) as a ``[BT, BD]`` tile, or
@@ -158,9 +170,10 @@ def output_fwd(
     q, x, v, eta, log_a, h, o, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
-    delayed=None,
+    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
 ):
-    """Grid ``(cdiv(V, BV), num_chunks, H)``: outputs of every chunk from its entry state."""
+    """Grid ``(cdiv(V, BV), num_chunks, H)``: outputs of every chunk from its entry state
+    (``q`` and ``o`` on the query rows, ``_query_rows``)."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -169,10 +182,11 @@ def output_fwd(
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_s = tl.zeros([BT, BT], dtype=tl.float32)
     h_base = h + ((boh + i_t) * H + i_h) * K * V
+    qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_q = tl.load(q + (qr[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
         b_xt = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, True)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)
         b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
@@ -180,8 +194,8 @@ def output_fwd(
     b_v = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, o_v < V, H, V, False)
     b_a = b_s * _decay_mask(uq, u, READ_AFTER, BT) * et[None, :]
     b_o = b_o * tl.exp(uq)[:, None] + tl.dot(b_a.to(b_v.dtype), b_v, input_precision=PRECISION)
-    tl.store(o + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_t[:, None] & (o_v[None, :] < V))
+    tl.store(o + (qr[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_q[:, None] & (o_v[None, :] < V))
 
 
 @triton.jit
@@ -223,7 +237,7 @@ def dv_bwd(
     q, x, do, eta, log_a, dh, dv, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_TERM: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
-    delayed=None,
+    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``:
     ``dv_s = sum_{t: s in M(t)} exp(uq_t - u_s) (q_t . kk_s) do_t + exp(u_C - u_s) dh^T kk_s``
@@ -237,16 +251,17 @@ def dv_bwd(
     b_st = tl.zeros([BT, BT], dtype=tl.float32)  # [s, t] = x_s . q_t
     b_xd = tl.zeros([BT, BV], dtype=tl.float32)
     state = ((boh + i_t) * H + i_h) * K * V
+    qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, False)
-        b_qt = tl.load(q + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        b_qt = tl.load(q + (qr[None, :] * H + i_h) * K + o_k[:, None], mask=m_q[None, :] & m_k[:, None], other=0.0)
         b_st += tl.dot(b_x, b_qt, input_precision=PRECISION)
         if STATE_TERM:
             b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)
             b_xd += tl.dot(b_x, b_dh, input_precision=PRECISION)
-    b_do = tl.load(do + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_do = tl.load(do + (qr[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & (o_v[None, :] < V), other=0.0)
     b_at = b_st * _decay_mask_t(uq, u, READ_AFTER, BT) * et[:, None]
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do, input_precision=PRECISION) + b_xd * (et * tl.exp(u_last - u))[:, None]
     tl.store(dv + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
@@ -258,9 +273,9 @@ def dqk_bwd(
     cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
-    delayed=None,
+    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
 ):
-    """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq``, ``dx`` and, per key block,
+    """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` (on the query rows), ``dx`` and, per key block,
     partial sums of ``deta`` and of the log-prefix gradients: write side ``-kk . dkk``
     plus ``d u_C = <dh, h_next>`` at the last step into ``du``, read side ``q . dq``
     into ``du`` (read after write) or ``dw`` (read before write)."""
@@ -276,13 +291,14 @@ def dqk_bwd(
     b_dks = tl.zeros([BT, BK], dtype=tl.float32)  # v dh^T
     b_hdh = tl.zeros([BK], dtype=tl.float32)       # <h, dh> over this key block
     state = ((boh + i_t) * H + i_h) * K * V
+    qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         b_v = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, m_v, H, V, False)
-        b_do = tl.load(do + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_do = tl.load(do + (qr[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :], other=0.0)
         b_vt = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, m_v, H, V, True)
-        b_dot = tl.load(do + ((bos + o_t[None, :]) * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None], other=0.0)
+        b_dot = tl.load(do + (qr[None, :] * H + i_h) * V + o_v[:, None], mask=m_q[None, :] & m_v[:, None], other=0.0)
         b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0)  # [BV, BK]
         b_dht = tl.load(dh + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0)
         b_ds += tl.dot(b_do, b_vt, input_precision=PRECISION)
@@ -290,7 +306,7 @@ def dqk_bwd(
         b_dqh += tl.dot(b_do, b_ht, input_precision=PRECISION)
         b_dks += tl.dot(b_v, b_dht, input_precision=PRECISION)
         b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
-    b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_q = tl.load(q + (qr[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
     b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, False)
     b_kk = b_x.to(tl.float32) * et[:, None]
     b_dp = (b_ds * _decay_mask(uq, u, READ_AFTER, BT)).to(b_q.dtype)
@@ -301,7 +317,8 @@ def dqk_bwd(
     b_dkk = tl.dot(b_dpt, b_q, input_precision=PRECISION) + b_dkk_state
     m_tk = m_t[:, None] & m_k[None, :]
     row = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-    tl.store(dq + row, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dq + (qr[:, None] * H + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
+             mask=m_q[:, None] & m_k[None, :])
     tl.store(dx + row, (b_dkk * et[:, None]).to(dx.dtype.element_ty), mask=m_tk)
     # per-step partial sums over this key block, [NK, rows, H]
     d_eta = tl.sum(b_x.to(tl.float32) * b_dkk, axis=1)

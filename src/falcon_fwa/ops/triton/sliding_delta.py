@@ -10,7 +10,9 @@ carry ``log a_t`` on the first of them and ``0`` on the others), this is the rul
 recurrence except that writes of one step do not see one another: the WY system is
 block-strictly lower, which ``delta_chunk(..., slots=W)`` solves. The query of step ``t``
 sits on its last row (read after the write: it sees all ``W`` writes) or its first (read
-before: it sees the earlier steps only); the other rows hold zeros.
+before: it sees the earlier steps only); the other rows read nothing. The kernels read
+``q`` and write ``o`` one row per step (``delta_chunk(..., query_slot=...)``), so neither
+is ever laid out over the ``T * W`` rows.
 
 The pairs are laid out once on the extended time axis ``[tail | pairs]`` (positions
 ``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``). The WY kernels read the
@@ -179,11 +181,10 @@ def sliding_delta_chunk(
     # the carry on each step's first row, nothing on the others; the query on the read row only
     carry = log_a if W == 1 else F.pad(log_a.contiguous()[:, :, None], (0, 0, 0, W - 1)).reshape(B, T * W, H)
     read = W - 1 if read_after else 0
-    q_rows = q if W == 1 else F.pad(q[:, :, None], (0, 0, 0, 0, read, W - 1 - read)).flatten(1, 2)
-    o, S_T = delta_chunk(q_rows, x_rows, y_ext, eta, kappa, carry,  # the values read in place from y_ext
+    o, S_T = delta_chunk(q, x_rows, y_ext, eta, kappa, carry,  # the values read in place from y_ext
                          None if S0 is None else S0.float(), read_after=read_after, chunk_size=chunk_size,
-                         output_final_state=output_final_state, slots=W, windowed_v=True)
-    o = o.view(B, T, W, H, -1)[:, :, read].contiguous()  # (the [B, T * W] rows are freed)
+                         output_final_state=output_final_state, slots=W, windowed_v=True,
+                         query_slot=None if W == 1 else read)
     if not output_final_state:
         return o, None
     if W == 1:

@@ -66,8 +66,8 @@ def falcon_step_triton(
     valid = torch.full((B,), state is not None or not shift, dtype=torch.bool, device=q.device)
     gate = None if log_gate is None else log_gate.float().contiguous()
     eta, log_a = feature_step_sizes(x[:, None], valid[:, None], beta[:, None], lam[:, None],
-                                   None if gate is None else gate[:, None], eps=eps, decay_floor=decay_floor,
-                                   normalize=normalize, scale_ridge=scale_ridge)
+                                    None if gate is None else gate[:, None], eps=eps, decay_floor=decay_floor,
+                                    normalize=normalize, scale_ridge=scale_ridge)
     S = q.new_zeros(B, H, K, V, dtype=torch.float32) if state is None else state.S.float().contiguous()
     S_new = torch.empty_like(S)
     o = v.new_empty(B, H, V)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch
 from kernel_checks import (check_kernel, check_public_op_routing, check_segments_continue, in_this_process,
                            needs_cuda, poison_allocator)
 
-from falcon_fwa.ops.triton import column_decay, column_decay_kernels, falcon_chunk_triton
+from falcon_fwa.ops.triton import column_decay, falcon_chunk_triton
 
 pytestmark = in_this_process
 _check = functools.partial(check_kernel, "2A")
@@ -94,23 +93,6 @@ def test_chunk_128_partial_second_chunk():
 
 def test_fp16_inputs():
     _check((1, 40, 2, 32, 32), torch.float16, chunk_size=32, seed=6)
-
-
-class _WithoutOutputs:
-    """``dv_bwd[grid](...)`` launched without the forward's outputs ``o``."""
-
-    def __getitem__(self, grid):
-        def launch(*args, o=None, **kwargs):
-            return column_decay_kernels.dv_bwd[grid](*args, **kwargs)
-        return launch
-
-
-def test_backward_recomputing_the_outputs(monkeypatch):
-    # without the forward's outputs dv_bwd recomputes them in fp32 for d uq = dO * O
-    kern = SimpleNamespace(**vars(column_decay_kernels))
-    kern.dv_bwd = _WithoutOutputs()
-    monkeypatch.setattr(column_decay, "kern", kern)
-    _check((1, 37, 1, 16, 16), read="before", chunk_size=32, seed=12)
 
 
 def test_two_segments_continue_exactly():

@@ -33,7 +33,7 @@ LAUNCH = {
     "output_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "dv_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "dqk_bwd": dict(BK=128, BV=64, num_warps=8, num_stages=1),
-    "elementwise": dict(BV=64, num_warps=4),  # chunk_cumsum, dlog_bwd
+    "elementwise": dict(BV=64, num_warps=4),  # chunk_cumsum
 }
 
 
@@ -79,8 +79,8 @@ def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_aft
     dv, deta, dlog_a = _empty(v.shape, v), _empty(eta.shape, eta), _empty(eta.shape, eta)
     c = _config("dv_bwd", K, V)
     kern.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        q, x, v, eta, u, h, dh, do, dv, deta, dlog_a, None, None, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, PRECISION=prec, o=o, STORE_DLOG=True, **c, **meta)
+        q, x, v, eta, u, h, dh, do, o, dv, deta, dlog_a, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = _config("dqk_bwd", K, V)
     kern.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](

@@ -41,11 +41,11 @@ Backward, with ``dH`` the gradient of a chunk's exit state and
 
 level by level: ``dU += E_s * (P_b^T @ (E_t * dO))`` and ``D += mask_b * ((E_t * dO) @
 (E_s * U)^T)``. ``dv = eta * dU``, ``deta = v * dU``. Every term of ``o[t, j]`` carries
-``exp(uq[t, j])``, so ``d uq = dO * O`` (``O`` the forward's output, in ``v``'s dtype;
-recomputed in fp32 when not given); the intra-chunk term gives ``d u_s = -U_s *
-dU^intra_s``; ``h_next`` gives ``d u_C = exp(u_C) colsum(h * dH) + sum_s c_s`` with
-``c_s = U_s * dU^state_s``, and ``d u_s = -c_s``. Since
-``u_t = sum_{r <= t} log a_r``, ``dlog_bwd`` assembles, within the chunk::
+``exp(uq[t, j])``, so ``d uq = dO * O`` (``O`` the read's values: the forward's output,
+in ``v``'s dtype); the intra-chunk term gives ``d u_s = -U_s * dU^intra_s``; ``h_next``
+gives ``d u_C = exp(u_C) colsum(h * dH) + sum_s c_s`` with ``c_s = U_s * dU^state_s``,
+and ``d u_s = -c_s``. Since ``u_t = sum_{r <= t} log a_r``, ``dv_bwd`` assembles, within
+the chunk::
 
     d log a_r = sum_{t >= r} du_t + sum_{t > r} dw_t + sum_{s < r} c_s
 
@@ -57,9 +57,9 @@ after ``s``).
 Kernels (the per-column step sizes are ``step_size_kernels.column_step_fwd`` / ``_bwd``):
 ``chunk_cumsum``, ``state_fwd`` (entry state of every chunk, sequential over chunks),
 ``output_fwd`` (one program per chunk and value block), ``state_bwd`` (reverse over
-chunks), ``dv_bwd`` (per chunk and value block; for one read it also sums the log-prefix
-terms within the chunk), ``dqk_bwd`` (per chunk and key block, the value blocks in a loop)
-and ``dlog_bwd`` (those sums, where the terms of several reads add up first: rule 2).
+chunks), ``dv_bwd`` (per chunk and value block, ``d log a`` included) and ``dqk_bwd`` (per
+chunk and key block, the value blocks in a loop). Rule 2 runs ``dv_bwd`` once per read and
+adds the reads' ``d log a``.
 """
 from __future__ import annotations
 
@@ -294,18 +294,14 @@ def state_bwd(
 
 @triton.jit
 def dv_bwd(
-    q, x, v, eta, u, h, dh, do, dv, deta, du, dw, dc, cu_seqlens, chunk_indices, chunk_offsets, T,
+    q, x, v, eta, u, h, dh, do, o, dv, deta, dlog_a, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, o=None,
-    STORE_DLOG: tl.constexpr = False,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``: ``dU`` of every chunk's sources, mapped to
-    ``dv = eta * dU`` and ``deta = v * dU``, and the per-step terms of the log-prefix
-    gradient (``du``, ``dw``, ``dc``; see the module docstring). ``o``: the forward's
-    outputs, for ``d uq = dO * O`` (``None``: recomputed here in fp32). With
-    ``STORE_DLOG`` (one read, as in rule 2A) the program sums those terms within its chunk
-    itself, as ``dlog_bwd`` would, and stores ``d log a`` into ``du`` (``dw``, ``dc``
-    unused)."""
+    ``dv = eta * dU`` and ``deta = v * dU``, and ``d log a``: the per-step terms of the
+    module docstring, summed within the chunk. ``o``: the read's values (the forward's
+    outputs), for ``d uq = dO * O``."""
     i_v, i_h = tl.program_id(0), tl.program_id(2)
     i_c = tl.program_id(1)
     i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
@@ -356,27 +352,16 @@ def dv_bwd(
     tl.store(dv + off, (b_eta * b_dU).to(dv.dtype.element_ty), mask=m_rv)
     tl.store(deta + off, b_v * b_dU, mask=m_rv)
     b_U = b_v * b_eta
-    if o is not None:
-        b_o = tl.load(o + off, mask=m_rv, other=0.0).to(tl.float32)
-    else:
-        b_o = _chunk_output(q, x, v, eta, u, h + state, first, last, rows, m_r, i_h, o_v, m_v,
-                            H, K, V, BT, BK, BV, READ_AFTER, PRECISION)
-    d_read = b_do * b_o
+    d_read = b_do * tl.load(o + off, mask=m_rv, other=0.0).to(tl.float32)
     d_u = -b_U * b_du_intra + tl.where(rows[:, None] == last, (tl.exp(u_last) * b_hdh)[None, :], 0.0)
     b_c = b_U * b_du_state
     if READ_AFTER:
         d_u += d_read
-    if STORE_DLOG:  # d log a_r = sum_{t >= r} du_t [+ sum_{t > r} dw_t] + sum_{s < r} c_s (rows past the
-        # chunk's end hold zeros)
-        d_log = tl.sum(d_u, axis=0)[None, :] - tl.cumsum(d_u, axis=0) + d_u + tl.cumsum(b_c, axis=0) - b_c
-        if not READ_AFTER:
-            d_log += tl.sum(d_read, axis=0)[None, :] - tl.cumsum(d_read, axis=0)
-        tl.store(du + off, d_log, mask=m_rv)
-    else:
-        if not READ_AFTER:
-            tl.store(dw + off, d_read, mask=m_rv)
-        tl.store(du + off, d_u, mask=m_rv)
-        tl.store(dc + off, b_c, mask=m_rv)
+    # d log a_r = sum_{t >= r} du_t [+ sum_{t > r} dw_t] + sum_{s < r} c_s (rows past the chunk's end hold zeros)
+    d_log = tl.sum(d_u, axis=0)[None, :] - tl.cumsum(d_u, axis=0) + d_u + tl.cumsum(b_c, axis=0) - b_c
+    if not READ_AFTER:
+        d_log += tl.sum(d_read, axis=0)[None, :] - tl.cumsum(d_read, axis=0)
+    tl.store(dlog_a + off, d_log, mask=m_rv)
 
 
 @triton.jit
@@ -439,26 +424,3 @@ def dqk_bwd(
              mask=m_r[:, None] & m_k[None, :])
     tl.store(dx + (rows[None, :] * H + i_h) * K + o_k[:, None], b_dxt.to(dx.dtype.element_ty),
              mask=m_r[None, :] & m_k[:, None])
-
-
-@triton.jit
-def dlog_bwd(
-    du, dw, dc, dlog_a, cu_seqlens, chunk_indices, chunk_offsets, T,
-    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, READ_AFTER: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-):
-    """Grid ``(cdiv(V, BV), num_chunks, H)``: ``d log a_r = sum_{t >= r} du_t +
-    sum_{t > r} dw_t + sum_{s < r} dc_s`` within the chunk."""
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
-    rows = bos + i_t * BT + tl.arange(0, BT)
-    m_r = rows < bos + T_n
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    b_du = _rows(du, rows, m_r, i_h, H, V, o_v, m_v)
-    b_dc = _rows(dc, rows, m_r, i_h, H, V, o_v, m_v)
-    d_log = tl.sum(b_du, axis=0)[None, :] - tl.cumsum(b_du, axis=0) + b_du + tl.cumsum(b_dc, axis=0) - b_dc
-    if not READ_AFTER:
-        b_dw = _rows(dw, rows, m_r, i_h, H, V, o_v, m_v)
-        d_log += tl.sum(b_dw, axis=0)[None, :] - tl.cumsum(b_dw, axis=0)
-    tl.store(dlog_a + (rows[:, None] * H + i_h) * V + o_v[None, :], d_log, mask=m_r[:, None] & m_v[None, :])

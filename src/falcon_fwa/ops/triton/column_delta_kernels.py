@@ -47,7 +47,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .column_decay_kernels import _decay, _read_prefix, _row, _rows, _rows_t
+from .column_decay_kernels import _decay, _read_prefix, _row, _rows, _rows_t, _writes
 from .scalar_decay_kernels import _chunk_of_program, _sequence
 
 
@@ -90,6 +90,13 @@ def gram_fwd(
         b_g += tl.dot(_rows(x, rows, m_r, i_h, H, K, o_k, m_k), _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k),
                       input_precision=PRECISION)
     tl.store(G + (rows[:, None] * H + i_h) * BS + tl.arange(0, BS)[None, :], b_g, mask=m_r[:, None])
+
+
+@triton.jit
+def _gram_block(G, rows, m_rows, i_h, H: tl.constexpr, BS: tl.constexpr):
+    """The block's Gram ``[BS, BS]`` (row ``p``: ``x_p . x_s`` for the block's rows ``s``;
+    symmetric, 0 on rows past the end)."""
+    return tl.load(G + (rows[:, None] * H + i_h) * BS + tl.arange(0, BS)[None, :], mask=m_rows[:, None], other=0.0)
 
 
 @triton.jit
@@ -140,16 +147,17 @@ def state_fwd(
             b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
             b_r = tl.dot(b_x, b_h.to(b_x.dtype), input_precision=PRECISION) * _decay(
                 b_w - r_in[None, :], m_r[:, None])
+            # The block's rows stay in registers; step i reads its row by a masked sum.
+            b_y = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
+            b_k = _rows(kappa, rows, m_r, i_h, H, V, o_v, m_v)
+            b_gram = _gram_block(G, rows, m_r, i_h, H, BS)
             b_d = tl.zeros([BS, BV], dtype=tl.float32)
             for i in range(0, steps):  # forward substitution, all BV columns at once
-                row_i = b0 + i
                 sel = (o_s == i)[:, None]
-                r_i = tl.sum(tl.where(sel, b_r, 0.0), axis=0)
-                d_i = (_row(v, row_i, True, i_h, H, V, o_v, m_v) * _row(eta, row_i, True, i_h, H, V, o_v, m_v)
-                       - _row(kappa, row_i, True, i_h, H, V, o_v, m_v) * r_i)
+                d_i = tl.sum(tl.where(sel, b_y - b_k * b_r, 0.0), axis=0)  # eta_i y_i - kappa_i R_i
                 b_d = tl.where(sel, d_i[None, :], b_d)
-                g_i = tl.load(G + (row_i * H + i_h) * BS + o_s, mask=m_r, other=0.0)  # G[p, i] = G[i, p]
-                u_i = _row(u, row_i, True, i_h, H, V, o_v, m_v)
+                u_i = tl.sum(tl.where(sel, b_u, 0.0), axis=0)
+                g_i = tl.sum(tl.where((o_s == i)[None, :], b_gram, 0.0), axis=1)  # G[p, i]
                 later = ((o_s > i) & m_r)[:, None]
                 b_r += g_i[:, None] * _decay(b_w - u_i[None, :], later) * d_i[None, :]
             off = (rows[:, None] * H + i_h) * V + o_v[None, :]
@@ -202,23 +210,25 @@ def state_bwd(
             b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
             b_dd = tl.load(dD_local + off, mask=m_rv, other=0.0) + tl.dot(
                 b_x, b_dh.to(b_x.dtype), input_precision=PRECISION) * _decay(r_out[None, :] - b_u, m_r[:, None])
+            b_k = tl.load(kappa + off, mask=m_rv, other=0.0)
+            b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
+            b_gram = _gram_block(G, rows, m_r, i_h, H, BS)
             b_acc = tl.zeros([BS, BV], dtype=tl.float32)  # sum_{p > s} N[p, s] z_p, gathered row by row
             b_z = tl.zeros([BS, BV], dtype=tl.float32)
             for jj in range(0, steps):  # backward substitution, all BV columns at once
                 i = steps - 1 - jj
-                row_i = b0 + i
                 sel = (o_s == i)[:, None]
-                z_i = tl.sum(tl.where(sel, b_dd - b_acc, 0.0), axis=0)
+                z_row = tl.where(sel, b_dd - b_acc, 0.0)
+                z_i = tl.sum(z_row, axis=0)
+                kz_i = tl.sum(z_row * b_k, axis=0)
                 b_z = tl.where(sel, z_i[None, :], b_z)
-                kz_i = _row(kappa, row_i, True, i_h, H, V, o_v, m_v) * z_i
-                w_i = _row(u, row_i - 1, row_i > first, i_h, H, V, o_v, m_v)
-                g_i = tl.load(G + (row_i * H + i_h) * BS + o_s, mask=m_r, other=0.0)
+                w_i = tl.sum(tl.where(sel, b_w, 0.0), axis=0)
+                g_i = tl.sum(tl.where((o_s == i)[None, :], b_gram, 0.0), axis=1)  # G[i, s] = G[s, i]
                 earlier = ((o_s < i) & m_r)[:, None]
                 b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
             tl.store(z + off, b_z, mask=m_rv)
             dt = b_x.dtype
-            b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
-            b_dr = -tl.load(kappa + off, mask=m_rv, other=0.0) * b_z * _decay(b_w - r_in[None, :], m_r[:, None])
+            b_dr = -b_k * b_z * _decay(b_w - r_in[None, :], m_r[:, None])
             b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
             b_g = tl.load(do + off, mask=m_rv, other=0.0).to(tl.float32) * _decay(b_uq, m_r[:, None])
             b_qt = _rows_t(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]

@@ -14,7 +14,9 @@ chunks' entry states), then the rule-2A ``output_fwd`` with values ``D``. Backwa
 rule-2A ``dv_bwd`` for the outputs' intra-chunk ``dD``, ``state_bwd`` (sequential: the
 exit-state gradients and the adjoint ``z`` of ``D``), then the rule-2A ``dv_bwd`` /
 ``dqk_bwd`` of the two reads (outputs: queries ``q``; residual reads: queries ``x``, read
-before the write, upstream ``dR = -kappa z``) and ``dlog_bwd``.
+before the write, upstream ``dR = -kappa z``). Each ``dv_bwd`` sums its read's share of
+``d log a`` within the chunk, from the read's values (the saved outputs ``o``, the residual
+reads ``R``); the two shares add.
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ __all__ = ["column_delta_chunk"]
 
 SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of gram_fwd)
 # The sequential kernels hold the whole key dimension (BK >= K) and BV value columns;
-# they solve blocks of SUB_CHUNK steps whatever the chunk size. With BK = 128 the sm_90
-# build of state_bwd spills at 4 warps (255 registers) and does not at 8.
-SEQUENTIAL = dict(BV=32, num_warps=4, num_warps_wide=8)
+# they solve blocks of SUB_CHUNK steps whatever the chunk size. On the H200 at K = V = 128
+# (bf16 fwd+bwd of the op): 32 columns at 4 warps 14.5 ms, at 8 warps 20.1; 16 columns at
+# 4 warps 15.2; 64 columns at 8 warps 18.4.
+SEQUENTIAL = dict(BV=32, num_warps=4)
 GRAM = dict(BK=64, num_warps=4)
 
 
@@ -43,9 +46,8 @@ _empty = empty_buffer  # module-level, so tests can poison this module's buffers
 
 def _sequential(K: int, V: int) -> dict:
     """Block sizes and warps of ``state_fwd`` / ``state_bwd``."""
-    BK = max(16, next_power_of_2(K))
-    return dict(BS=SUB_CHUNK, BK=BK, BV=min(SEQUENTIAL["BV"], max(16, next_power_of_2(V))),
-                num_warps=SEQUENTIAL["num_warps_wide" if BK >= 128 else "num_warps"])
+    return dict(BS=SUB_CHUNK, BK=max(16, next_power_of_2(K)), BV=min(SEQUENTIAL["BV"], max(16, next_power_of_2(V))),
+                num_warps=SEQUENTIAL["num_warps"])
 
 
 def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
@@ -76,15 +78,15 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     return o, G, u, h, D, R, S_T
 
 
-def _read_grads(query, x, D, ones, u, h, dh, d_read, dq, dx, du, dw, dc, dD, layout, read_after, K, V, H):
-    """The rule-2A backward of one read ``o = read(query; states with values D)``:
-    ``dD`` (intra-chunk plus the exit-state term through ``dh``), the log-prefix terms
-    ``du``, ``dw``, ``dc``, and ``dq`` (the queries), ``dx`` (the keys)."""
+def _read_grads(query, x, D, ones, u, h, dh, d_read, read_out, dq, dx, dlog, dD, layout, read_after, K, V, H):
+    """The rule-2A backward of one read ``read_out = read(query; states with values D)``:
+    ``dD`` (intra-chunk plus the exit-state term through ``dh``), this read's share of
+    ``d log a`` into ``dlog``, and ``dq`` (the queries), ``dx`` (the keys)."""
     prec, meta = dot_precision(query.dtype), layout_args(layout)
     c = column_config("dv_bwd", K, V)
     cd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        query, x, D, ones, u, h, dh, d_read, dD, _empty(D.shape, D), du, dw, dc, chunk_indices=layout.chunk_indices,
-        H=H, K=K, V=V, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        query, x, D, ones, u, h, dh, d_read, read_out, dD, _empty(D.shape, D), dlog,
+        chunk_indices=layout.chunk_indices, H=H, K=K, V=V, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     if dq is not None:
         c = column_config("dqk_bwd", K, V)
         cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
@@ -92,55 +94,44 @@ def _read_grads(query, x, D, ones, u, h, dh, d_read, dq, dx, du, dw, dc, dD, lay
             READ_AFTER=read_after, PRECISION=prec, **c, **meta)
 
 
-def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do, dS_T, layout: ChunkLayout, read_after: bool):
+def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: ChunkLayout, read_after: bool):
     H, K = q.shape[2:]
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     ones = torch.ones_like(eta)
     no_dh = torch.zeros_like(h)
     f32 = torch.float32
-    # 1. the outputs' intra-chunk gradient of D (no exit-state term) and their log-prefix terms
+    # 1. the outputs' intra-chunk gradient of D (no exit-state term) and their share of d log a
     dD_o = _empty(eta.shape, eta)
-    du_o = _empty(eta.shape, eta)
-    dw_o = None if read_after else _empty(eta.shape, eta)
-    _read_grads(q, x, D, ones, u, h, no_dh, do, None, None, du_o, dw_o, _empty(eta.shape, eta), dD_o, layout,
-                read_after, K, V, H)
-    # 2. reverse over chunks: exit-state gradients and the adjoint z of D
+    dlog_a = _empty(eta.shape, eta)
+    _read_grads(q, x, D, ones, u, h, no_dh, do, o, None, None, dlog_a, dD_o, layout, read_after, K, V, H)
+    # 2. reverse over chunks: exit-state gradients and the adjoint z of D,
+    # and from z: d_read = -kappa z (the upstream gradient of the residual reads R), dv, deta, dkappa
     dh = _empty(h.shape, h)
-    z = _empty(eta.shape, eta)
+    d_read, deta, dkappa = (_empty(eta.shape, eta) for _ in range(3))
+    dv = _empty(v.shape, v)
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
     c = _sequential(K, V)
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
-        q, x, kappa, u, G, do, dD_o, dh, z, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None,
-        STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        q, x, v, eta, kappa, R, u, G, do, dD_o, dh, d_read, dv, deta, dkappa, dS_T, dS0, H=H, K=K, V=V,
+        HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     del dD_o  # read by state_bwd only: its memory serves the buffers below (peak memory)
-    d_read = -kappa * z  # upstream gradient of the residual reads R
-    # 3. the residual reads (queries x, read before the write) with the exit-state terms through dh
-    du_r, dw_r, dc = (_empty(eta.shape, eta) for _ in range(3))
+    # 3. the residual reads R (queries x, read before the write) with the exit-state terms through dh
+    dlog_r = _empty(eta.shape, eta)
     dx_query, dx_key = _empty(x.shape, x, f32), _empty(x.shape, x, f32)
-    _read_grads(x, x, D, ones, u, h, dh, d_read, dx_query, dx_key, du_r, dw_r, dc, _empty(eta.shape, eta), layout,
+    _read_grads(x, x, D, ones, u, h, dh, d_read, R, dx_query, dx_key, dlog_r, _empty(eta.shape, eta), layout,
                 False, K, V, H)
     del dh, d_read
+    dlog_a += dlog_r
+    del dlog_r
     # 4. the outputs' q and x gradients (queries q; the exit-state term is counted in step 3)
     dq, dx_out = _empty(q.shape, q, f32), _empty(x.shape, x, f32)
     c = column_config("dqk_bwd", K, V)
     cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, D, ones, u, h, no_dh, do, dq, dx_out, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, PRECISION=prec, **c, **meta)
-    # 5. the log carries from the per-step terms of both reads
-    du = du_o + du_r
-    dw = dw_r if dw_o is None else dw_o + dw_r
-    del du_o, du_r, dw_o, dw_r
-    dlog_a = _empty(eta.shape, eta)
-    c = column_config("elementwise", K, V)
-    cd.dlog_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        du, dw, dc, dlog_a, chunk_indices=layout.chunk_indices, H=H, V=V, READ_AFTER=False, **c, **meta)
-    del du, dw, dc
     dx = (dx_query + dx_key + dx_out).to(x.dtype)
     del dx_query, dx_key, dx_out
-    dv = (eta * z).to(v.dtype)
-    deta = v.float() * z
-    dkappa = -R * z
     return dq.to(q.dtype), dx, dv, deta, dkappa, dlog_a, dS0
 
 
@@ -150,14 +141,14 @@ class _ColumnDeltaChunk(torch.autograd.Function):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         o, G, u, h, D, R, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final)
-        ctx.save_for_backward(q, x, v, eta, kappa, S0, G, u, h, D, R)
+        ctx.save_for_backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o)
         ctx.layout, ctx.read_after = layout, read_after
         return o, S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
-        q, x, v, eta, kappa, S0, G, u, h, D, R = ctx.saved_tensors
-        grads = _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, do.contiguous(),
+        q, x, v, eta, kappa, S0, G, u, h, D, R, o = ctx.saved_tensors
+        grads = _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after)
         return (*grads, None, None, None, None)
 

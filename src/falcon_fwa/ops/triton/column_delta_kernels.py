@@ -31,7 +31,7 @@ blocks backwards with ``g`` the gradient of the state at a block's end (without 
 outputs of the chunk, which ``dD_o`` holds), the adjoint ``z`` of ``d`` solves, per column,
 ``(I + N_j)^T z_j = dD_o_j + exp(r'_j - u_j) (X_I g)_j`` (backward substitution,
 ``state_bwd``); the reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w -
-r) dR)``, and at the chunk's start ``dh = g + Q^T (exp(uq) dO)``. Then::
+r) dR)``, and at the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` also stores::
 
     deta = y z,   dy = eta z,   dkappa = -R z
 
@@ -172,15 +172,17 @@ def state_fwd(
 
 @triton.jit
 def state_bwd(
-    q, x, kappa, u, G, do, dD_local, dh, z, ds_final, ds0, cu_seqlens, chunk_offsets, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+    q, x, v, eta, kappa, R, u, G, do, dD_local, dh, dR, dv, deta, dkappa, ds_final, ds0, cu_seqlens, chunk_offsets,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks and their blocks,
     the gradient of every chunk's exit state into ``dh``, the per-column transposed solve
-    for the adjoint ``z`` of ``D`` (fp32), ``g <- exp(r' - r) g - X_I^T (exp(w - r) kappa z)``
-    and, at the chunk's start, ``dh_prev = g + Q^T (exp(uq) dO)``."""
+    for the adjoint ``z`` of ``D``, ``g <- exp(r' - r) g - X_I^T (exp(w - r) kappa z)`` and,
+    at the chunk's start, ``dh_prev = g + Q^T (exp(uq) dO)``. ``z`` itself is not stored:
+    its products are, ``dR = -kappa z``, ``dv = eta z`` (in ``v``'s dtype), ``deta = y z``
+    and ``dkappa = -R z`` (fp32)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -226,7 +228,10 @@ def state_bwd(
                 g_i = tl.sum(tl.where((o_s == i)[None, :], b_gram, 0.0), axis=1)  # G[i, s] = G[s, i]
                 earlier = ((o_s < i) & m_r)[:, None]
                 b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
-            tl.store(z + off, b_z, mask=m_rv)
+            tl.store(dR + off, -b_k * b_z, mask=m_rv)
+            tl.store(dv + off, (tl.load(eta + off, mask=m_rv, other=0.0) * b_z).to(dv.dtype.element_ty), mask=m_rv)
+            tl.store(deta + off, tl.load(v + off, mask=m_rv, other=0.0).to(tl.float32) * b_z, mask=m_rv)
+            tl.store(dkappa + off, -tl.load(R + off, mask=m_rv, other=0.0) * b_z, mask=m_rv)
             dt = b_x.dtype
             b_dr = -b_k * b_z * _decay(b_w - r_in[None, :], m_r[:, None])
             b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)

@@ -70,7 +70,9 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
         x, v, eta, kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None, STORE_FINAL=want_final,
         PRECISION=prec, **c, **meta)
     ones = torch.ones_like(eta)
-    o = _empty(v.shape, v)
+    # fp32 outputs: the backward's d log a sums dO * O over a chunk, where bf16 rounding of O
+    # would show (rule 2's log-gate gradient at chunk 128 passed 1e-2 with bf16 O)
+    o = _empty(v.shape, v, torch.float32)
     c = column_config("output_fwd", K, V)
     cd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, ones, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
@@ -143,7 +145,7 @@ class _ColumnDeltaChunk(torch.autograd.Function):
         o, G, u, h, D, R, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final)
         ctx.save_for_backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o)
         ctx.layout, ctx.read_after = layout, read_after
-        return o, S_T
+        return o.to(v.dtype), S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):

@@ -262,6 +262,29 @@ def paired_ratio(ours: Callable[[], float], theirs: Callable[[], float], rounds:
                 rounds=rounds)
 
 
+PAIRED_DRIFT = 0.25  # a paired median this far (relative) from its op's own row of the process is flagged
+
+
+def paired_drift(pair: dict, rows: List[dict], limit: float = PAIRED_DRIFT) -> Optional[str]:
+    """Compare the two medians of a paired row with the ops' own ``fwdbwd`` rows at its
+    shape in the same process. The paired rounds are meant to cancel a slow spell that
+    falls on both sides; when one side's paired median is more than ``limit`` off its own
+    row, the spell fell on one side only and the ratio is not to be trusted. Returns a
+    sentence saying so, or ``None`` (also when a row is missing)."""
+    index = {(r["op"], r["B"], r["T"]): r["ms"] for r in rows if r["mode"] == "fwdbwd"}
+    found = []
+    for op, ms in ((pair["op"], pair["ms"]), (pair["fla_op"], pair["fla_ms"])):
+        row = index.get((op, pair["B"], pair["T"]))
+        if row is not None and abs(ms / row - 1.0) > limit:
+            found.append(f"{op} {ms:.3f} ms paired against {row:.3f} ms in its row ({ms / row - 1.0:+.0%})")
+    if not found:
+        return None
+    a, b = index.get((pair["op"], pair["B"], pair["T"])), index.get((pair["fla_op"], pair["B"], pair["T"]))
+    rows_ratio = f" (the rows' ratio: {a / b:.2f})" if a and b else ""
+    return (f"paired {pair['op']} / {pair['fla_op']}: " + "; ".join(found)
+            + f": the paired ratio {pair['ratio']:.2f} is not reliable{rows_ratio}")
+
+
 def measure_paired(ours: str, theirs: str, shape, rounds: int) -> dict:
     """:func:`paired_ratio` of two ops' forward+backward at ``shape`` (``do_bench`` medians of 20 ms each)."""
     from triton.testing import do_bench
@@ -381,7 +404,8 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
         out += ["", "## Paired ratios (fwd+bwd, the two ops timed in alternation)", "",
                 "| Falcon op | fla op | B | T | rounds | median ratio | range | Falcon ms | fla ms | target |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
-        out += [f"| {r['op']} | {r['fla_op']} | {r['B']} | {r['T']} | {r['rounds']} | {r['ratio']:.2f} | "
+        out += [f"| {r['op']} | {r['fla_op']} | {r['B']} | {r['T']} | {r['rounds']} | {r['ratio']:.2f}"
+                f"{' (not reliable: see the notes)' if 'unreliable' in r else ''} | "
                 f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['ms']:.3f} | {r['fla_ms']:.3f} | "
                 f"{'<= ' + str(r['target']) if (r['B'], r['T']) == SHAPES[0][:2] else '-'} |" for r in paired]
     decode = [r for r in rows if r["mode"] == "decode"]
@@ -475,6 +499,11 @@ def main(argv=None) -> None:
                              commit=commit, **({"process": args.tag} if args.tag else {})))
             print(f"paired {ours} / {theirs}: ratio {found['ratio']:.3f} ({found['ratio_min']:.3f}-"
                   f"{found['ratio_max']:.3f}) over {found['rounds']} rounds", flush=True)
+            drift = paired_drift(paired[-1], rows)
+            if drift:
+                paired[-1]["unreliable"] = drift
+                notes.append(drift)
+                print(drift, flush=True)
             _atomic_write(os.path.join(args.out, f"{args.name}-paired.json"), json.dumps(paired, indent=1) + "\n")
             _atomic_write(os.path.join(args.out, f"{args.name}.md"),
                           _markdown(rows + paired, versions, commit, notes, errors))

@@ -64,6 +64,32 @@ def test_markdown_lists_paired_rows_apart_from_the_table():
     assert "| falcon-1 | 8 |" not in text  # not a timing row of the main table
 
 
+def test_paired_drift_flags_a_slow_spell_on_one_side_only():
+    import bench_kernels
+    B, T, H, K, V = bench_kernels.SHAPES[0]
+
+    def row(op, ms, mode="fwdbwd"):
+        return dict(op=op, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=ms, peak_mem_bytes=0)
+    rows = [row("falcon-2", 12.404), row("fla-gated-delta-rule", 2.813), row("fla-gated-delta-rule", 0.45, "fwd")]
+    pair = dict(op="falcon-2", fla_op="fla-gated-delta-rule", B=B, T=T, ms=12.428, fla_ms=4.436, ratio=2.801)
+    # fla's paired median is 58 % above its own row: flagged, with the rows' ratio 12.404 / 2.813
+    text = bench_kernels.paired_drift(pair, rows)
+    assert "fla-gated-delta-rule 4.436 ms paired against 2.813 ms in its row (+58%)" in text
+    assert "falcon-2 12.428" not in text and "not reliable (the rows' ratio: 4.41)" in text
+    # both sides within 25 % of their rows (fla +12 %): nothing to flag
+    assert bench_kernels.paired_drift(dict(pair, fla_ms=3.15, ratio=3.95), rows) is None
+    # a side without a row of its own is not judged
+    assert bench_kernels.paired_drift(dict(pair, op="falcon-3"), rows).startswith(
+        "paired falcon-3 / fla-gated-delta-rule: fla-gated-delta-rule 4.436 ms")
+    assert "rows' ratio" not in bench_kernels.paired_drift(dict(pair, op="falcon-3"), rows)
+    # the markdown marks the flagged ratio
+    paired = dict(pair, H=H, K=K, V=V, mode="fwdbwd-paired", ratio_min=2.6, ratio_max=6.0, rounds=9, target=1.5,
+                  unreliable=text)
+    versions = dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p")
+    md = bench_kernels._markdown(rows + [paired], versions, "x", [text], [])
+    assert "| 9 | 2.80 (not reliable: see the notes) | 2.60-6.00 |" in md and f"- {text}" in md
+
+
 def test_decode_benchmark_tiny_model(tmp_path):
     import bench_decode
     # on the CPU the fused step runs through Triton's interpreter (tests set TRITON_INTERPRET)

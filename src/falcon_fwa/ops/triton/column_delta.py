@@ -71,7 +71,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
         PRECISION=prec, **c, **meta)
     ones = torch.ones_like(eta)
     # fp32 outputs: the backward's d log a sums dO * O over a chunk, where bf16 rounding of O
-    # would show (rule 2's log-gate gradient at chunk 128 passed 1e-2 with bf16 O)
+    # shows (with bf16 O the log-gate gradient went over the 1e-2 bound at chunk 128)
     o = _empty(v.shape, v, torch.float32)
     c = column_config("output_fwd", K, V)
     cd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](

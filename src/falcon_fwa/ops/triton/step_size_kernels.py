@@ -105,99 +105,10 @@ def _pair_valid(valid, rows, m_r, T, H: tl.constexpr, SHIFT: tl.constexpr, HAS_F
 
 
 @triton.jit
-def _forward_terms(x, first, valid, beta, lam, rows, m_r, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                   BR: tl.constexpr, eps, decay_floor, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
-                   SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
-    E = _energy(x, first, rows, m_r, T, H, K, BK, BR, SHIFT, HAS_FIRST)
-    ok = _pair_valid(valid, rows, m_r, T, H, SHIFT, HAS_FIRST, HAS_VALID)
-    b_beta = tl.load(beta + rows, mask=m_r, other=0.0).to(tl.float32)
-    b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
-    if SCALE_RIDGE:
-        lam_eff = b_lam * E
-    else:
-        lam_eff = b_lam
-    denom = E + lam_eff + eps
-    if NORMALIZE:
-        ok = ok & (denom > 0)
-        eta = tl.where(ok, b_beta / tl.where(ok, denom, 1.0), 0.0)
-    else:
-        eta = tl.where(ok, b_beta, 0.0)
-    alpha_raw = eta * lam_eff
-    return E, ok, b_beta, b_lam, lam_eff, denom, eta, alpha_raw
-
-
-@triton.jit
-def step_fwd(
-    x, first, valid, beta, lam, log_gate, x_out, eta, log_a, n, T, eps, decay_floor,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
-    SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr,
-):
-    """Grid ``(cdiv(n, BR),)`` over the ``n = B*T*H`` rows; with ``SHIFT``, ``x`` holds the keys
-    and the features are written to ``x_out``."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = rows < n
-    E, ok, b_beta, b_lam, lam_eff, denom, b_eta, alpha_raw = _forward_terms(
-        x, first, valid, beta, lam, rows, m_r, T, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE,
-        SHIFT, HAS_FIRST, HAS_VALID)
-    alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
-    la = _log1p(-alpha)
-    if HAS_GATE:
-        la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)
-    tl.store(eta + rows, b_eta, mask=m_r)
-    tl.store(log_a + rows, la, mask=m_r)
-    if SHIFT:  # the features, read once more (the energy loop above kept no tiles)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST)
-            tl.store(x_out + rows[:, None] * K + o_k[None, :], b_x, mask=m_r[:, None] & (o_k[None, :] < K))
-
-
-@triton.jit
-def step_bwd(
-    x, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, n, T, eps, decay_floor,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_DX_IN: tl.constexpr,
-):
-    """Grid ``(cdiv(n, BR),)``; the gate's gradient is ``d_log_a`` itself. Writes ``dx`` (row by
-    row), or with ``SHIFT`` the keys' gradient ``dx`` one row earlier and ``d_first`` at
-    ``t = 0`` (``HAS_FIRST``)."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = rows < n
-    E, ok, b_beta, b_lam, lam_eff, denom, b_eta, alpha_raw = _forward_terms(
-        x, first, valid, beta, lam, rows, m_r, T, H, K, BK, BR, eps, decay_floor, NORMALIZE, SCALE_RIDGE,
-        SHIFT, HAS_FIRST, HAS_VALID)
-    g_eta = tl.load(d_eta + rows, mask=m_r, other=0.0)
-    g_la = tl.load(d_log_a + rows, mask=m_r, other=0.0)
-    alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
-    g_alpha = tl.where(alpha_raw <= 1.0 - decay_floor, -g_la / (1.0 - alpha), 0.0)
-    g_eta += g_alpha * lam_eff
-    g_lam_eff = g_alpha * b_eta
-    g_E = tl.zeros([BR], dtype=tl.float32)
-    if NORMALIZE:
-        safe = tl.where(ok, denom, 1.0)
-        g_beta = tl.where(ok, g_eta / safe, 0.0)
-        g_denom = tl.where(ok, -g_eta * b_eta / safe, 0.0)
-        g_E += g_denom
-        g_lam_eff += g_denom
-    else:
-        g_beta = tl.where(ok, g_eta, 0.0)
-    if SCALE_RIDGE:
-        g_lam = g_lam_eff * E
-        g_E += g_lam_eff * b_lam
-    else:
-        g_lam = g_lam_eff
-    tl.store(d_beta + rows, g_beta.to(d_beta.dtype.element_ty), mask=m_r)
-    tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
-    _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H, K, BK, SHIFT, HAS_FIRST, HAS_DX_IN)
-
-
-@triton.jit
-def _column_row_terms(x, first, valid, lam, rows, m_r, T, eps, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      BR: tl.constexpr, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr,
-                      HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
-    """Per row of the per-column rules: ``E``, ``lam``, ``lambda``, the denominator and
+def _row_terms(x, first, valid, lam, rows, m_r, T, eps, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+               BR: tl.constexpr, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr,
+               HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Per row ``[BR]``: ``E``, ``lam``, ``lambda``, the denominator ``E + lambda + eps`` and
     whether the row takes a step (a valid pair, and a positive denominator with ``NORMALIZE``)."""
     E = _energy(x, first, rows, m_r, T, H, K, BK, BR, SHIFT, HAS_FIRST)
     b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
@@ -213,15 +124,110 @@ def _column_row_terms(x, first, valid, lam, rows, m_r, T, eps, H: tl.constexpr, 
 
 
 @triton.jit
-def _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V: tl.constexpr, NORMALIZE: tl.constexpr):
-    """``eta`` ``[BR, BV]`` of the columns ``o_v`` and its mask."""
-    ok = ok_rows[:, None] & m_v[None, :]
-    b_beta = tl.load(beta + rows[:, None] * V + o_v[None, :], mask=ok, other=0.0).to(tl.float32)
+def _eta(beta, off, ok, denom, NORMALIZE: tl.constexpr):
+    """``eta`` of the gains at ``beta + off``, a ``[BR]`` tile (scalar rules) or ``[BR, BV]``
+    (per column, ``denom`` given as ``[BR, 1]``); 0 where not ``ok``."""
+    b_beta = tl.load(beta + off, mask=ok, other=0.0).to(tl.float32)
     if NORMALIZE:
-        eta = tl.where(ok, b_beta / tl.where(ok, denom[:, None], 1.0), 0.0)
+        eta = tl.where(ok, b_beta / tl.where(ok, denom, 1.0), 0.0)
     else:
         eta = tl.where(ok, b_beta, 0.0)
-    return ok, eta
+    return eta
+
+
+@triton.jit
+def _eta_grads(g_eta, g_la, eta, lam_eff, denom, ok, decay_floor, NORMALIZE: tl.constexpr):
+    """Backward of ``alpha = min(eta * lambda, 1 - decay_floor)``, ``log_a = log1p(-alpha)`` and
+    ``eta = beta / denom``, elementwise on a ``[BR]`` or ``[BR, BV]`` tile (``lam_eff``, ``denom``
+    then ``[BR, 1]``): from ``d eta`` and ``d log_a``, ``d beta`` and the ``d lambda`` (through
+    ``alpha``) and ``d denom`` terms, which the caller sums over the columns (``d denom`` is 0
+    without ``NORMALIZE``)."""
+    alpha_raw = eta * lam_eff
+    alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
+    g_alpha = tl.where(alpha_raw <= 1.0 - decay_floor, -g_la / (1.0 - alpha), 0.0)
+    g_eta += g_alpha * lam_eff
+    g_lam_eff = g_alpha * eta
+    if NORMALIZE:
+        safe = tl.where(ok, denom, 1.0)
+        g_beta = tl.where(ok, g_eta / safe, 0.0)
+        g_denom = tl.where(ok, -g_eta * eta / safe, 0.0)
+    else:
+        g_beta = tl.where(ok, g_eta, 0.0)
+        g_denom = tl.zeros_like(g_eta)
+    return g_beta, g_lam_eff, g_denom
+
+
+@triton.jit
+def _lam_grads(g_lam_eff, g_E, E, b_lam, SCALE_RIDGE: tl.constexpr):
+    """``d lam`` and the whole ``d E`` ``[BR]`` from ``d lambda`` and the rest of ``d E``,
+    through ``lambda = lam * E`` (``SCALE_RIDGE``) or ``lambda = lam``."""
+    if SCALE_RIDGE:
+        g_lam = g_lam_eff * E
+        g_E += g_lam_eff * b_lam
+    else:
+        g_lam = g_lam_eff
+    return g_lam, g_E
+
+
+@triton.jit
+def _store_features(x, first, x_out, rows, m_r, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                    HAS_FIRST: tl.constexpr):
+    """Writes the shifted write features of ``rows`` (``_feature_block`` with ``SHIFT``) to ``x_out``."""
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, True, HAS_FIRST)
+        tl.store(x_out + rows[:, None] * K + o_k[None, :], b_x, mask=m_r[:, None] & (o_k[None, :] < K))
+
+
+@triton.jit
+def step_fwd(
+    x, first, valid, beta, lam, log_gate, x_out, eta, log_a, n, T, eps, decay_floor,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
+    SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR),)`` over the ``n = B*T*H`` rows; with ``SHIFT``, ``x`` holds the keys
+    and the features are written to ``x_out``."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    E, b_lam, lam_eff, denom, ok = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
+                                              SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    b_eta = _eta(beta, rows, ok, denom, NORMALIZE)
+    la = _log1p(-tl.minimum(b_eta * lam_eff, 1.0 - decay_floor))
+    if HAS_GATE:
+        la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)
+    tl.store(eta + rows, b_eta, mask=m_r)
+    tl.store(log_a + rows, la, mask=m_r)
+    if SHIFT:  # the features, read once more (the energy loop kept no tiles)
+        _store_features(x, first, x_out, rows, m_r, T, H, K, BK, HAS_FIRST)
+
+
+@triton.jit
+def step_bwd(
+    x, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, n, T, eps, decay_floor,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_DX_IN: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR),)``; the gate's gradient is ``d_log_a`` itself. Writes ``dx`` (row by
+    row), or with ``SHIFT`` the keys' gradient ``dx`` one row earlier and ``d_first`` at
+    ``t = 0`` (``HAS_FIRST``)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    E, b_lam, lam_eff, denom, ok = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
+                                              SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    b_eta = _eta(beta, rows, ok, denom, NORMALIZE)
+    g_eta = tl.load(d_eta + rows, mask=m_r, other=0.0)
+    g_la = tl.load(d_log_a + rows, mask=m_r, other=0.0)
+    g_beta, g_lam_eff, g_denom = _eta_grads(g_eta, g_la, b_eta, lam_eff, denom, ok, decay_floor, NORMALIZE)
+    g_E = tl.zeros([BR], dtype=tl.float32)
+    if NORMALIZE:  # denom = E + lambda + eps
+        g_E += g_denom
+        g_lam_eff += g_denom
+    g_lam, g_E = _lam_grads(g_lam_eff, g_E, E, b_lam, SCALE_RIDGE)
+    tl.store(d_beta + rows, g_beta.to(d_beta.dtype.element_ty), mask=m_r)
+    tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
+    _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H, K, BK, SHIFT, HAS_FIRST, HAS_DX_IN)
 
 
 @triton.jit
@@ -239,22 +245,20 @@ def column_step_fwd(
     m_r = rows < n
     o_v = tl.program_id(1) * BV + tl.arange(0, BV)
     m_v = o_v < V
-    E, b_lam, lam_eff, denom, ok_rows = _column_row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR,
-                                                          NORMALIZE, SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
-    ok, b_eta = _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V, NORMALIZE)
+    E, b_lam, lam_eff, denom, ok_rows = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
+                                                   SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    ok = ok_rows[:, None] & m_v[None, :]
+    m = m_r[:, None] & m_v[None, :]
+    off = rows[:, None] * V + o_v[None, :]
+    b_eta = _eta(beta, off, ok, denom[:, None], NORMALIZE)
     la = _log1p(-tl.minimum(b_eta * lam_eff[:, None], 1.0 - decay_floor))
     if HAS_GATE:
         la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)[:, None]
-    m = m_r[:, None] & m_v[None, :]
-    off = rows[:, None] * V + o_v[None, :]
     tl.store(eta + off, b_eta, mask=m)
     tl.store(log_a + off, la, mask=m)
     if SHIFT:
         if tl.program_id(1) == 0:
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST)
-                tl.store(x_out + rows[:, None] * K + o_k[None, :], b_x, mask=m_r[:, None] & (o_k[None, :] < K))
+            _store_features(x, first, x_out, rows, m_r, T, H, K, BK, HAS_FIRST)
 
 
 @triton.jit
@@ -271,36 +275,27 @@ def column_step_bwd(
     g_E = tl.zeros([BR], dtype=tl.float32)
     g_lam_eff = tl.zeros([BR], dtype=tl.float32)
     g_gate = tl.zeros([BR], dtype=tl.float32)
-    E, b_lam, lam_eff, denom, ok_rows = _column_row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR,
-                                                          NORMALIZE, SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    E, b_lam, lam_eff, denom, ok_rows = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
+                                                   SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        ok, b_eta = _column_eta(beta, rows, ok_rows, denom, o_v, m_v, V, NORMALIZE)
+        ok = ok_rows[:, None] & m_v[None, :]
         m = m_r[:, None] & m_v[None, :]
         off = rows[:, None] * V + o_v[None, :]
+        b_eta = _eta(beta, off, ok, denom[:, None], NORMALIZE)
         g_eta = tl.load(d_eta + off, mask=m, other=0.0)
         g_la = tl.load(d_log_a + off, mask=m, other=0.0)
         g_gate += tl.sum(g_la, axis=1)
-        alpha_raw = b_eta * lam_eff[:, None]
-        alpha = tl.minimum(alpha_raw, 1.0 - decay_floor)
-        g_alpha = tl.where(alpha_raw <= 1.0 - decay_floor, -g_la / (1.0 - alpha), 0.0)
-        g_eta += g_alpha * lam_eff[:, None]
-        g_lam_eff += tl.sum(g_alpha * b_eta, axis=1)
-        if NORMALIZE:
-            safe = tl.where(ok, denom[:, None], 1.0)
-            g_beta = tl.where(ok, g_eta / safe, 0.0)
-            g_denom = tl.sum(tl.where(ok, -g_eta * b_eta / safe, 0.0), axis=1)
+        g_beta, g_lam_c, g_denom_c = _eta_grads(g_eta, g_la, b_eta, lam_eff[:, None], denom[:, None], ok,
+                                                decay_floor, NORMALIZE)
+        g_lam_eff += tl.sum(g_lam_c, axis=1)
+        if NORMALIZE:  # denom = E + lambda + eps
+            g_denom = tl.sum(g_denom_c, axis=1)
             g_E += g_denom
             g_lam_eff += g_denom
-        else:
-            g_beta = tl.where(ok, g_eta, 0.0)
         tl.store(d_beta + off, g_beta.to(d_beta.dtype.element_ty), mask=m)
-    if SCALE_RIDGE:
-        g_lam = g_lam_eff * E
-        g_E += g_lam_eff * b_lam
-    else:
-        g_lam = g_lam_eff
+    g_lam, g_E = _lam_grads(g_lam_eff, g_E, E, b_lam, SCALE_RIDGE)
     tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
     if HAS_GATE:
         tl.store(d_gate + rows, g_gate.to(d_gate.dtype.element_ty), mask=m_r)

@@ -62,7 +62,7 @@ def _forward(q, x, v, eta, log_a, S0, layout: ChunkLayout, read_after: bool, wan
     c = _config("output_fwd", K, V)
     kern.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, HAS_ETA=True, PRECISION=prec, **c, **meta)
     return o, u, h, S_T
 
 
@@ -80,12 +80,13 @@ def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_aft
     c = _config("dv_bwd", K, V)
     kern.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, dh, do, o, dv, deta, dlog_a, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, HAS_ETA=True, HAS_DH=True, STORE_DV=True, STORE_DETA=True, ADD_DLOG=False,
+        PRECISION=prec, **c, **meta)
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = _config("dqk_bwd", K, V)
     kern.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, dh, do, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, HAS_ETA=True, HAS_DH=True, ADD_DX=False, PRECISION=prec, **c, **meta)
     return dq, dx, dv, deta, dlog_a, dS0
 
 

@@ -114,9 +114,12 @@ def _decay(delta, keep):
 
 
 @triton.jit
-def _writes(v, eta, rows, m_rows, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v):
-    """``U = eta * v`` ``[R, BV]`` fp32."""
-    return _rows(v, rows, m_rows, i_h, H, V, o_v, m_v).to(tl.float32) * _rows(eta, rows, m_rows, i_h, H, V, o_v, m_v)
+def _writes(v, eta, rows, m_rows, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v, HAS_ETA: tl.constexpr):
+    """``U = eta * v`` ``[R, BV]`` fp32 (``U = v`` without ``eta``: rule 2's values ``D``)."""
+    b_v = _rows(v, rows, m_rows, i_h, H, V, o_v, m_v).to(tl.float32)
+    if HAS_ETA:
+        b_v *= _rows(eta, rows, m_rows, i_h, H, V, o_v, m_v)
+    return b_v
 
 
 @triton.jit
@@ -158,7 +161,7 @@ def _diagonal(a, BT: tl.constexpr):
 @triton.jit
 def _chunk_output(q, x, v, eta, u, h_base, first, last, rows, m_r, i_h, o_v, m_v,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, READ_AFTER: tl.constexpr, PRECISION: tl.constexpr):
+                  BV: tl.constexpr, READ_AFTER: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr):
     """Outputs ``[BT, BV]`` fp32 of one chunk (value columns ``o_v``): the entry state's
     term (``h_base``: the chunk's entry state) and the intra-chunk pairs, level by level."""
     LEVELS: tl.constexpr = 4 + (BT >= 32) + (BT >= 64) + (BT >= 128)  # log2(BT), BT in 16..128
@@ -174,7 +177,7 @@ def _chunk_output(q, x, v, eta, u, h_base, first, last, rows, m_r, i_h, o_v, m_v
         b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
     b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
     b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
-    b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
+    b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, HAS_ETA)
     b_o = b_o * _decay(b_uq, m_r[:, None])
     if READ_AFTER:  # the pairs s = t, decay 1
         b_o += _diagonal(b_p, BT)[:, None] * b_U
@@ -229,7 +232,7 @@ def state_fwd(
         m_r = rows < bos + T_n
         last = bos + i_t * BT + tl.minimum(BT, T_n - i_t * BT) - 1
         u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
-        b_w = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v) * _decay(
+        b_w = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True) * _decay(
             u_last[None, :] - _rows(u, rows, m_r, i_h, H, V, o_v, m_v), m_r[:, None])
         b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BT]
         b_h = b_h * tl.exp(u_last)[None, :] + tl.dot(b_xt, b_w.to(b_xt.dtype), input_precision=PRECISION)
@@ -241,9 +244,10 @@ def state_fwd(
 def output_fwd(
     q, x, v, eta, u, h, o, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HAS_ETA: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), num_chunks, H)``: the outputs of every chunk."""
+    """Grid ``(cdiv(V, BV), num_chunks, H)``: the outputs of every chunk (``HAS_ETA=False``:
+    the values are ``v`` itself, ``eta`` unused)."""
     i_v, i_h = tl.program_id(0), tl.program_id(2)
     i_c = tl.program_id(1)
     i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
@@ -251,7 +255,7 @@ def output_fwd(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_o = _chunk_output(q, x, v, eta, u, h + ((boh + i_t) * H + i_h) * K * V, first, last, rows, m_r, i_h, o_v, m_v,
-                        H, K, V, BT, BK, BV, READ_AFTER, PRECISION)
+                        H, K, V, BT, BK, BV, READ_AFTER, HAS_ETA, PRECISION)
     tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_r[:, None] & m_v[None, :])
 
@@ -296,12 +300,16 @@ def state_bwd(
 def dv_bwd(
     q, x, v, eta, u, h, dh, do, o, dv, deta, dlog_a, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HAS_ETA: tl.constexpr,
+    HAS_DH: tl.constexpr, STORE_DV: tl.constexpr, STORE_DETA: tl.constexpr, ADD_DLOG: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``: ``dU`` of every chunk's sources, mapped to
     ``dv = eta * dU`` and ``deta = v * dU``, and ``d log a``: the per-step terms of the
     module docstring, summed within the chunk. ``o``: the read's values (the forward's
-    outputs), for ``d uq = dO * O``."""
+    outputs), for ``d uq = dO * O``. Rule 2's reads switch work off: ``HAS_ETA=False``
+    (``U = v``, ``dv = dU``), ``HAS_DH=False`` (no exit-state gradient: ``dh`` unused),
+    ``STORE_DV=False`` / ``STORE_DETA=False`` (``dv`` / ``deta`` not wanted), ``ADD_DLOG``
+    (``d log a`` added to what ``dlog_a`` holds: a second read's share)."""
     i_v, i_h = tl.program_id(0), tl.program_id(2)
     i_c = tl.program_id(1)
     i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
@@ -333,25 +341,33 @@ def dv_bwd(
         b_du_intra += tl.where(source[:, None], b_e, 0.0) * tl.dot(tl.where(block, b_pt, 0.0).to(dt), b_g,
                                                                    input_precision=PRECISION)
     # the exit state's term exp(u_C - u_s) (x_s^T dH), and colsum(h * dH) for d u_C
-    b_xdh = tl.zeros([BT, BV], dtype=tl.float32)
+    b_du_state = tl.zeros([BT, BV], dtype=tl.float32)
     b_hdh = tl.zeros([BV], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_kv = m_k[:, None] & m_v[None, :]
-        b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        b_xdh += tl.dot(_rows(x, rows, m_r, i_h, H, K, o_k, m_k), b_dh, input_precision=PRECISION)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
     u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
-    b_du_state = b_xdh * _decay(u_last[None, :] - b_u, m_r[:, None])
+    if HAS_DH:
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_kv = m_k[:, None] & m_v[None, :]
+            b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_du_state += tl.dot(_rows(x, rows, m_r, i_h, H, K, o_k, m_k), b_dh, input_precision=PRECISION)
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
+        b_du_state *= _decay(u_last[None, :] - b_u, m_r[:, None])
     b_dU = b_du_intra + b_du_state
     b_v = _rows(v, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
-    b_eta = _rows(eta, rows, m_r, i_h, H, V, o_v, m_v)
     off = (rows[:, None] * H + i_h) * V + o_v[None, :]
-    tl.store(dv + off, (b_eta * b_dU).to(dv.dtype.element_ty), mask=m_rv)
-    tl.store(deta + off, b_v * b_dU, mask=m_rv)
-    b_U = b_v * b_eta
+    if HAS_ETA:
+        b_eta = _rows(eta, rows, m_r, i_h, H, V, o_v, m_v)
+        b_U = b_v * b_eta
+        b_dv = b_eta * b_dU
+    else:
+        b_U = b_v
+        b_dv = b_dU
+    if STORE_DV:
+        tl.store(dv + off, b_dv.to(dv.dtype.element_ty), mask=m_rv)
+    if STORE_DETA:
+        tl.store(deta + off, b_v * b_dU, mask=m_rv)
     d_read = b_do * tl.load(o + off, mask=m_rv, other=0.0).to(tl.float32)
     d_u = -b_U * b_du_intra + tl.where(rows[:, None] == last, (tl.exp(u_last) * b_hdh)[None, :], 0.0)
     b_c = b_U * b_du_state
@@ -361,6 +377,8 @@ def dv_bwd(
     d_log = tl.sum(d_u, axis=0)[None, :] - tl.cumsum(d_u, axis=0) + d_u + tl.cumsum(b_c, axis=0) - b_c
     if not READ_AFTER:
         d_log += tl.sum(d_read, axis=0)[None, :] - tl.cumsum(d_read, axis=0)
+    if ADD_DLOG:
+        d_log += tl.load(dlog_a + off, mask=m_rv, other=0.0)
     tl.store(dlog_a + off, d_log, mask=m_rv)
 
 
@@ -368,12 +386,15 @@ def dv_bwd(
 def dqk_bwd(
     q, x, v, eta, u, h, dh, do, dq, dx, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HAS_ETA: tl.constexpr,
+    HAS_DH: tl.constexpr, ADD_DX: tl.constexpr,
 ):
     """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` and ``dx`` of every chunk (key
     columns ``o_k``). ``D`` ``[BT, BT]`` is summed over the value blocks in a loop, level
     by level; ``dx`` is accumulated transposed (``dx^T = Q^T D``, ``[BK, BT]``), so that
-    no dot result is ever transposed."""
+    no dot result is ever transposed. ``HAS_ETA=False``: the values are ``v`` itself;
+    ``HAS_DH=False``: no exit-state gradient (``dh`` unused); ``ADD_DX``: ``dx`` is added to
+    what the buffer holds (each program owns its rows and key columns)."""
     i_k, i_h = tl.program_id(0), tl.program_id(2)
     i_c = tl.program_id(1)
     i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
@@ -392,7 +413,7 @@ def dqk_bwd(
         b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
         b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
         b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
-        b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
+        b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, HAS_ETA)
         if READ_AFTER:
             b_dd += tl.sum(b_do * b_U, axis=1)
         for lvl in range(LEVELS):
@@ -413,14 +434,18 @@ def dqk_bwd(
         b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
         b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
         b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
-        b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
-        u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
         b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0)
-        b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dq += tl.dot((b_do * _decay(b_uq, m_r[:, None])).to(dt), b_ht, input_precision=PRECISION)
-        b_wc = (b_U * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
-        b_dxt += tl.dot(b_dh, tl.trans(b_wc), input_precision=PRECISION)
+        if HAS_DH:
+            b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, HAS_ETA)
+            u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
+            b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            b_wc = (b_U * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
+            b_dxt += tl.dot(b_dh, tl.trans(b_wc), input_precision=PRECISION)
     tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
              mask=m_r[:, None] & m_k[None, :])
-    tl.store(dx + (rows[None, :] * H + i_h) * K + o_k[:, None], b_dxt.to(dx.dtype.element_ty),
-             mask=m_r[None, :] & m_k[:, None])
+    dx_ptr = dx + (rows[None, :] * H + i_h) * K + o_k[:, None]
+    m_dx = m_r[None, :] & m_k[:, None]
+    if ADD_DX:
+        b_dxt += tl.load(dx_ptr, mask=m_dx, other=0.0).to(tl.float32)
+    tl.store(dx_ptr, b_dxt.to(dx.dtype.element_ty), mask=m_dx)

@@ -69,44 +69,51 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None, STORE_FINAL=want_final,
         PRECISION=prec, **c, **meta)
-    ones = torch.ones_like(eta)
     # fp32 outputs: the backward's d log a sums dO * O over a chunk, where bf16 rounding of O
     # shows (with bf16 O the log-gate gradient went over the 1e-2 bound at chunk 128)
     o = _empty(v.shape, v, torch.float32)
     c = column_config("output_fwd", K, V)
     cd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        q, x, D, ones, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        q, x, D, None, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
     return o, G, u, h, D, R, S_T
 
 
-def _read_grads(query, x, D, ones, u, h, dh, d_read, read_out, dq, dx, dlog, dD, layout, read_after, K, V, H):
-    """The rule-2A backward of one read ``read_out = read(query; states with values D)``:
-    ``dD`` (intra-chunk plus the exit-state term through ``dh``), this read's share of
-    ``d log a`` into ``dlog``, and ``dq`` (the queries), ``dx`` (the keys)."""
-    prec, meta = dot_precision(query.dtype), layout_args(layout)
+def _read_dv(query, x, D, u, h, dh, d_read, read_out, dD, dlog, layout, read_after, add_dlog):
+    """The rule-2A ``dv_bwd`` of one read ``read_out = read(query; states with values D)``:
+    ``dD`` (intra-chunk, plus the exit-state term through ``dh`` unless ``dh`` is ``None``;
+    not stored if ``dD`` is ``None``) and this read's share of ``d log a`` into ``dlog``
+    (added to it with ``add_dlog``)."""
+    H, K = query.shape[2:]
+    V = D.shape[-1]
     c = column_config("dv_bwd", K, V)
     cd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        query, x, D, ones, u, h, dh, d_read, read_out, dD, _empty(D.shape, D), dlog,
-        chunk_indices=layout.chunk_indices, H=H, K=K, V=V, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
-    if dq is not None:
-        c = column_config("dqk_bwd", K, V)
-        cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
-            query, x, D, ones, u, h, dh, d_read, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-            READ_AFTER=read_after, PRECISION=prec, **c, **meta)
+        query, x, D, None, u, h, dh, d_read, read_out, dD, None, dlog, chunk_indices=layout.chunk_indices, H=H, K=K,
+        V=V, READ_AFTER=read_after, HAS_ETA=False, HAS_DH=dh is not None, STORE_DV=dD is not None, STORE_DETA=False,
+        ADD_DLOG=add_dlog, PRECISION=dot_precision(query.dtype), **c, **layout_args(layout))
+
+
+def _read_dqk(query, x, D, u, h, dh, d_read, dq, dx, layout, read_after, add_dx):
+    """The rule-2A ``dqk_bwd`` of the same read: ``dq`` (the queries) and ``dx`` (the keys;
+    added to the buffer with ``add_dx``)."""
+    H, K = query.shape[2:]
+    V = D.shape[-1]
+    c = column_config("dqk_bwd", K, V)
+    cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
+        query, x, D, None, u, h, dh, d_read, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, HAS_ETA=False, HAS_DH=dh is not None, ADD_DX=add_dx,
+        PRECISION=dot_precision(query.dtype), **c, **layout_args(layout))
 
 
 def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: ChunkLayout, read_after: bool):
     H, K = q.shape[2:]
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
-    ones = torch.ones_like(eta)
-    no_dh = torch.zeros_like(h)
     f32 = torch.float32
     # 1. the outputs' intra-chunk gradient of D (no exit-state term) and their share of d log a
     dD_o = _empty(eta.shape, eta)
     dlog_a = _empty(eta.shape, eta)
-    _read_grads(q, x, D, ones, u, h, no_dh, do, o, None, None, dlog_a, dD_o, layout, read_after, K, V, H)
+    _read_dv(q, x, D, u, h, None, do, o, dD_o, dlog_a, layout, read_after, add_dlog=False)
     # 2. reverse over chunks: exit-state gradients and the adjoint z of D,
     # and from z: d_read = -kappa z (the upstream gradient of the residual reads R), dv, deta, dkappa
     dh = _empty(h.shape, h)
@@ -118,23 +125,18 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: Chunk
         q, x, v, eta, kappa, R, u, G, do, dD_o, dh, d_read, dv, deta, dkappa, dS_T, dS0, H=H, K=K, V=V,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     del dD_o  # read by state_bwd only: its memory serves the buffers below (peak memory)
-    # 3. the residual reads R (queries x, read before the write) with the exit-state terms through dh
-    dlog_r = _empty(eta.shape, eta)
+    # 3. the residual reads R (queries x, read before the write) with the exit-state terms through dh;
+    # state_bwd's adjoint already holds their dD: only their share of d log a and dq, dx are left
+    _read_dv(x, x, D, u, h, dh, d_read, R, None, dlog_a, layout, False, add_dlog=True)
     dx_query, dx_key = _empty(x.shape, x, f32), _empty(x.shape, x, f32)
-    _read_grads(x, x, D, ones, u, h, dh, d_read, R, dx_query, dx_key, dlog_r, _empty(eta.shape, eta), layout,
-                False, K, V, H)
+    _read_dqk(x, x, D, u, h, dh, d_read, dx_query, dx_key, layout, False, add_dx=False)
     del dh, d_read
-    dlog_a += dlog_r
-    del dlog_r
     # 4. the outputs' q and x gradients (queries q; the exit-state term is counted in step 3)
-    dq, dx_out = _empty(q.shape, q, f32), _empty(x.shape, x, f32)
-    c = column_config("dqk_bwd", K, V)
-    cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
-        q, x, D, ones, u, h, no_dh, do, dq, dx_out, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
-    dx = (dx_query + dx_key + dx_out).to(x.dtype)
-    del dx_query, dx_key, dx_out
-    return dq.to(q.dtype), dx, dv, deta, dkappa, dlog_a, dS0
+    dq = _empty(q.shape, q)
+    _read_dqk(q, x, D, u, h, None, do, dq, dx_key, layout, read_after, add_dx=True)
+    dx = (dx_query + dx_key).to(x.dtype)
+    del dx_query, dx_key
+    return dq, dx, dv, deta, dkappa, dlog_a, dS0
 
 
 class _ColumnDeltaChunk(torch.autograd.Function):

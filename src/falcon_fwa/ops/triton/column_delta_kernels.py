@@ -148,7 +148,7 @@ def state_fwd(
             b_r = tl.dot(b_x, b_h.to(b_x.dtype), input_precision=PRECISION) * _decay(
                 b_w - r_in[None, :], m_r[:, None])
             # The block's rows stay in registers; step i reads its row by a masked sum.
-            b_y = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v)
+            b_y = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True)
             b_k = _rows(kappa, rows, m_r, i_h, H, V, o_v, m_v)
             b_gram = _gram_block(G, rows, m_r, i_h, H, BS)
             b_d = tl.zeros([BS, BV], dtype=tl.float32)

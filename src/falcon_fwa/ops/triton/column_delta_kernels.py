@@ -102,13 +102,13 @@ def _gram_block(G, rows, m_rows, i_h, H: tl.constexpr, BS: tl.constexpr):
 @triton.jit
 def _block(u, first, last, b0, end, i_h, H: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, o_v, m_v):
     """A block of ``BS`` steps starting at row ``b0`` of the chunk starting at ``first``:
-    its rows and mask, the log-prefix ``r`` before it (0 at the chunk's start), the one at
-    its end ``r'`` (at most the chunk's last row), and the number of its steps."""
+    its rows and mask, the log-prefix ``r`` before it (0 at the chunk's start) and the one at
+    its end ``r'`` (at most the chunk's last row)."""
     rows = b0 + tl.arange(0, BS)
     m_r = rows < end
     r_in = _row(u, b0 - 1, b0 > first, i_h, H, V, o_v, m_v)
     r_out = _row(u, tl.minimum(b0 + BS - 1, last), True, i_h, H, V, o_v, m_v)
-    return rows, m_r, r_in, r_out, tl.minimum(BS, last + 1 - b0)
+    return rows, m_r, r_in, r_out
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def state_fwd(
         last = first + n_steps - 1
         for i_b in range(0, tl.cdiv(n_steps, BS)):
             b0 = first + i_b * BS
-            rows, m_r, r_in, r_out, steps = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
+            rows, m_r, r_in, r_out = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
             b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
             b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
             b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
@@ -152,7 +152,9 @@ def state_fwd(
             b_k = _rows(kappa, rows, m_r, i_h, H, V, o_v, m_v)
             b_gram = _gram_block(G, rows, m_r, i_h, H, BS)
             b_d = tl.zeros([BS, BV], dtype=tl.float32)
-            for i in range(0, steps):  # forward substitution, all BV columns at once
+            # forward substitution, all BV columns at once, unrolled over the block's BS rows: rows
+            # past the sequence's end load as zeros, so their d is 0 and they change no read
+            for i in tl.static_range(BS):
                 sel = (o_s == i)[:, None]
                 d_i = tl.sum(tl.where(sel, b_y - b_k * b_r, 0.0), axis=0)  # eta_i y_i - kappa_i R_i
                 b_d = tl.where(sel, d_i[None, :], b_d)
@@ -205,7 +207,7 @@ def state_bwd(
         b_dq = tl.zeros([BK, BV], dtype=tl.float32)  # Q^T (exp(uq) dO) of the chunk
         for jb in range(0, tl.cdiv(n_steps, BS)):
             b0 = first + (tl.cdiv(n_steps, BS) - 1 - jb) * BS
-            rows, m_r, r_in, r_out, steps = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
+            rows, m_r, r_in, r_out = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
             m_rv = m_r[:, None] & m_v[None, :]
             off = (rows[:, None] * H + i_h) * V + o_v[None, :]
             b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
@@ -217,8 +219,10 @@ def state_bwd(
             b_gram = _gram_block(G, rows, m_r, i_h, H, BS)
             b_acc = tl.zeros([BS, BV], dtype=tl.float32)  # sum_{p > s} N[p, s] z_p, gathered row by row
             b_z = tl.zeros([BS, BV], dtype=tl.float32)
-            for jj in range(0, steps):  # backward substitution, all BV columns at once
-                i = steps - 1 - jj
+            # backward substitution, all BV columns at once, unrolled over the block's BS rows (rows
+            # past the sequence's end have z = 0 and are kept out of the earlier rows' sums)
+            for jj in tl.static_range(BS):
+                i = BS - 1 - jj
                 sel = (o_s == i)[:, None]
                 z_row = tl.where(sel, b_dd - b_acc, 0.0)
                 z_i = tl.sum(z_row, axis=0)
@@ -226,7 +230,7 @@ def state_bwd(
                 b_z = tl.where(sel, z_i[None, :], b_z)
                 w_i = tl.sum(tl.where(sel, b_w, 0.0), axis=0)
                 g_i = tl.sum(tl.where((o_s == i)[None, :], b_gram, 0.0), axis=1)  # G[i, s] = G[s, i]
-                earlier = ((o_s < i) & m_r)[:, None]
+                earlier = ((o_s < i) & m_r & (b0 + i < end))[:, None]  # no exp(w_i - u) of a row past the end
                 b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
             tl.store(dR + off, -b_k * b_z, mask=m_rv)
             tl.store(dv + off, (tl.load(eta + off, mask=m_rv, other=0.0) * b_z).to(dv.dtype.element_ty), mask=m_rv)

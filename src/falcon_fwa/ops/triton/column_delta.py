@@ -36,7 +36,8 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 # The sequential kernels hold the whole key dimension (BK >= K) and BV value columns;
 # they solve blocks of SUB_CHUNK steps whatever the chunk size. On the H200 at K = V = 128
 # (bf16 fwd+bwd of the op): 32 columns at 4 warps 14.5 ms, at 8 warps 20.1; 16 columns at
-# 4 warps 15.2; 64 columns at 8 warps 18.4.
+# 4 warps 15.2; 64 columns at 8 warps 18.4. With the substitutions unrolled: 32 columns at
+# 4 warps 8.1 ms, 16 columns at 4 warps 10.8 (benchmarks/results/h200_rule2_launch_sweep.txt).
 SEQUENTIAL = dict(BV=32, num_warps=4)
 GRAM = dict(BK=64, num_warps=4)
 

@@ -16,6 +16,10 @@ a fixed upstream gradient.
 (:func:`paired_ratio`) and writes ``<out>/<name>-paired.json``: rows ``{op, fla_op, B, T, H, K, V,
 mode: "fwdbwd-paired", ms, fla_ms, ratio, ratio_min, ratio_max, rounds, target, commit}``.
 
+The configurations that fla's autotuned kernels picked in the process go to
+``<out>/<name>-autotune.json`` (:func:`autotune_picks`): fla's times move between
+processes, and this file tells whether its picks did.
+
 flash-linear-attention 0.6.0 refuses its gated backward on Triton 3.4-3.7.0 on
 Hopper (a known miscompile); ``--allow-fla-gated`` lifts that guard for timing only.
 """
@@ -27,6 +31,7 @@ import json
 import os
 import platform
 import signal
+import sys
 import tempfile
 import traceback
 from statistics import median
@@ -285,6 +290,25 @@ def paired_drift(pair: dict, rows: List[dict], limit: float = PAIRED_DRIFT) -> O
             + f": the paired ratio {pair['ratio']:.2f} is not reliable{rows_ratio}")
 
 
+def autotune_picks(prefix: str = "fla") -> Dict[str, Dict[str, str]]:
+    """The configuration every autotuned Triton kernel of the modules ``prefix`` and
+    ``prefix.*`` picked in this process, by tuning key: ``{"module.kernel": {key: config}}``.
+    Kernels that never ran with more than one candidate (an empty cache) are left out;
+    ``triton.heuristics`` wrappers are looked through."""
+    from triton.runtime.autotuner import Autotuner
+    found, seen = {}, set()
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == prefix or mod_name.startswith(prefix + ".")):
+            continue
+        for attr, obj in list(vars(mod).items()):
+            while obj is not None and id(obj) not in seen:  # a wrapper's .fn is the next layer down
+                seen.add(id(obj))
+                if isinstance(obj, Autotuner) and obj.cache:
+                    found[f"{mod_name}.{attr}"] = {str(k): str(c) for k, c in obj.cache.items()}
+                obj = getattr(obj, "fn", None) if hasattr(obj, "run") else None
+    return found
+
+
 def measure_paired(ours: str, theirs: str, shape, rounds: int) -> dict:
     """:func:`paired_ratio` of two ops' forward+backward at ``shape`` (``do_bench`` medians of 20 ms each)."""
     from triton.testing import do_bench
@@ -530,6 +554,9 @@ def main(argv=None) -> None:
         notes.append(f"decode rows: one step of one Falcon layer's mixer op (H={DECODE_PRESET['H']}, K=V=128, "
                      f"the 130M presets), state carried, no gradients; tokens/s counts {layers} such layers and "
                      "nothing else of the model.")
+    picks = autotune_picks("fla")
+    if picks:
+        _atomic_write(os.path.join(args.out, f"{args.name}-autotune.json"), json.dumps(picks, indent=1) + "\n")
     _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
     _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
 

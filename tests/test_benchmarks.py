@@ -182,3 +182,30 @@ def test_addition_step_timer_tiny(tmp_path):
     assert all(r["batch"] * 7 <= r["tokens_per_step"] <= r["batch"] * 19 for r in rows)
     with pytest.raises(SystemExit):
         bench_addition_step.main(["--batch", "0"])
+
+
+def test_autotune_picks_reads_through_heuristics_and_skips_kernels_not_run(monkeypatch):
+    import types
+
+    import triton
+    import triton.language as tl
+    from bench_kernels import autotune_picks
+
+    @triton.jit
+    def kernel(x, n, BLOCK: tl.constexpr, EXTRA: tl.constexpr):
+        pass
+
+    def tuned():
+        return triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])(kernel)
+
+    ran, idle, elsewhere = tuned(), tuned(), tuned()
+    ran.cache[(128,)] = ran.configs[1]  # what a run with n = 128 leaves behind
+    elsewhere.cache[(64,)] = elsewhere.configs[0]
+    module = types.ModuleType("fakefla.ops.chunk")
+    module.wrapped = triton.heuristics({"EXTRA": lambda args: 1})(ran)
+    module.idle = idle
+    other = types.ModuleType("fakeflax")
+    other.elsewhere = elsewhere
+    monkeypatch.setitem(sys.modules, "fakefla.ops.chunk", module)
+    monkeypatch.setitem(sys.modules, "fakeflax", other)
+    assert autotune_picks("fakefla") == {"fakefla.ops.chunk.wrapped": {"(128,)": str(ran.configs[1])}}

@@ -1,4 +1,5 @@
 """Addition task: smoke runs of ``falcon-fwa addition`` / ``addition-compare`` and the summary."""
+import contextlib
 import json
 
 import pytest
@@ -150,3 +151,33 @@ def test_training_draws_widths_under_the_curriculum(tmp_path, monkeypatch):
                      *small]) == 0
     assert [d[:3] for d in drawn] == [(0, 1, 3), (1, 1, 5), (2, 1, 7)]
     assert all(widest <= top for _, _, top, widest in drawn)
+
+
+def test_validation_loss_sees_the_training_widths_only():
+    """A stub that knows the next token on widths <= 2 (logit 3 on it) and is uniform on wider
+    sums: the loss per suffix token is log(1 + (V - 1) e^-3) on the validation widths and log V
+    on the OOD ones, by hand; mixing the two would give neither."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from falcon_fwa.tasks.addition import train
+    from falcon_fwa.tasks.addition.data import VOCAB
+
+    V = len(VOCAB)
+
+    class Stub(torch.nn.Module):
+        def forward(self, input_ids):
+            B, T = input_ids.shape
+            logits = torch.zeros(B, T, V)
+            if T <= 3 * 2 + 4:  # widths 1-2
+                logits[:, :-1] = 3.0 * torch.nn.functional.one_hot(input_ids[:, 1:], V)
+            return SimpleNamespace(logits=logits)
+
+    batches = train.eval_batches(0, range(1, 3), 5, 4)
+    batches.update(train.eval_batches(0, range(6, 8), 5, 4))
+    tally, losses = train.evaluate(Stub(), batches, torch.device("cpu"), contextlib.nullcontext)
+    assert train.mean_loss(losses, range(1, 3)) == pytest.approx(math.log(1 + (V - 1) * math.exp(-3.0)))
+    assert train.mean_loss(losses, range(6, 8)) == pytest.approx(math.log(V))
+    assert tally.exact_acc(range(1, 3)) == 100.0

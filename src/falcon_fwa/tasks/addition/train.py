@@ -5,7 +5,9 @@ clipping; the loss is the mean next-token cross-entropy over target-suffix token
 Every ``eval_every`` steps the model is scored teacher-forced on fixed per-width
 sets (training widths for validation, 33..48 out of distribution); the best step
 is the one with the highest validation exact-match accuracy (ties: digit accuracy,
-then validation loss), and the OOD figures reported are those of that step.
+then the suffix loss on the training widths, ``val_loss``), and the OOD figures
+reported are those of that step (their loss is ``ood_loss``: no OOD figure enters the
+choice of the step).
 
 ``out_dir`` receives, each written atomically at every evaluation:
 ``results.json`` (settings, history, best step), ``checkpoint.pt`` (model,
@@ -101,11 +103,14 @@ def eval_batches(seed: int, widths: range, per_width: int, batch: int) -> Dict[i
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Dict[int, List[AdditionBatch]], device: torch.device,
              autocast: Callable) -> tuple:
-    """Teacher-forced scores: ``(AccuracyTally, mean suffix loss)`` over ``batches``."""
+    """Teacher-forced scores over ``batches`` (by width): ``(AccuracyTally, {width: (suffix
+    loss summed over the suffix tokens, their number)})``; :func:`mean_loss` averages a set
+    of widths."""
     was_training = model.training
     model.eval()
-    tally, loss_sum, n = AccuracyTally(), 0.0, 0
-    for group in batches.values():
+    tally, losses = AccuracyTally(), {}
+    for width, group in batches.items():
+        loss_sum, n = 0.0, 0
         for b in group:
             b = b.to(device)
             with autocast():
@@ -114,8 +119,15 @@ def evaluate(model: torch.nn.Module, batches: Dict[int, List[AdditionBatch]], de
             tokens = int(b.loss_mask[:, 1:].sum())
             loss_sum += suffix_loss(logits, b).item() * tokens
             n += tokens
+        losses[width] = (loss_sum, n)
     model.train(was_training)
-    return tally, loss_sum / max(n, 1)
+    return tally, losses
+
+
+def mean_loss(losses: Dict[int, Tuple[float, int]], widths: range) -> float:
+    """The suffix loss per token over ``widths`` (token-weighted) from :func:`evaluate`'s losses."""
+    total, n = (sum(losses[w][i] for w in widths) for i in (0, 1))
+    return total / max(n, 1)
 
 
 def _summary(tally: AccuracyTally, val_widths: range, ood_widths: range) -> Dict[str, Any]:
@@ -267,8 +279,10 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
         if bar is not None:
             bar.update(1)
         if done % p.eval_every == 0 or done == p.steps:
-            tally, val_loss = evaluate(model, batches, device, autocast)
-            entry = {"step": done, "lr": lr, "train_loss": loss_sum / max(loss_n, 1), "val_loss": val_loss,
+            tally, losses = evaluate(model, batches, device, autocast)
+            # val_loss (a tie-breaker of the best step) sees the training widths only
+            entry = {"step": done, "lr": lr, "train_loss": loss_sum / max(loss_n, 1),
+                     "val_loss": mean_loss(losses, val_widths), "ood_loss": mean_loss(losses, ood_widths),
                      **_summary(tally, val_widths, ood_widths)}
             loss_sum, loss_n = 0.0, 0
             _record(entry, results, model, optimizer, spec, out_dir, elapsed_before + time.perf_counter() - t0)

@@ -18,9 +18,9 @@ def test_two_step_run_writes_results_and_resumes(tmp_path, monkeypatch, capsys):
     trained = []  # the optimizer steps each call runs, through the training batches it draws
     original = train.training_batch
 
-    def recording(seed, step, batch_size, min_width, max_width):
+    def recording(seed, step, batch_size, min_width, max_width, **kw):
         trained.append(step)
-        return original(seed, step, batch_size, min_width, max_width)
+        return original(seed, step, batch_size, min_width, max_width, **kw)
 
     monkeypatch.setattr(train, "training_batch", recording)
     out = tmp_path / "run"
@@ -28,6 +28,7 @@ def test_two_step_run_writes_results_and_resumes(tmp_path, monkeypatch, capsys):
                      "--no-progress", *SMALL]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["finished"] and res["steps_done"] == 2 and res["model"] == "Falcon-3A.3"
+    assert res["operand_order"] == res["preset"]["operand_order"] == "msd"  # the paper's, by default
     assert res["config_fields"] == {"mixer": "falcon", "rule": "3A", "qk_norm": "rmsnorm", "gate": "ctx-eta"}
     assert [h["step"] for h in res["history"]] == [2] and res["best"]["step"] == 2
     assert sorted(res["best"]["per_width"], key=int) == ["1", "2", "3", "4", "5"]
@@ -63,6 +64,52 @@ def test_compare_trains_and_writes_the_table(tmp_path):
     assert "| Transformer |" in (tmp_path / "res" / "t.md").read_text()
     assert "widths growing from 1 to 3 over the first 2 steps" in (tmp_path / "res" / "t.md").read_text()
     assert (tmp_path / "res" / "t.png").exists() and (tmp_path / "res" / "t_meta.json").exists()
+
+
+def test_lsd_operand_order_reaches_the_data_and_the_results(tmp_path, monkeypatch):
+    from falcon_fwa.tasks.addition import train
+    from falcon_fwa.tasks.addition.data import check_text, decode
+
+    texts = []  # every training sample, as written
+    original = train.training_batch
+
+    def recording(*args, **kw):
+        batch = original(*args, **kw)
+        texts.extend(decode(ids).rstrip("_") for ids in batch.input_ids)
+        return batch
+
+    monkeypatch.setattr(train, "training_batch", recording)
+    out = tmp_path / "run"
+    assert cli.main(["--model", "Transformer", "--steps", "2", "--eval-every", "2", "--operand-order", "lsd",
+                     "--out", str(out), "--no-progress", "--hidden-size", "16", "--num-heads", "2", *SMALL]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["finished"] and res["operand_order"] == res["preset"]["operand_order"] == "lsd"
+    assert len(texts) == 2 * 4 and all(check_text(t, "lsd") for t in texts)
+    # two-digit (or wider) operands that are not palindromes: read most significant first, the sum is wrong
+    assert any(not check_text(t) for t in texts if t.index("+") > 1)
+    with pytest.raises(ValueError, match="operand_order"):  # no resuming in the other order
+        cli.main(["--model", "Transformer", "--steps", "3", "--out", str(out), "--no-progress",
+                  "--hidden-size", "16", "--num-heads", "2", *SMALL])
+
+
+def test_compare_passes_the_operand_order_and_states_it(tmp_path):
+    cmd = compare._command(_compare_parser().parse_args(["--operand-order", "lsd"]), "Transformer", 0, tmp_path)
+    assert cmd[cmd.index("--operand-order") + 1] == "lsd"
+    assert "--operand-order" not in compare._command(_compare_parser().parse_args([]), "Transformer", 0, tmp_path)
+    rows = compare.summarize({"Falcon-3A.3": [_fake_result(0, 80.0, 100.0, 60.0, 99.0, 1900)]})
+    meta = {"preset_name": "paper", "train_widths": [1, 32], "ood_widths": [33, 48], "size": {}, "steps": 2000,
+            "batch_size": 128, "lr": 1e-3, "curriculum_steps": 0, "val_per_width": 64, "ood_per_width": 100,
+            "seeds": [0], "device": "cpu", "wall_time_s": 1.0, "command": "c", "commit": "x"}
+    note = "operands written least significant digit first"
+    assert note not in compare.markdown(rows, {**meta, "operand_order": "msd"})
+    assert note not in compare.markdown(rows, meta)  # summaries written before the option
+    assert note in compare.markdown(rows, {**meta, "operand_order": "lsd"})
+
+
+def _compare_parser():
+    p = compare.argparse.ArgumentParser()
+    compare.add_arguments(p)
+    return p
 
 
 def _fake_result(seed, mean_ood, d33, d48, val, step):
@@ -138,8 +185,8 @@ def test_training_draws_widths_under_the_curriculum(tmp_path, monkeypatch):
     drawn = []
     original = train.training_batch
 
-    def recording(seed, step, batch_size, min_width, max_width):
-        batch = original(seed, step, batch_size, min_width, max_width)
+    def recording(seed, step, batch_size, min_width, max_width, **kw):
+        batch = original(seed, step, batch_size, min_width, max_width, **kw)
         drawn.append((step, min_width, max_width, int(batch.widths.max())))
         return batch
 

@@ -48,6 +48,50 @@ def test_carry_chain_example():
     assert AdditionSample(a=57, b=968, width=3).text == "057+968=5201$"
 
 
+def test_lsd_operand_order_by_hand():
+    s = AdditionSample(a=57, b=968, width=3, operand_order="lsd")
+    assert s.prompt == "750+869=" and s.text == "750+869=5201$"
+    assert s.answer == AdditionSample(a=57, b=968, width=3).answer == "5201"
+    assert check_text("750+869=5201$", "lsd") and not check_text("750+869=5201$")
+    # a well-formed msd sample (12 + 34 = 46) whose reversed operands (21 + 43 = 64) do not sum to its answer
+    assert check_text("12+34=640$") and not check_text("12+34=640$", operand_order="lsd")
+    assert check_text("21+43=640$", "lsd")
+
+
+def test_invalid_operand_order_is_rejected():
+    for call in (lambda: AdditionSample(1, 2, 1, "rev"), lambda: check_text("1+2=30", "MSD"),
+                 lambda: make_sample(random.Random(0), 2, operand_order="backwards"),
+                 lambda: training_batch(0, 0, 2, operand_order=""), lambda: width_set(0, [2], 2, operand_order="x")):
+        with pytest.raises(ValueError, match="operand_order"):
+            call()
+
+
+@pytest.mark.parametrize("order", ["msd", "lsd"])
+def test_generated_samples_pass_the_checker_of_their_order(order):
+    rng = random.Random(1)
+    other = {"msd": "lsd", "lsd": "msd"}[order]
+    disagree = 0
+    for width in list(range(1, 33)) * 4:
+        s = make_sample(rng, width, operand_order=order)
+        assert s.operand_order == order and check_text(s.text, order)
+        disagree += not check_text(s.text, other)
+    assert disagree > 100  # the other reading is wrong for almost every sample of width >= 2
+    for samples in width_set(2, [3, 17], 5, operand_order=order).values():
+        assert all(check_text(s.text, order) for s in samples)
+
+
+def test_lsd_training_batches_reverse_only_the_operands():
+    msd, lsd = training_batch(4, 9, 32, 1, 12), training_batch(4, 9, 32, 1, 12, operand_order="lsd")
+    for name in ("loss_mask", "digit_mask", "widths"):
+        assert torch.equal(getattr(msd, name), getattr(lsd, name)), name
+    suffix = msd.loss_mask | (msd.input_ids == encode("_")[0])
+    assert torch.equal(msd.input_ids[suffix], lsd.input_ids[suffix])  # answers, end markers and padding
+    for m, l, w in zip(msd.input_ids, lsd.input_ids, msd.widths.tolist()):
+        a, b = decode(m[: 2 * w + 1]).split("+")
+        assert decode(l[: 2 * w + 2]) == a[::-1] + "+" + b[::-1] + "="
+    assert not torch.equal(msd.input_ids, lsd.input_ids)
+
+
 def test_checker_rejects_wrong_and_malformed_texts():
     assert check_text("057+968=5201$") and check_text("057+968=5201")
     for bad in ["057+968=5211$", "057+968=1025$", "57+968=5201$", "057+968=520$", "057968=5201$",

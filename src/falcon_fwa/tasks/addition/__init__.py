@@ -5,6 +5,8 @@ A sample of width ``n`` is the prompt ``digits_n(a) + "+" + digits_n(b) + "="``
 followed by the target suffix ``rev(digits_{n+1}(a + b))`` and an end marker:
 operands are written most significant digit first and zero-padded to ``n`` digits,
 the sum is written least significant digit first and zero-padded to ``n + 1``.
+The task option ``operand_order="lsd"`` (``--operand-order lsd``) writes the operands
+least significant digit first as well (``"750+869=5201$"`` for ``57 + 968``).
 Training widths are uniform in 1..32; the out-of-distribution widths are 33..48.
 
 Modules: :mod:`.data` (tokenizer, seeded generator, exact checker, batches),
@@ -13,6 +15,7 @@ names and the presets), :mod:`.train` (one training run), :mod:`.compare` (the
 Table-3 lineup), :mod:`.plot` and :mod:`.cli`.
 """
 from .data import (
+    OPERAND_ORDERS,
     VOCAB,
     AdditionBatch,
     AdditionSample,
@@ -28,6 +31,7 @@ from .metrics import AccuracyTally, score_logits, score_predictions
 
 __all__ = [
     "VOCAB",
+    "OPERAND_ORDERS",
     "AdditionSample",
     "AdditionBatch",
     "make_sample",

@@ -5,6 +5,7 @@ Examples::
     falcon-fwa addition                                   # tiny preset, Falcon-3A.3, CPU
     falcon-fwa addition --model falcon --rule 1A --preset paper --device cuda
     falcon-fwa addition --model Transformer --preset paper --device cuda --seed 1
+    falcon-fwa addition --operand-order lsd              # operands least significant digit first
 
 Writes ``results.json``, ``checkpoint.pt``, ``best.pt`` and ``accuracy_vs_width.png``
 to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``); an interrupted
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .data import OPERAND_ORDERS
 from .lineup import LINEUP, MIXERS, resolve_model
 from .presets import MATMUL_PRECISIONS, PRESETS, get_addition_preset
 
@@ -42,6 +44,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curriculum-steps", type=int,
                    help="grow the largest training width linearly from LO to HI over this many steps "
                         "(default: the preset's, 0 = the whole range from the start, as in the paper)")
+    p.add_argument("--operand-order", choices=OPERAND_ORDERS,
+                   help="write the operands most (msd, the paper's) or least (lsd) significant digit first; "
+                        "the answer is always least significant digit first (default: the preset's, msd)")
     p.add_argument("--ood-widths", type=int, nargs=2, metavar=("LO", "HI"),
                    help="override the (inclusive) range of out-of-distribution widths")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -74,6 +79,7 @@ def preset_from_args(args: argparse.Namespace):
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
         matmul_precision=args.matmul_precision, curriculum_steps=args.curriculum_steps,
+        operand_order=args.operand_order,
         val_per_width=args.val_per_width, ood_per_width=args.ood_per_width,
         train_widths=tuple(args.train_widths) if args.train_widths else None,
         ood_widths=tuple(args.ood_widths) if args.ood_widths else None)

@@ -6,8 +6,8 @@ Each (model, seed) is one ``falcon-fwa addition`` run in its own process
 started again, so an interrupted comparison resumes. The summary goes to
 ``<results>/<name>.json`` (a list of rows with ``model``, ``mean_acc_33_48``,
 ``acc_d33``, ``acc_d48``, ``val_acc``, ``best_step``, ``seeds``: means over seeds, with
-``*_std`` and per-seed values), ``<name>_meta.json`` (budget, seeds, device, wall
-time, command, commit), ``<name>.md`` (the table next to the paper's numbers) and
+``*_std`` and per-seed values), ``<name>_meta.json`` (budget, operand order, seeds,
+device, wall time, command, commit), ``<name>.md`` (the table next to the paper's numbers) and
 ``<name>.png`` (accuracy against digit width).
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
            "--out", str(out), "--no-progress", "--preset", args.preset, "--device", args.device,
            "--dtype", args.dtype, "--eval-seed", str(args.eval_seed)]
     for flag in ("steps", "batch_size", "lr", "hidden_size", "num_hidden_layers", "num_heads", "matmul_precision",
-                 "curriculum_steps", "eval_every", "val_per_width", "ood_per_width", "threads"):
+                 "curriculum_steps", "operand_order", "eval_every", "val_per_width", "ood_per_width", "threads"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -202,6 +202,8 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
               f"{meta['batch_size']}, peak lr {meta['lr']}"
               + (f", widths growing from {meta['train_widths'][0]} to {meta['train_widths'][1]} over the first "
                  f"{meta['curriculum_steps']} steps" if meta.get("curriculum_steps") else "")
+              + (", operands written least significant digit first"
+                 if meta.get("operand_order", "msd") != "msd" else "")
               + f"), {meta['val_per_width']} validation samples per "
               f"training width, {meta['ood_per_width']} test samples per OOD width",
               f"- device: {meta['device']}; wall time of the comparison: {meta['wall_time_s']:.0f} s",
@@ -265,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_size": preset.batch_size,
         "lr": preset.lr,
         "curriculum_steps": preset.curriculum_steps,
+        "operand_order": preset.operand_order,
         "val_per_width": preset.val_per_width,
         "ood_per_width": preset.ood_per_width,
         "seeds": seeds,

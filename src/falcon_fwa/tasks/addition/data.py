@@ -5,6 +5,11 @@ Format of a width-``n`` sample (character level, one token per character)::
     digits_n(a) "+" digits_n(b) "=" rev(digits_{n+1}(a+b)) "$"
     e.g. n=3, a=57, b=968:   "057+968=5201$"   (57 + 968 = 1025, reversed "5201")
 
+The operand order (:data:`OPERAND_ORDERS`) says how the operands are written: ``"msd"``
+(the paper's) most significant digit first, as above; ``"lsd"`` least significant digit
+first, like the sum: ``rev(digits_n(a)) "+" rev(digits_n(b)) "=" ...``, e.g.
+``"750+869=5201$"``. The answer, the loss and the metrics do not depend on it.
+
 The prompt is ``2n + 2`` tokens, the target suffix is the ``n + 1`` sum digits
 (least significant first) and the end marker ``$``: ``3n + 4`` tokens in all.
 Batches are right-padded with ``_``; a causal model's outputs at real positions
@@ -30,6 +35,15 @@ VOCAB = PAD + END + "0123456789" + PLUS + EQUALS
 """Token ``i`` is the character ``VOCAB[i]``; the pad token is id 0."""
 PAD_ID = 0
 _ID = {c: i for i, c in enumerate(VOCAB)}
+OPERAND_ORDERS = ("msd", "lsd")
+"""How operands are written: most (the paper's) or least significant digit first."""
+
+
+def check_operand_order(operand_order: str) -> str:
+    """``operand_order`` if it is one of :data:`OPERAND_ORDERS`, else a ``ValueError``."""
+    if operand_order not in OPERAND_ORDERS:
+        raise ValueError(f"operand_order must be 'msd' or 'lsd', got {operand_order!r}")
+    return operand_order
 
 
 def encode(text: str) -> List[int]:
@@ -47,16 +61,24 @@ def decode(ids: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class AdditionSample:
-    """``a + b`` at digit width ``width`` (``0 <= a, b < 10**width``)."""
+    """``a + b`` at digit width ``width`` (``0 <= a, b < 10**width``), operands written in
+    ``operand_order`` (:data:`OPERAND_ORDERS`)."""
 
     a: int
     b: int
     width: int
+    operand_order: str = "msd"
+
+    def __post_init__(self) -> None:
+        check_operand_order(self.operand_order)
 
     @property
     def prompt(self) -> str:
         n = self.width
-        return f"{self.a:0{n}d}{PLUS}{self.b:0{n}d}{EQUALS}"
+        a, b = f"{self.a:0{n}d}", f"{self.b:0{n}d}"
+        if self.operand_order == "lsd":
+            a, b = a[::-1], b[::-1]
+        return f"{a}{PLUS}{b}{EQUALS}"
 
     @property
     def answer(self) -> str:
@@ -68,19 +90,21 @@ class AdditionSample:
         return self.prompt + self.answer + END
 
 
-def make_sample(rng: random.Random, width: int) -> AdditionSample:
+def make_sample(rng: random.Random, width: int, *, operand_order: str = "msd") -> AdditionSample:
     """Draw ``a, b`` uniformly from ``[0, 10**width)``."""
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    return AdditionSample(rng.randrange(10**width), rng.randrange(10**width), width)
+    return AdditionSample(rng.randrange(10**width), rng.randrange(10**width), width, operand_order)
 
 
-def check_text(text: str) -> bool:
+def check_text(text: str, operand_order: str = "msd") -> bool:
     """Exact checker: is ``text`` a well-formed sample whose answer is the sum?
 
     Accepts ``"<n digits>+<n digits>=<n+1 digits reversed>"`` with or without the
-    end marker; the sum is verified with Python's exact integers.
+    end marker, the operands read in ``operand_order`` (``"lsd"``: reversed); the sum
+    is verified with Python's exact integers.
     """
+    check_operand_order(operand_order)
     if text.endswith(END):
         text = text[:-1]
     try:
@@ -93,6 +117,8 @@ def check_text(text: str) -> bool:
         return False
     if not (a.isdigit() and b.isdigit() and answer.isdigit()):
         return False
+    if operand_order == "lsd":
+        a, b = a[::-1], b[::-1]
     return int(a) + int(b) == int(answer[::-1])
 
 
@@ -133,16 +159,21 @@ def collate(samples: Sequence[AdditionSample]) -> AdditionBatch:
     return AdditionBatch(ids, loss_mask, digit_mask, widths)
 
 
-def training_batch(seed: int, step: int, batch_size: int, min_width: int = 1, max_width: int = 32) -> AdditionBatch:
-    """The training batch of ``step``: widths uniform in ``[min_width, max_width]``."""
+def training_batch(seed: int, step: int, batch_size: int, min_width: int = 1, max_width: int = 32, *,
+                   operand_order: str = "msd") -> AdditionBatch:
+    """The training batch of ``step``: widths uniform in ``[min_width, max_width]``; the same
+    sums in either ``operand_order``."""
     rng = random.Random(f"{seed}/train/{step}")
-    return collate([make_sample(rng, rng.randint(min_width, max_width)) for _ in range(batch_size)])
+    return collate([make_sample(rng, rng.randint(min_width, max_width), operand_order=operand_order)
+                    for _ in range(batch_size)])
 
 
-def width_set(seed: int, widths: Sequence[int], per_width: int) -> Dict[int, List[AdditionSample]]:
-    """A fixed evaluation set: ``per_width`` samples for every width in ``widths``."""
+def width_set(seed: int, widths: Sequence[int], per_width: int, *,
+              operand_order: str = "msd") -> Dict[int, List[AdditionSample]]:
+    """A fixed evaluation set: ``per_width`` samples for every width in ``widths``; the same
+    sums in either ``operand_order``."""
     out = {}
     for w in widths:
         rng = random.Random(f"{seed}/eval/{w}")
-        out[w] = [make_sample(rng, w) for _ in range(per_width)]
+        out[w] = [make_sample(rng, w, operand_order=operand_order) for _ in range(per_width)]
     return out

@@ -15,13 +15,16 @@ scale. With ``0.02`` (at ``hidden_size`` 64 that is 1/6 of the fan-in scale) the
 least significant digit stays at chance (~10 %) for thousands of steps for every
 model; with the fan-in scale it is learned within a few hundred. The middle digits
 also need each operand digit found by its distance from the end of its operand
-(the sum is written least significant digit first, the operands are not); the
-models learn that last, which is what limits the ``tiny`` accuracy at widths >= 3.
+(the sum is written least significant digit first, the operands are not, unless
+``operand_order="lsd"``); the models learn that last, which is what limits the
+``tiny`` accuracy at widths >= 3.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
+
+from .data import OPERAND_ORDERS
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 """The values of ``torch.set_float32_matmul_precision``."""
@@ -69,6 +72,9 @@ class AdditionPreset:
     the Falcon kernels' dots) on TF32 tensor cores; "highest" keeps exact fp32 products, which on a
     Hopper GPU run on the FMA units: a measured 3.7 ms per call of the rule-1A gradient kernel at the
     ``paper`` shapes (batch 128)."""
+    operand_order: str = "msd"
+    """How the operands of every sample are written (:data:`.data.OPERAND_ORDERS`): "msd" (the paper's)
+    most significant digit first, "lsd" least significant digit first, like the sum."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_heads", "steps", "batch_size", "eval_every",
@@ -80,6 +86,8 @@ class AdditionPreset:
                              f"{self.num_heads}")
         if self.curriculum_steps < 0:
             raise ValueError(f"preset field 'curriculum_steps' must be >= 0, got {self.curriculum_steps}")
+        if self.operand_order not in OPERAND_ORDERS:
+            raise ValueError(f"preset field 'operand_order' must be 'msd' or 'lsd', got {self.operand_order!r}")
         if self.lr <= 0 or self.warmup < 0:
             raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
         if self.matmul_precision not in MATMUL_PRECISIONS:

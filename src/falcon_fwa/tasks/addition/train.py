@@ -94,9 +94,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return loss
 
 
-def eval_batches(seed: int, widths: range, per_width: int, batch: int) -> Dict[int, List[AdditionBatch]]:
+def eval_batches(seed: int, widths: range, per_width: int, batch: int, *,
+                 operand_order: str = "msd") -> Dict[int, List[AdditionBatch]]:
     """Fixed evaluation batches, one width per batch (no padding)."""
-    sets = width_set(seed, widths, per_width)
+    sets = width_set(seed, widths, per_width, operand_order=operand_order)
     return {w: [collate(s[i : i + batch]) for i in range(0, len(s), batch)] for w, s in sets.items()}
 
 
@@ -190,6 +191,7 @@ def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str
         "config_fields": spec.fields,
         "preset_name": spec.preset_name,
         "preset": spec.preset.to_dict(),
+        "operand_order": spec.preset.operand_order,
         "size": spec.preset.size(),
         "seed": spec.seed,
         "eval_seed": spec.eval_seed,
@@ -218,6 +220,9 @@ def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     old = read_json(out_dir / "results.json")
+    if old.get("operand_order", "msd") != results["operand_order"]:
+        raise ValueError(f"operand_order: {out_dir} holds a run with operands "
+                         f"{old.get('operand_order', 'msd')!r}, not {results['operand_order']!r}")
     results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"])
     return ckpt["step"], old.get("wall_time_s", 0.0)
 
@@ -250,8 +255,10 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
     optimizer = make_optimizer(model, p)
     val_widths = range(p.train_widths[0], p.train_widths[1] + 1)
     ood_widths = range(p.ood_widths[0], p.ood_widths[1] + 1)
-    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch)
-    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch))
+    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch,
+                           operand_order=p.operand_order)
+    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch,
+                                operand_order=p.operand_order))
 
     results = _new_results(spec, device, sum(t.numel() for t in model.parameters()))
     start, elapsed_before = _resume(out_dir, model, optimizer, results, device) if resume else (0, 0.0)
@@ -270,7 +277,8 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
         lr = lr_at(step, p)
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_multiplier", 1.0)
-        batch = training_batch(spec.seed, step, p.batch_size, p.train_widths[0], p.max_train_width(step)).to(device)
+        batch = training_batch(spec.seed, step, p.batch_size, p.train_widths[0], p.max_train_width(step),
+                               operand_order=p.operand_order).to(device)
         loss = train_step(model, optimizer, batch, p.grad_clip, autocast,
                           label=f"step {step + 1} ({spec.model}, seed {spec.seed})")
         loss_sum += loss.item()

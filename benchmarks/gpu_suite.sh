@@ -20,6 +20,7 @@ set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUT_DIR STAGE}
 STAGE=${2:?usage: gpu_suite.sh OUT_DIR STAGE}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: stages change directory
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
@@ -144,13 +145,14 @@ case "$STAGE" in
     MEASURE_130M=1 bash results/lm/run_small.sh "$OUT" 2>&1 | tee "$OUT/lm.log"
     ;;
   addition)
-    RUNS=${ADDITION_RUNS:-/tmp/addition_runs}; mkdir -p "$RUNS" "$OUT/addition_runs"
+    # a fresh folder of runs unless ADDITION_RUNS names one (finished runs there are skipped, not retrained)
+    RUNS=${ADDITION_RUNS:-$(mktemp -d /tmp/addition_runs.XXXXXX)}; mkdir -p "$RUNS" "$OUT/addition_runs"
     # ADDITION_ARGS passes budget overrides to every model alike (e.g. "--hidden-size 512 --num-heads 8 --steps 4000")
     timeout ${ADDITION_TIMEOUT:-540} $PY -m falcon_fwa.cli addition-compare --preset paper --device cuda \
         --models Falcon-3A.3 Falcon-1A.3 Falcon-1.3 Transformer Mamba-2 --seeds 0 --jobs 5 --deadline ${ADDITION_DEADLINE:-480} --partial \
         --runs "$RUNS" --results "$OUT" --name paper ${ADDITION_ARGS:-} 2>&1 | tee "$OUT/addition.log"
-    # only the runs' results.json come back (checkpoints and per-run plots are many large files)
-    (cd "$RUNS" && find . -name results.json -exec cp --parents {} "$OUT/addition_runs/" \;)
+    # OUT keeps each run's results.json and log.txt; the checkpoints and per-run plots stay in RUNS
+    (cd "$RUNS" && find . \( -name results.json -o -name log.txt \) -exec cp --parents {} "$OUT/addition_runs/" \;)
     ;;
   addition-step)
     # both float32 matmul settings side by side: exact fp32 products (FMA units) and TF32 tensor cores

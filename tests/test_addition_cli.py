@@ -71,14 +71,21 @@ def test_lsd_operand_order_reaches_the_data_and_the_results(tmp_path, monkeypatc
     from falcon_fwa.tasks.addition.data import check_text, decode
 
     texts = []  # every training sample, as written
-    original = train.training_batch
+    evaluated = []  # every validation and OOD sample
+    original, original_sets = train.training_batch, train.width_set
 
     def recording(*args, **kw):
         batch = original(*args, **kw)
         texts.extend(decode(ids).rstrip("_") for ids in batch.input_ids)
         return batch
 
+    def recording_sets(*args, **kw):
+        sets = original_sets(*args, **kw)
+        evaluated.extend(s for samples in sets.values() for s in samples)
+        return sets
+
     monkeypatch.setattr(train, "training_batch", recording)
+    monkeypatch.setattr(train, "width_set", recording_sets)
     out = tmp_path / "run"
     assert cli.main(["--model", "Transformer", "--steps", "2", "--eval-every", "2", "--operand-order", "lsd",
                      "--out", str(out), "--no-progress", "--hidden-size", "16", "--num-heads", "2", *SMALL]) == 0
@@ -87,6 +94,9 @@ def test_lsd_operand_order_reaches_the_data_and_the_results(tmp_path, monkeypatc
     assert len(texts) == 2 * 4 and all(check_text(t, "lsd") for t in texts)
     # two-digit (or wider) operands that are not palindromes: read most significant first, the sum is wrong
     assert any(not check_text(t) for t in texts if t.index("+") > 1)
+    # the validation and OOD sets are written in the same order (widths 1-3 and 4-5, two samples each)
+    assert len(evaluated) == 5 * 2 and all(check_text(s.text, "lsd") for s in evaluated)
+    assert any(not check_text(s.text) for s in evaluated)
     with pytest.raises(ValueError, match="operand_order"):  # no resuming in the other order
         cli.main(["--model", "Transformer", "--steps", "3", "--out", str(out), "--no-progress",
                   "--hidden-size", "16", "--num-heads", "2", *SMALL])
@@ -104,6 +114,25 @@ def test_compare_passes_the_operand_order_and_states_it(tmp_path):
     assert note not in compare.markdown(rows, {**meta, "operand_order": "msd"})
     assert note not in compare.markdown(rows, meta)  # summaries written before the option
     assert note in compare.markdown(rows, {**meta, "operand_order": "lsd"})
+
+
+def test_compare_refuses_runs_of_the_other_operand_order(tmp_path):
+    args = ["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2", "--runs",
+            str(tmp_path / "runs"), "--results", str(tmp_path / "res"), "--name", "t", "--hidden-size", "16",
+            "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]
+    assert compare.main(args + ["--operand-order", "lsd"]) == 0
+    assert json.loads((tmp_path / "res" / "t_meta.json").read_text())["operand_order"] == "lsd"
+    # the finished lsd run must not be skipped as done, nor tabled, under the paper's order
+    for extra in ([], ["--no-train"]):
+        with pytest.raises(ValueError, match="operand_order"):
+            compare.main(args + extra)
+    # a folder from before the option holds the paper's order
+    old = tmp_path / "old" / "Transformer" / "seed0"
+    old.mkdir(parents=True)
+    (old / "results.json").write_text(json.dumps({"finished": True}))
+    compare.check_operand_orders(tmp_path / "old", ["Transformer"], [0], "msd")
+    with pytest.raises(ValueError, match="operand_order"):
+        compare.check_operand_orders(tmp_path / "old", ["Transformer"], [0], "lsd")
 
 
 def _compare_parser():
@@ -142,6 +171,8 @@ def test_lineup_names_map_to_the_paper_variants():
         get_addition_preset("tiny").replace(train_widths=(5, 2))
     with pytest.raises(ValueError, match="matmul_precision"):
         get_addition_preset("paper").replace(matmul_precision="tf32")
+    with pytest.raises(ValueError, match="operand_order"):
+        get_addition_preset("paper").replace(operand_order="reversed")
     assert get_addition_preset("paper").matmul_precision == "high"  # TF32 products on the GPU
     assert get_addition_preset("tiny").matmul_precision == "highest"
     with pytest.raises(ValueError, match="num_heads"):

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                    eval_seed=args.eval_seed, device=args.device, dtype=args.dtype,
                    extra={"argv": list(sys.argv)})
     print(f"addition: {args.model} {fields} preset {args.preset} "
-          f"(width {preset.hidden_size}, {preset.num_hidden_layers} layers, {preset.steps} steps) "
+          f"(width {preset.hidden_size}, {preset.num_hidden_layers} layers, {preset.steps} steps"
+          f"{', operands ' + preset.operand_order if preset.operand_order != 'msd' else ''}) "
           f"on {args.device} -> {out}")
     res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume)
     plot = plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",

@@ -34,9 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (same for every model)")
     add_model_arguments(p)
     p.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (processes)")
-    p.add_argument("--runs", help="folder of the individual runs (default runs/addition/<preset>)")
+    p.add_argument("--runs", help="folder of the individual runs (default runs/addition/<preset>, "
+                                  "runs/addition/<preset>-lsd with --operand-order lsd)")
     p.add_argument("--results", default="results/addition", help="folder of the summary files")
-    p.add_argument("--name", help="summary file stem (default: the preset name)")
+    p.add_argument("--name", help="summary file stem (default: the preset name, <preset>_lsd with --operand-order lsd)")
     p.add_argument("--no-train", action="store_true", help="only summarize the runs already in --runs")
     p.add_argument("--partial", action="store_true",
                    help="also summarize unfinished runs (their best evaluation so far; 'steps_done' says how far)")
@@ -57,6 +58,20 @@ def _finished(run_dir: Path) -> bool:
 def _started(run_dir: Path) -> bool:
     f = run_dir / "results.json"
     return f.exists() and read_json(f).get("best") is not None
+
+
+def check_operand_orders(runs: Path, models: List[str], seeds: List[int], operand_order: str) -> None:
+    """A ``ValueError`` if a run folder of the lineup holds a run in another operand order (runs
+    from before the option count as "msd"): it would be skipped as finished, or summarized, under
+    the wrong order."""
+    for m in models:
+        for s in seeds:
+            f = _run_dir(runs, m, s) / "results.json"
+            if f.exists():
+                held = read_json(f).get("operand_order", "msd")
+                if held != operand_order:
+                    raise ValueError(f"operand_order: {f.parent} holds a run with operands {held!r}, not "
+                                     f"{operand_order!r}; give --runs another folder")
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
@@ -234,8 +249,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"models: unknown {m!r}; choose from {', '.join(LINEUP)}")
         resolve_model(m)
     preset = preset_from_args(args)
-    runs = Path(args.runs or Path("runs/addition") / args.preset)
-    name = args.name or args.preset
+    lsd = preset.operand_order != "msd"  # runs and summaries of the other order get their own default names
+    runs = Path(args.runs or Path("runs/addition") / (args.preset + ("-lsd" if lsd else "")))
+    name = args.name or args.preset + ("_lsd" if lsd else "")
+    check_operand_orders(runs, args.models, args.seeds, preset.operand_order)
     t0 = time.perf_counter()
     failed = [] if args.no_train else train_all(args, runs)
     wall = time.perf_counter() - t0

@@ -222,7 +222,8 @@ def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     old = read_json(out_dir / "results.json")
     if old.get("operand_order", "msd") != results["operand_order"]:
         raise ValueError(f"operand_order: {out_dir} holds a run with operands "
-                         f"{old.get('operand_order', 'msd')!r}, not {results['operand_order']!r}")
+                         f"{old.get('operand_order', 'msd')!r}, not {results['operand_order']!r}; give another "
+                         f"--out, or --no-resume to start over there")
     results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"])
     return ckpt["step"], old.get("wall_time_s", 0.0)
 

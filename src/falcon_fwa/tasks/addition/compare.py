@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 from ...provenance import git_commit
 from .cli import add_model_arguments, preset_from_args, slug
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
+from .train import held_operand_order
 from ...atomic import read_json, write_json, write_text
 
 
@@ -68,7 +69,7 @@ def check_operand_orders(runs: Path, models: List[str], seeds: List[int], operan
         for s in seeds:
             f = _run_dir(runs, m, s) / "results.json"
             if f.exists():
-                held = read_json(f).get("operand_order", "msd")
+                held = held_operand_order(read_json(f))
                 if held != operand_order:
                     raise ValueError(f"operand_order: {f.parent} holds a run with operands {held!r}, not "
                                      f"{operand_order!r}; give --runs another folder")

@@ -209,6 +209,11 @@ def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str
     }
 
 
+def held_operand_order(results: Dict[str, Any]) -> str:
+    """The operand order a run's ``results.json`` records ("msd" for runs from before the option)."""
+    return results.get("operand_order", "msd")
+
+
 def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, results: Dict[str, Any],
             device: torch.device) -> Tuple[int, float]:
     """Load ``out_dir``'s checkpoint into ``model`` / ``optimizer`` and its history into
@@ -220,10 +225,9 @@ def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     old = read_json(out_dir / "results.json")
-    if old.get("operand_order", "msd") != results["operand_order"]:
-        raise ValueError(f"operand_order: {out_dir} holds a run with operands "
-                         f"{old.get('operand_order', 'msd')!r}, not {results['operand_order']!r}; give another "
-                         f"--out, or --no-resume to start over there")
+    if held_operand_order(old) != results["operand_order"]:
+        raise ValueError(f"operand_order: {out_dir} holds a run with operands {held_operand_order(old)!r}, not "
+                         f"{results['operand_order']!r}; give another --out, or --no-resume to start over there")
     results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"])
     return ckpt["step"], old.get("wall_time_s", 0.0)
 

@@ -59,7 +59,8 @@ Kernels (the per-column step sizes are ``step_size_kernels.column_step_fwd`` / `
 ``output_fwd`` (one program per chunk and value block), ``state_bwd`` (reverse over
 chunks), ``dv_bwd`` (per chunk and value block, ``d log a`` included) and ``dqk_bwd`` (per
 chunk and key block, the value blocks in a loop). Rule 2 runs ``dv_bwd`` once per read and
-adds the reads' ``d log a``.
+adds the reads' ``d log a``; its ``dq``, ``dx`` of both reads come from one kernel of its
+own (``column_delta_kernels.dqk_bwd_two_reads``, on the level helpers here).
 """
 from __future__ import annotations
 
@@ -135,20 +136,33 @@ def _chunk_program(i_p, cu_seqlens, chunk_indices, chunk_offsets, T, BT: tl.cons
 
 
 @triton.jit
-def _level(u, b_u, b_uq, first, last, m_r, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v, BT: tl.constexpr, lvl):
+def _level_blocks(u, first, last, m_r, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v, BT: tl.constexpr, lvl):
     """Level ``lvl`` of the chunk's pairs (blocks of ``2 b`` rows, ``b = 2^lvl``): whether
     each row lies in the first half of its block (a source) or not (a target), the
-    ``[BT, BT]`` mask of the row pairs in one block and the ``[BT, BV]`` decays
-    ``exp(r - u_s)`` on source rows, ``exp(uq_t - r)`` on target rows (0 on masked rows
-    and columns), with ``r`` the log-prefix at the last row of the block's first half (at
-    the chunk's last row where the chunk ends before it: that block has no target)."""
+    ``[BT, BT]`` mask of the row pairs in one block and, per row, ``r`` ``[BT, BV]``: the
+    log-prefix at the last row of its block's first half (at the chunk's last row where
+    the chunk ends before it: that block has no target)."""
     i = tl.arange(0, BT)
     source = ((i >> lvl) & 1) == 0
     mid = first + tl.minimum(((i >> (lvl + 1)) << (lvl + 1)) + (1 << lvl) - 1, last - first)
     r = _rows(u, mid, m_r, i_h, H, V, o_v, m_v)
-    decay = _decay(tl.where(source[:, None], r - b_u, b_uq - r), m_r[:, None] & m_v[None, :])
     block = (i[:, None] >> (lvl + 1)) == (i[None, :] >> (lvl + 1))
-    return source, block, decay
+    return source, block, r
+
+
+@triton.jit
+def _level_decay(source, r, b_u, b_uq, m_r, m_v):
+    """A level's ``[BT, BV]`` decays ``exp(r - u_s)`` on source rows, ``exp(uq_t - r)`` on
+    target rows (0 on masked rows and columns)."""
+    return _decay(tl.where(source[:, None], r - b_u, b_uq - r), m_r[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _level(u, b_u, b_uq, first, last, m_r, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v, BT: tl.constexpr, lvl):
+    """``_level_blocks`` with the decays of ``_level_decay``: ``source``, ``block`` and the
+    ``[BT, BV]`` decays of one read (query log-prefixes ``b_uq``)."""
+    source, block, r = _level_blocks(u, first, last, m_r, i_h, H, V, o_v, m_v, BT, lvl)
+    return source, block, _level_decay(source, r, b_u, b_uq, m_r, m_v)
 
 
 @triton.jit

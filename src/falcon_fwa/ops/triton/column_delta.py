@@ -12,11 +12,12 @@ columns), ``chunk_cumsum`` (the log-prefixes), ``state_fwd`` (sequential: the pe
 solve for the write values ``D`` and the residual reads ``R``, block after block, and the
 chunks' entry states), then the rule-2A ``output_fwd`` with values ``D``. Backward: the
 rule-2A ``dv_bwd`` for the outputs' intra-chunk ``dD``, ``state_bwd`` (sequential: the
-exit-state gradients and the adjoint ``z`` of ``D``), then the rule-2A ``dv_bwd`` /
-``dqk_bwd`` of the two reads (outputs: queries ``q``; residual reads: queries ``x``, read
-before the write, upstream ``dR = -kappa z``). Each ``dv_bwd`` sums its read's share of
-``d log a`` within the chunk, from the read's values (the saved outputs ``o``, the residual
-reads ``R``); the two shares add.
+exit-state gradients and the adjoint ``z`` of ``D``), then the rule-2A ``dv_bwd`` of the
+residual reads (queries ``x``, read before the write, upstream ``dR = -kappa z``) and
+``dqk_bwd_two_reads``: the rule-2A ``dqk_bwd`` of both reads (outputs: queries ``q``) in one
+launch, ``dq`` and the whole ``dx`` stored in the inputs' dtype. Each ``dv_bwd`` sums its
+read's share of ``d log a`` within the chunk, from the read's values (the saved outputs
+``o``, the residual reads ``R``); the two shares add.
 """
 from __future__ import annotations
 
@@ -94,16 +95,18 @@ def _read_dv(query, x, D, u, h, dh, d_read, read_out, dD, dlog, layout, read_aft
         ADD_DLOG=add_dlog, PRECISION=dot_precision(query.dtype), **c, **layout_args(layout))
 
 
-def _read_dqk(query, x, D, u, h, dh, d_read, dq, dx, layout, read_after, add_dx):
-    """The rule-2A ``dqk_bwd`` of the same read: ``dq`` (the queries) and ``dx`` (the keys;
-    added to the buffer with ``add_dx``)."""
-    H, K = query.shape[2:]
+def _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after):
+    """``dqk_bwd_two_reads``: ``dq`` (the outputs' queries) and the whole ``dx`` (the
+    residual reads' queries, the keys of both reads and the exit-state term through
+    ``dh``), in ``q``'s and ``x``'s dtype."""
+    H, K = q.shape[2:]
     V = D.shape[-1]
+    dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = column_config("dqk_bwd", K, V)
-    cd.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
-        query, x, D, None, u, h, dh, d_read, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, HAS_DH=dh is not None, ADD_DX=add_dx,
-        PRECISION=dot_precision(query.dtype), **c, **layout_args(layout))
+    kern.dqk_bwd_two_reads[(cdiv(K, c["BK"]), layout.num_chunks, H)](
+        q, x, D, u, h, dh, do, d_read, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))
+    return dq, dx
 
 
 def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: ChunkLayout, read_after: bool):
@@ -129,14 +132,9 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: Chunk
     # 3. the residual reads R (queries x, read before the write) with the exit-state terms through dh;
     # state_bwd's adjoint already holds their dD: only their share of d log a and dq, dx are left
     _read_dv(x, x, D, u, h, dh, d_read, R, None, dlog_a, layout, False, add_dlog=True)
-    dx_query, dx_key = _empty(x.shape, x, f32), _empty(x.shape, x, f32)
-    _read_dqk(x, x, D, u, h, dh, d_read, dx_query, dx_key, layout, False, add_dx=False)
-    del dh, d_read
-    # 4. the outputs' q and x gradients (queries q; the exit-state term is counted in step 3)
-    dq = _empty(q.shape, q)
-    _read_dqk(q, x, D, u, h, None, do, dq, dx_key, layout, read_after, add_dx=True)
-    dx = (dx_query + dx_key).to(x.dtype)
-    del dx_query, dx_key
+    # 4. q and x gradients of both reads in one launch (outputs: queries q; residual reads: queries x,
+    # with the exit-state term)
+    dq, dx = _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after)
     return dq, dx, dv, deta, dkappa, dlog_a, dS0
 
 

@@ -37,17 +37,19 @@ r) dR)``, and at the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` 
 
 and the gradients of ``q``, ``x`` (as query and as key) and of the log-prefixes are those
 of two per-column-decay reads with values ``D``: the outputs (queries ``q``, ``dO``) and
-the residual reads (queries ``x``, read before the write, ``dR``), computed by the
-rule-2A backward kernels. Only non-positive exponents are ever evaluated. Tensors are
-time-major ``[B, T, H, D]``; states are ``[num_chunks, H, K, V]``; ``G`` is
-``[B, T, H, BS]`` fp32 (row ``p`` holds ``x_p . x_s`` for the ``BS`` rows ``s`` of its block).
+the residual reads (queries ``x``, read before the write, ``dR``): the rule-2A ``dv_bwd``
+once per read, and ``dqk_bwd_two_reads`` for ``dq``, ``dx`` of both at once. Only
+non-positive exponents are ever evaluated. Tensors are time-major ``[B, T, H, D]``; states
+are ``[num_chunks, H, K, V]``; ``G`` is ``[B, T, H, BS]`` fp32 (row ``p`` holds
+``x_p . x_s`` for the ``BS`` rows ``s`` of its block).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .column_decay_kernels import _decay, _read_prefix, _row, _rows, _rows_t, _writes
+from .column_decay_kernels import (_chunk_program, _decay, _level_blocks, _level_decay, _read_prefix, _row, _rows,
+                                   _rows_t, _writes)
 from .scalar_decay_kernels import _chunk_of_program, _sequence
 
 
@@ -247,3 +249,96 @@ def state_bwd(
         b_dh += b_dq
     if STORE_DS0:
         tl.store(ds0 + i_nh.to(tl.int64) * K * V + state_off, b_dh, mask=m_kv)
+
+
+@triton.jit
+def dqk_bwd_two_reads(
+    q, x, D, u, h, dh, do, dR, dq, dx, cu_seqlens, chunk_indices, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(K, BK), num_chunks, H)``: the rule-2A ``dqk_bwd`` of both reads with
+    values ``D`` in one program per chunk and key block: ``dq`` of the outputs (queries
+    ``q``, upstream ``dO``, ``READ_AFTER``) and the whole ``dx``, as the residual reads'
+    queries and as the keys of both reads (residual reads: read before the write, upstream
+    ``dR``, the exit-state term through ``dh``). With the reads' score gradients
+    ``dP_O[t, s] = sum_j dO[t, j] exp(uq[t, j] - u[s, j]) D[s, j]`` (``s in M(t)``) and
+    ``dP_R`` (the same with ``dR`` and ``w = u_{t-1}``, ``s < t``)::
+
+        dq   = dP_O X + (exp(uq) dO) h^T
+        dx^T = X^T (dP_R + dP_R^T) + Q^T dP_O + h (exp(w) dR)^T + dh (exp(u_C - u) D)^T
+
+    One loop over the value blocks and levels sums both score gradients from shared loads
+    of ``u``, ``D`` and the levels' ``r`` (one tile of decays per level when reading before
+    the write, two after). ``dP_R + dP_R^T`` is one dot per level: ``Z Z^T`` on the pairs of
+    a block with one source and one target, ``Z = E * D`` on source rows, ``E * dR`` on
+    target rows. ``dx`` is accumulated transposed, so that no dot result is transposed;
+    ``dq`` and ``dx`` are stored in ``q``'s and ``x``'s dtype."""
+    i_k, i_h = tl.program_id(0), tl.program_id(2)
+    i_c = tl.program_id(1)
+    i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
+                                                      IS_VARLEN)
+    LEVELS: tl.constexpr = 4 + (BT >= 32) + (BT >= 64) + (BT >= 128)  # log2(BT), BT in 16..128
+    dt = q.dtype.element_ty
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    state = ((boh + i_t) * H + i_h) * K * V
+    b_sr = tl.zeros([BT, BT], dtype=tl.float32)  # dP_R + dP_R^T (symmetric, 0 on the diagonal)
+    b_so = tl.zeros([BT, BT], dtype=tl.float32)  # dP_O
+    b_dd = tl.zeros([BT], dtype=tl.float32)  # dP_O[t, t] (read after)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+        b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)  # the residual reads' uq
+        b_D = _rows(D, rows, m_r, i_h, H, V, o_v, m_v)
+        b_dr = _rows(dR, rows, m_r, i_h, H, V, o_v, m_v)
+        b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
+        if READ_AFTER:
+            b_dd += tl.sum(b_do * b_D, axis=1)
+        for lvl in range(LEVELS):
+            source, block, r = _level_blocks(u, first, last, m_r, i_h, H, V, o_v, m_v, BT, lvl)
+            b_er = _level_decay(source, r, b_u, b_w, m_r, m_v)
+            if READ_AFTER:
+                b_eo = _level_decay(source, r, b_u, b_u, m_r, m_v)
+            else:
+                b_eo = b_er
+            b_z = b_er * tl.where(source[:, None], b_D, b_dr)  # sources: E D (both reads); targets: E dR
+            b_s = tl.where(source[:, None], b_z, 0.0).to(dt)
+            b_g = (tl.where(source[:, None], 0.0, b_eo) * b_do).to(dt)
+            b_z = b_z.to(dt)
+            cross = block & (source[:, None] != source[None, :])
+            b_sr += tl.where(cross, tl.dot(b_z, tl.trans(b_z), input_precision=PRECISION), 0.0)
+            b_so += tl.where(block, tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION), 0.0)
+    if READ_AFTER:
+        i = tl.arange(0, BT)
+        b_so += tl.where(i[:, None] == i[None, :], b_dd[:, None], 0.0)
+    b_sr = b_sr.to(dt)
+    b_so = b_so.to(dt)
+    b_dq = tl.dot(b_so, _rows(x, rows, m_r, i_h, H, K, o_k, m_k), input_precision=PRECISION)
+    b_dxt = tl.dot(_rows_t(x, rows, m_r, i_h, H, K, o_k, m_k), b_sr, input_precision=PRECISION)
+    b_dxt += tl.dot(_rows_t(q, rows, m_r, i_h, H, K, o_k, m_k), b_so, input_precision=PRECISION)
+    # the entry state's reads (dq, and dx as the residual reads' queries) and the exit state's write (dx)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
+        b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
+        if READ_AFTER:
+            b_uq = b_u
+        else:
+            b_uq = b_w
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
+        b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_go = (_rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(b_uq, m_r[:, None])).to(dt)
+        b_gr = (_rows(dR, rows, m_r, i_h, H, V, o_v, m_v) * _decay(b_w, m_r[:, None])).to(dt)
+        u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
+        b_wc = (_rows(D, rows, m_r, i_h, H, V, o_v, m_v) * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
+        b_dq += tl.dot(b_go, tl.trans(b_h), input_precision=PRECISION)
+        b_dxt += tl.dot(b_h, tl.trans(b_gr), input_precision=PRECISION)
+        b_dxt += tl.dot(b_dh, tl.trans(b_wc), input_precision=PRECISION)
+    tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
+             mask=m_r[:, None] & m_k[None, :])
+    tl.store(dx + (rows[None, :] * H + i_h) * K + o_k[:, None], b_dxt.to(dx.dtype.element_ty),
+             mask=m_r[None, :] & m_k[:, None])

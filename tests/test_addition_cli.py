@@ -36,6 +36,15 @@ def test_two_step_run_writes_results_and_resumes(tmp_path, monkeypatch, capsys):
         assert 0.0 <= res["best"][key] <= 100.0
     assert (out / "checkpoint.pt").exists() and (out / "best.pt").exists()
     assert (out / "accuracy_vs_width.png").stat().st_size > 0
+    # digit accuracy by answer position, kept for the best step only: each width's positions
+    # average to its digit accuracy (every sample of width w has w + 1 sum digits)
+    per_position = res["best"]["per_position"]
+    assert sorted(per_position, key=int) == ["1", "2", "3", "4", "5"]
+    for w, acc in per_position.items():
+        assert len(acc) == int(w) + 1
+        assert sum(acc) / len(acc) == pytest.approx(res["best"]["per_width"][w]["digit"])
+    assert all("per_position" not in h for h in res["history"])
+    assert (out / "accuracy_by_position.png").stat().st_size > 0
     assert trained == [0, 1] and "resuming" not in capsys.readouterr().out
     # a longer budget on the same folder continues from step 2: it runs only the one remaining step
     trained.clear()

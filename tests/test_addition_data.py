@@ -16,7 +16,7 @@ from falcon_fwa.tasks.addition.data import (
     training_batch,
     width_set,
 )
-from falcon_fwa.tasks.addition.metrics import AccuracyTally, score_logits, score_predictions
+from falcon_fwa.tasks.addition.metrics import AccuracyTally, position_hits, score_logits, score_predictions
 
 
 def schoolbook_reversed_sum(a: str, b: str) -> str:
@@ -158,3 +158,45 @@ def test_accuracy_on_hand_made_predictions():
     assert tally.digit_acc([1, 3]) == pytest.approx(100 * 5 / 10)
     assert tally.exact_acc([1, 3]) == pytest.approx(100 / 3)
     assert tally.per_width()[1] == {"digit": 100.0, "exact": 100.0}
+
+
+def test_position_hits_on_hand_made_predictions():
+    # widths 3 and 1: answers "5201" and "31"; sample 0 wrong at its third sum digit (answer position 2)
+    batch = collate([AdditionSample(57, 968, 3), AdditionSample(4, 9, 1)])
+    pred = batch.input_ids[:, 1:].clone()
+    pred[0, 10 - 1] = encode("7")[0]
+    pred[1, 0] = encode("9")[0]  # a prompt token: not an answer position
+    hits = position_hits(pred, batch)
+    assert hits.tolist() == [[1, 1, 0, 1], [1, 1, 0, 0]]  # zeros past the 2 digits of width 1
+
+    tally = AccuracyTally()
+    tally.add(batch.widths, *score_predictions(pred, batch), positions=hits)
+    b3 = collate([AdditionSample(1, 2, 3)])
+    wrong = (b3.input_ids[:, 1:] + 1) % len(VOCAB)
+    tally.add(b3.widths, *score_predictions(wrong, b3), positions=position_hits(wrong, b3))
+    assert tally.per_position() == {1: [100.0, 100.0], 3: [50.0, 50.0, 0.0, 50.0]}
+    # a batch added without positions counts for the widths' accuracies, not for the positions
+    tally.add(b3.widths, *score_predictions(wrong, b3))
+    assert tally.per_position()[3] == [50.0, 50.0, 0.0, 50.0]
+    assert tally.digit_acc([3]) == pytest.approx(100 * 3 / 12)
+
+
+def test_position_hits_sum_to_the_sample_scores():
+    rng = random.Random(3)
+    samples = [make_sample(rng, w) for w in (1, 4, 2, 7, 7, 3)]
+    for order in ("msd", "lsd"):
+        batch = collate([make_sample(rng, s.width, operand_order=order) for s in samples])
+        gen = torch.Generator().manual_seed(5)
+        # predictions right about half the time, anywhere in the text
+        noise = torch.randint(0, len(VOCAB), batch.input_ids[:, 1:].shape, generator=gen)
+        keep = torch.rand(noise.shape, generator=gen) < 0.5
+        pred = torch.where(keep, batch.input_ids[:, 1:], noise)
+        hits = position_hits(pred, batch)
+        correct, total = score_predictions(pred, batch)
+        assert torch.equal(hits.sum(1), correct)
+        for b in range(len(samples)):  # each position is the digit written k-th after "="
+            w = int(batch.widths[b])
+            digits = batch.digit_mask[b, 1:].nonzero().flatten()
+            assert digits.numel() == total[b] == w + 1
+            expected = (pred[b, digits] == batch.input_ids[b, 1:][digits]).long()
+            assert torch.equal(hits[b, : w + 1], expected) and not hits[b, w + 1:].any()

@@ -86,7 +86,7 @@ def preset_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .plot import plot_accuracy_vs_width
+    from .plot import plot_accuracy_by_position, plot_accuracy_vs_width
     from .train import RunSpec, train_run
 
     fields = resolve_model(args.model, {"rule": args.rule, "window": args.window,
@@ -112,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
           f"validation (widths {preset.train_widths[0]}-{preset.train_widths[1]}) exact {b['val_acc']:.1f}% "
           f"digits {b['val_digit_acc']:.1f}%; widths {lo}-{hi}: mean exact {b['mean_acc_ood']:.1f}% "
           f"digits {b['digit_mean_acc_ood']:.1f}%, d{lo}/d{hi} {b[f'acc_d{lo}']:.1f}/{b[f'acc_d{hi}']:.1f}")
-    print(f"results: {out / 'results.json'}" + (f", plot: {plot}" if plot else ""))
+    by_position = plot_accuracy_by_position(res, out / "accuracy_by_position.png")
+    plots = ", ".join(str(p) for p in (plot, by_position) if p)
+    print(f"results: {out / 'results.json'}" + (f", plots: {plots}" if plots else ""))
     return 0
 
 

@@ -10,11 +10,16 @@ The model reads the whole gold sequence once; the prediction for token ``t`` is
 
 Both are teacher-forced (each digit is predicted from the gold prefix), as in the
 paper's Table 3. The end marker is trained but not scored.
+
+For diagnosis, :func:`position_hits` also scores each **answer position** ``k``
+(``k = 0`` the units digit, ``k = n`` the final carry): where a model that solves the
+training widths starts to fail on a longer sum shows whether it learned the carry
+rule or a look-up bounded by the positions it was trained on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -38,6 +43,22 @@ def score_predictions(pred_ids: torch.Tensor, batch: AdditionBatch) -> Tuple[tor
     return hits.sum(1), mask.sum(1)
 
 
+def position_hits(pred_ids: torch.Tensor, batch: AdditionBatch) -> torch.Tensor:
+    """Hits by answer position: ``[B, P]`` long, ``P = max(width) + 1``; entry ``[b, k]`` is
+    1 when sample ``b``'s sum digit ``k`` (``k = 0`` the units digit, the first one written)
+    is predicted correctly, 0 otherwise and past the sample's ``width + 1`` digits.
+    ``pred_ids`` as in :func:`score_predictions`."""
+    target = batch.input_ids[:, 1:]
+    mask = batch.digit_mask[:, 1:]
+    pred = pred_ids[:, : target.shape[1]]
+    if pred.shape != target.shape:
+        raise ValueError(f"pred_ids: shape {tuple(pred_ids.shape)} does not fit input_ids {tuple(batch.input_ids.shape)}")
+    hits = ((pred == target) & mask).long()
+    k = (mask.long().cumsum(1) - 1).clamp(min=0)  # answer position of each masked token
+    out = torch.zeros(target.shape[0], int(batch.widths.max()) + 1, dtype=torch.long, device=target.device)
+    return out.scatter_add_(1, k, hits)
+
+
 def score_logits(logits: torch.Tensor, batch: AdditionBatch) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`score_predictions` on ``argmax`` of ``logits`` ``[B, T, vocab]``."""
     return score_predictions(logits.argmax(-1), batch)
@@ -53,17 +74,29 @@ class _Count:
 
 @dataclass
 class AccuracyTally:
-    """Accumulates hits per digit width; reports accuracies in percent."""
+    """Accumulates hits per digit width (and, when given, per answer position); reports
+    accuracies in percent."""
 
     counts: Dict[int, _Count] = field(default_factory=dict)
+    positions: Dict[int, List[int]] = field(default_factory=dict)  # width -> hits at answer positions 0..width
+    position_samples: Dict[int, int] = field(default_factory=dict)  # width -> samples added with positions
 
-    def add(self, widths: torch.Tensor, correct: torch.Tensor, total: torch.Tensor) -> None:
+    def add(self, widths: torch.Tensor, correct: torch.Tensor, total: torch.Tensor,
+            positions: Optional[torch.Tensor] = None) -> None:
+        """Add a batch: ``correct``, ``total`` from :func:`score_predictions` and optionally
+        ``positions`` from :func:`position_hits`."""
         for w, c, t in zip(widths.tolist(), correct.tolist(), total.tolist()):
             n = self.counts.setdefault(int(w), _Count())
             n.digits_correct += c
             n.digits += t
             n.samples_correct += int(c == t)
             n.samples += 1
+        if positions is not None:
+            for w, row in zip(widths.tolist(), positions.tolist()):
+                acc = self.positions.setdefault(int(w), [0] * (int(w) + 1))
+                for k in range(int(w) + 1):
+                    acc[k] += row[k]
+                self.position_samples[int(w)] = self.position_samples.get(int(w), 0) + 1
 
     def _pooled(self, widths: Iterable[int]) -> _Count:
         out = _Count()
@@ -84,6 +117,12 @@ class AccuracyTally:
         """Pooled exact-match accuracy over ``widths``."""
         n = self._pooled(widths)
         return 100.0 * n.samples_correct / max(n.samples, 1)
+
+    def per_position(self) -> Dict[int, List[float]]:
+        """``{width: [digit accuracy at answer position k for k = 0..width]}`` for every width
+        whose batches came with ``positions``."""
+        return {w: [100.0 * h / self.position_samples[w] for h in hits]
+                for w, hits in sorted(self.positions.items())}
 
     def per_width(self) -> Dict[int, Dict[str, float]]:
         """``{width: {"digit": acc, "exact": acc}}`` for every width seen."""

@@ -52,3 +52,49 @@ def plot_accuracy_vs_width(runs: Dict[str, List[Dict[str, Any]]], path,
         fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str] = None) -> Optional[Path]:
+    """Heat map of the best step's digit accuracy by answer position (x: ``k = 0`` the units
+    digit) and width (y), from one run's results dict (its ``best["per_position"]``).
+
+    A dashed line marks the last answer position that training reached (``k = hi``, with
+    ``hi`` the largest training width) and another the last training width. A model that
+    learned the carry rule stays bright right of the line on the widths above it; a look-up
+    bounded by the trained positions goes dark there. Returns ``None`` (and draws nothing)
+    without matplotlib or without ``per_position`` (runs from before it was recorded).
+    """
+    per = (result.get("best") or {}).get("per_position")
+    if not per:
+        return None
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'falcon-fwa[plot]')")
+        return None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    widths = sorted(int(w) for w in per)
+    grid = np.full((len(widths), max(widths) + 1), np.nan)
+    for i, w in enumerate(widths):
+        grid[i, : w + 1] = per[str(w)]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(min(14, 3 + 0.25 * grid.shape[1]), min(10, 2 + 0.2 * len(widths))))
+    im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="viridis",
+                   extent=(-0.5, grid.shape[1] - 0.5, widths[0] - 0.5, widths[-1] + 0.5))
+    hi = result["preset"]["train_widths"][1]
+    ax.axvline(hi + 0.5, color="w", ls="--", lw=1)
+    ax.axhline(hi + 0.5, color="w", ls="--", lw=1)
+    ax.set_xlabel("answer position k (0 = units digit; dashed: last position seen in training)")
+    ax.set_ylabel("digit width n (dashed: largest training width)")
+    ax.set_title(title or f"{result.get('model', '')}: digit accuracy by position, best step {result['best']['step']}")
+    fig.colorbar(im, ax=ax, label="digit accuracy (%)")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return path

@@ -10,7 +10,9 @@ reported are those of that step (their loss is ``ood_loss``: no OOD figure enter
 choice of the step).
 
 ``out_dir`` receives, each written atomically at every evaluation:
-``results.json`` (settings, history, best step), ``checkpoint.pt`` (model,
+``results.json`` (settings, history, best step; the best step also holds
+``per_position``, the digit accuracy at each answer position of every width),
+``checkpoint.pt`` (model,
 optimizer and step, to resume) and ``best.pt`` (model weights at the best step).
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
 from .lineup import build_model
-from .metrics import AccuracyTally, score_logits
+from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset
 from ...atomic import read_json, save_torch, write_json
 
@@ -116,7 +118,8 @@ def evaluate(model: torch.nn.Module, batches: Dict[int, List[AdditionBatch]], de
             b = b.to(device)
             with autocast():
                 logits = model(b.input_ids).logits
-            tally.add(b.widths, *score_logits(logits, b))
+            pred = logits.argmax(-1)
+            tally.add(b.widths, *score_predictions(pred, b), positions=position_hits(pred, b))
             tokens = int(b.loss_mask[:, 1:].sum())
             loss_sum += suffix_loss(logits, b).item() * tokens
             n += tokens
@@ -144,6 +147,8 @@ def _summary(tally: AccuracyTally, val_widths: range, ood_widths: range) -> Dict
         f"digit_acc_d{lo}": per[lo]["digit"],
         f"digit_acc_d{hi}": per[hi]["digit"],
         "per_width": {str(w): per[w] for w in per},
+        # digit accuracy by answer position (k = 0 the units digit); kept for the best step only
+        "per_position": {str(w): acc for w, acc in tally.per_position().items()},
     }
 
 
@@ -237,7 +242,7 @@ def _record(entry: Dict[str, Any], results: Dict[str, Any], model: torch.nn.Modu
     """Append an evaluation to the history and write, atomically: ``best.pt`` when it is the
     best step so far, ``checkpoint.pt`` and ``results.json``."""
     done = entry["step"]
-    results["history"].append(entry)
+    results["history"].append({k: v for k, v in entry.items() if k != "per_position"})
     if _better(entry, results["best"]):
         results["best"] = entry
         save_torch(out_dir / "best.pt", {"model": model.state_dict(), "step": done,

@@ -10,7 +10,7 @@ least significant digit first as well (``"750+869=5201$"`` for ``57 + 968``).
 Training widths are uniform in 1..32; the out-of-distribution widths are 33..48.
 
 Modules: :mod:`.data` (tokenizer, seeded generator, exact checker, batches),
-:mod:`.metrics` (teacher-forced accuracies), :mod:`.lineup` (the paper's model
+:mod:`.metrics` (teacher-forced accuracies, by width and by answer position), :mod:`.lineup` (the paper's model
 names and the presets), :mod:`.train` (one training run), :mod:`.compare` (the
 Table-3 lineup), :mod:`.plot` and :mod:`.cli`.
 """
@@ -27,7 +27,7 @@ from .data import (
     training_batch,
     width_set,
 )
-from .metrics import AccuracyTally, score_logits, score_predictions
+from .metrics import AccuracyTally, position_hits, score_logits, score_predictions
 
 __all__ = [
     "VOCAB",
@@ -42,6 +42,7 @@ __all__ = [
     "training_batch",
     "width_set",
     "AccuracyTally",
+    "position_hits",
     "score_logits",
     "score_predictions",
 ]

@@ -70,6 +70,7 @@ def test_compare_trains_and_writes_the_table(tmp_path):
         assert key in rows[0]
     assert rows[0]["seeds"] == [0] and rows[0]["best_step"] == 2
     assert run["preset"]["curriculum_steps"] == 2
+    assert sorted(run["best"]["per_position"], key=int) == ["1", "2", "3", "4", "5"]  # the runs record it too
     assert "| Transformer |" in (tmp_path / "res" / "t.md").read_text()
     assert "widths growing from 1 to 3 over the first 2 steps" in (tmp_path / "res" / "t.md").read_text()
     assert (tmp_path / "res" / "t.png").exists() and (tmp_path / "res" / "t_meta.json").exists()
@@ -268,3 +269,35 @@ def test_validation_loss_sees_the_training_widths_only():
     assert train.mean_loss(losses, range(1, 3)) == pytest.approx(math.log(1 + (V - 1) * math.exp(-3.0)))
     assert train.mean_loss(losses, range(6, 8)) == pytest.approx(math.log(V))
     assert tally.exact_acc(range(1, 3)) == 100.0
+
+
+def test_position_heat_map_places_rows_by_width(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from falcon_fwa.tasks.addition.plot import plot_accuracy_by_position
+
+    # training widths 1-2, OOD widths 5-6 (a gap): width 1 all right, width 6 all wrong, the rest half
+    per = {"1": [100.0, 100.0], "2": [50.0] * 3, "5": [50.0] * 6, "6": [0.0] * 7}
+    result = {"model": "m", "preset": {"train_widths": [1, 2]}, "best": {"step": 4, "per_position": per}}
+    captured = {}
+    original = plt.Axes.imshow
+
+    def spy(self, X, *args, **kwargs):
+        captured["grid"], captured["extent"] = X, kwargs.get("extent")
+        return original(self, X, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Axes, "imshow", spy)
+    path = plot_accuracy_by_position(result, tmp_path / "h.png")
+    assert path is not None and path.stat().st_size > 0
+    # one row per width from 1 to 6, blank rows for the absent widths 3 and 4
+    grid = captured["grid"]
+    assert grid.shape == (6, 7) and captured["extent"][2:] == (0.5, 6.5)
+    assert list(grid[0, :2]) == [100.0, 100.0] and list(grid[5]) == [0.0] * 7
+    assert np.isnan(grid[2]).all() and np.isnan(grid[3]).all() and np.isnan(grid[0, 2:]).all()
+    # a run recorded before per_position existed: no heat map, and it says so
+    old = {"model": "m", "preset": {"train_widths": [1, 2]}, "best": {"step": 4, "per_width": {}}}
+    assert plot_accuracy_by_position(old, tmp_path / "h3.png") is None
+    assert "no heat map" in capsys.readouterr().out and not (tmp_path / "h3.png").exists()
+

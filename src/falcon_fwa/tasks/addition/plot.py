@@ -66,6 +66,7 @@ def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str]
     """
     per = (result.get("best") or {}).get("per_position")
     if not per:
+        print("no accuracy by answer position at the best step (a run from before it was recorded): no heat map")
         return None
     try:
         import matplotlib
@@ -78,14 +79,15 @@ def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str]
     import numpy as np
 
     widths = sorted(int(w) for w in per)
-    grid = np.full((len(widths), max(widths) + 1), np.nan)
-    for i, w in enumerate(widths):
-        grid[i, : w + 1] = per[str(w)]
+    lo = widths[0]
+    grid = np.full((widths[-1] - lo + 1, widths[-1] + 1), np.nan)  # one row per width lo..max, blank if absent
+    for w in widths:
+        grid[w - lo, : w + 1] = per[str(w)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(min(14, 3 + 0.25 * grid.shape[1]), min(10, 2 + 0.2 * len(widths))))
+    fig, ax = plt.subplots(figsize=(min(14, 4 + 0.25 * grid.shape[1]), min(10, 3 + 0.2 * grid.shape[0])))
     im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="viridis",
-                   extent=(-0.5, grid.shape[1] - 0.5, widths[0] - 0.5, widths[-1] + 0.5))
+                   extent=(-0.5, grid.shape[1] - 0.5, lo - 0.5, widths[-1] + 0.5))
     hi = result["preset"]["train_widths"][1]
     ax.axvline(hi + 0.5, color="w", ls="--", lw=1)
     ax.axhline(hi + 0.5, color="w", ls="--", lw=1)

@@ -12,9 +12,10 @@ Both are teacher-forced (each digit is predicted from the gold prefix), as in th
 paper's Table 3. The end marker is trained but not scored.
 
 For diagnosis, :func:`position_hits` also scores each **answer position** ``k``
-(``k = 0`` the units digit, ``k = n`` the final carry): where a model that solves the
-training widths starts to fail on a longer sum shows whether it learned the carry
-rule or a look-up bounded by the positions it was trained on.
+(``k = 0`` the units digit, ``k = n`` the final carry). On sums longer than the training
+widths, where the errors sit shows what carried over: a look-up tied to the width fails
+at every position, one tied to the trained positions fails past them, and a rule that
+does not depend on the width fails nowhere.
 """
 from __future__ import annotations
 

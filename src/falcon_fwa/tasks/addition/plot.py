@@ -59,9 +59,10 @@ def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str]
     digit) and width (y), from one run's results dict (its ``best["per_position"]``).
 
     A dashed line marks the last answer position that training reached (``k = hi``, with
-    ``hi`` the largest training width) and another the last training width. A model that
-    learned the carry rule stays bright right of the line on the widths above it; a look-up
-    bounded by the trained positions goes dark there. Returns ``None`` (and draws nothing)
+    ``hi`` the largest training width) and another the last training width. Above that line,
+    a rule that does not depend on the width stays bright at every position; a look-up
+    bounded by the trained positions goes dark right of the first line only; one tied to the
+    width goes dark everywhere. Returns ``None`` (and draws nothing)
     without matplotlib or without ``per_position`` (runs from before it was recorded).
     """
     per = (result.get("best") or {}).get("per_position")

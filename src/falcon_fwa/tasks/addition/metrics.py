@@ -27,6 +27,17 @@ import torch
 from .data import AdditionBatch
 
 
+def _digit_hits(pred_ids: torch.Tensor, batch: AdditionBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(hits, mask)``, both ``[B, T - 1]`` bool: where a sum digit is predicted right, and
+    where the sum digits are (token ``t + 1`` of the text)."""
+    target = batch.input_ids[:, 1:]
+    mask = batch.digit_mask[:, 1:]
+    pred = pred_ids[:, : target.shape[1]]
+    if pred.shape != target.shape:
+        raise ValueError(f"pred_ids: shape {tuple(pred_ids.shape)} does not fit input_ids {tuple(batch.input_ids.shape)}")
+    return (pred == target) & mask, mask
+
+
 def score_predictions(pred_ids: torch.Tensor, batch: AdditionBatch) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-sample hits from predicted next tokens.
 
@@ -35,12 +46,7 @@ def score_predictions(pred_ids: torch.Tensor, batch: AdditionBatch) -> Tuple[tor
     ``[B]`` long: the number of correctly predicted sum digits and the number of sum
     digits (``width + 1``).
     """
-    target = batch.input_ids[:, 1:]
-    mask = batch.digit_mask[:, 1:]
-    pred = pred_ids[:, : target.shape[1]]
-    if pred.shape != target.shape:
-        raise ValueError(f"pred_ids: shape {tuple(pred_ids.shape)} does not fit input_ids {tuple(batch.input_ids.shape)}")
-    hits = (pred == target) & mask
+    hits, mask = _digit_hits(pred_ids, batch)
     return hits.sum(1), mask.sum(1)
 
 
@@ -49,15 +55,10 @@ def position_hits(pred_ids: torch.Tensor, batch: AdditionBatch) -> torch.Tensor:
     1 when sample ``b``'s sum digit ``k`` (``k = 0`` the units digit, the first one written)
     is predicted correctly, 0 otherwise and past the sample's ``width + 1`` digits.
     ``pred_ids`` as in :func:`score_predictions`."""
-    target = batch.input_ids[:, 1:]
-    mask = batch.digit_mask[:, 1:]
-    pred = pred_ids[:, : target.shape[1]]
-    if pred.shape != target.shape:
-        raise ValueError(f"pred_ids: shape {tuple(pred_ids.shape)} does not fit input_ids {tuple(batch.input_ids.shape)}")
-    hits = ((pred == target) & mask).long()
+    hits, mask = _digit_hits(pred_ids, batch)
     k = (mask.long().cumsum(1) - 1).clamp(min=0)  # answer position of each masked token
-    out = torch.zeros(target.shape[0], int(batch.widths.max()) + 1, dtype=torch.long, device=target.device)
-    return out.scatter_add_(1, k, hits)
+    out = torch.zeros(hits.shape[0], int(batch.widths.max()) + 1, dtype=torch.long, device=hits.device)
+    return out.scatter_add_(1, k, hits.long())
 
 
 def score_logits(logits: torch.Tensor, batch: AdditionBatch) -> Tuple[torch.Tensor, torch.Tensor]:

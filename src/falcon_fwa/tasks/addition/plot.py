@@ -13,6 +13,29 @@ def width_curve(runs: List[Dict[str, Any]], key: str) -> Dict[int, float]:
     return {w: sum(r["best"]["per_width"][str(w)][key] for r in runs) / len(runs) for w in widths}
 
 
+def _pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (with a message) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'falcon-fwa[plot]')")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path, dpi: int) -> Path:
+    """Write ``fig`` to ``path`` atomically (its folder created) and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_accuracy_vs_width(runs: Dict[str, List[Dict[str, Any]]], path,
                            title: Optional[str] = None) -> Optional[Path]:
     """Two panels (exact match, digits) of accuracy vs width at each run's best step.
@@ -21,17 +44,9 @@ def plot_accuracy_vs_width(runs: Dict[str, List[Dict[str, Any]]], path,
     their mean). The training widths are shaded. Returns ``None`` (and draws
     nothing) when matplotlib is not installed (``pip install falcon-fwa[plot]``).
     """
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'falcon-fwa[plot]')")
+    plt = _pyplot()
+    if plt is None:
         return None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for ax, key, label in zip(axes, ("exact", "digit"), ("exact match (whole answer)", "digit accuracy")):
         for name, rs in runs.items():
@@ -48,10 +63,7 @@ def plot_accuracy_vs_width(runs: Dict[str, List[Dict[str, Any]]], path,
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, dpi=120)
 
 
 def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str] = None) -> Optional[Path]:
@@ -69,14 +81,9 @@ def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str]
     if not per:
         print("no accuracy by answer position at the best step (a run from before it was recorded): no heat map")
         return None
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'falcon-fwa[plot]')")
+    plt = _pyplot()
+    if plt is None:
         return None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     widths = sorted(int(w) for w in per)
@@ -84,8 +91,6 @@ def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str]
     grid = np.full((widths[-1] - lo + 1, widths[-1] + 1), np.nan)  # one row per width lo..max, blank if absent
     for w in widths:
         grid[w - lo, : w + 1] = per[str(w)]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(min(14, 4 + 0.25 * grid.shape[1]), min(10, 3 + 0.2 * grid.shape[0])))
     im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=100, cmap="viridis",
                    extent=(-0.5, grid.shape[1] - 0.5, lo - 0.5, widths[-1] + 0.5))
@@ -97,7 +102,4 @@ def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str]
     ax.set_title(title or f"{result.get('model', '')}: digit accuracy by position, best step {result['best']['step']}")
     fig.colorbar(im, ax=ax, label="digit accuracy (%)")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, dpi=110)

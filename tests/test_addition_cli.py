@@ -140,9 +140,55 @@ def test_compare_refuses_runs_of_the_other_operand_order(tmp_path):
     old = tmp_path / "old" / "Transformer" / "seed0"
     old.mkdir(parents=True)
     (old / "results.json").write_text(json.dumps({"finished": True}))
-    compare.check_operand_orders(tmp_path / "old", ["Transformer"], [0], "msd")
+    compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {"operand_order": "msd", "base": 10})
     with pytest.raises(ValueError, match="operand_order"):
-        compare.check_operand_orders(tmp_path / "old", ["Transformer"], [0], "lsd")
+        compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {"operand_order": "lsd", "base": 10})
+    with pytest.raises(ValueError, match="base"):  # and the decimal base
+        compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {"operand_order": "msd", "base": 2})
+
+
+def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monkeypatch):
+    from falcon_fwa.tasks.addition import train
+    from falcon_fwa.tasks.addition.data import check_text, decode
+
+    texts, evaluated = [], []
+    original, original_sets = train.training_batch, train.width_set
+
+    def recording(*args, **kw):
+        batch = original(*args, **kw)
+        texts.extend(decode(ids).rstrip("_") for ids in batch.input_ids)
+        return batch
+
+    def recording_sets(*args, **kw):
+        sets = original_sets(*args, **kw)
+        evaluated.extend(s for samples in sets.values() for s in samples)
+        return sets
+
+    monkeypatch.setattr(train, "training_batch", recording)
+    monkeypatch.setattr(train, "width_set", recording_sets)
+    monkeypatch.chdir(tmp_path)  # the default folders are relative
+    budget = ["--steps", "2", "--eval-every", "2", "--hidden-size", "16", "--num-hidden-layers", "1",
+              "--num-heads", "2", "--base", "2", *SMALL]
+    run_dir = tmp_path / "runs/addition/tiny-base2/Transformer/seed0"
+    assert cli.main(["--model", "Transformer", "--out", str(run_dir), "--no-progress", *budget]) == 0
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["finished"] and res["base"] == res["preset"]["base"] == 2 and res["operand_order"] == "msd"
+    assert len(texts) == 2 * 4 and all(check_text(t, base=2) for t in texts)
+    assert all(set(t.split("=")[0]) <= set("01+") for t in texts)  # binary digits only
+    assert len(evaluated) == 5 * 2 and all(s.base == 2 and check_text(s.text, base=2) for s in evaluated)
+    with pytest.raises(ValueError, match="base"):  # no resuming in decimal
+        cli.main(["--model", "Transformer", "--steps", "3", "--out", str(run_dir), "--no-progress",
+                  "--hidden-size", "16", "--num-heads", "2", *SMALL])
+    # the comparison finds the finished run under its default folder and names the summary after the base
+    assert compare.main(["--models", "Transformer", "--seeds", "0", "--no-train", *budget]) == 0
+    meta = json.loads((tmp_path / "results/addition/tiny_base2_meta.json").read_text())
+    assert meta["base"] == 2 and meta["operand_order"] == "msd"
+    assert "numbers in base 2 (uniform guessing scores 50 % of the digits)" in \
+        (tmp_path / "results/addition/tiny_base2.md").read_text()
+    cmd = compare._command(_compare_parser().parse_args(["--base", "2"]), "Transformer", 0, tmp_path)
+    assert cmd[cmd.index("--base") + 1] == "2"
+    assert compare.task_suffixes({"operand_order": "lsd", "base": 3}) == ["lsd", "base3"]
+    assert compare.task_suffixes({"operand_order": "msd", "base": 10}) == []
 
 
 def _compare_parser():
@@ -183,6 +229,8 @@ def test_lineup_names_map_to_the_paper_variants():
         get_addition_preset("paper").replace(matmul_precision="tf32")
     with pytest.raises(ValueError, match="operand_order"):
         get_addition_preset("paper").replace(operand_order="reversed")
+    with pytest.raises(ValueError, match="preset field base"):
+        get_addition_preset("paper").replace(base=16)
     assert get_addition_preset("paper").matmul_precision == "high"  # TF32 products on the GPU
     assert get_addition_preset("tiny").matmul_precision == "highest"
     with pytest.raises(ValueError, match="num_heads"):

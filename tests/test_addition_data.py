@@ -58,6 +58,43 @@ def test_lsd_operand_order_by_hand():
     assert check_text("21+43=640$", "lsd")
 
 
+def schoolbook_binary(a: str, b: str) -> str:
+    """Bit-by-bit addition with carries, least significant bit first (independent reference)."""
+    out, carry = [], 0
+    for da, db in zip(reversed(a), reversed(b)):
+        s = (da == "1") + (db == "1") + carry
+        out.append("1" if s % 2 else "0")
+        carry = s // 2
+    out.append(str(carry))
+    return "".join(out)
+
+
+def test_binary_samples_by_hand_and_against_schoolbook():
+    s = AdditionSample(a=5, b=3, width=3, base=2)  # 101 + 011 = 1000
+    assert s.text == "101+011=0001$" and check_text(s.text, base=2) and not check_text(s.text)
+    assert AdditionSample(a=5, b=3, width=3, operand_order="lsd", base=2).text == "101+110=0001$"
+    assert AdditionSample(a=8, b=7, width=2, base=9).text == "08+07=610$"  # 8 + 7 = 15 = 16 in base 9
+    rng = random.Random(3)
+    for width in list(range(1, 49)) * 3:
+        s = make_sample(rng, width, base=2)
+        a, b = s.prompt[:-1].split("+")
+        assert len(a) == len(b) == width and set(a + b) <= {"0", "1"}
+        assert s.answer == schoolbook_binary(a, b) and check_text(s.text, base=2)
+    assert not check_text("12+01=011$", base=2)  # a digit that is not binary
+    assert check_text("2+2=11$", base=3) and not check_text("2+2=11$", base=2)
+
+
+def test_invalid_base_is_rejected():
+    for bad in (1, 11, 0, 2.0, True, "2"):
+        for call in (lambda: AdditionSample(1, 1, 1, base=bad), lambda: check_text("1+1=01", base=bad),
+                     lambda: make_sample(random.Random(0), 2, base=bad),
+                     lambda: training_batch(0, 0, 2, base=bad), lambda: width_set(0, [2], 2, base=bad)):
+            with pytest.raises(ValueError, match="base"):
+                call()
+    with pytest.raises(ValueError, match="fit"):
+        AdditionSample(8, 0, 3, base=2).prompt  # 8 needs four bits
+
+
 def test_invalid_operand_order_is_rejected():
     for call in (lambda: AdditionSample(1, 2, 1, "rev"), lambda: check_text("1+2=30", "MSD"),
                  lambda: make_sample(random.Random(0), 2, operand_order="backwards"),

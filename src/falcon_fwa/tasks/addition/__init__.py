@@ -6,7 +6,8 @@ followed by the target suffix ``rev(digits_{n+1}(a + b))`` and an end marker:
 operands are written most significant digit first and zero-padded to ``n`` digits,
 the sum is written least significant digit first and zero-padded to ``n + 1``.
 The task option ``operand_order="lsd"`` (``--operand-order lsd``) writes the operands
-least significant digit first as well (``"750+869=5201$"`` for ``57 + 968``).
+least significant digit first as well (``"750+869=5201$"`` for ``57 + 968``), and
+``base=2`` (``--base 2``) writes the numbers in binary (``"101+011=0001$"`` for ``5 + 3``).
 Training widths are uniform in 1..32; the out-of-distribution widths are 33..48.
 
 Modules: :mod:`.data` (tokenizer, seeded generator, exact checker, batches),
@@ -15,6 +16,7 @@ names and the presets), :mod:`.train` (one training run), :mod:`.compare` (the
 Table-3 lineup), :mod:`.plot` and :mod:`.cli`.
 """
 from .data import (
+    BASES,
     OPERAND_ORDERS,
     VOCAB,
     AdditionBatch,
@@ -32,6 +34,7 @@ from .metrics import AccuracyTally, position_hits, score_logits, score_predictio
 __all__ = [
     "VOCAB",
     "OPERAND_ORDERS",
+    "BASES",
     "AdditionSample",
     "AdditionBatch",
     "make_sample",

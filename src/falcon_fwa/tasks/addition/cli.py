@@ -6,6 +6,7 @@ Examples::
     falcon-fwa addition --model falcon --rule 1A --preset paper --device cuda
     falcon-fwa addition --model Transformer --preset paper --device cuda --seed 1
     falcon-fwa addition --operand-order lsd              # operands least significant digit first
+    falcon-fwa addition --base 2                          # numbers in binary
 
 Writes ``results.json``, ``checkpoint.pt``, ``best.pt`` and ``accuracy_vs_width.png``
 to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``); an interrupted
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .data import OPERAND_ORDERS
+from .data import BASES, OPERAND_ORDERS
 from .lineup import LINEUP, MIXERS, resolve_model
 from .presets import MATMUL_PRECISIONS, PRESETS, get_addition_preset
 
@@ -47,6 +48,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--operand-order", choices=OPERAND_ORDERS,
                    help="write the operands most (msd, the paper's) or least (lsd) significant digit first; "
                         "the answer is always least significant digit first (default: the preset's, msd)")
+    p.add_argument("--base", type=int, choices=BASES, metavar="{2..10}",
+                   help="radix the numbers are written in (default: the preset's, 10; 2 is binary)")
     p.add_argument("--ood-widths", type=int, nargs=2, metavar=("LO", "HI"),
                    help="override the (inclusive) range of out-of-distribution widths")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -79,7 +82,7 @@ def preset_from_args(args: argparse.Namespace):
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
         matmul_precision=args.matmul_precision, curriculum_steps=args.curriculum_steps,
-        operand_order=args.operand_order,
+        operand_order=args.operand_order, base=args.base,
         val_per_width=args.val_per_width, ood_per_width=args.ood_per_width,
         train_widths=tuple(args.train_widths) if args.train_widths else None,
         ood_widths=tuple(args.ood_widths) if args.ood_widths else None)
@@ -101,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
                    extra={"argv": list(sys.argv)})
     print(f"addition: {args.model} {fields} preset {args.preset} "
           f"(width {preset.hidden_size}, {preset.num_hidden_layers} layers, {preset.steps} steps"
-          f"{', operands ' + preset.operand_order if preset.operand_order != 'msd' else ''}) "
+          f"{', operands ' + preset.operand_order if preset.operand_order != 'msd' else ''}"
+          f"{f', base {preset.base}' if preset.base != 10 else ''}) "
           f"on {args.device} -> {out}")
     res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume)
     plot = plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from ...provenance import git_commit
 from .cli import add_model_arguments, preset_from_args, slug
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
-from .train import held_operand_order
+from .train import TASK_DEFAULTS, check_same_task, held_task, task_fields
 from ...atomic import read_json, write_json, write_text
 
 
@@ -35,10 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (same for every model)")
     add_model_arguments(p)
     p.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (processes)")
-    p.add_argument("--runs", help="folder of the individual runs (default runs/addition/<preset>, "
-                                  "runs/addition/<preset>-lsd with --operand-order lsd)")
+    p.add_argument("--runs", help="folder of the individual runs (default runs/addition/<preset>, with "
+                                  "-lsd and -base<b> appended for --operand-order lsd and --base b)")
     p.add_argument("--results", default="results/addition", help="folder of the summary files")
-    p.add_argument("--name", help="summary file stem (default: the preset name, <preset>_lsd with --operand-order lsd)")
+    p.add_argument("--name", help="summary file stem (default: the preset name, with _lsd and _base<b> appended "
+                                  "for --operand-order lsd and --base b)")
     p.add_argument("--no-train", action="store_true", help="only summarize the runs already in --runs")
     p.add_argument("--partial", action="store_true",
                    help="also summarize unfinished runs (their best evaluation so far; 'steps_done' says how far)")
@@ -61,18 +62,25 @@ def _started(run_dir: Path) -> bool:
     return f.exists() and read_json(f).get("best") is not None
 
 
-def check_operand_orders(runs: Path, models: List[str], seeds: List[int], operand_order: str) -> None:
-    """A ``ValueError`` if a run folder of the lineup holds a run in another operand order (runs
-    from before the option count as "msd"): it would be skipped as finished, or summarized, under
-    the wrong order."""
+def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[str, Any]) -> None:
+    """A ``ValueError`` if a run folder of the lineup holds a run of another task (operand order or
+    base, :data:`.train.TASK_DEFAULTS`; runs from before an option count as its default): it would
+    be skipped as finished, or summarized, under the wrong task."""
     for m in models:
         for s in seeds:
             f = _run_dir(runs, m, s) / "results.json"
             if f.exists():
-                held = held_operand_order(read_json(f))
-                if held != operand_order:
-                    raise ValueError(f"operand_order: {f.parent} holds a run with operands {held!r}, not "
-                                     f"{operand_order!r}; give --runs another folder")
+                check_same_task(held_task(read_json(f)), task, f.parent, "give --runs another folder")
+
+
+def task_suffixes(task: Dict[str, Any]) -> List[str]:
+    """Name parts of the task fields away from their defaults: ``["lsd", "base2"]`` and the like."""
+    out = []
+    if task["operand_order"] != TASK_DEFAULTS["operand_order"]:
+        out.append(task["operand_order"])
+    if task["base"] != TASK_DEFAULTS["base"]:
+        out.append(f"base{task['base']}")
+    return out
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
@@ -80,7 +88,7 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
            "--out", str(out), "--no-progress", "--preset", args.preset, "--device", args.device,
            "--dtype", args.dtype, "--eval-seed", str(args.eval_seed)]
     for flag in ("steps", "batch_size", "lr", "hidden_size", "num_hidden_layers", "num_heads", "matmul_precision",
-                 "curriculum_steps", "operand_order", "eval_every", "val_per_width", "ood_per_width", "threads"):
+                 "curriculum_steps", "operand_order", "base", "eval_every", "val_per_width", "ood_per_width", "threads"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -220,6 +228,8 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
                  f"{meta['curriculum_steps']} steps" if meta.get("curriculum_steps") else "")
               + (", operands written least significant digit first"
                  if meta.get("operand_order", "msd") != "msd" else "")
+              + (f", numbers in base {meta['base']} (uniform guessing scores {100 / meta['base']:.0f} % of the digits)"
+                 if meta.get("base", 10) != 10 else "")
               + f"), {meta['val_per_width']} validation samples per "
               f"training width, {meta['ood_per_width']} test samples per OOD width",
               f"- device: {meta['device']}; wall time of the comparison: {meta['wall_time_s']:.0f} s",
@@ -250,10 +260,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"models: unknown {m!r}; choose from {', '.join(LINEUP)}")
         resolve_model(m)
     preset = preset_from_args(args)
-    lsd = preset.operand_order != "msd"  # runs and summaries of the other order get their own default names
-    runs = Path(args.runs or Path("runs/addition") / (args.preset + ("-lsd" if lsd else "")))
-    name = args.name or args.preset + ("_lsd" if lsd else "")
-    check_operand_orders(runs, args.models, args.seeds, preset.operand_order)
+    task = task_fields(preset)  # runs and summaries of another task get their own default names
+    parts = task_suffixes(task)
+    runs = Path(args.runs or Path("runs/addition") / "-".join([args.preset, *parts]))
+    name = args.name or "_".join([args.preset, *parts])
+    check_runs_task(runs, args.models, args.seeds, task)
     t0 = time.perf_counter()
     failed = [] if args.no_train else train_all(args, runs)
     wall = time.perf_counter() - t0
@@ -285,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_size": preset.batch_size,
         "lr": preset.lr,
         "curriculum_steps": preset.curriculum_steps,
-        "operand_order": preset.operand_order,
+        **task,
         "val_per_width": preset.val_per_width,
         "ood_per_width": preset.ood_per_width,
         "seeds": seeds,

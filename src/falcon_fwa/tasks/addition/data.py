@@ -10,6 +10,12 @@ The operand order (:data:`OPERAND_ORDERS`) says how the operands are written: ``
 first, like the sum: ``rev(digits_n(a)) "+" rev(digits_n(b)) "=" ...``, e.g.
 ``"750+869=5201$"``. The answer, the loss and the metrics do not depend on it.
 
+The base (:data:`BASES`, default 10) is the radix the numbers are written in: ``base=2``
+writes them in binary, as in Kaiser and Sutskever's Neural GPU tasks, e.g. n=3, a=5, b=3:
+``"101+011=0001$"`` (5 + 3 = 8 = 1000 in binary, reversed "0001"). The vocabulary is the
+same for every base; a base-``b`` sample uses the digits ``0 .. b-1`` only, so a model that
+guesses uniformly among them scores ``1/b`` of the digits.
+
 The prompt is ``2n + 2`` tokens, the target suffix is the ``n + 1`` sum digits
 (least significant first) and the end marker ``$``: ``3n + 4`` tokens in all.
 Batches are right-padded with ``_``; a causal model's outputs at real positions
@@ -20,7 +26,7 @@ the accuracies are computed on the ``n + 1`` sum digits (:mod:`.metrics`).
 Every sample comes from a :class:`random.Random` seeded by a string naming its
 purpose (``"{seed}/train/{step}"``, ``"{seed}/eval/{width}"``), so data are
 identical across machines, Python versions and resumed runs, and no files are
-needed. Operands are uniform over ``[0, 10^n)`` (leading zeros allowed).
+needed. Operands are uniform over ``[0, base^n)`` (leading zeros allowed).
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ PAD_ID = 0
 _ID = {c: i for i, c in enumerate(VOCAB)}
 OPERAND_ORDERS = ("msd", "lsd")
 """How operands are written: most (the paper's) or least significant digit first."""
+BASES = tuple(range(2, 11))
+"""The radixes numbers can be written in (the vocabulary holds the digits 0-9)."""
 
 
 def check_operand_order(operand_order: str) -> str:
@@ -44,6 +52,25 @@ def check_operand_order(operand_order: str) -> str:
     if operand_order not in OPERAND_ORDERS:
         raise ValueError(f"operand_order must be 'msd' or 'lsd', got {operand_order!r}")
     return operand_order
+
+
+def check_base(base: int) -> int:
+    """``base`` if it is one of :data:`BASES` (an ``int`` in 2..10), else a ``ValueError``."""
+    if isinstance(base, bool) or not isinstance(base, int) or base not in BASES:
+        raise ValueError(f"base must be an integer in 2..10, got {base!r}")
+    return base
+
+
+def to_digits(x: int, width: int, base: int = 10) -> str:
+    """``x`` written with exactly ``width`` digits in ``base``, most significant first
+    (``ValueError`` if it needs more)."""
+    out = []
+    for _ in range(width):
+        x, d = divmod(x, base)
+        out.append(VOCAB[2 + d])  # the digits sit at ids 2..11
+    if x:
+        raise ValueError(f"x: does not fit in {width} base-{base} digits")
+    return "".join(reversed(out))
 
 
 def encode(text: str) -> List[int]:
@@ -61,21 +88,23 @@ def decode(ids: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class AdditionSample:
-    """``a + b`` at digit width ``width`` (``0 <= a, b < 10**width``), operands written in
-    ``operand_order`` (:data:`OPERAND_ORDERS`)."""
+    """``a + b`` at digit width ``width`` (``0 <= a, b < base**width``), written in ``base``
+    (:data:`BASES`), operands in ``operand_order`` (:data:`OPERAND_ORDERS`)."""
 
     a: int
     b: int
     width: int
     operand_order: str = "msd"
+    base: int = 10
 
     def __post_init__(self) -> None:
         check_operand_order(self.operand_order)
+        check_base(self.base)
 
     @property
     def prompt(self) -> str:
         n = self.width
-        a, b = f"{self.a:0{n}d}", f"{self.b:0{n}d}"
+        a, b = to_digits(self.a, n, self.base), to_digits(self.b, n, self.base)
         if self.operand_order == "lsd":
             a, b = a[::-1], b[::-1]
         return f"{a}{PLUS}{b}{EQUALS}"
@@ -83,28 +112,30 @@ class AdditionSample:
     @property
     def answer(self) -> str:
         """The ``width + 1`` sum digits, least significant first."""
-        return f"{self.a + self.b:0{self.width + 1}d}"[::-1]
+        return to_digits(self.a + self.b, self.width + 1, self.base)[::-1]
 
     @property
     def text(self) -> str:
         return self.prompt + self.answer + END
 
 
-def make_sample(rng: random.Random, width: int, *, operand_order: str = "msd") -> AdditionSample:
-    """Draw ``a, b`` uniformly from ``[0, 10**width)``."""
+def make_sample(rng: random.Random, width: int, *, operand_order: str = "msd", base: int = 10) -> AdditionSample:
+    """Draw ``a, b`` uniformly from ``[0, base**width)``."""
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    return AdditionSample(rng.randrange(10**width), rng.randrange(10**width), width, operand_order)
+    check_base(base)
+    return AdditionSample(rng.randrange(base**width), rng.randrange(base**width), width, operand_order, base)
 
 
-def check_text(text: str, operand_order: str = "msd") -> bool:
+def check_text(text: str, operand_order: str = "msd", base: int = 10) -> bool:
     """Exact checker: is ``text`` a well-formed sample whose answer is the sum?
 
     Accepts ``"<n digits>+<n digits>=<n+1 digits reversed>"`` with or without the
-    end marker, the operands read in ``operand_order`` (``"lsd"``: reversed); the sum
-    is verified with Python's exact integers.
+    end marker, every digit below ``base``, the operands read in ``operand_order``
+    (``"lsd"``: reversed); the sum is verified with Python's exact integers.
     """
     check_operand_order(operand_order)
+    check_base(base)
     if text.endswith(END):
         text = text[:-1]
     try:
@@ -115,11 +146,12 @@ def check_text(text: str, operand_order: str = "msd") -> bool:
     n = len(a)
     if n < 1 or len(b) != n or len(answer) != n + 1:
         return False
-    if not (a.isdigit() and b.isdigit() and answer.isdigit()):
+    digits = "0123456789"[:base]
+    if not all(c in digits for c in a + b + answer):
         return False
     if operand_order == "lsd":
         a, b = a[::-1], b[::-1]
-    return int(a) + int(b) == int(answer[::-1])
+    return int(a, base) + int(b, base) == int(answer[::-1], base)
 
 
 @dataclass
@@ -160,20 +192,20 @@ def collate(samples: Sequence[AdditionSample]) -> AdditionBatch:
 
 
 def training_batch(seed: int, step: int, batch_size: int, min_width: int = 1, max_width: int = 32, *,
-                   operand_order: str = "msd") -> AdditionBatch:
+                   operand_order: str = "msd", base: int = 10) -> AdditionBatch:
     """The training batch of ``step``: widths uniform in ``[min_width, max_width]``; the same
-    sums in either ``operand_order``."""
+    sums in either ``operand_order`` (and the same widths in every ``base``)."""
     rng = random.Random(f"{seed}/train/{step}")
-    return collate([make_sample(rng, rng.randint(min_width, max_width), operand_order=operand_order)
+    return collate([make_sample(rng, rng.randint(min_width, max_width), operand_order=operand_order, base=base)
                     for _ in range(batch_size)])
 
 
 def width_set(seed: int, widths: Sequence[int], per_width: int, *,
-              operand_order: str = "msd") -> Dict[int, List[AdditionSample]]:
+              operand_order: str = "msd", base: int = 10) -> Dict[int, List[AdditionSample]]:
     """A fixed evaluation set: ``per_width`` samples for every width in ``widths``; the same
     sums in either ``operand_order``."""
     out = {}
     for w in widths:
         rng = random.Random(f"{seed}/eval/{w}")
-        out[w] = [make_sample(rng, w, operand_order=operand_order) for _ in range(per_width)]
+        out[w] = [make_sample(rng, w, operand_order=operand_order, base=base) for _ in range(per_width)]
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
-from .data import OPERAND_ORDERS
+from .data import OPERAND_ORDERS, check_base
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 """The values of ``torch.set_float32_matmul_precision``."""
@@ -75,6 +75,9 @@ class AdditionPreset:
     operand_order: str = "msd"
     """How the operands of every sample are written (:data:`.data.OPERAND_ORDERS`): "msd" (the paper's)
     most significant digit first, "lsd" least significant digit first, like the sum."""
+    base: int = 10
+    """The radix every number is written in (:data:`.data.BASES`): 10 (the paper's decimal digits) or
+    2 for binary, as in Kaiser and Sutskever's tasks. Uniform guessing scores ``1/base`` of the digits."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_heads", "steps", "batch_size", "eval_every",
@@ -88,6 +91,10 @@ class AdditionPreset:
             raise ValueError(f"preset field 'curriculum_steps' must be >= 0, got {self.curriculum_steps}")
         if self.operand_order not in OPERAND_ORDERS:
             raise ValueError(f"preset field 'operand_order' must be 'msd' or 'lsd', got {self.operand_order!r}")
+        try:
+            check_base(self.base)
+        except ValueError as e:
+            raise ValueError(f"preset field {e}") from None
         if self.lr <= 0 or self.warmup < 0:
             raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
         if self.matmul_precision not in MATMUL_PRECISIONS:

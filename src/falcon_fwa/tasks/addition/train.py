@@ -97,9 +97,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 def eval_batches(seed: int, widths: range, per_width: int, batch: int, *,
-                 operand_order: str = "msd") -> Dict[int, List[AdditionBatch]]:
+                 operand_order: str = "msd", base: int = 10) -> Dict[int, List[AdditionBatch]]:
     """Fixed evaluation batches, one width per batch (no padding)."""
-    sets = width_set(seed, widths, per_width, operand_order=operand_order)
+    sets = width_set(seed, widths, per_width, operand_order=operand_order, base=base)
     return {w: [collate(s[i : i + batch]) for i in range(0, len(s), batch)] for w, s in sets.items()}
 
 
@@ -196,7 +196,7 @@ def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str
         "config_fields": spec.fields,
         "preset_name": spec.preset_name,
         "preset": spec.preset.to_dict(),
-        "operand_order": spec.preset.operand_order,
+        **task_fields(spec.preset),
         "size": spec.preset.size(),
         "seed": spec.seed,
         "eval_seed": spec.eval_seed,
@@ -214,9 +214,27 @@ def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str
     }
 
 
-def held_operand_order(results: Dict[str, Any]) -> str:
-    """The operand order a run's ``results.json`` records ("msd" for runs from before the option)."""
-    return results.get("operand_order", "msd")
+TASK_DEFAULTS: Dict[str, Any] = {"operand_order": "msd", "base": 10}
+"""The preset fields that change the samples themselves (not the model or the budget), with the values
+runs recorded before each field existed had."""
+
+
+def task_fields(preset) -> Dict[str, Any]:
+    """The :data:`TASK_DEFAULTS` fields of ``preset``: what a run's samples look like."""
+    return {k: getattr(preset, k) for k in TASK_DEFAULTS}
+
+
+def held_task(results: Dict[str, Any]) -> Dict[str, Any]:
+    """The :data:`TASK_DEFAULTS` fields a run's ``results.json`` records (defaults where it predates one)."""
+    return {k: results.get(k, v) for k, v in TASK_DEFAULTS.items()}
+
+
+def check_same_task(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, advice: str) -> None:
+    """A ``ValueError`` naming the first task field where the run in ``where`` (``held``) differs
+    from the one asked for (``wanted``)."""
+    for k in TASK_DEFAULTS:
+        if held[k] != wanted[k]:
+            raise ValueError(f"{k}: {where} holds a run with {k} {held[k]!r}, not {wanted[k]!r}; {advice}")
 
 
 def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, results: Dict[str, Any],
@@ -226,13 +244,12 @@ def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     (``(0, 0.0)`` when there is nothing to resume)."""
     if not ((out_dir / "checkpoint.pt").exists() and (out_dir / "results.json").exists()):
         return 0, 0.0
+    old = read_json(out_dir / "results.json")
+    check_same_task(held_task(old), held_task(results), out_dir,
+                    "give another --out, or --no-resume to start over there")
     ckpt = torch.load(out_dir / "checkpoint.pt", map_location=device, weights_only=False)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    old = read_json(out_dir / "results.json")
-    if held_operand_order(old) != results["operand_order"]:
-        raise ValueError(f"operand_order: {out_dir} holds a run with operands {held_operand_order(old)!r}, not "
-                         f"{results['operand_order']!r}; give another --out, or --no-resume to start over there")
     results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"])
     return ckpt["step"], old.get("wall_time_s", 0.0)
 
@@ -265,10 +282,9 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
     optimizer = make_optimizer(model, p)
     val_widths = range(p.train_widths[0], p.train_widths[1] + 1)
     ood_widths = range(p.ood_widths[0], p.ood_widths[1] + 1)
-    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch,
-                           operand_order=p.operand_order)
-    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch,
-                                operand_order=p.operand_order))
+    task = task_fields(p)
+    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch, **task)
+    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch, **task))
 
     results = _new_results(spec, device, sum(t.numel() for t in model.parameters()))
     start, elapsed_before = _resume(out_dir, model, optimizer, results, device) if resume else (0, 0.0)
@@ -288,7 +304,7 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_multiplier", 1.0)
         batch = training_batch(spec.seed, step, p.batch_size, p.train_widths[0], p.max_train_width(step),
-                               operand_order=p.operand_order).to(device)
+                               **task).to(device)
         loss = train_step(model, optimizer, batch, p.grad_clip, autocast,
                           label=f"step {step + 1} ({spec.model}, seed {spec.seed})")
         loss_sum += loss.item()

@@ -183,6 +183,11 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
     assert compare.main(["--models", "Transformer", "--seeds", "0", "--no-train", *budget]) == 0
     meta = json.loads((tmp_path / "results/addition/tiny_base2_meta.json").read_text())
     assert meta["base"] == 2 and meta["operand_order"] == "msd"
+    # a summary of runs trained before it has no wall time of its own: it gives the runs' instead
+    run_wall = res["wall_time_s"]
+    assert meta["wall_time_s"] is None
+    assert f"wall time of each run: {run_wall:.0f}-{run_wall:.0f} s" in \
+        (tmp_path / "results/addition/tiny_base2.md").read_text()
     assert "numbers in base 2 (uniform guessing scores 50 % of the digits)" in \
         (tmp_path / "results/addition/tiny_base2.md").read_text()
     cmd = compare._command(_compare_parser().parse_args(["--base", "2"]), "Transformer", 0, tmp_path)
@@ -214,6 +219,12 @@ def test_summary_means_and_spreads_over_seeds():
     assert r["mean_acc_33_48"] == 85.0 and r["mean_acc_33_48_std"] == pytest.approx(7.07, abs=0.01)
     assert r["acc_d33"] == 100.0 and r["acc_d48"] == 65.0 and r["val_acc"] == 99.5 and r["best_step"] == 1950
     assert r["paper"]["mean_acc_33_48"] == 87.2 and r["steps_done"] == [2000, 2000]
+    meta = {"preset_name": "paper", "train_widths": [1, 32], "ood_widths": [33, 48], "size": {}, "steps": 2000,
+            "batch_size": 128, "lr": 1e-3, "val_per_width": 64, "ood_per_width": 100, "seeds": [0, 1],
+            "device": "cpu", "wall_time_s": 12.0, "command": "c", "commit": "x"}
+    table = compare.markdown(rows, meta)
+    assert "| 85.0 ± 7.1 | 100.0/65.0 | 95.0 ± 0.0 / 99.0 / 90.0 |" in table  # both means carry the spread
+    assert "wall time of the comparison: 12 s" in table
 
 
 def test_lineup_names_map_to_the_paper_variants():

@@ -180,6 +180,14 @@ def _fmt(row: Dict[str, Any], key: str, digits: int = 1) -> str:
     return f"{row[key]:.{digits}f}" + (f" ± {std:.{digits}f}" if len(row["seeds"]) > 1 else "")
 
 
+def _wall_time(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
+    if meta.get("wall_time_s") is not None:
+        return f"wall time of the comparison: {meta['wall_time_s']:.0f} s"
+    walls = [p["wall_time_s"] for r in rows for p in r["per_seed"]]
+    return (f"wall time of each run: {min(walls):.0f}-{max(walls):.0f} s (a summary of runs trained before it; "
+            "the JSON's `per_seed` gives each)")
+
+
 def _verdict(rows: List[Dict[str, Any]], mean_key: str) -> List[str]:
     by = {r["model"]: r for r in rows}
     target = "Falcon-3A.3"
@@ -217,7 +225,7 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         pv = lambda k: "-" if p.get(k) is None else f"{p[k]:g}"  # noqa: E731
         lines.append(
             f"| {r['model']} | {'/'.join(map(str, r['steps_done']))} | {_fmt(r, 'best_step', 0)} | {_fmt(r, 'val_acc')} | {_fmt(r, mean_key)} | "
-            f"{r[f'acc_d{lo}']:.1f}/{r[f'acc_d{hi}']:.1f} | {r[f'digit_{mean_key}']:.1f} / "
+            f"{r[f'acc_d{lo}']:.1f}/{r[f'acc_d{hi}']:.1f} | {_fmt(r, f'digit_{mean_key}')} / "
             f"{r[f'digit_acc_d{lo}']:.1f} / {r[f'digit_acc_d{hi}']:.1f} | {pv('best_step')} | {pv('val_acc')} | "
             f"{pv('mean_acc_33_48')} | {pv('acc_d33')}/{pv('acc_d48')} |")
     lines += ["", "## Against the paper's goal", ""] + _verdict(rows, mean_key)
@@ -232,7 +240,7 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
                  if meta.get("base", 10) != 10 else "")
               + f"), {meta['val_per_width']} validation samples per "
               f"training width, {meta['ood_per_width']} test samples per OOD width",
-              f"- device: {meta['device']}; wall time of the comparison: {meta['wall_time_s']:.0f} s",
+              f"- device: {meta['device']}; " + _wall_time(rows, meta),
               f"- command: `{meta['command']}`", f"- commit: {meta['commit']}"]
     if meta.get("failed"):
         lines.append(f"- failed runs: {meta['failed']}")
@@ -303,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         "seeds_asked": list(args.seeds),
         "device": first["device"],
         "torch": first["torch"],
-        "wall_time_s": previous.get("wall_time_s", wall),
+        "wall_time_s": previous.get("wall_time_s", None if args.no_train else wall),
         "command": previous.get("command", _invocation()),
         "commit": previous.get("commit", _git_commit()),
         "platform": platform.platform(),

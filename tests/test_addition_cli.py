@@ -76,9 +76,11 @@ def test_compare_trains_and_writes_the_table(tmp_path):
     assert (tmp_path / "res" / "t.png").exists() and (tmp_path / "res" / "t_meta.json").exists()
 
 
-def test_lsd_operand_order_reaches_the_data_and_the_results(tmp_path, monkeypatch):
+def _record_samples(monkeypatch):
+    """Make training record what it draws: ``(texts, evaluated)``, filled as it runs with every
+    training sample as written and every validation and OOD sample."""
     from falcon_fwa.tasks.addition import train
-    from falcon_fwa.tasks.addition.data import check_text, decode
+    from falcon_fwa.tasks.addition.data import decode
 
     texts = []  # every training sample, as written
     evaluated = []  # every validation and OOD sample
@@ -96,6 +98,13 @@ def test_lsd_operand_order_reaches_the_data_and_the_results(tmp_path, monkeypatc
 
     monkeypatch.setattr(train, "training_batch", recording)
     monkeypatch.setattr(train, "width_set", recording_sets)
+    return texts, evaluated
+
+
+def test_lsd_operand_order_reaches_the_data_and_the_results(tmp_path, monkeypatch):
+    from falcon_fwa.tasks.addition.data import check_text
+
+    texts, evaluated = _record_samples(monkeypatch)
     out = tmp_path / "run"
     assert cli.main(["--model", "Transformer", "--steps", "2", "--eval-every", "2", "--operand-order", "lsd",
                      "--out", str(out), "--no-progress", "--hidden-size", "16", "--num-heads", "2", *SMALL]) == 0
@@ -148,24 +157,9 @@ def test_compare_refuses_runs_of_the_other_operand_order(tmp_path):
 
 
 def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monkeypatch):
-    from falcon_fwa.tasks.addition import train
-    from falcon_fwa.tasks.addition.data import check_text, decode
+    from falcon_fwa.tasks.addition.data import check_text
 
-    texts, evaluated = [], []
-    original, original_sets = train.training_batch, train.width_set
-
-    def recording(*args, **kw):
-        batch = original(*args, **kw)
-        texts.extend(decode(ids).rstrip("_") for ids in batch.input_ids)
-        return batch
-
-    def recording_sets(*args, **kw):
-        sets = original_sets(*args, **kw)
-        evaluated.extend(s for samples in sets.values() for s in samples)
-        return sets
-
-    monkeypatch.setattr(train, "training_batch", recording)
-    monkeypatch.setattr(train, "width_set", recording_sets)
+    texts, evaluated = _record_samples(monkeypatch)
     monkeypatch.chdir(tmp_path)  # the default folders are relative
     budget = ["--steps", "2", "--eval-every", "2", "--hidden-size", "16", "--num-hidden-layers", "1",
               "--num-heads", "2", "--base", "2", *SMALL]

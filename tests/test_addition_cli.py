@@ -163,8 +163,8 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
     monkeypatch.chdir(tmp_path)  # the default folders are relative
     budget = ["--steps", "2", "--eval-every", "2", "--hidden-size", "16", "--num-hidden-layers", "1",
               "--num-heads", "2", "--base", "2", *SMALL]
-    run_dir = tmp_path / "runs/addition/tiny-base2/Transformer/seed0"
-    assert cli.main(["--model", "Transformer", "--out", str(run_dir), "--no-progress", *budget]) == 0
+    assert cli.main(["--model", "Transformer", "--no-progress", *budget]) == 0
+    run_dir = tmp_path / "runs/addition/tiny-base2/Transformer/seed0"  # the default folder names the base
     res = json.loads((run_dir / "results.json").read_text())
     assert res["finished"] and res["base"] == res["preset"]["base"] == 2 and res["operand_order"] == "msd"
     assert len(texts) == 2 * 4 and all(check_text(t, base=2) for t in texts)
@@ -173,11 +173,13 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
     with pytest.raises(ValueError, match="base"):  # no resuming in decimal
         cli.main(["--model", "Transformer", "--steps", "3", "--out", str(run_dir), "--no-progress",
                   "--hidden-size", "16", "--num-heads", "2", *SMALL])
-    # the comparison finds the finished run under its default folder and names the summary after the base
-    assert compare.main(["--models", "Transformer", "--seeds", "0", "--no-train", *budget]) == 0
+    # the comparison finds the finished run under the same default folder, trains nothing and names the
+    # summary after the base
+    assert compare.main(["--models", "Transformer", "--seeds", "0", *budget]) == 0
+    assert len(texts) == 2 * 4  # nothing was trained again
     meta = json.loads((tmp_path / "results/addition/tiny_base2_meta.json").read_text())
     assert meta["base"] == 2 and meta["operand_order"] == "msd"
-    # a summary of runs trained before it has no wall time of its own: it gives the runs' instead
+    # a summary that trained nothing has no wall time of its own: it gives the runs' instead
     run_wall = res["wall_time_s"]
     assert meta["wall_time_s"] is None
     assert f"wall time of each run: {run_wall:.0f}-{run_wall:.0f} s" in \

@@ -9,7 +9,8 @@ Examples::
     falcon-fwa addition --base 2                          # numbers in binary
 
 Writes ``results.json``, ``checkpoint.pt``, ``best.pt`` and ``accuracy_vs_width.png``
-to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``); an interrupted
+to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``, the preset's folder named
+with ``-lsd`` / ``-base<b>`` for another operand order or base); an interrupted
 run resumes from its last evaluation when started again with the same ``--out``.
 """
 from __future__ import annotations
@@ -68,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", choices=["ctx-beta", "ctx-eta"], help="which step-size quantity the context emits")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialization and the training stream")
     add_model_arguments(p)
-    p.add_argument("--out", help="output folder (default runs/addition/<preset>/<model>/seed<seed>)")
+    p.add_argument("--out", help="output folder (default runs/addition/<preset>/<model>/seed<seed>, with -lsd and "
+                                 "-base<b> appended to <preset> for --operand-order lsd and --base b)")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     p.add_argument("--no-progress", action="store_true", help="log evaluations as lines instead of a progress bar")
 
@@ -90,7 +92,7 @@ def preset_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from .plot import plot_accuracy_by_position, plot_accuracy_vs_width
-    from .train import RunSpec, train_run
+    from .train import RunSpec, runs_folder, task_fields, train_run
 
     fields = resolve_model(args.model, {"rule": args.rule, "window": args.window,
                                         "qk_norm": args.qk_norm, "gate": args.gate})
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or (preset.cpu_threads if args.device == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
-    out = Path(args.out or Path("runs/addition") / args.preset / slug(args.model) / f"seed{args.seed}")
+    out = Path(args.out or runs_folder(args.preset, task_fields(preset)) / slug(args.model) / f"seed{args.seed}")
     spec = RunSpec(model=args.model, fields=fields, preset_name=args.preset, preset=preset, seed=args.seed,
                    eval_seed=args.eval_seed, device=args.device, dtype=args.dtype,
                    extra={"argv": list(sys.argv)})

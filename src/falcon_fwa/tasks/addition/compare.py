@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from ...provenance import git_commit
 from .cli import add_model_arguments, preset_from_args, slug
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
-from .train import TASK_DEFAULTS, check_same_task, held_task, task_fields
+from .train import check_same_task, held_task, runs_folder, task_fields, task_suffixes
 from ...atomic import read_json, write_json, write_text
 
 
@@ -72,15 +72,6 @@ def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[
             if f.exists():
                 check_same_task(held_task(read_json(f)), task, f.parent, "give --runs another folder")
 
-
-def task_suffixes(task: Dict[str, Any]) -> List[str]:
-    """Name parts of the task fields away from their defaults: ``["lsd", "base2"]`` and the like."""
-    out = []
-    if task["operand_order"] != TASK_DEFAULTS["operand_order"]:
-        out.append(task["operand_order"])
-    if task["base"] != TASK_DEFAULTS["base"]:
-        out.append(f"base{task['base']}")
-    return out
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
@@ -269,13 +260,14 @@ def run(args: argparse.Namespace) -> int:
         resolve_model(m)
     preset = preset_from_args(args)
     task = task_fields(preset)  # runs and summaries of another task get their own default names
-    parts = task_suffixes(task)
-    runs = Path(args.runs or Path("runs/addition") / "-".join([args.preset, *parts]))
-    name = args.name or "_".join([args.preset, *parts])
+    runs = Path(args.runs or runs_folder(args.preset, task))
+    name = args.name or "_".join([args.preset, *task_suffixes(task)])
     check_runs_task(runs, args.models, args.seeds, task)
+    # nothing to train (--no-train, or every run already finished): the summary has no wall time of its own
+    trains = not args.no_train and any(not _finished(_run_dir(runs, m, s)) for s in args.seeds for m in args.models)
     t0 = time.perf_counter()
-    failed = [] if args.no_train else train_all(args, runs)
-    wall = time.perf_counter() - t0
+    failed = train_all(args, runs) if trains else []
+    wall = time.perf_counter() - t0 if trains else None
 
     usable = _started if args.partial else _finished
     # the table uses the seeds that every model finished, so all rows average the same seeds
@@ -311,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         "seeds_asked": list(args.seeds),
         "device": first["device"],
         "torch": first["torch"],
-        "wall_time_s": previous.get("wall_time_s", None if args.no_train else wall),
+        "wall_time_s": previous.get("wall_time_s", wall),
         "command": previous.get("command", _invocation()),
         "commit": previous.get("commit", _git_commit()),
         "platform": platform.platform(),

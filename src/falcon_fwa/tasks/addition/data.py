@@ -194,7 +194,7 @@ def collate(samples: Sequence[AdditionSample]) -> AdditionBatch:
 def training_batch(seed: int, step: int, batch_size: int, min_width: int = 1, max_width: int = 32, *,
                    operand_order: str = "msd", base: int = 10) -> AdditionBatch:
     """The training batch of ``step``: widths uniform in ``[min_width, max_width]``; the same
-    sums in either ``operand_order`` (and the same widths in every ``base``)."""
+    sums in either ``operand_order``."""
     rng = random.Random(f"{seed}/train/{step}")
     return collate([make_sample(rng, rng.randint(min_width, max_width), operand_order=operand_order, base=base)
                     for _ in range(batch_size)])

@@ -76,8 +76,9 @@ class AdditionPreset:
     """How the operands of every sample are written (:data:`.data.OPERAND_ORDERS`): "msd" (the paper's)
     most significant digit first, "lsd" least significant digit first, like the sum."""
     base: int = 10
-    """The radix every number is written in (:data:`.data.BASES`): 10 (the paper's decimal digits) or
-    2 for binary, as in Kaiser and Sutskever's tasks. Uniform guessing scores ``1/base`` of the digits."""
+    """The radix every number is written in (:data:`.data.BASES`): 10 (decimal, the default; the paper
+    does not name a base) or 2 for binary, as in Kaiser and Sutskever's tasks, which the paper cites.
+    Uniform guessing scores ``1/base`` of the digits."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_heads", "steps", "batch_size", "eval_every",

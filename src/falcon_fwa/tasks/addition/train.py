@@ -224,6 +224,23 @@ def task_fields(preset) -> Dict[str, Any]:
     return {k: getattr(preset, k) for k in TASK_DEFAULTS}
 
 
+def task_suffixes(task: Dict[str, Any]) -> List[str]:
+    """Name parts of the task fields away from their defaults: ``["lsd", "base2"]`` and the like."""
+    out = []
+    if task["operand_order"] != TASK_DEFAULTS["operand_order"]:
+        out.append(task["operand_order"])
+    if task["base"] != TASK_DEFAULTS["base"]:
+        out.append(f"base{task['base']}")
+    return out
+
+
+def runs_folder(preset_name: str, task: Dict[str, Any]) -> Path:
+    """The default folder of a preset's runs: ``runs/addition/<preset>``, with ``-lsd``, ``-base2`` and
+    the like appended for the task fields away from their defaults, so that runs of different tasks
+    never share a folder. A run of one model and seed goes to ``<folder>/<model>/seed<seed>``."""
+    return Path("runs/addition") / "-".join([preset_name, *task_suffixes(task)])
+
+
 def held_task(results: Dict[str, Any]) -> Dict[str, Any]:
     """The :data:`TASK_DEFAULTS` fields a run's ``results.json`` records (defaults where it predates one)."""
     return {k: results.get(k, v) for k, v in TASK_DEFAULTS.items()}

@@ -46,7 +46,8 @@ PAPER_TABLE3: Dict[str, Dict[str, float]] = {
     "Falcon-3A.3": {"best_step": 2000, "val_acc": 99.9, "mean_acc_33_48": 87.2, "acc_d33": 100.0, "acc_d48": 69.0},
     "Falcon-1.3": {"best_step": None, "val_acc": None, "mean_acc_33_48": 68.8, "acc_d33": 100.0, "acc_d48": 48.0},
 }
-"""The paper's Table 3 (Falcon-1.3 is quoted in the text without best step or validation accuracy)."""
+"""The paper's Table 3. Falcon-1.3's row is from an earlier version of the paper (the revised table drops
+it), which gives no best step or validation accuracy for it."""
 
 BASELINES = ("Transformer", "Mamba-2", "RetNet")
 

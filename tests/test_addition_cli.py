@@ -179,6 +179,13 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
     assert len(texts) == 2 * 4  # nothing was trained again
     meta = json.loads((tmp_path / "results/addition/tiny_base2_meta.json").read_text())
     assert meta["base"] == 2 and meta["operand_order"] == "msd"
+    # the scale is scored on the runs' own OOD samples (eval seed, OOD widths 4-5, two per width, binary)
+    from falcon_fwa.tasks.addition.data import width_set
+    from falcon_fwa.tasks.addition.reference import reference_scores
+
+    ood = [x for v in width_set(1234, range(4, 6), 2, base=2).values() for x in v]
+    assert meta["eval_seed"] == 1234 and meta["reference"] == reference_scores(ood)
+    assert meta["reference"]["uniform"]["digit"] == 50.0
     # a summary that trained nothing has no wall time of its own: it gives the runs' instead
     run_wall = res["wall_time_s"]
     assert meta["wall_time_s"] is None
@@ -186,6 +193,7 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
         (tmp_path / "results/addition/tiny_base2.md").read_text()
     assert "numbers in base 2 (uniform guessing scores 50 % of the digits)" in \
         (tmp_path / "results/addition/tiny_base2.md").read_text()
+    assert "| carry from the 2 places below |" in (tmp_path / "results/addition/tiny_base2.md").read_text()
     cmd = compare._command(_compare_parser().parse_args(["--base", "2"]), "Transformer", 0, tmp_path)
     assert cmd[cmd.index("--base") + 1] == "2"
     assert compare.task_suffixes({"operand_order": "lsd", "base": 3}) == ["lsd", "base3"]

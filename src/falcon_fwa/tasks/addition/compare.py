@@ -6,8 +6,9 @@ Each (model, seed) is one ``falcon-fwa addition`` run in its own process
 started again, so an interrupted comparison resumes. The summary goes to
 ``<results>/<name>.json`` (a list of rows with ``model``, ``mean_acc_33_48``,
 ``acc_d33``, ``acc_d48``, ``val_acc``, ``best_step``, ``seeds``: means over seeds, with
-``*_std`` and per-seed values), ``<name>_meta.json`` (budget, operand order, seeds,
-device, wall time, command, commit), ``<name>.md`` (the table next to the paper's numbers) and
+``*_std`` and per-seed values), ``<name>_meta.json`` (budget, operand order, base, seeds,
+device, wall time, command, commit, and the reference scores of :mod:`.reference` on the OOD set),
+``<name>.md`` (the table next to the paper's numbers) and
 ``<name>.png`` (accuracy against digit width).
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Any, Dict, List, Optional
 
 from ...provenance import git_commit
 from .cli import add_model_arguments, preset_from_args, slug
+from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
+from .reference import reference_scores
 from .train import check_same_task, held_task, runs_folder, task_fields, task_suffixes
 from ...atomic import read_json, write_json, write_text
 
@@ -220,6 +223,16 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
             f"{r[f'digit_acc_d{lo}']:.1f} / {r[f'digit_acc_d{hi}']:.1f} | {pv('best_step')} | {pv('val_acc')} | "
             f"{pv('mean_acc_33_48')} | {pv('acc_d33')}/{pv('acc_d48')} |")
     lines += ["", "## Against the paper's goal", ""] + _verdict(rows, mean_key)
+    if meta.get("reference"):
+        lines += ["", f"## Scale: what simple rules score on widths {lo}-{hi}", "",
+                  "Rules that read every operand digit right and take each carry from the few places below "
+                  "only (`reference.short_carry_answer`), and uniform guessing, on the same OOD samples:", "",
+                  "| rule | digits | exact |", "|---|---|---|"]
+        for key, v in meta["reference"].items():
+            window = key.rsplit("_", 1)[-1]
+            rule = ("uniform guessing" if key == "uniform" else "no carry" if window == "0"
+                    else f"carry from the {window} place{'s' if window != '1' else ''} below")
+            lines.append(f"| {rule} | {v['digit']:.1f} | {v['exact']:.1f} |")
     lines += ["", "## Run", "",
               f"- seeds: {meta['seeds']}; every model: {meta['size']} ({meta['steps']} steps, batch "
               f"{meta['batch_size']}, peak lr {meta['lr']}"
@@ -238,6 +251,13 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     if meta.get("notes"):
         lines += ["", "## Notes", "", meta["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _ood_reference(eval_seed: int, preset) -> Dict[str, Dict[str, float]]:
+    """:func:`.reference.reference_scores` on the OOD samples the runs were tested on."""
+    lo, hi = preset.ood_widths
+    sets = width_set(eval_seed, range(lo, hi + 1), preset.ood_per_width, **task_fields(preset))
+    return reference_scores(s for samples in sets.values() for s in samples)
 
 
 def _invocation() -> str:
@@ -309,6 +329,8 @@ def run(args: argparse.Namespace) -> int:
         "platform": platform.platform(),
         "failed": previous.get("failed", []) + failed,
         "notes": previous.get("notes", ""),
+        "eval_seed": args.eval_seed,
+        "reference": _ood_reference(args.eval_seed, preset),
     }
     write_json(summary_file, rows)
     write_json(meta_file, meta)

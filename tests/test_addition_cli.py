@@ -184,7 +184,7 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
     from falcon_fwa.tasks.addition.reference import reference_scores
 
     ood = [x for v in width_set(1234, range(4, 6), 2, base=2).values() for x in v]
-    assert meta["eval_seed"] == 1234 and meta["reference"] == reference_scores(ood)
+    assert meta["eval_seed"] == 1234 and meta["reference"] == reference_scores(ood)  # the same samples
     assert meta["reference"]["uniform"]["digit"] == 50.0
     # a summary that trained nothing has no wall time of its own: it gives the runs' instead
     run_wall = res["wall_time_s"]

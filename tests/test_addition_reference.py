@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from falcon_fwa.tasks.addition.data import AdditionSample, check_text, make_sample
+from falcon_fwa.tasks.addition.data import AdditionSample, check_text, make_sample, width_set
 from falcon_fwa.tasks.addition.reference import reference_scores, short_carry_answer
 
 
@@ -42,3 +42,10 @@ def test_reference_scores_by_hand():
     assert binary["uniform"]["digit"] == pytest.approx(50.0)
     with pytest.raises(ValueError, match="samples"):
         reference_scores([])
+    with pytest.raises(TypeError, match="samples"):
+        reference_scores([3, 4])
+
+
+def test_reference_scores_take_a_width_set():
+    sets = width_set(5, [3, 7], 4, base=3)
+    assert reference_scores(sets) == reference_scores(sets[3] + sets[7])

@@ -256,8 +256,7 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
 def _ood_reference(eval_seed: int, preset) -> Dict[str, Dict[str, float]]:
     """:func:`.reference.reference_scores` on the OOD samples the runs were tested on."""
     lo, hi = preset.ood_widths
-    sets = width_set(eval_seed, range(lo, hi + 1), preset.ood_per_width, **task_fields(preset))
-    return reference_scores(s for samples in sets.values() for s in samples)
+    return reference_scores(width_set(eval_seed, range(lo, hi + 1), preset.ood_per_width, **task_fields(preset)))
 
 
 def _invocation() -> str:

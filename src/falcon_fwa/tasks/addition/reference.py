@@ -15,7 +15,7 @@ digits than answers (:func:`reference_scores`).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Mapping, Sequence, Union
 
 from .data import AdditionSample
 
@@ -51,15 +51,19 @@ def short_carry_answer(sample: AdditionSample, window: int) -> str:
     return "".join(out)
 
 
-def reference_scores(samples: Iterable[AdditionSample],
+def reference_scores(samples: Union[Iterable[AdditionSample], Mapping[int, Sequence[AdditionSample]]],
                      windows: Sequence[int] = REFERENCE_WINDOWS) -> Dict[str, Dict[str, float]]:
     """Scores (percent, pooled over ``samples``) of uniform guessing and of :func:`short_carry_answer`
     at each carry window: ``{"uniform": {"digit": 100 / base, "exact": ...}, "carry_window_0": {"digit":
     ..., "exact": ...}, ...}``. Guessing's exact score is its expectation, ``base ** -(width + 1)``
-    averaged over the samples."""
+    averaged over the samples. ``samples`` may also be a set by width, as :func:`.data.width_set` returns."""
+    if isinstance(samples, Mapping):
+        samples = [s for group in samples.values() for s in group]
     samples = list(samples)
     if not samples:
         raise ValueError("samples: empty")
+    if not all(isinstance(s, AdditionSample) for s in samples):
+        raise TypeError("samples: expected AdditionSample items (or a width_set dict of them)")
     n_digits = sum(s.width + 1 for s in samples)
     out = {"uniform": {
         "digit": 100.0 * sum((s.width + 1) / s.base for s in samples) / n_digits,

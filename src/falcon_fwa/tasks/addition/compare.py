@@ -76,7 +76,6 @@ def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[
                 check_same_task(held_task(read_json(f)), task, f.parent, "give --runs another folder")
 
 
-
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
     cmd = [sys.executable, "-m", "falcon_fwa.tasks.addition.cli", "--model", model, "--seed", str(seed),
            "--out", str(out), "--no-progress", "--preset", args.preset, "--device", args.device,

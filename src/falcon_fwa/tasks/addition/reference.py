@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Mapping, Sequence, Union
 
-from .data import AdditionSample
+from .data import AdditionSample, to_digits
 
 __all__ = ["short_carry_answer", "reference_scores", "REFERENCE_WINDOWS"]
 
@@ -27,11 +27,7 @@ REFERENCE_WINDOWS = (0, 1, 2, 3)
 
 def _digits(x: int, n: int, base: int) -> List[int]:
     """The ``n`` digits of ``x`` in ``base``, least significant first."""
-    out = []
-    for _ in range(n):
-        x, d = divmod(x, base)
-        out.append(d)
-    return out
+    return [int(c) for c in reversed(to_digits(x, n, base))]
 
 
 def short_carry_answer(sample: AdditionSample, window: int) -> str:

@@ -1,5 +1,6 @@
 """Addition task: smoke runs of ``falcon-fwa addition`` / ``addition-compare`` and the summary."""
 import contextlib
+import importlib.util
 import json
 
 import pytest
@@ -194,6 +195,8 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
     assert "numbers in base 2 (uniform guessing scores 50 % of the digits)" in \
         (tmp_path / "results/addition/tiny_base2.md").read_text()
     assert "| carry from the 2 places below |" in (tmp_path / "results/addition/tiny_base2.md").read_text()
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "results/addition/tiny_base2_positions.png").stat().st_size > 0
     cmd = compare._command(_compare_parser().parse_args(["--base", "2"]), "Transformer", 0, tmp_path)
     assert cmd[cmd.index("--base") + 1] == "2"
     assert compare.task_suffixes({"operand_order": "lsd", "base": 3}) == ["lsd", "base3"]
@@ -332,6 +335,23 @@ def test_validation_loss_sees_the_training_widths_only():
     assert train.mean_loss(losses, range(1, 3)) == pytest.approx(math.log(1 + (V - 1) * math.exp(-3.0)))
     assert train.mean_loss(losses, range(6, 8)) == pytest.approx(math.log(V))
     assert tally.exact_acc(range(1, 3)) == 100.0
+
+
+def test_position_curves_average_seeds_and_skip_runs_without_positions(tmp_path, capsys):
+    from falcon_fwa.tasks.addition.plot import plot_lineup_positions, position_curve
+
+    def run(per):
+        return {"preset": {"train_widths": [1, 2], "base": 2}, "best": {"step": 1, "per_position": per}}
+
+    a, b = run({"2": [100.0, 50.0, 0.0]}), run({"2": [50.0, 50.0, 100.0]})
+    assert position_curve([a, b], 2) == [75.0, 50.0, 50.0]
+    assert position_curve([a, b], 3) is None  # a width no run recorded
+    assert position_curve([a, run({})], 2) is None  # a run from before positions were recorded
+    # nothing to draw at all: no file, and it says so
+    assert plot_lineup_positions({"m": [run({})]}, tmp_path / "p.png", widths=[2]) is None
+    assert "no position plot" in capsys.readouterr().out and not (tmp_path / "p.png").exists()
+    if importlib.util.find_spec("matplotlib"):
+        assert plot_lineup_positions({"m": [a, b]}, tmp_path / "p.png", widths=[2, 3]).stat().st_size > 0
 
 
 def test_position_heat_map_places_rows_by_width(tmp_path, capsys, monkeypatch):

@@ -8,8 +8,9 @@ started again, so an interrupted comparison resumes. The summary goes to
 ``acc_d33``, ``acc_d48``, ``val_acc``, ``best_step``, ``seeds``: means over seeds, with
 ``*_std`` and per-seed values), ``<name>_meta.json`` (budget, operand order, base, seeds,
 device, wall time, command, commit, and the reference scores of :mod:`.reference` on the OOD set),
-``<name>.md`` (the table next to the paper's numbers) and
-``<name>.png`` (accuracy against digit width).
+``<name>.md`` (the table next to the paper's numbers),
+``<name>.png`` (accuracy against digit width) and ``<name>_positions.png`` (accuracy by answer
+position at the largest training width and the first and last OOD widths).
 """
 from __future__ import annotations
 
@@ -270,7 +271,7 @@ def _git_commit() -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .plot import plot_accuracy_vs_width
+    from .plot import plot_accuracy_vs_width, plot_lineup_positions
 
     for m in args.models:
         if m not in LINEUP:
@@ -335,8 +336,13 @@ def run(args: argparse.Namespace) -> int:
     write_text(summary_file.with_suffix(".md"), markdown(rows, meta))
     plot = plot_accuracy_vs_width(results, summary_file.with_suffix(".png"),
                                   title=f"addition, {args.preset} preset, seeds {seeds}")
+    # by answer position at the largest training width and the first and last OOD widths
+    positions = plot_lineup_positions(results, summary_file.with_name(f"{name}_positions.png"),
+                                      widths=sorted({preset.train_widths[1], *preset.ood_widths}),
+                                      title=f"addition, {args.preset} preset, seeds {seeds}: best step")
     print(markdown(rows, meta))
-    print(f"wrote {summary_file}, {meta_file}, {summary_file.with_suffix('.md')}" + (f", {plot}" if plot else ""))
+    plots = "".join(f", {p}" for p in (plot, positions) if p)
+    print(f"wrote {summary_file}, {meta_file}, {summary_file.with_suffix('.md')}" + plots)
     return 1 if failed else 0
 
 

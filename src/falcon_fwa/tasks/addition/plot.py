@@ -1,8 +1,9 @@
-"""Plot of teacher-forced accuracy against digit width, one line per model."""
+"""Plots of teacher-forced accuracy: against digit width (one line per model), by answer position
+for a lineup (one line per model, one panel per width) and for one run (a heat map)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from ...atomic import atomic_path
 
@@ -11,6 +12,15 @@ def width_curve(runs: List[Dict[str, Any]], key: str) -> Dict[int, float]:
     """Mean over ``runs`` (seeds) of the best step's per-width accuracy ``key`` ("exact"/"digit")."""
     widths = sorted(int(w) for w in runs[0]["best"]["per_width"])
     return {w: sum(r["best"]["per_width"][str(w)][key] for r in runs) / len(runs) for w in widths}
+
+
+def position_curve(runs: List[Dict[str, Any]], width: int) -> Optional[List[float]]:
+    """Mean over ``runs`` (seeds) of the best step's digit accuracy at each answer position ``k = 0 ..
+    width`` of ``width`` (``best["per_position"]``); ``None`` if a run did not record it."""
+    pers = [(r.get("best") or {}).get("per_position") or {} for r in runs]
+    if not all(str(width) in p for p in pers):
+        return None
+    return [sum(p[str(width)][k] for p in pers) / len(pers) for k in range(width + 1)]
 
 
 def _pyplot():
@@ -103,3 +113,37 @@ def plot_accuracy_by_position(result: Dict[str, Any], path, title: Optional[str]
     fig.colorbar(im, ax=ax, label="digit accuracy (%)")
     fig.tight_layout()
     return _save(plt, fig, path, dpi=110)
+
+
+def plot_lineup_positions(runs: Dict[str, List[Dict[str, Any]]], path, widths: Sequence[int],
+                          title: Optional[str] = None) -> Optional[Path]:
+    """Digit accuracy by answer position (x: ``k = 0`` the units digit), one panel per width in
+    ``widths`` and one line per model (the mean over its seeds, :func:`position_curve`), with
+    uniform guessing (``100 / base``) dotted. ``runs`` as in :func:`plot_accuracy_vs_width`. Where
+    the lines fall shows which answer digits a model finds and which it does not. Returns ``None``
+    (and draws nothing) without matplotlib, or when no run recorded ``per_position`` at these widths."""
+    curves = {w: {name: c for name, rs in runs.items() if (c := position_curve(rs, w)) is not None} for w in widths}
+    curves = {w: c for w, c in curves.items() if c}
+    if not curves:
+        print("no accuracy by answer position at these widths (runs from before it was recorded): no position plot")
+        return None
+    plt = _pyplot()
+    if plt is None:
+        return None
+    first = next(iter(runs.values()))[0]["preset"]
+    chance = 100.0 / first.get("base", 10)
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves) + 1, 4.2), sharey=True, squeeze=False)
+    for ax, (w, by_model) in zip(axes[0], curves.items()):
+        for name, curve in by_model.items():
+            ax.plot(range(w + 1), curve, marker=".", label=name)
+        ax.axhline(chance, color="0.5", ls=":", lw=1)
+        ax.set_xlabel("answer position k (0 = units digit)")
+        seen = first["train_widths"][0] <= w <= first["train_widths"][1]
+        ax.set_title(f"width {w} ({'training' if seen else 'out of distribution'})")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("digit accuracy (%); dotted: guessing")
+    axes[0][-1].legend(fontsize=8, loc="lower left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(plt, fig, path, dpi=120)

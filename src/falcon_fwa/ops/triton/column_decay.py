@@ -86,7 +86,7 @@ def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_aft
     c = _config("dqk_bwd", K, V)
     kern.dqk_bwd[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, dh, do, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=True, HAS_DH=True, ADD_DX=False, PRECISION=prec, **c, **meta)
+        READ_AFTER=read_after, PRECISION=prec, **c, **meta)
     return dq, dx, dv, deta, dlog_a, dS0
 
 

@@ -400,15 +400,13 @@ def dv_bwd(
 def dqk_bwd(
     q, x, v, eta, u, h, dh, do, dq, dx, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HAS_ETA: tl.constexpr,
-    HAS_DH: tl.constexpr, ADD_DX: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` and ``dx`` of every chunk (key
     columns ``o_k``). ``D`` ``[BT, BT]`` is summed over the value blocks in a loop, level
     by level; ``dx`` is accumulated transposed (``dx^T = Q^T D``, ``[BK, BT]``), so that
-    no dot result is ever transposed. ``HAS_ETA=False``: the values are ``v`` itself;
-    ``HAS_DH=False``: no exit-state gradient (``dh`` unused); ``ADD_DX``: ``dx`` is added to
-    what the buffer holds (each program owns its rows and key columns)."""
+    no dot result is ever transposed. Rule 2A's (rule 2 has its own, ``column_delta_kernels.
+    dqk_bwd_two_reads``): the writes are ``eta * v`` and the exit state has a gradient."""
     i_k, i_h = tl.program_id(0), tl.program_id(2)
     i_c = tl.program_id(1)
     i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
@@ -427,7 +425,7 @@ def dqk_bwd(
         b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
         b_uq = _query_prefix(u, b_u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
         b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
-        b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, HAS_ETA)
+        b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True)
         if READ_AFTER:
             b_dd += tl.sum(b_do * b_U, axis=1)
         for lvl in range(LEVELS):
@@ -450,16 +448,12 @@ def dqk_bwd(
         b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
         b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0)
         b_dq += tl.dot((b_do * _decay(b_uq, m_r[:, None])).to(dt), b_ht, input_precision=PRECISION)
-        if HAS_DH:
-            b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, HAS_ETA)
-            u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
-            b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-            b_wc = (b_U * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
-            b_dxt += tl.dot(b_dh, tl.trans(b_wc), input_precision=PRECISION)
+        b_U = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True)
+        u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
+        b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_wc = (b_U * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
+        b_dxt += tl.dot(b_dh, tl.trans(b_wc), input_precision=PRECISION)
     tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
              mask=m_r[:, None] & m_k[None, :])
-    dx_ptr = dx + (rows[None, :] * H + i_h) * K + o_k[:, None]
-    m_dx = m_r[None, :] & m_k[:, None]
-    if ADD_DX:
-        b_dxt += tl.load(dx_ptr, mask=m_dx, other=0.0).to(tl.float32)
-    tl.store(dx_ptr, b_dxt.to(dx.dtype.element_ty), mask=m_dx)
+    tl.store(dx + (rows[None, :] * H + i_h) * K + o_k[:, None], b_dxt.to(dx.dtype.element_ty),
+             mask=m_r[None, :] & m_k[:, None])

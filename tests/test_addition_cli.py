@@ -2,6 +2,7 @@
 import contextlib
 import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -134,6 +135,30 @@ def test_compare_passes_the_operand_order_and_states_it(tmp_path):
     assert note not in compare.markdown(rows, {**meta, "operand_order": "msd"})
     assert note not in compare.markdown(rows, meta)  # summaries written before the option
     assert note in compare.markdown(rows, {**meta, "operand_order": "lsd"})
+
+
+def test_compare_rewrite_records_its_own_command_and_the_training_one(tmp_path, monkeypatch):
+    args = ["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2", "--runs",
+            str(tmp_path / "runs"), "--results", str(tmp_path / "res"), "--name", "t", "--hidden-size", "16",
+            "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]
+    meta_file, md_file = tmp_path / "res" / "t_meta.json", tmp_path / "res" / "t.md"
+
+    def compare_as_cli(extra):
+        monkeypatch.setattr(sys, "argv", ["falcon-fwa", "addition-compare", *args, *extra])
+        assert compare.main(args + extra) == 0
+        return json.loads(meta_file.read_text())
+
+    trained = compare_as_cli([])
+    assert trained["command"] == "falcon-fwa addition-compare " + " ".join(args)
+    assert trained["trained_by"] is None and trained["wall_time_s"] is not None
+    # a rewrite with another seed list: its own command (not the earlier one) and the training command kept
+    rewrite = compare_as_cli(["--no-train", "--seeds", "0", "1"])
+    assert rewrite["command"].endswith("--no-train --seeds 0 1") and rewrite["seeds_asked"] == [0, 1]
+    assert rewrite["trained_by"] == trained["command"] and rewrite["wall_time_s"] is None
+    assert f"the runs were trained by: `{trained['command']}`" in md_file.read_text()
+    assert compare_as_cli(["--no-train"])["trained_by"] == trained["command"]  # kept over rewrites
+    # a summary that trained: nothing to keep
+    assert compare_as_cli(["--seeds", "1"])["trained_by"] is None
 
 
 def test_compare_refuses_runs_of_the_other_operand_order(tmp_path):

@@ -246,6 +246,8 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
               f"training width, {meta['ood_per_width']} test samples per OOD width",
               f"- device: {meta['device']}; " + _wall_time(rows, meta),
               f"- command: `{meta['command']}`", f"- commit: {meta['commit']}"]
+    if meta.get("trained_by"):
+        lines.append(f"- the runs were trained by: `{meta['trained_by']}`")
     if meta.get("failed"):
         lines.append(f"- failed runs: {meta['failed']}")
     if meta.get("notes"):
@@ -305,7 +307,11 @@ def run(args: argparse.Namespace) -> int:
     first = next(iter(results.values()))[0]
     summary_file = Path(args.results) / f"{name}.json"
     meta_file = Path(args.results) / f"{name}_meta.json"
-    previous = read_json(meta_file) if meta_file.exists() and args.no_train else {}
+    # a rewrite from finished runs (--no-train) records its own command and commit, and keeps the
+    # command that trained the runs, if an earlier summary of this name recorded one
+    previous = read_json(meta_file) if meta_file.exists() and not trains else {}
+    trained_by = previous.get("trained_by") or (
+        previous["command"] if "--no-train" not in previous.get("command", "--no-train") else None)
     meta = {
         "preset_name": args.preset,
         "train_widths": list(preset.train_widths),
@@ -322,9 +328,10 @@ def run(args: argparse.Namespace) -> int:
         "seeds_asked": list(args.seeds),
         "device": first["device"],
         "torch": first["torch"],
-        "wall_time_s": previous.get("wall_time_s", wall),
-        "command": previous.get("command", _invocation()),
-        "commit": previous.get("commit", _git_commit()),
+        "wall_time_s": wall,
+        "command": _invocation(),
+        "commit": _git_commit(),
+        "trained_by": trained_by,
         "platform": platform.platform(),
         "failed": previous.get("failed", []) + failed,
         "notes": previous.get("notes", ""),

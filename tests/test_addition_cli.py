@@ -156,7 +156,13 @@ def test_compare_rewrite_records_its_own_command_and_the_training_one(tmp_path, 
     assert rewrite["command"].endswith("--no-train --seeds 0 1") and rewrite["seeds_asked"] == [0, 1]
     assert rewrite["trained_by"] == trained["command"] and rewrite["wall_time_s"] is None
     assert f"the runs were trained by: `{trained['command']}`" in md_file.read_text()
+    assert rewrite["failed"] == ["Transformer seed 1 (no run)"]  # the runs' own state, not the earlier list
     assert compare_as_cli(["--no-train"])["trained_by"] == trained["command"]  # kept over rewrites
+    res_file = tmp_path / "runs" / "Transformer" / "seed0" / "results.json"
+    res = json.loads(res_file.read_text())
+    res_file.write_text(json.dumps({**res, "finished": False, "steps_done": 1}))  # as a run cut short
+    assert compare_as_cli(["--no-train", "--partial"])["failed"] == ["Transformer seed 0 (unfinished: 1 of 2 steps)"]
+    res_file.write_text(json.dumps(res))
     # a summary that trained: nothing to keep
     assert compare_as_cli(["--seeds", "1"])["trained_by"] is None
 

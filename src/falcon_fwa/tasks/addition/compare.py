@@ -66,6 +66,20 @@ def _started(run_dir: Path) -> bool:
     return f.exists() and read_json(f).get("best") is not None
 
 
+def unfinished_runs(runs: Path, models: List[str], seeds: List[int]) -> List[str]:
+    """The lineup's runs that are missing or stopped before their last step, as the summary lists them."""
+    out = []
+    for s in seeds:
+        for m in models:
+            f = _run_dir(runs, m, s) / "results.json"
+            if not f.exists():
+                out.append(f"{m} seed {s} (no run)")
+            elif not read_json(f).get("finished", False):
+                r = read_json(f)
+                out.append(f"{m} seed {s} (unfinished: {r.get('steps_done')} of {r['preset']['steps']} steps)")
+    return out
+
+
 def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[str, Any]) -> None:
     """A ``ValueError`` if a run folder of the lineup holds a run of another task (operand order or
     base, :data:`.train.TASK_DEFAULTS`; runs from before an option count as its default): it would
@@ -333,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
         "commit": _git_commit(),
         "trained_by": trained_by,
         "platform": platform.platform(),
-        "failed": previous.get("failed", []) + failed,
+        # what this command's training left undone, or, with nothing trained, the runs' own state
+        "failed": failed if trains else unfinished_runs(runs, args.models, args.seeds),
         "notes": previous.get("notes", ""),
         "eval_seed": args.eval_seed,
         "reference": _ood_reference(args.eval_seed, preset),

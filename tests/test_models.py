@@ -84,6 +84,25 @@ def test_padding_never_leaks(mixer, overrides):
                 assert float((got - ref).abs().max()) <= 1e-10, (side, b)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_loss_equals_the_unpadded_loss(side):
+    """A padded batch's loss is the mean next-token NLL of its sequences alone: with left padding
+    the first real token is not scored against the (zero) logits of the pad before it."""
+    model = _model("falcon")
+    torch.manual_seed(5)
+    seqs = [torch.randint(1, 64, (n,)) for n in (8, 5)]
+    T = 8
+    ids = torch.zeros(2, T, dtype=torch.long)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        ids[b, sl], mask[b, sl] = s, 1
+    with torch.no_grad():
+        loss = model(ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        nll = [F.cross_entropy(model(s[None], use_cache=False).logits[0, :-1], s[1:], reduction="sum") for s in seqs]
+    assert torch.allclose(loss, sum(nll) / (7 + 4), atol=1e-12)
+
+
 def test_packed_loss_skips_document_boundaries():
     model = _model("falcon")
     torch.manual_seed(4)

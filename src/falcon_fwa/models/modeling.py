@@ -273,7 +273,11 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     def _loss(logits, labels, attention_mask, cu_seqlens, T):
         targets = labels.to(logits.device).clone()
         if attention_mask is not None:
-            targets = targets.masked_fill(~attention_mask[:, -T:].to(targets.device).bool(), -100)
+            real = attention_mask[:, -T:].to(targets.device).bool()
+            targets = targets.masked_fill(~real, -100)
+            # a target is scored against the logits of the column before it: a pad there (left padding)
+            # has zero logits and no context, so the first real token of a row is not a prediction
+            targets[:, 1:] = targets[:, 1:].masked_fill(~real[:, :-1], -100)
         if cu_seqlens is not None:  # the first token of a document is not predicted from the previous one
             targets[:, cu_seqlens[1:-1].to(targets.device).long()] = -100
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1),

@@ -79,6 +79,38 @@ def test_unpad_repad_roundtrip():
 
 
 # ----------------------------------------------------------------------------- RoPE attention
+def test_packed_attention_costs_each_sequence_alone(monkeypatch):
+    """Packed rows (cu_seqlens) attend within each sequence without a [N_tok, N_tok] mask: no
+    attention call sees more keys than the longest sequence, and the output is unchanged."""
+    from falcon_fwa.layers import attention as attention_module
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-transformer")).double().eval()
+    seqs = [torch.randint(0, 64, (n,)) for n in (7, 3, 12, 5)]
+    cu = torch.tensor([0, 7, 10, 22, 27])
+    with torch.no_grad():
+        alone = torch.cat([model(s[None], use_cache=False).logits[0] for s in seqs])
+    sdpa, keys = F.scaled_dot_product_attention, []
+
+    def recording(q, k, v, *args, **kwargs):
+        keys.append(k.shape[-2])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        packed = model(torch.cat(seqs)[None], cu_seqlens=cu, use_cache=False).logits[0]
+    assert keys and max(keys) <= 12, keys
+    assert float((packed - alone).abs().max()) <= 1e-10
+    # above the limit of calls per row: one masked call over the row, the same result
+    monkeypatch.setattr(attention_module, "MAX_CALLS_PER_ROW", 3)
+    keys.clear()
+    with torch.no_grad():
+        masked = model(torch.cat(seqs)[None], cu_seqlens=cu, use_cache=False).logits[0]
+    assert keys and min(keys) == 27, keys
+    assert float((masked - alone).abs().max()) <= 1e-10
+
+
 def test_rope_is_a_rotation_with_relative_scores():
     torch.manual_seed(0)
     q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)

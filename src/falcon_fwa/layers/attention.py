@@ -5,8 +5,10 @@
 position within its sequence. Layouts (see :class:`Packing`):
 
 * dense, no cache: one causal SDPA call over ``[B, H, T, d]``;
-* packed, no cache: one SDPA call with a block-diagonal causal mask, so
-  sequences packed into a row never attend to each other;
+* packed, no cache: one causal SDPA call per sequence, so sequences packed
+  into a row never attend to each other (and cost what they would alone); above
+  ``MAX_CALLS_PER_ROW`` sequences, where the calls' launch cost would dominate,
+  one call with a block-diagonal causal mask;
 * with a cache: keys/values of each row are kept in ``[rows, H, capacity, d]``
   buffers with a length per row (rows may hold different numbers of real tokens);
   new tokens are written in place and each sequence attends to its own prefix.
@@ -23,7 +25,9 @@ from ..ops.seqlens import sequence_bounds
 from .layer_cache import LayerCache
 from .packing import Packing
 
-__all__ = ["CausalSelfAttention", "apply_rope"]
+__all__ = ["CausalSelfAttention", "apply_rope", "MAX_CALLS_PER_ROW"]
+
+MAX_CALLS_PER_ROW = 64  # packed sequences attended one call each; more share one masked call
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -61,7 +65,13 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(h).view(B, T, H, d)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, d]
         if cache is None or cache.keys is None:  # no cached prefix: one SDPA call
-            if packing.packed:
+            if packing.packed and packing.num_sequences <= MAX_CALLS_PER_ROW:
+                # one causal call per sequence: O(sum n_i^2) work and memory, not O(N_tok^2) for a
+                # block-diagonal mask over the whole packed row (and flash-eligible: no mask tensor)
+                bounds = packing.bounds or sequence_bounds(packing.cu_seqlens)
+                o = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True)
+                               for a, e in zip(bounds, bounds[1:])], dim=2)
+            elif packing.packed:  # many short sequences: one call with a block-diagonal causal mask
                 seq = packing.seq_ids
                 mask = (seq[:, None] == seq[None, :]) & torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -6,12 +6,14 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from falcon_fwa.train import NonFiniteLoss, Trainer, config_from_dict, latest_checkpoint, load_checkpoint, lr_at
 from falcon_fwa.train import checkpoint as ckpt_module
+from falcon_fwa.train import trainer as trainer_module
 from falcon_fwa.train.config import load_config
 from falcon_fwa.train.logger import read_log
 
@@ -276,5 +278,72 @@ def test_resume_with_another_micro_batch_continues_at_the_same_sample(tmp_path):
     try:
         assert trainer.step == 2 and trainer.accum == 4
         assert trainer.position == 8  # 2 steps x 4 samples, one sample per micro-step
+    finally:
+        trainer.close()
+
+
+# ---- restarts in a used folder, relaunches, logged rates, recipe changes on resume
+def test_a_fresh_run_in_an_old_run_folder_keeps_its_own_checkpoints(tmp_path):
+    run_trainer(recipe(tmp_path, "run", steps=6))  # an earlier run leaves step-4 and step-6
+    run_trainer(recipe(tmp_path, "run", steps=8, resume="none", seed=1), stop_at=2)  # a new run, preempted
+    ckdir = str(tmp_path / "run" / "checkpoints")
+    assert latest_checkpoint(ckdir) == os.path.join(ckdir, "step-00000002")
+    trainer = Trainer(config_from_dict(recipe(tmp_path, "run", steps=8, seed=1)))  # relaunch: resume=auto
+    try:
+        assert trainer.step == 2 and trainer.last_checkpoint.endswith("step-00000002")
+    finally:
+        trainer.close()
+
+
+def test_a_run_that_died_before_its_first_checkpoint_logs_every_step_once(tmp_path):
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw)
+    before = losses(tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # as if it died before its first save
+    run_trainer(raw)  # resume=auto finds no checkpoint: starts again at step 0
+    assert losses(tmp_path / "run") == before
+
+
+def test_resume_none_starts_a_fresh_log(tmp_path):
+    run_trainer(recipe(tmp_path, "run"))
+    run_trainer(recipe(tmp_path, "run", steps=2, resume="none"))
+    assert [s for s, _ in losses(tmp_path / "run")] == [1, 2]
+
+
+def test_a_finished_run_launched_again_keeps_its_summary(tmp_path):
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw)
+    path = tmp_path / "run" / "summary.json"
+    first = json.loads(path.read_text())
+    assert first["val_loss"] is not None and first["tokens_per_s"] is not None
+    run_trainer(raw)  # resume=auto: already at train.steps, trains nothing
+    assert json.loads(path.read_text()) == first
+
+
+def test_logged_tokens_per_s_is_not_inflated_by_an_evaluation_between_log_steps(tmp_path, monkeypatch):
+    real = trainer_module.causal_lm_loss
+
+    def slow(*args, **kwargs):  # every micro-step takes at least 50 ms: a step (2 micro-steps) >= 0.1 s
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", slow)
+    raw = recipe(tmp_path, "run", steps=9, eval_every=2, save_every=0)
+    raw["log"]["every"] = 3  # evaluations (steps 2, 4, 6, 8) fall between log steps
+    run_trainer(raw)
+    tokens_per_step = raw["train"]["global_batch"] * raw["data"]["seq_len"]
+    for step, rate in losses(tmp_path / "run", "tokens_per_s"):
+        assert rate <= tokens_per_step / 0.1, (step, rate)
+
+
+def test_resume_applies_the_recipes_optimizer_hyperparameters(tmp_path):
+    run_trainer(recipe(tmp_path, "run"), stop_at=2)
+    raw = recipe(tmp_path, "run")
+    raw["optim"].update(weight_decay=0.0, betas=[0.8, 0.9], eps=1e-6)
+    trainer = Trainer(config_from_dict(raw))
+    try:
+        assert trainer.step == 2
+        for g in trainer.optimizer.param_groups:
+            assert g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.8, 0.9) and g["eps"] == 1e-6
     finally:
         trainer.close()

@@ -77,9 +77,18 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 
     _write_file(pointer, lambda f: f.write(name.encode()))
     os.replace(pointer, os.path.join(checkpoint_dir, LATEST))
     _fsync_dir(checkpoint_dir)
-    for old in list_checkpoints(checkpoint_dir)[:-keep]:
+    # Keep the newest ``keep`` checkpoints up to this step, this one included. Checkpoints of later
+    # steps (left by an earlier run in this folder, or by the trajectory a resume from an earlier
+    # step abandoned) must not count: they sort after this one and would get it deleted.
+    mine = [p for p in list_checkpoints(checkpoint_dir) if checkpoint_step(p) <= step]
+    for old in mine[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_step(path: str) -> int:
+    """The step of a ``step-*`` checkpoint folder."""
+    return int(os.path.basename(os.path.normpath(path))[len(PREFIX):])
 
 
 def _complete(path: str) -> bool:

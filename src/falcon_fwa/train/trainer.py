@@ -7,6 +7,7 @@ the uninterrupted run exactly.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -128,6 +129,13 @@ class Trainer:
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        # The optimizer state dict brings the saved run's hyperparameters back into the param groups;
+        # the recipe's optim section is what this run trains with (the lr is set at every step).
+        o = self.cfg.optim
+        for group, fresh in zip(self.optimizer.param_groups,
+                                param_groups(self.core, lr=o.lr, weight_decay=o.weight_decay)):
+            group.update(weight_decay=fresh.get("weight_decay", o.weight_decay), betas=tuple(o.betas), eps=o.eps,
+                         lr_scale=fresh["lr_scale"])
         self.step = int(state["step"])
         data = state["data"]
         # The position counts micro-steps of micro_batch x processes samples: convert the samples
@@ -143,15 +151,16 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.train.resume
-        if resume == "none":
-            return
-        path = latest_checkpoint(self.ckpt_dir) if resume == "auto" else resume
-        if path is None:
-            return
-        self.load_state_dict(load_checkpoint(path))
-        self.last_checkpoint = path
-        self.logger.drop_after(self.step)  # steps after the checkpoint are trained (and logged) again
-        if self.info.is_main:
+        path = None
+        if resume != "none":
+            path = latest_checkpoint(self.ckpt_dir) if resume == "auto" else resume
+        if path is not None:
+            self.load_state_dict(load_checkpoint(path))
+            self.last_checkpoint = path
+        # steps after the starting point (the checkpoint, or step 0 when there is none: a run that
+        # died before its first save, or a fresh run in an old run's folder) are trained and logged again
+        self.logger.drop_after(self.step)
+        if path is not None and self.info.is_main:
             print(f"resumed from {path} at step {self.step}")
 
     def save(self) -> str:
@@ -213,6 +222,7 @@ class Trainer:
         window_start, window_steps, timed_tokens, timed_seconds = time.perf_counter(), 0, 0, 0.0
         skip = self.step + min(10, t.steps // 10)  # the first steps include allocation and warm-up
         last_val = {}
+        first_step = self.step
         while self.step < end:
             step_start = time.perf_counter()
             lr = lr_at(self.step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps,
@@ -248,14 +258,17 @@ class Trainer:
                                 tokens=self.step * tokens_per_step, tokens_per_s=tok_s)
                 bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
                 window_start, window_steps = time.perf_counter(), 0
+            # evaluation and checkpoint time is left out of the window's tokens/s (not its steps)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                paused = time.perf_counter()
                 last_val = self.evaluate()
                 self.logger.log(self.step, **last_val)
                 bar.write(f"step {self.step}: val_loss {last_val['val_loss']:.4f} ppl {last_val['val_ppl']:.3f}")
-                window_start = time.perf_counter()
+                window_start += time.perf_counter() - paused
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
+                paused = time.perf_counter()
                 self.save()
-                window_start = time.perf_counter()
+                window_start += time.perf_counter() - paused
         bar.close()
         if self.step == t.steps and t.export_model:
             self.export(os.path.join(self.out_dir, "model"))
@@ -264,8 +277,14 @@ class Trainer:
                    "peak_mem_bytes": (torch.cuda.max_memory_allocated(info.device)
                                       if info.device.type == "cuda" else None),
                    "world_size": info.world_size, "strategy": info.strategy, **last_val}
+        summary_path = os.path.join(self.out_dir, "summary.json")
+        if self.step == first_step and os.path.isfile(summary_path):
+            # nothing trained (a finished run launched again): its summary, with the validation
+            # loss and tokens/s of the steps that were trained, stays as it is
+            with open(summary_path) as f:
+                return json.load(f)
         if info.is_main:
-            write_json(os.path.join(self.out_dir, "summary.json"), summary)
+            write_json(summary_path, summary)
         return summary
 
     def export(self, folder: str) -> None:

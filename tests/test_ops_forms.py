@@ -175,3 +175,40 @@ def test_chunk_form_in_column_groups(rule, cols_budget, monkeypatch):
     assert widths[:len(groups)] == groups and sorted(widths[len(groups):]) == sorted(groups)
     for n in results[0]:
         assert rel_err(results[1][n], results[0][n]) <= TOL, n
+
+
+@pytest.mark.parametrize("dtype,decay_floor", [(torch.float32, 1e-8), (torch.float64, 1e-17)])
+def test_decay_floor_below_the_dtype_epsilon(dtype, decay_floor):
+    # 1 - decay_floor rounds to 1 in the compute dtype; the clamp must still leave gamma = decay_floor > 0.
+    # Step 3 writes nothing (x_3 = k_2 = 0) and only decays: eta*lam = 1.9*100/(100 + eps) clamps.
+    q = torch.ones(1, 3, 1, 1, dtype=dtype)
+    k = torch.tensor([1.0, 0.0, 0.0], dtype=dtype).view(1, 3, 1, 1)
+    v = torch.full((1, 3, 1, 1), 2.0, dtype=dtype)
+    beta = torch.full((1, 3, 1), 1.9, dtype=dtype)
+    lam = torch.tensor([0.0, 0.0, 100.0], dtype=dtype).view(1, 3, 1)
+    s2 = 1.9 / (1.0 + 1e-6) * 2.0
+    want = torch.tensor([0.0, s2, decay_floor * s2], dtype=torch.float64)
+    for form in FORMS:
+        o, _ = falcon_attention(q, k, v, beta, lam, rule="1A", form=form, decay_floor=decay_floor, backend="torch")
+        assert torch.isfinite(o).all(), form
+        assert torch.allclose(o[0, :, 0, 0].double(), want, rtol=1e-5, atol=0), (form, o[0, :, 0, 0])
+
+
+@pytest.mark.parametrize("rule", ["1", "1A", "2", "3"])
+def test_hard_reset_gate(rule):
+    """log_gate = -inf (exp(g) = 0: the state is reset) is a valid gate (g <= 0): every form
+    gives the recurrence's finite outputs and gradients. A huge finite gate (-1e6) in float32
+    does not cost the chunk-local differences their precision."""
+    inp = random_inputs(rule, B=1, T=12, H=1, K=3, V=2, seed=13, with_gate=True)
+    for g, dtype, tol in ((float("-inf"), torch.float64, TOL), (-1e6, torch.float32, 1e-5)):
+        x = {n: t.clone() for n, t in inp.items()}
+        x["log_gate"][:, 5] = g
+        x = {n: t.to(dtype) for n, t in x.items()}
+        ref, _, _ = reference_falcon(**x, rule=rule, window=3)
+        for form in FORMS:
+            leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+            o, _ = falcon_attention(**leaves, rule=rule, window=3, form=form, chunk_size=8, backend="torch")
+            assert torch.isfinite(o).all() and rel_err(o, ref) <= tol, (form, g, rel_err(o, ref))
+            (o ** 2).sum().backward()
+            for n, t in leaves.items():
+                assert torch.isfinite(t.grad).all(), (form, g, n)

@@ -36,6 +36,25 @@ def test_triton_backend_refuses_what_the_kernels_do_not_cover():
     q, k, v, beta, lam = _inputs(T=4)
     with pytest.raises(NotImplementedError, match="chunk_size=24"):
         falcon_attention(q, k, v, beta, lam, rule="3", chunk_size=24, backend="triton")
+    with pytest.raises(NotImplementedError, match="decay_floor=1e-08"):  # 1 - decay_floor is 1 in float32
+        falcon_attention(q, k, v, beta, lam, rule="1A", decay_floor=1e-8, backend="triton")
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
+@pytest.mark.parametrize("rule", ["1A", "1"])
+def test_triton_backend_takes_a_hard_reset_gate(rule):
+    """A gate of -inf (exp(g) = 0) reaches the kernels floored: outputs and gradients are the
+    recurrent form's, finite (unfloored, the chunk-local log differences would be NaN)."""
+    q, k, v, beta, lam = _inputs()
+    g = -torch.rand(*beta.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    g[:, 9] = float("-inf")
+    ref, _ = falcon_attention(q, k, v, beta, lam, rule=rule, log_gate=g, form="recurrent", backend="torch")
+    assert torch.isfinite(ref).all()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, lam)]
+    out, _ = falcon_attention(*leaves, rule=rule, log_gate=g, chunk_size=16, backend="triton")
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    out.square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
 
 
 @pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)

@@ -1,6 +1,7 @@
 """The public functional op: ``falcon_attention`` and its one-token ``falcon_step``."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -34,6 +35,19 @@ def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
     if backend == "auto" and get_rule(rule).name not in GPU_CHECKED_RULES:
         return None
     return falcon_chunk_triton
+
+
+def _floor_gate(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``log_gate`` floored where ``exp`` is exactly 0 in its compute dtype (one below the log of
+    the smallest subnormal: -104.97 in float32, -746.13 in float64). The parallel and chunk forms
+    take ``exp`` of differences of prefix sums of the log decays: a gate of ``-inf`` (a hard
+    reset, ``exp(g) = 0``) would give ``-inf - (-inf) = NaN`` there, and a huge finite one would
+    cancel the precision of every later difference in its chunk. The floor changes no value of
+    the recurrence; positive and NaN gates pass through to the checks."""
+    if log_gate is None:
+        return None
+    info = torch.finfo(torch.float64 if log_gate.dtype == torch.float64 else torch.float32)
+    return log_gate.clamp(min=math.log(info.smallest_normal * info.eps) - 1.0)
 
 
 def _compute_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
@@ -134,6 +148,7 @@ def falcon_attention(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and form != "chunk":
         raise ValueError(f"backend='triton' runs the chunk form; got form={form!r}")
+    log_gate = _floor_gate(log_gate)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
         if kernels is not None:
@@ -213,6 +228,8 @@ def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_
                  form=options["form"], chunk_size=options["chunk_size"], eps=options["eps"],
                  decay_floor=options["decay_floor"], read=options["read"], initial_state=None, shift=options["shift"])
     if initial_state is not None:
+        if not isinstance(initial_state, FalconState):
+            raise TypeError(f"initial_state must be a FalconState, got {type(initial_state).__name__}")
         if initial_state.batch_size != N:
             raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {N} sequences")
         check_state(initial_state, spec, window=options["window"], shift=options["shift"], B=N, H=q.shape[2],

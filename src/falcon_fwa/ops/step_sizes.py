@@ -17,6 +17,7 @@ For step ``t`` with window slots ``j in I_t`` (``B_t = |I_t|`` real pairs):
 """
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -144,7 +145,9 @@ def gains_from_statistic(
     else:
         eta = torch.where(mask, gain, 0.0)
     alpha = (eta * lam_c).clamp(max=1.0 - decay_floor)
-    log_gamma = torch.log1p(-alpha)
+    # 1 - decay_floor rounds to 1 in float32 for decay_floor < 2**-25 (float64: < 2**-54), which
+    # would leave gamma = 0 and log gamma = -inf: clamp in log space too, so gamma >= decay_floor.
+    log_gamma = torch.log1p(-alpha).clamp(min=math.log(decay_floor))
     if slot_valid.shape[-1] == 1:  # one slot (rules 1, 2, 1A, 2A): its weight [j in I_t] / B_t is 1 wherever eta_t != 0
         return eta[:, :, :, None, :], log_gamma
     weight = slot_valid.to(stat.dtype) / count.clamp(min=1).to(stat.dtype)[..., None]  # [B, T, W]

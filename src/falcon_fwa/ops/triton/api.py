@@ -46,7 +46,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _check_supported(q, v, rule, chunk_size, initial_state) -> None:
+# The kernels form gamma = 1 - min(eta lam, 1 - decay_floor) in float32, where 1 - decay_floor is
+# not represented below this floor (it may round to 1: a zero decay); the PyTorch forms also clamp
+# in log space and take any floor.
+MIN_DECAY_FLOOR = 2.0 ** -24
+
+
+def _check_supported(q, v, rule, chunk_size, initial_state, decay_floor) -> None:
     """Raise for what the kernels do not cover, naming the switch, so callers can fall back."""
     spec = get_rule(rule)
     if spec.name not in TRITON_RULES:
@@ -57,6 +63,9 @@ def _check_supported(q, v, rule, chunk_size, initial_state) -> None:
     if chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise NotImplementedError(f"chunk_size={chunk_size} is not supported by the Triton kernels "
                                   f"(supported: {SUPPORTED_CHUNK_SIZES})")
+    if decay_floor < MIN_DECAY_FLOOR:
+        raise NotImplementedError(f"decay_floor={decay_floor!r} is below {MIN_DECAY_FLOOR:.3g}, where 1 - decay_floor "
+                                  "rounds to 1 in the kernels' float32 (the PyTorch forms support it)")
     for name, t in (("q", q), ("v", v)):
         if t.dtype not in TRITON_DTYPES:
             raise NotImplementedError(f"{name}.dtype={t.dtype} is not supported by the Triton kernels "
@@ -144,7 +153,7 @@ def falcon_chunk_triton(
     is always checked.
     """
     spec = get_rule(rule)
-    _check_supported(q, v, rule, chunk_size, initial_state)
+    _check_supported(q, v, rule, chunk_size, initial_state, decay_floor)
     if validate:
         check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form="chunk", chunk_size=chunk_size,
                      eps=eps, decay_floor=decay_floor, read=read, initial_state=None, shift=shift)

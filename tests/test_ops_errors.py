@@ -161,3 +161,9 @@ def test_falcon_step_shape_errors_speak_of_one_token(rule, name, bad, want):
     inp[name] = bad(inp[name])
     with pytest.raises(ValueError, match=want):
         falcon_step(**inp, state=None, rule=rule)
+
+
+def test_bad_initial_state_with_cu_seqlens():
+    inp = random_inputs("1A", B=1, T=6, seed=84)
+    with pytest.raises(TypeError, match=r"^initial_state must be a FalconState"):
+        _call(inp, cu_seqlens=torch.tensor([0, 2, 6]), initial_state="not a state")

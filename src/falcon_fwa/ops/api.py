@@ -122,7 +122,7 @@ def falcon_attention(
         shift: next-latent pair ``(k_{t-1}, v_t)`` (True) or same-step ``(k_t, v_t)``.
         normalize: NLMS / energy-normalized ``eta`` (True) or ``eta = beta``.
         log_gate: optional extra decay ``exp(g_t)`` applied to the state before
-            the rule's update (Gated DeltaNet, Mamba-2).
+            the rule's update (Gated DeltaNet, Mamba-2); ``g_t = -inf`` resets the state.
         read: "after" (read-after-write, the paper's convention) or "before".
         scale_ridge: ``lam`` is ``lambda-bar`` and ``lambda_t = lambda-bar * E_t``
             (``E_t`` detached for the sliding rules).

@@ -347,3 +347,12 @@ def test_resume_applies_the_recipes_optimizer_hyperparameters(tmp_path):
             assert g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.8, 0.9) and g["eps"] == 1e-6
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("section,key,value", [("train", "seed", 1), ("data", "seq_len", 16)])
+def test_resume_refuses_another_data_order(tmp_path, section, key, value):
+    run_trainer(recipe(tmp_path, "run"), stop_at=2)
+    raw = recipe(tmp_path, "run")
+    raw[section][key] = value
+    with pytest.raises(ValueError, match=f"^{section}.{key}: the checkpoint was trained with"):
+        Trainer(config_from_dict(raw))

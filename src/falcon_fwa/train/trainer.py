@@ -127,6 +127,14 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        # the data position counts samples of one order: the same shuffle seed and row length
+        saved = state["config"]
+        for section, key in (("train", "seed"), ("data", "seq_len")):
+            was, now = saved[section][key], getattr(getattr(self.cfg, section), key)
+            if was != now:
+                raise ValueError(f"{section}.{key}: the checkpoint was trained with {was!r}, this recipe has {now!r}, "
+                                 "so its data position would point into other samples; use the checkpoint's value, "
+                                 "or train.resume=none to start afresh")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
         # The optimizer state dict brings the saved run's hyperparameters back into the param groups;

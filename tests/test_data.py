@@ -66,6 +66,17 @@ def test_sources_text_jsonl_parquet(tmp_path):
         list(iter_documents(str(tmp_path), text_split="sentence"))
 
 
+def test_json_sources_skip_empty_text_and_read_arrays(tmp_path):
+    records = [{"text": "a"}, {"text": None}, {"text": ""}, {"text": "b"}]
+    (tmp_path / "lines.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=1))  # one array over several lines
+    assert list(iter_documents(str(tmp_path / "lines.jsonl"))) == ["a", "b"]
+    assert list(iter_documents(str(tmp_path / "array.json"))) == ["a", "b"]
+    (tmp_path / "bad.json").write_text(json.dumps([{"text": "a"}, {"body": "b"}]))
+    with pytest.raises(KeyError, match=r"bad.json\[1\]: record has no text_field 'text'"):
+        list(iter_documents(str(tmp_path / "bad.json")))
+
+
 def test_shards_keep_documents_and_boundaries(tmp_path):
     docs = corpus(50)
     tok = byte_tokenizer()

@@ -1,8 +1,9 @@
 """Document sources: plain text, JSONL and Parquet files, or a Hugging Face dataset.
 
 ``iter_documents(source)`` yields one string per document. ``source`` is
-- a file or a folder (searched recursively) of ``.txt``/``.md``/``.rst``, ``.jsonl``/``.json`` and
-  ``.parquet`` files, or a glob pattern of such files;
+- a file or a folder (searched recursively) of ``.txt``/``.md``/``.rst``, ``.jsonl``/``.json`` (JSON
+  Lines, or one array of records) and ``.parquet`` files, or a glob pattern of such files; records
+  whose text is null or empty yield no document;
 - ``hf:NAME`` or ``hf:NAME:CONFIG`` for ``datasets.load_dataset(NAME, CONFIG, split=..., streaming=True)``
   (needs internet or a local cache).
 Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
@@ -14,7 +15,7 @@ import glob
 import json
 import os
 import re
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -51,18 +52,30 @@ def _split_text(text: str, text_split: str) -> Iterator[str]:
             yield part
 
 
+def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
+    """``(where, record)`` of a JSON Lines file, or of a ``.json`` file holding one array of records."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):
+            head = f.read(4096).lstrip()
+            f.seek(0)
+            if head.startswith("["):
+                for n, record in enumerate(json.load(f)):
+                    yield f"{path}[{n}]", record
+                return
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                yield f"{path}:{n}", json.loads(line)
+
+
 def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
     if path.endswith(TEXT_SUFFIXES):
         with open(path, encoding="utf-8", errors="replace") as f:
             yield from _split_text(f.read(), text_split)
     elif path.endswith(JSON_SUFFIXES):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if text_field not in record:
-                    raise KeyError(f"{path}:{n}: record has no text_field {text_field!r} (keys: {sorted(record)})")
+        for where, record in _json_records(path):
+            if text_field not in record:
+                raise KeyError(f"{where}: record has no text_field {text_field!r} (keys: {sorted(record)})")
+            if record[text_field]:  # null or empty text: no document (as in Parquet)
                 yield record[text_field]
     else:
         import pyarrow.parquet as pq
@@ -83,7 +96,8 @@ def iter_documents(source: str, *, text_split: str = "file", text_field: str = "
         from datasets import load_dataset
 
         name, _, config = source[3:].partition(":")
-        stream = (r[text_field] for r in load_dataset(name, config or None, split=split, streaming=True))
+        stream = (r[text_field] for r in load_dataset(name, config or None, split=split, streaming=True)
+                  if r[text_field])
     else:
         stream = (doc for path in list_files(source) for doc in _iter_file(path, text_split, text_field))
     for n, doc in enumerate(stream):

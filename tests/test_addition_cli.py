@@ -415,3 +415,42 @@ def test_position_heat_map_places_rows_by_width(tmp_path, capsys, monkeypatch):
     assert plot_accuracy_by_position(old, tmp_path / "h3.png") is None
     assert "no heat map" in capsys.readouterr().out and not (tmp_path / "h3.png").exists()
 
+
+def test_compare_continues_runs_of_a_shorter_budget_and_refuses_another_size(tmp_path):
+    args = ["--models", "Transformer", "--seeds", "0", "--eval-every", "2", "--runs", str(tmp_path / "runs"),
+            "--results", str(tmp_path / "res"), "--name", "t", "--hidden-size", "16", "--num-hidden-layers", "1",
+            "--num-heads", "2", *SMALL]
+    assert compare.main(args + ["--steps", "2"]) == 0
+    # a longer budget: the finished 2-step run is continued to 4 steps, not tabled as a 4-step run
+    assert compare.main(args + ["--steps", "4"]) == 0
+    meta = json.loads((tmp_path / "res" / "t_meta.json").read_text())
+    rows = json.loads((tmp_path / "res" / "t.json").read_text())
+    assert meta["steps"] == 4 and rows[0]["steps_done"] == [4]
+    # another model size (or eval set): the runs in --runs are not those of this command
+    for extra, field in ((["--hidden-size", "32"], "hidden_size"), (["--val-per-width", "3"], "val_per_width")):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            compare.main(args + ["--steps", "4", *extra])
+
+
+def test_resume_refuses_another_evaluation_set(tmp_path):
+    out = tmp_path / "run"
+    base = ["--model", "Transformer", "--eval-every", "2", "--out", str(out), "--no-progress", "--hidden-size", "16",
+            "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]
+    assert cli.main(base + ["--steps", "2"]) == 0
+    for extra, field in ((["--ood-widths", "4", "6"], "ood_widths"), (["--eval-seed", "7"], "eval_seed"),
+                         (["--batch-size", "8"], "batch_size")):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            cli.main(base + ["--steps", "4", *extra])
+    assert json.loads((out / "results.json").read_text())["steps_done"] == 2
+
+
+def test_a_finished_run_launched_again_keeps_its_wall_time(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--model", "Transformer", "--steps", "2", "--eval-every", "2", "--out", str(out), "--no-progress",
+            "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]
+    assert cli.main(argv) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert first["wall_time_s"] > 0
+    assert cli.main(argv) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["wall_time_s"] == first["wall_time_s"] and again["history"] == first["history"]

@@ -29,7 +29,7 @@ from .cli import add_model_arguments, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
-from .train import check_same_task, held_task, runs_folder, task_fields, task_suffixes
+from .train import check_same_setup, check_same_task, held_task, runs_folder, task_fields, task_suffixes
 from ...atomic import read_json, write_json, write_text
 
 
@@ -56,9 +56,14 @@ def _run_dir(runs: Path, model: str, seed: int) -> Path:
     return runs / slug(model) / f"seed{seed}"
 
 
-def _finished(run_dir: Path) -> bool:
+def _finished(run_dir: Path, steps: int) -> bool:
+    """Has the run in ``run_dir`` done its ``steps`` (the budget asked for; a run finished under a shorter
+    one is continued, as ``falcon-fwa addition`` does)?"""
     f = run_dir / "results.json"
-    return f.exists() and read_json(f).get("finished", False)
+    if not f.exists():
+        return False
+    r = read_json(f)
+    return bool(r.get("finished", False)) and r.get("steps_done") == steps
 
 
 def _started(run_dir: Path) -> bool:
@@ -66,17 +71,20 @@ def _started(run_dir: Path) -> bool:
     return f.exists() and read_json(f).get("best") is not None
 
 
-def unfinished_runs(runs: Path, models: List[str], seeds: List[int]) -> List[str]:
-    """The lineup's runs that are missing or stopped before their last step, as the summary lists them."""
+def unfinished_runs(runs: Path, models: List[str], seeds: List[int], steps: Optional[int] = None) -> List[str]:
+    """The lineup's runs that are missing or stopped before their last step (``steps``, by default
+    each run's own budget), as the summary lists them."""
     out = []
     for s in seeds:
         for m in models:
             f = _run_dir(runs, m, s) / "results.json"
             if not f.exists():
                 out.append(f"{m} seed {s} (no run)")
-            elif not read_json(f).get("finished", False):
-                r = read_json(f)
-                out.append(f"{m} seed {s} (unfinished: {r.get('steps_done')} of {r['preset']['steps']} steps)")
+                continue
+            r = read_json(f)
+            total = r["preset"]["steps"] if steps is None else steps
+            if not r.get("finished", False) or r.get("steps_done") != total:
+                out.append(f"{m} seed {s} (unfinished: {r.get('steps_done')} of {total} steps)")
     return out
 
 
@@ -89,6 +97,18 @@ def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[
             f = _run_dir(runs, m, s) / "results.json"
             if f.exists():
                 check_same_task(held_task(read_json(f)), task, f.parent, "give --runs another folder")
+
+
+def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, eval_seed: int) -> None:
+    """A ``ValueError`` if a run folder of the lineup holds a run of another model config, evaluation
+    seed or preset (:func:`.train.check_same_setup`; a shorter budget is continued, not refused): it
+    would be skipped as finished, or summarized, under the budget and size of this command."""
+    for m in models:
+        for s in seeds:
+            f = _run_dir(runs, m, s) / "results.json"
+            if f.exists():
+                wanted = {"config_fields": resolve_model(m), "eval_seed": eval_seed, "preset": preset.to_dict()}
+                check_same_setup(read_json(f), wanted, f.parent, "give --runs another folder")
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
@@ -112,7 +132,8 @@ def train_all(args: argparse.Namespace, runs: Path) -> List[str]:
     from tqdm.auto import tqdm
 
     # seed-major order: every model's first seed is trained before any second seed
-    todo = [(m, s) for s in args.seeds for m in args.models if not _finished(_run_dir(runs, m, s))]
+    steps = preset_from_args(args).steps
+    todo = [(m, s) for s in args.seeds for m in args.models if not _finished(_run_dir(runs, m, s), steps)]
     failed: List[str] = []
     running: List[tuple] = []
     bar = tqdm(total=len(todo), desc="addition runs", dynamic_ncols=True)
@@ -298,13 +319,15 @@ def run(args: argparse.Namespace) -> int:
     runs = Path(args.runs or runs_folder(args.preset, task))
     name = args.name or "_".join([args.preset, *task_suffixes(task)])
     check_runs_task(runs, args.models, args.seeds, task)
+    check_runs_setup(runs, args.models, args.seeds, preset, args.eval_seed)
     # nothing to train (--no-train, or every run already finished): the summary has no wall time of its own
-    trains = not args.no_train and any(not _finished(_run_dir(runs, m, s)) for s in args.seeds for m in args.models)
+    trains = not args.no_train and any(not _finished(_run_dir(runs, m, s), preset.steps)
+                                       for s in args.seeds for m in args.models)
     t0 = time.perf_counter()
     failed = train_all(args, runs) if trains else []
     wall = time.perf_counter() - t0 if trains else None
 
-    usable = _started if args.partial else _finished
+    usable = _started if args.partial else (lambda run_dir: _finished(run_dir, preset.steps))
     # the table uses the seeds that every model finished, so all rows average the same seeds
     seeds = [s for s in args.seeds if all(usable(_run_dir(runs, m, s)) for m in args.models)]
     if not seeds:
@@ -348,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         "trained_by": trained_by,
         "platform": platform.platform(),
         # what this command's training left undone, or, with nothing trained, the runs' own state
-        "failed": failed if trains else unfinished_runs(runs, args.models, args.seeds),
+        "failed": failed if trains else unfinished_runs(runs, args.models, args.seeds, preset.steps),
         "notes": previous.get("notes", ""),
         "eval_seed": args.eval_seed,
         "reference": _ood_reference(args.eval_seed, preset),

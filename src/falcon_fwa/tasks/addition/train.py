@@ -18,6 +18,7 @@ optimizer and step, to resume) and ``best.pt`` (model weights at the best step).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import platform
 import time
@@ -254,6 +255,33 @@ def check_same_task(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, a
             raise ValueError(f"{k}: {where} holds a run with {k} {held[k]!r}, not {wanted[k]!r}; {advice}")
 
 
+RESUMABLE_FIELDS = ("steps", "eval_every", "cpu_threads", "matmul_precision")
+"""Preset fields a run may be continued under with another value (a longer budget, another evaluation
+interval, thread count or matmul precision); the other fields decide what the steps so far trained on and
+what the evaluations measured."""
+
+
+def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, advice: str) -> None:
+    """A ``ValueError`` naming the first setting where the run in ``where`` (its results dict ``held``)
+    differs from the one asked for (``wanted``: ``config_fields``, ``eval_seed`` and ``preset``): the
+    model's config fields, the evaluation seed, a preset field outside :data:`RESUMABLE_FIELDS` (fields
+    the run predates are not compared), or a budget shorter than the steps the run has done."""
+    held_preset = held.get("preset") or {}
+    wanted_preset = json.loads(json.dumps(wanted["preset"]))  # tuples as lists, as results.json holds them
+    fields = json.loads(json.dumps(wanted["config_fields"]))
+    if "config_fields" in held and held["config_fields"] != fields:
+        raise ValueError(f"config_fields: {where} holds a run of {held['config_fields']!r}, not {fields!r}; {advice}")
+    if "eval_seed" in held and held["eval_seed"] != wanted["eval_seed"]:
+        raise ValueError(f"eval_seed: {where} holds a run with eval_seed {held['eval_seed']!r}, not "
+                         f"{wanted['eval_seed']!r}; {advice}")
+    for k, v in wanted_preset.items():
+        if k in held_preset and k not in RESUMABLE_FIELDS and held_preset[k] != v:
+            raise ValueError(f"{k}: {where} holds a run with {k} {held_preset[k]!r}, not {v!r}; {advice}")
+    if held.get("steps_done", 0) > wanted_preset["steps"]:
+        raise ValueError(f"steps: {where} holds a run of {held['steps_done']} steps, more than "
+                         f"{wanted_preset['steps']}; {advice}")
+
+
 def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, results: Dict[str, Any],
             device: torch.device) -> Tuple[int, float]:
     """Load ``out_dir``'s checkpoint into ``model`` / ``optimizer`` and its history into
@@ -264,10 +292,13 @@ def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     old = read_json(out_dir / "results.json")
     check_same_task(held_task(old), held_task(results), out_dir,
                     "give another --out, or --no-resume to start over there")
+    check_same_setup(old, results, out_dir, "give another --out, or --no-resume to start over there")
     ckpt = torch.load(out_dir / "checkpoint.pt", map_location=device, weights_only=False)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"])
+    # the wall time too: a finished run launched again writes results.json without training
+    results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"],
+                   wall_time_s=old.get("wall_time_s", 0.0))
     return ckpt["step"], old.get("wall_time_s", 0.0)
 
 

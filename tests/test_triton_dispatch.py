@@ -41,6 +41,19 @@ def test_triton_backend_refuses_what_the_kernels_do_not_cover():
 
 
 @pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
+@pytest.mark.parametrize("rule", ["1A", "3A"])
+def test_final_state_is_fp32_on_both_backends(rule):
+    """With 16-bit inputs, the final state (S, the carried key, the sliding tail) is fp32 on both backends."""
+    q, k, v, beta, lam = (t.half() for t in _inputs(T=5))
+    states = [falcon_attention(q, k, v, beta, lam, rule=rule, chunk_size=16, backend=backend,
+                               output_final_state=True)[1] for backend in ("torch", "triton")]
+    for st in states:
+        held = [st.S, st.last_key] + ([st.tail_x, st.tail_y] if rule == "3A" else [])
+        assert all(t.dtype == torch.float32 for t in held), [t.dtype for t in held]
+    assert torch.equal(states[0].last_key, states[1].last_key)
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
 @pytest.mark.parametrize("rule", ["1A", "1"])
 def test_triton_backend_takes_a_hard_reset_gate(rule):
     """A gate of -inf (exp(g) = 0) reaches the kernels floored: outputs and gradients are the
@@ -135,3 +148,30 @@ def test_host_grid_helpers_match_triton():
         for d in (1, 2, 3, 16, 64, 100):
             assert cdiv(n, d) == triton.cdiv(n, d) == -(-n // d), (n, d)
     assert [next_power_of_2(n) for n in (1, 2, 3, 64, 65, 100)] == [1, 2, 4, 64, 128, 128]
+
+
+_BAD_ARGUMENTS = {  # what falcon_attention rejects on every backend, before any kernel limit applies
+    "initial_state_type": dict(initial_state="not a state"),
+    "initial_state_type_packed": dict(initial_state=(1, 2), cu_seqlens=torch.tensor([0, 3, 21])),
+    "decay_floor_zero": dict(decay_floor=0.0),
+    "decay_floor_negative": dict(decay_floor=-0.5),
+    "chunk_size_zero": dict(chunk_size=0),
+    "q_integer": dict(q="long"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_ARGUMENTS))
+def test_triton_backend_raises_the_torch_backends_argument_errors(case):
+    q, k, v, beta, lam = _inputs()
+    options = dict(_BAD_ARGUMENTS[case])
+    if options.pop("q", None) == "long":
+        q = (q * 8).long()
+    if "cu_seqlens" in options:
+        q, k, v, beta, lam = (t[:1] for t in (q, k, v, beta, lam))
+        options["cu_seqlens"] = options["cu_seqlens"].to(DEVICE)
+    errors = {}
+    for backend in ("torch", "triton"):
+        with pytest.raises(Exception) as info:
+            falcon_attention(q, k, v, beta, lam, backend=backend, **options)
+        errors[backend] = (type(info.value), str(info.value))
+    assert errors["triton"] == errors["torch"]

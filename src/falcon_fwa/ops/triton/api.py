@@ -153,10 +153,12 @@ def falcon_chunk_triton(
     is always checked.
     """
     spec = get_rule(rule)
-    _check_supported(q, v, rule, chunk_size, initial_state, decay_floor)
-    if validate:
+    if validate:  # bad arguments raise what the PyTorch forms raise, before the kernels' own limits are checked
         check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form="chunk", chunk_size=chunk_size,
                      eps=eps, decay_floor=decay_floor, read=read, initial_state=None, shift=shift)
+        if initial_state is not None and not isinstance(initial_state, FalconState):
+            raise TypeError(f"initial_state must be a FalconState, got {type(initial_state).__name__}")
+    _check_supported(q, v, rule, chunk_size, initial_state, decay_floor)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
@@ -205,7 +207,7 @@ def falcon_chunk_triton(
     if output_final_state:
         last = None
         if shift:
-            last = k[0, cu_seqlens[1:].long() - 1] if cu_seqlens is not None else k[:, -1]
+            last = (k[0, cu_seqlens[1:].long() - 1] if cu_seqlens is not None else k[:, -1]).float()
         final = FalconState(rule=spec.name, window=1, shift=shift, S=S_T, last_key=last)
     return o.to(out_dtype), final
 
@@ -249,7 +251,7 @@ def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, en
         S_T, tx, ty, tv = final
         last = None
         if shift:
-            last = k[:, -1] if lengths is None else k[torch.arange(len(starts), device=k.device), lengths - 1]
+            last = (k[:, -1] if lengths is None else k[torch.arange(len(starts), device=k.device), lengths - 1]).float()
         state = FalconState(rule=rule, window=window, shift=shift, S=S_T, last_key=last, tail_x=tx, tail_y=ty,
                             tail_valid=tv)
     return o.to(out_dtype), state

@@ -176,21 +176,25 @@ SLIDING_OPS = ("falcon-3", "falcon-3a", "falcon-3a-unchecked", "torch-chunk-3", 
 DECODE_PRESET = dict(layers=12, H=6, K=128, V=128)  # the 130M presets' mixer: 12 layers, 6 heads of 128
 
 
-def measure_decode(impl: str, rule: str, B: int) -> float:
-    """Median ms of one decoding step of one layer (state carried, no gradients)."""
+def measure_decode(impl: str, rule: str, B: int, device: str = "cuda") -> float:
+    """Median ms of one decoding step of one layer (state carried, no gradients). ``impl`` is the
+    step op's backend, ``"triton"`` (the fused step) or ``"torch"`` (the PyTorch step), forced:
+    ``falcon_step``'s default ``backend="auto"`` takes the fused step on CUDA. Both run without the
+    argument checks, as the model's layers call the step."""
     from triton.testing import do_bench
     from falcon_fwa import falcon_step
-    from falcon_fwa.ops.triton import falcon_step_triton
-    step = falcon_step_triton if impl == "triton" else falcon_step
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
     H, K, V = DECODE_PRESET["H"], DECODE_PRESET["K"], DECODE_PRESET["V"]
-    q, k = _randn(B, H, K, scale=K ** -0.5), _randn(B, H, K, scale=K ** -0.5)
-    v = _randn(B, H, V)
-    beta, lam = torch.rand(B, H, device="cuda"), 0.1 * torch.rand(B, H, device="cuda")
+    g = lambda *shape, scale=1.0: (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)  # noqa: E731
+    q, k = g(B, H, K, scale=K ** -0.5), g(B, H, K, scale=K ** -0.5)
+    v = g(B, H, V)
+    beta, lam = torch.rand(B, H, device=device), 0.1 * torch.rand(B, H, device=device)
     with torch.no_grad():
-        _, state = step(q, k, v, beta, lam, state=None, rule=rule)
+        _, state = falcon_step(q, k, v, beta, lam, state=None, rule=rule, backend=impl)
 
         def run():
-            step(q, k, v, beta, lam, state=state, rule=rule)
+            falcon_step(q, k, v, beta, lam, state=state, rule=rule, backend=impl, validate=False)
         return float(do_bench(run, warmup=25, rep=100, return_mode="median"))
 
 
@@ -557,8 +561,12 @@ def main(argv=None) -> None:
     picks = autotune_picks("fla")
     if picks:
         _atomic_write(os.path.join(args.out, f"{args.name}-autotune.json"), json.dumps(picks, indent=1) + "\n")
-    _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
-    _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
+    for e in errors:
+        print(f"failed: {e}", file=sys.stderr, flush=True)
+    if (args.ops and args.shapes) or args.decode:
+        _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
+        _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
+    # else nothing was timed (e.g. ``--ops --profile OP``): the rows of an earlier run under this name stay
 
 
 if __name__ == "__main__":

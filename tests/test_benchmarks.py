@@ -209,3 +209,61 @@ def test_autotune_picks_reads_through_heuristics_and_skips_kernels_not_run(monke
     monkeypatch.setitem(sys.modules, "fakefla.ops.chunk", module)
     monkeypatch.setitem(sys.modules, "fakeflax", other)
     assert autotune_picks("fakefla") == {"fakefla.ops.chunk.wrapped": {"(128,)": str(ran.configs[1])}}
+
+
+def test_decode_rows_time_the_backend_they_name(monkeypatch):
+    # falcon_step's default backend="auto" takes the fused Triton step on CUDA: the "torch" decode row
+    # must force the PyTorch step, and neither row may pay for the argument checks in the timed calls
+    import triton.testing
+
+    import bench_kernels
+    import falcon_fwa
+    import falcon_fwa.ops.triton as ops_triton
+    real_step = falcon_fwa.falcon_step
+    seen = []
+
+    def recording_step(*args, **kwargs):
+        seen.append((kwargs.get("backend", "auto"), kwargs.get("validate", True)))
+        return real_step(*args, **kwargs)
+
+    def fake_triton_step(*args, **kwargs):  # stands in for the fused kernel on this CPU machine
+        seen.append(("kernel", None))
+        return real_step(*args, backend="torch", validate=False, **kwargs)
+
+    timed = []
+
+    def fake_do_bench(fn, warmup=25, rep=100, return_mode="mean", **kw):
+        assert return_mode == "median" and not torch.is_grad_enabled()
+        n = len(seen)
+        fn()
+        timed.extend(seen[n:])
+        return 0.25
+
+    monkeypatch.setattr(falcon_fwa, "falcon_step", recording_step)
+    monkeypatch.setattr(ops_triton, "falcon_step_triton", fake_triton_step)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    assert bench_kernels.measure_decode("torch", "1A", 2, device="cpu") == 0.25
+    assert timed == [("torch", False)]  # the PyTorch step, unchecked; no fused kernel
+    seen.clear(), timed.clear()
+    assert bench_kernels.measure_decode("triton", "1", 2, device="cpu") == 0.25
+    assert timed == [("triton", False), ("kernel", None)]
+
+
+def test_profile_only_run_keeps_the_rows_of_an_earlier_run(tmp_path, monkeypatch):
+    # gpu_suite.sh's profile stage runs `--name h200 --ops --profile ...` into the OUT of the kernels stage
+    import bench_kernels as bk
+    monkeypatch.setattr(bk, "_versions", lambda: dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p"))
+    monkeypatch.setattr(bk, "autotune_picks", lambda prefix="fla": {})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bk, "measure", lambda build, shape, mode: (1.0 if mode == "fwd" else 2.0, 100))
+    monkeypatch.setattr(bk, "profile", lambda name, shape, iters=5: [dict(op=name, kernel="k", calls=1, ms=1.0)])
+    out = str(tmp_path)
+    bk.main(["--out", out, "--name", "h200", "--shapes", "0", "--ops", "falcon-1", "fla-gated-delta-rule",
+             "--commit", "x"])
+    rows = json.loads((tmp_path / "h200.json").read_text())
+    md = (tmp_path / "h200.md").read_text()
+    assert len(rows) == 4 and "| falcon-1 | fla-gated-delta-rule | 8 | 2048 | 1.00 | <= 0.8 | 1.00 |" in md
+    bk.main(["--out", out, "--name", "h200", "--shapes", "0", "--ops", "--profile", "falcon-1", "--commit", "x"])
+    assert json.loads((tmp_path / "h200.json").read_text()) == rows
+    assert (tmp_path / "h200.md").read_text() == md
+    assert json.loads((tmp_path / "h200-profile-falcon-1.json").read_text())[0]["kernel"] == "k"

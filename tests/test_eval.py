@@ -185,3 +185,26 @@ def test_load_model_names_a_missing_or_empty_folder(tmp_path):
         load_model(str(tmp_path / "runs" / "nothing" / "model"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(str(tmp_path))
+
+
+def test_lm_eval_cli_names_a_missing_model_folder_include_path_or_task(tmp_path, capsys):
+    # before: a transformers "Repo id must be in the form ..." OSError, or a KeyError traceback from the harness
+    pytest.importorskip("lm_eval")
+    from falcon_fwa.cli import main
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # the checks come before the model is loaded
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    _write_tasks(tasks, None)
+    cases = [(["--model", str(tmp_path / "runs" / "model"), "--tasks", "local_mc", "--include-path", str(tasks)],
+              "does not exist"),
+             (["--model", str(folder), "--tasks", "local_mc", "--include-path", str(tmp_path / "nope")],
+              "include_path"),
+             (["--model", str(folder), "--tasks", "local_mc,nope_task", "--include-path", str(tasks)],
+              "tasks: unknown 'nope_task'")]
+    for args, message in cases:
+        assert main(["lm-eval", *args]) == 2
+        err = capsys.readouterr().err
+        assert "falcon-fwa lm-eval: error:" in err and message in err, err

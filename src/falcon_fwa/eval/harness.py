@@ -7,6 +7,7 @@ registered as a harness model name (the same ``HFLM``, with the registration gua
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 
@@ -28,8 +29,18 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from .perplexity import check_model_folder
+
+    check_model_folder(model_dir)
+    if include_path and not os.path.isdir(include_path):
+        raise FileNotFoundError(f"include_path {include_path!r} is not a folder of task YAML files")
     register()
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    known = manager.match_tasks(list(tasks))
+    missing = [t for t in tasks if t not in known and not os.path.isfile(t)]
+    if missing:
+        raise ValueError(f"tasks: unknown {', '.join(map(repr, missing))}"
+                         + ("" if include_path else " (local task YAML files need include_path)"))
     return lm_eval.simple_evaluate(
         model="hf", model_args={"pretrained": model_dir, "dtype": dtype, "trust_remote_code": True},
         tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, device=device,

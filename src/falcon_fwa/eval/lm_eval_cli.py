@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from .harness import evaluate
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    results = evaluate(args.model, [t for t in args.tasks.split(",") if t], include_path=args.include_path,
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = evaluate(args.model, tasks, include_path=args.include_path,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=args.limit, device=device,
                        dtype=args.dtype)
     print(make_table(results))

@@ -35,16 +35,21 @@ from ..data.sources import iter_documents
 from ..data.tokenizer import encode_documents, is_byte_tokenizer
 
 
-def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
-    """A saved model folder (or a Hugging Face hub id ``owner/name``) -> (model in eval mode, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def check_model_folder(folder: str) -> None:
+    """Raise ``FileNotFoundError`` naming ``folder`` when it is neither a saved model folder nor
+    (by its form) a Hugging Face hub id ``owner/name``."""
     if os.path.isdir(folder):
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"model folder {folder!r} holds no config.json: not a saved model")
     elif os.path.isabs(folder) or folder.startswith(".") or folder.count("/") > 1:
         raise FileNotFoundError(f"model folder {folder!r} does not exist (and is no hub id such as owner/name)")
 
+
+def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
+    """A saved model folder (or a Hugging Face hub id ``owner/name``) -> (model in eval mode, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_model_folder(folder)
     from .. import models  # noqa: F401  (registers model_type "falcon_fwa" with the Auto classes)
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

@@ -85,8 +85,8 @@ class FalconConfig(PretrainedConfig):
       ``dt = softplus(.)``), "one" (constant 1); ``lambda_scale`` (ridge
       ``lambda-bar in (0, lambda_scale)``; 0 turns the ridge off);
     * features: ``qk_norm`` ("rmsnorm", "l2", "none"), ``v_norm``, ``feature_map``,
-      ``query_scale`` (``None``: the mixer's default, 1.0 for "falcon" and "mamba2", else ``head_k_dim ** -0.5``), ``use_short_conv``,
-      ``conv_size``, ``output_gate`` (SiLU-gated output RMSNorm), ``use_d_skip``;
+      ``query_scale`` (``None``: the mixer's default, 1.0 for "falcon" and "mamba2", else
+      ``head_k_dim ** -0.5``), ``use_short_conv``, ``conv_size``, ``output_gate`` (SiLU-gated output RMSNorm), ``use_d_skip``;
     * ``backend``: "native" (the library's op) or "fla" (flash-linear-attention
       kernels for the baselines where installed; CUDA only).
 

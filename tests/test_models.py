@@ -164,3 +164,11 @@ def test_config_roundtrip_keeps_resolved_mixer_defaults():
     assert again.to_dict() == cfg.to_dict()
     with pytest.raises(ValueError, match="preset"):
         get_preset("falcon-9z")
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("tiny")])
+def test_paper_presets_round_to_the_papers_sizes(name):
+    """The paper's Table 1 labels the Transformer (124M) and every recurrent model (130M)."""
+    total = count_parameters(get_preset(name))["total"]
+    expected = 124 if name == "transformer-124m" else 130
+    assert round(total / 1e6) == expected, (name, total)

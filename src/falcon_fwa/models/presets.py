@@ -22,8 +22,8 @@ _TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, ch
 
 PRESETS: Dict[str, dict] = {
     # The paper's LM comparison (Section 5.1, Table 1).
-    "transformer-124m": dict(_SCAFFOLD, mixer="transformer", num_heads=12, intermediate_size=2112),
-    "retnet-130m": dict(_SCAFFOLD, mixer="retnet", num_heads=6, intermediate_size=2048),
+    "transformer-124m": dict(_SCAFFOLD, mixer="transformer", num_heads=12, intermediate_size=2064),
+    "retnet-130m": dict(_SCAFFOLD, mixer="retnet", num_heads=6, intermediate_size=2016),
     "mamba2-130m": dict(_SCAFFOLD, mixer="mamba2", num_heads=6, intermediate_size=2016),
     "deltanet-130m": dict(_SCAFFOLD, mixer="deltanet", num_heads=6, intermediate_size=2272),
     "gated_deltanet-130m": dict(_SCAFFOLD, mixer="gated_deltanet", num_heads=6, intermediate_size=2016),

@@ -335,3 +335,40 @@ def test_rmsnorm_matches_the_textbook_formula():
     y = norm.float()(x.bfloat16())
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), unit * w, rtol=2e-2, atol=2e-2)
+
+
+# ---- the gated output norm: Mamba-2 gates before the norm, the others after
+def _layer_and_reference(name):
+    torch.manual_seed(0)
+    cfg = get_preset(name)
+    layer = FalconAttention(cfg).double()
+    with torch.no_grad():
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    h = torch.randn(2, 6, cfg.hidden_size, dtype=torch.float64)
+    packing = Packing.dense(2, 6, None, h.device)
+    with torch.no_grad():
+        y = layer(h, packing)
+        q, k, v = layer._project(h, packing, None)
+        beta, lam, log_gate = layer.gates(h)
+        o = layer._core(q, k, v, beta, lam, log_gate, packing, None)
+        if layer.D is not None:
+            o = o + layer.D[:, None] * v
+        g = F.silu(layer.g_proj(h).view_as(o))
+        w, eps = layer.o_norm.weight, layer.o_norm.eps
+        gate_first = F.rms_norm(o * g, (o.shape[-1],), w, eps)
+        norm_first = F.rms_norm(o, (o.shape[-1],), w, eps) * g
+        ref = {"gate_first": layer.o_proj(gate_first.reshape(2, 6, -1)),
+               "norm_first": layer.o_proj(norm_first.reshape(2, 6, -1))}
+    return y, ref
+
+
+def test_mamba2_gates_before_the_output_norm():
+    y, ref = _layer_and_reference("tiny-mamba2")
+    torch.testing.assert_close(y, ref["gate_first"])
+    assert not torch.allclose(y, ref["norm_first"])
+
+
+@pytest.mark.parametrize("name", ["tiny-gated_deltanet", "tiny-retnet", "tiny-falcon"])
+def test_other_gated_mixers_normalize_before_the_gate(name):
+    y, ref = _layer_and_reference(name)
+    torch.testing.assert_close(y, ref["norm_first"])

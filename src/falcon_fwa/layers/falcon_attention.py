@@ -9,6 +9,7 @@ Per token, with ``h_t`` the block input and per head::
                                      log_gate=g, read, scale_ridge=normalize)
     o_t          += D * v_t                                  # optional skip (Mamba-2)
     y_t           = W_o RMSNorm(o_t) [* SiLU(W_g h_t)]       # per-head norm, optional output gate
+                                                             # (Mamba-2: W_o RMSNorm(o_t * SiLU(W_g h_t)))
 
 One class serves every recurrent mixer; the mixer only sets the switches
 (``configuration.MIXER_DEFAULTS``): Falcon (shifted pairs, normalized step,
@@ -81,6 +82,7 @@ class FalconAttention(nn.Module):
         self.D = nn.Parameter(torch.ones(c.num_heads)) if c.use_d_skip else None
         self.g_proj = nn.Linear(c.hidden_size, vd, bias=False) if c.output_gate else None
         self.o_norm = RMSNorm(c.head_v_dim, eps=c.rms_norm_eps)
+        self.norm_before_gate = c.norm_before_gate
         self.o_proj = nn.Linear(vd, c.hidden_size, bias=False)
         if self.backend == "fla":
             fla_backend.check_supported(self.core_kind())
@@ -124,7 +126,7 @@ class FalconAttention(nn.Module):
         if self.D is not None:
             o = o + cast_to(self.D, o.dtype)[:, None] * v
         gate = None if self.g_proj is None else self.g_proj(h).view(B, T, self.num_heads, self.head_v_dim)
-        o = self.o_norm(o, gate)
+        o = self.o_norm(o, gate, norm_before_gate=self.norm_before_gate)
         return self.o_proj(o.reshape(B, T, -1))
 
     def _core(self, q, k, v, beta, lam, log_gate, packing: Packing, cache: Optional[LayerCache]):

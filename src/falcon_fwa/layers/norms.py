@@ -35,17 +35,22 @@ def normalize_features(u: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """``y = RMSNorm(x) * w`` over the last dimension, times ``SiLU(gate)`` when a
-    gate is given (the output gate of Gated DeltaNet / Mamba-2). Computed in at
-    least float32."""
+    gate is given (the output gate of Gated DeltaNet / RetNet); with
+    ``norm_before_gate=False`` the gate comes first, ``y = RMSNorm(x * SiLU(gate)) * w``
+    (Mamba-2's gated norm). Computed in at least float32."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None,
+                norm_before_gate: bool = True) -> torch.Tensor:
         dt = torch.promote_types(x.dtype, torch.float32)
-        y = rms_normalize(cast_to(x, dt), self.eps, cast_to(self.weight, dt))
-        if gate is not None:
+        u = cast_to(x, dt)
+        if gate is not None and not norm_before_gate:
+            u = u * F.silu(cast_to(gate, dt))
+        y = rms_normalize(u, self.eps, cast_to(self.weight, dt))
+        if gate is not None and norm_before_gate:
             y = y * F.silu(cast_to(gate, dt))
         return cast_to(y, x.dtype)

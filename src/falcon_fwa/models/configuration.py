@@ -35,26 +35,27 @@ MIXER_DEFAULTS = {
     # Falcon-1A.3 of the paper: QK-RMSNorm, ctx-eta with the context ridge.
     "falcon": dict(rule="1A", shift=True, normalize=True, read="after", gate="ctx-eta", log_gate="none",
                    lambda_scale=1.0, qk_norm="rmsnorm", feature_map="identity", query_scale=1.0,
-                   use_short_conv=True, output_gate=True, use_d_skip=False),
+                   use_short_conv=True, output_gate=True, use_d_skip=False, norm_before_gate=True),
     # DeltaNet: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, L2-normalized keys, beta in (0, 1).
     "deltanet": dict(rule="1", shift=False, normalize=False, read="after", gate="sigmoid", log_gate="none",
                      lambda_scale=0.0, qk_norm="l2", feature_map="identity", query_scale=None,
-                     use_short_conv=True, output_gate=False, use_d_skip=False),
+                     use_short_conv=True, output_gate=False, use_d_skip=False, norm_before_gate=True),
     # Gated DeltaNet: DeltaNet with the data-dependent decay exp(g_t) before the delta write.
     "gated_deltanet": dict(rule="1", shift=False, normalize=False, read="after", gate="sigmoid", log_gate="data",
                            lambda_scale=0.0, qk_norm="l2", feature_map="identity", query_scale=None,
-                           use_short_conv=True, output_gate=True, use_d_skip=False),
-    # Mamba-2 SSD: S_t = exp(-dt_t a) S_{t-1} + dt_t B_t x_t^T, read C_t, skip D x_t, z-gated norm.
+                           use_short_conv=True, output_gate=True, use_d_skip=False, norm_before_gate=True),
+    # Mamba-2 SSD: S_t = exp(-dt_t a) S_{t-1} + dt_t B_t x_t^T, read C_t, skip D x_t, z-gated norm
+    # RMSNorm(y * SiLU(z)) (Mamba-2's norm_before_gate=False: the gate comes before the norm).
     "mamba2": dict(rule="1A", shift=False, normalize=False, read="after", gate="dt", log_gate="dt",
                    lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=1.0,
-                   use_short_conv=True, output_gate=True, use_d_skip=True),
+                   use_short_conv=True, output_gate=True, use_d_skip=True, norm_before_gate=False),
     # RetNet / Lightning attention: S_t = gamma_h S_{t-1} + k_t v_t^T with a fixed per-head decay.
     "retnet": dict(rule="1A", shift=False, normalize=False, read="after", gate="one", log_gate="fixed",
                    lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=None,
-                   use_short_conv=False, output_gate=True, use_d_skip=False),
+                   use_short_conv=False, output_gate=True, use_d_skip=False, norm_before_gate=True),
     "transformer": dict(rule="1A", shift=False, normalize=False, read="after", gate="one", log_gate="none",
                         lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=None,
-                        use_short_conv=False, output_gate=False, use_d_skip=False),
+                        use_short_conv=False, output_gate=False, use_d_skip=False, norm_before_gate=True),
 }
 
 
@@ -86,7 +87,9 @@ class FalconConfig(PretrainedConfig):
       ``lambda-bar in (0, lambda_scale)``; 0 turns the ridge off);
     * features: ``qk_norm`` ("rmsnorm", "l2", "none"), ``v_norm``, ``feature_map``,
       ``query_scale`` (``None``: the mixer's default, 1.0 for "falcon" and "mamba2", else
-      ``head_k_dim ** -0.5``), ``use_short_conv``, ``conv_size``, ``output_gate`` (SiLU-gated output RMSNorm), ``use_d_skip``;
+      ``head_k_dim ** -0.5``), ``use_short_conv``, ``conv_size``, ``output_gate`` (SiLU-gated output RMSNorm),
+      ``norm_before_gate`` (``True``: ``RMSNorm(o) * SiLU(g)`` as in Gated DeltaNet / RetNet; ``False``:
+      ``RMSNorm(o * SiLU(g))``, Mamba-2's default), ``use_d_skip``;
     * ``backend``: "native" (the library's op) or "fla" (flash-linear-attention
       kernels for the baselines where installed; CUDA only).
 
@@ -125,6 +128,7 @@ class FalconConfig(PretrainedConfig):
         conv_size: int = 4,
         output_gate: Optional[bool] = None,
         use_d_skip: Optional[bool] = None,
+        norm_before_gate: Optional[bool] = None,
         form: str = "chunk",
         chunk_size: int = 64,
         eps: float = 1e-6,
@@ -168,6 +172,7 @@ class FalconConfig(PretrainedConfig):
         self.conv_size = int(conv_size)
         self.output_gate = bool(pick("output_gate", output_gate))
         self.use_d_skip = bool(pick("use_d_skip", use_d_skip))
+        self.norm_before_gate = bool(pick("norm_before_gate", norm_before_gate))
         self.form = form
         self.chunk_size = int(chunk_size)
         self.eps = float(eps)

@@ -438,7 +438,8 @@ def test_resume_refuses_another_evaluation_set(tmp_path):
             "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]
     assert cli.main(base + ["--steps", "2"]) == 0
     for extra, field in ((["--ood-widths", "4", "6"], "ood_widths"), (["--eval-seed", "7"], "eval_seed"),
-                         (["--batch-size", "8"], "batch_size")):
+                         (["--batch-size", "8"], "batch_size"), (["--seed", "5"], "seed"),
+                         (["--dtype", "bfloat16"], "dtype")):
         with pytest.raises(ValueError, match=f"^{field}: "):
             cli.main(base + ["--steps", "4", *extra])
     assert json.loads((out / "results.json").read_text())["steps_done"] == 2

@@ -99,7 +99,7 @@ def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[
                 check_same_task(held_task(read_json(f)), task, f.parent, "give --runs another folder")
 
 
-def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, eval_seed: int) -> None:
+def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, eval_seed: int, dtype: str) -> None:
     """A ``ValueError`` if a run folder of the lineup holds a run of another model config, evaluation
     seed or preset (:func:`.train.check_same_setup`; a shorter budget is continued, not refused): it
     would be skipped as finished, or summarized, under the budget and size of this command."""
@@ -107,7 +107,8 @@ def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, ev
         for s in seeds:
             f = _run_dir(runs, m, s) / "results.json"
             if f.exists():
-                wanted = {"config_fields": resolve_model(m), "eval_seed": eval_seed, "preset": preset.to_dict()}
+                wanted = {"config_fields": resolve_model(m), "eval_seed": eval_seed, "preset": preset.to_dict(),
+                          "seed": s, "dtype": dtype}
                 check_same_setup(read_json(f), wanted, f.parent, "give --runs another folder")
 
 
@@ -319,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     runs = Path(args.runs or runs_folder(args.preset, task))
     name = args.name or "_".join([args.preset, *task_suffixes(task)])
     check_runs_task(runs, args.models, args.seeds, task)
-    check_runs_setup(runs, args.models, args.seeds, preset, args.eval_seed)
+    check_runs_setup(runs, args.models, args.seeds, preset, args.eval_seed, args.dtype)
     # nothing to train (--no-train, or every run already finished): the summary has no wall time of its own
     trains = not args.no_train and any(not _finished(_run_dir(runs, m, s), preset.steps)
                                        for s in args.seeds for m in args.models)

@@ -263,17 +263,18 @@ what the evaluations measured."""
 
 def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, advice: str) -> None:
     """A ``ValueError`` naming the first setting where the run in ``where`` (its results dict ``held``)
-    differs from the one asked for (``wanted``: ``config_fields``, ``eval_seed`` and ``preset``): the
-    model's config fields, the evaluation seed, a preset field outside :data:`RESUMABLE_FIELDS` (fields
+    differs from the one asked for (``wanted``: ``config_fields``, ``eval_seed``, ``preset`` and, where
+    given, the training ``seed`` and ``dtype``): the model's config fields, the evaluation seed, the
+    training seed, the dtype, a preset field outside :data:`RESUMABLE_FIELDS` (fields
     the run predates are not compared), or a budget shorter than the steps the run has done."""
     held_preset = held.get("preset") or {}
     wanted_preset = json.loads(json.dumps(wanted["preset"]))  # tuples as lists, as results.json holds them
     fields = json.loads(json.dumps(wanted["config_fields"]))
     if "config_fields" in held and held["config_fields"] != fields:
         raise ValueError(f"config_fields: {where} holds a run of {held['config_fields']!r}, not {fields!r}; {advice}")
-    if "eval_seed" in held and held["eval_seed"] != wanted["eval_seed"]:
-        raise ValueError(f"eval_seed: {where} holds a run with eval_seed {held['eval_seed']!r}, not "
-                         f"{wanted['eval_seed']!r}; {advice}")
+    for k in ("eval_seed", "seed", "dtype"):  # the evaluation set, the training draws, the arithmetic
+        if k in held and k in wanted and held[k] != wanted[k]:
+            raise ValueError(f"{k}: {where} holds a run with {k} {held[k]!r}, not {wanted[k]!r}; {advice}")
     for k, v in wanted_preset.items():
         if k in held_preset and k not in RESUMABLE_FIELDS and held_preset[k] != v:
             raise ValueError(f"{k}: {where} holds a run with {k} {held_preset[k]!r}, not {v!r}; {advice}")

@@ -39,7 +39,7 @@ def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
 
 def _floor_gate(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``log_gate`` floored where ``exp`` is exactly 0 in its compute dtype (one below the log of
-    the smallest subnormal: -104.97 in float32, -746.13 in float64). The parallel and chunk forms
+    the smallest subnormal: -104.28 in float32, -745.44 in float64). The parallel and chunk forms
     take ``exp`` of differences of prefix sums of the log decays: a gate of ``-inf`` (a hard
     reset, ``exp(g) = 0``) would give ``-inf - (-inf) = NaN`` there, and a huge finite one would
     cancel the precision of every later difference in its chunk. The floor changes no value of
@@ -277,7 +277,8 @@ def falcon_step(
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
     ``state=None`` starts a fresh sequence. Returns ``o`` ``[B, H, V]`` and the new
     state; identical to ``falcon_attention(form="recurrent")`` token by token.
-    ``backend="auto"`` uses the fused Triton step on CUDA when no gradient is needed.
+    ``backend="auto"`` uses the fused Triton step (rules "1" and "1A") on CUDA when no gradient is
+    needed, and the PyTorch step otherwise.
     The arguments are checked as ``falcon_attention``'s (shapes with a time axis of one
     step; ``lam >= 0``, ``log_gate <= 0``; the state's configuration) on every backend;
     ``validate=False`` skips that, for callers whose inputs are valid by construction,

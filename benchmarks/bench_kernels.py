@@ -57,8 +57,8 @@ WINDOW = 4  # the window B of the sliding rules' rows
 Builder = Callable[[int, int, int, int, int], Tuple[Callable[[], torch.Tensor], List[torch.Tensor]]]
 
 
-def _randn(*shape, scale=1.0):
-    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+def _randn(*shape, scale=1.0, device="cuda"):
+    return (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)
 
 
 def _leaves(*ts):
@@ -186,9 +186,8 @@ def measure_decode(impl: str, rule: str, B: int, device: str = "cuda") -> float:
     if impl not in ("triton", "torch"):
         raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
     H, K, V = DECODE_PRESET["H"], DECODE_PRESET["K"], DECODE_PRESET["V"]
-    g = lambda *shape, scale=1.0: (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)  # noqa: E731
-    q, k = g(B, H, K, scale=K ** -0.5), g(B, H, K, scale=K ** -0.5)
-    v = g(B, H, V)
+    q, k = (_randn(B, H, K, scale=K ** -0.5, device=device) for _ in range(2))
+    v = _randn(B, H, V, device=device)
     beta, lam = torch.rand(B, H, device=device), 0.1 * torch.rand(B, H, device=device)
     with torch.no_grad():
         _, state = falcon_step(q, k, v, beta, lam, state=None, rule=rule, backend=impl)

@@ -14,7 +14,7 @@ from .rules import get_rule
 from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import check_inputs, check_state, check_step_shapes
+from .validate import check_inputs, check_state, check_state_type, check_step_shapes
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -228,8 +228,7 @@ def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_
                  form=options["form"], chunk_size=options["chunk_size"], eps=options["eps"],
                  decay_floor=options["decay_floor"], read=options["read"], initial_state=None, shift=options["shift"])
     if initial_state is not None:
-        if not isinstance(initial_state, FalconState):
-            raise TypeError(f"initial_state must be a FalconState, got {type(initial_state).__name__}")
+        check_state_type(initial_state)
         if initial_state.batch_size != N:
             raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {N} sequences")
         check_state(initial_state, spec, window=options["window"], shift=options["shift"], B=N, H=q.shape[2],

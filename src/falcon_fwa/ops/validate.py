@@ -115,11 +115,16 @@ def check_step_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
     _check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "H"))
 
 
+def check_state_type(state, name: str = "initial_state") -> None:
+    """A ``TypeError`` unless ``state`` (the argument called ``name``) is a :class:`FalconState`."""
+    if not isinstance(state, FalconState):
+        raise TypeError(f"{name} must be a FalconState, got {type(state).__name__}")
+
+
 def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool, B: int, H: int, K: int, V: int,
                 name: str = "initial_state") -> None:
     """Check that ``state`` (the argument called ``name``) continues this configuration and shape."""
-    if not isinstance(state, FalconState):
-        raise TypeError(f"{name} must be a FalconState, got {type(state).__name__}")
+    check_state_type(state, name)
     if state.rule != rule.name:
         raise ValueError(f"{name} comes from rule {state.rule!r}, not rule {rule.name!r}")
     if state.shift != shift:

@@ -7,7 +7,6 @@ the uninterrupted run exactly.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..atomic import write_json
+from ..atomic import read_json, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -280,17 +279,16 @@ class Trainer:
         bar.close()
         if self.step == t.steps and t.export_model:
             self.export(os.path.join(self.out_dir, "model"))
+        summary_path = os.path.join(self.out_dir, "summary.json")
+        if self.step == first_step and os.path.isfile(summary_path):
+            # nothing trained (a finished run launched again): its summary, with the validation
+            # loss and tokens/s of the steps that were trained, stays as it is
+            return read_json(summary_path)
         summary = {"params": self.n_params, "steps": self.step, "tokens": self.step * tokens_per_step,
                    "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
                    "peak_mem_bytes": (torch.cuda.max_memory_allocated(info.device)
                                       if info.device.type == "cuda" else None),
                    "world_size": info.world_size, "strategy": info.strategy, **last_val}
-        summary_path = os.path.join(self.out_dir, "summary.json")
-        if self.step == first_step and os.path.isfile(summary_path):
-            # nothing trained (a finished run launched again): its summary, with the validation
-            # loss and tokens/s of the steps that were trained, stays as it is
-            with open(summary_path) as f:
-                return json.load(f)
         if info.is_main:
             write_json(summary_path, summary)
         return summary

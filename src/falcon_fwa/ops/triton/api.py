@@ -17,7 +17,7 @@ import torch
 from ..rules import get_rule
 from ..seqlens import sequence_bounds
 from ..state import FalconState
-from ..validate import check_inputs, check_state
+from ..validate import check_inputs, check_state, check_state_type
 from .column_decay import column_decay_chunk
 from .column_delta import column_delta_chunk
 from .delta import delta_chunk
@@ -156,8 +156,8 @@ def falcon_chunk_triton(
     if validate:  # bad arguments raise what the PyTorch forms raise, before the kernels' own limits are checked
         check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form="chunk", chunk_size=chunk_size,
                      eps=eps, decay_floor=decay_floor, read=read, initial_state=None, shift=shift)
-        if initial_state is not None and not isinstance(initial_state, FalconState):
-            raise TypeError(f"initial_state must be a FalconState, got {type(initial_state).__name__}")
+        if initial_state is not None:
+            check_state_type(initial_state)
     _check_supported(q, v, rule, chunk_size, initial_state, decay_floor)
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -71,20 +71,18 @@ def _started(run_dir: Path) -> bool:
     return f.exists() and read_json(f).get("best") is not None
 
 
-def unfinished_runs(runs: Path, models: List[str], seeds: List[int], steps: Optional[int] = None) -> List[str]:
-    """The lineup's runs that are missing or stopped before their last step (``steps``, by default
-    each run's own budget), as the summary lists them."""
+def unfinished_runs(runs: Path, models: List[str], seeds: List[int], steps: int) -> List[str]:
+    """The lineup's runs that are missing or have not done ``steps`` (:func:`_finished`), as the
+    summary lists them."""
     out = []
     for s in seeds:
         for m in models:
-            f = _run_dir(runs, m, s) / "results.json"
-            if not f.exists():
+            run_dir = _run_dir(runs, m, s)
+            if not (run_dir / "results.json").exists():
                 out.append(f"{m} seed {s} (no run)")
-                continue
-            r = read_json(f)
-            total = r["preset"]["steps"] if steps is None else steps
-            if not r.get("finished", False) or r.get("steps_done") != total:
-                out.append(f"{m} seed {s} (unfinished: {r.get('steps_done')} of {total} steps)")
+            elif not _finished(run_dir, steps):
+                done = read_json(run_dir / "results.json").get("steps_done")
+                out.append(f"{m} seed {s} (unfinished: {done} of {steps} steps)")
     return out
 
 

@@ -92,9 +92,11 @@ def test_paired_drift_flags_a_slow_spell_on_one_side_only():
 
 def test_decode_benchmark_tiny_model(tmp_path):
     import bench_decode
-    # on the CPU the fused step runs through Triton's interpreter (tests set TRITON_INTERPRET)
+    # the fused step on the GPU where there is one; on the CPU through Triton's interpreter (conftest sets
+    # TRITON_INTERPRET there, and only there)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     assert bench_decode.main(["--presets", "tiny-falcon", "tiny-transformer", "--batch", "1", "3", "--prompt", "5",
-                              "--new-tokens", "4", "--repeats", "1", "--device", "cpu",
+                              "--new-tokens", "4", "--repeats", "1", "--device", device,
                               "--dtype", "float32", "--out", str(tmp_path), "--name", "d"]) == 0
     rows = json.loads((tmp_path / "d.json").read_text())
     assert [(r["preset"], r["impl"], r["batch"]) for r in rows] == [

@@ -175,3 +175,55 @@ def test_triton_backend_raises_the_torch_backends_argument_errors(case):
             falcon_attention(q, k, v, beta, lam, backend=backend, **options)
         errors[backend] = (type(info.value), str(info.value))
     assert errors["triton"] == errors["torch"]
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
+def test_compiled_caller_runs_the_kernels_between_its_graphs():
+    """``torch.compile`` around ``falcon_attention(backend="triton")`` leaves the op out of the traced
+    graphs (traced, the kernel launches do not compile) and traces what is around it; the loss and the
+    gradients are the eager call's."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def loss(q, k, v, beta, lam):
+        o, _ = falcon_attention(torch.sin(q), k, v, beta, lam, rule="1A", chunk_size=16, backend="triton")
+        return (o * o).sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend=record)):
+        leaves = [t.clone().requires_grad_() for t in _inputs(T=20)]
+        value = fn(*leaves)
+        value.backward()
+        results.append((value.detach(), [t.grad for t in leaves]))
+    (ref, ref_grads), (out, grads) = results
+    assert graphs, "nothing around the op was traced"
+    assert not any("triton" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor compiles the model around the kernels on a GPU")
+@pytest.mark.parametrize("rule", ["1A", "1", "3A"])
+def test_inductor_compiled_model_trains_on_the_kernels(rule):
+    """A model compiled by inductor (``train.compile``) runs its Falcon layers on the kernels: its
+    loss and gradients match the eager model's."""
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+
+    torch.manual_seed(0)
+    eager = FalconForCausalLM(get_preset("tiny-falcon", rule=rule, hidden_size=64, chunk_size=16)).cuda()
+    compiled = FalconForCausalLM(eager.config).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile()
+    ids = torch.randint(0, eager.config.vocab_size, (2, 40), device="cuda")
+    losses = []
+    for model in (eager, compiled):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -105,6 +105,11 @@ def _shifted_keys(k, shift, last_key, starts):
     return x, valid
 
 
+# Left out of ``torch.compile`` graphs: traced, the kernel launches are handed to inductor, which
+# fails to rebuild them (their tuple and defaulted ``tl.constexpr`` arguments), so a compiled
+# model stops at its first forward. Untraced, the op runs as one opaque call between the compiled
+# regions around it (projections, short convolutions, norms and gates), forward and backward.
+@torch.compiler.disable
 def falcon_chunk_triton(
     q: torch.Tensor,
     k: torch.Tensor,

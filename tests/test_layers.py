@@ -68,6 +68,37 @@ def test_short_conv_matches_reference_packed_and_continued():
     assert torch.allclose(y[0, 5:], full[0, 4:], atol=1e-14, rtol=0)
 
 
+def test_short_conv_under_compile_is_the_shifted_sum_of_the_reference():
+    """Inside a ``torch.compile`` graph the convolution is written as shifted products (no
+    convolution in the traced graphs); dense and packed, its outputs are the textbook convolution's
+    and its weight gradients the eager module's."""
+    torch.manual_seed(0)
+    conv = ShortConv(5, kernel_size=4).double()
+    w = conv.weight[:, 0].detach()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(conv, backend=record)
+    lengths = [6, 1, 9, 2]
+    xs = [torch.randn(n, 5, dtype=torch.float64) for n in lengths]
+    dense = torch.randn(2, 11, 5, dtype=torch.float64)
+    cases = [(torch.cat(xs)[None], _packed(lengths), torch.cat([_conv_reference(x, w) for x in xs])[None]),
+             (dense, _dense(dense), torch.stack([_conv_reference(x, w) for x in dense]))]
+    for x, packing, ref in cases:
+        grads = []
+        for module in (conv, compiled):
+            conv.weight.grad = None
+            y, _ = module(x, packing)
+            assert torch.allclose(y, ref, atol=1e-13, rtol=0)
+            y.square().sum().backward()
+            grads.append(conv.weight.grad.clone())
+        assert torch.allclose(grads[1], grads[0], atol=1e-12, rtol=1e-12)
+    assert graphs and not any("conv" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+
+
 def test_unpad_repad_roundtrip():
     x = torch.arange(2 * 5 * 3, dtype=torch.float64).view(2, 5, 3)
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])

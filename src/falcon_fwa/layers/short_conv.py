@@ -77,5 +77,23 @@ class ShortConv(nn.Module):
         return torch.bmm(ext.permute(2, 0, 1), w).permute(1, 2, 0).contiguous()
 
     def _conv(self, ext: torch.Tensor) -> torch.Tensor:
-        """Valid depthwise conv over ``ext`` ``[B, L, C]`` -> ``[B, L - W + 1, C]``."""
+        """Valid depthwise conv over ``ext`` ``[B, L, C]`` -> ``[B, L - W + 1, C]``: per channel ``c``,
+        ``y_{b,t,c} = sum_j w_{c,j} ext_{b,t+j,c}``. One ``conv1d`` call when run eagerly; inside a
+        ``torch.compile`` graph, ``_shifted_sum``."""
+        if torch.compiler.is_compiling():
+            return self._shifted_sum(ext)
         return F.conv1d(ext.transpose(1, 2), cast_to(self.weight, ext.dtype), groups=ext.shape[-1]).transpose(1, 2)
+
+    def _shifted_sum(self, ext: torch.Tensor) -> torch.Tensor:
+        """``_conv`` as the sum of ``W`` shifted products, accumulated in at least float32 like the
+        convolution. Inductor fuses it into one element-wise kernel forward and one backward, where the
+        depthwise ``conv1d`` is an external call on a transposed layout (several times slower on a GPU
+        at the model sizes of the presets)."""
+        W = self.kernel_size
+        L = ext.shape[1] - W + 1
+        acc = torch.promote_types(ext.dtype, torch.float32)
+        w = self.weight[:, 0].to(acc)  # [C, W]
+        y = ext[:, :L].to(acc) * w[:, 0]
+        for j in range(1, W):
+            y = y + ext[:, j:j + L].to(acc) * w[:, j]
+        return y.to(ext.dtype)

@@ -167,3 +167,18 @@ def test_bad_initial_state_with_cu_seqlens():
     inp = random_inputs("1A", B=1, T=6, seed=84)
     with pytest.raises(TypeError, match=r"^initial_state must be a FalconState"):
         _call(inp, cu_seqlens=torch.tensor([0, 2, 6]), initial_state="not a state")
+
+
+@pytest.mark.parametrize("name,value", [("q", "list"), ("k", None), ("beta", 0.5), ("lam", None), ("log_gate", -0.1),
+                                        ("log_gate", "list")])
+@pytest.mark.parametrize("form", ["recurrent", "parallel", "chunk"])
+def test_non_tensor_arguments_are_named(name, value, form):
+    """A missing or non-tensor argument raises a TypeError naming it, on every form and on the
+    one-token step, before any other check or computation touches it."""
+    inp = _inp("1A", with_gate=True)
+    inp[name] = inp[name].tolist() if value == "list" else value
+    with pytest.raises(TypeError, match=rf"^{name} must be a torch.Tensor"):
+        _call(inp, rule="1A", form=form)
+    tok = {n: t[:, 0] if torch.is_tensor(t) else t for n, t in inp.items()}
+    with pytest.raises(TypeError, match=rf"^{name} must be a torch.Tensor"):
+        falcon_step(**tok, state=None, rule="1A")

@@ -212,3 +212,23 @@ def test_hard_reset_gate(rule):
             (o ** 2).sum().backward()
             for n, t in leaves.items():
                 assert torch.isfinite(t.grad).all(), (form, g, n)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_empty_batch_or_heads(rule):
+    """No batch rows (or no heads) is a batch like any other: every form returns the empty
+    output ``[B, T, H, V]`` and final state ``[B, H, K, V]``, and the rows beside it are
+    unaffected (the non-empty part equals the float64 reference)."""
+    inp = random_inputs(rule, B=2, T=9, H=2, K=3, V=4, seed=14)
+    ref_o, ref_S, _ = reference_falcon(**inp, rule=rule, window=3)
+    for dim, name in ((0, "B"), (2, "H")):
+        empty = {n: t.narrow(dim, 0, 0) for n, t in inp.items()}
+        for form in FORMS:
+            o, st = falcon_attention(**empty, rule=rule, window=3, form=form, chunk_size=4, output_final_state=True)
+            want = list(inp["v"].shape)
+            want[dim] = 0
+            assert list(o.shape) == want, (name, form)
+            assert list(st.S.shape) == ([0, 2, 3, 4] if name == "B" else [2, 0, 3, 4]), (name, form)
+    for form in FORMS:
+        o, st = falcon_attention(**inp, rule=rule, window=3, form=form, chunk_size=4, output_final_state=True)
+        assert rel_err(o, ref_o) <= TOL and rel_err(st.S, ref_S) <= TOL

@@ -227,3 +227,26 @@ def test_inductor_compiled_model_trains_on_the_kernels(rule):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("name", ["k", "beta", "lam", "log_gate"])
+def test_float64_beside_a_float32_query_stays_float64(name, monkeypatch):
+    """float64 inputs compute in float64 whichever argument holds them: the kernels (fp32 at
+    most) refuse a float64 ``k``, ``beta``, ``lam`` or ``log_gate`` as they refuse a float64
+    ``q`` or ``v``, naming it, so ``backend="auto"`` gives the PyTorch forms' result bit for bit."""
+    from falcon_fwa.ops import api
+    from falcon_fwa.ops.triton import falcon_chunk_triton
+
+    q, k, v, beta, lam = _inputs(T=5)
+    args = dict(q=q, k=k, v=v, beta=beta, lam=lam, log_gate=-0.1 * lam)
+    args[name] = args[name].double()
+    with pytest.raises(NotImplementedError, match=rf"^{name}\.dtype=torch\.float64"):
+        falcon_attention(**args, rule="1A", chunk_size=16, backend="triton")
+    tok = {n: t[:, 0] for n, t in args.items()}
+    with pytest.raises(NotImplementedError, match=rf"^{name}\.dtype=torch\.float64"):
+        falcon_step(**tok, state=None, rule="1A", backend="triton")
+    ref, ref_state = falcon_attention(**args, rule="1A", chunk_size=16, backend="torch", output_final_state=True)
+    assert ref_state.S.dtype == torch.float64
+    monkeypatch.setattr(api, "_triton_chunk", lambda backend, q, rule: falcon_chunk_triton)  # "auto" on CUDA
+    out, state = falcon_attention(**args, rule="1A", chunk_size=16, output_final_state=True)
+    assert torch.equal(out, ref) and torch.equal(state.S, ref_state.S)

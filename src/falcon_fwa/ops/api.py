@@ -14,7 +14,7 @@ from .rules import get_rule
 from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import check_inputs, check_state, check_state_type, check_step_shapes
+from .validate import check_inputs, check_state, check_state_type, check_step_shapes, check_tensor_types
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -148,6 +148,7 @@ def falcon_attention(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and form != "chunk":
         raise ValueError(f"backend='triton' runs the chunk form; got form={form!r}")
+    check_tensor_types(q, k, v, beta, lam, log_gate)
     log_gate = _floor_gate(log_gate)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
@@ -285,8 +286,9 @@ def falcon_step(
     to every layer of every decoded token."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_tensor_types(q, k, v, beta, lam, log_gate)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+        if t.dim() != 3:
             want = "[B, H, V]" if name == "v" else "[B, H, K]"
             raise ValueError(f"{name} must have shape {want} (one token), got {tuple(getattr(t, 'shape', ()))}")
     spec = get_rule(rule)

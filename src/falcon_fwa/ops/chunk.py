@@ -85,6 +85,8 @@ def _column_group(q: torch.Tensor, xs: torch.Tensor, log_a: torch.Tensor, *, reg
         return None
     C = max(1, min(chunk_size, T))
     per_column = B * H * -(-T // C) * (C * C * W + C * W * K + (K * K if regression else 0))
+    if per_column == 0:  # no rows or no heads: nothing to hold
+        return None
     cols = max(1, BLOCK_ELEMENTS // per_column)
     return None if cols >= Vd else cols
 
@@ -111,5 +113,6 @@ def _chunk_form(q, xs, ys, eta_slots, kappa_slots, log_a, S0, *, read_after: boo
     # Phase 3: outputs of every chunk from its entry state, all chunks at once.
     S_in = ungroup_state(torch.stack(entries, 1).flatten(0, 1))
     o = block_outputs(blk, S_in, write_vectors(blk, S_in))
-    o = o.reshape(B, H, T_pad, -1)[:, :, :T]
-    return o, ungroup_state(S).reshape(B, H, K, -1)
+    V = ys.shape[-1]
+    o = o.reshape(B, H, T_pad, V)[:, :, :T]
+    return o, ungroup_state(S).reshape(B, H, K, V)

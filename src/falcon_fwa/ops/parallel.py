@@ -168,8 +168,9 @@ def parallel_form(
     (head-first, ``[B, H, T, ...]``) with ``kappa_slots`` and the total log carry
     ``log_a`` ``[B, H, T, Vd]``."""
     B, H, T, K = q.shape
+    V = ys.shape[-1]
     blk = prepare_block(_flat(q), _flat(xs), _flat(ys), _flat(eta_slots), _flat(kappa_slots), _flat(log_a), read_after=read_after)
     S0 = S0.flatten(0, 1)
     D, S_end = propagate(blk, S0)
     o = block_outputs(blk, S0, D)
-    return o.reshape(B, H, T, -1), S_end.reshape(B, H, K, -1)
+    return o.reshape(B, H, T, V), S_end.reshape(B, H, K, V)

@@ -32,6 +32,16 @@ def _check_values(bad: torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
+def check_tensor_types(q, k, v, beta, lam, log_gate=None) -> None:
+    """A ``TypeError`` naming the first of the op's tensor arguments that is not a tensor
+    (``log_gate`` may be ``None``). Host-only: no device work."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+        if t is None and name == "log_gate":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,11 +62,10 @@ def check_inputs(
 ) -> None:
     """Check the arguments of ``falcon_attention`` (shapes in its docstring), raising
     ``TypeError``/``ValueError`` that names the argument at fault."""
+    check_tensor_types(q, k, v, beta, lam, log_gate)
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.device != q.device:
@@ -109,9 +118,7 @@ def check_step_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
                       log_gate: Optional[torch.Tensor], rule: RuleSpec) -> None:
     """The shapes of one decoding step's arguments (``falcon_step``: ``q``, ``k`` ``[B, H, K]``,
     ``v`` ``[B, H, V]``), named as such; ``check_inputs`` then checks the rest."""
-    for name, t in (("k", k), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor_types(q, k, v, beta, lam, log_gate)
     _check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "H"))
 
 

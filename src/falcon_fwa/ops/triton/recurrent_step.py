@@ -46,8 +46,9 @@ def falcon_step_triton(
         raise NotImplementedError(f"rule={spec.name!r} has no fused step kernel (supported: {STEP_RULES})")
     if read not in ("after", "before"):
         raise ValueError(f"read must be 'after' or 'before', got {read!r}")
-    if q.dtype not in TRITON_DTYPES:
-        raise NotImplementedError(f"q.dtype={q.dtype} is not supported by the step kernel (bf16, fp16, fp32)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+        if t is not None and t.dtype not in TRITON_DTYPES:
+            raise NotImplementedError(f"{name}.dtype={t.dtype} is not supported by the step kernel (bf16, fp16, fp32)")
     if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
         raise NotImplementedError(f"the step kernel needs CUDA tensors (q is on {q.device})")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, lam, log_gate)):

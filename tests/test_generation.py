@@ -120,3 +120,59 @@ def test_gradients_through_a_transformer_cache_equal_one_pass():
     (torch.cat(parts, 1) * w).sum().backward()
     for p, g in zip(model.parameters(), want):
         assert float((p.grad - g).abs().max()) <= 1e-10 * max(1.0, float(g.abs().max()))
+
+
+def test_generate_output_hidden_states_match_a_full_forward():
+    """``generate(output_hidden_states=True)`` gives, per step, the hidden states of the tokens fed in that
+    step, equal to those of one uncached forward over the whole sequence."""
+    model = _model("falcon", {"rule": "3A", "window": 3})
+    torch.manual_seed(4)
+    x = torch.randint(1, 64, (2, 5))
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False,
+                             output_hidden_states=True, return_dict_in_generate=True)
+        full = model(out.sequences, use_cache=False, output_hidden_states=True).hidden_states
+    steps = out.hidden_states
+    assert len(steps) == 4 and steps[0][0].shape == (2, 5, 32) and steps[1][0].shape == (2, 1, 32)
+    got = [torch.cat([step[i] for step in steps], 1) for i in range(len(full))]
+    for g, f in zip(got, full):
+        assert float((g - f[:, :-1]).abs().max()) <= 1e-10
+
+
+def test_misused_caches_and_empty_inputs_raise_errors_naming_the_argument():
+    model = _model("falcon", {})
+    x = torch.randint(0, 64, (2, 6))
+    with torch.no_grad():
+        out = model(x, use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        with pytest.raises(ValueError, match="input_ids must have shape"):
+            model(x[:, :0], past_key_values=cache)
+        with pytest.raises(ValueError, match="past_key_values has consumed 6 columns, but input_ids has 2"):
+            model.generate(x[:, 4:], past_key_values=cache, max_new_tokens=2, do_sample=False)
+        with pytest.raises(ValueError, match="past_key_values holds 2 sequences, but this call continues 3"):
+            model(torch.randint(0, 64, (3, 1)), past_key_values=cache)
+        # the cache is untouched by the refused calls: continuing it still equals one pass
+        nxt = torch.randint(0, 64, (2, 1))
+        step = model(nxt, past_key_values=cache).logits[:, -1]
+        assert float((step - model(torch.cat([x, nxt], 1), use_cache=False).logits[:, -1]).abs().max()) <= 1e-10
+
+
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {})],
+                         ids=["falcon-3A", "transformer"])
+def test_beams_and_return_sequences_continue_a_prefilled_cache(mixer, overrides):
+    """A cache prefilled on a prompt, continued by generate() with several beams or returned sequences per
+    row, gives what generate() gives from the prompt alone."""
+    model = _model(mixer, overrides)
+    torch.manual_seed(5)
+    x = torch.randint(1, 64, (2, 6))
+    seq = torch.cat([x, torch.randint(1, 64, (2, 2))], 1)
+    for kw in (dict(num_beams=3, do_sample=False), dict(do_sample=True, num_return_sequences=2)):
+        with torch.no_grad():
+            out = model(x, use_cache=True)
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            torch.manual_seed(6)
+            got = model.generate(seq, attention_mask=torch.ones_like(seq), past_key_values=cache, max_new_tokens=6,
+                                 **kw)
+            torch.manual_seed(6)
+            want = model.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=6, **kw)
+        assert got.shape == want.shape and torch.equal(got, want), kw

@@ -127,6 +127,81 @@ def test_save_pretrained_and_auto_from_pretrained_roundtrip(mixer, tmp_path):
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
 
 
+@pytest.mark.parametrize("saved,loaded,new", [
+    (dict(lambda_scale=0.0, use_short_conv=False, feature_map="silu", output_gate=False),
+     dict(lambda_scale=1.0, use_short_conv=True, use_d_skip=True, log_gate="data", output_gate=True),
+     {"lam_bias", "D", "decay_bias", "A_log", "weight"}),
+    (dict(gate="one", qk_norm="l2"), dict(gate="dt", log_gate="dt", normalize=True), {"gain_bias", "A_log", "weight"}),
+], ids=["ridge-conv-skip-decay", "dt-gate"])
+def test_from_pretrained_initializes_the_parameters_a_checkpoint_lacks(saved, loaded, new, tmp_path):
+    """Loading a checkpoint into a config with more parameters gives the missing offsets, decays and skips
+    their modules' starting values and draws fresh short-convolution kernels; the stored ones load as saved."""
+    model = _model("falcon", torch.float32, **saved)
+    model.save_pretrained(tmp_path)
+    got = AutoModelForCausalLM.from_pretrained(tmp_path, **loaded).eval()
+    fresh = dict(_model("falcon", torch.float32, **{**saved, **loaded}).named_parameters())
+    stored = dict(model.named_parameters())
+    missing = [n for n, _ in got.named_parameters() if n not in stored]
+    assert {n.split(".")[-1] for n in missing} == new
+    for name, p in got.named_parameters():
+        if name in stored:
+            assert torch.equal(p, stored[name]), name
+        elif ".convs." in name:  # Kaiming-uniform as nn.Conv1d: |w| <= 1 / sqrt(W), spread over that range
+            bound = model.config.conv_size ** -0.5
+            assert float(p.abs().max()) <= bound and float(p.std()) > 0.3 * bound, name
+        elif name.split(".")[-1] in ("D", "gain_bias", "lam_bias", "decay_bias", "A_log"):
+            assert torch.equal(p, fresh[name]), name
+    x = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.isfinite(got(x, use_cache=False).logits).all()
+
+
+def test_return_dict_false_returns_the_tuple_of_fields():
+    model = _model("falcon")
+    x = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        out = model(x, labels=x, use_cache=False)
+        tup = model(x, labels=x, use_cache=False, return_dict=False)
+        assert isinstance(tup, tuple) and len(tup) == 2
+        assert torch.equal(tup[0], out.loss) and torch.equal(tup[1], out.logits)
+        model.config.return_dict = False
+        tup = model(x, use_cache=False)
+        assert isinstance(tup, tuple) and len(tup) == 1 and torch.equal(tup[0], out.logits)
+        assert torch.equal(model(x, use_cache=False, return_dict=True).logits, out.logits)
+
+
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {})],
+                         ids=["falcon-3A", "transformer"])
+def test_output_hidden_states_are_the_blocks_inputs_and_the_final_norm(mixer, overrides):
+    """``hidden_states``: the embeddings, each block's output (recorded by hooks) and the normalized last one,
+    whose product with the tied embedding is the logits; with padding, each row's real tokens equal the
+    unpadded sequence's and the pads hold zeros."""
+    model = _model(mixer, **overrides)
+    blocks = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out: blocks.append(out)) for layer in model.model.layers]
+    x = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        out = model(x, use_cache=False, output_hidden_states=True)
+    for hook in hooks:
+        hook.remove()
+    hs = out.hidden_states
+    L = model.config.num_hidden_layers
+    assert len(hs) == L + 1 and all(h.shape == (2, 9, 32) for h in hs)
+    assert torch.equal(hs[0], model.model.embed_tokens(x))
+    for i in range(1, L):
+        assert torch.equal(hs[i], blocks[i - 1])
+    assert torch.equal(hs[L], model.model.norm(blocks[L - 1]))
+    assert torch.allclose(out.logits, hs[L] @ model.model.embed_tokens.weight.T, atol=1e-12)
+    mask = torch.ones_like(x)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        padded = model(x, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
+        alone = model(x[:1, 4:], use_cache=False, output_hidden_states=True).hidden_states
+    for p, a in zip(padded, alone):
+        assert float((p[0, 4:] - a[0]).abs().max()) <= 1e-10 and not p[0, :4].any()
+    assert model(x, use_cache=False).hidden_states is None
+
+
 def test_param_groups_partition_parameters_with_mup_multipliers():
     cfg = get_preset("tiny-gated_deltanet", hidden_size=64, mup_base_width=16)
     model = FalconForCausalLM(cfg)

@@ -37,7 +37,7 @@ state decay (``log_gate``), ``g_t <= 0``:
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -73,20 +73,40 @@ class ContextGates(nn.Module):
         width = num_heads * self.columns
         if gate != "one":
             self.gain_proj = nn.Linear(hidden_size, width, bias=False)
-            if gate == "dt":
-                dt0 = _log_uniform(num_heads, 1e-3, 1e-1)[:, None].expand(num_heads, self.columns)
-                self.gain_bias = nn.Parameter(_inv_softplus(dt0).reshape(width).clone())
-            else:
-                self.gain_bias = nn.Parameter(torch.zeros(width))
+            self.gain_bias = nn.Parameter(torch.empty(width))
         if lambda_scale > 0:
             self.lam_proj = nn.Linear(hidden_size, num_heads, bias=False)
-            frac = _log_uniform(num_heads, 1e-3, 1e-1)  # lambda-bar / lambda_scale at init
-            self.lam_bias = nn.Parameter(torch.log(frac) - torch.log1p(-frac))
+            self.lam_bias = nn.Parameter(torch.empty(num_heads))
         if log_gate == "data":
             self.decay_proj = nn.Linear(hidden_size, num_heads, bias=False)
-            self.decay_bias = nn.Parameter(_inv_softplus(_log_uniform(num_heads, 1e-3, 1e-1)))
+            self.decay_bias = nn.Parameter(torch.empty(num_heads))
         if log_gate in ("data", "dt"):
-            self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, num_heads)))
+            self.A_log = nn.Parameter(torch.empty(num_heads))
+        with torch.no_grad():
+            for name, value in self.initial_values().items():
+                getattr(self, name).copy_(value)
+
+    def initial_values(self) -> Dict[str, torch.Tensor]:
+        """The starting value of every offset and decay this module holds, by parameter name
+        (deterministic, float32): ``gain_bias`` ``[H * C]`` (zeros; ``"dt"``: the inverse softplus
+        of steps log-uniform in ``[1e-3, 1e-1]``), ``lam_bias`` ``[H]`` (``lambda-bar`` log-uniform in
+        ``[1e-3, 1e-1] * lambda_scale``), ``decay_bias`` ``[H]``, ``A_log`` ``[H]`` (``log(1..16)``)."""
+        H, C = self.num_heads, self.columns
+        values = {}
+        if self.gate != "one":
+            if self.gate == "dt":
+                dt0 = _log_uniform(H, 1e-3, 1e-1)[:, None].expand(H, C)
+                values["gain_bias"] = _inv_softplus(dt0).reshape(H * C).clone()
+            else:
+                values["gain_bias"] = torch.zeros(H * C)
+        if self.lambda_scale > 0:
+            frac = _log_uniform(H, 1e-3, 1e-1)  # lambda-bar / lambda_scale at init
+            values["lam_bias"] = torch.log(frac) - torch.log1p(-frac)
+        if self.log_gate_kind == "data":
+            values["decay_bias"] = _inv_softplus(_log_uniform(H, 1e-3, 1e-1))
+        if self.log_gate_kind in ("data", "dt"):
+            values["A_log"] = torch.log(torch.linspace(1.0, 16.0, H))
+        return values
 
     def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         B, T, _ = h.shape

@@ -30,6 +30,13 @@ class ShortConv(nn.Module):
         super().__init__()
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.reset_parameters()
+        # A kernel drawn here is final: the model's weight initialization, which also draws the kernels a
+        # checkpoint lacks (built on the meta device, they hold no values yet), leaves it as it is.
+        self.weight._is_hf_initialized = not self.weight.is_meta
+
+    def reset_parameters(self) -> None:
+        """Draw the kernel ``[C, 1, W]`` as ``nn.Conv1d`` does (Kaiming-uniform, bound ``1 / sqrt(W)``)."""
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     def forward(

@@ -26,10 +26,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.attention import CausalSelfAttention
 from ..layers.falcon_attention import FalconAttention
+from ..layers.gates import ContextGates
 from ..layers.layer_cache import LayerCache
 from ..layers.mlp import SwiGLU
 from ..layers.norms import RMSNorm
 from ..layers.packing import Packing, repad, unpad
+from ..layers.short_conv import ShortConv
 from ..ops.api import cast_to
 from ..ops.seqlens import known_sequence_bounds, sequence_bounds
 from .cache import FalconCache
@@ -41,6 +43,16 @@ except ImportError:  # pragma: no cover
     _init = nn.init
 
 __all__ = ["FalconBlock", "FalconModel", "FalconForCausalLM", "FalconPreTrainedModel"]
+
+
+def _copy_init(param: nn.Parameter, value: torch.Tensor) -> None:
+    """``param <- value`` unless ``param`` is already set (``transformers.initialization.copy_``)."""
+    if hasattr(_init, "copy_"):
+        _init.copy_(param, value.to(param.device, param.dtype))
+    else:  # pragma: no cover
+        with torch.no_grad():
+            param.copy_(value)
+
 
 # The output field that carries the cache ("cache" from transformers 5.2x, "past_key_values" before).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -78,10 +90,21 @@ class FalconPreTrainedModel(PreTrainedModel):
         """muP-style init: embedding ``N(0, sigma^2)``; hidden matrices
         ``N(0, sigma^2 / m)`` (``m`` the width multiplier, i.e. variance ``~ 1/fan_in``);
         residual-branch outputs (``o_proj``, ``down_proj``) additionally ``/ (2L)``.
-        Gate offsets, decays and conv kernels keep the values their modules set."""
+        Gate offsets and decays take their modules' starting values (``ContextGates.initial_values``),
+        ``D`` ones, short-convolution kernels ``ShortConv.reset_parameters``; a parameter already set
+        (loaded from a checkpoint, or a kernel drawn when its module was built) is left as it is, so
+        ``from_pretrained`` initializes exactly the parameters a checkpoint lacks."""
         cfg = self.config
         std = cfg.initializer_range
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, ContextGates):
+            for name, value in module.initial_values().items():
+                _copy_init(getattr(module, name), value)
+        elif isinstance(module, FalconAttention) and module.D is not None:
+            _init.ones_(module.D)
+        elif isinstance(module, ShortConv):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                module.reset_parameters()
+        elif isinstance(module, nn.Embedding):
             _init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Linear):
             s = std / math.sqrt(cfg.width_multiplier)
@@ -108,18 +131,25 @@ class FalconModel(FalconPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[FalconCache]) -> torch.Tensor:
-        """``h`` ``[B, T, D]`` embeddings in the layout of ``packing``."""
+    def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[FalconCache],
+                hidden_states: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """``h`` ``[B, T, D]`` embeddings in the layout of ``packing``. ``hidden_states``: a list that
+        receives the input of every block and the final normalized output (``L + 1`` tensors like ``h``)."""
         for i, layer in enumerate(self.layers):
+            if hidden_states is not None:
+                hidden_states.append(h)
             h = layer(h, packing, None if cache is None else cache[i])
-        return self.norm(h)
+        h = self.norm(h)
+        if hidden_states is not None:
+            hidden_states.append(h)
+        return h
 
 
 class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     """Causal LM over any mixer of :class:`FalconConfig`, Hugging Face compatible.
 
     ``forward(input_ids, attention_mask=None, labels=None, past_key_values=None,
-    use_cache=None, cu_seqlens=None)``:
+    use_cache=None, cu_seqlens=None, return_dict=None, output_hidden_states=None)``:
 
     * ``input_ids`` ``[B, T]``; ``attention_mask`` ``[B, T_past + T]`` (1 real, 0 pad;
       left or right padding), only its last ``T`` columns describe ``input_ids``;
@@ -129,10 +159,14 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     * ``labels`` ``[B, T]`` (``-100`` ignored; pads are ignored anyway): mean
       next-token cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``;
     * ``past_key_values`` (or ``cache``): a :class:`FalconCache` to continue;
-      ``use_cache=True`` returns it (a fresh one when none is given).
+      ``use_cache=True`` returns it (a fresh one when none is given);
+    * ``output_hidden_states``: also return the embeddings, the output of every block but the
+      last and the final normalized output, ``L + 1`` tensors ``[B, T, D]`` (zeros at pads).
 
     Returns ``CausalLMOutputWithPast`` (``loss``, ``logits`` ``[B, T, vocab]`` in
-    at least float32, the cache). ``generate()`` works with the recurrent cache.
+    at least float32, the cache, ``hidden_states``), or with ``return_dict=False`` (or
+    ``config.return_dict = False``) the tuple of its fields that are not ``None``.
+    ``generate()`` works with the recurrent cache.
     """
 
     def __init__(self, config: FalconConfig):
@@ -159,11 +193,23 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
                                       use_cache=None, **kwargs):
-        """Feed only the columns the cache has not consumed yet."""
+        """Feed only the columns the cache has not consumed yet. A cache of ``R`` rows continued by
+        ``k * R`` rows (``num_beams`` or ``num_return_sequences`` over a prefilled cache: ``generate()``
+        repeats each input row ``k`` times) has each of its rows repeated ``k`` times first."""
         cache = cache if cache is not None else past_key_values
         if cache is not None and not cache.empty:
+            if input_ids.shape[1] <= cache.num_positions:
+                raise ValueError(
+                    f"past_key_values has consumed {cache.num_positions} columns, but input_ids has "
+                    f"{input_ids.shape[1]}: pass the whole sequence the cache has seen followed by at least one "
+                    "new token")
+            rows = cache.seen.shape[0]
+            if input_ids.shape[0] != rows and input_ids.shape[0] % rows == 0:
+                cache.batch_repeat_interleave(input_ids.shape[0] // rows)
             input_ids = input_ids[:, cache.num_positions:]
         inputs = {"input_ids": input_ids.contiguous(), "attention_mask": attention_mask, "use_cache": use_cache}
+        if kwargs.get("output_hidden_states"):
+            inputs["output_hidden_states"] = True
         inputs["cache" if _CACHE_FIELD == "cache" else "past_key_values"] = cache
         return inputs
 
@@ -208,6 +254,11 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         """Decide dense vs packed; returns (packing, unpad index or None, real tokens per row)."""
         B, T = input_ids.shape
         offsets = None if cache is None or cache.empty else cache.seen
+        if offsets is not None:
+            rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
+            if offsets.shape[0] != rows:
+                raise ValueError(f"past_key_values holds {offsets.shape[0]} sequences, but this call continues "
+                                 f"{rows} (input_ids of shape {tuple(input_ids.shape)})")
         if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"cu_seqlens needs input_ids of shape [1, total], got {tuple(input_ids.shape)}")
@@ -241,7 +292,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         cu_seqlens: Optional[torch.Tensor] = None,
         cache: Optional[FalconCache] = None,
         return_dict: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
     ) -> CausalLMOutputWithPast:
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
         cache = cache if cache is not None else past_key_values
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training)
@@ -254,20 +308,28 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         h = self.model.embed_tokens(input_ids)
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
+        hidden = [] if output_hidden_states else None
         with known_sequence_bounds(packing.cu_seqlens, packing.bounds):  # one device read per batch
-            h = self.model(h, packing, cache)
+            h = self.model(h, packing, cache, hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = cast_to(F.linear(h, weight), torch.promote_types(h.dtype, torch.float32))
         if self.config.width_multiplier != 1.0:
             logits = logits / self.config.width_multiplier
         if index is not None:
             logits = repad(logits, index, B, T)
+            hidden = None if hidden is None else [repad(x, index, B, T) for x in hidden]
         if cache is not None:
             cache.advance(real, T)
         loss = None
         if labels is not None:
             loss = self._loss(logits, labels, attention_mask, cu_seqlens, T)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=None if hidden is None else tuple(hidden),
+                                     **{_CACHE_FIELD: cache})
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return out if return_dict else out.to_tuple()
 
     @staticmethod
     def _loss(logits, labels, attention_mask, cu_seqlens, T):

@@ -176,3 +176,36 @@ def test_beams_and_return_sequences_continue_a_prefilled_cache(mixer, overrides)
             torch.manual_seed(6)
             want = model.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=6, **kw)
         assert got.shape == want.shape and torch.equal(got, want), kw
+
+
+@pytest.mark.parametrize("mixer,overrides", [CASES[0], CASES[3]], ids=[IDS[0], IDS[3]])
+def test_logits_to_keep_is_the_last_columns_and_generate_asks_for_one(mixer, overrides):
+    """``logits_to_keep=k`` gives the last ``k`` columns of the full logits (dense, padded and packed
+    rows); ``generate()`` asks for one column per step, prompt included, and decodes the same tokens."""
+    model = _model(mixer, overrides)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 64, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[2, 7:] = 0  # right padding
+    with torch.no_grad():
+        for kwargs in (dict(), dict(attention_mask=mask)):
+            full = model(ids, use_cache=False, **kwargs).logits
+            for k in (1, 3, 9):
+                part = model(ids, use_cache=False, logits_to_keep=k, **kwargs).logits
+                assert part.shape == (3, k, 64)
+                assert torch.allclose(part, full[:, -k:], atol=1e-12, rtol=0)
+        cu = torch.tensor([0, 4, 9])
+        full = model(ids[:1], cu_seqlens=cu, use_cache=False).logits
+        assert torch.allclose(model(ids[:1], cu_seqlens=cu, use_cache=False, logits_to_keep=2).logits, full[:, -2:],
+                              atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, labels=ids, logits_to_keep=1)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, logits_to_keep=-1)
+    widths = []
+    model.register_forward_hook(lambda m, args, out: widths.append(out.logits.shape[1]))
+    prompt = ids[:2, :7]
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False)
+    assert widths == [1] * 5
+    assert torch.equal(out, _greedy_uncached(model, prompt, 5))

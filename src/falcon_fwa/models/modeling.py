@@ -149,7 +149,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     """Causal LM over any mixer of :class:`FalconConfig`, Hugging Face compatible.
 
     ``forward(input_ids, attention_mask=None, labels=None, past_key_values=None,
-    use_cache=None, cu_seqlens=None, return_dict=None, output_hidden_states=None)``:
+    use_cache=None, cu_seqlens=None, return_dict=None, output_hidden_states=None, logits_to_keep=0)``:
 
     * ``input_ids`` ``[B, T]``; ``attention_mask`` ``[B, T_past + T]`` (1 real, 0 pad;
       left or right padding), only its last ``T`` columns describe ``input_ids``;
@@ -161,7 +161,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     * ``past_key_values`` (or ``cache``): a :class:`FalconCache` to continue;
       ``use_cache=True`` returns it (a fresh one when none is given);
     * ``output_hidden_states``: also return the embeddings, the output of every block but the
-      last and the final normalized output, ``L + 1`` tensors ``[B, T, D]`` (zeros at pads).
+      last and the final normalized output, ``L + 1`` tensors ``[B, T, D]`` (zeros at pads);
+    * ``logits_to_keep`` ``k > 0``: logits of the last ``k`` columns only, ``[B, k, vocab]``
+      (``generate()`` asks for 1: the prompt step then skips the vocabulary projection of every
+      other prompt token); not with ``labels``.
 
     Returns ``CausalLMOutputWithPast`` (``loss``, ``logits`` ``[B, T, vocab]`` in
     at least float32, the cache, ``hidden_states``), or with ``return_dict=False`` (or
@@ -210,6 +213,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         inputs = {"input_ids": input_ids.contiguous(), "attention_mask": attention_mask, "use_cache": use_cache}
         if kwargs.get("output_hidden_states"):
             inputs["output_hidden_states"] = True
+        if kwargs.get("logits_to_keep"):  # generate() asks for the last column's logits only
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
         inputs["cache" if _CACHE_FIELD == "cache" else "past_key_values"] = cache
         return inputs
 
@@ -293,9 +298,15 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         cache: Optional[FalconCache] = None,
         return_dict: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
+        logits_to_keep: int = 0,
     ) -> CausalLMOutputWithPast:
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}")
+        if logits_to_keep and labels is not None:
+            raise ValueError(f"labels are scored against the logits of every position: logits_to_keep must be 0 "
+                             f"with labels, got {logits_to_keep}")
         cache = cache if cache is not None else past_key_values
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training)
@@ -313,13 +324,18 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         hidden = [] if output_hidden_states else None
         with known_sequence_bounds(packing.cu_seqlens, packing.bounds):  # one device read per batch
             h = self.model(h, packing, cache, hidden)
+        if index is not None:
+            hidden = None if hidden is None else [repad(x, index, B, T) for x in hidden]
+            if logits_to_keep:  # the last columns of the padded layout
+                h, index = repad(h, index, B, T), None
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = cast_to(F.linear(h, weight), torch.promote_types(h.dtype, torch.float32))
         if self.config.width_multiplier != 1.0:
             logits = logits / self.config.width_multiplier
         if index is not None:
             logits = repad(logits, index, B, T)
-            hidden = None if hidden is None else [repad(x, index, B, T) for x in hidden]
         if cache is not None:
             cache.advance(real, T)
         loss = None

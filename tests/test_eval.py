@@ -71,6 +71,64 @@ def test_perplexity_matches_the_models_own_loss(saved_model):
     assert rep["windows"] == 2 and [b["beyond_train_len"] for b in rep["buckets"]] == [False, False, True]
     mean = sum(b["loss"] * b["tokens"] for b in rep["buckets"]) / rep["tokens"]
     assert rep["loss"] == pytest.approx(mean)
+    # provenance: the commit of the code (as git itself reports it) and the options
+    import os
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(run.__code__.co_filename))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True)
+    checkout = head.returncode == 0 and "site-packages" not in here.split(os.sep)
+    assert rep["provenance"]["commit"] == (head.stdout.strip() if checkout else None)
+    if checkout:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                capture_output=True, text=True)
+        assert rep["provenance"]["dirty"] == bool(status.stdout.strip())
+    assert rep["provenance"]["options"]["seq_len"] == 64 and rep["provenance"]["options"]["buckets"] == "0,16,32,64"
+
+
+def test_token_shards_of_another_tokenizer_are_refused(saved_model, tmp_path):
+    """Shards tokenized with another tokenizer hold other ids (and another end-of-text id, so
+    documents="reset" would never reset): scoring them with the model would be silently wrong."""
+    from falcon_fwa.data.shards import write_token_shards
+    from falcon_fwa.data.tokenizer import train_bpe_tokenizer
+
+    docs = open(saved_model / "corpus.txt").read().split("\n\n")[:40]
+    bpe = train_bpe_tokenizer(docs, 300)
+    write_token_shards(docs, bpe, str(tmp_path / "bpe"))
+    _, tok = load_model(str(saved_model / "run" / "model"))
+    assert bpe.eos_token_id != tok.eos_token_id
+    with pytest.raises(ValueError, match="another tokenizer"):
+        token_stream([str(tmp_path / "bpe")], tok)
+    assert token_stream([str(tmp_path / "bpe")], bpe)[0] == bpe.eos_token_id  # its own tokenizer reads it
+
+
+def test_ppl_checks_its_options_before_the_work(tmp_path, capsys, monkeypatch):
+    """A bad --buckets, --seq-len or --batch-size is reported before the model is loaded (not
+    after the whole evaluation); a missing run folder is named, not looked up on the hub."""
+    from falcon_fwa.cli import main
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # loading it would fail: the checks must come first
+    (tmp_path / "held.txt").write_text("some held-out text\n")
+    base = ["ppl", "--model", str(folder), "--data", str(tmp_path / "held.txt"), "--device", "cpu"]
+    cases = [(["--seq-len", "64", "--buckets", "0,a,64"], "--buckets must be comma-separated integers"),
+             (["--seq-len", "64", "--buckets", "0,32,16,64"], "--buckets: buckets must rise strictly"),
+             (["--seq-len", "64", "--buckets", "0,32"], "--buckets: buckets must rise strictly"),
+             (["--seq-len", "0"], "--seq-len must be at least 1"),
+             (["--batch-size", "0"], "--batch-size must be at least 1"),
+             (["--max-windows", "0"], "--max-windows must be at least 1")]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert "falcon-fwa ppl: error:" in err and message in err, (extra, err)
+    # runs/model where ./runs exists is a local path, not the hub id "runs/model"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert main(["ppl", "--model", "runs/model", "--data", "held.txt", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "model folder 'runs/model' does not exist" in err, err
 
 
 def test_document_reset_equals_each_document_alone(saved_model):
@@ -178,6 +236,52 @@ def test_lm_eval_harness_end_to_end_with_local_tasks(saved_model, tmp_path):
                 break
             new.append(nxt)
         assert gens[d["prompt"]] == tok.decode(new), d["prompt"]
+
+
+def test_lm_eval_max_length_sets_the_rolling_windows(saved_model, tmp_path, monkeypatch):
+    """--max-length reaches the harness: a document longer than it is scored in windows of
+    max_length tokens (each with the tokens before it as context), as computed here directly."""
+    pytest.importorskip("lm_eval")
+    import functools
+
+    import lm_eval.tasks
+
+    from falcon_fwa.cli import main
+
+    # the task is local: skip indexing the harness's own task library (most of the run time)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager",
+                        functools.partial(lm_eval.tasks.TaskManager, include_defaults=False))
+    doc = "the state memory key value write read gate decay token fast weight " * 3
+    (tmp_path / "roll.jsonl").write_text(json.dumps({"text": doc}) + "\n")
+    (tmp_path / "local_roll.yaml").write_text(f"""task: local_roll
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tmp_path / "roll.jsonl"}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+""")
+    folder = str(saved_model / "run" / "model")
+    out = tmp_path / "res.json"
+    assert main(["lm-eval", "--model", folder, "--tasks", "local_roll", "--include-path", str(tmp_path),
+                 "--max-length", "16", "--batch-size", "4", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.load(open(out))
+    model, tok = load_model(folder)
+    full = [tok.eos_token_id] + tok(doc, add_special_tokens=False)["input_ids"]
+    ll = 0.0
+    for a in range(1, len(full), 16):  # predict full[a:b] from at most the 16 tokens before each
+        b = min(a + 16, len(full))
+        lo = max(0, b - 17)
+        with torch.no_grad():
+            lp = model(input_ids=torch.tensor([full[lo:b - 1]]), use_cache=False).logits[0].log_softmax(-1)
+        ll += sum(float(lp[i - 1 - lo, full[i]]) for i in range(a, b))
+    bpb = -ll / len(doc.encode("utf-8")) / math.log(2)
+    assert res["results"]["local_roll"]["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-5)
+    assert res["provenance"]["options"]["max_length"] == 16
 
 
 def test_load_model_names_a_missing_or_empty_folder(tmp_path):

@@ -24,14 +24,23 @@ def register() -> None:
 
 def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = None,
              num_fewshot: Optional[int] = None, batch_size: int = 1, limit: Optional[float] = None,
-             device: str = "cpu", dtype: str = "float32", log_samples: bool = False) -> dict:
-    """Run ``tasks`` (names; local tasks from ``include_path``) on ``model_dir``; the harness's results dict."""
+             device: str = "cpu", dtype: str = "float32", log_samples: bool = False,
+             max_length: Optional[int] = None) -> dict:
+    """Run ``tasks`` (names; local tasks from ``include_path``) on ``model_dir``; the harness's results dict.
+
+    ``max_length``: the context length in tokens (longer contexts are cut from the left, and
+    ``loglikelihood_rolling`` scores a document in windows of it). ``None`` leaves it to the
+    harness: the model config's ``max_position_embeddings`` (falcon-fwa configs have none), else
+    the tokenizer's ``model_max_length`` (1024 for GPT-2's; the byte and ``bpe:N`` tokenizers set
+    none, 2**30), i.e. no cut at all."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from .perplexity import check_model_folder
 
     check_model_folder(model_dir)
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be at least 1, got {max_length}")
     if include_path and not os.path.isdir(include_path):
         raise FileNotFoundError(f"include_path {include_path!r} is not a folder of task YAML files")
     register()
@@ -41,7 +50,10 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     if missing:
         raise ValueError(f"tasks: unknown {', '.join(map(repr, missing))}"
                          + ("" if include_path else " (local task YAML files need include_path)"))
+    model_args = {"pretrained": model_dir, "dtype": dtype, "trust_remote_code": True}
+    if max_length is not None:
+        model_args["max_length"] = max_length
     return lm_eval.simple_evaluate(
-        model="hf", model_args={"pretrained": model_dir, "dtype": dtype, "trust_remote_code": True},
+        model="hf", model_args=model_args,
         tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, device=device,
         task_manager=manager, log_samples=log_samples)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_json
+from ..provenance import command_provenance
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="context length in tokens: longer contexts are cut from the left, rolling "
+                             "log-likelihoods use windows of it (default: the tokenizer's model_max_length, "
+                             "which the byte and bpe:N tokenizers leave unbounded; set it to the training length "
+                             "to compare with runs that use one)")
     parser.add_argument("--out", default=None, help="write the results JSON here")
 
 
@@ -31,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     results = evaluate(args.model, tasks, include_path=args.include_path,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=args.limit, device=device,
-                       dtype=args.dtype)
+                       dtype=args.dtype, max_length=args.max_length)
     print(make_table(results))
     if args.out:
-        write_json(args.out, {k: results[k] for k in ("results", "versions", "n-shot", "config") if k in results},
-                   default=str)
+        report = {k: results[k] for k in ("results", "versions", "n-shot", "config", "date") if k in results}
+        report["provenance"] = command_provenance(args)
+        write_json(args.out, report, default=str)
     return 0

@@ -8,7 +8,11 @@ empty state. Two ways to treat the documents inside a window:
   training with ``packing: cu_seqlens`` does): every document starts from an empty state
   (the window is run as packed sequences with ``cu_seqlens`` at each end-of-text), the
   prediction of a document's opening token from the previous document is left out (as in
-  the training loss), and a token's position is its position in its document;
+  the training loss), and a token's position is its position in its document; the part of
+  a document that continues from the previous window starts from an empty state at the
+  window's start, so there a position counts from the window's start (the context the
+  model had). A held-out file read as one document (``text_split="file"``) is therefore
+  scored by position in the window;
 * ``documents="carry"``: the window is one sequence, the state runs across document
   boundaries, and a token's position is its position in the window.
 
@@ -41,7 +45,9 @@ def check_model_folder(folder: str) -> None:
     if os.path.isdir(folder):
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"model folder {folder!r} holds no config.json: not a saved model")
-    elif os.path.isabs(folder) or folder.startswith(".") or folder.count("/") > 1:
+    elif (os.path.isabs(folder) or folder.startswith(".") or folder.count("/") > 1
+          or ("/" in folder and os.path.isdir(folder.split("/")[0]))):
+        # a name whose first part is a local folder (runs/model) is a path, not a hub id
         raise FileNotFoundError(f"model folder {folder!r} does not exist (and is no hub id such as owner/name)")
 
 
@@ -53,8 +59,14 @@ def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
     from .. import models  # noqa: F401  (registers model_type "falcon_fwa" with the Auto classes)
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
+    except OSError as err:
+        if os.path.isdir(folder):
+            raise
+        raise FileNotFoundError(f"model folder {folder!r} does not exist, and loading it as a hub id "
+                                f"failed: {err}") from None
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=os.path.isdir(folder))
     return model, tokenizer
 
 
@@ -65,7 +77,13 @@ def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file",
     total = 0
     for source in sources:
         if os.path.isfile(os.path.join(source, "meta.json")):
-            docs = TokenShards(source).documents()
+            shards = TokenShards(source)
+            if shards.eos_token_id != tokenizer.eos_token_id or shards.vocab_size != len(tokenizer):
+                raise ValueError(
+                    f"token shards {source!r} come from another tokenizer (vocab_size {shards.vocab_size}, "
+                    f"eos_token_id {shards.eos_token_id}) than the model's ({len(tokenizer)}, "
+                    f"{tokenizer.eos_token_id}); tokenize the held-out text with the model's tokenizer")
+            docs = shards.documents()
         else:
             eos = np.asarray([tokenizer.eos_token_id], dtype=np.int64)
             byte_level = is_byte_tokenizer(tokenizer)
@@ -142,14 +160,19 @@ def default_edges(seq_len: int, first: int = 64) -> List[int]:
     return edges + [seq_len]
 
 
+def check_edges(edges: Sequence[int], seq_len: int) -> None:
+    """Raise ``ValueError`` unless bucket ``edges`` rise strictly from 0 to ``seq_len``."""
+    if not edges or list(edges) != sorted(set(edges)) or edges[0] != 0 or edges[-1] != seq_len:
+        raise ValueError(f"buckets must rise strictly from 0 to seq_len={seq_len}, got {list(edges)}")
+
+
 def bucket_report(total: torch.Tensor, count: Union[int, torch.Tensor], edges: Sequence[int], *,
                   train_len: Optional[int] = None, windows: Optional[int] = None) -> dict:
     """Overall and per-bucket loss/perplexity from per-position NLL sums ``total`` and
     prediction counts ``count`` (per position, or one number for every position: the
     number of windows). Buckets without predictions report ``loss``/``ppl`` as ``None``."""
     seq_len = len(total)
-    if list(edges) != sorted(set(edges)) or edges[0] != 0 or edges[-1] != seq_len:
-        raise ValueError(f"buckets must rise strictly from 0 to seq_len={seq_len}, got {list(edges)}")
+    check_edges(edges, seq_len)
     if isinstance(count, int):
         windows = count if windows is None else windows
         count = torch.full((seq_len,), float(count), dtype=torch.float64)

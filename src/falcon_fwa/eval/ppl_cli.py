@@ -7,7 +7,9 @@ import os
 
 from ..atomic import write_json
 from ..data.sources import TEXT_SPLITS
-from .perplexity import bucket_report, default_edges, load_model, plot_buckets, position_nll, token_stream, windows
+from ..provenance import command_provenance
+from .perplexity import (bucket_report, check_edges, default_edges, load_model, plot_buckets, position_nll,
+                         token_stream, windows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +38,27 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _edges(args: argparse.Namespace) -> list:
+    """The bucket edges, checked before any work (a bad --buckets would otherwise end a long run)."""
+    for name in ("seq_len", "batch_size", "max_windows"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not args.buckets:
+        return default_edges(args.seq_len)
+    try:
+        edges = [int(e) for e in args.buckets.split(",")]
+    except ValueError:
+        raise ValueError(f"--buckets must be comma-separated integers, got {args.buckets!r}") from None
+    try:
+        check_edges(edges, args.seq_len)
+    except ValueError as err:
+        raise ValueError(f"--buckets: {err}") from None
+    return edges
+
+
 def run(args: argparse.Namespace) -> int:
+    edges = _edges(args)
     model, tokenizer = load_model(args.model, device=args.device)
     tokens = token_stream(args.data, tokenizer, text_split=args.text_split, text_field=args.text_field,
                           max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1)
@@ -46,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--documents reset needs a tokenizer with an end-of-text token (eos_token_id is None)")
     total, count = position_nll(model, rows, batch_size=args.batch_size, device=args.device,
                                 bf16=args.dtype == "bf16", eos_id=eos_id)
-    edges = [int(e) for e in args.buckets.split(",")] if args.buckets else default_edges(args.seq_len)
     report = bucket_report(total, count, edges, train_len=args.train_len, windows=len(rows))
-    report.update(model=os.path.abspath(args.model), data=args.data, documents=args.documents)
+    report.update(model=os.path.abspath(args.model), data=args.data, documents=args.documents,
+                  provenance=command_provenance(args))
     where = "document" if args.documents == "reset" else "window"
     print(f"perplexity {report['ppl']:.4f} (loss {report['loss']:.4f}) over {report['tokens']} predictions, "
           f"{len(rows)} windows of {args.seq_len}, documents: {args.documents}")

@@ -455,3 +455,37 @@ def test_a_finished_run_launched_again_keeps_its_wall_time(tmp_path):
     assert cli.main(argv) == 0
     again = json.loads((out / "results.json").read_text())
     assert again["wall_time_s"] == first["wall_time_s"] and again["history"] == first["history"]
+
+
+def test_a_run_records_the_commit_of_its_code_wherever_it_is_started(tmp_path, monkeypatch):
+    # the commit is that of the checkout the package runs from, not of the working directory
+    import pathlib
+    import subprocess
+
+    import falcon_fwa
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        head = ""
+    if not head or pathlib.Path(falcon_fwa.__file__).resolve().parent != root / "src" / "falcon_fwa":
+        pytest.skip("the package is not imported from a git checkout")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not a git checkout
+    out = tmp_path / "run"
+    assert cli.main(["--model", "Falcon-1A.3", "--steps", "1", "--eval-every", "1", "--out", str(out),
+                     "--no-progress", *SMALL, "--hidden-size", "16", "--num-hidden-layers", "1"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["commit"] == head
+    # the metric note names the key results.json holds and this run's own OOD widths
+    assert "best.mean_acc_ood = mean over widths 4..5" in res["metric"] and "mean_acc_ood" in res["best"]
+
+
+@pytest.mark.parametrize("option", [["--rule", "2"], ["--window", "8"], ["--qk-norm", "l2"], ["--gate", "ctx-beta"]])
+def test_fast_weight_options_are_refused_for_the_transformer(tmp_path, option):
+    # the Transformer has no update rule: the option would be recorded in results.json but change nothing
+    with pytest.raises(ValueError, match=f"^{option[0]}: model 'Transformer'"):
+        cli.main(["--model", "Transformer", *option, "--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
+    assert not (tmp_path / "run").exists()

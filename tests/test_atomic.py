@@ -28,3 +28,27 @@ def test_writes_replace_whole_files_and_keep_the_suffix(tmp_path):
         open(tmp, "wb").close()
     write_json(tmp_path / "d.json", {"x": {7}}, default=str)  # a set is no JSON: written through default
     assert json.loads((tmp_path / "d.json").read_text()) == {"x": "{7}"}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_get_the_permissions_of_a_plain_open(tmp_path, umask):
+    # a file written in place would be created 0o666 minus the umask; the temporary file behind an
+    # atomic write must not leave it readable by its owner only
+    import os
+    import stat
+
+    from falcon_fwa.atomic import save_torch
+
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "r.json", {"a": 1})
+        write_text(tmp_path / "t.md", "x\n")
+        save_torch(tmp_path / "c.pt", {"step": 1})
+        with open(tmp_path / "plain.txt", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    want = stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode)
+    assert want == 0o666 & ~umask
+    for name in ("r.json", "t.md", "c.pt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == want, name

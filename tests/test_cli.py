@@ -23,3 +23,23 @@ def test_an_unknown_command_is_an_argparse_error(capsys):
         cli.main(["nope"])
     assert stop.value.code == 2
     assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, option", [
+    (["demo"], "--seq-len"), (["demo"], "--heads"), (["demo"], "--head-dim"), (["demo"], "--window"),
+])
+def test_a_size_below_one_is_one_error_line_naming_the_option(capsys, monkeypatch, command, option):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    assert cli.main([*command, option, "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa {command[0]}: error: {option} must be >= 1, got 0")
+    assert "Traceback" not in err
+
+
+def test_demo_on_one_token_reports_agreement_not_nan(capsys):
+    # one token is the sentinel step: every form outputs zeros, and agrees exactly
+    assert cli.main(["demo", "--seq-len", "1", "--heads", "1", "--head-dim", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["1", "2", "3", "1A", "2A", "3A"]
+    assert all(float(r[1]) == 0.0 and float(r[2]) == 0.0 for r in rows)
+

@@ -116,9 +116,9 @@ def test_ppl_checks_its_options_before_the_work(tmp_path, capsys, monkeypatch):
     cases = [(["--seq-len", "64", "--buckets", "0,a,64"], "--buckets must be comma-separated integers"),
              (["--seq-len", "64", "--buckets", "0,32,16,64"], "--buckets: buckets must rise strictly"),
              (["--seq-len", "64", "--buckets", "0,32"], "--buckets: buckets must rise strictly"),
-             (["--seq-len", "0"], "--seq-len must be at least 1"),
-             (["--batch-size", "0"], "--batch-size must be at least 1"),
-             (["--max-windows", "0"], "--max-windows must be at least 1")]
+             (["--seq-len", "0"], "--seq-len must be >= 1"),
+             (["--batch-size", "0"], "--batch-size must be >= 1"),
+             (["--max-windows", "0"], "--max-windows must be >= 1")]
     for extra, message in cases:
         assert main(base + extra) == 2
         err = capsys.readouterr().err

@@ -2,7 +2,8 @@
 version of a file or the complete new one, never a partial write.
 
 Each write goes to a uniquely named temporary file in the target's folder (two writers
-never share it), is flushed to disk, then renamed over the target.
+never share it), is flushed to disk, then renamed over the target. The file gets the
+permissions a plain ``open(path, "w")`` would give it (``0o666`` less the umask).
 """
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ PathLike = Union[str, os.PathLike]
 __all__ = ["atomic_path", "write_json", "write_text", "save_torch", "read_json"]
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: PathLike) -> Iterator[str]:
     """A temporary path next to ``path`` (same suffix, so writers that infer the format from it
@@ -27,6 +35,7 @@ def atomic_path(path: PathLike) -> Iterator[str]:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0o600, readable by its owner only
         yield tmp
         os.replace(tmp, path)
     except BaseException:

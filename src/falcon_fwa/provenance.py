@@ -2,38 +2,50 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
-from typing import Optional
+from pathlib import Path
+from typing import List, Optional
 
-__all__ = ["git_commit", "command_provenance"]
+__all__ = ["git_commit", "source_checkout", "command_provenance"]
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _git(args: List[str], cwd: str) -> Optional[str]:
+    """``git ARGS`` run in ``cwd``: its stripped output, or ``None`` on failure or without git."""
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def source_checkout() -> Optional[str]:
+    """The root of the git checkout this package is imported from (``ROOT/src/falcon_fwa``, as
+    with ``pip install -e .`` or ``PYTHONPATH=ROOT/src``), or ``None`` when it is imported from
+    anywhere else (an installed copy, even one inside another repository)."""
+    root = _git(["rev-parse", "--show-toplevel"], str(PACKAGE_DIR))
+    if not root or (Path(root) / "src" / "falcon_fwa").resolve() != PACKAGE_DIR:
+        return None
+    return root
 
 
 def git_commit(short: bool = True, cwd: Optional[str] = None) -> Optional[str]:
-    """The checked-out commit (``git rev-parse [--short] HEAD`` run in ``cwd``), or ``None``
-    outside a git checkout or without git."""
-    cmd = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
-    try:
-        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """The checked-out commit (``git rev-parse [--short] HEAD``) of the code that runs: the
+    checkout this package is imported from (:func:`source_checkout`), or the repository at
+    ``cwd`` when given. ``None`` outside a git checkout or without git; the working directory
+    of the process plays no part."""
+    where = cwd if cwd is not None else source_checkout()
+    if where is None:
         return None
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and sha else None
+    return _git(["rev-parse", *(["--short"] if short else []), "HEAD"], where) or None
 
 
 def command_provenance(args: argparse.Namespace) -> dict:
     """A command's provenance: the full commit of the falcon-fwa code that ran it (``None`` for
     an installed copy or outside a git checkout), whether that checkout had uncommitted changes
     to tracked files (``dirty``; ``None`` when unknown) and the command's options."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    installed = "site-packages" in here.split(os.sep) or "dist-packages" in here.split(os.sep)
-    commit = None if installed else git_commit(short=False, cwd=here)
-    dirty = None
-    if commit is not None:
-        try:
-            out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                 capture_output=True, text=True, timeout=10)
-            dirty = bool(out.stdout.strip()) if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return {"commit": commit, "dirty": dirty, "options": dict(vars(args))}
+    root = source_checkout()
+    commit = None if root is None else git_commit(short=False, cwd=root)
+    status = None if commit is None else _git(["status", "--porcelain", "--untracked-files=no"], root)
+    return {"commit": commit, "dirty": None if status is None else bool(status), "options": dict(vars(args))}

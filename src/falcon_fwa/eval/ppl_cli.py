@@ -43,7 +43,7 @@ def _edges(args: argparse.Namespace) -> list:
     for name in ("seq_len", "batch_size", "max_windows"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not args.buckets:
         return default_edges(args.seq_len)
     try:

@@ -60,6 +60,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the preset's choice)")
 
 
+FAST_WEIGHT_OPTIONS = {"rule": "--rule", "window": "--window", "qk_norm": "--qk-norm", "gate": "--gate"}
+"""Options that configure the fast-weight update of a recurrent mixer (the Transformer has none)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="Falcon-3A.3",
                    help=f"a paper name ({', '.join(LINEUP)}) or a mixer ({', '.join(MIXERS)})")
@@ -96,6 +100,12 @@ def run(args: argparse.Namespace) -> int:
 
     fields = resolve_model(args.model, {"rule": args.rule, "window": args.window,
                                         "qk_norm": args.qk_norm, "gate": args.gate})
+    if fields["mixer"] == "transformer":  # softmax attention has no fast-weight update to configure
+        given = [opt for field, opt in FAST_WEIGHT_OPTIONS.items() if getattr(args, field) is not None]
+        if given:
+            raise ValueError(f"{given[0]}: model {args.model!r} is a Transformer (softmax attention), which has no "
+                             f"fast-weight update; {', '.join(FAST_WEIGHT_OPTIONS.values())} apply to the "
+                             "recurrent mixers only")
     preset = preset_from_args(args)
     threads = args.threads or (preset.cpu_threads if args.device == "cpu" else None)
     if threads:

@@ -34,12 +34,15 @@ from .lineup import build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset
 from ...atomic import read_json, save_torch, write_json
+from ...provenance import git_commit
 
-METRIC_NOTE = (
-    "teacher-forced on the n+1 sum digits; 'acc' = exact match (all digits of a sample right), "
-    "'digit_acc' = fraction of digits right; mean_acc_33_48 = mean over widths 33..48 at the best "
-    "validation step"
-)
+
+def metric_note(ood_widths: Tuple[int, int]) -> str:
+    """What the accuracies of a run's ``results.json`` mean, with its own OOD widths."""
+    lo, hi = ood_widths
+    return ("teacher-forced on the n+1 sum digits; 'acc' = exact match (all digits of a sample right), "
+            f"'digit_acc' = fraction of digits right; best.mean_acc_ood = mean over widths {lo}..{hi} "
+            "at the best validation step")
 
 
 @dataclass
@@ -204,8 +207,9 @@ def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "dtype": spec.dtype,
         "torch": torch.__version__,
+        "commit": git_commit(short=False),
         "parameters": n_params,
-        "metric": METRIC_NOTE,
+        "metric": metric_note(spec.preset.ood_widths),
         "history": [],
         "best": None,
         "steps_done": 0,

@@ -52,3 +52,19 @@ def test_written_files_get_the_permissions_of_a_plain_open(tmp_path, umask):
     assert want == 0o666 & ~umask
     for name in ("r.json", "t.md", "c.pt"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == want, name
+
+
+def test_save_torch_flushes_the_file_to_disk_before_renaming_it(tmp_path, monkeypatch):
+    import os
+
+    import torch
+
+    from falcon_fwa import atomic
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: events.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(atomic.os, "replace", lambda a, b: events.append("replace") or real_replace(a, b))
+    atomic.save_torch(tmp_path / "s.pt", {"w": torch.arange(3)})
+    assert events == ["fsync", "replace"]
+    assert torch.equal(torch.load(tmp_path / "s.pt")["w"], torch.arange(3))

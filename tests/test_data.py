@@ -102,6 +102,68 @@ def test_prepare_reuses_and_rejects_changed_settings(tmp_path):
         prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=5), str(tmp_path / "d"))
 
 
+def test_preparations_started_together_on_one_folder_tokenize_it_once(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from falcon_fwa.data import prepare as prepare_module
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus(40)))
+    spec = DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=10)
+    real = prepare_module.iter_documents
+    tokenized = []
+
+    def slow(*args, **kwargs):  # reading the corpus takes a while: the two preparations overlap
+        tokenized.append(kwargs.get("split"))
+        for doc in real(*args, **kwargs):
+            time.sleep(0.005)
+            yield doc
+
+    monkeypatch.setattr(prepare_module, "iter_documents", slow)
+    results, errors = [], []
+
+    def prepare():
+        try:
+            results.append(prepare_dataset(spec, str(tmp_path / "d")))
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=prepare) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 2 and results[0] == results[1]
+    assert tokenized == ["train", "train"]  # one preparation (train, then val held out of train); the other reuses
+    docs = list(TokenShards(str(tmp_path / "d" / "train")).documents())
+    assert len(docs) == 36 and [len(d) for d in docs] == [len(t.encode()) + 1 for i, t in enumerate(corpus(40))
+                                                          if i % 10 != 9]
+
+
+def test_an_interrupted_rebuild_leaves_no_folder_that_looks_prepared(tmp_path, monkeypatch):
+    from falcon_fwa.data import prepare as prepare_module
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus(40)))
+    old, new = (DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=v) for v in (10, 5))
+    prepare_dataset(old, str(tmp_path / "d"))
+    real = prepare_module.write_token_shards
+
+    def dies_on_val(docs, tok, folder, **kw):
+        if folder.endswith("val"):
+            raise KeyboardInterrupt("killed while tokenizing the validation split")
+        return real(docs, tok, folder, **kw)
+
+    monkeypatch.setattr(prepare_module, "write_token_shards", dies_on_val)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(new, str(tmp_path / "d"), overwrite=True)  # train/ is the new split, val/ the old one
+    monkeypatch.undo()
+    rec = prepare_dataset(old, str(tmp_path / "d"))  # not taken for the old dataset: rebuilt
+    assert rec["counts"]["train"]["n_docs"] == 36
+    assert TokenShards(str(tmp_path / "d" / "train")).meta["n_docs"] == 36
+
+
 def _stream(tmp_path, docs):
     write_token_shards(docs, byte_tokenizer(), str(tmp_path / "s"))
     return TokenShards(str(tmp_path / "s"))

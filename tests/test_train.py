@@ -170,6 +170,52 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert read_log(str(tmp_path / "run" / "log.jsonl"))[-1]["event"] == "non_finite"
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_the_run_at_the_step_in_progress_with_a_checkpoint(tmp_path, monkeypatch, signum):
+    import signal
+
+    signum = getattr(signal, signum)
+    real, calls = trainer_module.causal_lm_loss, []
+
+    def signalled(*args, **kwargs):  # the signal arrives during step 3 (micro-steps 4 and 5)
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signum)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", signalled)
+    before = signal.getsignal(signum)
+    raw = recipe(tmp_path, "run", save_every=0, eval_every=0)
+    trainer = Trainer(config_from_dict(raw))
+    try:
+        summary = trainer.train(stop_on_signal=True)
+    finally:
+        trainer.close()
+    assert signal.getsignal(signum) is before  # the handler is given back
+    assert summary["signal"] == signal.Signals(signum).name and summary["steps"] == 3
+    assert trainer.last_checkpoint.endswith("step-00000003")
+    assert load_checkpoint(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))["step"] == 3
+    monkeypatch.undo()
+    assert run_trainer(raw).step == 4  # the relaunch resumes at step 3
+    assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_only_the_main_process_prints_the_validation_loss(tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from falcon_fwa.data import prepare_dataset
+
+    raw = recipe(tmp_path, "run", steps=2)
+    prepare_dataset(config_from_dict(raw).data.spec(), raw["data"]["out_dir"])  # the main process's part
+    real = trainer_module.D.setup
+    monkeypatch.setattr(trainer_module.D, "setup", lambda strategy: dataclasses.replace(real(strategy), rank=1))
+    capsys.readouterr()
+    trainer = run_trainer(raw)  # as the second process (of one: no collectives to wait for)
+    assert not trainer.info.is_main and trainer.step == 2
+    out = capsys.readouterr()
+    assert "val_loss" not in out.out + out.err
+
+
 WORKER = """
 import json, sys
 from falcon_fwa.train import Trainer, config_from_dict
@@ -212,6 +258,30 @@ def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path):
         assert losses(tmp_path / f"{strategy}-split", "val_loss") == losses(tmp_path / f"{strategy}-full", "val_loss")
         state = load_checkpoint(latest_checkpoint(str(tmp_path / f"{strategy}-split" / "checkpoints")))
         assert state["data"]["world_size"] == 2 and state["step"] == 4 and state["data"]["position"] == 8
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("train.steps=10.5", "train.steps must be an integer, got 10.5"),
+    ("train.micro_batch=true", "train.micro_batch must be an integer, got True"),
+    ("train.export_model='false'", "train.export_model must be true or false, got 'false'"),
+    ("optim.betas=0.9", "optim.betas must be a list, got 0.9"),
+    ("optim.lr=fast", "optim.lr must be a number, got 'fast'"),
+    ("train.out_dir=3", "train.out_dir must be a string, got 3"),
+    ("model.overrides=3", "model.overrides must be a mapping, got 3"),
+])
+def test_recipe_values_of_the_wrong_type_name_their_field(tmp_path, assignment, message):
+    from falcon_fwa.train.config import apply_overrides
+
+    with pytest.raises(ValueError, match=f"^config field {message}$".replace("[", r"\[").replace(".", r"\.")):
+        config_from_dict(apply_overrides(recipe(tmp_path), [assignment]))
+
+
+def test_set_takes_an_exponent_without_a_dot_as_a_number(tmp_path):
+    from falcon_fwa.train.config import apply_overrides
+
+    # YAML 1.1 reads 1e-3 (no dot) as a string
+    cfg = config_from_dict(apply_overrides(recipe(tmp_path), ["optim.lr=1e-3", "optim.eps=1e-6"]))
+    assert cfg.optim.lr == 1e-3 and cfg.optim.eps == 1e-6 and isinstance(cfg.optim.lr, float)
 
 
 @pytest.mark.parametrize("section, field, value", [("train", "eval_every", -1), ("train", "eval_batches", 0),
@@ -260,6 +330,20 @@ def test_resume_after_a_crash_logs_every_step_once(tmp_path):
     after = losses(tmp_path / "run")
     assert [s for s, _ in after] == [1, 2, 3, 4]
     assert after == before
+
+
+def test_resume_after_a_log_line_was_cut_short(tmp_path):
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw, stop_at=2)
+    log = tmp_path / "run" / "log.jsonl"
+    with open(log, "a") as f:
+        f.write('{"step": 3, "loss": 4.1')  # the write of step 3's record was cut short
+    run_trainer(raw)
+    assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4]
+    with open(log, "a") as f:
+        f.write('{"step": 5, "lo\n{"step": 6}\n')  # a bad line before the last one is no cut-off write
+    with pytest.raises(ValueError):
+        read_log(str(log))
 
 
 def test_set_fills_an_empty_section_and_rejects_a_path_through_a_value(tmp_path):

@@ -68,7 +68,10 @@ def save_torch(path: PathLike, obj: Any) -> None:
     import torch
 
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read_json(path: PathLike) -> Any:

@@ -2,9 +2,12 @@
 
 ``prepared.json`` records the settings; preparing again with the same settings reuses the
 folder, with different settings it is an error (pass ``overwrite=True`` to rebuild).
+Preparations of one folder are serialised by a lock file (``{out_dir}/.prepare.lock``): runs
+started together on one shared folder tokenize it once, the others wait and reuse it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -46,8 +49,30 @@ def _docs(spec: DataSpec, which: str):
     return (d for i, d in enumerate(docs) if held_out(i) == (which == "val"))
 
 
+@contextlib.contextmanager
+def _locked(out_dir: str):
+    """Hold an exclusive lock on ``out_dir`` (blocking) for the block."""
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: unserialised
+        yield
+        return
+    with open(os.path.join(out_dir, ".prepare.lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) -> dict:
     """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts."""
+    with _locked(out_dir):
+        return _prepare(spec, out_dir, overwrite)
+
+
+def _prepare(spec: DataSpec, out_dir: str, overwrite: bool) -> dict:
     record_path = os.path.join(out_dir, "prepared.json")
     wanted = asdict(spec)
     if os.path.isfile(record_path) and not overwrite:
@@ -60,6 +85,8 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) ->
     if spec.val_every < 2:
         raise ValueError(f"data.val_every must be >= 2, got {spec.val_every}")
     os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
+        os.remove(record_path)
     texts = None
     if spec.tokenizer.startswith("bpe:"):
         texts = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,

@@ -2,10 +2,15 @@
 
 One process: ``falcon-fwa train --config ...``. Several GPUs or nodes (or CPU processes with
 gloo): ``torchrun --nproc_per_node=N -m falcon_fwa.train.cli --config ... --set train.strategy=fsdp2``.
+
+A SIGTERM or SIGINT (a preemption, Ctrl-C) ends the run at the end of the step in progress with a
+checkpoint, exit status 128 + the signal number; the same command resumes it. A second signal
+interrupts at once.
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .config import load_config
@@ -26,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg)
     try:
-        summary = trainer.train(stop_at=args.stop_at)
+        summary = trainer.train(stop_at=args.stop_at, stop_on_signal=True)
     except NonFiniteLoss as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
@@ -35,6 +40,11 @@ def run(args: argparse.Namespace) -> int:
         distributed.teardown()
     if trainer.info.is_main:
         print({k: v for k, v in summary.items()})
+    if "signal" in summary:  # stopped early, with a checkpoint: launch the same command again to resume
+        if trainer.info.is_main:
+            print(f"stopped by {summary['signal']} at step {summary['steps']} with checkpoint "
+                  f"{trainer.last_checkpoint}; the same command resumes it", file=sys.stderr)
+        return 128 + int(getattr(signal, summary["signal"]))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Run configuration: a YAML or JSON recipe with the sections ``model``, ``data``, ``optim``,
 ``train`` and ``log``. A recipe may start with ``extends: other.yaml`` (path relative to the
 file) and override any subset of it; ``--set section.field=value`` overrides from the command
-line. Unknown fields are errors that name the field.
+line. Unknown fields and values of the wrong type are errors that name the field.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
 from ..data.packing import PACKINGS
 from ..data.prepare import DataSpec
@@ -182,6 +182,43 @@ def apply_overrides(raw: dict, assignments: List[str]) -> dict:
     return raw
 
 
+def _typed(name: str, kind, value):
+    """``value`` as the field type ``kind`` (int, float, bool, str, Optional, List, Dict), or a
+    ValueError naming the field. A float field also takes a number written as a string: YAML
+    reads ``1e-3`` (no dot) as text."""
+    if get_origin(kind) is Union:
+        args = [a for a in get_args(kind) if a is not type(None)]
+        return None if value is None else _typed(name, args[0], value)
+    if get_origin(kind) in (list, List):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config field {name} must be a list, got {value!r}")
+        return [_typed(f"{name}[{i}]", get_args(kind)[0], v) for i, v in enumerate(value)]
+    if get_origin(kind) in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ValueError(f"config field {name} must be a mapping, got {value!r}")
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config field {name} must be true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config field {name} must be an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"config field {name} must be a number, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"config field {name} must be a string, got {value!r}")
+    return value
+
+
 def config_from_dict(raw: dict) -> RunConfig:
     sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
     kwargs = {}
@@ -190,11 +227,14 @@ def config_from_dict(raw: dict) -> RunConfig:
             raise ValueError(f"unknown config section {name!r}; sections are {sorted(sections)}")
         cls = {"model": ModelSection, "data": DataSection, "optim": OptimSection, "train": TrainSection,
                "log": LogSection}[name]
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config section {name!r} must be a mapping of fields, got {value!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         for key in value or {}:
             if key not in known:
                 raise ValueError(f"unknown config field {name}.{key}; fields of {name!r} are {sorted(known)}")
-        kwargs[name] = cls(**(value or {}))
+        types = get_type_hints(cls)
+        kwargs[name] = cls(**{k: _typed(f"{name}.{k}", types[k], v) for k, v in (value or {}).items()})
     return RunConfig(**kwargs).validate()
 
 

@@ -62,5 +62,15 @@ class MetricLogger:
 
 
 def read_log(path: str) -> list:
+    """The records of a JSONL log. A last line that is cut short (the process died, or the disk
+    filled, while writing it) is left out; a bad line before it is an error."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1 or line.endswith("\n"):
+                raise
+    return records

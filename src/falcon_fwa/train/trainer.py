@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from typing import Callable, Optional
@@ -54,6 +56,37 @@ def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class _StopSignals:
+    """While active, the first SIGTERM or SIGINT only sets ``received`` (the signal number); a
+    second one gets the handler that was there before (SIGINT: KeyboardInterrupt; SIGTERM: the
+    default, which ends the process). Inactive off the main thread, where handlers cannot be set."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received = 0
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received:
+            signal.signal(signum, self.previous[signum] or signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+
+    def __enter__(self):
+        if self.enabled:
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler or signal.SIG_DFL)
+        self.previous = {}
 
 
 class Trainer:
@@ -212,10 +245,22 @@ class Trainer:
         self.logger.log(self.step + 1, event="non_finite", loss=loss, grad_norm=grad_norm)
         raise NonFiniteLoss(msg)
 
-    def train(self, *, stop_at: Optional[int] = None, should_stop: Optional[Callable[[int], bool]] = None) -> dict:
+    def train(self, *, stop_at: Optional[int] = None, should_stop: Optional[Callable[[int], bool]] = None,
+              stop_on_signal: bool = False) -> dict:
         """Run to ``train.steps`` (or stop after step ``stop_at`` with a checkpoint); returns a summary.
         ``should_stop(step)`` is asked after every step (give every process the same answer); once it
-        answers true, the run ends at that step as if it were ``stop_at``."""
+        answers true, the run ends at that step as if it were ``stop_at``. With ``stop_on_signal``,
+        a SIGTERM or SIGINT (e.g. a preemption, Ctrl-C) that reaches any process ends the run the same
+        way at the end of the step in progress, with a checkpoint; the summary of a run so stopped
+        before ``train.steps`` names the signal (``"signal": "SIGTERM"``). A second signal interrupts
+        at once."""
+        with _StopSignals(stop_on_signal) as signals:
+            summary = self._train(stop_at, should_stop, signals)
+        if signals.received and summary["steps"] < self.cfg.train.steps:
+            summary = {**summary, "signal": signal.Signals(signals.received).name}
+        return summary
+
+    def _train(self, stop_at: Optional[int], should_stop: Optional[Callable[[int], bool]], signals) -> dict:
         cfg, t, o, info = self.cfg, self.cfg.train, self.cfg.optim, self.info
         stream = BatchStream(self.train_rows, micro_batch=t.micro_batch, packing=cfg.data.packing, seed=t.seed,
                              rank=info.rank, world_size=info.world_size, position=self.position)
@@ -243,13 +288,17 @@ class Trainer:
                 loss_sum += loss.detach()
             max_norm = o.clip_grad_norm if o.clip_grad_norm > 0 else float("inf")
             grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
-            step_loss = D.all_reduce_mean(loss_sum / self.accum, info).item()
+            # one reduction: the mean loss, and whether a stop signal reached any process
+            flag = torch.full((), float(signals.received > 0), device=info.device)
+            step_loss, signalled = D.all_reduce_mean(torch.stack([loss_sum / self.accum, flag]), info).tolist()
             self._check_finite(step_loss, grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             self.position = stream.position
             if should_stop is not None and should_stop(self.step):
+                end = self.step
+            if signalled > 0:
                 end = self.step
             if self.step > skip:
                 timed_tokens += tokens_per_step
@@ -270,7 +319,8 @@ class Trainer:
                 paused = time.perf_counter()
                 last_val = self.evaluate()
                 self.logger.log(self.step, **last_val)
-                bar.write(f"step {self.step}: val_loss {last_val['val_loss']:.4f} ppl {last_val['val_ppl']:.3f}")
+                if info.is_main:  # tqdm.write prints even where the bar is disabled
+                    bar.write(f"step {self.step}: val_loss {last_val['val_loss']:.4f} ppl {last_val['val_ppl']:.3f}")
                 window_start += time.perf_counter() - paused
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
                 paused = time.perf_counter()

@@ -404,6 +404,17 @@ def test_a_finished_run_launched_again_keeps_its_summary(tmp_path):
     assert json.loads(path.read_text()) == first
 
 
+def test_the_summary_records_the_recipe_and_the_commit(tmp_path):
+    from falcon_fwa.provenance import git_commit
+    from falcon_fwa.train.config import config_from_dict
+
+    raw = recipe(tmp_path, "run", steps=2)
+    run_trainer(raw)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["commit"] == git_commit(short=False)
+    assert config_from_dict(summary["config"]) == config_from_dict(raw)  # the run can be relaunched from it
+
+
 def test_logged_tokens_per_s_is_not_inflated_by_an_evaluation_between_log_steps(tmp_path, monkeypatch):
     real = trainer_module.causal_lm_loss
 

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         trainer.close()
         distributed.teardown()
     if trainer.info.is_main:
-        print({k: v for k, v in summary.items()})
+        print({k: v for k, v in summary.items() if k != "config"})  # the recipe is in summary.json
     if "signal" in summary:  # stopped early, with a checkpoint: launch the same command again to resume
         if trainer.info.is_main:
             print(f"stopped by {summary['signal']} at step {summary['steps']} with checkpoint "

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import read_json, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
+from ..provenance import git_commit
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig
@@ -338,7 +339,8 @@ class Trainer:
                    "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
                    "peak_mem_bytes": (torch.cuda.max_memory_allocated(info.device)
                                       if info.device.type == "cuda" else None),
-                   "world_size": info.world_size, "strategy": info.strategy, **last_val}
+                   "world_size": info.world_size, "strategy": info.strategy, **last_val,
+                   "commit": git_commit(short=False), "config": cfg.to_dict()}
         if info.is_main:
             write_json(summary_path, summary)
         return summary

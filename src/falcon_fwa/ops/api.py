@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunk import chunk_form
-from .pairs import next_tail, window_slots, write_pairs
+from .pairs import next_tail, write_side
 from .parallel import parallel_form
 from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
@@ -186,12 +186,9 @@ def _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state
     qh, kh, vh, beta_h, lam_h, gate_h = map(head_first, (q, k, v, beta, lam, log_gate))
     st = initial_state
     S0 = q.new_zeros(B, H, K, V, dtype=dt) if st is None else st.S.to(dt)
-    last_key = None if st is None or not shift else st.last_key
-    tail = None if st is None or W == 1 else (st.tail_x, st.tail_y, st.tail_valid)
     step_mask = None if lengths is None else torch.arange(T, device=q.device)[None, :] < lengths[:, None]
 
-    x, valid = write_pairs(kh, shift, last_key, step_mask)
-    xs, ys, slot_valid = window_slots(x, vh, valid, W, tail)
+    x, valid, xs, ys, slot_valid, tail = write_side(kh, vh, st, W, shift, step_mask)
     eta_slots, log_gamma = step_sizes(spec, xs, slot_valid, beta_h, lam_h, eps=eps, decay_floor=decay_floor,
                                       normalize=normalize, scale_ridge=scale_ridge)
     read_after = read == "after"
@@ -329,15 +326,9 @@ def _torch_step(q, k, v, beta, lam, log_gate, state, *, spec, window, eps, decay
     dt = _compute_dtype(q, k, v, beta, lam, log_gate)
     q, k, v_c, beta, lam, log_gate = (cast_to(t, dt) for t in (q, k, v, beta, lam, log_gate))
     B, H, K = q.shape
-    if state is None:
-        S = q.new_zeros(B, H, K, v.shape[-1])
-        tail = None
-    else:
-        S = cast_to(state.S, dt)
-        tail = None if W == 1 else (state.tail_x, state.tail_y, state.tail_valid)
-    xh, valid = write_pairs(k[:, :, None], shift, None if state is None else state.last_key)  # [B, H, 1, K]
+    S = q.new_zeros(B, H, K, v.shape[-1]) if state is None else cast_to(state.S, dt)
     vh = v_c[:, :, None]
-    xs, ys, slot_valid = window_slots(xh, vh, valid, W, tail)  # [B, H, 1, W, .]
+    xh, valid, xs, ys, slot_valid, tail = write_side(k[:, :, None], vh, state, W, shift)  # [B, H, 1, ...]
     eta_slots, log_gamma = step_sizes(spec, xs, slot_valid, beta[:, :, None], lam[:, :, None], eps=eps,
                                       decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
     o, S = recurrent_step(S, q, xs[:, :, 0], ys[:, :, 0], eta_slots[:, :, 0], torch.exp(log_gamma[:, :, 0]),

@@ -4,11 +4,11 @@ Internal layout is head-first: ``[B, H, T, ...]``.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["write_pairs", "window_slots", "next_tail"]
+__all__ = ["write_pairs", "window_slots", "next_tail", "WriteSide", "write_side"]
 
 
 def write_pairs(
@@ -108,3 +108,26 @@ def next_tail(
     pick = idx[:, None, :, None]
     return (xe.gather(2, pick.expand(B, H, n, xe.shape[-1])), ye.gather(2, pick.expand(B, H, n, ye.shape[-1])),
             ve.gather(1, idx))
+
+
+class WriteSide(NamedTuple):
+    """The pairs of one segment (``write_side``), head-first."""
+
+    x: torch.Tensor  # [B, H, T, K] write features x_t
+    valid: torch.Tensor  # [B, T] the step writes a pair
+    xs: torch.Tensor  # [B, H, T, W, K] window slots (window_slots)
+    ys: torch.Tensor  # [B, H, T, W, V]
+    slot_valid: torch.Tensor  # [B, T, W]
+    tail: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # the pairs before the segment, or None
+
+
+def write_side(k: torch.Tensor, v: torch.Tensor, state, window: int, shift: bool,
+               step_mask: Optional[torch.Tensor] = None) -> WriteSide:
+    """``write_pairs`` and ``window_slots`` of a segment with keys ``k`` ``[B, H, T, K]`` and values ``v``
+    ``[B, H, T, V]``, continuing ``state`` (a ``FalconState``: its last key and, with ``window > 1``,
+    its sliding tail) or fresh (``None``)."""
+    last_key = None if state is None or not shift else state.last_key
+    tail = None if state is None or window == 1 else (state.tail_x, state.tail_y, state.tail_valid)
+    x, valid = write_pairs(k, shift, last_key, step_mask)
+    xs, ys, slot_valid = window_slots(x, v, valid, window, tail)
+    return WriteSide(x, valid, xs, ys, slot_valid, tail)

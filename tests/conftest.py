@@ -94,7 +94,9 @@ def reference_falcon(
 
     Returns ``o`` ``[B, T, H, V]``, ``S_T`` ``[B, H, K, V]`` and a dict with the
     fraction of updating steps (per head and, for 2/2A, per column) on which the
-    positive-decay clamp ``alpha = min(eta*lam, 1 - decay_floor)`` is active.
+    positive-decay clamp ``alpha = min(eta*lam, 1 - decay_floor)`` is active, and per step:
+    ``eta``, ``gamma``, ``clamped`` (``[B, T, H]``, or ``[B, T, H, V]`` for 2/2A), the
+    prediction ``S'^T x_t`` before the write (``[B, T, H, V]``) and ``valid`` ``[B, T]``.
     """
     q, k, v, beta, lam = (t.detach().double() for t in (q, k, v, beta, lam))
     gate = None if log_gate is None else log_gate.detach().double()
@@ -103,6 +105,11 @@ def reference_falcon(
     o = torch.zeros(Bsz, T, H, V, dtype=torch.float64)
     S_final = torch.zeros(Bsz, H, K, V, dtype=torch.float64)
     n_steps, n_clamped = 0, 0
+    per_step = (Bsz, T, H, V) if rule in PER_COLUMN else (Bsz, T, H)
+    etas, gammas = torch.zeros(per_step, dtype=torch.float64), torch.ones(per_step, dtype=torch.float64)
+    clamps = torch.zeros(per_step, dtype=torch.bool)
+    preds = torch.zeros(Bsz, T, H, V, dtype=torch.float64)
+    valid = torch.ones(Bsz, T, dtype=torch.bool)
 
     for b in range(Bsz):
         for h in range(H):
@@ -117,7 +124,7 @@ def reference_falcon(
                     S = math.exp(gate[b, i, h].item()) * S
                 if shift and i == 0:
                     # boundary sentinel: x_1 = 0, eta_1 = 0, gamma_1 = 1
-                    pass
+                    valid[b, i] = False
                 else:
                     x = k[b, i - 1, h] if shift else k[b, i, h]  # write feature x_t
                     y = v[b, i, h]  # target y_t
@@ -147,6 +154,9 @@ def reference_falcon(
                     gamma = 1.0 - alpha
                     n_steps += alpha_raw.numel()
                     n_clamped += int((alpha_raw > 1.0 - decay_floor).sum())
+                    etas[b, i, h], gammas[b, i, h] = eta, gamma
+                    clamps[b, i, h] = alpha_raw >= 1.0 - decay_floor
+                    preds[b, i, h] = S.T @ x
                     if rule == "1":  # Algorithm 5
                         r = y - S.T @ x
                         S = gamma * S + eta * torch.outer(x, r)
@@ -173,4 +183,5 @@ def reference_falcon(
                 read_state = S if read == "after" else S_prev
                 o[b, i, h] = read_state.T @ q[b, i, h]
             S_final[b, h] = S
-    return o, S_final, {"clamped_fraction": n_clamped / max(n_steps, 1)}
+    return o, S_final, {"clamped_fraction": n_clamped / max(n_steps, 1), "eta": etas, "gamma": gammas,
+                        "clamped": clamps, "prediction": preds, "valid": valid}

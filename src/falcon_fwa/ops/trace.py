@@ -1,0 +1,114 @@
+"""``falcon_trace``: the online learner inside ``falcon_attention``, step by step.
+
+The paper reads a layer's state ``S`` as a linear model trained online, one token at a time,
+on the causal pairs ``(x_t, y_t) = (phi(k_{t-1}), v_t)``. For the arguments of
+``falcon_attention`` (without ``q``: nothing is read), ``falcon_trace`` returns what that
+learner does at every step ``t`` and head:
+
+* ``eta``: the step size ``eta_t = beta_t / (E_t + lambda_t + eps)`` (0 at the sentinel);
+* ``gamma``: the carry ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)``, and ``clamped``,
+  where the positive-decay clamp holds (``gamma_t`` at ``decay_floor``);
+* ``prediction``: ``p_t = S'^T x_t``, the value the memory gives the newest pair's feature
+  before the step writes it, with ``S' = exp(g_t) S_{t-1}`` (the state the regression rules
+  read their residual at);
+* ``residual`` ``r_t = y_t - p_t`` and ``loss`` ``l_t = ||r_t||^2 / 2``: the squared error whose
+  normalized gradient step rules 1-3 take (for rules 1A-3A, how well the memory recalls ``y_t``
+  from its key before storing it).
+
+The step sizes come from the same code as the op's; the predictions are one more call of the op
+(``read="before"`` at the queries ``x_t``), on the same backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .api import _compute_dtype, falcon_attention
+from .pairs import write_side
+from .rules import get_rule
+from .state import FalconState
+from .step_sizes import step_sizes
+from .validate import check_inputs
+
+__all__ = ["FalconTrace", "falcon_trace"]
+
+# gamma_t within this relative distance of decay_floor counts as clamped: the clamp sets
+# log gamma_t to log1p(-(1 - decay_floor)) or log(decay_floor), equal up to rounding.
+CLAMP_TOLERANCE = 1e-3
+
+
+@dataclass
+class FalconTrace:
+    """Per-step quantities of the online learner (``falcon_trace``), batch-first.
+
+    ``eta``, ``gamma``, ``clamped``: ``[B, T, H]`` (``[B, T, H, V]`` for the per-column rules
+    "2" and "2A"); ``prediction``, ``residual``: ``[B, T, H, V]``; ``loss``: ``[B, T, H]``;
+    ``valid``: ``[B, T]``, the steps that write a new pair (False at the sentinel, where
+    ``residual`` and ``loss`` are NaN). Floating tensors are in the compute dtype (float32, or
+    float64 for float64 inputs)."""
+
+    eta: torch.Tensor
+    gamma: torch.Tensor
+    clamped: torch.Tensor
+    prediction: torch.Tensor
+    residual: torch.Tensor
+    loss: torch.Tensor
+    valid: torch.Tensor
+
+
+def falcon_trace(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    rule: str = "1A",
+    window: int = 4,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    decay_floor: float = 1e-3,
+    shift: bool = True,
+    normalize: bool = True,
+    log_gate: Optional[torch.Tensor] = None,
+    scale_ridge: bool = False,
+    initial_state: Optional[FalconState] = None,
+    backend: str = "auto",
+) -> FalconTrace:
+    """The online learner of ``falcon_attention`` with these arguments, step by step (module
+    docstring). Shapes and keywords as in ``falcon_attention``: ``k`` ``[B, T, H, K]``, ``v``
+    ``[B, T, H, V]``, ``beta`` ``[B, T, H]`` (``[B, T, H, V]`` for rules "2", "2A"), ``lam`` and
+    ``log_gate`` ``[B, T, H]``; ``initial_state`` continues a segment. One row per sequence (no
+    ``cu_seqlens``). Returns a :class:`FalconTrace`."""
+    spec = get_rule(rule)
+    W = window if spec.sliding else 1
+    check_inputs(k, k, v, beta, lam, log_gate, spec, window=W, form="chunk", chunk_size=chunk_size, eps=eps,
+                 decay_floor=decay_floor, read="before", initial_state=initial_state, shift=shift)
+    dt = _compute_dtype(k, v, beta, lam, log_gate)
+    kh, vh, beta_h, lam_h = (t.to(dt).transpose(1, 2) for t in (k, v, beta, lam))
+    side = write_side(kh, vh, initial_state, W, shift)
+    eta_slots, log_gamma = step_sizes(spec, side.xs, side.slot_valid, beta_h, lam_h, eps=eps,
+                                      decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
+
+    def batch_first(t):  # [B, H, T, Vd] -> [B, T, H] or [B, T, H, V]
+        t = t.transpose(1, 2)
+        return t if spec.per_column else t[..., 0]
+
+    eta = batch_first(eta_slots.sum(-2))  # the slots' weights [j in I_t] / B_t sum to 1
+    gamma = batch_first(torch.exp(log_gamma))
+    clamped = gamma <= decay_floor * (1.0 + CLAMP_TOLERANCE)
+
+    x = side.x.transpose(1, 2).to(k.dtype)  # the write features as queries, read before the step
+    p, _ = falcon_attention(x, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,
+                            decay_floor=decay_floor, shift=shift, normalize=normalize, log_gate=log_gate,
+                            read="before", scale_ridge=scale_ridge, initial_state=initial_state, backend=backend)
+    prediction = p.to(dt)
+    if log_gate is not None:
+        prediction = prediction * torch.exp(log_gate.to(dt))[..., None]
+    missing = ~side.valid[:, :, None, None]
+    residual = (v.to(dt) - prediction).masked_fill(missing, math.nan)
+    loss = 0.5 * residual.square().sum(-1)
+    return FalconTrace(eta=eta, gamma=gamma, clamped=clamped, prediction=prediction, residual=residual, loss=loss,
+                       valid=side.valid)

@@ -1,0 +1,72 @@
+"""``falcon_trace`` against the float64 loop reference (conftest): the step sizes, carries, the
+decay clamp and the memory's own prediction of each new pair, fresh and continued."""
+import pytest
+import torch
+
+from conftest import RULE_NAMES, random_inputs, reference_falcon
+
+from falcon_fwa import falcon_attention, falcon_trace
+
+
+def _close(a, b):
+    return torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("options", [dict(), dict(with_gate=True), dict(scale_ridge=True, lam=0.8),
+                                     dict(shift=False, normalize=False, lam=0.3)],
+                         ids=["plain", "gated", "scale_ridge", "unshifted"])
+def test_trace_is_the_reference_learner(rule, options):
+    options = dict(options)
+    inp = random_inputs(rule, T=19, lam_range=(0.0, 3.0), with_gate=options.pop("with_gate", False), seed=3)
+    if "lam" in options:  # unshifted and unnormalized steps: keep eta * lam near the clamp only sometimes
+        inp["lam"] = inp["lam"] * options.pop("lam") / 3.0
+    q = inp.pop("q")
+    _, _, ref = reference_falcon(q, **inp, rule=rule, window=3, **options)
+    trace = falcon_trace(**inp, rule=rule, window=3, chunk_size=8, **options)
+    assert _close(trace.eta, ref["eta"]) and _close(trace.gamma, ref["gamma"])
+    assert torch.equal(trace.clamped, ref["clamped"])
+    assert torch.equal(trace.valid, ref["valid"])
+    assert _close(trace.prediction, ref["prediction"])
+    valid = ref["valid"]
+    residual = inp["v"] - ref["prediction"]
+    assert _close(trace.residual[valid], residual[valid]) and trace.residual[~valid].isnan().all()
+    assert _close(trace.loss[valid], 0.5 * residual.square().sum(-1)[valid]) and trace.loss[~valid].isnan().all()
+
+
+def test_the_clamp_is_found_where_it_holds():
+    inp = random_inputs("1", T=40, lam_range=(0.0, 3.0), seed=5)
+    q = inp.pop("q")
+    _, _, ref = reference_falcon(q, **inp, rule="1")
+    assert ref["clamped"].any() and not ref["clamped"].all()  # the inputs put some steps on each side
+    trace = falcon_trace(**inp, rule="1")
+    assert torch.equal(trace.clamped, ref["clamped"])
+    held = trace.gamma[trace.clamped]
+    assert torch.allclose(held, torch.full_like(held, 1e-3), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("rule", ["1", "3A", "2"])
+def test_a_continued_trace_equals_one_trace(rule):
+    """Tracing a sequence in two segments, the second from the first one's state (its last key and
+    window tail), gives the trace of the whole sequence."""
+    inp = random_inputs(rule, T=23, with_gate=True, seed=7)
+    q = inp.pop("q")
+    whole = falcon_trace(**inp, rule=rule, window=3)
+    first = {name: t[:, :10] for name, t in inp.items()}
+    rest = {name: t[:, 10:] for name, t in inp.items()}
+    _, state = falcon_attention(q[:, :10], **first, rule=rule, window=3, output_final_state=True)
+    parts = [falcon_trace(**first, rule=rule, window=3), falcon_trace(**rest, rule=rule, window=3, initial_state=state)]
+    for name in ("eta", "gamma", "prediction", "loss"):
+        joined = torch.cat([getattr(p, name) for p in parts], dim=1)
+        assert torch.allclose(joined, getattr(whole, name), rtol=1e-9, atol=1e-12, equal_nan=True), name
+    assert torch.equal(torch.cat([p.valid for p in parts], 1), whole.valid)
+    assert parts[1].valid.all()  # the continued segment's first pair is the carried key's
+
+
+def test_trace_names_a_bad_argument():
+    inp = random_inputs("1A", T=5)
+    inp.pop("q")
+    with pytest.raises(TypeError, match="lam must be a torch.Tensor"):
+        falcon_trace(inp["k"], inp["v"], inp["beta"], None)
+    with pytest.raises(ValueError, match="decay_floor"):
+        falcon_trace(**inp, decay_floor=0.0)

@@ -70,3 +70,18 @@ def test_trace_names_a_bad_argument():
         falcon_trace(inp["k"], inp["v"], inp["beta"], None)
     with pytest.raises(ValueError, match="decay_floor"):
         falcon_trace(**inp, decay_floor=0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' trace is checked on a GPU")
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_trace_on_the_kernels_is_the_float64_trace(rule):
+    """On CUDA the predictions come from the chunk kernels (``backend="auto"``, fp32 inputs): they
+    and the step sizes equal the float64 trace within fp32 rounding."""
+    inp = random_inputs(rule, T=70, K=16, V=16, with_gate=True, seed=11)
+    inp.pop("q")
+    ref = falcon_trace(**inp, rule=rule, window=3)
+    trace = falcon_trace(**{n: t.float().cuda() for n, t in inp.items()}, rule=rule, window=3, chunk_size=16)
+    scale = ref.prediction.abs().max()
+    assert (trace.prediction.cpu().double() - ref.prediction).abs().max() <= 1e-4 * scale
+    assert torch.allclose(trace.eta.cpu().double(), ref.eta, rtol=1e-5, atol=1e-7)
+    assert torch.equal(trace.valid.cpu(), ref.valid)

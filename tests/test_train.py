@@ -451,3 +451,16 @@ def test_resume_refuses_another_data_order(tmp_path, section, key, value):
     raw[section][key] = value
     with pytest.raises(ValueError, match=f"^{section}.{key}: the checkpoint was trained with"):
         Trainer(config_from_dict(raw))
+
+
+def test_a_warmup_longer_than_the_run_is_warned_about(tmp_path):
+    import warnings
+
+    raw = recipe(tmp_path, "run", steps=20)
+    raw["optim"]["warmup_steps"] = 100
+    with pytest.warns(UserWarning, match=r"optim.warmup_steps=100 exceeds train.steps=20: .* ends at 0.2 of"):
+        config_from_dict(raw)
+    raw["optim"]["warmup_steps"] = 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config_from_dict(raw)

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -118,6 +119,10 @@ class RunConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"config field {name} {why}, got {_get(self, name)!r}")
+        if o.warmup_steps > t.steps:
+            warnings.warn(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}: the learning rate "
+                          f"ends at {min(t.steps, o.warmup_steps) / max(o.warmup_steps, 1):.3g} of optim.lr, "
+                          "still warming up", stacklevel=2)
         return self
 
 

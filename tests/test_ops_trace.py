@@ -45,6 +45,18 @@ def test_the_clamp_is_found_where_it_holds():
     assert torch.allclose(held, torch.full_like(held, 1e-3), rtol=1e-9, atol=0)
 
 
+def test_a_carry_just_above_the_floor_is_not_clamped():
+    """With a large decay_floor, some unclamped steps have gamma_t within 0.1% of it: only the steps
+    the clamp sets are reported as clamped."""
+    inp = random_inputs("1", T=40, lam_range=(0.0, 3.0), seed=6)
+    q = inp.pop("q")
+    _, _, ref = reference_falcon(q, **inp, rule="1", decay_floor=0.5)
+    near = ~ref["clamped"] & (ref["gamma"] <= 0.5 * 1.001)
+    assert near.any()  # the inputs put a step there
+    trace = falcon_trace(**inp, rule="1", decay_floor=0.5)
+    assert torch.equal(trace.clamped, ref["clamped"])
+
+
 @pytest.mark.parametrize("rule", ["1", "3A", "2"])
 def test_a_continued_trace_equals_one_trace(rule):
     """Tracing a sequence in two segments, the second from the first one's state (its last key and

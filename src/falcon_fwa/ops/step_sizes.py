@@ -24,7 +24,7 @@ import torch
 
 from .rules import RuleSpec
 
-__all__ = ["normalization_statistic", "step_sizes", "gains_from_statistic", "top_eigenvalue", "top_eigenvalue_by_squaring"]
+__all__ = ["normalization_statistic", "step_sizes", "gains_from_statistic", "log_carry", "top_eigenvalue", "top_eigenvalue_by_squaring"]
 
 # cuSOLVER's batched symmetric eigensolver (reached by torch.linalg.eigvalsh on CUDA) fails
 # with CUSOLVER_STATUS_INTERNAL_ERROR on batches of a few hundred thousand matrices (seen at
@@ -118,6 +118,14 @@ def step_sizes(
                                 normalize=normalize, scale_ridge=scale_ridge)
 
 
+def log_carry(alpha: torch.Tensor, decay_floor: float) -> torch.Tensor:
+    """``log gamma_t = log1p(-alpha_t)`` of the clamped decay fraction ``alpha_t <= 1 - decay_floor``.
+    ``1 - decay_floor`` rounds to 1 in float32 for ``decay_floor < 2**-25`` (float64: ``< 2**-54``),
+    which would leave ``gamma = 0`` and ``log gamma = -inf``: the clamp holds in log space too, so
+    ``gamma_t >= decay_floor``."""
+    return torch.log1p(-alpha).clamp(min=math.log(decay_floor))
+
+
 def gains_from_statistic(
     rule: RuleSpec,
     stat: torch.Tensor,
@@ -144,10 +152,7 @@ def gains_from_statistic(
         eta = torch.where(ok, gain / torch.where(ok, denom, 1.0), 0.0)
     else:
         eta = torch.where(mask, gain, 0.0)
-    alpha = (eta * lam_c).clamp(max=1.0 - decay_floor)
-    # 1 - decay_floor rounds to 1 in float32 for decay_floor < 2**-25 (float64: < 2**-54), which
-    # would leave gamma = 0 and log gamma = -inf: clamp in log space too, so gamma >= decay_floor.
-    log_gamma = torch.log1p(-alpha).clamp(min=math.log(decay_floor))
+    log_gamma = log_carry((eta * lam_c).clamp(max=1.0 - decay_floor), decay_floor)
     if slot_valid.shape[-1] == 1:  # one slot (rules 1, 2, 1A, 2A): its weight [j in I_t] / B_t is 1 wherever eta_t != 0
         return eta[:, :, :, None, :], log_gamma
     weight = slot_valid.to(stat.dtype) / count.clamp(min=1).to(stat.dtype)[..., None]  # [B, T, W]

@@ -30,14 +30,10 @@ from .api import _compute_dtype, falcon_attention
 from .pairs import write_side
 from .rules import get_rule
 from .state import FalconState
-from .step_sizes import step_sizes
+from .step_sizes import log_carry, step_sizes
 from .validate import check_inputs
 
 __all__ = ["FalconTrace", "falcon_trace"]
-
-# gamma_t within this relative distance of decay_floor counts as clamped: the clamp sets
-# log gamma_t to log1p(-(1 - decay_floor)) or log(decay_floor), equal up to rounding.
-CLAMP_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -98,7 +94,10 @@ def falcon_trace(
 
     eta = batch_first(eta_slots.sum(-2))  # the slots' weights [j in I_t] / B_t sum to 1
     gamma = batch_first(torch.exp(log_gamma))
-    clamped = gamma <= decay_floor * (1.0 + CLAMP_TOLERANCE)
+    # the clamp holds log gamma_t at the carry of alpha_t = 1 - decay_floor (in the compute dtype, as
+    # step_sizes forms it); an unclamped step, alpha_t < 1 - decay_floor, lies above it
+    held = log_carry(torch.tensor(1.0 - decay_floor, dtype=dt, device=log_gamma.device), decay_floor)
+    clamped = batch_first(log_gamma <= held)
 
     x = side.x.transpose(1, 2).to(k.dtype)  # the write features as queries, read before the step
     p, _ = falcon_attention(x, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,

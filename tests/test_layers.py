@@ -99,6 +99,17 @@ def test_short_conv_under_compile_is_the_shifted_sum_of_the_reference():
     assert graphs and not any("conv" in str(node.target) for gm in graphs for node in gm.graph.nodes)
 
 
+@pytest.mark.parametrize("kernel_size", [1, 2, 4])
+def test_short_conv_shifted_sum_equals_the_convolution_on_bf16_inputs(kernel_size):
+    """Mixed precision (a float32 kernel, bfloat16 activations): the compiled form's shifted sum
+    gives the eager convolution's outputs bit for bit (both round the kernel to bfloat16)."""
+    torch.manual_seed(0)
+    conv = ShortConv(64, kernel_size=kernel_size)
+    ext = torch.randn(2, 40, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(conv._shifted_sum(ext), conv._conv(ext))
+
+
 def test_unpad_repad_roundtrip():
     x = torch.arange(2 * 5 * 3, dtype=torch.float64).view(2, 5, 3)
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])

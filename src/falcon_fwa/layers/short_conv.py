@@ -92,14 +92,15 @@ class ShortConv(nn.Module):
         return F.conv1d(ext.transpose(1, 2), cast_to(self.weight, ext.dtype), groups=ext.shape[-1]).transpose(1, 2)
 
     def _shifted_sum(self, ext: torch.Tensor) -> torch.Tensor:
-        """``_conv`` as the sum of ``W`` shifted products, accumulated in at least float32 like the
-        convolution. Inductor fuses it into one element-wise kernel forward and one backward, where the
+        """``_conv`` as the sum of ``W`` shifted products: the kernel rounded to the input's dtype, as
+        the convolution takes it, and the sum accumulated in at least float32, as the convolution
+        does. Inductor fuses it into one element-wise kernel forward and one backward, where the
         depthwise ``conv1d`` is an external call on a transposed layout (several times slower on a GPU
         at the model sizes of the presets)."""
         W = self.kernel_size
         L = ext.shape[1] - W + 1
         acc = torch.promote_types(ext.dtype, torch.float32)
-        w = self.weight[:, 0].to(acc)  # [C, W]
+        w = cast_to(self.weight[:, 0], ext.dtype).to(acc)  # [C, W], rounded to ext's dtype as in _conv
         y = ext[:, :L].to(acc) * w[:, 0]
         for j in range(1, W):
             y = y + ext[:, j:j + L].to(acc) * w[:, j]

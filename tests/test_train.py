@@ -200,6 +200,32 @@ def test_a_stop_signal_ends_the_run_at_the_step_in_progress_with_a_checkpoint(tm
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4]
 
 
+def test_a_signal_the_process_ignores_stays_ignored(tmp_path, monkeypatch):
+    """SIGINT ignored by the launching shell (a background job of a script) does not stop the run."""
+    import signal
+
+    real, calls = trainer_module.causal_lm_loss, []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", signalled)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trainer = Trainer(config_from_dict(recipe(tmp_path, "run", save_every=0, eval_every=0)))
+        try:
+            summary = trainer.train(stop_on_signal=True)
+        finally:
+            trainer.close()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert len(calls) > 5 and "signal" not in summary and summary["steps"] == 4
+
+
 def test_only_the_main_process_prints_the_validation_loss(tmp_path, monkeypatch, capsys):
     import dataclasses
 

@@ -62,7 +62,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 class _StopSignals:
     """While active, the first SIGTERM or SIGINT only sets ``received`` (the signal number); a
     second one gets the handler that was there before (SIGINT: KeyboardInterrupt; SIGTERM: the
-    default, which ends the process). Inactive off the main thread, where handlers cannot be set."""
+    default, which ends the process). A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
+    background job of a shell script) stays ignored. Inactive off the main thread, where handlers
+    cannot be set."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -81,7 +83,8 @@ class _StopSignals:
     def __enter__(self):
         if self.enabled:
             for sig in self.SIGNALS:
-                self.previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):

@@ -215,3 +215,10 @@ def test_row_order_is_an_epoch_permutation_and_ranks_are_disjoint(tmp_path):
         torch.testing.assert_close(torch.cat([seen[0][m], seen[1][m]]), next(single)["input_ids"])
     resumed = BatchStream(rows, micro_batch=2, packing="eos", seed=0, rank=1, world_size=2, position=2)
     torch.testing.assert_close(next(resumed)["input_ids"], seen[1][2])
+
+
+def test_a_refused_val_every_leaves_no_folder(tmp_path):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
+    with pytest.raises(ValueError, match="data.val_every must be >= 2, got 1"):
+        prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=1), str(tmp_path / "d"))
+    assert not (tmp_path / "d").exists()

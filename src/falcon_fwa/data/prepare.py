@@ -68,6 +68,8 @@ def _locked(out_dir: str):
 
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) -> dict:
     """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts."""
+    if spec.val_every < 2:  # before the lock, which creates the folder
+        raise ValueError(f"data.val_every must be >= 2, got {spec.val_every}")
     with _locked(out_dir):
         return _prepare(spec, out_dir, overwrite)
 
@@ -82,8 +84,6 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool) -> dict:
             raise ValueError(f"data folder {out_dir!r} was prepared with other settings {record['spec']}; "
                              f"choose another data.out_dir or overwrite")
         return record
-    if spec.val_every < 2:
-        raise ValueError(f"data.val_every must be >= 2, got {spec.val_every}")
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)

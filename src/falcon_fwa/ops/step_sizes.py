@@ -24,7 +24,8 @@ import torch
 
 from .rules import RuleSpec
 
-__all__ = ["normalization_statistic", "step_sizes", "gains_from_statistic", "log_carry", "top_eigenvalue", "top_eigenvalue_by_squaring"]
+__all__ = ["normalization_statistic", "step_sizes", "gains_from_statistic", "log_carry", "top_eigenvalue",
+           "top_eigenvalue_by_squaring"]
 
 # cuSOLVER's batched symmetric eigensolver (reached by torch.linalg.eigvalsh on CUDA) fails
 # with CUSOLVER_STATUS_INTERNAL_ERROR on batches of a few hundred thousand matrices (seen at

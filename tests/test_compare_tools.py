@@ -248,20 +248,22 @@ def test_throughput_profile_lists_the_most_expensive_operators_of_one_extra_step
 
 
 @pytest.mark.slow
-def test_throughput_compiles_each_model_once(tmp_path, monkeypatch):
+def test_throughput_compiles_each_model_once(tmp_path):
     """Timed steps of a compiled model reuse one graph: no recompilation per step."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     import argparse
 
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)
     out = tmp_path / "rows.jsonl"
-    throughput.run(parser.parse_args(["--preset", "tiny-falcon", "--seq-len", "8", "--batch-tokens", "16",
-                                      "--warmup", "1", "--steps", "3", "--min-steps", "3", "--device", "cpu",
-                                      "--fp32", "--compile", "--out", str(out)]))
+    # config.patch restores the setting afterwards (a monkeypatch of it left the config broken for later
+    # compilations in the same process)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        throughput.run(parser.parse_args(["--preset", "tiny-falcon", "--seq-len", "8", "--batch-tokens", "16",
+                                          "--warmup", "1", "--steps", "3", "--min-steps", "3", "--device", "cpu",
+                                          "--fp32", "--compile", "--out", str(out)]))
     row = json.loads(out.read_text())
     assert row["compiled"] and row["timed_steps"] == 3 and row["falcon_op"] == "torch"
     torch._dynamo.reset()

@@ -117,8 +117,8 @@ def _check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str,
 def check_step_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, lam: torch.Tensor,
                       log_gate: Optional[torch.Tensor], rule: RuleSpec) -> None:
     """The shapes of one decoding step's arguments (``falcon_step``: ``q``, ``k`` ``[B, H, K]``,
-    ``v`` ``[B, H, V]``), named as such; ``check_inputs`` then checks the rest."""
-    check_tensor_types(q, k, v, beta, lam, log_gate)
+    ``v`` ``[B, H, V]``), named as such, of tensors (``falcon_step`` checks that first,
+    ``check_tensor_types``); ``check_inputs`` then checks the rest."""
     _check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "H"))
 
 

@@ -52,8 +52,18 @@ def _interpreting() -> bool:
 MIN_DECAY_FLOOR = 2.0 ** -24
 
 
-def _check_supported(q, v, rule, chunk_size, initial_state, decay_floor, k=None, beta=None, lam=None,
-                     log_gate=None) -> None:
+def check_kernel_dtypes(what: str, q, k, v, beta, lam, log_gate) -> None:
+    """``NotImplementedError`` naming the first of the op's tensors whose dtype ``what`` (the chunk
+    kernels or the step kernel) does not take. float64 anywhere is refused, not cast down: float64
+    inputs compute in float64, so ``backend="auto"`` falls back to the PyTorch forms for them
+    whichever argument holds it."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+        if t is not None and t.dtype not in TRITON_DTYPES:
+            raise NotImplementedError(f"{name}.dtype={t.dtype} is not supported by {what} "
+                                      f"(supported: bf16, fp16, fp32)")
+
+
+def _check_supported(q, k, v, beta, lam, log_gate, rule, chunk_size, initial_state, decay_floor) -> None:
     """Raise for what the kernels do not cover, naming the switch, so callers can fall back."""
     spec = get_rule(rule)
     if spec.name not in TRITON_RULES:
@@ -67,12 +77,7 @@ def _check_supported(q, v, rule, chunk_size, initial_state, decay_floor, k=None,
     if decay_floor < MIN_DECAY_FLOOR:
         raise NotImplementedError(f"decay_floor={decay_floor!r} is below {MIN_DECAY_FLOOR:.3g}, where 1 - decay_floor "
                                   "rounds to 1 in the kernels' float32 (the PyTorch forms support it)")
-    # float64 anywhere is refused (not cast down): float64 inputs compute in float64, so that
-    # backend="auto" falls back to the PyTorch forms for them whichever argument holds it
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
-        if t is not None and t.dtype not in TRITON_DTYPES:
-            raise NotImplementedError(f"{name}.dtype={t.dtype} is not supported by the Triton kernels "
-                                      f"(supported: bf16, fp16, fp32)")
+    check_kernel_dtypes("the Triton kernels", q, k, v, beta, lam, log_gate)
     if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
         raise NotImplementedError(f"the Triton kernels need CUDA tensors (q is on {q.device}; "
                                   "on CPU set TRITON_INTERPRET=1 before importing triton)")
@@ -166,7 +171,7 @@ def falcon_chunk_triton(
                      eps=eps, decay_floor=decay_floor, read=read, initial_state=None, shift=shift)
         if initial_state is not None:
             check_state_type(initial_state)
-    _check_supported(q, v, rule, chunk_size, initial_state, decay_floor, k=k, beta=beta, lam=lam, log_gate=log_gate)
+    _check_supported(q, k, v, beta, lam, log_gate, rule, chunk_size, initial_state, decay_floor)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:

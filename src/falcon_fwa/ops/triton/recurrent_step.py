@@ -10,7 +10,7 @@ from ..rules import get_rule
 from ..state import FalconState
 from ..validate import check_state
 from . import recurrent_step_kernels as kern
-from .api import TRITON_DTYPES, _interpreting
+from .api import _interpreting, check_kernel_dtypes
 from .step_sizes import feature_step_sizes
 from .launch import cdiv, next_power_of_2
 
@@ -46,9 +46,7 @@ def falcon_step_triton(
         raise NotImplementedError(f"rule={spec.name!r} has no fused step kernel (supported: {STEP_RULES})")
     if read not in ("after", "before"):
         raise ValueError(f"read must be 'after' or 'before', got {read!r}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
-        if t is not None and t.dtype not in TRITON_DTYPES:
-            raise NotImplementedError(f"{name}.dtype={t.dtype} is not supported by the step kernel (bf16, fp16, fp32)")
+    check_kernel_dtypes("the step kernel", q, k, v, beta, lam, log_gate)
     if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
         raise NotImplementedError(f"the step kernel needs CUDA tensors (q is on {q.device})")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, lam, log_gate)):

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import read_norm
 from .chunk import chunk_form
 from .pairs import next_tail, write_side
 from .parallel import parallel_form
@@ -76,6 +77,7 @@ def falcon_attention(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    eps_attn: Optional[float] = None,
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
     r"""Falcon fast-weight attention.
 
@@ -108,7 +110,9 @@ def falcon_attention(
     with the window ``I_t = {j : max(2, t-window+1) <= j <= t}`` (from ``j = 1`` with
     ``shift=False``; pairs of the previous segment count after a continuation),
     ``B_t = |I_t|``, and the read
-    ``o_t = S_t^T q_t`` (``read="after"``) or ``S_{t-1}^T q_t`` (``"before"``).
+    ``o_t = S_t^T q_t`` (``read="after"``) or ``S_{t-1}^T q_t`` (``"before"``); with
+    ``eps_attn``, the normalized read ``o_t = S_t^T q_t / (z_t^T q_t + eps_attn)`` of the
+    inner-product rules, ``z`` written like ``S`` with values of one (``ops/read_norm.py``).
 
     Args:
         rule: "1", "2", "3", "1A", "2A" or "3A".
@@ -136,11 +140,15 @@ def falcon_attention(
             an unsupported combination raises ``NotImplementedError`` naming the
             switch) or "auto" (the kernels for ``form="chunk"`` on CUDA where they
             exist and have been checked on a GPU, else PyTorch).
+        eps_attn: ``None`` (the denominator-free read, the paper's default) or the
+            stabilizer ``>= 0`` of the normalized read (Eq. 2.3, Appendix C.1; rules 1A,
+            2A, 3A). Its state carries ``z`` (``FalconState.z``). Safe where ``z_t^T q_t``
+            stays positive, as with nonnegative features.
 
     Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
     normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;
     linear attention = rule "1A", ``shift=False, normalize=False``, ``lam=0``,
-    ``beta=1``; Mamba-2's SSD recurrence = the same with ``beta=dt`` and
+    ``beta=1`` (normalized linear attention with ``eps_attn``); Mamba-2's SSD recurrence = the same with ``beta=dt`` and
     ``log_gate = dt * A`` (``A < 0``); RetNet = linear attention with a fixed
     per-head ``log_gate``.
     """
@@ -149,26 +157,42 @@ def falcon_attention(
     if backend == "triton" and form != "chunk":
         raise ValueError(f"backend='triton' runs the chunk form; got form={form!r}")
     check_tensor_types(q, k, v, beta, lam, log_gate)
+    spec = get_rule(rule)
+    done = _read_normalizer(eps_attn, spec, v)
+    if eps_attn is None:
+        read_norm.refuse_normalizer_state(initial_state, "initial_state")
+    else:
+        v, beta, initial_state = read_norm.extend(q, k, v, beta, lam, log_gate, initial_state, spec,
+                                                  axes=("B", "T", "H"), name="initial_state")
     log_gate = _floor_gate(log_gate)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
         if kernels is not None:
             try:
-                return kernels(q, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,
-                               decay_floor=decay_floor, shift=shift, normalize=normalize, log_gate=log_gate,
-                               read=read, scale_ridge=scale_ridge, initial_state=initial_state,
-                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True)
+                return done(kernels(q, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,
+                                    decay_floor=decay_floor, shift=shift, normalize=normalize, log_gate=log_gate,
+                                    read=read, scale_ridge=scale_ridge, initial_state=initial_state,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True))
             except NotImplementedError:
                 if backend == "triton":
                     raise
-    spec = get_rule(rule)
     options = dict(spec=spec, window=window if spec.sliding else 1, form=form, chunk_size=chunk_size, eps=eps,
                    decay_floor=decay_floor, shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
     if cu_seqlens is not None:
-        return _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens, options)
+        return done(_varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens, options))
     check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form=form, chunk_size=chunk_size, eps=eps,
                  decay_floor=decay_floor, read=read, initial_state=initial_state, shift=shift)
-    return _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state, **options)
+    return done(_torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state, **options))
+
+
+def _read_normalizer(eps_attn: Optional[float], spec, v: torch.Tensor):
+    """What turns the op's result into the caller's: itself for the denominator-free read, else
+    ``read_norm.split`` for values of ``V`` columns (``eps_attn`` checked here)."""
+    if eps_attn is None:
+        return lambda out: out
+    read_norm.check_eps_attn(eps_attn, spec)
+    V = v.shape[-1]
+    return lambda out: read_norm.split(out, V=V, spec=spec, eps_attn=eps_attn)
 
 
 def _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state, *, spec, window, form, chunk_size,
@@ -269,6 +293,7 @@ def falcon_step(
     scale_ridge: bool = False,
     backend: str = "auto",
     validate: bool = True,
+    eps_attn: Optional[float] = None,
 ) -> Tuple[torch.Tensor, FalconState]:
     """One decoding step in ``O(1)``: ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``,
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
@@ -280,7 +305,8 @@ def falcon_step(
     step; ``lam >= 0``, ``log_gate <= 0``; the state's configuration) on every backend;
     ``validate=False`` skips that, for callers whose inputs are valid by construction,
     such as the model's layers, where the checks would add a few small device launches
-    to every layer of every decoded token."""
+    to every layer of every decoded token. ``eps_attn``: the normalized read, as in
+    ``falcon_attention`` (the state then carries ``z``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_tensor_types(q, k, v, beta, lam, log_gate)
@@ -290,6 +316,11 @@ def falcon_step(
             raise ValueError(f"{name} must have shape {want} (one token), got {tuple(getattr(t, 'shape', ()))}")
     spec = get_rule(rule)
     W = window if spec.sliding else 1
+    done = _read_normalizer(eps_attn, spec, v)
+    if eps_attn is None:
+        read_norm.refuse_normalizer_state(state, "state")
+    else:
+        v, beta, state = read_norm.extend(q, k, v, beta, lam, log_gate, state, spec, axes=("B", "H"), name="state")
     if validate:
         check_step_shapes(q, k, v, beta, lam, log_gate, spec)
         if state is not None:
@@ -301,14 +332,15 @@ def falcon_step(
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         try:
             from .triton import falcon_step_triton
-            return falcon_step_triton(q, k, v, beta, lam, state=state, rule=rule, eps=eps, decay_floor=decay_floor,
-                                      shift=shift, normalize=normalize, log_gate=log_gate, read=read,
-                                      scale_ridge=scale_ridge)
+            return done(falcon_step_triton(q, k, v, beta, lam, state=state, rule=rule, eps=eps,
+                                           decay_floor=decay_floor, shift=shift, normalize=normalize,
+                                           log_gate=log_gate, read=read, scale_ridge=scale_ridge))
         except (ImportError, NotImplementedError):
             if backend == "triton":
                 raise
-    return _torch_step(q, k, v, beta, lam, log_gate, state, spec=spec, window=W, eps=eps, decay_floor=decay_floor,
-                       shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
+    return done(_torch_step(q, k, v, beta, lam, log_gate, state, spec=spec, window=W, eps=eps,
+                            decay_floor=decay_floor, shift=shift, normalize=normalize, read=read,
+                            scale_ridge=scale_ridge))
 
 
 def cast_to(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

@@ -24,6 +24,8 @@ class FalconState:
       rules 3/3A (Appendix C.7); ``None`` otherwise. ``tail_valid`` marks slots that
       hold a real pair (the sentinel ``t = 1`` and slots before the sequence start
       hold none).
+    * ``z`` ``[B, H, K]`` (``[B, H, K, V]`` for rule 2A): the normalizer state of the
+      normalized read (``eps_attn``, Appendix C.1); ``None`` for the denominator-free read.
     * ``rule``, ``window``, ``shift``: the configuration that produced the state;
       ``falcon_attention`` refuses a state from another configuration.
     """
@@ -36,13 +38,15 @@ class FalconState:
     tail_x: Optional[torch.Tensor] = None
     tail_y: Optional[torch.Tensor] = None
     tail_valid: Optional[torch.Tensor] = None
+    z: Optional[torch.Tensor] = None
 
     def detach(self) -> "FalconState":
         """The same state cut from the autograd graph (truncated backpropagation through time)."""
         return replace(self, S=self.S.detach(),
                        last_key=None if self.last_key is None else self.last_key.detach(),
                        tail_x=None if self.tail_x is None else self.tail_x.detach(),
-                       tail_y=None if self.tail_y is None else self.tail_y.detach())
+                       tail_y=None if self.tail_y is None else self.tail_y.detach(),
+                       z=None if self.z is None else self.z.detach())
 
     def index_select(self, index: torch.Tensor) -> "FalconState":
         """Select batch rows (beam search / batched generation reordering)."""
@@ -50,7 +54,7 @@ class FalconState:
             return None if t is None else t.index_select(0, index.to(t.device))
 
         return replace(self, S=sel(self.S), last_key=sel(self.last_key), tail_x=sel(self.tail_x),
-                       tail_y=sel(self.tail_y), tail_valid=sel(self.tail_valid))
+                       tail_y=sel(self.tail_y), tail_valid=sel(self.tail_valid), z=sel(self.z))
 
     @staticmethod
     def cat(states: "list[FalconState]") -> "FalconState":
@@ -62,7 +66,7 @@ class FalconState:
             return None if ts[0] is None else torch.cat(ts, dim=0)
 
         return replace(first, S=cat("S"), last_key=cat("last_key"), tail_x=cat("tail_x"),
-                       tail_y=cat("tail_y"), tail_valid=cat("tail_valid"))
+                       tail_y=cat("tail_y"), tail_valid=cat("tail_valid"), z=cat("z"))
 
     @property
     def batch_size(self) -> int:

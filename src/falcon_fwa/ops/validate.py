@@ -72,7 +72,7 @@ def check_inputs(
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if q.dim() == 4 and q.shape[1] < 1:
         raise ValueError("q must have at least one time step (T >= 1)")
-    _check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"))
+    check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"))
     B, T, H, K = q.shape
     V = v.shape[-1]
     if form not in FORMS:
@@ -95,7 +95,7 @@ def check_inputs(
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 
 
-def _check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...]) -> None:
+def check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...]) -> None:
     """The shapes of the tensors against ``q``'s, whose leading axes are named ``axes``
     (``("B", "T", "H")`` for a sequence, ``("B", "H")`` for one decoding step)."""
     lead = ", ".join(axes)
@@ -119,7 +119,7 @@ def check_step_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
     """The shapes of one decoding step's arguments (``falcon_step``: ``q``, ``k`` ``[B, H, K]``,
     ``v`` ``[B, H, V]``), named as such, of tensors (``falcon_step`` checks that first,
     ``check_tensor_types``); ``check_inputs`` then checks the rest."""
-    _check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "H"))
+    check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "H"))
 
 
 def check_state_type(state, name: str = "initial_state") -> None:

@@ -1,0 +1,99 @@
+r"""The normalized read of the inner-product rules (the paper's Eq. 2.3 and Appendix C.1).
+
+The op's default read is denominator-free, ``o_t = S_t^T q_t``. The normalized read
+divides it by a second fast state ``z`` written like ``S`` with every value equal to one::
+
+    o_t = S_t^T q_t / (z_t^T q_t + eps_attn),     z_t = gamma_t exp(g_t) z_{t-1} + eta_t x_t
+
+(1A; 3A averages the window's features, ``eta_t / B_t sum_{j in I_t} x_j``; 2A keeps one
+``z`` per value column, ``z_{t,c} = gamma_{t,c} exp(g_t) z_{t-1,c} + eta_{t,c} x_t``).
+With ``eta = 1`` and ``lambda = 0`` this is causal normalized linear attention
+(``z_t = sum_{s <= t} x_s``). ``z`` is the rule's own recurrence on values of one, so it
+is computed by the same forms and kernels on the value columns extended by ones
+(``extend``: one column for 1A and 3A, ``V`` columns with the gains repeated for 2A) and
+split off afterwards (``split``). The regression rules have no such state: their write
+depends on the values through the residual.
+
+The denominator is safe only where ``z_t^T q_t`` stays positive, as with elementwise
+nonnegative features (Appendix C.2); ``eps_attn`` adds to it as written, and a zero
+denominator gives ``inf`` or NaN as any division does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional, Tuple
+
+import torch
+
+from .rules import RuleSpec
+from .state import FalconState
+from .validate import check_shapes, check_state_type
+
+__all__ = ["check_eps_attn", "refuse_normalizer_state", "extend", "split"]
+
+
+def check_eps_attn(eps_attn, spec: RuleSpec) -> None:
+    """``eps_attn`` must be a finite number >= 0, and the rule an inner-product one."""
+    if isinstance(eps_attn, bool) or not isinstance(eps_attn, (int, float)) or not math.isfinite(eps_attn) \
+            or eps_attn < 0:
+        raise ValueError(f"eps_attn must be a finite number >= 0 (or None for the denominator-free read), "
+                         f"got {eps_attn!r}")
+    if spec.regression:
+        raise ValueError(f"eps_attn (the normalized read, Appendix C.1) applies to the inner-product rules 1A, 2A "
+                         f"and 3A; rule {spec.name!r} is a regression rule, whose write has no normalizer state")
+
+
+def refuse_normalizer_state(state: Optional[FalconState], name: str) -> None:
+    """A state that carries ``z`` continues a normalized read only."""
+    if state is not None and getattr(state, "z", None) is not None:
+        raise ValueError(f"{name} carries the read normalizer z of a call with eps_attn; pass eps_attn to continue it")
+
+
+def _z_columns(spec: RuleSpec, V: int) -> int:
+    return V if spec.per_column else 1
+
+
+def extend(q, k, v, beta, lam, log_gate, state: Optional[FalconState], spec: RuleSpec, *, axes: Tuple[str, ...],
+           name: str) -> Tuple[torch.Tensor, torch.Tensor, Optional[FalconState]]:
+    """Values ``[..., V]`` -> ``[..., V + n]`` with ``n`` columns of ones (``n = 1``, or ``V`` for 2A,
+    whose gains ``beta`` ``[..., V]`` are repeated for them), and the state ``(S, z)`` ->
+    ``[S | z]`` (the tail's values of the sliding rules extended by ones as well). Works on
+    sequences (``axes`` ``("B", "T", "H")``) and single steps (``("B", "H")``) alike. The shapes are
+    checked first, so that an error names the caller's ``V``, not the extended one."""
+    check_shapes(q, k, v, beta, lam, log_gate, spec, axes)
+    V = v.shape[-1]
+    n = _z_columns(spec, V)
+    v_ext = torch.cat([v, v.new_ones(*v.shape[:-1], n)], dim=-1)
+    beta_ext = torch.cat([beta, beta], dim=-1) if spec.per_column else beta
+    if state is None:
+        return v_ext, beta_ext, None
+    check_state_type(state, name)
+    if state.z is None:
+        raise ValueError(f"{name} has no read normalizer z: it comes from a call without eps_attn")
+    if state.S.shape[-1] != V:
+        raise ValueError(f"{name}.S has {state.S.shape[-1]} value columns, but v has {V}")
+    want = (*state.S.shape[:-1], n) if spec.per_column else tuple(state.S.shape[:-1])
+    if tuple(state.z.shape) != want:
+        raise ValueError(f"{name}.z must have shape {'[B, H, K, V]' if spec.per_column else '[B, H, K]'} = {want}, "
+                         f"got {tuple(state.z.shape)}")
+    z = state.z if spec.per_column else state.z[..., None]
+    tail_y = None if state.tail_y is None else torch.cat([state.tail_y, state.tail_y.new_ones(
+        *state.tail_y.shape[:-1], n)], dim=-1)
+    return v_ext, beta_ext, replace(state, S=torch.cat([state.S, z.to(state.S.dtype)], dim=-1), tail_y=tail_y,
+                                    z=None)
+
+
+def split(out: Tuple[torch.Tensor, Optional[FalconState]], *, V: int, spec: RuleSpec,
+          eps_attn: float) -> Tuple[torch.Tensor, Optional[FalconState]]:
+    """``(o_ext, state_ext)`` of the extended values -> the normalized read ``o`` ``[..., V]``
+    and the state with ``z`` split off ``S``."""
+    o_ext, state = out
+    num, den = o_ext[..., :V], o_ext[..., V:]
+    o = (num.float() / (den.float() + eps_attn)).to(o_ext.dtype) if o_ext.dtype in (torch.float16, torch.bfloat16) \
+        else num / (den + eps_attn)
+    if state is None:
+        return o, None
+    z = state.S[..., V:]
+    return o, replace(state, S=state.S[..., :V], z=z if spec.per_column else z[..., 0],
+                      tail_y=None if state.tail_y is None else state.tail_y[..., :V])

@@ -4,9 +4,13 @@ import torch
 
 from falcon_fwa.models import FalconCache, FalconForCausalLM, get_preset
 
+# the normalized read (z carried in the cache) on nonnegative features
+NORMALIZED_READ = {"rule": "3A", "window": 3, "eps_attn": 1e-3, "feature_map": "elu1", "qk_norm": "none"}
 CASES = [("falcon", {}), ("falcon", {"rule": "2"}), ("falcon", {"rule": "3", "window": 3}),
-         ("transformer", {}), ("deltanet", {}), ("gated_deltanet", {}), ("mamba2", {}), ("retnet", {})]
-IDS = ["falcon-1A", "falcon-2", "falcon-3", "transformer", "deltanet", "gated_deltanet", "mamba2", "retnet"]
+         ("transformer", {}), ("deltanet", {}), ("gated_deltanet", {}), ("mamba2", {}), ("retnet", {}),
+         ("falcon", NORMALIZED_READ)]
+IDS = ["falcon-1A", "falcon-2", "falcon-3", "transformer", "deltanet", "gated_deltanet", "mamba2", "retnet",
+       "falcon-3A-normalized-read"]
 NEW = 64
 
 
@@ -71,8 +75,9 @@ def test_left_padded_batched_generate_equals_each_prompt_alone(mixer, overrides)
             assert torch.equal(batched[b, T:], alone[0, len(p):]), b
 
 
-@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {})],
-                         ids=["falcon-3A", "transformer"])
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {}),
+                                             ("falcon", NORMALIZED_READ)],
+                         ids=["falcon-3A", "transformer", "falcon-3A-normalized-read"])
 def test_continuing_a_cache_across_calls_equals_one_pass(mixer, overrides):
     """Prefill, then feed chunks of several tokens through the same cache (Falcon: the chunk form with
     initial states; Transformer: the batched cached attention with its causal offset mask)."""
@@ -209,3 +214,32 @@ def test_logits_to_keep_is_the_last_columns_and_generate_asks_for_one(mixer, ove
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False)
     assert widths == [1] * 5
     assert torch.equal(out, _greedy_uncached(model, prompt, 5))
+
+
+def test_normalized_read_reaches_the_op_and_the_cache():
+    """A layer with ``eps_attn`` returns the op's normalized read, and its cache holds ``z``: the
+    model's logits differ from those of the same weights with the denominator-free read."""
+    from falcon_fwa import falcon_attention
+    from falcon_fwa.layers.packing import Packing
+
+    model = _model("falcon", NORMALIZED_READ)
+    layer = model.model.layers[0].mixer
+    g = torch.Generator().manual_seed(5)
+    B, T, H, K = 2, 9, layer.num_heads, layer.head_k_dim
+    q, k = (torch.rand(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, layer.head_v_dim, generator=g, dtype=torch.float64)
+    beta, lam = torch.rand(B, T, H, generator=g, dtype=torch.float64), torch.rand(B, T, H, generator=g,
+                                                                                    dtype=torch.float64)
+    got = layer._core(q, k, v, beta, lam, None, Packing.dense(B, T, None, q.device), None)
+    want, _ = falcon_attention(q, k, v, beta, lam, rule="3A", window=3, scale_ridge=True, eps_attn=1e-3,
+                               form=layer.form, chunk_size=layer.chunk_size, eps=layer.eps,
+                               decay_floor=layer.decay_floor)
+    assert float((got - want).abs().max()) <= 1e-12
+    x = torch.randint(0, 64, (2, 6))
+    with torch.no_grad():
+        out = model(x, use_cache=True)
+        plain = FalconForCausalLM(get_preset("tiny-falcon", **dict(NORMALIZED_READ, eps_attn=None))).double()
+        plain.load_state_dict(model.state_dict())
+        assert not torch.allclose(plain(x, use_cache=False).logits, out.logits)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    assert cache[0].state.z.shape == (2, H, K)

@@ -318,6 +318,9 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(gate="ctx-gamma"), "gate"),
     (dict(lambda_scale=-1.0), "lambda_scale"),
     (dict(mixer="transformer", hidden_size=30, num_heads=4, head_k_dim=8, head_v_dim=8), "num_heads"),
+    (dict(rule="1", eps_attn=1e-3), "eps_attn"),
+    (dict(mixer="transformer", eps_attn=1e-3), "eps_attn"),
+    (dict(rule="1A", eps_attn=-1.0), "eps_attn"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -328,6 +331,8 @@ def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
     FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
     with pytest.raises(ValueError, match="backend"):
         FalconAttention(get_preset("tiny-falcon", backend="fla"))
+    with pytest.raises(ValueError, match="backend"):  # RetNet's recurrence, but with the normalized read
+        FalconAttention(get_preset("tiny-retnet", backend="fla", eps_attn=1e-3))
 
 
 def test_op_gets_the_projection_dtype_under_autocast(monkeypatch):

@@ -6,7 +6,7 @@ Per token, with ``h_t`` the block input and per head::
     q_t, k_t      = query_scale * N(phi(q_t)), N(phi(k_t))   # N: QK-RMSNorm / l2 / none
     beta_t, lambda-bar_t, g_t = ContextGates(h_t)           # see layers/gates.py
     o_t, S_t      = falcon_attention(q, k, v, beta, lambda-bar, rule, window, shift, normalize,
-                                     log_gate=g, read, scale_ridge=normalize)
+                                     log_gate=g, read, scale_ridge=normalize, eps_attn)
     o_t          += D * v_t                                  # optional skip (Mamba-2)
     y_t           = W_o RMSNorm(o_t) [* SiLU(W_g h_t)]       # per-head norm, optional output gate
                                                              # (Mamba-2: W_o RMSNorm(o_t * SiLU(W_g h_t)))
@@ -65,6 +65,7 @@ class FalconAttention(nn.Module):
         self.num_heads, self.head_k_dim, self.head_v_dim = c.num_heads, c.head_k_dim, c.head_v_dim
         self.rule, self.window, self.shift, self.normalize, self.read = c.rule, c.window, c.shift, c.normalize, c.read
         self.form, self.chunk_size, self.eps, self.decay_floor = c.form, c.chunk_size, c.eps, c.decay_floor
+        self.eps_attn = getattr(c, "eps_attn", None)
         self.qk_norm, self.v_norm, self.query_scale = c.qk_norm, c.v_norm, c.query_scale
         self.feature_map = _FEATURE_MAPS[c.feature_map]
         self.norm_eps = c.rms_norm_eps
@@ -91,7 +92,7 @@ class FalconAttention(nn.Module):
         """Which known recurrence the op computes with these switches (for the fla backend)."""
         return fla_backend.classify(rule=self.rule, shift=self.shift, normalize=self.normalize,
                                     has_ridge=self.gates.lambda_scale > 0, log_gate=self.gates.log_gate_kind,
-                                    read=self.read)
+                                    read=self.read, normalized_read=self.eps_attn is not None)
 
     def _project(self, h, packing, cache):
         B, T, _ = h.shape
@@ -132,7 +133,8 @@ class FalconAttention(nn.Module):
     def _core(self, q, k, v, beta, lam, log_gate, packing: Packing, cache: Optional[LayerCache]):
         """The recurrence; reads and writes ``cache.state`` when a cache is given."""
         opts = dict(rule=self.rule, window=self.window, eps=self.eps, decay_floor=self.decay_floor,
-                    shift=self.shift, normalize=self.normalize, read=self.read, scale_ridge=self.normalize)
+                    shift=self.shift, normalize=self.normalize, read=self.read, scale_ridge=self.normalize,
+                    eps_attn=self.eps_attn)
         state = None if cache is None else cache.state
         want_state = cache is not None
         if packing.packed:

@@ -34,9 +34,10 @@ def available() -> bool:
     return importlib.util.find_spec("fla") is not None and torch.cuda.is_available()
 
 
-def classify(*, rule: str, shift: bool, normalize: bool, has_ridge: bool, log_gate: str, read: str) -> str:
+def classify(*, rule: str, shift: bool, normalize: bool, has_ridge: bool, log_gate: str, read: str,
+             normalized_read: bool = False) -> str:
     """Name of the known recurrence these op switches give, or ``"falcon"``."""
-    plain = not shift and not normalize and not has_ridge and read == "after"
+    plain = not shift and not normalize and not has_ridge and read == "after" and not normalized_read
     if plain and rule == "1":
         return "delta" if log_gate == "none" else "gated_delta"
     if plain and rule == "1A" and log_gate != "none":

@@ -10,6 +10,8 @@ changes: ``shift``, ``read``, ``qk_norm``, ``gate``, ``lambda_scale``.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 from transformers import PretrainedConfig
@@ -80,7 +82,9 @@ class FalconConfig(PretrainedConfig):
       ``read`` ("after"/"before"), ``log_gate`` ("none"; "data": Gated DeltaNet's
       ``g_t = -exp(A_log) softplus(w^T h_t + b)``; "dt": Mamba-2's ``g_t = -exp(A_log) dt_t``;
       "fixed": RetNet's ``g = log(1 - 2^{-5-h})``), ``form``/``chunk_size`` of training,
-      ``eps``, ``decay_floor``;
+      ``eps``, ``decay_floor``, ``eps_attn`` (``None``: the denominator-free read; a number
+      ``>= 0``: the normalized read ``S^T q / (z^T q + eps_attn)`` of the inner-product rules,
+      Appendix C.1, safe with nonnegative features such as ``feature_map="elu1"``);
     * ``gate``: "ctx-beta" (context emits ``beta in (0, 2)``), "ctx-eta" (context emits
       the normalized step), "sigmoid" (DeltaNet's ``beta in (0, 1)``), "dt" (Mamba-2's
       ``dt = softplus(.)``), "one" (constant 1); ``lambda_scale`` (ridge
@@ -133,6 +137,7 @@ class FalconConfig(PretrainedConfig):
         chunk_size: int = 64,
         eps: float = 1e-6,
         decay_floor: float = 1e-3,
+        eps_attn: Optional[float] = None,
         backend: str = "native",
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-6,
@@ -177,6 +182,7 @@ class FalconConfig(PretrainedConfig):
         self.chunk_size = int(chunk_size)
         self.eps = float(eps)
         self.decay_floor = float(decay_floor)
+        self.eps_attn = None if eps_attn is None else float(eps_attn)
         self.backend = backend
         self.rope_theta = float(rope_theta)
         self.rms_norm_eps = float(rms_norm_eps)
@@ -224,6 +230,12 @@ class FalconConfig(PretrainedConfig):
             raise ValueError(f"config field 'lambda_scale' must be >= 0, got {self.lambda_scale}")
         if not 0.0 < self.decay_floor < 1.0:
             raise ValueError(f"config field 'decay_floor' must lie in (0, 1), got {self.decay_floor}")
+        if self.eps_attn is not None:
+            if not math.isfinite(self.eps_attn) or self.eps_attn < 0:
+                raise ValueError(f"config field 'eps_attn' must be None or a finite number >= 0, got {self.eps_attn}")
+            if self.mixer == "transformer" or RULES[self.rule].regression:
+                raise ValueError(f"config field 'eps_attn' (the normalized read) needs an inner-product rule (1A, 2A, "
+                                 f"3A) of a recurrent mixer, got mixer={self.mixer!r}, rule={self.rule!r}")
         if self.gate == "ctx-eta" and not self.normalize:
             raise ValueError("config field 'gate' = 'ctx-eta' needs 'normalize' = True (the step is normalized)")
         if self.log_gate == "dt" and self.gate != "dt":

@@ -2,7 +2,7 @@
 
 ::
 
-    h_0 = E[x]                                             # tied input/output embedding E
+    h_0 = E[x]            (or inputs_embeds)               # tied input/output embedding E
     h   = h + Mixer(RMSNorm(h), packing, cache)            # FalconAttention or RoPE attention
     h   = h + SwiGLU(RMSNorm(h))
     logits = RMSNorm(h_L) E^T / m                          # m: muP width multiplier
@@ -149,9 +149,13 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     """Causal LM over any mixer of :class:`FalconConfig`, Hugging Face compatible.
 
     ``forward(input_ids, attention_mask=None, labels=None, past_key_values=None,
-    use_cache=None, cu_seqlens=None, return_dict=None, output_hidden_states=None, logits_to_keep=0)``:
+    use_cache=None, cu_seqlens=None, return_dict=None, output_hidden_states=None, logits_to_keep=0,
+    inputs_embeds=None)``:
 
-    * ``input_ids`` ``[B, T]``; ``attention_mask`` ``[B, T_past + T]`` (1 real, 0 pad;
+    * ``input_ids`` ``[B, T]``, or instead ``inputs_embeds`` ``[B, T, hidden_size]`` (soft prompts,
+      continuous inputs: they replace ``embed_tokens(input_ids)``, so the two give identical results
+      and everything below applies to either; ``generate(inputs_embeds=...)`` consumes them in the
+      prompt step and returns the new tokens); ``attention_mask`` ``[B, T_past + T]`` (1 real, 0 pad;
       left or right padding), only its last ``T`` columns describe ``input_ids``;
     * ``cu_seqlens`` ``[N + 1]``: ``input_ids`` ``[1, total]`` holds ``N`` packed
       documents; each starts fresh (sentinel, conv, positions); logits keep the
@@ -195,22 +199,34 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
-                                      use_cache=None, **kwargs):
+                                      use_cache=None, inputs_embeds=None, next_sequence_length=None,
+                                      is_first_iteration=None, **kwargs):
         """Feed only the columns the cache has not consumed yet. A cache of ``R`` rows continued by
         ``k * R`` rows (``num_beams`` or ``num_return_sequences`` over a prefilled cache: ``generate()``
-        repeats each input row ``k`` times) has each of its rows repeated ``k`` times first."""
+        repeats each input row ``k`` times) has each of its rows repeated ``k`` times first.
+
+        ``generate(inputs_embeds=...)``: the first step (the prompt) consumes ``inputs_embeds``, the later
+        ones the generated ids; those steps take the ``next_sequence_length`` new columns ``generate()``
+        names (transformers 5), since ``input_ids`` then need not line up with the cached columns."""
         cache = cache if cache is not None else past_key_values
-        if cache is not None and not cache.empty:
-            if input_ids.shape[1] <= cache.num_positions:
+        fresh = cache is None or cache.empty
+        use_embeds = inputs_embeds is not None and (fresh or bool(is_first_iteration))
+        x, name = (inputs_embeds, "inputs_embeds") if use_embeds else (input_ids, "input_ids")
+        if not fresh:
+            if next_sequence_length is not None and not use_embeds:  # a decoding step
+                start = x.shape[1] - next_sequence_length
+            elif x.shape[1] <= cache.num_positions:
                 raise ValueError(
-                    f"past_key_values has consumed {cache.num_positions} columns, but input_ids has "
-                    f"{input_ids.shape[1]}: pass the whole sequence the cache has seen followed by at least one "
+                    f"past_key_values has consumed {cache.num_positions} columns, but {name} has "
+                    f"{x.shape[1]}: pass the whole sequence the cache has seen followed by at least one "
                     "new token")
+            else:
+                start = cache.num_positions
             rows = cache.seen.shape[0]
-            if input_ids.shape[0] != rows and input_ids.shape[0] % rows == 0:
-                cache.batch_repeat_interleave(input_ids.shape[0] // rows)
-            input_ids = input_ids[:, cache.num_positions:]
-        inputs = {"input_ids": input_ids.contiguous(), "attention_mask": attention_mask, "use_cache": use_cache}
+            if x.shape[0] != rows and x.shape[0] % rows == 0:
+                cache.batch_repeat_interleave(x.shape[0] // rows)
+            x = x[:, start:]
+        inputs = {name: x.contiguous(), "attention_mask": attention_mask, "use_cache": use_cache}
         if kwargs.get("output_hidden_states"):
             inputs["output_hidden_states"] = True
         if kwargs.get("logits_to_keep"):  # generate() asks for the last column's logits only
@@ -255,41 +271,61 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         return [g for g in groups if g["params"]]
 
     # --- forward -----------------------------------------------------------------------------
-    def _layout(self, input_ids, attention_mask, cu_seqlens, cache: Optional[FalconCache]):
-        """Decide dense vs packed; returns (packing, unpad index or None, real tokens per row)."""
-        B, T = input_ids.shape
+    def _layout(self, x, name: str, attention_mask, cu_seqlens, cache: Optional[FalconCache]):
+        """Decide dense vs packed for the input ``x`` (``input_ids`` ``[B, T]`` or ``inputs_embeds``
+        ``[B, T, D]``, called ``name`` in errors; only its shape and device are read); returns
+        (packing, unpad index or None, real tokens per row)."""
+        B, T = x.shape[:2]
         offsets = None if cache is None or cache.empty else cache.seen
         if offsets is not None:
             rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
             if offsets.shape[0] != rows:
                 raise ValueError(f"past_key_values holds {offsets.shape[0]} sequences, but this call continues "
-                                 f"{rows} (input_ids of shape {tuple(input_ids.shape)})")
+                                 f"{rows} ({name} of shape {tuple(x.shape)})")
         if cu_seqlens is not None:
             if B != 1:
-                raise ValueError(f"cu_seqlens needs input_ids of shape [1, total], got {tuple(input_ids.shape)}")
+                shape = "[1, total, hidden_size]" if x.dim() == 3 else "[1, total]"
+                raise ValueError(f"cu_seqlens needs {name} of shape {shape}, got {tuple(x.shape)}")
             if attention_mask is not None and not bool(attention_mask.bool().all()):
                 raise ValueError("pass either cu_seqlens or an attention_mask with padding, not both")
-            cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
+            cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
             bounds = sequence_bounds(cu, T)
-            rows = torch.arange(cu.numel() - 1, device=input_ids.device)
+            rows = torch.arange(cu.numel() - 1, device=x.device)
             return Packing.from_cu_seqlens(cu, rows, offsets, bounds), None, cu[1:] - cu[:-1]
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
                 raise ValueError(f"attention_mask must have shape [B, >= T] = [{B}, >= {T}], "
                                  f"got {tuple(attention_mask.shape)}")
-            mask = attention_mask[:, -T:].to(device=input_ids.device, dtype=torch.bool)
+            mask = attention_mask[:, -T:].to(device=x.device, dtype=torch.bool)
             if not bool(mask.all()):
-                _, index, cu, rows = unpad(input_ids[..., None], mask)
+                _, index, cu, rows = unpad(mask[..., None], mask)
                 if cache is not None and cache.empty and rows.numel() != B:
                     raise ValueError("attention_mask: every row needs at least one real token in the first call "
                                      "with a cache")
                 return Packing.from_cu_seqlens(cu, rows, offsets), index, mask.sum(1)
-        real = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
-        return Packing.dense(B, T, offsets, input_ids.device), None, real
+        real = torch.full((B,), T, dtype=torch.int64, device=x.device)
+        return Packing.dense(B, T, offsets, x.device), None, real
+
+    def _input_embeddings(self, input_ids, inputs_embeds):
+        """``embed_tokens(input_ids)`` or ``inputs_embeds`` (exactly one given), checked: ``[B, T, D]``, ``T >= 1``."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds, got "
+                             + ("both" if input_ids is not None else "neither"))
+        if input_ids is not None:
+            if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+                raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+            return self.model.embed_tokens(input_ids)
+        D = self.config.hidden_size
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0 or inputs_embeds.shape[2] != D:
+            raise ValueError(f"inputs_embeds must have shape [B, T, hidden_size] = [B, T, {D}] with T >= 1, "
+                             f"got {tuple(inputs_embeds.shape)}")
+        if not inputs_embeds.is_floating_point():
+            raise ValueError(f"inputs_embeds must be a floating-point tensor, got {inputs_embeds.dtype}")
+        return inputs_embeds
 
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         past_key_values: Optional[FalconCache] = None,
@@ -299,9 +335,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         logits_to_keep: int = 0,
+        inputs_embeds: Optional[torch.Tensor] = None,
     ) -> CausalLMOutputWithPast:
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        h = self._input_embeddings(input_ids, inputs_embeds)
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}")
         if logits_to_keep and labels is not None:
@@ -314,9 +350,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             cache = FalconCache(self.config.num_hidden_layers)
         if not use_cache:
             cache = None
-        B, T = input_ids.shape
-        packing, index, real = self._layout(input_ids, attention_mask, cu_seqlens, cache)
-        h = self.model.embed_tokens(input_ids)
+        B, T = h.shape[:2]
+        x, name = (input_ids, "input_ids") if input_ids is not None else (inputs_embeds, "inputs_embeds")
+        packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]
         if output_hidden_states is None:

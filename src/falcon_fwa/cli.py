@@ -29,6 +29,7 @@ COMMANDS = {
     "throughput": ("falcon_fwa.train.throughput", "training tokens/s and peak memory of model presets"),
     "ppl": ("falcon_fwa.eval.ppl_cli", "perplexity of a saved model over held-out files, by position bucket"),
     "lm-eval": ("falcon_fwa.eval.lm_eval_cli", "lm-evaluation-harness tasks on a saved model folder"),
+    "generate": ("falcon_fwa.serve.generate_cli", "continue prompts with a saved model folder (streamed, timed)"),
 }
 
 

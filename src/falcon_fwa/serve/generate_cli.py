@@ -1,0 +1,116 @@
+"""``falcon-fwa generate --model DIR --prompt TEXT [--prompt ...] [--prompts-file FILE] [...]``:
+continue prompts with a saved model folder, greedily or by sampling.
+
+With one prompt the text is streamed to stdout as it is produced; otherwise each completion is printed
+after its batch under a ``=== completion i/n ===`` header. One summary line goes to stderr: the prompt
+forward passes (prefill: prompt step and first new token), the decoding speed (new tokens after the
+first, summed over each batch's rows, per second of the decoding loop), and on CUDA the peak GPU memory
+(weights included); clocks are read after ``torch.cuda.synchronize`` on CUDA (see
+:mod:`falcon_fwa.serve.generation`). ``--json`` writes prompts, completions (text and token ids), the
+settings, the timings and the provenance, atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List
+
+from ..atomic import write_json
+from ..eval.perplexity import check_model_folder, load_model
+from ..provenance import command_provenance
+from .generation import check_settings, generate_text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a prompt (repeatable; these come before the lines of --prompts-file)")
+    parser.add_argument("--prompts-file", default=None, help="a file of prompts, one per line (blank lines skipped)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (>= 1)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens holding this probability mass, in (0, 1]")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (runs with the same seed, "
+                        "batch size and device draw the same tokens)")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts per batch (left-padded)")
+    parser.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="end a completion at its first end-of-text token")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights' dtype")
+    parser.add_argument("--json", default=None, help="write prompts, completions, settings and timings here")
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here")
+    return name
+
+
+def _prompts(args: argparse.Namespace) -> List[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        if not os.path.isfile(args.prompts_file):
+            raise FileNotFoundError(f"--prompts-file {args.prompts_file!r} does not exist")
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\r\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("--prompt/--prompts-file: no prompt given; give at least one with --prompt TEXT or in "
+                         "--prompts-file FILE")
+    return prompts
+
+
+def _summary(timing, n_prompts: int, device: str, dtype: str) -> str:
+    rate = timing.decode_tokens_per_s
+    line = (f"generate: {n_prompts} prompt(s), {timing.prompt_tokens} prompt tokens, {timing.new_tokens} new tokens "
+            f"in {timing.batches} batch(es) on {device}/{dtype}; prefill {timing.prefill_s:.4f} s; decode "
+            f"{timing.decode_tokens} tokens in {timing.decode_s:.4f} s = "
+            + (f"{rate:.1f} tokens/s" if rate is not None else "n/a tokens/s"))
+    if timing.peak_gpu_memory_bytes is not None:
+        line += f"; peak GPU memory {timing.peak_gpu_memory_bytes / 2**30:.2f} GiB"
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, batch_size=args.batch_size)
+    check_settings(**settings, name=lambda n: "--" + n.replace("_", "-"))
+    prompts = _prompts(args)
+    device = _device(args.device)
+    try:
+        check_model_folder(args.model)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--model: {err}") from None
+    model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
+
+    stream = None
+    if len(prompts) == 1:
+        from transformers import TextStreamer
+
+        stream = TextStreamer(tokenizer, skip_special_tokens=True)
+    out = generate_text(model, tokenizer, prompts, seed=args.seed, stop_at_eos=args.stop_at_eos, stream=stream,
+                        **settings)
+    if stream is None:
+        for i, c in enumerate(out.completions, 1):
+            print(f"=== completion {i}/{len(prompts)} (prompt: {c.prompt!r}) ===\n{c.text}", flush=True)
+    print(_summary(out.timing, len(prompts), device, args.dtype), file=sys.stderr)
+    if args.json:
+        write_json(args.json, {
+            "model": os.path.abspath(args.model),
+            "settings": {**settings, "seed": args.seed, "stop_at_eos": args.stop_at_eos, "device": device,
+                         "dtype": args.dtype, "greedy": args.temperature == 0},
+            "completions": [{"prompt": c.prompt, "prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
+                             "text": c.text, "stopped_at_eos": c.stopped_at_eos} for c in out.completions],
+            "timing": out.timing.as_dict(),
+            "provenance": command_provenance(args),
+        })
+    return 0

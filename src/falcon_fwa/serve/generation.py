@@ -1,0 +1,199 @@
+"""Text generation from a causal LM and its tokenizer, with honest timings.
+
+:func:`generate_text` runs its own decoding loop over the model's cache (a
+:class:`~falcon_fwa.models.FalconCache` for the models of this package: ``O(1)`` per token for
+the recurrent mixers): one forward pass over the left-padded prompts of a batch (the prefill),
+then one single-token forward pass per new token. Every prompt starts with the tokenizer's
+end-of-text token, as every training document does. Tokens are chosen among the tokenizer's
+ids only (a model's vocabulary may be padded beyond them).
+
+What is measured (``Timing``), per batch and summed, with ``torch.cuda.synchronize`` before each
+clock read on CUDA:
+
+* ``prefill_s``: the prompt forward pass and the choice of the first new token (time to first token,
+  tokenization excluded);
+* ``decode_s``: everything after that until the batch ends (the single-token forward passes, sampling,
+  streaming), which produces the new tokens after the first: ``decode_tokens`` counts them over the
+  batch's rows, up to and including each row's end-of-text token (the steps a finished row still runs
+  while others go on are not counted); ``decode_tokens_per_s = decode_tokens / decode_s``;
+* ``peak_gpu_memory_bytes``: ``torch.cuda.max_memory_allocated`` over the call (weights included), on CUDA.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+__all__ = ["Completion", "Timing", "Generation", "check_settings", "generate_text"]
+
+
+@dataclass
+class Completion:
+    """One prompt's result: the ids fed (``prompt_ids``, the leading end-of-text token included), the
+    new token ids (an end-of-text token that ended it included) and their text (special tokens left out)."""
+    prompt: str
+    prompt_ids: List[int]
+    token_ids: List[int]
+    text: str
+    stopped_at_eos: bool
+
+
+@dataclass
+class Timing:
+    """Wall-clock seconds and token counts of a :func:`generate_text` call (see the module docstring)."""
+    batches: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    peak_gpu_memory_bytes: Optional[int] = None
+
+    @property
+    def decode_tokens_per_s(self) -> Optional[float]:
+        return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 else None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+@dataclass
+class Generation:
+    completions: List[Completion] = field(default_factory=list)
+    timing: Timing = field(default_factory=Timing)
+
+
+def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, batch_size: int,
+                   name: Callable[[str], str] = str) -> None:
+    """Raise ``ValueError`` naming the first bad setting (``name`` turns a parameter name into the
+    name the caller knows it by, e.g. a command-line option)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"{name('max_new_tokens')} must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:  # also catches nan
+        raise ValueError(f"{name('temperature')} must be >= 0 (0: greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"{name('top_k')} must be >= 0 (0: off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{name('top_p')} must be in (0, 1], got {top_p}")
+    if batch_size < 1:
+        raise ValueError(f"{name('batch_size')} must be >= 1, got {batch_size}")
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+            generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next token ``[B]`` from last-position logits ``[B, V]``: the argmax when ``temperature == 0``,
+    else a draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest and then to
+    the smallest set of largest probabilities whose mass reaches ``top_p``."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        ordered, order = logits.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))  # mass before reached top_p
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+@torch.inference_mode()
+def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = 0, batch_size: int = 1,
+                  stop_at_eos: bool = True, stream=None) -> Generation:
+    """Continue each of ``prompts`` by up to ``max_new_tokens`` tokens, ``batch_size`` prompts per
+    left-padded batch. ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` unused);
+    above 0 it samples, reproducibly for a given ``seed`` (and batch size and device). With
+    ``stop_at_eos`` a row ends at its first end-of-text token and a batch when all its rows have.
+
+    ``stream``: an object with ``put(ids)`` and ``end()`` (``transformers.TextStreamer``) that gets each
+    new token as it is chosen; only with one prompt per batch.
+    Returns a :class:`Generation`: one :class:`Completion` per prompt, in order, and its :class:`Timing`.
+    """
+    check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   batch_size=batch_size)
+    if stream is not None and min(batch_size, len(prompts)) > 1:
+        raise ValueError(f"stream needs one prompt per batch, got batch_size={batch_size}")
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    vocab = len(tokenizer)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    lead = [] if eos is None else [eos]
+    encoded = [lead + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty and the tokenizer has no end-of-text token to start it")
+    generator = None
+    if temperature > 0 and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def choose(logits):
+        return _choose(logits[:, -1, :vocab].float(), temperature, top_k, top_p, generator)
+
+    stopping = stop_at_eos and eos is not None
+    result = Generation()
+    timing = result.timing
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for start in range(0, len(encoded), batch_size):
+        rows = encoded[start:start + batch_size]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding
+            input_ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+
+        sync()
+        t0 = time.perf_counter()
+        out = model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        token = choose(out.logits)
+        sync()
+        t1 = time.perf_counter()
+        done = torch.zeros_like(token, dtype=torch.bool)
+        steps = []
+        while True:
+            steps.append(token)
+            if stopping:
+                done = done | (token == eos)
+            if stream is not None and not bool(done[0]):
+                stream.put(token.cpu())
+            if len(steps) == max_new_tokens or (stopping and bool(done.all())):
+                break
+            out = model(input_ids=token[:, None], past_key_values=_cache_of(out), use_cache=True, logits_to_keep=1)
+            token = torch.where(done, torch.full_like(token, pad), choose(out.logits))
+        sync()
+        t2 = time.perf_counter()
+        if stream is not None:
+            stream.end()
+
+        table = torch.stack(steps, 1).cpu().tolist()
+        for prompt, ids, new in zip(prompts[start:start + batch_size], rows, table):
+            stopped = stopping and eos in new
+            if stopped:
+                new = new[:new.index(eos) + 1]
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            result.completions.append(Completion(prompt, ids, new, text, stopped))
+            timing.prompt_tokens += len(ids)
+            timing.new_tokens += len(new)
+            timing.decode_tokens += len(new) - 1
+        timing.batches += 1
+        timing.prefill_s += t1 - t0
+        timing.decode_s += t2 - t1
+    if cuda:
+        timing.peak_gpu_memory_bytes = torch.cuda.max_memory_allocated(device)
+    return result

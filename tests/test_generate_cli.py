@@ -1,0 +1,173 @@
+"""``falcon-fwa generate``: greedy decoding through the O(1) cache equals recomputing the whole prefix,
+left-padded batches equal single prompts, seeded sampling, option checks, streaming."""
+import json
+import random
+
+import pytest
+import torch
+
+from falcon_fwa import cli
+from falcon_fwa.eval.perplexity import load_model
+from falcon_fwa.models import FalconForCausalLM
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """``trained``: a tiny Falcon trained for 2 steps through the ``train`` command and exported (its next-token
+    distributions are close to uniform, and its greedy output one repeated token). ``peaky``: the same folder
+    with weights redrawn at ``initializer_range=1.0`` (seed 0), whose greedy continuations vary from token to
+    token with a clear margin between the two largest logits, so a cache that drifted would change them."""
+    from falcon_fwa.train.cli import main
+
+    tmp = tmp_path_factory.mktemp("gen")
+    rng = random.Random(0)
+    words = "the state memory key value write read gate decay token fast weight".split()
+    with open(tmp / "corpus.txt", "w") as f:
+        for _ in range(120):
+            f.write(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) + "\n\n")
+    recipe = {"model": {"preset": "tiny-falcon"},
+              "data": {"train_source": str(tmp / "corpus.txt"), "text_split": "paragraph", "seq_len": 32,
+                       "out_dir": str(tmp / "data"), "val_every": 10},
+              "optim": {"lr": 3e-3, "warmup_steps": 1},
+              "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "dtype": "fp32", "out_dir": str(tmp / "run"),
+                        "eval_every": 0, "save_every": 0},
+              "log": {"progress": False, "tensorboard": False}}
+    with open(tmp / "recipe.json", "w") as f:
+        json.dump(recipe, f)
+    assert main(["--config", str(tmp / "recipe.json")]) == 0
+    trained = tmp / "run" / "model"
+    model, tok = load_model(str(trained))
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.initializer_range = 1.0
+    torch.manual_seed(0)
+    FalconForCausalLM(config).save_pretrained(tmp / "peaky")
+    tok.save_pretrained(tmp / "peaky")
+    return {"trained": str(trained), "peaky": str(tmp / "peaky"), "tmp": tmp}
+
+
+def _generate(folders, model, *options):
+    """Run the command through the ``falcon-fwa`` entry point; its ``--json`` report."""
+    out = folders["tmp"] / "out.json"
+    assert cli.main(["generate", "--model", folders[model], "--device", "cpu", "--json", str(out), *options]) == 0
+    return json.loads(out.read_text())
+
+
+def _tokens(report):
+    return [c["token_ids"] for c in report["completions"]]
+
+
+PROMPTS = ["the state", "fast weight memory", "a"]
+
+
+def test_greedy_equals_recomputing_the_whole_prefix_without_a_cache(folders):
+    rep = _generate(folders, "peaky", *[a for p in PROMPTS for a in ("--prompt", p)], "--max-new-tokens", "24",
+                    "--no-stop-at-eos")
+    model, tok = load_model(folders["peaky"])
+    for prompt, c in zip(PROMPTS, rep["completions"]):
+        assert c["prompt_ids"] == [tok.eos_token_id, *prompt.encode()]  # the byte tokenizer; end-of-text first
+        seq = torch.tensor([c["prompt_ids"]])
+        with torch.no_grad():
+            for _ in range(24):
+                logits = model(input_ids=seq, use_cache=False).logits[:, -1, :len(tok)]
+                seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+        reference = seq[0, len(c["prompt_ids"]):].tolist()
+        assert len(set(reference)) > 4  # a varied continuation, not one repeated token
+        assert c["token_ids"] == reference
+        assert c["text"] == tok.decode(reference, skip_special_tokens=True)
+
+
+def test_a_left_padded_batch_equals_each_prompt_alone_and_the_timings_add_up(folders):
+    args = [*[a for p in PROMPTS for a in ("--prompt", p)], "--max-new-tokens", "16", "--no-stop-at-eos"]
+    alone = _generate(folders, "peaky", *args)
+    batch = _generate(folders, "peaky", *args, "--batch-size", "3")
+    assert len({len(c["prompt_ids"]) for c in batch["completions"]}) == 3  # different lengths: padding happened
+    assert _tokens(batch) == _tokens(alone)
+    t = batch["timing"]
+    assert t["batches"] == 1 and alone["timing"]["batches"] == 3
+    assert t["prompt_tokens"] == sum(len(c["prompt_ids"]) for c in batch["completions"])
+    assert t["new_tokens"] == 48 and t["decode_tokens"] == 45  # the first token of each row comes with the prefill
+    assert t["prefill_s"] > 0 and t["decode_s"] > 0
+    assert t["decode_tokens_per_s"] == pytest.approx(45 / t["decode_s"])
+    assert t["peak_gpu_memory_bytes"] is None  # CPU
+    assert batch["settings"]["batch_size"] == 3 and batch["provenance"]["options"]["batch_size"] == 3
+
+
+def test_sampling_is_reproducible_by_seed(folders):
+    args = ["--prompt", "the state", "--prompt", "key", "--temperature", "1.0", "--max-new-tokens", "32",
+            "--no-stop-at-eos", "--batch-size", "2"]
+    first = _tokens(_generate(folders, "trained", *args, "--seed", "1"))
+    again = _tokens(_generate(folders, "trained", *args, "--seed", "1"))
+    other = _tokens(_generate(folders, "trained", *args, "--seed", "2"))
+    assert first == again
+    # near-uniform over 257 tokens: two seeds agreeing on all 64 draws is out of the question
+    assert first != other and first[0] != other[0] and first[1] != other[1]
+    assert first[0] != first[1]
+
+
+def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(folders):
+    args = ["--prompt", "the state", "--prompt", "gate", "--max-new-tokens", "16", "--no-stop-at-eos"]
+    greedy = _tokens(_generate(folders, "peaky", *args))
+    top_k = _tokens(_generate(folders, "peaky", *args, "--temperature", "1.5", "--top-k", "1", "--seed", "3"))
+    top_p = _tokens(_generate(folders, "peaky", *args, "--temperature", "1.5", "--top-p", "1e-6", "--seed", "3"))
+    sampled = _tokens(_generate(folders, "peaky", *args, "--temperature", "1.5", "--seed", "3"))
+    assert top_k == greedy and top_p == greedy
+    assert sampled != greedy  # the two filters, not the temperature, made the draws greedy
+
+
+@pytest.mark.parametrize("options, named", [
+    ([], "--prompt"),
+    (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--prompt", "a", "--top-p", "1.5"], "--top-p"),
+    (["--prompt", "a", "--top-p", "0"], "--top-p"),
+    (["--prompt", "a", "--top-k", "-1"], "--top-k"),
+    (["--prompt", "a", "--temperature", "-0.5"], "--temperature"),
+    (["--prompt", "a", "--batch-size", "0"], "--batch-size"),
+    (["--prompts-file", "no/such/file.txt"], "--prompts-file"),
+    (["--prompt", "a", "--device", "nope"], "--device"),
+])
+def test_a_bad_option_ends_the_command_naming_it_before_the_model_loads(folders, capsys, monkeypatch, options, named):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("falcon_fwa.serve.generate_cli.load_model", no_load)
+    assert cli.main(["generate", "--model", folders["trained"], *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa generate: error: {named}") and "Traceback" not in err
+
+
+def test_a_missing_model_folder_is_named(folders, capsys, monkeypatch):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    missing = str(folders["tmp"] / "no_model")
+    assert cli.main(["generate", "--model", missing, "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-fwa generate: error: --model: model folder") and missing in err
+
+
+def test_one_prompt_streams_exactly_its_completion_and_several_print_after_their_batch(folders, capsys, tmp_path):
+    rep = _generate(folders, "peaky", "--prompt", "the state", "--max-new-tokens", "40")
+    captured = capsys.readouterr()
+    text = rep["completions"][0]["text"]
+    assert len(rep["completions"][0]["token_ids"]) > 1 and text.strip()
+    assert captured.out == text + "\n"  # TextStreamer ends the stream with a newline
+    assert captured.err.splitlines()[-1].startswith("generate: 1 prompt(s)")
+    assert "tokens/s" in captured.err
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the state\n\n  \nkey value\n")  # blank lines skipped
+    rep = _generate(folders, "peaky", "--prompts-file", str(prompts), "--prompt", "a", "--max-new-tokens", "8",
+                    "--batch-size", "2")
+    out = capsys.readouterr().out
+    assert [c["prompt"] for c in rep["completions"]] == ["a", "the state", "key value"]
+    expected = "".join(f"=== completion {i}/3 (prompt: {c['prompt']!r}) ===\n{c['text']}\n"
+                       for i, c in enumerate(rep["completions"], 1))
+    assert out == expected

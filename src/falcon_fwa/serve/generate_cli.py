@@ -4,7 +4,8 @@ continue prompts with a saved model folder, greedily or by sampling.
 With one prompt the text is streamed to stdout as it is produced; otherwise each completion is printed
 after its batch under a ``=== completion i/n ===`` header. One summary line goes to stderr: the prompt
 forward passes (prefill: prompt step and first new token), the decoding speed (new tokens after the
-first, summed over each batch's rows, per second of the decoding loop), and on CUDA the peak GPU memory
+first, summed over each batch's rows, per second of the decoding loop), whether the decoding steps were
+replayed from a CUDA graph (``--cuda-graphs``; recording is timed apart), and on CUDA the peak GPU memory
 (weights included); clocks are read after ``torch.cuda.synchronize`` on CUDA (see
 :mod:`falcon_fwa.serve.generation`). ``--json`` writes prompts, completions (text and token ids), the
 settings, the timings and the provenance, atomically.
@@ -20,6 +21,7 @@ from ..atomic import write_json
 from ..eval.perplexity import check_model_folder, load_model
 from ..provenance import command_provenance
 from .generation import check_settings, generate_text
+from .graphs import graphable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end a completion at its first end-of-text token")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights' dtype")
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                        help="replay decoding steps from a CUDA graph: auto (a recurrent model on CUDA, falling back "
+                             "to eager steps if recording fails), on (required), off")
     parser.add_argument("--json", default=None, help="write prompts, completions, settings and timings here")
 
 
@@ -74,7 +79,12 @@ def _summary(timing, n_prompts: int, device: str, dtype: str) -> str:
     line = (f"generate: {n_prompts} prompt(s), {timing.prompt_tokens} prompt tokens, {timing.new_tokens} new tokens "
             f"in {timing.batches} batch(es) on {device}/{dtype}; prefill {timing.prefill_s:.4f} s; decode "
             f"{timing.decode_tokens} tokens in {timing.decode_s:.4f} s = "
-            + (f"{rate:.1f} tokens/s" if rate is not None else "n/a tokens/s"))
+            + (f"{rate:.1f} tokens/s" if rate is not None else "n/a tokens/s") + f" ({timing.decode_mode} steps")
+    if timing.graphed_batches:
+        line += f", recorded in {timing.graph_capture_s:.3f} s"
+    line += ")"
+    if timing.graph_note:
+        line += f" [{timing.graph_note}]"
     if timing.peak_gpu_memory_bytes is not None:
         line += f"; peak GPU memory {timing.peak_gpu_memory_bytes / 2**30:.2f} GiB"
     return line
@@ -90,15 +100,22 @@ def run(args: argparse.Namespace) -> int:
         check_model_folder(args.model)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"--model: {err}") from None
+    if args.cuda_graphs == "on" and not device.startswith("cuda"):
+        raise ValueError(f"--cuda-graphs on needs a CUDA device, got --device {args.device}")
     model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
+    if args.cuda_graphs == "on":
+        ok, why = graphable(model, next(model.parameters()).device)
+        if not ok:
+            raise ValueError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off")
 
     stream = None
     if len(prompts) == 1:
         from transformers import TextStreamer
 
         stream = TextStreamer(tokenizer, skip_special_tokens=True)
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
     out = generate_text(model, tokenizer, prompts, seed=args.seed, stop_at_eos=args.stop_at_eos, stream=stream,
-                        **settings)
+                        cuda_graphs=graphs, **settings)
     if stream is None:
         for i, c in enumerate(out.completions, 1):
             print(f"=== completion {i}/{len(prompts)} (prompt: {c.prompt!r}) ===\n{c.text}", flush=True)
@@ -107,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {
             "model": os.path.abspath(args.model),
             "settings": {**settings, "seed": args.seed, "stop_at_eos": args.stop_at_eos, "device": device,
-                         "dtype": args.dtype, "greedy": args.temperature == 0},
+                         "dtype": args.dtype, "greedy": args.temperature == 0, "cuda_graphs": args.cuda_graphs},
             "completions": [{"prompt": c.prompt, "prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
                              "text": c.text, "stopped_at_eos": c.stopped_at_eos} for c in out.completions],
             "timing": out.timing.as_dict(),

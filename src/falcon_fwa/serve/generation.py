@@ -16,7 +16,10 @@ clock read on CUDA:
   streaming), which produces the new tokens after the first: ``decode_tokens`` counts them over the
   batch's rows, up to and including each row's end-of-text token (the steps a finished row still runs
   while others go on are not counted); ``decode_tokens_per_s = decode_tokens / decode_s``;
-* ``peak_gpu_memory_bytes``: ``torch.cuda.max_memory_allocated`` over the call (weights included), on CUDA.
+* ``peak_gpu_memory_bytes``: ``torch.cuda.max_memory_allocated`` over the call (weights included), on CUDA;
+* ``graph_capture_s``: recording the decoding step as a CUDA graph (``cuda_graphs``), once per batch,
+  between the prefill and the decoding; ``graphed_batches`` and ``decode_mode`` (``"cuda graph"``,
+  ``"eager"`` or ``"mixed"``); ``graph_note``: why steps were not graphed.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import torch
+
+from .graphs import GraphedDecoder, graphable
 
 __all__ = ["Completion", "Timing", "Generation", "check_settings", "generate_text"]
 
@@ -50,13 +55,23 @@ class Timing:
     decode_tokens: int = 0
     decode_s: float = 0.0
     peak_gpu_memory_bytes: Optional[int] = None
+    graph_capture_s: float = 0.0
+    graphed_batches: int = 0
+    graph_note: str = ""
+
+    @property
+    def decode_mode(self) -> str:
+        """``"cuda graph"`` (every batch's steps replayed from a graph), ``"eager"`` or ``"mixed"``."""
+        if self.graphed_batches == 0:
+            return "eager"
+        return "cuda graph" if self.graphed_batches == self.batches else "mixed"
 
     @property
     def decode_tokens_per_s(self) -> Optional[float]:
         return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 else None
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "decode_tokens_per_s": self.decode_tokens_per_s}
+        return {**asdict(self), "decode_tokens_per_s": self.decode_tokens_per_s, "decode_mode": self.decode_mode}
 
 
 @dataclass
@@ -108,7 +123,7 @@ def _cache_of(out):
 @torch.inference_mode()
 def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = 0, batch_size: int = 1,
-                  stop_at_eos: bool = True, stream=None) -> Generation:
+                  stop_at_eos: bool = True, stream=None, cuda_graphs: Optional[bool] = None) -> Generation:
     """Continue each of ``prompts`` by up to ``max_new_tokens`` tokens, ``batch_size`` prompts per
     left-padded batch. ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` unused);
     above 0 it samples, reproducibly for a given ``seed`` (and batch size and device). With
@@ -116,6 +131,11 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
 
     ``stream``: an object with ``put(ids)`` and ``end()`` (``transformers.TextStreamer``) that gets each
     new token as it is chosen; only with one prompt per batch.
+
+    ``cuda_graphs``: replay each decoding step from a CUDA graph (``serve.graphs.GraphedDecoder``; the
+    same tokens as eager steps, with a fraction of the host's launch work). ``None``: where possible
+    (a recurrent model on CUDA), falling back to eager steps if recording fails; ``True``: required
+    (``ValueError`` where not possible); ``False``: eager steps.
     Returns a :class:`Generation`: one :class:`Completion` per prompt, in order, and its :class:`Timing`.
     """
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -124,6 +144,14 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         raise ValueError(f"stream needs one prompt per batch, got batch_size={batch_size}")
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
+    use_graphs, why = graphable(model, device)
+    if cuda_graphs and not use_graphs:
+        raise ValueError(f"cuda_graphs=True is not possible here: {why}")
+    if not use_graphs or cuda_graphs is False:
+        timing_note = f"eager: {why}" if not use_graphs else "eager: cuda_graphs=False"
+        use_graphs = False
+    else:
+        timing_note = ""
     vocab = len(tokenizer)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
@@ -146,6 +174,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     stopping = stop_at_eos and eos is not None
     result = Generation()
     timing = result.timing
+    timing.graph_note = timing_note
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for start in range(0, len(encoded), batch_size):
@@ -164,6 +193,19 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         token = choose(out.logits)
         sync()
         t1 = time.perf_counter()
+        cache, decoder = _cache_of(out), None
+        if use_graphs and max_new_tokens > 1:
+            try:
+                decoder = GraphedDecoder(model, cache, len(rows))
+            except Exception as e:  # an op of the step that a graph cannot hold (e.g. a host synchronization)
+                if cuda_graphs:
+                    raise
+                use_graphs = False
+                timing.graph_note = f"eager: recording the decoding step failed ({type(e).__name__}: {e})"[:300]
+            sync()
+        t_graph = time.perf_counter()
+        timing.graph_capture_s += t_graph - t1
+        timing.graphed_batches += decoder is not None
         done = torch.zeros_like(token, dtype=torch.bool)
         steps = []
         while True:
@@ -174,8 +216,11 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
                 stream.put(token.cpu())
             if len(steps) == max_new_tokens or (stopping and bool(done.all())):
                 break
-            out = model(input_ids=token[:, None], past_key_values=_cache_of(out), use_cache=True, logits_to_keep=1)
-            token = torch.where(done, torch.full_like(token, pad), choose(out.logits))
+            if decoder is None:
+                logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            else:
+                logits = decoder.step(token)[:, None]
+            token = torch.where(done, torch.full_like(token, pad), choose(logits))
         sync()
         t2 = time.perf_counter()
         if stream is not None:
@@ -193,7 +238,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
             timing.decode_tokens += len(new) - 1
         timing.batches += 1
         timing.prefill_s += t1 - t0
-        timing.decode_s += t2 - t1
+        timing.decode_s += t2 - t_graph
     if cuda:
         timing.peak_gpu_memory_bytes = torch.cuda.max_memory_allocated(device)
     return result

@@ -199,22 +199,24 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
-                                      use_cache=None, inputs_embeds=None, next_sequence_length=None,
-                                      is_first_iteration=None, **kwargs):
+                                      use_cache=None, inputs_embeds=None, is_first_iteration=None, **kwargs):
         """Feed only the columns the cache has not consumed yet. A cache of ``R`` rows continued by
         ``k * R`` rows (``num_beams`` or ``num_return_sequences`` over a prefilled cache: ``generate()``
         repeats each input row ``k`` times) has each of its rows repeated ``k`` times first.
 
         ``generate(inputs_embeds=...)``: the first step (the prompt) consumes ``inputs_embeds``, the later
-        ones the generated ids; those steps take the ``next_sequence_length`` new columns ``generate()``
-        names (transformers 5), since ``input_ids`` then need not line up with the cached columns."""
+        ones the generated ids; those steps take the last column, since ``input_ids`` then need not line up
+        with the cached columns (``next_sequence_length``, which transformers 5 passes, is not relied on:
+        its value at the prompt step differs between versions)."""
         cache = cache if cache is not None else past_key_values
         fresh = cache is None or cache.empty
         use_embeds = inputs_embeds is not None and (fresh or bool(is_first_iteration))
         x, name = (inputs_embeds, "inputs_embeds") if use_embeds else (input_ids, "input_ids")
         if not fresh:
-            if next_sequence_length is not None and not use_embeds:  # a decoding step
-                start = x.shape[1] - next_sequence_length
+            if inputs_embeds is not None and not use_embeds:
+                # a decoding step after a prompt of embeddings: input_ids hold the generated tokens only (and
+                # any ids given beside the embeddings), not the columns the cache consumed; the new one is last
+                start = x.shape[1] - 1
             elif x.shape[1] <= cache.num_positions:
                 raise ValueError(
                     f"past_key_values has consumed {cache.num_positions} columns, but {name} has "

@@ -145,6 +145,19 @@ def test_a_bad_option_ends_the_command_naming_it_before_the_model_loads(folders,
     assert err.startswith(f"falcon-fwa generate: error: {named}") and "Traceback" not in err
 
 
+def test_a_cuda_device_the_machine_lacks_is_named_before_the_model_loads(folders, capsys, monkeypatch):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("falcon_fwa.serve.generate_cli.load_model", no_load)
+    assert cli.main(["generate", "--model", folders["trained"], "--prompt", "a", "--device", "cuda:1"]) == 2
+    assert capsys.readouterr().err.startswith("falcon-fwa generate: error: --device cuda:1: this machine has 1")
+
+
 def test_a_missing_model_folder_is_named(folders, capsys, monkeypatch):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
     missing = str(folders["tmp"] / "no_model")

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import List
 
-from ..atomic import write_json
+from ..atomic import read_json, write_json
 from ..eval.perplexity import check_model_folder, load_model
 from ..provenance import command_provenance
 from .generation import check_settings, generate_text
@@ -53,11 +53,13 @@ def _device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        kind = torch.device(name).type
+        dev = torch.device(name)
     except RuntimeError:
         raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
-    if kind == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return name
 
 
@@ -102,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--model: {err}") from None
     if args.cuda_graphs == "on" and not device.startswith("cuda"):
         raise ValueError(f"--cuda-graphs on needs a CUDA device, got --device {args.device}")
+    config = os.path.join(args.model, "config.json")
+    if args.cuda_graphs == "on" and os.path.isfile(config) and read_json(config).get("mixer") == "transformer":
+        raise ValueError("--cuda-graphs on: the Transformer's key/value cache grows with the context; "
+                         "use --cuda-graphs auto or off")
     model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
     if args.cuda_graphs == "on":
         ok, why = graphable(model, next(model.parameters()).device)

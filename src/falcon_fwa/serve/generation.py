@@ -193,7 +193,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         token = choose(out.logits)
         sync()
         t1 = time.perf_counter()
-        cache, decoder = _cache_of(out), None
+        cache, decoder, t_graph = _cache_of(out), None, t1
         if use_graphs and max_new_tokens > 1:
             try:
                 decoder = GraphedDecoder(model, cache, len(rows))
@@ -203,8 +203,8 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
                 use_graphs = False
                 timing.graph_note = f"eager: recording the decoding step failed ({type(e).__name__}: {e})"[:300]
             sync()
-        t_graph = time.perf_counter()
-        timing.graph_capture_s += t_graph - t1
+            t_graph = time.perf_counter()
+            timing.graph_capture_s += t_graph - t1
         timing.graphed_batches += decoder is not None
         done = torch.zeros_like(token, dtype=torch.bool)
         steps = []
@@ -225,6 +225,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         t2 = time.perf_counter()
         if stream is not None:
             stream.end()
+        out = cache = decoder = logits = None  # this batch's cache and graph, freed before the next prompt pass
 
         table = torch.stack(steps, 1).cpu().tolist()
         for prompt, ids, new in zip(prompts[start:start + batch_size], rows, table):

@@ -9,13 +9,14 @@ batches is most of a step's time.
 
 The recorded step reads the cache's tensors, computes the new ones (in the graph's own
 memory) and copies them back into the cache's tensors, so the cache is updated in place and
-stays a valid :class:`~falcon_fwa.models.FalconCache`: eager calls may continue it. The
-Transformer's key/value cache grows with the context and is not graphed.
+stays a valid :class:`~falcon_fwa.models.FalconCache`: eager calls may continue it (the graph
+then no longer can: it reads and writes the tensors it was recorded with, which an eager call
+replaces). The Transformer's key/value cache grows with the context and is not graphed.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Tuple
 
 import torch
@@ -35,6 +36,13 @@ def graphable(model, device: torch.device) -> Tuple[bool, str]:
     return True, ""
 
 
+def _own_storage(t):
+    """``t``, or a copy of it when it is a view into a larger tensor (whose memory it keeps alive)."""
+    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
 class GraphedDecoder:
     """One decoding step of ``model`` over ``cache`` (a prefilled ``FalconCache`` of a recurrent
     model on CUDA, ``B`` rows), recorded as a CUDA graph.
@@ -44,7 +52,12 @@ class GraphedDecoder:
     (a buffer overwritten by the next step: copy it to keep it). Equal to the eager call
     ``model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)``.
     Recording runs two eager warm-up steps on a copy of the cache (kernel compilation and
-    allocator warm-up), so ``cache`` itself only advances on ``step``.
+    allocator warm-up), so ``cache`` itself only advances on ``step``. A cache tensor that is a view
+    into a larger one (a prompt pass without padding leaves the short-convolution buffers and last
+    keys as views of its ``[B, T, ...]`` activations) is first replaced by a copy of its own, since
+    the graph writes into these tensors for as long as it is replayed. ``step`` refuses to run once
+    the cache has been advanced or changed by other means (an eager call, ``batch_select_indices``).
+    Record under the autograd mode of the prompt pass (``generate_text``: ``torch.inference_mode()``).
     """
 
     def __init__(self, model, cache, batch_size: int):
@@ -54,6 +67,12 @@ class GraphedDecoder:
         if not ok:
             raise NotImplementedError(why)
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        cache.seen = _own_storage(cache.seen)
+        for layer in cache.layers:
+            if layer.state is not None:
+                layer.state = replace(layer.state, **{f.name: _own_storage(getattr(layer.state, f.name))
+                                                      for f in fields(FalconState)})
+            layer.conv = {name: _own_storage(t) for name, t in layer.conv.items()}
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -76,6 +95,7 @@ class GraphedDecoder:
             raise
         finally:
             cache.num_positions = saved[1]
+        self._seen = cache.seen
 
     def _forward(self, cache):
         out = self.model(input_ids=self.tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -108,6 +128,10 @@ class GraphedDecoder:
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.cache.seen is not self._seen:
+            raise RuntimeError("the cache was advanced or changed outside this GraphedDecoder (an eager call, "
+                               "batch_select_indices, ...) since it was recorded: its graph reads and writes the "
+                               "tensors the cache held then; record a new GraphedDecoder for the cache")
         self.tokens.copy_(tokens.view(-1, 1))
         self.graph.replay()
         self.cache.num_positions += 1

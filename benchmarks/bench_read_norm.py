@@ -1,6 +1,6 @@
 """Cost of the normalized read (``eps_attn``) on the GPU: each inner-product rule with and without it.
 
-The normalized read runs the rule on ``V + 1`` value columns (``2 V`` for 2A) and divides.
+The normalized read runs the rule on ``V + 1`` value columns (``2 V`` for 2A; padded to a multiple of 16) and divides.
 This times ``falcon_attention`` (``backend="auto"``: the Triton kernels) with ``eps_attn=None``
 and ``eps_attn=1e-6`` side by side, in alternating rounds, bf16, forward and forward+backward,
 with peak memory, and writes ``<out>/<name>.md`` and ``.json``.

@@ -321,6 +321,8 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(rule="1", eps_attn=1e-3), "eps_attn"),
     (dict(mixer="transformer", eps_attn=1e-3), "eps_attn"),
     (dict(rule="1A", eps_attn=-1.0), "eps_attn"),
+    (dict(rule="1A", eps_attn=0.0), "eps_attn"),  # shift=True: the first token reads 0 / (0 + eps_attn)
+    (dict(rule="1A", shift=False, read="before", eps_attn=0.0), "eps_attn"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -329,6 +331,8 @@ def test_config_errors_name_the_field(kwargs, field):
 
 def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
     FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
+    # textbook normalized linear attention reads its own first key: eps_attn = 0 is allowed there
+    FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", shift=False, eps_attn=0.0)
     with pytest.raises(ValueError, match="backend"):
         FalconAttention(get_preset("tiny-falcon", backend="fla"))
     with pytest.raises(ValueError, match="backend"):  # RetNet's recurrence, but with the normalized read

@@ -145,6 +145,86 @@ def test_state_kinds_do_not_mix_and_errors_name_the_argument():
     assert FalconState.cat([normed, normed]).z.shape[0] == 4 and not normed.detach().z.requires_grad
 
 
+def _large_denominator_inputs(rule, B=1, T=40, H=1, K=16, V=4):
+    """Linear attention (eta = beta, lambda = 0) whose denominator z_t^T q_t passes float16's largest
+    value, 65504, within a few steps, while the read, an average of the values, stays near 3."""
+    g = torch.Generator().manual_seed(11)
+    q, k = (0.5 + torch.rand(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = 3 + torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    beta = torch.full((B, T, H, V) if rule == "2A" else (B, T, H), 300.0, dtype=torch.float64)
+    return dict(q=q, k=k, v=v, beta=beta, lam=torch.zeros(B, T, H, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rule", INNER)
+def test_float16_read_does_not_overflow(rule):
+    """Numerator and denominator each pass float16's range long before their ratio does; float16
+    inputs give the float64 read to float16 precision (not inf or NaN), sequence and step alike."""
+    inp = _large_denominator_inputs(rule)
+    kw = dict(rule=rule, window=3, shift=False, normalize=False, eps_attn=1e-3)
+    ref, _ = falcon_attention(**inp, **kw)
+    half = {n: t.half() for n, t in inp.items()}
+    o, st = falcon_attention(**half, **kw, backend="torch", output_final_state=True)
+    assert o.dtype == torch.float16 and rel_err(o, ref) < 5e-3
+    state, outs = None, []
+    for t in range(inp["q"].shape[1]):
+        o_t, state = falcon_step(*(half[n][:, t] for n in ("q", "k", "v", "beta", "lam")), state=state,
+                                 backend="torch", **kw)
+        outs.append(o_t)
+    assert torch.stack(outs, 1).dtype == torch.float16 and rel_err(torch.stack(outs, 1), ref) < 5e-3
+
+
+def test_state_errors_name_the_callers_value_width():
+    """A state of another batch size or window tail is reported with the caller's V, not the
+    extended width of the values of ones."""
+    inp = _positive(random_inputs("3A", T=6))
+    _, st = falcon_attention(**inp, rule="3A", window=3, eps_attn=0.1, output_final_state=True)
+    one = {n: t[:1] for n, t in inp.items()}
+    with pytest.raises(ValueError, match=r"initial_state\.S must have shape \[B, H, K, V\] = \(1, 2, 5, 4\), "
+                                         r"got \(2, 2, 5, 4\)"):
+        falcon_attention(**one, rule="3A", window=3, eps_attn=0.1, initial_state=st)
+    with pytest.raises(ValueError, match=r"state\.S must have shape \[B, H, K, V\] = \(1, 2, 5, 4\)"):
+        falcon_step(*(one[n][:, 0] for n in ("q", "k", "v", "beta", "lam")), state=st, rule="3A", window=3,
+                    eps_attn=0.1)
+    bad = FalconState(**{**st.__dict__, "tail_y": st.tail_y[..., :2]})
+    with pytest.raises(ValueError, match=r"tail_y must have shape .* = \(2, 2, 2, 4\), got \(2, 2, 2, 2\)"):
+        falcon_attention(**inp, rule="3A", window=3, eps_attn=0.1, initial_state=bad)
+
+
+def test_detach_cuts_z_from_the_graph():
+    inp = {n: t.requires_grad_(True) for n, t in _positive(random_inputs("1A", T=6)).items()}
+    _, st = falcon_attention(**inp, rule="1A", eps_attn=0.1, output_final_state=True)
+    assert st.z.requires_grad and not st.detach().z.requires_grad
+
+
+@pytest.mark.parametrize("rule", INNER)
+def test_trace_continues_a_normalized_read_state(rule):
+    """falcon_trace from the state of a call with eps_attn: the learner's S is that of the
+    denominator-free call, so the trace is the same as from that call's state."""
+    from falcon_fwa import falcon_trace
+
+    inp = _positive(random_inputs(rule, T=12, seed=8))
+    a = {n: t[:, :5] for n, t in inp.items()}
+    _, plain = falcon_attention(**a, rule=rule, window=3, output_final_state=True)
+    _, normed = falcon_attention(**a, rule=rule, window=3, eps_attn=0.1, output_final_state=True)
+    rest = [inp[n][:, 5:] for n in ("k", "v", "beta", "lam")]
+    want = falcon_trace(*rest, rule=rule, window=3, initial_state=plain)
+    got = falcon_trace(*rest, rule=rule, window=3, initial_state=normed)
+    assert torch.allclose(got.loss, want.loss, rtol=1e-12) and torch.equal(got.eta, want.eta)
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
+@pytest.mark.parametrize("rule", INNER)
+def test_kernels_float16_read_does_not_overflow(rule):
+    """The chunk kernels (the interpreter on a CPU) with float16 inputs whose numerator and
+    denominator pass float16's range: the read stays finite and equal to the float64 one."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    inp = _large_denominator_inputs(rule, T=20)
+    kw = dict(rule=rule, window=2, shift=False, normalize=False, eps_attn=1e-3, chunk_size=16)
+    ref, _ = falcon_attention(**inp, **kw, backend="torch")
+    o, _ = falcon_attention(**{n: t.half().to(dev) for n, t in inp.items()}, **kw, backend="triton")
+    assert o.dtype == torch.float16 and rel_err(o.cpu(), ref) < 5e-3
+
+
 @pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
 @pytest.mark.parametrize("rule", INNER)
 def test_kernels_take_the_normalized_read(rule):
@@ -165,7 +245,7 @@ def test_kernels_take_the_normalized_read(rule):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and the fused step are checked on a GPU")
 @pytest.mark.parametrize("rule", INNER)
 def test_gpu_bf16_chunk_and_fused_step(rule):
-    """On a GPU: bf16 inputs through the chunk kernels (extended to V + 1, or 2V for 2A, value columns)
+    """On a GPU: bf16 inputs through the chunk kernels (the value rows extended by z's columns and padded to a multiple of 16)
     and one token at a time through falcon_step (the fused step kernel for 1A) against float64."""
     inp = _positive(random_inputs(rule, B=2, T=150, H=4, K=64, V=64, seed=6))
     kw = dict(rule=rule, window=4, eps_attn=0.05)

@@ -83,7 +83,8 @@ class FalconConfig(PretrainedConfig):
       ``g_t = -exp(A_log) softplus(w^T h_t + b)``; "dt": Mamba-2's ``g_t = -exp(A_log) dt_t``;
       "fixed": RetNet's ``g = log(1 - 2^{-5-h})``), ``form``/``chunk_size`` of training,
       ``eps``, ``decay_floor``, ``eps_attn`` (``None``: the denominator-free read; a number
-      ``>= 0``: the normalized read ``S^T q / (z^T q + eps_attn)`` of the inner-product rules,
+      ``>= 0``, ``> 0`` with ``shift`` or ``read="before"``, whose first token reads the empty
+      memory: the normalized read ``S^T q / (z^T q + eps_attn)`` of the inner-product rules,
       Appendix C.1, safe with nonnegative features such as ``feature_map="elu1"``);
     * ``gate``: "ctx-beta" (context emits ``beta in (0, 2)``), "ctx-eta" (context emits
       the normalized step), "sigmoid" (DeltaNet's ``beta in (0, 1)``), "dt" (Mamba-2's
@@ -236,6 +237,9 @@ class FalconConfig(PretrainedConfig):
             if self.mixer == "transformer" or RULES[self.rule].regression:
                 raise ValueError(f"config field 'eps_attn' (the normalized read) needs an inner-product rule (1A, 2A, "
                                  f"3A) of a recurrent mixer, got mixer={self.mixer!r}, rule={self.rule!r}")
+            if self.eps_attn == 0 and (self.shift or self.read == "before"):
+                raise ValueError("config field 'eps_attn' must be > 0 with shift=True or read='before': the first "
+                                 "token of every sequence reads the empty memory, 0 / (0 + eps_attn), NaN at 0")
         if self.gate == "ctx-eta" and not self.normalize:
             raise ValueError("config field 'gate' = 'ctx-eta' needs 'normalize' = True (the step is normalized)")
         if self.log_gate == "dt" and self.gate != "dt":

@@ -162,8 +162,9 @@ def falcon_attention(
     if eps_attn is None:
         read_norm.refuse_normalizer_state(initial_state, "initial_state")
     else:
-        v, beta, initial_state = read_norm.extend(q, k, v, beta, lam, log_gate, initial_state, spec,
-                                                  axes=("B", "T", "H"), name="initial_state")
+        q, k, v, beta, initial_state = read_norm.extend(q, k, v, beta, lam, log_gate, initial_state, spec,
+                                                        axes=("B", "T", "H"), name="initial_state", window=window,
+                                                        shift=shift, packed=cu_seqlens is not None)
     log_gate = _floor_gate(log_gate)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
@@ -191,8 +192,8 @@ def _read_normalizer(eps_attn: Optional[float], spec, v: torch.Tensor):
     if eps_attn is None:
         return lambda out: out
     read_norm.check_eps_attn(eps_attn, spec)
-    V = v.shape[-1]
-    return lambda out: read_norm.split(out, V=V, spec=spec, eps_attn=eps_attn)
+    V, dtype = v.shape[-1], v.dtype
+    return lambda out: read_norm.split(out, V=V, spec=spec, eps_attn=eps_attn, dtype=dtype)
 
 
 def _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state, *, spec, window, form, chunk_size,
@@ -320,7 +321,8 @@ def falcon_step(
     if eps_attn is None:
         read_norm.refuse_normalizer_state(state, "state")
     else:
-        v, beta, state = read_norm.extend(q, k, v, beta, lam, log_gate, state, spec, axes=("B", "H"), name="state")
+        q, k, v, beta, state = read_norm.extend(q, k, v, beta, lam, log_gate, state, spec, axes=("B", "H"),
+                                                name="state", window=window, shift=shift)
     if validate:
         check_step_shapes(q, k, v, beta, lam, log_gate, spec)
         if state is not None:

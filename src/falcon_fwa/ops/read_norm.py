@@ -16,7 +16,14 @@ no such state: their write depends on the values through the residual.
 
 The denominator is safe only where ``z_t^T q_t`` stays positive, as with elementwise
 nonnegative features (Appendix C.2); ``eps_attn`` adds to it as written, and a zero
-denominator gives ``inf`` or NaN as any division does.
+denominator gives ``inf`` or NaN as any division does. The first step of a fresh sequence with
+``shift=True`` (the sentinel ``x_1 = 0``) or ``read="before"`` reads the empty memory,
+``0 / (0 + eps_attn)``: NaN with ``eps_attn = 0``.
+
+Numerator and denominator are the extended op's output columns, so they are formed in the
+output's dtype before the division. float16 inputs are therefore widened to float32 first
+(``extend``): ``S_t^T q_t`` and ``z_t^T q_t`` grow with the context (``z^T q`` is a sum of
+attention weights) and pass float16's largest value, 65504, long before their ratio does.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch
 
 from .rules import RuleSpec
 from .state import FalconState
-from .validate import check_shapes, check_state_type
+from .validate import check_shapes, check_state, check_state_type
 
 __all__ = ["check_eps_attn", "refuse_normalizer_state", "extend", "split"]
 
@@ -65,26 +72,39 @@ def _ones_then_zeros(t: torch.Tensor, n: int, pad: int) -> torch.Tensor:
     return torch.cat([t, t.new_ones(*lead, n), t.new_zeros(*lead, pad)], dim=-1)
 
 
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    """float16 -> float32 (module docstring); other dtypes as they are."""
+    return t.float() if t.dtype == torch.float16 else t
+
+
 def extend(q, k, v, beta, lam, log_gate, state: Optional[FalconState], spec: RuleSpec, *, axes: Tuple[str, ...],
-           name: str) -> Tuple[torch.Tensor, torch.Tensor, Optional[FalconState]]:
-    """Values ``[..., V]`` -> ``[..., V + n + pad]``: ``n`` columns of ones (``n = 1``, or ``V`` for 2A,
-    whose gains ``beta`` ``[..., V]`` are repeated for them) and ``pad`` of zeros (``_z_columns``),
-    and the state ``(S, z)`` -> ``[S | z | 0]`` (the tail's values of the sliding rules extended
-    the same way). Works on sequences (``axes`` ``("B", "T", "H")``) and single steps
-    (``("B", "H")``) alike. The shapes are checked first, so that an error names the caller's
-    ``V``, not the extended one."""
+           name: str, window: int, shift: bool, packed: bool = False
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[FalconState]]:
+    """``(q, k, v_ext, beta_ext, state_ext)``. Values ``[..., V]`` -> ``[..., V + n + pad]``: ``n``
+    columns of ones (``n = 1``, or ``V`` for 2A, whose gains ``beta`` ``[..., V]`` are repeated for
+    them) and ``pad`` of zeros (``_z_columns``), and the state ``(S, z)`` -> ``[S | z | 0]`` (the
+    tail's values of the sliding rules extended the same way); float16 ``q``, ``k``, ``v`` are
+    widened to float32 (module docstring). Works on sequences (``axes`` ``("B", "T", "H")``) and
+    single steps (``("B", "H")``) alike. The shapes, and the state against this configuration
+    (``window``, ``shift``; its rows against ``q``'s unless ``packed``, where ``cu_seqlens``
+    counts them), are checked first, so that an error names the caller's ``V``, not the extended
+    one."""
     check_shapes(q, k, v, beta, lam, log_gate, spec, axes)
+    q, k, v = _widen(q), _widen(k), _widen(v)
     V = v.shape[-1]
     n, pad = _z_columns(spec, V)
     v_ext = _ones_then_zeros(v, n, pad)
     beta_ext = torch.cat([beta, beta, beta.new_zeros(*beta.shape[:-1], pad)], dim=-1) if spec.per_column else beta
     if state is None:
-        return v_ext, beta_ext, None
+        return q, k, v_ext, beta_ext, None
     check_state_type(state, name)
     if state.z is None:
         raise ValueError(f"{name} has no read normalizer z: it comes from a call without eps_attn")
     if state.S.shape[-1] != V:
         raise ValueError(f"{name}.S has {state.S.shape[-1]} value columns, but v has {V}")
+    H, K = q.shape[-2:]
+    check_state(state, spec, window=window if spec.sliding else 1, shift=shift,
+                B=state.S.shape[0] if packed else q.shape[0], H=H, K=K, V=V, name=name)
     want = (*state.S.shape[:-1], n) if spec.per_column else tuple(state.S.shape[:-1])
     if tuple(state.z.shape) != want:
         raise ValueError(f"{name}.z must have shape {'[B, H, K, V]' if spec.per_column else '[B, H, K]'} = {want}, "
@@ -92,18 +112,19 @@ def extend(q, k, v, beta, lam, log_gate, state: Optional[FalconState], spec: Rul
     z = state.z if spec.per_column else state.z[..., None]
     S_ext = torch.cat([state.S, z.to(state.S.dtype), state.S.new_zeros(*state.S.shape[:-1], pad)], dim=-1)
     tail_y = None if state.tail_y is None else _ones_then_zeros(state.tail_y, n, pad)
-    return v_ext, beta_ext, replace(state, S=S_ext, tail_y=tail_y, z=None)
+    return q, k, v_ext, beta_ext, replace(state, S=S_ext, tail_y=tail_y, z=None)
 
 
 def split(out: Tuple[torch.Tensor, Optional[FalconState]], *, V: int, spec: RuleSpec,
-          eps_attn: float) -> Tuple[torch.Tensor, Optional[FalconState]]:
+          eps_attn: float, dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[FalconState]]:
     """``(o_ext, state_ext)`` of the extended values -> the normalized read ``o`` ``[..., V]``
-    and the state with ``z`` split off ``S``."""
+    in ``dtype`` (the caller's ``v``'s) and the state with ``z`` split off ``S``."""
     o_ext, state = out
     n, _ = _z_columns(spec, V)
     num, den = o_ext[..., :V], o_ext[..., V:V + n]
-    o = (num.float() / (den.float() + eps_attn)).to(o_ext.dtype) if o_ext.dtype in (torch.float16, torch.bfloat16) \
+    o = (num.float() / (den.float() + eps_attn)) if o_ext.dtype in (torch.float16, torch.bfloat16) \
         else num / (den + eps_attn)
+    o = o.to(dtype)
     if state is None:
         return o, None
     z = state.S[..., V:V + n]

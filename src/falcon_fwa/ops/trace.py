@@ -21,7 +21,7 @@ The step sizes come from the same code as the op's; the predictions are one more
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -76,12 +76,16 @@ def falcon_trace(
     """The online learner of ``falcon_attention`` with these arguments, step by step (module
     docstring). Shapes and keywords as in ``falcon_attention``: ``k`` ``[B, T, H, K]``, ``v``
     ``[B, T, H, V]``, ``beta`` ``[B, T, H]`` (``[B, T, H, V]`` for rules "2", "2A"), ``lam`` and
-    ``log_gate`` ``[B, T, H]``; ``initial_state`` continues a segment. One row per sequence (no
-    ``cu_seqlens``). Returns a :class:`FalconTrace`."""
+    ``log_gate`` ``[B, T, H]``; ``initial_state`` continues a segment, also one of a normalized
+    read (``eps_attn``): its normalizer ``z`` takes no part in the learner, whose state ``S`` is
+    the same with either read. One row per sequence (no ``cu_seqlens``). Returns a
+    :class:`FalconTrace`."""
     spec = get_rule(rule)
     W = window if spec.sliding else 1
     check_inputs(k, k, v, beta, lam, log_gate, spec, window=W, form="chunk", chunk_size=chunk_size, eps=eps,
                  decay_floor=decay_floor, read="before", initial_state=initial_state, shift=shift)
+    if initial_state is not None and initial_state.z is not None:
+        initial_state = replace(initial_state, z=None)
     dt = _compute_dtype(k, v, beta, lam, log_gate)
     kh, vh, beta_h, lam_h = (t.to(dt).transpose(1, 2) for t in (k, v, beta, lam))
     side = write_side(kh, vh, initial_state, W, shift)

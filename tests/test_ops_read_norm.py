@@ -245,8 +245,9 @@ def test_kernels_take_the_normalized_read(rule):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and the fused step are checked on a GPU")
 @pytest.mark.parametrize("rule", INNER)
 def test_gpu_bf16_chunk_and_fused_step(rule):
-    """On a GPU: bf16 inputs through the chunk kernels (the value rows extended by z's columns and padded to a multiple of 16)
-    and one token at a time through falcon_step (the fused step kernel for 1A) against float64."""
+    """On a GPU: bf16 inputs through the chunk kernels (the value rows extended by z's columns and padded
+    to a multiple of 16) and one token at a time through falcon_step (the fused step kernel for 1A)
+    against float64."""
     inp = _positive(random_inputs(rule, B=2, T=150, H=4, K=64, V=64, seed=6))
     kw = dict(rule=rule, window=4, eps_attn=0.05)
     ref, st_ref = falcon_attention(**inp, **kw, output_final_state=True)

@@ -5,9 +5,10 @@
 """
 import pytest
 import torch
+from transformers import GenerationConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from falcon_fwa.models import FalconForCausalLM, get_preset
+from falcon_fwa.models import FalconCache, FalconForCausalLM, get_preset
 
 CASES = [("falcon", {"rule": "1A"}), ("falcon", {"rule": "1"}), ("falcon", {"rule": "3A", "window": 3}),
          ("transformer", {}), ("deltanet", {}), ("gated_deltanet", {}), ("mamba2", {}), ("retnet", {})]
@@ -198,3 +199,76 @@ def test_inputs_embeds_errors_name_the_argument():
             model(inputs_embeds=torch.zeros(3, 1, 32, dtype=e.dtype), past_key_values=cache)
         with pytest.raises(ValueError, match="past_key_values has consumed 5 columns, but inputs_embeds has 3"):
             model.generate(inputs_embeds=e[:, :3], max_new_tokens=2, do_sample=False, **{CACHE_KW: cache})
+
+
+@pytest.mark.parametrize("mixer,overrides", GEN_CASES, ids=GEN_IDS)
+def test_generate_continues_a_cached_soft_prefix_with_only_the_new_ids(mixer, overrides):
+    """A prefix cached from embeddings (a soft prompt has no ids) continued by generate() with only the ids
+    after it and an attention_mask over the whole sequence (Hugging Face's convention for a prefilled cache):
+    every id is fed, and the output equals generate() over the whole sequence of ids. Also a prefill in chunks
+    (``prefill_chunk_size``), which hands generate() the new ids only, chunk by chunk. (Padded rows: transformers
+    5.2x drops a mask of ones before the first step, and without one only the whole sequence can be fed.)"""
+    model = _model(mixer, dict(overrides, initializer_range=0.5))
+    embed = model.get_input_embeddings()
+    ids, mask = _padded([6, 8, 7], 8, "left", seed=6)
+    kw = dict(max_new_tokens=6, pad_token_id=0, do_sample=False)
+    with torch.no_grad():
+        want, want_logits = _generate(model, ids, attention_mask=mask, **kw)
+        for n in (5, 2):  # more and fewer new ids than the cache has consumed
+            cache = _cache(model(inputs_embeds=embed(ids[:, :8 - n]), attention_mask=mask[:, :8 - n], use_cache=True))
+            got, logits = _generate(model, ids[:, 8 - n:], attention_mask=mask, **{CACHE_KW: cache}, **kw)
+            assert torch.equal(got[:, n:], want[:, 8:]), n
+            assert float((logits - want_logits).abs().max()) <= 1e-10, n
+            assert cache.num_positions == 8 + 6 - 1
+        if hasattr(GenerationConfig(), "prefill_chunk_size"):  # transformers 5; a chunked prefill needs a cache
+            got, logits = _generate(model, ids, attention_mask=mask, prefill_chunk_size=3,
+                                    **{CACHE_KW: FalconCache(model.config.num_hidden_layers)}, **kw)
+            assert torch.equal(got, want) and float((logits - want_logits).abs().max()) <= 1e-10
+
+
+@pytest.mark.parametrize("mixer,overrides", GEN_CASES, ids=GEN_IDS)
+def test_the_prompt_step_over_a_prefilled_cache_is_recognised_without_is_first_iteration(mixer, overrides):
+    """transformers 4 passes no ``is_first_iteration``: the prompt step over a cache prefilled on a prefix still
+    consumes the embeddings past the cached columns (with or without ids beside them), later steps the new id
+    only; and generate() from ids and embeddings over a prefilled cache returns what it returns without it."""
+    model = _model(mixer, dict(overrides, initializer_range=0.5))
+    embed = model.get_input_embeddings()
+    ids, mask = _padded([3, 8, 5], 8, "left", seed=6)
+    with torch.no_grad():
+        for ids_too in (False, True):  # the prompt step, then a decoding step
+            cache = _cache(model(inputs_embeds=embed(ids[:, :6]), attention_mask=mask[:, :6], use_cache=True))
+            step = model.prepare_inputs_for_generation(ids if ids_too else ids[:, :0], attention_mask=mask,
+                                                       inputs_embeds=embed(ids), **{CACHE_KW: cache})
+            assert step.get("input_ids") is None and torch.equal(step["inputs_embeds"], embed(ids[:, 6:])), ids_too
+            model(**step)
+            nxt = torch.full((3, 1), 7)
+            step = model.prepare_inputs_for_generation(torch.cat([ids, nxt], 1) if ids_too else nxt,
+                                                       attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                                                       inputs_embeds=embed(ids), **{CACHE_KW: cache})
+            assert step.get("inputs_embeds") is None and torch.equal(step["input_ids"], nxt), ids_too
+        kw = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False)
+        want, want_logits = _generate(model, ids, **kw)
+        cache = _cache(model(inputs_embeds=embed(ids[:, :6]), attention_mask=mask[:, :6], use_cache=True))
+        got, logits = _generate(model, ids, inputs_embeds=embed(ids), **{CACHE_KW: cache}, **kw)
+        assert torch.equal(got, want) and float((logits - want_logits).abs().max()) <= 1e-10
+
+
+@pytest.mark.parametrize("mixer,overrides", [CASES[0], CASES[3], CASES[6]], ids=[IDS[0], IDS[3], IDS[6]])
+def test_embeddings_of_another_dtype_are_cast_to_the_model_dtype(mixer, overrides):
+    """fp32 (or fp64) embeddings, e.g. a soft prompt kept in fp32, into a bf16 model: cast like
+    ``embed_tokens(ids)``, so they give the outputs of the ids, and the gradient reaches them in their dtype."""
+    model = _model(mixer, overrides, torch.bfloat16)
+    embed = model.get_input_embeddings()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        want = model(ids, use_cache=False)
+        for dtype in (torch.float32, torch.float64):
+            got = model(inputs_embeds=embed(ids).to(dtype), use_cache=False, output_hidden_states=True)
+            _assert_same_outputs(got, model(ids, use_cache=False, output_hidden_states=True))
+            assert got.hidden_states[0].dtype == torch.bfloat16
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(inputs_embeds=embed(ids).float(), **kw), model.generate(ids, **kw)[:, 6:])
+    soft = embed(ids).detach().float().requires_grad_()
+    model(inputs_embeds=soft, labels=ids, use_cache=False).loss.backward()
+    assert soft.grad is not None and soft.grad.dtype == torch.float32 and float(soft.grad.abs().max()) > 0
+    assert torch.equal(want.logits, model(ids, use_cache=False).logits)

@@ -153,8 +153,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     inputs_embeds=None)``:
 
     * ``input_ids`` ``[B, T]``, or instead ``inputs_embeds`` ``[B, T, hidden_size]`` (soft prompts,
-      continuous inputs: they replace ``embed_tokens(input_ids)``, so the two give identical results
-      and everything below applies to either; ``generate(inputs_embeds=...)`` consumes them in the
+      continuous inputs: they replace ``embed_tokens(input_ids)``, cast to its dtype, so the two give identical
+      results and everything below applies to either; ``generate(inputs_embeds=...)`` consumes them in the
       prompt step and returns the new tokens); ``attention_mask`` ``[B, T_past + T]`` (1 real, 0 pad;
       left or right padding), only its last ``T`` columns describe ``input_ids``;
     * ``cu_seqlens`` ``[N + 1]``: ``input_ids`` ``[1, total]`` holds ``N`` packed
@@ -200,30 +200,47 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
                                       use_cache=None, inputs_embeds=None, is_first_iteration=None, **kwargs):
-        """Feed only the columns the cache has not consumed yet. A cache of ``R`` rows continued by
-        ``k * R`` rows (``num_beams`` or ``num_return_sequences`` over a prefilled cache: ``generate()``
+        """Feed only the columns the cache has not consumed yet. ``attention_mask`` covers the columns the cache
+        consumed followed by the new ones, so the new ones are its last ``attention_mask.shape[1] -
+        cache.num_positions``, whether the inputs repeat the consumed columns (the whole sequence) or hold only the
+        new ones (Hugging Face's two conventions for a prefilled cache; also what a chunked prefill passes); without
+        a mask, the inputs are the whole sequence (transformers 5.2x drops a mask of ones before the first step, so
+        without padding only the whole sequence works there; it works with every version). A cache of ``R`` rows
+        continued by ``k * R`` rows (``num_beams`` or ``num_return_sequences`` over a prefilled cache: ``generate()``
         repeats each input row ``k`` times) has each of its rows repeated ``k`` times first.
 
-        ``generate(inputs_embeds=...)``: the first step (the prompt) consumes ``inputs_embeds``, the later
-        ones the generated ids; those steps take the last column, since ``input_ids`` then need not line up
-        with the cached columns (``next_sequence_length``, which transformers 5 passes, is not relied on:
-        its value at the prompt step differs between versions)."""
+        ``generate(inputs_embeds=...)``: the first step (the prompt) consumes ``inputs_embeds``, the later ones the
+        generated ids (``input_ids`` then need not line up with the cached columns: without a mask the new id is the
+        last column). The prompt step is the one transformers 5 passes ``is_first_iteration`` for; transformers 4
+        passes none, and there it is the step whose embeddings reach past the columns the cache consumed (after
+        the prompt step the cache has consumed all of them). ``next_sequence_length``, which transformers 5 passes,
+        is not relied on: its value at the prompt step differs between versions."""
         cache = cache if cache is not None else past_key_values
         fresh = cache is None or cache.empty
+        if is_first_iteration is None and inputs_embeds is not None and not fresh:
+            is_first_iteration = inputs_embeds.shape[1] > cache.num_positions
         use_embeds = inputs_embeds is not None and (fresh or bool(is_first_iteration))
         x, name = (inputs_embeds, "inputs_embeds") if use_embeds else (input_ids, "input_ids")
         if not fresh:
-            if inputs_embeds is not None and not use_embeds:
-                # a decoding step after a prompt of embeddings: input_ids hold the generated tokens only (and
-                # any ids given beside the embeddings), not the columns the cache consumed; the new one is last
-                start = x.shape[1] - 1
-            elif x.shape[1] <= cache.num_positions:
-                raise ValueError(
-                    f"past_key_values has consumed {cache.num_positions} columns, but {name} has "
-                    f"{x.shape[1]}: pass the whole sequence the cache has seen followed by at least one "
-                    "new token")
+            past = cache.num_positions
+            if attention_mask is not None and attention_mask.dim() == 2:
+                new = attention_mask.shape[1] - past
+            elif inputs_embeds is not None and not use_embeds:
+                new = 1  # a decoding step after a prompt of embeddings: the new id is last
             else:
-                start = cache.num_positions
+                new = x.shape[1] - past
+            if not 1 <= new <= x.shape[1]:
+                if inputs_embeds is not None:  # decoding steps are never refused: the embeddings are at fault
+                    x, name = inputs_embeds, "inputs_embeds"
+                if new < 1 or attention_mask is None:
+                    raise ValueError(
+                        f"past_key_values has consumed {past} columns, but {name} has {x.shape[1]}"
+                        + ("" if attention_mask is None else f" (attention_mask {attention_mask.shape[1]})")
+                        + ": pass the whole sequence the cache has seen followed by at least one new token")
+                raise ValueError(
+                    f"attention_mask has {attention_mask.shape[1]} columns and past_key_values has consumed {past}, "
+                    f"so {name} needs at least the {new} new columns, got {x.shape[1]}")
+            start = x.shape[1] - new
             rows = cache.seen.shape[0]
             if x.shape[0] != rows and x.shape[0] % rows == 0:
                 cache.batch_repeat_interleave(x.shape[0] // rows)
@@ -323,7 +340,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                              f"got {tuple(inputs_embeds.shape)}")
         if not inputs_embeds.is_floating_point():
             raise ValueError(f"inputs_embeds must be a floating-point tensor, got {inputs_embeds.dtype}")
-        return inputs_embeds
+        # in the dtype of embed_tokens(input_ids) (e.g. a soft prompt kept in float32 for a bfloat16 model);
+        # the cast is differentiable, the gradient comes back in the embeddings' own dtype
+        return inputs_embeds.to(self.model.embed_tokens.weight.dtype)
 
     def forward(
         self,

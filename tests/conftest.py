@@ -9,8 +9,10 @@ Section 4.5 (Falcon-3A). It shares no code with ``falcon_fwa.ops``.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import random
 
 import torch as _torch
 
@@ -20,6 +22,7 @@ if not _torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from typing import Dict, Optional
 
+import pytest
 import torch
 
 RULE_NAMES = ("1", "2", "3", "1A", "2A", "3A")
@@ -185,3 +188,35 @@ def reference_falcon(
             S_final[b, h] = S
     return o, S_final, {"clamped_fraction": n_clamped / max(n_steps, 1), "eta": etas, "gamma": gammas,
                         "clamped": clamps, "prediction": preds, "valid": valid}
+
+
+# ----------------------------------------------------------------------------- shared fixtures
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny models
+    run faster so, and a 2-core machine is not oversubscribed."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_lm_recipe(folder) -> str:
+    """A corpus of random word paragraphs and a one-step ``train`` recipe of the ``tiny-falcon`` preset on it
+    (byte tokenizer, 32-token rows, fp32), written into ``folder`` (a ``pathlib.Path``); the recipe's path.
+    The run goes to ``folder / "run"`` and its exported model to ``folder / "run" / "model"``."""
+    rng = random.Random(0)
+    words = "the state memory key value write read gate decay token fast weight".split()
+    with open(folder / "corpus.txt", "w") as f:
+        for _ in range(120):
+            f.write(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) + "\n\n")
+    recipe = {"model": {"preset": "tiny-falcon"},
+              "data": {"train_source": str(folder / "corpus.txt"), "text_split": "paragraph", "seq_len": 32,
+                       "out_dir": str(folder / "data"), "val_every": 10},
+              "optim": {"lr": 3e-3, "warmup_steps": 1},
+              "train": {"steps": 1, "global_batch": 2, "micro_batch": 2, "dtype": "fp32",
+                        "out_dir": str(folder / "run"), "eval_every": 0, "save_every": 0},
+              "log": {"progress": False, "tensorboard": False}}
+    with open(folder / "recipe.json", "w") as f:
+        json.dump(recipe, f)
+    return str(folder / "recipe.json")

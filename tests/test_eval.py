@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from conftest import tiny_lm_recipe
 
 from falcon_fwa.eval import bucket_report, default_edges, load_model, position_nll, token_stream, windows
 
@@ -27,21 +28,7 @@ def saved_model(tmp_path_factory):
     from falcon_fwa.train.cli import main
 
     tmp = tmp_path_factory.mktemp("lm")
-    rng = random.Random(0)
-    words = "the state memory key value write read gate decay token fast weight".split()
-    with open(tmp / "corpus.txt", "w") as f:
-        for _ in range(120):
-            f.write(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) + "\n\n")
-    recipe = {"model": {"preset": "tiny-falcon"},
-              "data": {"train_source": str(tmp / "corpus.txt"), "text_split": "paragraph", "seq_len": 32,
-                       "out_dir": str(tmp / "data"), "val_every": 10},
-              "optim": {"lr": 3e-3, "warmup_steps": 1},
-              "train": {"steps": 1, "global_batch": 2, "micro_batch": 2, "dtype": "fp32", "out_dir": str(tmp / "run"),
-                        "eval_every": 0, "save_every": 0},
-              "log": {"progress": False, "tensorboard": False}}
-    with open(tmp / "recipe.json", "w") as f:
-        json.dump(recipe, f)
-    assert main(["--config", str(tmp / "recipe.json"), "--set", "train.steps=2"]) == 0
+    assert main(["--config", tiny_lm_recipe(tmp), "--set", "train.steps=2"]) == 0
     assert json.load(open(tmp / "run" / "summary.json"))["steps"] == 2
     return tmp
 

@@ -1,22 +1,17 @@
 """``falcon-fwa generate``: greedy decoding through the O(1) cache equals recomputing the whole prefix,
 left-padded batches equal single prompts, seeded sampling, option checks, streaming."""
 import json
-import random
 
 import pytest
 import torch
+from conftest import tiny_lm_recipe
 
 from falcon_fwa import cli
 from falcon_fwa.eval.perplexity import load_model
 from falcon_fwa.models import FalconForCausalLM
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +23,7 @@ def folders(tmp_path_factory):
     from falcon_fwa.train.cli import main
 
     tmp = tmp_path_factory.mktemp("gen")
-    rng = random.Random(0)
-    words = "the state memory key value write read gate decay token fast weight".split()
-    with open(tmp / "corpus.txt", "w") as f:
-        for _ in range(120):
-            f.write(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) + "\n\n")
-    recipe = {"model": {"preset": "tiny-falcon"},
-              "data": {"train_source": str(tmp / "corpus.txt"), "text_split": "paragraph", "seq_len": 32,
-                       "out_dir": str(tmp / "data"), "val_every": 10},
-              "optim": {"lr": 3e-3, "warmup_steps": 1},
-              "train": {"steps": 2, "global_batch": 2, "micro_batch": 2, "dtype": "fp32", "out_dir": str(tmp / "run"),
-                        "eval_every": 0, "save_every": 0},
-              "log": {"progress": False, "tensorboard": False}}
-    with open(tmp / "recipe.json", "w") as f:
-        json.dump(recipe, f)
-    assert main(["--config", str(tmp / "recipe.json")]) == 0
+    assert main(["--config", tiny_lm_recipe(tmp), "--set", "train.steps=2"]) == 0
     trained = tmp / "run" / "model"
     model, tok = load_model(str(trained))
     config = model.config.__class__.from_dict(model.config.to_dict())

@@ -14,12 +14,7 @@ IDS = ["falcon-1A", "falcon-2", "falcon-3", "transformer", "deltanet", "gated_de
 NEW = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(mixer, overrides):

@@ -14,12 +14,7 @@ MIXER_CASES = [("falcon", {}), ("falcon", {"rule": "2"}), ("falcon", {"rule": "3
 MIXER_IDS = ["falcon-1A", "falcon-2", "falcon-3A"] + BASELINES
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(mixer, dtype=torch.float64, seed=0, **overrides):

@@ -19,12 +19,7 @@ CACHE_KW = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ els
 GEN_CASES, GEN_IDS = [CASES[2], CASES[3]], [IDS[2], IDS[3]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(mixer, overrides, dtype=torch.float64):

@@ -23,7 +23,9 @@ KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_step.py", "test_triton_wind
                 "test_triton_column_delta.py", "test_triton_sliding_delta.py", "test_triton_wy_forward.py",
                 "test_triton_sliding_inplace.py", "test_triton_wy_backward.py", "test_triton_step_sizes.py",
                 "test_triton_window_sum.py", "test_triton_delta_query_rows.py",
-                "test_triton_dispatch.py::test_triton_backend_matches_the_torch_forms")
+                "test_triton_dispatch.py::test_triton_backend_matches_the_torch_forms",
+                "test_ops_read_norm.py::test_kernels_take_the_normalized_read",
+                "test_ops_read_norm.py::test_kernels_float16_read_does_not_overflow")
 FRESH_PROCESS_REASON = ("triton was imported before TRITON_INTERPRET=1 could be set; "
                         "test_triton_interpreter.py runs this module in a fresh process")
 

@@ -113,6 +113,7 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(folders):
     (["--prompt", "a", "--batch-size", "0"], "--batch-size"),
     (["--prompts-file", "no/such/file.txt"], "--prompts-file"),
     (["--prompt", "a", "--device", "nope"], "--device"),
+    (["--prompt", "a", "--device", "meta"], "--device"),
 ])
 def test_a_bad_option_ends_the_command_naming_it_before_the_model_loads(folders, capsys, monkeypatch, options, named):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)

@@ -56,6 +56,8 @@ def _device(name: str) -> str:
         dev = torch.device(name)
     except RuntimeError:
         raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available here")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():

@@ -321,6 +321,8 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(rule="1", eps_attn=1e-3), "eps_attn"),
     (dict(mixer="transformer", eps_attn=1e-3), "eps_attn"),
     (dict(rule="1A", eps_attn=-1.0), "eps_attn"),
+    (dict(rule="1A", eps_attn=True), "eps_attn"),
+    (dict(rule="1A", eps_attn="0.1"), "eps_attn"),
     (dict(rule="1A", eps_attn=0.0), "eps_attn"),  # shift=True: the first token reads 0 / (0 + eps_attn)
     (dict(rule="1A", shift=False, read="before", eps_attn=0.0), "eps_attn"),
 ])

@@ -183,6 +183,8 @@ class FalconConfig(PretrainedConfig):
         self.chunk_size = int(chunk_size)
         self.eps = float(eps)
         self.decay_floor = float(decay_floor)
+        if isinstance(eps_attn, bool) or not (eps_attn is None or isinstance(eps_attn, (int, float))):
+            raise ValueError(f"config field 'eps_attn' must be None or a number, got {eps_attn!r}")
         self.eps_attn = None if eps_attn is None else float(eps_attn)
         self.backend = backend
         self.rope_theta = float(rope_theta)

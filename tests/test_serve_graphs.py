@@ -5,6 +5,7 @@ from dataclasses import fields
 
 import pytest
 import torch
+from test_generation import NORMALIZED_READ
 
 from falcon_fwa import FalconForCausalLM, get_preset
 from falcon_fwa.data.tokenizer import byte_tokenizer
@@ -15,8 +16,7 @@ from falcon_fwa.serve.graphs import GraphedDecoder, graphable
 CUDA = torch.cuda.is_available()
 CASES = {"falcon-1A": ("falcon", {}), "falcon-1": ("falcon", {"rule": "1"}),
          "falcon-3A": ("falcon", {"rule": "3A", "window": 3}), "falcon-2": ("falcon", {"rule": "2"}),
-         "falcon-3A-normalized-read": ("falcon", {"rule": "3A", "window": 3, "eps_attn": 1e-3,
-                                                  "feature_map": "elu1", "qk_norm": "none"}),
+         "falcon-3A-normalized-read": ("falcon", NORMALIZED_READ),
          "mamba2": ("mamba2", {}), "retnet": ("retnet", {}), "gated_deltanet": ("gated_deltanet", {})}
 
 

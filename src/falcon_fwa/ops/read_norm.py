@@ -122,9 +122,8 @@ def split(out: Tuple[torch.Tensor, Optional[FalconState]], *, V: int, spec: Rule
     o_ext, state = out
     n, _ = _z_columns(spec, V)
     num, den = o_ext[..., :V], o_ext[..., V:V + n]
-    o = (num.float() / (den.float() + eps_attn)) if o_ext.dtype in (torch.float16, torch.bfloat16) \
-        else num / (den + eps_attn)
-    o = o.to(dtype)
+    acc = torch.promote_types(o_ext.dtype, torch.float32)  # a 16-bit read divides in float32
+    o = (num.to(acc) / (den.to(acc) + eps_attn)).to(dtype)
     if state is None:
         return o, None
     z = state.S[..., V:V + n]

@@ -106,8 +106,6 @@ class GraphedDecoder:
         token counts, each layer's state fields and short-convolution buffers); the cache's Python
         objects are pointed back at the old tensors."""
         cache = self.cache
-        if any(layer.keys is not None for layer in cache.layers):
-            raise NotImplementedError("a key/value cache (Transformer) cannot be graphed")
         seen = cache.seen
         states = [layer.state for layer in cache.layers]
         convs = [dict(layer.conv) for layer in cache.layers]  # store_conv replaces the dict's entries

@@ -136,10 +136,12 @@ def falcon_attention(
             (``B = 1``), as in flash-attention: each sequence starts fresh (its own
             sentinel) or from row ``n`` of ``initial_state``, and the final state
             has one row per sequence.
-        backend: "torch" (the PyTorch forms), "triton" (the Triton chunk kernels;
-            an unsupported combination raises ``NotImplementedError`` naming the
-            switch) or "auto" (the kernels for ``form="chunk"`` on CUDA where they
-            exist and have been checked on a GPU, else PyTorch).
+        backend: "torch" (the PyTorch forms), "triton" (the Triton chunk kernels for
+            ``form="chunk"``, the fused recurrent kernel for ``form="recurrent"``, which
+            computes no gradients and is meant for short prompts; an unsupported
+            combination raises ``NotImplementedError`` naming the switch) or "auto" (the
+            kernels for ``form="chunk"`` on CUDA where they exist and have been checked
+            on a GPU, else PyTorch).
         eps_attn: ``None`` (the denominator-free read, the paper's default) or the
             stabilizer ``>= 0`` of the normalized read (Eq. 2.3, Appendix C.1; rules 1A,
             2A, 3A). Its state carries ``z`` (``FalconState.z``). Safe where ``z_t^T q_t``
@@ -154,8 +156,9 @@ def falcon_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton" and form != "chunk":
-        raise ValueError(f"backend='triton' runs the chunk form; got form={form!r}")
+    if backend == "triton" and form == "parallel":
+        raise ValueError("backend='triton' runs the chunk form (its kernels) or the recurrent form (the fused "
+                         "recurrent kernel, inference only); got form='parallel'")
     check_tensor_types(q, k, v, beta, lam, log_gate)
     spec = get_rule(rule)
     done = _read_normalizer(eps_attn, spec, v)
@@ -177,6 +180,13 @@ def falcon_attention(
             except NotImplementedError:
                 if backend == "triton":
                     raise
+    if backend == "triton" and form == "recurrent":
+        from .triton import falcon_recurrent_triton
+        return done(falcon_recurrent_triton(q, k, v, beta, lam, rule=rule, window=window, eps=eps,
+                                            decay_floor=decay_floor, shift=shift, normalize=normalize,
+                                            log_gate=log_gate, read=read, scale_ridge=scale_ridge,
+                                            initial_state=initial_state, output_final_state=output_final_state,
+                                            cu_seqlens=cu_seqlens, validate=True))
     options = dict(spec=spec, window=window if spec.sliding else 1, form=form, chunk_size=chunk_size, eps=eps,
                    decay_floor=decay_floor, shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
     if cu_seqlens is not None:
@@ -300,8 +310,9 @@ def falcon_step(
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
     ``state=None`` starts a fresh sequence. Returns ``o`` ``[B, H, V]`` and the new
     state; identical to ``falcon_attention(form="recurrent")`` token by token.
-    ``backend="auto"`` uses the fused Triton step (rules "1" and "1A") on CUDA when no gradient is
-    needed, and the PyTorch step otherwise.
+    ``backend="auto"`` uses the fused Triton step (``ops.triton.STEP_RULES``: the rules checked on
+    a GPU) on CUDA when no gradient is needed, and the PyTorch step otherwise; ``"triton"`` forces
+    it for any rule.
     The arguments are checked as ``falcon_attention``'s (shapes with a time axis of one
     step; ``lam >= 0``, ``log_gate <= 0``; the state's configuration) on every backend;
     ``validate=False`` skips that, for callers whose inputs are valid by construction,
@@ -333,8 +344,10 @@ def falcon_step(
                      initial_state=None, shift=shift)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         try:
-            from .triton import falcon_step_triton
-            return done(falcon_step_triton(q, k, v, beta, lam, state=state, rule=rule, eps=eps,
+            from .triton import STEP_RULES, falcon_step_triton
+            if backend == "auto" and spec.name not in STEP_RULES:
+                raise NotImplementedError(f"rule {spec.name!r} has not been checked on a GPU")
+            return done(falcon_step_triton(q, k, v, beta, lam, state=state, rule=rule, window=window, eps=eps,
                                            decay_floor=decay_floor, shift=shift, normalize=normalize,
                                            log_gate=log_gate, read=read, scale_ridge=scale_ridge))
         except (ImportError, NotImplementedError):

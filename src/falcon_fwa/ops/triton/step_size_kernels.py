@@ -310,17 +310,14 @@ def _column(m, k, W: tl.constexpr):
 
 
 @triton.jit
-def top_eigen_fwd(gram, lam_out, vec_out, n, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr):
-    """Top eigenpair of ``n`` symmetric PSD ``[W, W]`` matrices (``gram`` ``[n, W, W]`` fp32),
-    the kernel counterpart of ``ops.step_sizes.top_eigenvalue_by_squaring``: ``M = G / max_i G_ii``
-    squared ``SQUARINGS`` times at unit trace (``M M = sum_k m_k m_k^T`` over its columns, ``M``
-    symmetric), ``v`` = ``G`` times the column of ``M`` with the largest diagonal entry,
-    normalized; ``lambda = v^T G v``. Writes ``lam_out`` ``[n]`` and ``vec_out`` ``[n, W]``."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # int64: n * W * W may pass 2^31
-    m_r = rows < n
+def top_eigenpair(g, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr):
+    """Top eigenpair of each symmetric PSD ``[W, W]`` matrix of ``g`` ``[BR, W, W]`` fp32 -> ``lambda``
+    ``[BR]`` and the unit eigenvector ``[BR, W]``: the kernel counterpart of
+    ``ops.step_sizes.top_eigenvalue_by_squaring``. ``M = G / max_i G_ii`` is squared ``SQUARINGS``
+    times at unit trace (``M M = sum_k m_k m_k^T`` over its columns, ``M`` symmetric), ``v`` = ``G``
+    times the column of ``M`` with the largest diagonal entry, normalized; ``lambda = v^T G v``. Zero
+    rows and columns (padding slots) change neither."""
     o = tl.arange(0, W)
-    offs = rows[:, None, None] * (W * W) + o[None, :, None] * W + o[None, None, :]
-    g = tl.load(gram + offs, mask=m_r[:, None, None], other=0.0).to(tl.float32)
     eye = o[None, :, None] == o[None, None, :]
     tiny = 1.1754943508222875e-38
     # G up to a scale, entries <= 1 (the trace could overflow where no entry does)
@@ -340,5 +337,18 @@ def top_eigen_fwd(gram, lam_out, vec_out, n, W: tl.constexpr, SQUARINGS: tl.cons
     v = tl.sum(g0 * v[:, None, :], axis=2)  # G v, up to the scale
     v = v / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), tiny)[:, None]
     lam = tl.sum(tl.sum(g * v[:, :, None] * v[:, None, :], axis=2), axis=1)
+    return lam, v
+
+
+@triton.jit
+def top_eigen_fwd(gram, lam_out, vec_out, n, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr):
+    """Top eigenpair (``top_eigenpair``) of ``n`` symmetric PSD ``[W, W]`` matrices (``gram``
+    ``[n, W, W]`` fp32). Writes ``lam_out`` ``[n]`` and ``vec_out`` ``[n, W]``."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # int64: n * W * W may pass 2^31
+    m_r = rows < n
+    o = tl.arange(0, W)
+    offs = rows[:, None, None] * (W * W) + o[None, :, None] * W + o[None, None, :]
+    g = tl.load(gram + offs, mask=m_r[:, None, None], other=0.0).to(tl.float32)
+    lam, v = top_eigenpair(g, W, SQUARINGS, BR)
     tl.store(lam_out + rows, lam, mask=m_r)
     tl.store(vec_out + rows[:, None] * W + o[None, :], v, mask=m_r[:, None])

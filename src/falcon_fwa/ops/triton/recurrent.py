@@ -1,0 +1,171 @@
+"""The recurrent form on the fused kernel (``recurrent_kernels.fused_recurrent``), for inference:
+``falcon_recurrent_triton`` runs a segment of tokens (short prompts), ``falcon_step_triton``
+one decoding step. Both cover the six rules and every switch of the op; neither computes
+gradients (``NotImplementedError``, so callers can fall back)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..rules import get_rule
+from ..seqlens import sequence_bounds
+from ..state import FalconState
+from ..validate import check_inputs, check_state, check_state_type
+from . import recurrent_kernels as kern
+from .api import MIN_DECAY_FLOOR, TRITON_RULES, _interpreting, check_kernel_dtypes
+from .launch import cdiv, next_power_of_2
+
+__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "STEP_RULES", "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
+
+# Rules whose fused kernel ``falcon_step(backend="auto")`` takes on CUDA: those checked on a GPU
+# against the float64 recurrent form (tests/test_triton_recurrent.py).
+STEP_RULES: tuple = ("1", "1A")
+MAX_FUSED_WINDOW = 16  # window slots are unrolled in the kernel
+MAX_FUSED_HEAD_DIM = 256  # the program holds the whole key dimension of its state columns
+_EIGEN_SQUARINGS = 20  # rule 3's window statistic, as ops.step_sizes.top_eigenvalue_by_squaring
+
+
+def _check_fused(spec, window, q, k, v, beta, lam, log_gate, initial_state, decay_floor) -> None:
+    """``NotImplementedError`` naming what the fused kernel does not cover."""
+    if spec.name not in TRITON_RULES:
+        raise NotImplementedError(f"rule={spec.name!r} has no fused recurrent kernel")
+    if spec.sliding and window > MAX_FUSED_WINDOW:
+        raise NotImplementedError(f"window={window} is above {MAX_FUSED_WINDOW}, the largest the fused recurrent "
+                                  "kernel unrolls")
+    if q.shape[-1] > MAX_FUSED_HEAD_DIM:
+        raise NotImplementedError(f"head dim K={q.shape[-1]} is above {MAX_FUSED_HEAD_DIM}, the largest the fused "
+                                  "recurrent kernel holds in one tile")
+    if decay_floor < MIN_DECAY_FLOOR:
+        raise NotImplementedError(f"decay_floor={decay_floor!r} is below {MIN_DECAY_FLOOR:.3g}, where 1 - decay_floor "
+                                  "rounds to 1 in the kernel's float32 (the PyTorch forms support it)")
+    check_kernel_dtypes("the fused recurrent kernel", q, k, v, beta, lam, log_gate)
+    if initial_state is not None and initial_state.S.dtype == torch.float64:
+        raise NotImplementedError("initial_state.S.dtype=float64 is not supported by the fused recurrent kernel")
+    if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
+        raise NotImplementedError(f"the fused recurrent kernel needs CUDA tensors (q is on {q.device}; "
+                                  "on CPU set TRITON_INTERPRET=1 before importing triton)")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, lam, log_gate)):
+        raise NotImplementedError("the fused recurrent kernel computes no gradients (requires_grad inputs)")
+
+
+def falcon_recurrent_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    rule: str = "1A",
+    window: int = 4,
+    eps: float = 1e-6,
+    decay_floor: float = 1e-3,
+    shift: bool = True,
+    normalize: bool = True,
+    log_gate: Optional[torch.Tensor] = None,
+    read: str = "after",
+    scale_ridge: bool = False,
+    initial_state: Optional[FalconState] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    validate: bool = True,
+) -> Tuple[torch.Tensor, Optional[FalconState]]:
+    """``falcon_attention(..., form="recurrent")`` on the fused kernel; same arguments, shapes and
+    result (``o`` ``[B, T, H, V]`` in ``v``'s dtype; the final state in fp32). Every token of a
+    sequence runs in one program per head and block of value columns, the state in registers, so
+    the cost grows with ``T`` one step at a time: meant for decoding and short prompts, where the
+    chunk kernels' launches cost more than the steps. Inference only.
+
+    ``validate=False`` skips ``ops.validate.check_inputs`` and the check of ``initial_state``;
+    what the kernel supports is always checked."""
+    spec = get_rule(rule)
+    if read not in ("after", "before"):
+        raise ValueError(f"read must be 'after' or 'before', got {read!r}")
+    if validate:
+        check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form="recurrent", chunk_size=1, eps=eps,
+                     decay_floor=decay_floor, read=read, initial_state=None, shift=shift)
+        if initial_state is not None:
+            check_state_type(initial_state)
+    W = window if spec.sliding else 1
+    _check_fused(spec, W, q, k, v, beta, lam, log_gate, initial_state, decay_floor)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
+        N = len(sequence_bounds(cu_seqlens, T)) - 1
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    else:
+        N = B
+    st = initial_state
+    if st is not None and validate:
+        check_state(st, spec, window=W, shift=shift, B=N, H=H, K=K, V=V)
+    dev = q.device
+    first = None if st is None or not shift else st.last_key.contiguous()
+    tail = None
+    if st is not None and W > 1:
+        tail = (st.tail_x.contiguous(), st.tail_y.contiguous(), st.tail_valid.to(torch.uint8).contiguous())
+    o = v.new_empty(B, T, H, V)
+    S_T = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    tail_out = (None, None, None)
+    if output_final_state and W > 1:
+        tail_out = (torch.empty(N, H, W - 1, K, dtype=torch.float32, device=dev),
+                    torch.empty(N, H, W - 1, V, dtype=torch.float32, device=dev),
+                    torch.empty(N, W - 1, dtype=torch.uint8, device=dev))
+    BK = max(16, next_power_of_2(K))
+    BV = min(max(16, next_power_of_2(V)), max(16, 8192 // BK))
+    contiguous = [None if t is None else t.contiguous() for t in (q, k, v, beta, lam, log_gate)]
+    kern.fused_recurrent[(cdiv(V, BV), N * H)](
+        *contiguous, None if st is None else st.S.float().contiguous(), first, *(tail or (None, None, None)),
+        o, S_T, *tail_out, cu_seqlens, T, float(eps), float(decay_floor),
+        H=H, K=K, V=V, BK=BK, BV=BV, W=W, WP=next_power_of_2(W), REGRESSION=spec.regression,
+        PER_COLUMN=spec.per_column, TOP_EIGEN=spec.sliding and spec.regression and W > 1, NORMALIZE=bool(normalize),
+        SCALE_RIDGE=bool(scale_ridge), HAS_GATE=log_gate is not None, SHIFT=bool(shift), HAS_FIRST=first is not None,
+        HAS_TAIL=tail is not None, HAS_S0=st is not None, READ_AFTER=read == "after",
+        STORE_STATE=bool(output_final_state), IS_VARLEN=cu_seqlens is not None, SQUARINGS=_EIGEN_SQUARINGS,
+        num_warps=4)
+    if not output_final_state:
+        return o, None
+    last = None
+    if shift:
+        last = (k[0, cu_seqlens[1:].long() - 1] if cu_seqlens is not None else k[:, -1]).float()
+    final = FalconState(rule=spec.name, window=W, shift=shift, S=S_T, last_key=last)
+    if W > 1:
+        final.tail_x, final.tail_y, final.tail_valid = tail_out[0], tail_out[1], tail_out[2].bool()
+    return o, final
+
+
+def falcon_step_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    state: Optional[FalconState],
+    rule: str = "1A",
+    window: int = 4,
+    eps: float = 1e-6,
+    decay_floor: float = 1e-3,
+    shift: bool = True,
+    normalize: bool = True,
+    log_gate: Optional[torch.Tensor] = None,
+    read: str = "after",
+    scale_ridge: bool = False,
+) -> Tuple[torch.Tensor, FalconState]:
+    """One decoding step on the fused kernel: ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``,
+    ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam``, ``log_gate`` ``[B, H]``; ``state=None``
+    starts a fresh sequence. Returns ``o`` ``[B, H, V]`` (``v``'s dtype) and the new state (fp32
+    ``S``), equal to ``falcon_step``. No gradients (``NotImplementedError``)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape [B, H, K], got {tuple(q.shape)}")
+    spec = get_rule(rule)
+    if state is not None:
+        check_state(state, spec, window=window if spec.sliding else 1, shift=shift, B=q.shape[0], H=q.shape[1],
+                    K=q.shape[2], V=v.shape[2], name="state")
+    o, final = falcon_recurrent_triton(
+        q[:, None], k[:, None], v[:, None], beta[:, None], lam[:, None], rule=rule, window=window, eps=eps,
+        decay_floor=decay_floor, shift=shift, normalize=normalize,
+        log_gate=None if log_gate is None else log_gate[:, None], read=read, scale_ridge=scale_ridge,
+        initial_state=state, output_final_state=True, validate=False)
+    return o[:, 0], final

@@ -12,9 +12,9 @@ pass; CUDA-synchronized, median of ``--repeats``).
 ``--compile`` wraps each model in ``torch.compile`` first (the warm-up loop compiles the prompt's
 pass and the decoding step; the cache's token counter is kept out of the graph, so the step does not
 recompile per token). The Falcon layers' step op is ``falcon_step(..., backend=...)``, forced here to ``"triton"`` (the
-fused step kernel, the default on CUDA) or ``"torch"`` (the PyTorch step); both rows of a preset must
-pick the same tokens, and the table gives the largest logit difference between them (rules without a
-fused step kernel, ``ops.triton.STEP_RULES``, get the PyTorch row only). The recurrent baselines
+fused recurrent kernel, which serves all six rules; the default on CUDA for ``ops.triton.STEP_RULES``) or
+``"torch"`` (the PyTorch step); both rows of a preset must pick the same tokens, and the table gives the
+largest logit difference between them. The recurrent baselines
 (Mamba-2, DeltaNet, ...) decode through the same step op and get both rows; the Transformer row (its KV
 cache, SDPA) is the reference. A failing row is reported and the others still run; both files are
 rewritten after every row.
@@ -39,23 +39,32 @@ import torch
 from bench_kernels import _atomic_write
 
 
-def decode(model, prompt: torch.Tensor, new_tokens: int):
-    """Greedy decoding from a cache; returns (tokens [B, new], last logits, seconds of the loop)."""
+def decode(model, prompt: torch.Tensor, new_tokens: int, cuda_graphs: bool = False):
+    """Greedy decoding from a cache; returns (tokens [B, new], last logits, seconds of the loop).
+    With ``cuda_graphs`` a recurrent model's steps are replayed from a CUDA graph
+    (``serve.graphs.GraphedDecoder``, recorded before the timed loop)."""
     with torch.no_grad():
         out = model(prompt, use_cache=True)
         cache = getattr(out, "cache", None)
         cache = out.past_key_values if cache is None else cache
-        ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        logits = out.logits[:, -1]
+        ids = logits.argmax(-1, keepdim=True)
         tokens = [ids]
+        if cuda_graphs:
+            from falcon_fwa.serve.graphs import GraphedDecoder
+            graph = GraphedDecoder(model, cache, prompt.shape[0])
+            step = lambda ids: graph.step(ids[:, 0])  # noqa: E731
+        else:
+            step = lambda ids: model(ids, cache=cache, use_cache=True).logits[:, -1]  # noqa: E731
         sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
         sync()
         start = time.perf_counter()
         for _ in range(new_tokens - 1):
-            out = model(ids, cache=cache, use_cache=True)
-            ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            logits = step(ids)
+            ids = logits.argmax(-1, keepdim=True)
             tokens.append(ids)
         sync()
-        return torch.cat(tokens, 1), out.logits[:, -1].float(), time.perf_counter() - start
+        return torch.cat(tokens, 1), logits.float(), time.perf_counter() - start
 
 
 def main(argv=None) -> int:
@@ -70,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--compile", default="none", choices=["none", "default", "reduce-overhead"],
                    help="torch.compile the model with this mode (reduce-overhead: CUDA graphs)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the recurrent models' decoding steps from a CUDA graph (serve.graphs)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="decode")
     args = p.parse_args(argv)
@@ -80,8 +91,6 @@ def main(argv=None) -> int:
     from falcon_fwa.layers import falcon_attention as layer_module
     from falcon_fwa.models import FalconForCausalLM, get_preset
     from falcon_fwa.ops import falcon_step
-    from falcon_fwa.ops.rules import get_rule
-    from falcon_fwa.ops.triton import STEP_RULES
 
     dtype = getattr(torch, args.dtype)
     rows: List[Dict] = []
@@ -95,9 +104,7 @@ def main(argv=None) -> int:
                 model = torch.compile(model, mode=args.compile, dynamic=False)
             if config.mixer == "transformer":  # KV cache and SDPA: no step op
                 impls = ["-"]
-            elif config.mixer == "falcon":  # rules without a fused step kernel have only the PyTorch step
-                impls = [i for i in args.impls if i == "torch" or get_rule(config.rule).name in STEP_RULES]
-            else:  # the recurrent baselines decode through the same step op
+            else:  # every rule and the recurrent baselines decode through the same step op
                 impls = list(args.impls)
             for B in args.batch:
                 g = torch.Generator().manual_seed(B)
@@ -130,15 +137,17 @@ def main(argv=None) -> int:
 
 
 def _measure(model, prompt, args, preset, impl):
-    decode(model, prompt, 4)  # compile / warm up
+    graphs = args.cuda_graphs and impl != "-"  # the Transformer's growing cache is not graphed
+    decode(model, prompt, 4, graphs)  # compile / warm up
     times, tokens, logits = [], None, None
     for _ in range(args.repeats):
-        tokens, logits, seconds = decode(model, prompt, args.new_tokens)
+        tokens, logits, seconds = decode(model, prompt, args.new_tokens, graphs)
         times.append(seconds)
     seconds = statistics.median(times)
     steps = args.new_tokens - 1  # the first new token comes from the prompt's pass
     B = prompt.shape[0]
     row = dict(preset=preset, impl=impl, batch=B, prompt=args.prompt, new_tokens=args.new_tokens, compile=args.compile,
+               cuda_graphs=graphs,
                tokens_per_s=round(B * steps / seconds, 1), ms_per_step=round(1e3 * seconds / steps, 3))
     return row, tokens, logits
 
@@ -158,7 +167,7 @@ def report(rows: List[Dict], args, errors: List[str] = ()) -> str:
     out = [f"# Decoding speed: {dev}", "",
            f"commit `{git_commit()}`; torch {torch.__version__}; {args.dtype}; prompt {args.prompt} tokens, "
            f"{args.new_tokens} greedy tokens per row, median of {args.repeats} loops; random weights; "
-           f"torch.compile: {args.compile}.", "",
+           f"torch.compile: {args.compile}; CUDA graphs: {'on' if args.cuda_graphs else 'off'}.", "",
            "| preset | step op | batch | tokens/s | ms/step | vs torch step | same tokens | max logit diff |",
            "|---|---|---|---|---|---|---|---|"]
     base = {(r["preset"], r["batch"]): r["tokens_per_s"] for r in rows if r["impl"] == "torch"}

@@ -63,7 +63,7 @@ case "$STAGE" in
     # In a session of its own, so that the timeout stops the xdist workers too (left running, they would
     # share the GPU with whatever stage comes next).
     setsid $PY -m pytest -v -n ${JOBS:-16} -p no:cacheprovider -rfEs --durations=30 --timeout 300 --junitxml="$OUT/gpu_tests.xml" \
-        tests/test_triton_chunk.py tests/test_triton_step.py tests/test_triton_window.py tests/test_triton_column.py \
+        tests/test_triton_chunk.py tests/test_triton_recurrent.py tests/test_triton_window.py tests/test_triton_column.py \
         tests/test_triton_column_delta.py tests/test_triton_sliding_delta.py tests/test_triton_wy_forward.py tests/test_triton_wy_backward.py tests/test_triton_sliding_inplace.py tests/test_triton_dispatch.py \
         tests/test_triton_step_sizes.py tests/test_layers.py > "$OUT/gpu_tests.txt" 2>&1 &
     stop_group_after ${TESTS_TIMEOUT:-350} $!

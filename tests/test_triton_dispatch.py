@@ -26,8 +26,8 @@ def test_backend_is_checked():
     q, k, v, beta, lam = _inputs(T=4)
     with pytest.raises(ValueError, match="backend"):
         falcon_attention(q, k, v, beta, lam, backend="cuda")
-    with pytest.raises(ValueError, match="form"):
-        falcon_attention(q, k, v, beta, lam, backend="triton", form="recurrent")
+    with pytest.raises(ValueError, match="form"):  # the recurrent form has a kernel (the fused one), the parallel none
+        falcon_attention(q, k, v, beta, lam, backend="triton", form="parallel")
     with pytest.raises(ValueError, match="backend"):
         falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state=None, backend="gpu")
 

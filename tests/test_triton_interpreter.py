@@ -19,7 +19,7 @@ import torch
 
 # the modules (or single tests, ``module::test``) that launch kernels and skip themselves with
 # FRESH_PROCESS_REASON when the interpreter could not be switched on in this process
-KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_step.py", "test_triton_window.py", "test_triton_column.py",
+KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_recurrent.py", "test_triton_window.py", "test_triton_column.py",
                 "test_triton_column_delta.py", "test_triton_sliding_delta.py", "test_triton_wy_forward.py",
                 "test_triton_sliding_inplace.py", "test_triton_wy_backward.py", "test_triton_step_sizes.py",
                 "test_triton_window_sum.py", "test_triton_delta_query_rows.py",

@@ -38,6 +38,17 @@ def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
     return falcon_chunk_triton
 
 
+def _short_prompt(spec, q, *tensors) -> bool:
+    """Whether ``backend="auto"`` runs a chunk-form call on the fused recurrent kernel instead of
+    the chunk kernels: no gradient is needed and the call has at most
+    ``ops.triton.SHORT_PROMPT_MAX_T[rule]`` steps (all sequences together), the lengths up to
+    which that kernel measured faster on a GPU (``benchmarks/bench_short_prompts.py``)."""
+    from .triton import SHORT_PROMPT_MAX_T
+    if q.dim() != 4 or q.shape[1] > SHORT_PROMPT_MAX_T.get(spec.name, 0):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *tensors)))
+
+
 def _floor_gate(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``log_gate`` floored where ``exp`` is exactly 0 in its compute dtype (one below the log of
     the smallest subnormal: -104.28 in float32, -745.44 in float64). The parallel and chunk forms
@@ -141,7 +152,8 @@ def falcon_attention(
             computes no gradients and is meant for short prompts; an unsupported
             combination raises ``NotImplementedError`` naming the switch) or "auto" (the
             kernels for ``form="chunk"`` on CUDA where they exist and have been checked
-            on a GPU, else PyTorch).
+            on a GPU, and for prompts short enough, ``ops.triton.SHORT_PROMPT_MAX_T``,
+            without gradients, the fused recurrent kernel; else PyTorch).
         eps_attn: ``None`` (the denominator-free read, the paper's default) or the
             stabilizer ``>= 0`` of the normalized read (Eq. 2.3, Appendix C.1; rules 1A,
             2A, 3A). Its state carries ``z`` (``FalconState.z``). Safe where ``z_t^T q_t``
@@ -171,6 +183,17 @@ def falcon_attention(
     log_gate = _floor_gate(log_gate)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
+        if kernels is not None and backend == "auto" and _short_prompt(spec, q, k, v, beta, lam, log_gate):
+            from .triton import falcon_recurrent_triton
+            try:
+                return done(falcon_recurrent_triton(q, k, v, beta, lam, rule=rule, window=window, eps=eps,
+                                                    decay_floor=decay_floor, shift=shift, normalize=normalize,
+                                                    log_gate=log_gate, read=read, scale_ridge=scale_ridge,
+                                                    initial_state=initial_state,
+                                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                                    validate=True))
+            except NotImplementedError:
+                pass
         if kernels is not None:
             try:
                 return done(kernels(q, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,

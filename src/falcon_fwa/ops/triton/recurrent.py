@@ -16,11 +16,16 @@ from . import recurrent_kernels as kern
 from .api import MIN_DECAY_FLOOR, TRITON_RULES, _interpreting, check_kernel_dtypes
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "STEP_RULES", "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
+__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "STEP_RULES", "SHORT_PROMPT_MAX_T", "MAX_FUSED_WINDOW",
+           "MAX_FUSED_HEAD_DIM"]
 
 # Rules whose fused kernel ``falcon_step(backend="auto")`` takes on CUDA: those checked on a GPU
 # against the float64 recurrent form (tests/test_triton_recurrent.py).
 STEP_RULES: tuple = ("1", "1A")
+# Per rule, the longest call (steps of all sequences together) that backend="auto" runs on the fused
+# kernel instead of the chunk kernels when no gradient is needed: the prompt lengths up to which it
+# measured faster (benchmarks/bench_short_prompts.py). Empty: never.
+SHORT_PROMPT_MAX_T: dict = {}
 MAX_FUSED_WINDOW = 16  # window slots are unrolled in the kernel
 MAX_FUSED_HEAD_DIM = 256  # the program holds the whole key dimension of its state columns
 _EIGEN_SQUARINGS = 20  # rule 3's window statistic, as ops.step_sizes.top_eigenvalue_by_squaring
@@ -113,7 +118,7 @@ def falcon_recurrent_triton(
                     torch.empty(N, H, W - 1, V, dtype=torch.float32, device=dev),
                     torch.empty(N, W - 1, dtype=torch.uint8, device=dev))
     BK = max(16, next_power_of_2(K))
-    BV = min(max(16, next_power_of_2(V)), max(16, 8192 // BK))
+    BV = max(16, min(next_power_of_2(V), 4096 // BK))  # [BK, BV] fp32 tiles: the state, its update
     contiguous = [None if t is None else t.contiguous() for t in (q, k, v, beta, lam, log_gate)]
     kern.fused_recurrent[(cdiv(V, BV), N * H)](
         *contiguous, None if st is None else st.S.float().contiguous(), first, *(tail or (None, None, None)),

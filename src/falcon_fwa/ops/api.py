@@ -40,11 +40,15 @@ def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
 
 def _short_prompt(spec, q, *tensors) -> bool:
     """Whether ``backend="auto"`` runs a chunk-form call on the fused recurrent kernel instead of
-    the chunk kernels: no gradient is needed and the call has at most
-    ``ops.triton.SHORT_PROMPT_MAX_T[rule]`` steps (all sequences together), the lengths up to
-    which that kernel measured faster on a GPU (``benchmarks/bench_short_prompts.py``)."""
+    the chunk kernels: no gradient is needed and the call is within
+    ``ops.triton.SHORT_PROMPT_MAX_T[rule]`` (steps, and steps times rows times heads), where that
+    kernel measured faster on a GPU (``benchmarks/bench_short_prompts.py``)."""
     from .triton import SHORT_PROMPT_MAX_T
-    if q.dim() != 4 or q.shape[1] > SHORT_PROMPT_MAX_T.get(spec.name, 0):
+    limits = SHORT_PROMPT_MAX_T.get(spec.name)
+    if limits is None or q.dim() != 4:
+        return False
+    B, T, H = q.shape[:3]
+    if T > limits[0] or B * T * H > limits[1]:
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *tensors)))
 

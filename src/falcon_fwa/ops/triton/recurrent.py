@@ -20,12 +20,16 @@ __all__ = ["falcon_recurrent_triton", "falcon_step_triton", "STEP_RULES", "SHORT
            "MAX_FUSED_HEAD_DIM"]
 
 # Rules whose fused kernel ``falcon_step(backend="auto")`` takes on CUDA: those checked on a GPU
-# against the float64 recurrent form (tests/test_triton_recurrent.py).
-STEP_RULES: tuple = ("1", "1A")
-# Per rule, the longest call (steps of all sequences together) that backend="auto" runs on the fused
-# kernel instead of the chunk kernels when no gradient is needed: the prompt lengths up to which it
-# measured faster (benchmarks/bench_short_prompts.py). Empty: never.
-SHORT_PROMPT_MAX_T: dict = {}
+# against the float64 recurrent form (tests/test_triton_recurrent.py; benchmarks/results/h200_tests.md).
+STEP_RULES: tuple = ("1", "1A", "2", "2A", "3", "3A")
+# Per rule, the calls that backend="auto" runs on the fused kernel instead of the chunk kernels when no
+# gradient is needed: at most max_T steps (all sequences together) and at most max_token_heads of
+# B * T * H. On an H200 (benchmarks/results/h200-short-prompts.md: bf16, H=6, K=V=128, a model's prompt
+# pass) the fused kernel was 1.4-12x faster at every such length, with a margin below the measured
+# crossovers: one program walks a sequence's steps, so its time grows with T at small batches and with
+# B * T * H once the programs fill the GPU, while the chunk kernels' time stays near their launch cost.
+SHORT_PROMPT_MAX_T: dict = {"1": (128, 12288), "1A": (256, 24576), "2": (128, 12288), "2A": (128, 12288),
+                            "3": (128, 6144), "3A": (256, 24576)}
 MAX_FUSED_WINDOW = 16  # window slots are unrolled in the kernel
 MAX_FUSED_HEAD_DIM = 256  # the program holds the whole key dimension of its state columns
 _EIGEN_SQUARINGS = 20  # rule 3's window statistic, as ops.step_sizes.top_eigenvalue_by_squaring

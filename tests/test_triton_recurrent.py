@@ -185,6 +185,69 @@ def test_fused_refuses_what_it_does_not_cover():
     assert o.shape == q.shape
 
 
+def test_fused_refuses_gradients_of_the_state_and_a_normalizer_state():
+    # a state that requires a gradient (a learned S0, or one carried through) needs the PyTorch forms or the chunk
+    # kernels: the fused kernel refuses it instead of returning a result cut from the graph
+    seq = _sequence("1", 1, 2, 2, 16, 8, torch.float32, 9, False)
+    a = {n: None if x is None else x[:, 0] for n, x in seq.items()}
+    state = FalconState(rule="1", window=1, shift=True, S=torch.randn(1, 2, 16, 8, device=DEVICE, requires_grad=True),
+                        last_key=torch.randn(1, 2, 16, device=DEVICE))
+    with pytest.raises(NotImplementedError, match="state"):
+        falcon_step(a["q"], a["k"], a["v"], a["beta"], a["lam"], state=state, rule="1", backend="triton")
+    with pytest.raises(NotImplementedError, match="state"):
+        falcon_attention(*(seq[n] for n in OP), rule="1", initial_state=state, form="recurrent", backend="triton")
+    o, new = falcon_step(a["q"], a["k"], a["v"], a["beta"], a["lam"], state=state, rule="1", backend="torch")
+    assert o.requires_grad and new.S.requires_grad
+    with torch.no_grad():  # without gradients it runs
+        falcon_step(a["q"], a["k"], a["v"], a["beta"], a["lam"], state=state, rule="1", backend="triton")
+    z_state = FalconState(rule="1A", window=1, shift=True, S=state.S.detach(), last_key=state.last_key,
+                          z=torch.zeros(1, 2, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="normalizer z"):
+        falcon_step_triton(a["q"], a["k"], a["v"], a["beta"], a["lam"], state=z_state, rule="1A")
+
+
+def test_auto_short_prompts_dispatch(monkeypatch):
+    # backend="auto", form="chunk" where the chunk kernels serve (stood in for here, so that the choice is tested on
+    # any machine): up to the rule's limits and without gradients of the inputs or the state, the fused kernel
+    import falcon_fwa.ops.api as api
+    import falcon_fwa.ops.triton as ops_triton
+    fused, chunk = [], []
+    real = ops_triton.falcon_recurrent_triton
+
+    def spy(*args, **kwargs):
+        fused.append(args[0].shape[1])
+        return real(*args, **kwargs)
+
+    def fake_chunk(q, k, v, beta, lam, **kwargs):
+        chunk.append(q.shape[1])
+        kwargs.pop("validate")
+        return falcon_attention(q, k, v, beta, lam, form="chunk", backend="torch", **kwargs)
+
+    monkeypatch.setattr(ops_triton, "falcon_recurrent_triton", spy)
+    monkeypatch.setattr(ops_triton, "SHORT_PROMPT_MAX_T", {"3A": (8, 2 * 8 * 2)})
+    monkeypatch.setattr(api, "_triton_chunk", lambda backend, q, rule: fake_chunk)
+    leaves = kernel_inputs(2, 12, 2, 16, 16, torch.float32, seed=10, rule="3A", state=True, window=4)
+    t = {n: None if x is None else x.to(DEVICE) for n, x in leaves.items()}
+    cut = [t[n][:, :8] for n in OP]
+    gate8 = t["log_gate"][:, :8]
+    state = _state(t, "3A", 4, True)
+    with torch.no_grad():
+        short, _ = falcon_attention(*cut, rule="3A", log_gate=gate8, initial_state=state)
+        falcon_attention(*(t[n] for n in OP), rule="3A", log_gate=t["log_gate"])  # 12 steps
+        with pytest.raises(ValueError, match="chunk_size"):  # what the chunk form refuses, the fused path refuses
+            falcon_attention(*cut, rule="3A", log_gate=gate8, chunk_size=0)
+    falcon_attention(*cut, rule="3A", log_gate=gate8.clone().requires_grad_())  # an input needs a gradient
+    grad_state = FalconState(**{**state.__dict__, "S": state.S.clone().requires_grad_()})
+    falcon_attention(*cut, rule="3A", log_gate=gate8, initial_state=grad_state)  # the state needs one
+    assert fused == [8] and chunk == [12, 8, 8]
+    ref, _ = falcon_attention(*(x.double() for x in cut), rule="3A", log_gate=gate8.double(),
+                              initial_state=_state({n: None if x is None or not x.is_floating_point() else x.double()
+                                                    for n, x in t.items()} | {"tail_valid": t["tail_valid"]},
+                                                   "3A", 4, True),
+                              form="recurrent", backend="torch")
+    assert rel_norm(short, ref) < 1e-5
+
+
 def test_auto_step_takes_only_gpu_checked_rules(monkeypatch):
     # backend="auto" takes the fused step for STEP_RULES only; "triton" forces it for any rule
     import falcon_fwa.ops.triton as ops_triton

@@ -15,7 +15,8 @@ from .rules import get_rule
 from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import check_inputs, check_state, check_state_type, check_step_shapes, check_tensor_types
+from .validate import (check_chunk_size, check_inputs, check_state, check_state_type, check_step_shapes,
+                       check_tensor_types)
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -38,19 +39,19 @@ def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
     return falcon_chunk_triton
 
 
-def _short_prompt(spec, q, *tensors) -> bool:
+def _short_prompt(spec, initial_state: Optional[FalconState], q, *tensors) -> bool:
     """Whether ``backend="auto"`` runs a chunk-form call on the fused recurrent kernel instead of
-    the chunk kernels: no gradient is needed and the call is within
-    ``ops.triton.SHORT_PROMPT_MAX_T[rule]`` (steps, and steps times rows times heads), where that
-    kernel measured faster on a GPU (``benchmarks/bench_short_prompts.py``)."""
-    from .triton import SHORT_PROMPT_MAX_T
+    the chunk kernels: no gradient is needed (of the inputs or of ``initial_state``) and the call
+    is within ``ops.triton.SHORT_PROMPT_MAX_T[rule]`` (steps, and steps times rows times heads),
+    where that kernel measured faster on a GPU (``benchmarks/bench_short_prompts.py``)."""
+    from .triton import SHORT_PROMPT_MAX_T, wants_gradient
     limits = SHORT_PROMPT_MAX_T.get(spec.name)
     if limits is None or q.dim() != 4:
         return False
     B, T, H = q.shape[:3]
     if T > limits[0] or B * T * H > limits[1]:
         return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *tensors)))
+    return not wants_gradient((q, *tensors), initial_state)
 
 
 def _floor_gate(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -187,8 +188,10 @@ def falcon_attention(
     log_gate = _floor_gate(log_gate)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
-        if kernels is not None and backend == "auto" and _short_prompt(spec, q, k, v, beta, lam, log_gate):
+        if kernels is not None and backend == "auto" and _short_prompt(spec, initial_state, q, k, v, beta, lam,
+                                                                       log_gate):
             from .triton import falcon_recurrent_triton
+            check_chunk_size(chunk_size)  # what the chunk form would have refused (the fused kernel has no chunks)
             try:
                 return done(falcon_recurrent_triton(q, k, v, beta, lam, rule=rule, window=window, eps=eps,
                                                     decay_floor=decay_floor, shift=shift, normalize=normalize,

@@ -69,5 +69,11 @@ class FalconState:
                        tail_y=cat("tail_y"), tail_valid=cat("tail_valid"), z=cat("z"))
 
     @property
+    def requires_grad(self) -> bool:
+        """Whether any of the state's tensors requires a gradient (a learned or carried-through state)."""
+        return any(isinstance(t, torch.Tensor) and t.requires_grad
+                   for t in (self.S, self.last_key, self.tail_x, self.tail_y, self.z))
+
+    @property
     def batch_size(self) -> int:
         return self.S.shape[0]

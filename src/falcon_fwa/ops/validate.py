@@ -81,8 +81,7 @@ def check_inputs(
         raise ValueError(f"read must be one of {READS}, got {read!r}")
     if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     if not 0 < decay_floor < 1:
@@ -93,6 +92,12 @@ def check_inputs(
             _check_values(log_gate > 0, "log_gate must be <= 0 (the gate exp(g_t) is a decay)")
     if initial_state is not None:
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
+
+
+def check_chunk_size(chunk_size) -> None:
+    """``chunk_size`` must be an integer >= 1 (``ValueError`` naming it)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
 
 
 def check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...]) -> None:

@@ -16,8 +16,8 @@ from . import recurrent_kernels as kern
 from .api import MIN_DECAY_FLOOR, TRITON_RULES, _interpreting, check_kernel_dtypes
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "STEP_RULES", "SHORT_PROMPT_MAX_T", "MAX_FUSED_WINDOW",
-           "MAX_FUSED_HEAD_DIM"]
+__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "STEP_RULES", "SHORT_PROMPT_MAX_T",
+           "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
 
 # Rules whose fused kernel ``falcon_step(backend="auto")`` takes on CUDA: those checked on a GPU
 # against the float64 recurrent form (tests/test_triton_recurrent.py; benchmarks/results/h200_tests.md).
@@ -33,6 +33,14 @@ SHORT_PROMPT_MAX_T: dict = {"1": (128, 12288), "1A": (256, 24576), "2": (128, 12
 MAX_FUSED_WINDOW = 16  # window slots are unrolled in the kernel
 MAX_FUSED_HEAD_DIM = 256  # the program holds the whole key dimension of its state columns
 _EIGEN_SQUARINGS = 20  # rule 3's window statistic, as ops.step_sizes.top_eigenvalue_by_squaring
+
+
+def wants_gradient(tensors, state: Optional[FalconState]) -> bool:
+    """Whether autograd would need a gradient of any of ``tensors`` or of ``state``'s tensors."""
+    if not torch.is_grad_enabled():
+        return False
+    # a state of the wrong type is refused by the checks after this
+    return any(t is not None and t.requires_grad for t in tensors) or bool(getattr(state, "requires_grad", False))
 
 
 def _check_fused(spec, window, q, k, v, beta, lam, log_gate, initial_state, decay_floor) -> None:
@@ -54,10 +62,15 @@ def _check_fused(spec, window, q, k, v, beta, lam, log_gate, initial_state, deca
     if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
         raise NotImplementedError(f"the fused recurrent kernel needs CUDA tensors (q is on {q.device}; "
                                   "on CPU set TRITON_INTERPRET=1 before importing triton)")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, lam, log_gate)):
-        raise NotImplementedError("the fused recurrent kernel computes no gradients (requires_grad inputs)")
+    if wants_gradient((q, k, v, beta, lam, log_gate), initial_state):
+        raise NotImplementedError("the fused recurrent kernel computes no gradients (requires_grad inputs or state)")
+    if initial_state is not None and initial_state.z is not None:
+        raise ValueError("the state carries the read normalizer z: continue it through falcon_attention or "
+                         "falcon_step with eps_attn, which extend the values for it")
 
 
+# Left out of torch.compile graphs, as the chunk op (ops/triton/api.py): the launch runs as one opaque call.
+@torch.compiler.disable
 def falcon_recurrent_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,7 +137,7 @@ def falcon_recurrent_triton(
     BK = max(16, next_power_of_2(K))
     BV = max(16, min(next_power_of_2(V), 4096 // BK))  # [BK, BV] fp32 tiles: the state, its update
     contiguous = [None if t is None else t.contiguous() for t in (q, k, v, beta, lam, log_gate)]
-    kern.fused_recurrent[(cdiv(V, BV), N * H)](
+    kern.fused_recurrent[(N * H, cdiv(V, BV))](
         *contiguous, None if st is None else st.S.float().contiguous(), first, *(tail or (None, None, None)),
         o, S_T, *tail_out, cu_seqlens, T, float(eps), float(decay_floor),
         H=H, K=K, V=V, BK=BK, BV=BV, W=W, WP=next_power_of_2(W), REGRESSION=spec.regression,

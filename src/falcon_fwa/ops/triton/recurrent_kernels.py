@@ -82,11 +82,11 @@ def fused_recurrent(
     SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_S0: tl.constexpr,
     READ_AFTER: tl.constexpr, STORE_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, SQUARINGS: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``; ``W`` window slots (``WP``: the next power
+    """Grid ``(N * H, cdiv(V, BV))`` (rows times heads on the axis without the 65535 limit) with ``BK >= K``; ``W`` window slots (``WP``: the next power
     of two, for rule 3's window Gram). Writes ``o`` and, with ``STORE_STATE``, ``s_out`` and the
     tail (the last ``W - 1`` pairs, oldest first; the values' columns by every program, the
     features and validity by the first value block)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int32)

@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048 (split over 2 GPUs)
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
 #   bash benchmarks/gpu_suite.sh OUT_DIR host      # host enqueue time against device time of the fast rows
-#   bash benchmarks/gpu_suite.sh OUT_DIR decode    # whole-model decoding tokens/s, fused step vs PyTorch step
+#   bash benchmarks/gpu_suite.sh OUT_DIR decode    # whole-model decoding tokens/s, fused step vs PyTorch step (eager, CUDA graphs)
+#   bash benchmarks/gpu_suite.sh OUT_DIR short-prompts  # prompt passes without gradients: fused recurrent vs chunk kernels
 #   bash benchmarks/gpu_suite.sh OUT_DIR lm        # the small language-model comparison and 130M throughput
 #   bash benchmarks/gpu_suite.sh OUT_DIR multigpu  # DDP/FSDP2 scaling over the GPUs of the machine
 #   bash benchmarks/gpu_suite.sh OUT_DIR addition  # the Table-3 lineup on variable-length addition
@@ -137,9 +138,16 @@ case "$STAGE" in
   decode)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \
         --batch 1 64 --out "$OUT" --name h200-decode 2>&1 | tee "$OUT/bench_decode.log"
+    # the recurrent models' steps replayed from CUDA graphs, fused kernel against the PyTorch step
+    timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-3a.3-130m falcon-1a.3-130m \
+        --batch 1 64 --cuda-graphs --out "$OUT" --name h200-decode-fused-graphs 2>&1 | tee -a "$OUT/bench_decode.log"
     # the same under torch.compile (fewer, fused launches per token: batch 1 is bound by the host)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m transformer-124m \
         --batch 1 64 --compile default --out "$OUT" --name h200-decode-compiled 2>&1 | tee -a "$OUT/bench_decode.log"
+    ;;
+  short-prompts)
+    timeout ${SHORT_TIMEOUT:-300} $PY benchmarks/bench_short_prompts.py --out "$OUT" --name h200-short-prompts 2>&1 \
+        | tee "$OUT/short_prompts.log"
     ;;
   lm)
     MEASURE_130M=1 bash results/lm/run_small.sh "$OUT" 2>&1 | tee "$OUT/lm.log"

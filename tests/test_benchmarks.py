@@ -269,3 +269,18 @@ def test_profile_only_run_keeps_the_rows_of_an_earlier_run(tmp_path, monkeypatch
     assert json.loads((tmp_path / "h200.json").read_text()) == rows
     assert (tmp_path / "h200.md").read_text() == md
     assert json.loads((tmp_path / "h200-profile-falcon-1.json").read_text())[0]["kernel"] == "k"
+
+
+def test_short_prompt_crossover_and_report():
+    # the crossover is the longest length up to which the fused kernel won at every shorter measured length
+    import argparse
+
+    import bench_short_prompts as bsp
+    rows = [dict(rule="3A", B=1, T=T, H=6, K=8, V=8, fused_ms=f, chunk_ms=1.0, ratio=f, rel_diff=0.0)
+            for T, f in ((1, 0.2), (2, 0.5), (4, 1.2), (8, 0.9))]  # loses at 4: 8 does not count
+    rows += [dict(rule="3A", B=64, T=1, H=6, K=8, V=8, fused_ms=2.0, chunk_ms=1.0, ratio=2.0, rel_diff=0.0)]
+    assert bsp.crossover(rows, "3A", 1) == 2
+    assert bsp.crossover(rows, "3A", 64) == 0
+    assert bsp.crossover(rows, "1A", 1) == 0
+    args = argparse.Namespace(heads=6, head_dim=8, window=4, batch=[1, 64], device="cpu")
+    assert "| 3A | 2 | 0 |" in bsp.report(rows, args)

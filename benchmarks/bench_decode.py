@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="decode")
     args = p.parse_args(argv)
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        p.error(f"--cuda-graphs needs a CUDA device, got --device {args.device}")
     for name, least in (("prompt", 1), ("new_tokens", 2), ("repeats", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}")

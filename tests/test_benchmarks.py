@@ -108,6 +108,8 @@ def test_decode_benchmark_tiny_model(tmp_path):
     assert "| tiny-falcon | torch | 3 |" in (tmp_path / "d.md").read_text()
     with pytest.raises(SystemExit):
         bench_decode.main(["--new-tokens", "1"])
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--cuda-graphs", "--device", "cpu"])
 
 
 def test_decode_matches_generate():

@@ -7,10 +7,10 @@ For each rule, batch and prompt length ``T``, one layer's op at the 130M presets
 prompt pass does) under ``torch.no_grad()``: ``falcon_attention(form="recurrent",
 backend="triton")`` (the fused recurrent kernel: every token of a sequence in one program per head
 and block of value columns) and ``falcon_attention(form="chunk", backend="triton")`` (the chunk
-kernels), median ms of ``triton.testing.do_bench``, both timed in the same process and the same
-round. ``crossover`` is the longest ``T`` up to which the fused kernel is faster at every shorter
-``T``: the table ``ops.triton.recurrent.SHORT_PROMPT_MAX_T`` takes the smallest over the batch
-sizes. The two outputs are also compared (max relative difference).
+kernels), median ms of ``triton.testing.do_bench``, one after the other in the same process.
+``crossover`` is the longest ``T`` up to which the fused kernel is faster at every shorter
+``T``; the limits of ``ops.triton.recurrent.SHORT_PROMPT_LIMITS`` (steps, and steps x rows x heads)
+are set below the crossovers of every batch size measured. The two outputs are also compared (max relative difference).
 
 Writes ``<out>/<name>.json`` (rows ``{rule, B, T, fused_ms, chunk_ms, ratio, rel_diff}``) and
 ``<out>/<name>.md``.
@@ -106,7 +106,7 @@ def report(rows: List[Dict], args) -> str:
     out = [f"# Prompt passes without gradients: fused recurrent kernel vs chunk kernels ({dev})", "",
            f"commit `{git_commit()}`; torch {torch.__version__}, triton {triton.__version__}; bf16; H={args.heads}, "
            f"K=V={args.head_dim}, window {args.window} (rules 3, 3A); final state returned; median ms of "
-           "`triton.testing.do_bench`, both forms in the same round.", "",
+           "`triton.testing.do_bench`, both forms one after the other in the same process.", "",
            "| rule | B | T | fused ms | chunk ms | fused / chunk | max rel. diff |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['rule']} | {r['B']} | {r['T']} | {r['fused_ms']} | {r['chunk_ms']} | {r['ratio']} | "

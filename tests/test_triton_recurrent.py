@@ -224,7 +224,7 @@ def test_auto_short_prompts_dispatch(monkeypatch):
         return falcon_attention(q, k, v, beta, lam, form="chunk", backend="torch", **kwargs)
 
     monkeypatch.setattr(ops_triton, "falcon_recurrent_triton", spy)
-    monkeypatch.setattr(ops_triton, "SHORT_PROMPT_MAX_T", {"3A": (8, 2 * 8 * 2)})
+    monkeypatch.setattr(ops_triton, "SHORT_PROMPT_LIMITS", {"3A": (8, 2 * 8 * 2)})
     monkeypatch.setattr(api, "_triton_chunk", lambda backend, q, rule: fake_chunk)
     leaves = kernel_inputs(2, 12, 2, 16, 16, torch.float32, seed=10, rule="3A", state=True, window=4)
     t = {n: None if x is None else x.to(DEVICE) for n, x in leaves.items()}
@@ -331,7 +331,7 @@ def test_fused_segment_equals_the_chunk_kernels(rule):
 
 @needs_cuda
 def test_auto_runs_short_prompts_without_gradients_on_the_fused_kernel(monkeypatch):
-    # backend="auto", form="chunk": up to SHORT_PROMPT_MAX_T steps and no gradient, the fused kernel; else the
+    # backend="auto", form="chunk": up to SHORT_PROMPT_LIMITS steps and no gradient, the fused kernel; else the
     # chunk kernels
     import falcon_fwa.ops.triton as ops_triton
     calls = []
@@ -342,7 +342,7 @@ def test_auto_runs_short_prompts_without_gradients_on_the_fused_kernel(monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops_triton, "falcon_recurrent_triton", spy)
-    monkeypatch.setattr(ops_triton, "SHORT_PROMPT_MAX_T", {"3A": (8, 2 * 8 * 2), "2A": (8, 2 * 4 * 2)})
+    monkeypatch.setattr(ops_triton, "SHORT_PROMPT_LIMITS", {"3A": (8, 2 * 8 * 2), "2A": (8, 2 * 4 * 2)})
     leaves = kernel_inputs(2, 12, 2, 32, 32, torch.float32, seed=8, rule="3A")
     t = {n: None if x is None else x.to(DEVICE) for n, x in leaves.items()}
     args = [t[n] for n in OP]

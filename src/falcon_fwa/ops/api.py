@@ -42,10 +42,10 @@ def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
 def _short_prompt(spec, initial_state: Optional[FalconState], q, *tensors) -> bool:
     """Whether ``backend="auto"`` runs a chunk-form call on the fused recurrent kernel instead of
     the chunk kernels: no gradient is needed (of the inputs or of ``initial_state``) and the call
-    is within ``ops.triton.SHORT_PROMPT_MAX_T[rule]`` (steps, and steps times rows times heads),
+    is within ``ops.triton.SHORT_PROMPT_LIMITS[rule]`` (steps, and steps times rows times heads),
     where that kernel measured faster on a GPU (``benchmarks/bench_short_prompts.py``)."""
-    from .triton import SHORT_PROMPT_MAX_T, wants_gradient
-    limits = SHORT_PROMPT_MAX_T.get(spec.name)
+    from .triton import SHORT_PROMPT_LIMITS, wants_gradient
+    limits = SHORT_PROMPT_LIMITS.get(spec.name)
     if limits is None or q.dim() != 4:
         return False
     B, T, H = q.shape[:3]
@@ -157,7 +157,7 @@ def falcon_attention(
             computes no gradients and is meant for short prompts; an unsupported
             combination raises ``NotImplementedError`` naming the switch) or "auto" (the
             kernels for ``form="chunk"`` on CUDA where they exist and have been checked
-            on a GPU, and for prompts short enough, ``ops.triton.SHORT_PROMPT_MAX_T``,
+            on a GPU, and for prompts short enough, ``ops.triton.SHORT_PROMPT_LIMITS``,
             without gradients, the fused recurrent kernel; else PyTorch).
         eps_attn: ``None`` (the denominator-free read, the paper's default) or the
             stabilizer ``>= 0`` of the normalized read (Eq. 2.3, Appendix C.1; rules 1A,

@@ -4,7 +4,7 @@
 Import lazily: importing this package imports ``triton``.
 """
 from .api import GPU_CHECKED_RULES, TRITON_DTYPES, TRITON_RULES, falcon_chunk_triton
-from .recurrent import SHORT_PROMPT_MAX_T, STEP_RULES, falcon_recurrent_triton, falcon_step_triton, wants_gradient
+from .recurrent import SHORT_PROMPT_LIMITS, STEP_RULES, falcon_recurrent_triton, falcon_step_triton, wants_gradient
 
 __all__ = ["falcon_chunk_triton", "falcon_recurrent_triton", "falcon_step_triton", "TRITON_RULES", "GPU_CHECKED_RULES",
-           "STEP_RULES", "SHORT_PROMPT_MAX_T", "TRITON_DTYPES", "wants_gradient"]
+           "STEP_RULES", "SHORT_PROMPT_LIMITS", "TRITON_DTYPES", "wants_gradient"]

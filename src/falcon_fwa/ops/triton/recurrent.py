@@ -16,7 +16,7 @@ from . import recurrent_kernels as kern
 from .api import MIN_DECAY_FLOOR, TRITON_RULES, _interpreting, check_kernel_dtypes
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "STEP_RULES", "SHORT_PROMPT_MAX_T",
+__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "STEP_RULES", "SHORT_PROMPT_LIMITS",
            "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
 
 # Rules whose fused kernel ``falcon_step(backend="auto")`` takes on CUDA: those checked on a GPU
@@ -28,7 +28,7 @@ STEP_RULES: tuple = ("1", "1A", "2", "2A", "3", "3A")
 # pass) the fused kernel was 1.4-12x faster at every such length, with a margin below the measured
 # crossovers: one program walks a sequence's steps, so its time grows with T at small batches and with
 # B * T * H once the programs fill the GPU, while the chunk kernels' time stays near their launch cost.
-SHORT_PROMPT_MAX_T: dict = {"1": (128, 12288), "1A": (256, 24576), "2": (128, 12288), "2A": (128, 12288),
+SHORT_PROMPT_LIMITS: dict = {"1": (128, 12288), "1A": (256, 24576), "2": (128, 12288), "2A": (128, 12288),
                             "3": (128, 6144), "3A": (256, 24576)}
 MAX_FUSED_WINDOW = 16  # window slots are unrolled in the kernel
 MAX_FUSED_HEAD_DIM = 256  # the program holds the whole key dimension of its state columns

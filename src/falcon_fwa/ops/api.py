@@ -186,6 +186,9 @@ def falcon_attention(
                                                         axes=("B", "T", "H"), name="initial_state", window=window,
                                                         shift=shift, packed=cu_seqlens is not None)
     log_gate = _floor_gate(log_gate)
+    kernel_args = dict(rule=rule, window=window, eps=eps, decay_floor=decay_floor, shift=shift, normalize=normalize,
+                       log_gate=log_gate, read=read, scale_ridge=scale_ridge, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
         if kernels is not None and backend == "auto" and _short_prompt(spec, initial_state, q, k, v, beta, lam,
@@ -193,30 +196,18 @@ def falcon_attention(
             from .triton import falcon_recurrent_triton
             check_chunk_size(chunk_size)  # what the chunk form would have refused (the fused kernel has no chunks)
             try:
-                return done(falcon_recurrent_triton(q, k, v, beta, lam, rule=rule, window=window, eps=eps,
-                                                    decay_floor=decay_floor, shift=shift, normalize=normalize,
-                                                    log_gate=log_gate, read=read, scale_ridge=scale_ridge,
-                                                    initial_state=initial_state,
-                                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                                    validate=True))
+                return done(falcon_recurrent_triton(q, k, v, beta, lam, **kernel_args))
             except NotImplementedError:
                 pass
         if kernels is not None:
             try:
-                return done(kernels(q, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,
-                                    decay_floor=decay_floor, shift=shift, normalize=normalize, log_gate=log_gate,
-                                    read=read, scale_ridge=scale_ridge, initial_state=initial_state,
-                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True))
+                return done(kernels(q, k, v, beta, lam, chunk_size=chunk_size, **kernel_args))
             except NotImplementedError:
                 if backend == "triton":
                     raise
     if backend == "triton" and form == "recurrent":
         from .triton import falcon_recurrent_triton
-        return done(falcon_recurrent_triton(q, k, v, beta, lam, rule=rule, window=window, eps=eps,
-                                            decay_floor=decay_floor, shift=shift, normalize=normalize,
-                                            log_gate=log_gate, read=read, scale_ridge=scale_ridge,
-                                            initial_state=initial_state, output_final_state=output_final_state,
-                                            cu_seqlens=cu_seqlens, validate=True))
+        return done(falcon_recurrent_triton(q, k, v, beta, lam, **kernel_args))
     options = dict(spec=spec, window=window if spec.sliding else 1, form=form, chunk_size=chunk_size, eps=eps,
                    decay_floor=decay_floor, shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
     if cu_seqlens is not None:

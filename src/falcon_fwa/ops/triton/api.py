@@ -63,6 +63,21 @@ def check_kernel_dtypes(what: str, q, k, v, beta, lam, log_gate) -> None:
                                       f"(supported: bf16, fp16, fp32)")
 
 
+def check_kernel_support(what: str, q, k, v, beta, lam, log_gate, initial_state, decay_floor) -> None:
+    """``NotImplementedError`` for what no kernel of ``what`` (the chunk kernels or the fused recurrent
+    kernel) covers, naming it, so callers can fall back: a decay floor the float32 clamp cannot hold,
+    a dtype, a device, a float64 state."""
+    if decay_floor < MIN_DECAY_FLOOR:
+        raise NotImplementedError(f"decay_floor={decay_floor!r} is below {MIN_DECAY_FLOOR:.3g}, where 1 - decay_floor "
+                                  f"rounds to 1 in the float32 of {what} (the PyTorch forms support it)")
+    check_kernel_dtypes(what, q, k, v, beta, lam, log_gate)
+    if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
+        raise NotImplementedError(f"CUDA tensors are needed by {what} (q is on {q.device}; "
+                                  "on CPU set TRITON_INTERPRET=1 before importing triton)")
+    if initial_state is not None and initial_state.S.dtype == torch.float64:
+        raise NotImplementedError(f"initial_state.S.dtype=float64 is not supported by {what}")
+
+
 def _check_supported(q, k, v, beta, lam, log_gate, rule, chunk_size, initial_state, decay_floor) -> None:
     """Raise for what the kernels do not cover, naming the switch, so callers can fall back."""
     spec = get_rule(rule)
@@ -74,15 +89,7 @@ def _check_supported(q, k, v, beta, lam, log_gate, rule, chunk_size, initial_sta
     if chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise NotImplementedError(f"chunk_size={chunk_size} is not supported by the Triton kernels "
                                   f"(supported: {SUPPORTED_CHUNK_SIZES})")
-    if decay_floor < MIN_DECAY_FLOOR:
-        raise NotImplementedError(f"decay_floor={decay_floor!r} is below {MIN_DECAY_FLOOR:.3g}, where 1 - decay_floor "
-                                  "rounds to 1 in the kernels' float32 (the PyTorch forms support it)")
-    check_kernel_dtypes("the Triton kernels", q, k, v, beta, lam, log_gate)
-    if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
-        raise NotImplementedError(f"the Triton kernels need CUDA tensors (q is on {q.device}; "
-                                  "on CPU set TRITON_INTERPRET=1 before importing triton)")
-    if initial_state is not None and initial_state.S.dtype == torch.float64:
-        raise NotImplementedError("initial_state.S.dtype=float64 is not supported by the Triton kernels")
+    check_kernel_support("the Triton kernels", q, k, v, beta, lam, log_gate, initial_state, decay_floor)
 
 
 def _shifted_keys(k, shift, last_key, starts):

@@ -13,7 +13,7 @@ from ..seqlens import sequence_bounds
 from ..state import FalconState
 from ..validate import check_inputs, check_state, check_state_type
 from . import recurrent_kernels as kern
-from .api import MIN_DECAY_FLOOR, TRITON_RULES, _interpreting, check_kernel_dtypes
+from .api import TRITON_RULES, check_kernel_support
 from .launch import cdiv, next_power_of_2
 
 __all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "STEP_RULES", "SHORT_PROMPT_LIMITS",
@@ -53,15 +53,7 @@ def _check_fused(spec, window, q, k, v, beta, lam, log_gate, initial_state, deca
     if q.shape[-1] > MAX_FUSED_HEAD_DIM:
         raise NotImplementedError(f"head dim K={q.shape[-1]} is above {MAX_FUSED_HEAD_DIM}, the largest the fused "
                                   "recurrent kernel holds in one tile")
-    if decay_floor < MIN_DECAY_FLOOR:
-        raise NotImplementedError(f"decay_floor={decay_floor!r} is below {MIN_DECAY_FLOOR:.3g}, where 1 - decay_floor "
-                                  "rounds to 1 in the kernel's float32 (the PyTorch forms support it)")
-    check_kernel_dtypes("the fused recurrent kernel", q, k, v, beta, lam, log_gate)
-    if initial_state is not None and initial_state.S.dtype == torch.float64:
-        raise NotImplementedError("initial_state.S.dtype=float64 is not supported by the fused recurrent kernel")
-    if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
-        raise NotImplementedError(f"the fused recurrent kernel needs CUDA tensors (q is on {q.device}; "
-                                  "on CPU set TRITON_INTERPRET=1 before importing triton)")
+    check_kernel_support("the fused recurrent kernel", q, k, v, beta, lam, log_gate, initial_state, decay_floor)
     if wants_gradient((q, k, v, beta, lam, log_gate), initial_state):
         raise NotImplementedError("the fused recurrent kernel computes no gradients (requires_grad inputs or state)")
     if initial_state is not None and initial_state.z is not None:

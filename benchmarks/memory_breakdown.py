@@ -1,0 +1,114 @@
+"""What is alive at the peak of one forward+backward call, by the line that allocated it.
+
+For each op of ``bench_kernels.OPS`` (same inputs, same shape), the CUDA caching allocator's
+history is recorded over one forward+backward call (after a warm-up call that compiles the
+kernels); the trace is replayed to find the moment of the peak, and the blocks alive then are
+grouped by the innermost frame of this package (or of fla) that allocated them. Inputs and
+the upstream gradient are allocated before the recording and are not counted, as in
+``bench_kernels.measure``: the total is the figure its ``peak_mem_bytes`` reports.
+
+    python benchmarks/memory_breakdown.py --ops falcon-2 fla-gated-delta-rule --out OUT
+
+Writes ``OUT/memory_breakdown.json`` (a list of ``{op, shape, peak_bytes, groups: [{where,
+bytes, blocks}]}``) and prints the groups of each op, largest first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import OPS, SHAPES  # noqa: E402
+
+_OURS = (os.sep + "falcon_fwa" + os.sep, os.sep + "fla" + os.sep)
+
+
+def _where(frames: List[dict]) -> str:
+    """The innermost frame inside falcon_fwa or fla (``file:line function``), else the innermost Python frame."""
+    for f in frames:
+        name = f.get("filename", "")
+        if any(p in name for p in _OURS):
+            tail = name.split(os.sep + "falcon_fwa" + os.sep)[-1] if "falcon_fwa" in name else name.split(
+                os.sep + "fla" + os.sep)[-1]
+            return f"{tail}:{f.get('line')} {f.get('name')}"
+    for f in frames:
+        if f.get("filename", "").endswith(".py"):
+            return f"{os.path.basename(f['filename'])}:{f.get('line')} {f.get('name')}"
+    return "?"
+
+
+def live_at_peak(trace: List[dict]) -> (int, Dict[int, dict]):
+    """Replay allocator events: the peak of live bytes and the blocks alive at it."""
+    live: Dict[int, dict] = {}
+    cur = peak = 0
+    at_peak: Dict[int, dict] = {}
+    for e in trace:
+        act = e["action"]
+        if act == "alloc":
+            live[e["addr"]] = e
+            cur += e["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif act in ("free_requested",) and e["addr"] in live:
+            cur -= live.pop(e["addr"])["size"]
+    return peak, at_peak
+
+
+def breakdown(name: str, shape) -> dict:
+    fn, leaves = OPS[name](*shape)
+    do = torch.randn_like(fn().detach())
+    fn().backward(do)  # compile and autotune outside the record
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    fn().backward(do)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    peak, alive = live_at_peak(trace)
+    groups: Dict[str, dict] = defaultdict(lambda: dict(bytes=0, blocks=0))
+    for e in alive.values():
+        g = groups[_where(e.get("frames", []))]
+        g["bytes"] += e["size"]
+        g["blocks"] += 1
+    rows = sorted(({"where": k, **v} for k, v in groups.items()), key=lambda r: -r["bytes"])
+    for t in leaves:
+        t.grad = None
+    del fn, leaves, do
+    torch.cuda.empty_cache()
+    return dict(op=name, shape=list(shape), peak_bytes=peak, groups=rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", nargs="+", required=True, help=f"ops of bench_kernels ({', '.join(OPS)})")
+    p.add_argument("--shape", type=int, default=0, help="index into bench_kernels.SHAPES")
+    p.add_argument("--out", default=".")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("memory_breakdown.py needs a CUDA GPU")
+    for name in a.ops:
+        if name not in OPS:
+            sys.exit(f"--ops: unknown op {name!r}; choose from {', '.join(OPS)}")
+    os.makedirs(a.out, exist_ok=True)
+    results = []
+    for name in a.ops:
+        r = breakdown(name, SHAPES[a.shape])
+        results.append(r)
+        print(f"{name}: peak {r['peak_bytes'] / 2**20:.0f} MiB above the inputs", flush=True)
+        for g in r["groups"]:
+            print(f"  {g['bytes'] / 2**20:8.1f} MiB  x{g['blocks']:<3d} {g['where']}", flush=True)
+        with open(os.path.join(a.out, "memory_breakdown.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

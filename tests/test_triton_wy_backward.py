@@ -129,6 +129,14 @@ def test_head_dims_spanning_value_blocks(monkeypatch):
     check_gradients(monkeypatch, (1, 20, 1, 100, 100), with_state=False, seed=4)
 
 
+@pytest.mark.parametrize("slots", [1, 4])
+def test_half_precision_buffers(monkeypatch, slots):
+    # fp16 inputs: the inverse A and the write values' gradient dD are kept in fp16 (the dtype their
+    # products take), which the interpreter runs as well (bf16 it does not); fp16 rounding sets the bound
+    check_gradients(monkeypatch, (1, 40, 2, 16, 16), torch.float16, slots=slots, chunk_size=16, seed=7 + slots,
+                    tol=5e-3)
+
+
 # ---- GPU: benchmark head dims ----
 
 @needs_cuda

@@ -90,7 +90,8 @@ def check_wy(monkeypatch, dims, dtype=torch.float32, *, BT: int = 64, slots: int
     layout = chunk_layout(B, T, BT, cu)
     with PoisonedEmpty(monkeypatch):
         A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots)
-    assert A.dtype == torch.float32 and A.shape == (B, T, H, BT)
+    # the inverse is formed in fp32 and returned in the inputs' dtype, in which every product takes it
+    assert A.dtype == dtype and A.shape == (B, T, H, BT)
     assert U.dtype == dtype and W.dtype == dtype
     for name, t in (("A", A), ("U", U), ("W", W)):
         assert torch.isfinite(t).all(), f"{name} has entries the kernel never wrote"
@@ -146,6 +147,13 @@ def test_strongly_coupled_writes(monkeypatch):
     check_wy(monkeypatch, (1, 64, 1, 32, 16), coupled=True, seed=6, tol_a=5e-5, tol_uw=5e-5)
 
 
+@pytest.mark.parametrize("slots", [1, 4])
+def test_half_precision_inverse(monkeypatch, slots):
+    # fp16 inputs: A is formed in fp32 and returned in fp16 (at most 2^-11 relative per entry), the
+    # dtype every product takes it in; the interpreter runs fp16 (not bf16)
+    check_wy(monkeypatch, (1, 72, 2, 16, 16), torch.float16, slots=slots, seed=9 + slots, tol_a=1e-3, tol_uw=3e-3)
+
+
 # ---- GPU: benchmark head dims ----
 
 @needs_cuda
@@ -154,14 +162,15 @@ def test_strongly_coupled_writes(monkeypatch):
 def test_cuda_head_dims_128(monkeypatch, dtype, slots):
     # fp32 under the default matmul precision: exact fp32 products ("ieee"). bf16: the Gram in bf16
     # (exact products, fp32 sums), the inverse's off-diagonal blocks in tf32 (an emulation in PyTorch
-    # gives 1e-5 to 3e-5 on A here), U and W from A rounded to bf16 and stored in bf16 (2.3e-3).
+    # gives 1e-5 to 3e-5 on A here), A returned rounded to bf16 (at most 2^-9 relative per entry),
+    # U and W from that A, stored in bf16 (2.3e-3).
     torch.backends.cuda.matmul.allow_tf32 = False
     exact = dtype == torch.float32
     check_wy(monkeypatch, (2, 512, 4, 128, 128), dtype, slots=slots, device="cuda", seed=7,
-             tol_a=1e-5 if exact else 3e-4, tol_uw=1e-5 if exact else 1e-2)
+             tol_a=1e-5 if exact else 3e-3, tol_uw=1e-5 if exact else 1e-2)
 
 
 @needs_cuda
 def test_cuda_ragged_packed_bf16(monkeypatch):
     check_wy(monkeypatch, (1, 1000, 2, 100, 64), torch.bfloat16, device="cuda", cu_seqlens=[0, 1, 300, 301, 999, 1000],
-             seed=8, tol_a=3e-4, tol_uw=1e-2)
+             seed=8, tol_a=3e-3, tol_uw=1e-2)

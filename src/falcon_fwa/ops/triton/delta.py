@@ -64,20 +64,26 @@ def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[
 
 
 def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowed_v: bool = False):
-    """``wy_fwd`` over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` fp32 (row ``t``
+    """``wy_fwd`` over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` (row ``t``
     holds its chunk's row of the inverse), ``U = A (eta Y)`` ``[B, T, H, V]`` and
     ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``). With
-    ``windowed_v``, ``v`` is ``[B, T // slots + slots - 1, H, V]`` (``delta_chunk``)."""
+    ``windowed_v``, ``v`` is ``[B, T // slots + slots - 1, H, V]`` (``delta_chunk``).
+
+    The inverse is formed in fp32. For 16-bit inputs it is returned rounded to the inputs'
+    dtype, as every product that reads it takes it (here and in ``wy_bwd``): the fp32 scratch
+    is freed on return, and what the backward keeps is half its size."""
     B, T, H, K = x.shape
     V = v.shape[-1]
     prec = dot_precision(x.dtype)
     A = x.new_empty(B, T, H, layout.BT, dtype=torch.float32)  # also the scratch of N (written before read)
+    A_out = A if x.dtype == torch.float32 else torch.empty_like(A, dtype=x.dtype)
     U, W = x.new_empty(B, T, H, V, dtype=v.dtype), torch.empty_like(x)
     c = launch_config(prec, K, V, WY_FWD_BLOCKS)
     wy.wy_fwd[(layout.num_chunks, H)](
-        x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c, PRECISION=prec,
-        SLOTS=slots, WINDOWED_V=windowed_v, num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
-    return A, U, W
+        x, v, eta, kappa, log_a, A, A_out, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c,
+        PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, STORE_A_OUT=A_out is not A,
+        num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
+    return A_out, U, W
 
 
 def _query_args(slots: int, query_slot: Optional[int]) -> dict:
@@ -113,7 +119,9 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     qa = _query_args(slots, query_slot)
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
-    dD = torch.empty_like(D, dtype=torch.float32)  # dv_bwd's local part, completed in place by state_bwd
+    # dv_bwd's local part, completed in place by state_bwd; in the inputs' dtype, in which wy_bwd and
+    # state_bwd's products take it (half the memory and traffic of fp32 for 16-bit inputs)
+    dD = torch.empty_like(D)
     c = launch_config("dv_bwd", K, V)
     sd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, None, log_a, None, dD, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
@@ -138,7 +146,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     dv = torch.empty_like(D)  # per write (with ``windowed_v``, summed onto ``v``'s axis below)
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
-    dG = torch.empty_like(A)  # wy_bwd's scratch: the Gram's gradient, read back transposed
+    dG = torch.empty_like(A, dtype=torch.float32)  # wy_bwd's scratch: the Gram's gradient, read back transposed
     BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, chunk_indices=layout.chunk_indices, n_rows=rows,

@@ -149,14 +149,17 @@ def _unit_lower_inverse(a0, n_rows, H: tl.constexpr, BT: tl.constexpr, PRECISION
 
 @triton.jit
 def wy_fwd(
-    x, v, eta, kappa, log_a, A, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
+    x, v, eta, kappa, log_a, A, A_out, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED_V: tl.constexpr = False,
+    STORE_A_OUT: tl.constexpr = False,
 ):
     """Grid ``(num_chunks, H)``: ``A = (I + N)^{-1}`` ``[rows, H, BT]`` fp32, ``U = A (eta Y)``
     ``[rows, H, V]`` and ``W = A (kappa exp(w) X)`` ``[rows, H, K]`` of every chunk. ``N`` is written
     into the chunk's rows of ``A`` and inverted there in place (``_unit_lower_inverse``); ``U`` and
-    ``W`` are ``[BT, BT] x [BT, BV]`` products in the input dtype with fp32 accumulation."""
+    ``W`` are ``[BT, BT] x [BT, BV]`` products in the input dtype with fp32 accumulation. With
+    ``STORE_A_OUT``, ``A`` rounded to the input dtype (the operand of those products, and of every
+    product of ``wy_bwd``) is also stored in ``A_out``, laid out as ``A``."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -173,6 +176,9 @@ def wy_fwd(
     tl.debug_barrier()
     dt = x.dtype.element_ty  # U and W: products in the input dtype, fp32 accumulation
     b_a16 = tl.load(p_a, mask=m_t[:, None], other=0.0).to(dt)
+    if STORE_A_OUT:
+        tl.store(A_out + ((bos + i_t * BT) * H + i_h) * BT + o_c[:, None] * (H * BT) + o_c[None, :], b_a16,
+                 mask=m_t[:, None])
     r_v = _value_rows(bos, o_t, i_n, T, SLOTS, WINDOWED_V)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -233,7 +239,7 @@ def state_bwd(
     PRECISION: tl.constexpr, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks, the
-    gradient of every exit state into ``dh`` and the full ``dD`` (fp32). ``dD`` may be
+    gradient of every exit state into ``dh`` and the full ``dD`` (in its dtype). ``dD`` may be
     ``dD_local`` itself: each element is read, then written, by the same program. ``q`` and
     ``do`` on the query rows (``scalar_decay_kernels._query_rows``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)

@@ -82,6 +82,15 @@ def test_packed_fresh_starts_chunk_128_partial_second_chunk():
     _check((1, 134, 1, 16, 8), chunk_size=128, output_final_state=True, cu_seqlens=[0, 3, 134], seed=10)
 
 
+@pytest.mark.parametrize("read", ["after", "before"])
+def test_no_gate_folds_the_residual_gain_into_eta(read):
+    # without a gate kappa is eta itself: one gradient, (y - R) z, for both gains; states, packing and
+    # two value blocks, so that the buffer shared by the outputs' dD and the residual reads' dR is
+    # exercised in every program
+    _check((1, 60, 1, 16, 40), gate=False, state=True, output_final_state=True, cu_seqlens=[0, 7, 41, 60], read=read,
+           chunk_size=32, seed=11)
+
+
 def test_fp16_inputs():
     _check((1, 33, 1, 16, 16), torch.float16, chunk_size=32, seed=6)
 

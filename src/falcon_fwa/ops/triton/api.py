@@ -213,8 +213,8 @@ def falcon_chunk_triton(
                 output_final_state=output_final_state)
     if spec.regression:  # rules 1, 2: the residual is read at the gated state, kappa = eta exp(g)
         gate = None if log_gate is None else torch.exp(log_gate.float())
-        if spec.per_column:  # rule 2: eta, kappa and the decay per value column
-            kappa = eta if gate is None else eta * gate[..., None]
+        if spec.per_column:  # rule 2: eta, kappa and the decay per value column (kappa=None: eta itself)
+            kappa = None if gate is None else eta * gate[..., None]
             o, S_T = column_delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
         else:
             kappa = eta if gate is None else eta * gate

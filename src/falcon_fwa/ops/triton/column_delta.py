@@ -69,8 +69,8 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
     c = _sequential(K, V)
     kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
-        x, v, eta, kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None, STORE_FINAL=want_final,
-        PRECISION=prec, **c, **meta)
+        x, v, eta, eta if kappa is None else kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None,
+        STORE_FINAL=want_final, PRECISION=prec, **c, **meta)
     # fp32 outputs: the backward's d log a sums dO * O over a chunk, where bf16 rounding of O
     # shows (with bf16 O the log-gate gradient went over the 1e-2 bound at chunk 128)
     o = _empty(v.shape, v, torch.float32)
@@ -110,6 +110,7 @@ def _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after):
 
 
 def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: ChunkLayout, read_after: bool):
+    """``kappa=None``: ``kappa`` is ``eta`` (its gradient is folded into ``deta``; ``dkappa`` is ``None``)."""
     H, K = q.shape[2:]
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
@@ -119,16 +120,21 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: Chunk
     dlog_a = _empty(eta.shape, eta)
     _read_dv(q, x, D, u, h, None, do, o, dD_o, dlog_a, layout, read_after, add_dlog=False)
     # 2. reverse over chunks: exit-state gradients and the adjoint z of D,
-    # and from z: d_read = -kappa z (the upstream gradient of the residual reads R), dv, deta, dkappa
+    # and from z: d_read = -kappa z (the upstream gradient of the residual reads R), dv, deta, dkappa.
+    # d_read takes dD_o's place (state_bwd reads each element before it writes it), which no other
+    # kernel reads: one [B, T, H, V] fp32 buffer less at the peak
     dh = _empty(h.shape, h)
-    d_read, deta, dkappa = (_empty(eta.shape, eta) for _ in range(3))
+    d_read = dD_o
+    deta = _empty(eta.shape, eta)
+    dkappa = None if kappa is None else _empty(eta.shape, eta)
     dv = _empty(v.shape, v)
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
     c = _sequential(K, V)
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
-        q, x, v, eta, kappa, R, u, G, do, dD_o, dh, d_read, dv, deta, dkappa, dS_T, dS0, H=H, K=K, V=V,
-        HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec, **c, **meta)
-    del dD_o  # read by state_bwd only: its memory serves the buffers below (peak memory)
+        q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, dD_o, dh, d_read, dv, deta, dkappa, dS_T, dS0,
+        H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after,
+        PRECISION=prec, KAPPA_IS_ETA=kappa is None, **c, **meta)
+    del dD_o
     # 3. the residual reads R (queries x, read before the write) with the exit-state terms through dh;
     # state_bwd's adjoint already holds their dD: only their share of d log a and dq, dx are left
     _read_dv(x, x, D, u, h, dh, d_read, R, None, dlog_a, layout, False, add_dlog=True)
@@ -161,7 +167,7 @@ def column_delta_chunk(
     x: torch.Tensor,
     v: torch.Tensor,
     eta: torch.Tensor,
-    kappa: torch.Tensor,
+    kappa: Optional[torch.Tensor],
     log_a: torch.Tensor,
     S0: Optional[torch.Tensor],
     *,
@@ -173,7 +179,8 @@ def column_delta_chunk(
     """Chunk-parallel regression (delta) scan with one step size and decay per value column.
 
     ``q``, ``x`` ``[B, T, H, K]`` (``K <= 128``) and ``v`` ``[B, T, H, V]`` of one dtype
-    (bf16, fp16 or fp32); ``eta``, ``kappa``, ``log_a`` ``[B, T, H, V]`` fp32 (``log_a <= 0``);
+    (bf16, fp16 or fp32); ``eta``, ``kappa``, ``log_a`` ``[B, T, H, V]`` fp32 (``log_a <= 0``;
+    ``kappa=None`` or ``eta`` itself: ``kappa = eta``, one gradient buffer less);
     ``S0`` ``[N, H, K, V]`` fp32 or ``None`` (``N = B``, or the number of sequences packed by
     ``cu_seqlens`` with ``B = 1``). Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype and the
     final states ``[N, H, K, V]`` fp32 (or ``None``).
@@ -181,7 +188,8 @@ def column_delta_chunk(
     if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
     q, x, v = (t.contiguous() for t in (q, x, v))
-    eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
+    kappa = None if kappa is None or kappa is eta else kappa.float().contiguous()
+    eta, log_a = eta.float().contiguous(), log_a.float().contiguous()
     S0 = None if S0 is None else S0.float().contiguous()
     return _ColumnDeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after,
                                    output_final_state)

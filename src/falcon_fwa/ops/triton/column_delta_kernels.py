@@ -179,14 +179,16 @@ def state_bwd(
     q, x, v, eta, kappa, R, u, G, do, dD_local, dh, dR, dv, deta, dkappa, ds_final, ds0, cu_seqlens, chunk_offsets,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, KAPPA_IS_ETA: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks and their blocks,
     the gradient of every chunk's exit state into ``dh``, the per-column transposed solve
     for the adjoint ``z`` of ``D``, ``g <- exp(r' - r) g - X_I^T (exp(w - r) kappa z)`` and,
     at the chunk's start, ``dh_prev = g + Q^T (exp(uq) dO)``. ``z`` itself is not stored:
     its products are, ``dR = -kappa z``, ``dv = eta z`` (in ``v``'s dtype), ``deta = y z``
-    and ``dkappa = -R z`` (fp32)."""
+    and ``dkappa = -R z`` (fp32); with ``KAPPA_IS_ETA`` (``kappa`` is ``eta``: no gate) the
+    two gains' gradients are one, ``deta = (y - R) z``, and ``dkappa`` is not written. ``dR``
+    may be ``dD_local`` itself: each element is read, then written, by the same program."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -236,8 +238,13 @@ def state_bwd(
                 b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
             tl.store(dR + off, -b_k * b_z, mask=m_rv)
             tl.store(dv + off, (tl.load(eta + off, mask=m_rv, other=0.0) * b_z).to(dv.dtype.element_ty), mask=m_rv)
-            tl.store(deta + off, tl.load(v + off, mask=m_rv, other=0.0).to(tl.float32) * b_z, mask=m_rv)
-            tl.store(dkappa + off, -tl.load(R + off, mask=m_rv, other=0.0) * b_z, mask=m_rv)
+            b_yv = tl.load(v + off, mask=m_rv, other=0.0).to(tl.float32)
+            b_res = tl.load(R + off, mask=m_rv, other=0.0)
+            if KAPPA_IS_ETA:
+                tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_rv)
+            else:
+                tl.store(deta + off, b_yv * b_z, mask=m_rv)
+                tl.store(dkappa + off, -b_res * b_z, mask=m_rv)
             dt = b_x.dtype
             b_dr = -b_k * b_z * _decay(b_w - r_in[None, :], m_r[:, None])
             b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)

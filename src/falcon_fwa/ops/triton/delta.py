@@ -15,7 +15,7 @@ import torch
 from . import delta_kernels as wy
 from . import scalar_decay_kernels as sd
 from .chunk_index import ChunkLayout, chunk_layout
-from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args, next_power_of_2
+from .launch import LAUNCH, SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args, next_power_of_2
 from .window_sum import window_sum
 
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
@@ -45,6 +45,20 @@ FULL_K_16BIT = {"state_fwd": (64, 4, 3), "state_bwd": (32, 4, 2), "wy_bwd": (64,
 # (benchmarks/results/h200_rule3_launch_sweep_f5fb5b2.txt): state_fwd 0.615 -> 0.462 ms, state_bwd
 # 1.560 -> 0.822 ms, wy_bwd 2.391 -> 2.254 ms, against (32, 4, 3) for all three.
 FULL_K_16BIT_GROUPED = {"state_fwd": (64, 4, 2), "state_bwd": (64, 4, 2), "wy_bwd": (64, None, 3)}
+
+
+# Launch settings of the scalar-decay kernels that read the write values D (``output_fwd``, ``dv_bwd``,
+# ``dqk_bwd``), one table for one write per step (rule 1) and one for grouped writes (rule 3), apart from
+# rule 1A's (``launch.LAUNCH``, where they started) so that each can be set for its own row layout.
+SCALAR_LAUNCH = {
+    "one": {name: dict(LAUNCH[name]) for name in ("output_fwd", "dv_bwd", "dqk_bwd")},
+    "grouped": {name: dict(LAUNCH[name]) for name in ("output_fwd", "dv_bwd", "dqk_bwd")},
+}
+
+
+def _scalar(name: str, K: int, V: int, slots: int) -> dict:
+    """``SCALAR_LAUNCH``'s setting of kernel ``name`` for ``slots`` writes per step."""
+    return launch_config(name, K, V, SCALAR_LAUNCH["one" if slots == 1 else "grouped"])
 
 
 def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, Optional[int], int]:
@@ -106,7 +120,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta)
     o = D.new_empty(B, q.shape[1], H, V)
-    c = launch_config("output_fwd", K, V)
+    c = _scalar("output_fwd", K, V, slots)
     sd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **_query_args(slots, query_slot))
@@ -122,7 +136,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     # dv_bwd's local part, completed in place by state_bwd; in the inputs' dtype, in which wy_bwd and
     # state_bwd's products take it (half the memory and traffic of fp32 for 16-bit inputs)
     dD = torch.empty_like(D)
-    c = launch_config("dv_bwd", K, V)
+    c = _scalar("dv_bwd", K, V, slots)
     sd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, None, log_a, None, dD, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa)
@@ -135,7 +149,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         num_warps=warps, num_stages=stages, **meta, **qa)
     dq, dx = torch.empty_like(q), torch.empty_like(x)
     rows = B * T
-    c = launch_config("dqk_bwd", K, V)
+    c = _scalar("dqk_bwd", K, V, slots)
     NK = cdiv(K, c["BK"])
     parts = q.new_empty(3, NK, rows, H, dtype=torch.float32)
     sd.dqk_bwd[(NK, layout.num_chunks, H)](

@@ -286,3 +286,24 @@ def test_short_prompt_crossover_and_report():
     assert bsp.crossover(rows, "1A", 1) == 0
     args = argparse.Namespace(heads=6, head_dim=8, window=4, batch=[1, 64], device="cpu")
     assert "| 3A | 2 | 0 |" in bsp.report(rows, args)
+
+
+def test_memory_breakdown_replays_the_allocator_trace_to_its_peak():
+    import memory_breakdown
+    trace = [dict(action="alloc", addr=1, size=100), dict(action="alloc", addr=2, size=50),
+             dict(action="free_requested", addr=1, size=100), dict(action="free_completed", addr=1, size=100),
+             dict(action="alloc", addr=3, size=80), dict(action="alloc", addr=4, size=200),
+             dict(action="free_requested", addr=4, size=200), dict(action="alloc", addr=5, size=10)]
+    peak, alive = memory_breakdown.live_at_peak(trace)
+    assert peak == 50 + 80 + 200 and sorted(alive) == [2, 3, 4]
+    frames = [dict(filename="/x/torch/nn/f.py", line=3, name="g"),
+              dict(filename="/r/src/falcon_fwa/ops/triton/delta.py", line=94, name="wy_forward")]
+    assert memory_breakdown._where(frames) == "ops/triton/delta.py:94 wy_forward"
+
+
+def test_sweep_launch_resolves_tables_by_name():
+    import sweep_launch
+    from falcon_fwa.ops.triton import delta
+    assert sweep_launch.resolve("delta.SCALAR_LAUNCH.grouped") is delta.SCALAR_LAUNCH["grouped"]
+    with pytest.raises(SystemExit, match="not a dict"):
+        sweep_launch.resolve("delta.WY_MAX_CHUNK")

@@ -134,7 +134,6 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: Chunk
         q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, dD_o, dh, d_read, dv, deta, dkappa, dS_T, dS0,
         H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after,
         PRECISION=prec, KAPPA_IS_ETA=kappa is None, **c, **meta)
-    del dD_o
     # 3. the residual reads R (queries x, read before the write) with the exit-state terms through dh;
     # state_bwd's adjoint already holds their dD: only their share of d log a and dq, dx are left
     _read_dv(x, x, D, u, h, dh, d_read, R, None, dlog_a, layout, False, add_dlog=True)

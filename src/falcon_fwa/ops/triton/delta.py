@@ -51,10 +51,10 @@ FULL_K_16BIT_GROUPED = {"state_fwd": (64, 4, 2), "state_bwd": (64, 4, 2), "wy_bw
 # ``dqk_bwd``), one table for one write per step (rule 1) and one for grouped writes (rule 3), apart from
 # rule 1A's (``launch.LAUNCH``, where they started) so that each can be set for its own row layout.
 SCALAR_LAUNCH = {
-    "one": dict(LAUNCH, output_fwd=dict(BK=64, BV=128, num_warps=4, num_stages=2),
-                dv_bwd=dict(BK=64, BV=128, num_warps=4, num_stages=2)),
-    "grouped": dict(LAUNCH, output_fwd=dict(BK=128, BV=64, num_warps=4, num_stages=2),
-                    dv_bwd=dict(BK=64, BV=128, num_warps=4, num_stages=2)),
+    "one": dict(output_fwd=dict(BK=64, BV=128, num_warps=4, num_stages=2),
+                dv_bwd=dict(BK=64, BV=128, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
+    "grouped": dict(output_fwd=dict(BK=128, BV=64, num_warps=4, num_stages=2),
+                    dv_bwd=dict(BK=64, BV=128, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
 }
 
 

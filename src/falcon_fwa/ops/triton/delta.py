@@ -85,18 +85,21 @@ def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowe
     ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``). With
     ``windowed_v``, ``v`` is ``[B, T // slots + slots - 1, H, V]`` (``delta_chunk``).
 
-    The inverse is formed in fp32 registers and stored rounded to the inputs' dtype, as every
-    product that reads it takes it (here and in ``wy_bwd``)."""
+    The inverse is formed in fp32. For 16-bit inputs it is returned rounded to the inputs'
+    dtype, as every product that reads it takes it (here and in ``wy_bwd``): the fp32 scratch
+    is freed on return, and what the backward keeps is half its size."""
     B, T, H, K = x.shape
     V = v.shape[-1]
     prec = dot_precision(x.dtype)
-    A = x.new_empty(B, T, H, layout.BT)
+    A = x.new_empty(B, T, H, layout.BT, dtype=torch.float32)  # also the scratch of N (written before read)
+    A_out = A if x.dtype == torch.float32 else torch.empty_like(A, dtype=x.dtype)
     U, W = x.new_empty(B, T, H, V, dtype=v.dtype), torch.empty_like(x)
     c = launch_config(prec, K, V, WY_FWD_BLOCKS)
     wy.wy_fwd[(layout.num_chunks, H)](
-        x, v, eta, kappa, log_a, A, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c,
-        PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
-    return A, U, W
+        x, v, eta, kappa, log_a, A, A_out, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c,
+        PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, STORE_A_OUT=A_out is not A,
+        num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
+    return A_out, U, W
 
 
 def _query_args(slots: int, query_slot: Optional[int]) -> dict:

@@ -13,8 +13,8 @@ key ``x`` and values ``D``::
     o_t    = exp(uq_t) q_t^T h + sum_{s in M(t)} exp(uq_t - u_s) (q_t . x_s) D_s
     h_next = exp(u_C) h + sum_s exp(u_C - u_s) x_s D_s^T
 
-Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk: one Gram per chunk, ``N`` inverted in
-registers, forward substitution on its diagonal 16 x 16 blocks and a nilpotent series in
+Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk: one Gram per chunk, ``N`` staged in ``A``
+and inverted there in 16 x 16 blocks, forward substitution on the diagonal ones and
 products for the rest), ``state_fwd`` (sequential: entry states and
 ``D``), ``state_bwd`` (reverse: ``dD = dD_local + exp(u_C - u) X dh`` and
 ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
@@ -86,53 +86,80 @@ def _decayed_gram(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _unit_lower_inverse(b_n, BT: tl.constexpr, PRECISION: tl.constexpr):
-    """``(I + N)^{-1}`` ``[BT, BT]`` fp32 of a chunk's strictly lower ``N`` ``[BT, BT]`` fp32, in
-    registers. The ``BT / 16`` diagonal 16 x 16 blocks ``N_bb`` are inverted all at once, as one
-    ``[BT / 16, 16, 16]`` tile, by forward substitution::
+def _block(a0, i, j, n_rows, H: tl.constexpr, BT: tl.constexpr):
+    """Pointers and row mask of the 16 x 16 block ``(i, j)`` of a chunk's ``[BT, BT]`` tile in ``A``
+    (``a0``: its first row; ``n_rows``: the chunk's rows inside its sequence)."""
+    o = tl.arange(0, 16)
+    r = i * 16 + o
+    return a0 + r[:, None] * (H * BT) + (j * 16 + o)[None, :], (r < n_rows)[:, None]
 
-        row j of (I + N_bb)^{-1} = e_j - sum_{l < j} N_bb[j, l] (row l)      (j = 1 .. 15)
 
-    With ``D`` their block-diagonal inverse and ``L`` the blocks below the diagonal,
-    ``I + N = D^{-1} (I + M)`` for ``M = D L``, strictly block-lower and so nilpotent:
-    ``(I + N)^{-1} = D + Q D`` with ``Q = -M + M^2 - ... (-M)^{BT/16 - 1}``, summed by Horner's rule
-    in ``[BT, BT]`` products (``BT / 16`` of them at most). ``D``'s blocks are kept exact: the
-    diagonal is one and the entries above it zero, exactly."""
+@triton.jit
+def _invert_diagonal_blocks(a0, n_rows, H: tl.constexpr, BT: tl.constexpr):
+    """In place: every 16 x 16 diagonal block ``N_bb`` of the chunk's tile becomes ``(I + N_bb)^{-1}``, all
+    ``BT / 16`` blocks at once as one ``[BT / 16, 16, 16]`` tile, by forward substitution::
+
+        row j = e_j - sum_{l < j} N_bb[j, l] (row l)      (j = 1 .. 15)
+
+    ``N_bb[j, :]`` of every block is read from ``A`` (no extraction from registers)."""
     NB: tl.constexpr = BT // 16
+    stride: tl.constexpr = H * BT
+    o_b = tl.arange(0, NB)
     o_s = tl.arange(0, 16)
-    if NB == 1:
-        n3 = tl.reshape(b_n, (1, 16, 16))
-    else:
-        o_b = tl.arange(0, NB)
-        same = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]: a diagonal block
-        n3 = tl.sum(tl.where(same, tl.reshape(b_n, (NB, 16, NB, 16)), 0.0), axis=2)  # [NB, 16, 16]
-    b_d = tl.where(o_s[None, :, None] == o_s[None, None, :], 1.0, 0.0) + tl.zeros_like(n3)
+    b_ai = tl.where(o_s[None, :, None] == o_s[None, None, :], 1.0, 0.0) + tl.zeros([NB, 16, 16], dtype=tl.float32)
     for j in tl.static_range(1, 16):
-        n_j = tl.sum(tl.where(o_s[None, :, None] == j, n3, 0.0), axis=1)  # [NB, 16]: row j of every N_bb
-        b_d = tl.where(o_s[None, :, None] == j, b_d - tl.sum(n_j[:, :, None] * b_d, axis=1)[:, None, :], b_d)
-    if NB == 1:
-        return tl.reshape(b_d, (16, 16))
-    else:
-        b_dd = tl.reshape(tl.where(same, b_d[:, :, None, :], 0.0), (BT, BT))  # D, block-diagonal
-        o_c = tl.arange(0, BT)
-        below = (o_c[:, None] // 16) > (o_c[None, :] // 16)
-        b_m = tl.dot(b_dd, tl.where(below, b_n, 0.0), input_precision=PRECISION)
-        b_q = -b_m  # (I + M)^{-1} - I, by Horner's rule: Q <- -M (I + Q)
-        for _ in tl.static_range(NB - 2):
-            b_q = -b_m - tl.dot(b_m, b_q, input_precision=PRECISION)
-        return b_dd + tl.dot(b_q, b_dd, input_precision=PRECISION)  # D's blocks exact, Q D below them
+        r_j = o_b * 16 + j
+        n_j = tl.load(a0 + r_j[:, None] * stride + (o_b[:, None] * 16 + o_s[None, :]), mask=(r_j < n_rows)[:, None],
+                      other=0.0)  # [NB, 16]: row j of every N_bb
+        a_j = tl.sum(n_j[:, :, None] * b_ai, axis=1)
+        b_ai = tl.where(o_s[None, :, None] == j, b_ai - a_j[:, None, :], b_ai)
+    rows = o_b[:, None, None] * 16 + o_s[None, :, None]
+    tl.debug_barrier()  # every row of every N_bb read before its inverse replaces it
+    tl.store(a0 + rows * stride + o_b[:, None, None] * 16 + o_s[None, None, :], b_ai, mask=rows < n_rows)
+
+
+@triton.jit
+def _unit_lower_inverse(a0, n_rows, H: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """In place: the chunk's tile ``N`` in ``A`` (strictly lower, zero above the diagonal) becomes
+    ``(I + N)^{-1}``. Diagonal 16 x 16 blocks by ``_invert_diagonal_blocks``, then block row after block
+    row (block forward substitution, 16 x 16 products)::
+
+        A_ij = -A_ii sum_{j <= l < i} N_il A_lj       (j < i)
+
+    ``A_ij`` replaces ``N_ij`` once every program thread has read ``N_ij``; block row ``i`` reads rows
+    ``l < i``, already final."""
+    _invert_diagonal_blocks(a0, n_rows, H, BT)
+    tl.debug_barrier()
+    for i in tl.static_range(1, BT // 16):
+        p_ii, m_i = _block(a0, i, i, n_rows, H, BT)
+        a_ii = tl.load(p_ii, mask=m_i, other=0.0)
+        for j in tl.static_range(i):
+            b_s = tl.zeros([16, 16], dtype=tl.float32)  # sum_l N_il A_lj
+            for l in tl.static_range(j, i):
+                p_il, _m = _block(a0, i, l, n_rows, H, BT)
+                p_lj, m_l = _block(a0, l, j, n_rows, H, BT)
+                b_s = tl.dot(tl.load(p_il, mask=m_i, other=0.0), tl.load(p_lj, mask=m_l, other=0.0), b_s,
+                             input_precision=PRECISION)
+            a_ij = -tl.dot(a_ii, b_s, input_precision=PRECISION)
+            p_ij, _m = _block(a0, i, j, n_rows, H, BT)
+            tl.debug_barrier()  # N_ij read by every thread before A_ij replaces it
+            tl.store(p_ij, a_ij, mask=m_i)
+        tl.debug_barrier()  # block row i final before the next block row reads it
 
 
 @triton.jit
 def wy_fwd(
-    x, v, eta, kappa, log_a, A, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
+    x, v, eta, kappa, log_a, A, A_out, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED_V: tl.constexpr = False,
+    STORE_A_OUT: tl.constexpr = False,
 ):
-    """Grid ``(num_chunks, H)``: ``A = (I + N)^{-1}`` ``[rows, H, BT]`` in the input dtype, ``U = A (eta Y)``
-    ``[rows, H, V]`` and ``W = A (kappa exp(w) X)`` ``[rows, H, K]`` of every chunk. ``N`` and its inverse
-    stay in registers (fp32, ``_unit_lower_inverse``); ``A`` is stored rounded to the input dtype, the
-    operand of the products here (``[BT, BT] x [BT, BV]``, fp32 accumulation) and of ``wy_bwd``'s."""
+    """Grid ``(num_chunks, H)``: ``A = (I + N)^{-1}`` ``[rows, H, BT]`` fp32, ``U = A (eta Y)``
+    ``[rows, H, V]`` and ``W = A (kappa exp(w) X)`` ``[rows, H, K]`` of every chunk. ``N`` is written
+    into the chunk's rows of ``A`` and inverted there in place (``_unit_lower_inverse``); ``U`` and
+    ``W`` are ``[BT, BT] x [BT, BV]`` products in the input dtype with fp32 accumulation. With
+    ``STORE_A_OUT``, ``A`` rounded to the input dtype (the operand of those products, and of every
+    product of ``wy_bwd``) is also stored in ``A_out``, laid out as ``A``."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -140,10 +167,18 @@ def wy_fwd(
     u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
     w = _step_prefix(u, w, BT, SLOTS)
     ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    a0 = A + ((bos + i_t * BT) * H + i_h) * BT  # the chunk's first row of A; rows H * BT apart
+    p_a = a0 + o_c[:, None] * (H * BT) + o_c[None, :]
     b_n = _decayed_gram(x, ka, u, w, bos, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
+    tl.store(p_a, b_n, mask=m_t[:, None])
+    tl.debug_barrier()
+    _unit_lower_inverse(a0, T_n - i_t * BT, H, BT, PRECISION)
+    tl.debug_barrier()
     dt = x.dtype.element_ty  # U and W: products in the input dtype, fp32 accumulation
-    b_a16 = _unit_lower_inverse(b_n, BT, PRECISION).to(dt)
-    tl.store(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_a16, mask=m_t[:, None])
+    b_a16 = tl.load(p_a, mask=m_t[:, None], other=0.0).to(dt)
+    if STORE_A_OUT:
+        tl.store(A_out + ((bos + i_t * BT) * H + i_h) * BT + o_c[:, None] * (H * BT) + o_c[None, :], b_a16,
+                 mask=m_t[:, None])
     r_v = _value_rows(bos, o_t, i_n, T, SLOTS, WINDOWED_V)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)

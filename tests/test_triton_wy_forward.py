@@ -131,6 +131,11 @@ def test_packed_sequences_chunk_32(monkeypatch):
     check_wy(monkeypatch, (1, 100, 1, 16, 16), BT=32, cu_seqlens=[0, 5, 70, 71, 100], seed=3)
 
 
+def test_chunk_16(monkeypatch):
+    # one 16-row block per chunk: its inverse is the diagonal block's alone
+    check_wy(monkeypatch, (1, 40, 2, 16, 16), BT=16, slots=2, cu_seqlens=[0, 18, 40], seed=5)
+
+
 def test_packed_grouped_writes(monkeypatch):
     check_wy(monkeypatch, (1, 88, 1, 16, 16), slots=4, cu_seqlens=[0, 20, 88], seed=4)
 

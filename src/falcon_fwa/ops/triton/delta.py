@@ -50,6 +50,10 @@ FULL_K_16BIT_GROUPED = {"state_fwd": (64, 4, 2), "state_bwd": (64, 4, 2), "wy_bw
 # Launch settings of the scalar-decay kernels that read the write values D (``output_fwd``, ``dv_bwd``,
 # ``dqk_bwd``), one table for one write per step (rule 1) and one for grouped writes (rule 3), apart from
 # rule 1A's (``launch.LAUNCH``, where they started) so that each can be set for its own row layout.
+# Values from an H200 sweep inside each op at the shape above, bf16 (``benchmarks/sweep_launch.py``;
+# benchmarks/results/h200_wy_scalar_launch_sweep_9ef2ca8.txt): rule 3 output_fwd 0.428 -> 0.404 ms,
+# dv_bwd 0.312 -> 0.243 ms; rule 1 output_fwd 0.122 -> 0.112 ms, dv_bwd 0.092 -> 0.077 ms; dqk_bwd fastest
+# at rule 1A's setting for both.
 SCALAR_LAUNCH = {
     "one": dict(output_fwd=dict(BK=64, BV=128, num_warps=4, num_stages=2),
                 dv_bwd=dict(BK=64, BV=128, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),

@@ -39,7 +39,9 @@ def main(argv=None) -> int:
     rows = []
     for spec in args.warps:
         fwd, bwd = (int(w) for w in spec.split(","))
-        delta.WY_WARPS.update(wy_fwd=fwd, wy_bwd=bwd)
+        for entry in delta.WY_FWD_LAUNCH.values():
+            entry["wy_fwd"]["num_warps"] = fwd
+        delta.WY_WARPS.update(wy_bwd=bwd)
         row = dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd)
         rows.append(row)
         try:

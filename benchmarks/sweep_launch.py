@@ -10,6 +10,8 @@ calls under ``torch.profiler``), the op's total device time, and ``err``, the la
 
     python benchmarks/sweep_launch.py --op falcon-3 --table delta.SCALAR_LAUNCH.grouped \\
         --kernels output_fwd dv_bwd dqk_bwd --out OUT
+    python benchmarks/sweep_launch.py --op falcon-1 --table delta.WY_FWD_LAUNCH.16bit --kernels wy_fwd \\
+        --candidates 64,64,4,2 128,64,4,3 64,128,4,3 --out OUT
 
 Prints one line per setting and ``PICK``: per kernel, the fastest setting with ``err < 1e-3``
 that is at least 3 % faster than the table's own; writes ``OUT/sweep_<op>.json``.
@@ -73,6 +75,18 @@ def run(op: str, calls: int):
     return ref, times
 
 
+def parse_candidate(text: str) -> tuple:
+    """``"BK,BV,WARPS,STAGES"`` -> four positive ints (``--candidates``)."""
+    parts = text.split(",")
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 4 or min(values) < 1:
+        raise SystemExit(f"--candidates: {text!r} is not BK,BV,WARPS,STAGES (four positive integers)")
+    return values
+
+
 def rel(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
     return max(float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(a, b))
 
@@ -82,6 +96,8 @@ def main() -> None:
     p.add_argument("--op", required=True, help=f"one of {', '.join(OPS)}")
     p.add_argument("--table", required=True, help="module.ATTR[.key] under falcon_fwa.ops.triton")
     p.add_argument("--kernels", nargs="+", required=True)
+    p.add_argument("--candidates", nargs="+", default=None, metavar="BK,BV,WARPS,STAGES",
+                   help="the settings to try (default: CANDIDATES)")
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--out", default=".")
     a = p.parse_args()
@@ -90,6 +106,7 @@ def main() -> None:
     if a.op not in OPS:
         sys.exit(f"--op: unknown {a.op!r}; choose from {', '.join(OPS)}")
     table = resolve(a.table)
+    candidates = CANDIDATES if a.candidates is None else [parse_candidate(c) for c in a.candidates]
     for k in a.kernels:
         if k not in table:
             sys.exit(f"--kernels: {k!r} is not in {a.table} ({', '.join(table)})")
@@ -103,7 +120,7 @@ def main() -> None:
     for kernel in a.kernels:
         own = dict(table[kernel])
         best = (base.get(kernel, 0.0) * 0.97, None)
-        for BK, BV, warps, stages in CANDIDATES:
+        for BK, BV, warps, stages in candidates:
             setting = dict(BK=BK, BV=BV, num_warps=warps, num_stages=stages)
             if setting == own:
                 continue

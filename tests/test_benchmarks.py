@@ -305,5 +305,14 @@ def test_sweep_launch_resolves_tables_by_name():
     import sweep_launch
     from falcon_fwa.ops.triton import delta
     assert sweep_launch.resolve("delta.SCALAR_LAUNCH.grouped") is delta.SCALAR_LAUNCH["grouped"]
+    assert sweep_launch.resolve("delta.WY_FWD_LAUNCH.16bit") is delta.WY_FWD_LAUNCH["16bit"]
     with pytest.raises(SystemExit, match="not a dict"):
         sweep_launch.resolve("delta.WY_MAX_CHUNK")
+
+
+def test_sweep_launch_parses_candidates():
+    import sweep_launch
+    assert sweep_launch.parse_candidate("128,64,4,3") == (128, 64, 4, 3)
+    for bad in ("64,64,4", "64,64,4,x", "64,64,0,2"):
+        with pytest.raises(SystemExit, match="BK,BV,WARPS,STAGES"):
+            sweep_launch.parse_candidate(bad)

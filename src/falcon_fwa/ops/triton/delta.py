@@ -21,15 +21,21 @@ from .window_sum import window_sum
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
 SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row blocks of the inverse)
-# Warps of the two WY kernels (module-level so that a diagnosis can vary them; Triton 3.4-3.7.0
-# is known to miscompile a WY backward at chunk 64 with 4 warps on Hopper). On an H200, ``wy_fwd`` is
-# fastest at 4 warps with both 16-bit and exact fp32 products (bf16 0.26 ms vs 0.52 at 8 warps; fp32
-# 1.25 vs 1.74 ms; B=8, T=2048, H=16, K=V=128).
-WY_WARPS = {"wy_fwd": 4, "wy_bwd": 8}
-# Key / value blocks of ``wy_fwd`` by dot precision. Exact fp32 products run on the FMA units with
-# their operands in registers: 64-wide blocks spill for sm_90 at 4 or 8 warps. On an H200 at the shape
-# above, 16-wide blocks at 4 warps took 1.25 ms (32-wide at 8 warps: 1.67 ms).
-WY_FWD_BLOCKS = {"ieee": dict(BK=16, BV=16), "tf32": dict(BK=64, BV=64)}
+# Warps of ``wy_bwd`` (module-level so that a diagnosis can vary them; Triton 3.4-3.7.0 is known to
+# miscompile a WY backward at chunk 64 with 4 warps on Hopper).
+WY_WARPS = {"wy_bwd": 8}
+# Launch settings of ``wy_fwd``, by the precision of its products and, for 16-bit inputs, the write
+# layout (one write per step: rule 1; grouped writes: rule 3). Exact fp32 products run on the FMA units
+# with their operands in registers: 64-wide blocks spill for sm_90 at 4 or 8 warps. On an H200 at
+# B=8, T=2048, H=16, K=V=128: exact fp32 1.25 ms at 16-wide blocks and 4 warps (32-wide at 8 warps:
+# 1.67 ms); bf16 0.26 ms at 4 warps against 0.52 at 8. ``benchmarks/sweep_launch.py`` sweeps an entry
+# (``--table delta.WY_FWD_LAUNCH.16bit --kernels wy_fwd``).
+WY_FWD_LAUNCH = {
+    "ieee": {"wy_fwd": dict(BK=16, BV=16, num_warps=4, num_stages=3)},
+    "tf32": {"wy_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3)},
+    "16bit": {"wy_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3)},
+    "16bit_grouped": {"wy_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3)},
+}
 # The largest chunk the WY kernels run: a request for 128 runs at 64 (the result is the same up to
 # rounding). At 128 the fp32 kernels take 6.5 minutes to compile for sm_90 (even at K = V = 16;
 # benchmarks/kernel_resources.py), and no GPU run of them at 128 ever finished.
@@ -83,6 +89,13 @@ def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[
     return BK, BV, 4 if BK <= 128 else 8, stages
 
 
+def _wy_fwd_key(dtype: torch.dtype, prec: str, slots: int) -> str:
+    """``WY_FWD_LAUNCH``'s entry for inputs of ``dtype`` with products in ``prec``."""
+    if dtype.itemsize == 2:
+        return "16bit" if slots == 1 else "16bit_grouped"
+    return prec
+
+
 def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowed_v: bool = False):
     """``wy_fwd`` over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` (row ``t``
     holds its chunk's row of the inverse), ``U = A (eta Y)`` ``[B, T, H, V]`` and
@@ -98,11 +111,10 @@ def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowe
     A = x.new_empty(B, T, H, layout.BT, dtype=torch.float32)  # also the scratch of N (written before read)
     A_out = A if x.dtype == torch.float32 else torch.empty_like(A, dtype=x.dtype)
     U, W = x.new_empty(B, T, H, V, dtype=v.dtype), torch.empty_like(x)
-    c = launch_config(prec, K, V, WY_FWD_BLOCKS)
+    c = launch_config("wy_fwd", K, V, WY_FWD_LAUNCH[_wy_fwd_key(x.dtype, prec, slots)])
     wy.wy_fwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, A_out, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c,
-        PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, STORE_A_OUT=A_out is not A,
-        num_warps=WY_WARPS["wy_fwd"], **layout_args(layout))
+        PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, STORE_A_OUT=A_out is not A, **layout_args(layout))
     return A_out, U, W
 
 

@@ -161,14 +161,16 @@ def test_two_segments_continue_exactly():
 
 
 @pytest.mark.parametrize("S", [2, 4])
-def test_values_read_in_place_from_the_window_axis(S):
-    """``delta_chunk(..., windowed_v=True)`` reading ``v`` ``[B, T // S + S - 1, H, V]`` in place
-    (write ``j*S + i`` takes row ``j + i``) gives exactly the outputs, final state and gradient
-    (summed onto that axis) of the same scan on the materialized overlapping windows."""
+def test_pairs_read_in_place_from_the_window_axis(S):
+    """``delta_chunk(..., windowed=True)`` reading ``x`` ``[B, T // S + S - 1, H, K]`` and ``v``
+    ``[B, T // S + S - 1, H, V]`` in place (write ``j*S + i`` takes row ``j + i`` of both) gives
+    exactly the outputs, final state and gradients (summed onto that axis) of the same scan on
+    the materialized overlapping windows."""
     g = torch.Generator().manual_seed(S)
     n_steps, B, H, K, V = 20 // S, 2, 1, 16, 24  # 20 rows: two chunks of 16
     T, L = n_steps * S, n_steps + S - 1
-    q, x = (torch.randn(B, T, H, K, generator=g).to(DEVICE) / 4 for _ in range(2))
+    q = (torch.randn(B, T, H, K, generator=g) / 4).to(DEVICE)
+    x_axis = (torch.randn(B, L, H, K, generator=g) / 4).to(DEVICE)
     y = torch.randn(B, L, H, V, generator=g).to(DEVICE)
     eta = (torch.rand(B, T, H, generator=g) * 0.5).to(DEVICE)
     log_a = torch.zeros(B, T, H)
@@ -176,21 +178,29 @@ def test_values_read_in_place_from_the_window_axis(S):
     log_a = log_a.to(DEVICE)
     probe = torch.randn(B, T, H, V, generator=g).to(DEVICE)
     S0 = torch.randn(B, H, K, V, generator=g).to(DEVICE) * 0.1
+
+    def windows(t):  # [B, L, H, D] -> the write rows [B, T, H, D]
+        return t.unfold(1, S, 1).permute(0, 1, 4, 2, 3).reshape(B, T, H, t.shape[-1])
+
     results = []
     for windowed in (False, True):
-        leaf = y.clone().requires_grad_()
-        v = leaf if windowed else leaf.unfold(1, S, 1).permute(0, 1, 4, 2, 3).reshape(B, T, H, V)
+        xl, yl = x_axis.clone().requires_grad_(), y.clone().requires_grad_()
+        x, v = (xl, yl) if windowed else (windows(xl), windows(yl))
         o, S_T = delta_chunk(q, x, v, eta, eta * 0.9, log_a, S0, read_after=False, chunk_size=16,
-                             output_final_state=True, slots=S, windowed_v=windowed)
+                             output_final_state=True, slots=S, windowed=windowed)
         ((o * probe).sum() + S_T.sum()).backward()
-        results.append((o, S_T, leaf.grad))
+        results.append((o, S_T, xl.grad, yl.grad))
     for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="cu_seqlens=None"):
-        delta_chunk(q[:1], x[:1], y[:1], eta[:1], eta[:1], log_a[:1], None, read_after=True, slots=S,
-                    windowed_v=True, cu_seqlens=torch.tensor([0, T], device=DEVICE))
+        delta_chunk(q[:1], x_axis[:1], y[:1], eta[:1], eta[:1], log_a[:1], None, read_after=True, slots=S,
+                    windowed=True, cu_seqlens=torch.tensor([0, T], device=DEVICE))
     with pytest.raises(ValueError, match="v must have"):
-        delta_chunk(q, x, y[:, 1:], eta, eta, log_a, None, read_after=True, slots=S, windowed_v=True)
+        delta_chunk(q, x_axis, y[:, 1:], eta, eta, log_a, None, read_after=True, slots=S, windowed=True)
+    with pytest.raises(ValueError, match="x must have"):
+        delta_chunk(q, x_axis[:, 1:], y, eta, eta, log_a, None, read_after=True, slots=S, windowed=True)
+    with pytest.raises(ValueError, match="x must have T = "):
+        delta_chunk(q, x_axis, y, eta, eta, log_a, None, read_after=True, slots=S)
 
 
 def test_grouped_rows_must_be_whole_steps():

@@ -96,25 +96,26 @@ def _wy_fwd_key(dtype: torch.dtype, prec: str, slots: int) -> str:
     return prec
 
 
-def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowed_v: bool = False):
+def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowed: bool = False):
     """``wy_fwd`` over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` (row ``t``
     holds its chunk's row of the inverse), ``U = A (eta Y)`` ``[B, T, H, V]`` and
-    ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``). With
-    ``windowed_v``, ``v`` is ``[B, T // slots + slots - 1, H, V]`` (``delta_chunk``).
+    ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``), over the
+    ``T = layout.T`` write rows. With ``windowed``, ``x`` and ``v`` are ``[B, T // slots + slots - 1,
+    H, D]`` (``delta_chunk``).
 
     The inverse is formed in fp32. For 16-bit inputs it is returned rounded to the inputs'
     dtype, as every product that reads it takes it (here and in ``wy_bwd``): the fp32 scratch
     is freed on return, and what the backward keeps is half its size."""
-    B, T, H, K = x.shape
-    V = v.shape[-1]
+    B, _, H, K = x.shape
+    T, V = layout.T, v.shape[-1]
     prec = dot_precision(x.dtype)
     A = x.new_empty(B, T, H, layout.BT, dtype=torch.float32)  # also the scratch of N (written before read)
     A_out = A if x.dtype == torch.float32 else torch.empty_like(A, dtype=x.dtype)
-    U, W = x.new_empty(B, T, H, V, dtype=v.dtype), torch.empty_like(x)
+    U, W = x.new_empty(B, T, H, V, dtype=v.dtype), x.new_empty(B, T, H, K)
     c = launch_config("wy_fwd", K, V, WY_FWD_LAUNCH[_wy_fwd_key(x.dtype, prec, slots)])
     wy.wy_fwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, A_out, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c,
-        PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, STORE_A_OUT=A_out is not A, **layout_args(layout))
+        PRECISION=prec, SLOTS=slots, WINDOWED=windowed, STORE_A_OUT=A_out is not A, **layout_args(layout))
     return A_out, U, W
 
 
@@ -124,32 +125,38 @@ def _query_args(slots: int, query_slot: Optional[int]) -> dict:
     return {} if query_slot is None else dict(QSLOTS=slots, QREAD=query_slot)
 
 
+def _key_args(slots: int, windowed: bool) -> dict:
+    """The feature-row argument of the kernels that read ``x`` (``scalar_decay_kernels._pair_rows``):
+    with ``windowed``, in place from the extended axis, ``slots`` writes per step."""
+    return dict(XWIN=slots) if windowed else {}
+
+
 def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool, slots: int,
-             windowed_v: bool, query_slot: Optional[int]):
-    B, T, H, K = x.shape
+             windowed: bool, query_slot: Optional[int]):
+    B, _, H, K = x.shape
     V = v.shape[-1]
-    prec, meta = dot_precision(q.dtype), layout_args(layout)
-    A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots, windowed_v)
+    prec, meta, xa = dot_precision(q.dtype), layout_args(layout), _key_args(slots, windowed)
+    A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots, windowed)
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(U)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
     BK, BV, warps, stages = _full_k("state_fwd", K, V, q.dtype, slots)
     wy.state_fwd[(cdiv(V, BV), layout.N * H)](
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
-        STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta)
+        STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta, **xa)
     o = D.new_empty(B, q.shape[1], H, V)
     c = _scalar("output_fwd", K, V, slots)
     sd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **_query_args(slots, query_slot))
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **_query_args(slots, query_slot), **xa)
     return o, A, W, h, D, S_T
 
 
 def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: ChunkLayout, read_after: bool,
-              slots: int, windowed_v: bool, query_slot: Optional[int]):
-    B, T, H, K = x.shape
-    qa = _query_args(slots, query_slot)
-    V = v.shape[-1]
+              slots: int, windowed: bool, query_slot: Optional[int]):
+    B, _, H, K = x.shape
+    T, V = layout.T, v.shape[-1]
+    qa, xa = _query_args(slots, query_slot), _key_args(slots, windowed)
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     # dv_bwd's local part, completed in place by state_bwd; in the inputs' dtype, in which wy_bwd and
     # state_bwd's products take it (half the memory and traffic of fp32 for 16-bit inputs)
@@ -157,15 +164,15 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     c = _scalar("dv_bwd", K, V, slots)
     sd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, None, log_a, None, dD, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa)
+        READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
     BK, BV, warps, stages = _full_k("state_bwd", K, V, q.dtype, slots)
     wy.state_bwd[(cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
-        num_warps=warps, num_stages=stages, **meta, **qa)
-    dq, dx = torch.empty_like(q), torch.empty_like(x)
+        num_warps=warps, num_stages=stages, **meta, **qa, **xa)
+    dq, dx = torch.empty_like(q), x.new_empty(B, T, H, K)  # dx per write row (windowed: summed onto the axis)
     rows = B * T
     c = _scalar("dqk_bwd", K, V, slots)
     NK = cdiv(K, c["BK"])
@@ -173,18 +180,19 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     sd.dqk_bwd[(NK, layout.num_chunks, H)](
         q, x, D, do, None, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa)
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
     del dh  # read by dqk_bwd only
-    dv = torch.empty_like(D)  # per write (with ``windowed_v``, summed onto ``v``'s axis below)
+    dv = torch.empty_like(D)  # per write row (windowed: summed onto the axis below)
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
     dG = torch.empty_like(A, dtype=torch.float32)  # wy_bwd's scratch: the Gram's gradient, read back transposed
     BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED_V=windowed_v, num_warps=WY_WARPS["wy_bwd"],
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed, num_warps=WY_WARPS["wy_bwd"],
         num_stages=stages, **meta)
-    if windowed_v:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
+    if windowed and slots > 1:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
+        dx = window_sum(dx.view(B, T // slots, slots, H, K))
         dv = window_sum(dv.view(B, T // slots, slots, H, V))
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     sd.dlog_bwd[(layout.num_chunks, H)](
@@ -195,14 +203,14 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
 
 class _DeltaChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots, windowed_v,
+    def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots, windowed,
                 query_slot):
-        B, T = x.shape[:2]
+        B, T = eta.shape[:2]  # the write rows (windowed: x and v lie on the shorter extended axis)
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final, slots,
-                                      windowed_v, query_slot)
+                                      windowed, query_slot)
         ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
-        ctx.layout, ctx.read_after, ctx.slots, ctx.windowed_v = layout, read_after, slots, windowed_v
+        ctx.layout, ctx.read_after, ctx.slots, ctx.windowed = layout, read_after, slots, windowed
         ctx.query_slot = query_slot
         return o, S_T
 
@@ -211,7 +219,7 @@ class _DeltaChunk(torch.autograd.Function):
         q, x, v, eta, kappa, log_a, S0, A, W, h, D = ctx.saved_tensors
         grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots,
-                          ctx.windowed_v, ctx.query_slot)
+                          ctx.windowed, ctx.query_slot)
         return (*grads, None, None, None, None, None, None, None)
 
 
@@ -229,7 +237,7 @@ def delta_chunk(
     cu_seqlens: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     slots: int = 1,
-    windowed_v: bool = False,
+    windowed: bool = False,
     query_slot: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunk-parallel regression (delta) scan with scalar step sizes.
@@ -239,10 +247,11 @@ def delta_chunk(
     on a group's first row), which all see the state before their step, not one another:
     the rule-3 layout (``ops.triton.sliding_delta``). ``slots`` must divide 16.
 
-    ``windowed_v`` (rows of equal length, no ``cu_seqlens``): ``v`` is ``[B, T // slots +
-    slots - 1, H, V]`` and write ``j*slots + i`` takes its value from row ``j + i`` (the rows
-    are the overlapping windows of ``slots`` consecutive rows of ``v``, read in place); the
-    gradient of ``v`` is summed onto that axis (``window_sum``).
+    ``windowed`` (rows of equal length, no ``cu_seqlens``): ``x`` and ``v``
+    are ``[B, T // slots + slots - 1, H, D]`` (the extended axis of rule 3) and write ``j*slots
+    + i`` takes its pair from row ``j + i`` of both (the writes are the overlapping windows of
+    ``slots`` consecutive rows, read in place); their gradients are summed onto that axis
+    (``window_sum``). ``T`` is then the number of write rows, that of ``eta``.
 
     ``query_slot`` (with ``slots`` > 1): ``q`` is ``[B, T // slots, H, K]``, one query per
     step, read on row ``j*slots + query_slot`` of its group (the other rows read nothing, as
@@ -258,18 +267,23 @@ def delta_chunk(
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
     if slots not in SLOT_COUNTS:
         raise ValueError(f"slots must be one of {SLOT_COUNTS} (a divisor of 16), got {slots}")
-    T = x.shape[1]
+    T = eta.shape[1]  # write rows
     if slots > 1:  # whole steps only: every sequence a multiple of ``slots`` rows
         if T % slots:
             raise ValueError(f"with slots={slots}, T={T} must be a multiple of slots")
         if cu_seqlens is not None and bool((cu_seqlens % slots).any()):
             raise ValueError(f"with slots={slots}, every cu_seqlens boundary must be a multiple of slots")
-    if windowed_v:
+    if windowed:
         if cu_seqlens is not None:
-            raise ValueError("windowed_v needs rows of equal length (cu_seqlens=None)")
-        if v.shape[1] != T // slots + slots - 1:
-            raise ValueError(f"with windowed_v, v must have T // slots + slots - 1 = {T // slots + slots - 1} "
-                             f"rows, got {v.shape[1]}")
+            raise ValueError("windowed needs rows of equal length (cu_seqlens=None)")
+        for name, t in (("x", x), ("v", v)):
+            if t.shape[1] != T // slots + slots - 1:
+                raise ValueError(f"with windowed, {name} must have T // slots + slots - 1 = {T // slots + slots - 1} "
+                                 f"rows (T = {T} write rows), got {t.shape[1]}")
+    else:
+        for name, t in (("x", x), ("v", v)):
+            if t.shape[1] != T:
+                raise ValueError(f"{name} must have T = {T} rows (those of eta), got {t.shape[1]}")
     if query_slot is not None:
         if not 0 <= query_slot < slots or slots == 1:
             raise ValueError(f"query_slot must be in [0, slots) with slots > 1, got query_slot={query_slot}, "
@@ -281,4 +295,4 @@ def delta_chunk(
     eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
     S0 = None if S0 is None else S0.float().contiguous()
     return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state,
-                             slots, windowed_v, query_slot)
+                             slots, windowed, query_slot)

@@ -20,8 +20,9 @@ products for the rest), ``state_fwd`` (sequential: entry states and
 ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
 (through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``, each
 product once). Every transposed operand is loaded as such (``wy_bwd``'s ``dG^T`` read back
-from the scratch it was stored in), never ``tl.trans`` of a product. With ``WINDOWED_V`` the WY
-kernels read the values in place from rule 3's extended time axis (``_value_rows``).
+from the scratch it was stored in), never ``tl.trans`` of a product. With ``WINDOWED`` the
+kernels read the features and values in place from rule 3's extended time axis
+(``scalar_decay_kernels._pair_rows``); everything they write is per write row.
 
 Rule 3's step sizes: ``window_gram_fwd`` / ``window_gram_bwd`` (the window Grams
 ``G_t[i, j] = x_{t+i} . x_{t+j}`` straight from the extended axis, and their gradient).
@@ -31,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _query_rows, _sequence
+from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _pair_rows, _query_rows, _sequence
 
 
 @triton.jit
@@ -47,28 +48,17 @@ def _step_prefix(u, w, BT: tl.constexpr, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _value_rows(bos, o_t, i_n, T, SLOTS: tl.constexpr, WINDOWED_V: tl.constexpr):
-    """Rows of ``v`` that hold the values of the writes ``o_t`` of sequence ``i_n``: ``bos + o_t``, or
-    with ``WINDOWED_V`` (rows of equal length ``T``, a multiple of ``SLOTS``) ``v`` on the extended
-    axis ``[N, T // SLOTS + SLOTS - 1, H, V]``, write ``j*SLOTS + i`` reading position ``j + i``."""
-    if WINDOWED_V:
-        return i_n.to(tl.int64) * (T // SLOTS + SLOTS - 1) + o_t // SLOTS + o_t % SLOTS
-    else:
-        return bos + o_t
-
-
-@triton.jit
 def _earlier_step(rows, cols, SLOTS: tl.constexpr):
     """``[p, r]`` -> write ``r`` belongs to an earlier step than write ``p``."""
     return (cols[None, :] // SLOTS) < (rows[:, None] // SLOTS)
 
 
 @triton.jit
-def _decayed_gram(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+def _decayed_gram(x, r_x, ka, u, w, i_t, i_h, T_n, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr):
     """``N`` ``[BT, BT]`` fp32 of one chunk, ``N[p, r] = ka_p exp(w_p - u_r) (x_p . x_r)`` for ``r`` of an
     earlier step than ``p`` and 0 elsewhere: one Gram ``X X^T`` from ``[BT, BK] x [BK, BT]`` dots (``X^T``
-    loaded as such), then the decays."""
+    loaded as such; the chunk's features on rows ``r_x`` of ``x``), then the decays."""
     o_c = tl.arange(0, BT)
     o_t = i_t * BT + o_c
     m_t = o_t < T_n
@@ -76,10 +66,8 @@ def _decayed_gram(x, ka, u, w, bos, i_t, i_h, T_n, H: tl.constexpr, K: tl.conste
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                      other=0.0)
-        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None],
-                       other=0.0)
+        b_x = tl.load(x + (r_x[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_xt = tl.load(x + (r_x[None, :] * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
         b_g += tl.dot(b_x, b_xt, input_precision=PRECISION)
     below = _earlier_step(o_c, o_c, SLOTS)
     return tl.where(below, ka[:, None] * tl.exp(tl.where(below, w[:, None] - u[None, :], float("-inf"))) * b_g, 0.0)
@@ -151,7 +139,7 @@ def _unit_lower_inverse(a0, n_rows, H: tl.constexpr, BT: tl.constexpr, PRECISION
 def wy_fwd(
     x, v, eta, kappa, log_a, A, A_out, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED_V: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED: tl.constexpr = False,
     STORE_A_OUT: tl.constexpr = False,
 ):
     """Grid ``(num_chunks, H)``: ``A = (I + N)^{-1}`` ``[rows, H, BT]`` fp32, ``U = A (eta Y)``
@@ -159,7 +147,8 @@ def wy_fwd(
     into the chunk's rows of ``A`` and inverted there in place (``_unit_lower_inverse``); ``U`` and
     ``W`` are ``[BT, BT] x [BT, BV]`` products in the input dtype with fp32 accumulation. With
     ``STORE_A_OUT``, ``A`` rounded to the input dtype (the operand of those products, and of every
-    product of ``wy_bwd``) is also stored in ``A_out``, laid out as ``A``."""
+    product of ``wy_bwd``) is also stored in ``A_out``, laid out as ``A``. ``x`` and ``v`` are read on
+    the rows ``_pair_rows`` gives (``WINDOWED``: in place on the extended axis)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -169,7 +158,8 @@ def wy_fwd(
     ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     a0 = A + ((bos + i_t * BT) * H + i_h) * BT  # the chunk's first row of A; rows H * BT apart
     p_a = a0 + o_c[:, None] * (H * BT) + o_c[None, :]
-    b_n = _decayed_gram(x, ka, u, w, bos, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
+    r_p = _pair_rows(bos, o_t, i_n, T, SLOTS if WINDOWED else 1)  # rows of x and v
+    b_n = _decayed_gram(x, r_p, ka, u, w, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
     tl.store(p_a, b_n, mask=m_t[:, None])
     tl.debug_barrier()
     _unit_lower_inverse(a0, T_n - i_t * BT, H, BT, PRECISION)
@@ -179,18 +169,17 @@ def wy_fwd(
     if STORE_A_OUT:
         tl.store(A_out + ((bos + i_t * BT) * H + i_h) * BT + o_c[:, None] * (H * BT) + o_c[None, :], b_a16,
                  mask=m_t[:, None])
-    r_v = _value_rows(bos, o_t, i_n, T, SLOTS, WINDOWED_V)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m = m_t[:, None] & (o_v[None, :] < V)
-        b_y = tl.load(v + (r_v[:, None] * H + i_h) * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
+        b_y = tl.load(v + (r_p[:, None] * H + i_h) * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
         b_u = tl.dot(b_a16, (b_y * et[:, None]).to(dt), input_precision=PRECISION)
         tl.store(U + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m)
     kw = ka * tl.exp(w)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m = m_t[:, None] & (o_k[None, :] < K)
-        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_x = tl.load(x + (r_p[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
         b_w = tl.dot(b_a16, (b_x * kw[:, None]).to(dt), input_precision=PRECISION)
         tl.store(W + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m)
 
@@ -200,9 +189,11 @@ def state_fwd(
     x, U, W, log_a, h, D, s0, s_final, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    XWIN: tl.constexpr = 1,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K`` (the whole key dimension):
-    entry states into ``h`` and ``D = U - W h`` into ``D``, chunk after chunk."""
+    entry states into ``h`` and ``D = U - W h`` into ``D``, chunk after chunk (``x`` on the rows
+    ``_pair_rows(..., XWIN)`` gives)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -224,7 +215,8 @@ def state_fwd(
         b_u = tl.load(U + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         b_d = (b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PRECISION)).to(b_w.dtype)
         tl.store(D + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_d.to(D.dtype.element_ty), mask=m_tv)
-        b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
+        r_x = _pair_rows(bos, o_t, i_n, T, XWIN)
+        b_xt = tl.load(x + (r_x[None, :] * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
         b_xt = (b_xt * tl.exp(u_last - u)[None, :]).to(b_w.dtype)
         b_h = b_h * tl.exp(u_last) + tl.dot(b_xt, b_d, input_precision=PRECISION)
     if STORE_FINAL:
@@ -236,12 +228,13 @@ def state_bwd(
     q, x, W, do, log_a, dD_local, dD, dh, ds_final, ds0, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
+    PRECISION: tl.constexpr, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks, the
     gradient of every exit state into ``dh`` and the full ``dD`` (in its dtype). ``dD`` may be
     ``dD_local`` itself: each element is read, then written, by the same program. ``q`` and
-    ``do`` on the query rows (``scalar_decay_kernels._query_rows``)."""
+    ``do`` on the query rows (``scalar_decay_kernels._query_rows``), ``x`` on the rows
+    ``_pair_rows(..., XWIN)`` gives."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -262,7 +255,8 @@ def state_bwd(
         m_tv = m_t[:, None] & m_v[None, :]
         rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
-        b_x = tl.load(x + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        r_x = _pair_rows(bos, o_t, i_n, T, XWIN)
+        b_x = tl.load(x + (r_x[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_do = tl.load(do + (qr[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :], other=0.0)
         b_x = (b_x * tl.exp(u_last - u)[:, None]).to(b_do.dtype)
         b_dd = tl.load(dD_local + rows_v, mask=m_tv, other=0.0) + tl.dot(b_x, b_dh.to(b_do.dtype), input_precision=PRECISION)
@@ -280,7 +274,7 @@ def state_bwd(
 def wy_bwd(
     x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED_V: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED: tl.constexpr = False,
 ):
     """Grid ``(num_chunks, H)`` with ``BK >= K``: gradients through ``D = U - W h``,
     ``U = A (eta Y)``, ``W = A (kappa exp(w) X)`` and ``A = (I + N)^{-1}``. Writes ``dv``,
@@ -291,7 +285,8 @@ def wy_bwd(
     Each product is formed once, with ``A^T``, ``Y^T``, ``h^T`` and ``X^T`` loaded as such. The
     Gram's gradient ``dG`` (``[p, r]``, ``r`` before ``p``) enters ``dx`` through ``dG + dG^T``:
     ``dG`` is staged in the scratch ``dG`` (``[rows, H, BT]`` fp32, laid out as ``A``) and read
-    back transposed. ``v`` is read as in ``wy_fwd`` (``WINDOWED_V``); ``dv`` is per write."""
+    back transposed. ``x`` and ``v`` are read as in ``wy_fwd`` (``WINDOWED``); ``dx`` and ``dv`` are per
+write row."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -309,15 +304,15 @@ def wy_bwd(
     b_da = tl.zeros([BT, BT], dtype=tl.float32)  # dA
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # dW = -dD h^T
     d_eta = tl.zeros([BT], dtype=tl.float32)
-    r_v = _value_rows(bos, o_t, i_n, T, SLOTS, WINDOWED_V)
+    r_p = _pair_rows(bos, o_t, i_n, T, SLOTS if WINDOWED else 1)  # rows of x and v
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         b_dd = tl.load(dD + rows_v, mask=m_tv, other=0.0).to(dt)
-        b_y = tl.load(v + (r_v[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_yt = tl.load(v + (r_v[None, :] * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None],
+        b_y = tl.load(v + (r_p[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_yt = tl.load(v + (r_p[None, :] * H + i_h) * V + o_v[:, None], mask=m_t[None, :] & m_v[:, None],
                        other=0.0).to(dt)
         b_ht = tl.load(h + state + o_k[None, :] * V + o_v[:, None], mask=m_k[None, :] & m_v[:, None], other=0.0).to(dt)
         b_da += tl.dot(b_dd, b_yt, input_precision=PRECISION)
@@ -328,9 +323,8 @@ def wy_bwd(
     b_da = b_da * et[None, :]
     rows_k = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
-    b_x = tl.load(x + rows_k, mask=m_tk, other=0.0)
-    b_xt = tl.load(x + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None],
-                   other=0.0)
+    b_x = tl.load(x + (r_p[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_xt = tl.load(x + (r_p[None, :] * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
     b_dw16 = b_dw.to(dt)
     b_da += tl.dot(b_dw16, b_xt, input_precision=PRECISION) * kw[None, :]
     b_atdw = tl.dot(b_at, b_dw16, input_precision=PRECISION)  # A^T dW

@@ -71,6 +71,35 @@ def _query_rows(bos, o_t, m_t, QSLOTS: tl.constexpr, QREAD: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(bos, o_t, i_n, T, WIN: tl.constexpr):
+    """Rows of the pair tensor (``x`` or ``v``) that hold the writes ``o_t`` of sequence ``i_n``:
+    ``bos + o_t``, or with ``WIN > 1`` (rows of equal length ``T``, a multiple of ``WIN``: rule 3's
+    writes, ``WIN`` per step) rows of the extended axis ``[N, T // WIN + WIN - 1, H, D]``, write
+    ``j*WIN + i`` (slot ``i`` of step ``j``) reading position ``j + i``, in place."""
+    if WIN == 1:
+        r = bos + o_t
+    else:
+        r = i_n.to(tl.int64) * (T // WIN + WIN - 1) + o_t // WIN + o_t % WIN
+    return r
+
+
+@triton.jit
+def _load_keys(x, delayed, i_n, bos, o_t, m_t, i_h, o_d, m_d, T, H: tl.constexpr, D: tl.constexpr,
+               TRANS: tl.constexpr, XWIN: tl.constexpr):
+    """The write features of steps ``o_t`` as ``_load_rows(x, delayed, 0, ...)`` does, or with
+    ``XWIN > 1`` read in place from the extended axis (``_pair_rows``; ``delayed`` unused)."""
+    if XWIN == 1:
+        b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_d, m_d, H, D, TRANS)
+    else:
+        r = _pair_rows(bos, o_t, i_n, T, XWIN)
+        if TRANS:
+            b_x = tl.load(x + (r[None, :] * H + i_h) * D + o_d[:, None], mask=m_t[None, :] & m_d[:, None], other=0.0)
+        else:
+            b_x = tl.load(x + (r[:, None] * H + i_h) * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.0)
+    return b_x
+
+
+@triton.jit
 def _load_rows(x, delayed, WHICH: tl.constexpr, i_n, bos, o_t, m_t, i_h, o_d, m_d, H: tl.constexpr,
                D: tl.constexpr, TRANS: tl.constexpr):
     """The rows of steps ``o_t`` of sequence ``i_n`` (columns ``o_d``) as a ``[BT, BD]`` tile, or
@@ -170,10 +199,10 @@ def output_fwd(
     q, x, v, eta, log_a, h, o, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
-    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
+    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``: outputs of every chunk from its entry state
-    (``q`` and ``o`` on the query rows, ``_query_rows``)."""
+    (``q`` and ``o`` on the query rows, ``_query_rows``; ``x`` as ``_load_keys`` reads it)."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -187,7 +216,7 @@ def output_fwd(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_q = tl.load(q + (qr[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
-        b_xt = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, True)
+        b_xt = _load_keys(x, delayed, i_n, bos, o_t, m_t, i_h, o_k, m_k, T, H, K, True, XWIN)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)
         b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
         b_s += tl.dot(b_q, b_xt, input_precision=PRECISION)
@@ -237,11 +266,11 @@ def dv_bwd(
     q, x, do, eta, log_a, dh, dv, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_TERM: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
-    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
+    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``:
     ``dv_s = sum_{t: s in M(t)} exp(uq_t - u_s) (q_t . kk_s) do_t + exp(u_C - u_s) dh^T kk_s``
-    (the last term only with ``STATE_TERM``)."""
+    (the last term only with ``STATE_TERM``; ``x`` as ``_load_keys`` reads it, ``dv`` per write row)."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -255,7 +284,7 @@ def dv_bwd(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, False)
+        b_x = _load_keys(x, delayed, i_n, bos, o_t, m_t, i_h, o_k, m_k, T, H, K, False, XWIN)
         b_qt = tl.load(q + (qr[None, :] * H + i_h) * K + o_k[:, None], mask=m_q[None, :] & m_k[:, None], other=0.0)
         b_st += tl.dot(b_x, b_qt, input_precision=PRECISION)
         if STATE_TERM:
@@ -273,9 +302,10 @@ def dqk_bwd(
     cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
-    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0,
+    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
 ):
-    """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` (on the query rows), ``dx`` and, per key block,
+    """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` (on the query rows), ``dx`` (per write row; ``x``
+    as ``_load_keys`` reads it) and, per key block,
     partial sums of ``deta`` and of the log-prefix gradients: write side ``-kk . dkk``
     plus ``d u_C = <dh, h_next>`` at the last step into ``du``, read side ``q . dq``
     into ``du`` (read after write) or ``dw`` (read before write)."""
@@ -307,7 +337,7 @@ def dqk_bwd(
         b_dks += tl.dot(b_v, b_dht, input_precision=PRECISION)
         b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
     b_q = tl.load(q + (qr[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
-    b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, False)
+    b_x = _load_keys(x, delayed, i_n, bos, o_t, m_t, i_h, o_k, m_k, T, H, K, False, XWIN)
     b_kk = b_x.to(tl.float32) * et[:, None]
     b_dp = (b_ds * _decay_mask(uq, u, READ_AFTER, BT)).to(b_q.dtype)
     b_dpt = (b_dst * _decay_mask_t(uq, u, READ_AFTER, BT)).to(b_q.dtype)

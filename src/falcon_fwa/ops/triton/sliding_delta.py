@@ -15,11 +15,10 @@ before: it sees the earlier steps only); the other rows read nothing. The kernel
 is ever laid out over the ``T * W`` rows.
 
 The pairs are laid out once on the extended time axis ``[tail | pairs]`` (positions
-``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``). The WY kernels read the
-values in place from that axis (``delta_chunk(..., windowed_v=True)``); the features, which
-the shared output kernels also read, are one copy of the axis' overlapping windows
-(``_ExtendedKeys``). Both gradients sum back onto the axis in one pass each
-(``window_sum``), the features' straight onto ``k`` and the tail.
+``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``; ``_ExtendedAxis``). Every
+kernel reads the features and values in place from that axis (``delta_chunk(...,
+windowed=True)``): the ``T * W`` write rows are never materialized. Their gradients sum back
+onto the axis in one pass each (``window_sum``), and from there onto ``k``, ``v`` and the tail.
 The per-write scalars ``eta``, ``kappa`` and the carry are formed time-major (``[B, T, W, H]``,
 the rows' order) from the step sizes, which are time-major themselves.
 The window Gram ``G_t[i, j] = x_{t+i} . x_{t+j}`` comes from one kernel over the axis
@@ -56,31 +55,25 @@ def _slot_rows(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1).contiguous().view(B, T * W, H)
 
 
-class _ExtendedKeys(torch.autograd.Function):
-    """The features' extended axis ``x_ext = [x_pre | k]`` ``[B, T + W - 1, H, K]`` (``k`` cut to the
-    axis) and its overlapping windows ``x_rows`` ``[B, T * W, H, K]``: row ``t*W + j`` is slot ``j`` of
-    step ``t``, the pair at extended position ``t + j`` (one concatenation, one copy of the windows;
-    ``W > 1``: with one slot the rows are the axis itself).
-    The backward sums the rows' gradient onto the axis, adds the axis' own gradient and stores the
-    sum split onto ``x_pre`` and ``k`` (a row of ``k`` past the axis gets zero), all in one
-    ``window_sum``."""
+class _ExtendedAxis(torch.autograd.Function):
+    """The extended axis ``[prefix | body]`` ``[B, L, H, D]`` (``body`` cut to ``L - n_pre`` rows):
+    one concatenation forward; backward, the axis' gradient stored split onto ``prefix`` and
+    ``body`` in one pass (``window_sum`` over one slot), a row of ``body`` past the axis getting
+    zero. Autograd's own cut and concatenation would store the body's gradient as a strided view
+    (or, cut, through a zero-filled copy)."""
 
     @staticmethod
-    def forward(ctx, x_pre, k, W):
-        B, T, H, K = k.shape
-        n_pre = x_pre.shape[1]
-        x_ext = torch.cat([x_pre, k[:, :T + W - 1 - n_pre]], 1)
-        x_rows = x_ext.unfold(1, W, 1).permute(0, 1, 4, 2, 3).reshape(B, T * W, H, K)  # a copy for W > 1
-        ctx.n_pre, ctx.W = n_pre, W
-        return x_ext, x_rows
+    def forward(ctx, prefix, body, L):
+        n_pre = prefix.shape[1]
+        ctx.n_pre, ctx.n_body = n_pre, body.shape[1]
+        return torch.cat([prefix, body[:, :L - n_pre]], 1)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_ext, d_rows):
-        B, TW, H, K = d_rows.shape
-        T, W = TW // ctx.W, ctx.W
-        d_pre, dk = window_sum(d_rows.view(B, T, W, H, K), d_ext, split=ctx.n_pre, n_body=T)
-        return d_pre, dk, None
+    def backward(ctx, d_ext):
+        B, L, H, D = d_ext.shape
+        d_pre, d_body = window_sum(d_ext.view(B, L, 1, H, D), split=ctx.n_pre, n_body=ctx.n_body)
+        return d_pre, d_body, None
 
 
 class _WindowGram(torch.autograd.Function):
@@ -157,11 +150,8 @@ def sliding_delta_chunk(
     dev = q.device
     # the extended axis [tail | pairs]: x_p = k_{p-1} (shift) or k_p
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
-    if W == 1:  # the rows are the axis
-        x_ext = x_rows = torch.cat([x_pre, k[:, :T - x_pre.shape[1]]], 1)
-    else:
-        x_ext, x_rows = _ExtendedKeys.apply(x_pre, k, W)  # [B, T + n, H, K], [B, T * W, H, K]
-    y_ext = torch.cat([y_pre, v], 1)
+    x_ext = _ExtendedAxis.apply(x_pre, k, T + n)  # [B, T + n, H, K]
+    y_ext = _ExtendedAxis.apply(y_pre, v, T + n)  # [B, T + n, H, V]
     slot_valid = valid_ext.unfold(1, W, 1)  # [B, T, W]: slot j of step t is the pair at t + j
 
     # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp; every [B, H, T]
@@ -181,9 +171,9 @@ def sliding_delta_chunk(
     # the carry on each step's first row, nothing on the others; the query on the read row only
     carry = log_a if W == 1 else F.pad(log_a.contiguous()[:, :, None], (0, 0, 0, W - 1)).reshape(B, T * W, H)
     read = W - 1 if read_after else 0
-    o, S_T = delta_chunk(q, x_rows, y_ext, eta, kappa, carry,  # the values read in place from y_ext
+    o, S_T = delta_chunk(q, x_ext, y_ext, eta, kappa, carry,  # the pairs read in place from the axis
                          None if S0 is None else S0.float(), read_after=read_after, chunk_size=chunk_size,
-                         output_final_state=output_final_state, slots=W, windowed_v=True,
+                         output_final_state=output_final_state, slots=W, windowed=True,
                          query_slot=None if W == 1 else read)
     if not output_final_state:
         return o, None

@@ -185,10 +185,11 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     dv = torch.empty_like(D)  # per write row (windowed: summed onto the axis below)
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
-    dG = torch.empty_like(A, dtype=torch.float32)  # wy_bwd's scratch: the Gram's gradient, read back transposed
+    # wy_bwd stages the Gram's gradient, read back transposed, in A's own rows (each program reads its
+    # chunk's A first): no scratch buffer, and A is spent (_DeltaChunk.backward recomputes it if asked again)
     BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
-        x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, chunk_indices=layout.chunk_indices, n_rows=rows,
+        x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A, chunk_indices=layout.chunk_indices, n_rows=rows,
         H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed, num_warps=WY_WARPS["wy_bwd"],
         num_stages=stages, **meta)
     if windowed and slots > 1:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
@@ -211,12 +212,15 @@ class _DeltaChunk(torch.autograd.Function):
                                       windowed, query_slot)
         ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
         ctx.layout, ctx.read_after, ctx.slots, ctx.windowed = layout, read_after, slots, windowed
-        ctx.query_slot = query_slot
+        ctx.query_slot, ctx.A_spent = query_slot, False
         return o, S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
         q, x, v, eta, kappa, log_a, S0, A, W, h, D = ctx.saved_tensors
+        if ctx.A_spent:  # a second backward (retain_graph=True): the first one overwrote A
+            A = wy_forward(x, v, eta, kappa, log_a, ctx.layout, ctx.slots, ctx.windowed)[0]
+        ctx.A_spent = True
         grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots,
                           ctx.windowed, ctx.query_slot)

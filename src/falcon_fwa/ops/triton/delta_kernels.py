@@ -284,7 +284,8 @@ def wy_bwd(
 
     Each product is formed once, with ``A^T``, ``Y^T``, ``h^T`` and ``X^T`` loaded as such. The
     Gram's gradient ``dG`` (``[p, r]``, ``r`` before ``p``) enters ``dx`` through ``dG + dG^T``:
-    ``dG`` is staged in the scratch ``dG`` (``[rows, H, BT]`` fp32, laid out as ``A``) and read
+    ``dG`` is staged in the scratch ``dG`` (laid out as ``A``, in its dtype; it may be ``A`` itself,
+    whose rows of the chunk are read into registers first and not again) and read
     back transposed. ``x`` and ``v`` are read as in ``wy_fwd`` (``WINDOWED``); ``dx`` and ``dv`` are per
 write row."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -343,9 +344,12 @@ write row."""
     d_w += tl.sum(b_dnn, axis=1)
     d_u = -tl.sum(b_dnn, axis=0)
     b_dg = tl.where(m_t[:, None], b_dn * dec * ka[:, None], 0.0)  # dG (rows past the sequence: 0, as reloaded)
-    tl.store(dG + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_dg, mask=m_t[:, None])
+    tl.debug_barrier()  # every thread's reads of A done before dG (possibly A's rows) replaces them
+    tl.store(dG + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_dg.to(dG.dtype.element_ty),
+             mask=m_t[:, None])
     tl.debug_barrier()  # every row of dG stored before it is read back transposed
-    b_dg += tl.load(dG + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0)
+    b_dg += tl.load(dG + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :],
+                    other=0.0).to(tl.float32)
     b_dx += tl.dot(b_dg.to(dt), b_x, input_precision=PRECISION)
     b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)

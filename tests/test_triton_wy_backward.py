@@ -139,8 +139,8 @@ def test_half_precision_buffers(monkeypatch, slots):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_second_backward_sees_the_same_graph(monkeypatch, dtype):
-    # wy_bwd stages the Gram's gradient in the saved inverse A; a second backward through the same graph
-    # (retain_graph=True) recomputes A and gives the first one's gradients exactly
+    # the backward writes over the saved A, W and D (the Gram's gradient, dx and dv); a second backward
+    # through the same graph (retain_graph=True) recomputes them and gives the first one's gradients exactly
     g = torch.Generator().manual_seed(11)
     B, T, H, K, V = 1, 40, 2, 16, 16
     q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(dtype).requires_grad_() for _ in range(2))

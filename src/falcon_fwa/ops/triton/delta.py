@@ -172,7 +172,8 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         q, x, W, do, log_a, dD, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
         num_warps=warps, num_stages=stages, **meta, **qa, **xa)
-    dq, dx = torch.empty_like(q), x.new_empty(B, T, H, K)  # dx per write row (windowed: summed onto the axis)
+    # dx per write row (windowed: summed onto the axis below) into W's buffer: W was read by state_bwd only
+    dq, dx = torch.empty_like(q), W
     rows = B * T
     c = _scalar("dqk_bwd", K, V, slots)
     NK = cdiv(K, c["BK"])
@@ -182,11 +183,12 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
     del dh  # read by dqk_bwd only
-    dv = torch.empty_like(D)  # per write row (windowed: summed onto the axis below)
+    dv = D  # per write row (windowed: summed onto the axis below) into D's buffer: D was read by dqk_bwd only
     dkappa = torch.empty_like(kappa)
     extra = q.new_empty(3, rows, H, dtype=torch.float32)
     # wy_bwd stages the Gram's gradient, read back transposed, in A's own rows (each program reads its
-    # chunk's A first): no scratch buffer, and A is spent (_DeltaChunk.backward recomputes it if asked again)
+    # chunk's A first): no scratch buffer. A, W and D are spent here (_DeltaChunk.backward recomputes them
+    # for a second backward)
     BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A, chunk_indices=layout.chunk_indices, n_rows=rows,
@@ -212,15 +214,16 @@ class _DeltaChunk(torch.autograd.Function):
                                       windowed, query_slot)
         ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
         ctx.layout, ctx.read_after, ctx.slots, ctx.windowed = layout, read_after, slots, windowed
-        ctx.query_slot, ctx.A_spent = query_slot, False
+        ctx.query_slot, ctx.spent = query_slot, False
         return o, S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
         q, x, v, eta, kappa, log_a, S0, A, W, h, D = ctx.saved_tensors
-        if ctx.A_spent:  # a second backward (retain_graph=True): the first one overwrote A
-            A = wy_forward(x, v, eta, kappa, log_a, ctx.layout, ctx.slots, ctx.windowed)[0]
-        ctx.A_spent = True
+        if ctx.spent:  # a second backward (retain_graph=True): the first one wrote its gradients over A, W, D
+            _o, A, W, h, D, _S = _forward(q, x, v, eta, kappa, log_a, S0, ctx.layout, ctx.read_after, False,
+                                          ctx.slots, ctx.windowed, ctx.query_slot)
+        ctx.spent = True
         grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots,
                           ctx.windowed, ctx.query_slot)

@@ -95,6 +95,27 @@ def test_fp16_inputs():
     _check((1, 33, 1, 16, 16), torch.float16, chunk_size=32, seed=6)
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_second_backward_sees_the_same_graph(gate):
+    # with 16-bit values the backward writes deta over the saved fp32 outputs; a second backward through
+    # the same graph (retain_graph=True) recomputes them and gives the first one's gradients exactly
+    g = torch.Generator().manual_seed(12)
+    B, T, H, K, V = 1, 40, 1, 16, 24
+    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(torch.float16).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g).to(torch.float16).requires_grad_()
+    eta = (0.05 + 0.6 * torch.rand(B, T, H, V, generator=g)).requires_grad_()
+    kappa = (eta * 0.9).detach().requires_grad_() if gate else None
+    log_a = (-0.2 * torch.rand(B, T, H, V, generator=g)).requires_grad_()
+    leaves = tuple(t for t in (q, x, v, eta, kappa, log_a) if t is not None)
+    o, _ = column_delta.column_delta_chunk(q, x, v, eta, kappa, log_a, None, read_after=True, chunk_size=16)
+    probe = torch.randn(o.shape, generator=g).to(o.dtype)
+    first = torch.autograd.grad((o * probe).float().sum(), leaves, retain_graph=True)
+    second = torch.autograd.grad((o * probe).float().sum(), leaves)
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.isfinite(a).all(), i
+        assert torch.equal(a, b), f"gradient {i} differs in the second backward"
+
+
 def test_per_column_steps_differ_from_a_shared_step():
     # the kernels follow each column's own step: rule 2 with beta equal across the columns is
     # rule 1, and a per-column beta moves the output away from it

@@ -109,8 +109,11 @@ def _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after):
     return dq, dx
 
 
-def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: ChunkLayout, read_after: bool):
-    """``kappa=None``: ``kappa`` is ``eta`` (its gradient is folded into ``deta``; ``dkappa`` is ``None``)."""
+def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: ChunkLayout, read_after: bool,
+              o_private: bool):
+    """``kappa=None``: ``kappa`` is ``eta`` (its gradient is folded into ``deta``; ``dkappa`` is ``None``).
+    ``o_private``: the fp32 outputs ``o`` are not the tensor returned to the caller, and ``deta`` is
+    written over them once step 1 has read them."""
     H, K = q.shape[2:]
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
@@ -125,7 +128,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: Chunk
     # kernel reads: one [B, T, H, V] fp32 buffer less at the peak
     dh = _empty(h.shape, h)
     d_read = dD_o
-    deta = _empty(eta.shape, eta)
+    deta = o if o_private else _empty(eta.shape, eta)  # o: read by step 1 only
     dkappa = None if kappa is None else _empty(eta.shape, eta)
     dv = _empty(v.shape, v)
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
@@ -149,15 +152,20 @@ class _ColumnDeltaChunk(torch.autograd.Function):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         o, G, u, h, D, R, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final)
-        ctx.save_for_backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o)
+        ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, G, u, h, D, R, o)
         ctx.layout, ctx.read_after = layout, read_after
+        # 16-bit values: the caller gets a rounded copy of the fp32 outputs, which the backward may overwrite
+        ctx.o_private, ctx.spent = v.dtype != torch.float32, False
         return o.to(v.dtype), S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
-        q, x, v, eta, kappa, S0, G, u, h, D, R, o = ctx.saved_tensors
+        q, x, v, eta, kappa, log_a, S0, G, u, h, D, R, o = ctx.saved_tensors
+        if ctx.spent and ctx.o_private:  # a second backward (retain_graph=True): the first wrote deta over o
+            o = _forward(q, x, v, eta, kappa, log_a, S0, ctx.layout, ctx.read_after, False)[0]
+        ctx.spent = True
         grads = _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do.contiguous(),
-                          None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after)
+                          None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.o_private)
         return (*grads, None, None, None, None)
 
 

@@ -101,14 +101,14 @@ def test_second_backward_sees_the_same_graph(gate):
     # the same graph (retain_graph=True) recomputes them and gives the first one's gradients exactly
     g = torch.Generator().manual_seed(12)
     B, T, H, K, V = 1, 40, 1, 16, 24
-    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(torch.float16).requires_grad_() for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=g).to(torch.float16).requires_grad_()
-    eta = (0.05 + 0.6 * torch.rand(B, T, H, V, generator=g)).requires_grad_()
+    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(DEVICE, torch.float16).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    eta = (0.05 + 0.6 * torch.rand(B, T, H, V, generator=g)).to(DEVICE).requires_grad_()
     kappa = (eta * 0.9).detach().requires_grad_() if gate else None
-    log_a = (-0.2 * torch.rand(B, T, H, V, generator=g)).requires_grad_()
+    log_a = (-0.2 * torch.rand(B, T, H, V, generator=g)).to(DEVICE).requires_grad_()
     leaves = tuple(t for t in (q, x, v, eta, kappa, log_a) if t is not None)
     o, _ = column_delta.column_delta_chunk(q, x, v, eta, kappa, log_a, None, read_after=True, chunk_size=16)
-    probe = torch.randn(o.shape, generator=g).to(o.dtype)
+    probe = torch.randn(o.shape, generator=g).to(DEVICE, o.dtype)
     first = torch.autograd.grad((o * probe).float().sum(), leaves, retain_graph=True)
     second = torch.autograd.grad((o * probe).float().sum(), leaves)
     for i, (a, b) in enumerate(zip(first, second)):

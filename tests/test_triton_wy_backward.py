@@ -143,14 +143,14 @@ def test_second_backward_sees_the_same_graph(monkeypatch, dtype):
     # through the same graph (retain_graph=True) recomputes them and gives the first one's gradients exactly
     g = torch.Generator().manual_seed(11)
     B, T, H, K, V = 1, 40, 2, 16, 16
-    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(dtype).requires_grad_() for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=g).to(dtype).requires_grad_()
-    eta = (0.05 + 0.6 * torch.rand(B, T, H, generator=g)).requires_grad_()
-    log_a = (-0.2 * torch.rand(B, T, H, generator=g)).requires_grad_()
+    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(DEVICE, dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g).to(DEVICE, dtype).requires_grad_()
+    eta = (0.05 + 0.6 * torch.rand(B, T, H, generator=g)).to(DEVICE).requires_grad_()
+    log_a = (-0.2 * torch.rand(B, T, H, generator=g)).to(DEVICE).requires_grad_()
     leaves = (q, x, v, eta, log_a)
     with PoisonedEmpty(monkeypatch):
         o, _ = delta_chunk(q, x, v, eta, eta * 0.9, log_a, None, read_after=True, chunk_size=16)
-        probe = torch.randn(o.shape, generator=g).to(dtype)
+        probe = torch.randn(o.shape, generator=g).to(DEVICE, dtype)
         first = torch.autograd.grad((o * probe).float().sum(), leaves, retain_graph=True)
         second = torch.autograd.grad((o * probe).float().sum(), leaves)
     for name, a, b in zip(("q", "x", "v", "eta", "log_a"), first, second):

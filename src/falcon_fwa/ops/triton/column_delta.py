@@ -71,14 +71,22 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, eta if kappa is None else kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, **c, **meta)
-    # fp32 outputs: the backward's d log a sums dO * O over a chunk, where bf16 rounding of O
-    # shows (with bf16 O the log-gate gradient went over the 1e-2 bound at chunk 128)
-    o = _empty(v.shape, v, torch.float32)
+    o = _outputs(q, x, D, u, h, layout, read_after)
+    return o, G, u, h, D, R, S_T
+
+
+def _outputs(q, x, D, u, h, layout: ChunkLayout, read_after: bool):
+    """The outputs ``[B, T, H, V]`` in fp32, the rule-2A ``output_fwd`` with values ``D``. fp32: the
+    backward's d log a sums dO * O over a chunk, where bf16 rounding of O shows (with bf16 O the
+    log-gate gradient went over the 1e-2 bound at chunk 128)."""
+    H, K = q.shape[2:]
+    V = D.shape[-1]
+    o = _empty(D.shape, D, torch.float32)
     c = column_config("output_fwd", K, V)
     cd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, u, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta)
-    return o, G, u, h, D, R, S_T
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))
+    return o
 
 
 def _read_dv(query, x, D, u, h, dh, d_read, read_out, dD, dlog, layout, read_after, add_dlog):
@@ -152,7 +160,7 @@ class _ColumnDeltaChunk(torch.autograd.Function):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         o, G, u, h, D, R, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final)
-        ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, G, u, h, D, R, o)
+        ctx.save_for_backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o)
         ctx.layout, ctx.read_after = layout, read_after
         # 16-bit values: the caller gets a rounded copy of the fp32 outputs, which the backward may overwrite
         ctx.o_private, ctx.spent = v.dtype != torch.float32, False
@@ -160,9 +168,9 @@ class _ColumnDeltaChunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dS_T):
-        q, x, v, eta, kappa, log_a, S0, G, u, h, D, R, o = ctx.saved_tensors
+        q, x, v, eta, kappa, S0, G, u, h, D, R, o = ctx.saved_tensors
         if ctx.spent and ctx.o_private:  # a second backward (retain_graph=True): the first wrote deta over o
-            o = _forward(q, x, v, eta, kappa, log_a, S0, ctx.layout, ctx.read_after, False)[0]
+            o = _outputs(q, x, D, u, h, ctx.layout, ctx.read_after)
         ctx.spent = True
         grads = _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.o_private)

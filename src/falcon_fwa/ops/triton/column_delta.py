@@ -198,7 +198,9 @@ def column_delta_chunk(
     ``kappa=None`` or ``eta`` itself: ``kappa = eta``, one gradient buffer less);
     ``S0`` ``[N, H, K, V]`` fp32 or ``None`` (``N = B``, or the number of sequences packed by
     ``cu_seqlens`` with ``B = 1``). Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype and the
-    final states ``[N, H, K, V]`` fp32 (or ``None``).
+    final states ``[N, H, K, V]`` fp32 (or ``None``). With 16-bit values the backward writes
+    ``deta`` over the fp32 outputs it kept; a second backward through the same graph
+    (``retain_graph=True``) recomputes them first.
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")

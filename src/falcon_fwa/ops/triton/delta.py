@@ -269,6 +269,10 @@ def delta_chunk(
     ``q``, ``x`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` of one dtype; ``eta``,
     ``kappa``, ``log_a`` ``[B, T, H]`` fp32; ``S0`` ``[N, H, K, V]`` fp32 or ``None``.
     Returns ``o`` ``[B, T, H, V]`` and the final states ``[N, H, K, V]`` fp32 (or ``None``).
+
+    The backward writes its gradients over buffers the forward kept and it no longer reads
+    (the inverse, ``W``, ``D``): a second backward through the same graph (``retain_graph=True``)
+    recomputes them first, at the cost of one forward.
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")

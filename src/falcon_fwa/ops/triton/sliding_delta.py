@@ -72,7 +72,7 @@ class _ExtendedAxis(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_ext):
         B, L, H, D = d_ext.shape
-        d_pre, d_body = window_sum(d_ext.view(B, L, 1, H, D), split=ctx.n_pre, n_body=ctx.n_body)
+        d_pre, d_body = window_sum(d_ext.reshape(B, L, 1, H, D), split=ctx.n_pre, n_body=ctx.n_body)
         return d_pre, d_body, None
 
 

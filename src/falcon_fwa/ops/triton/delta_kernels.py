@@ -285,9 +285,9 @@ def wy_bwd(
     Each product is formed once, with ``A^T``, ``Y^T``, ``h^T`` and ``X^T`` loaded as such. The
     Gram's gradient ``dG`` (``[p, r]``, ``r`` before ``p``) enters ``dx`` through ``dG + dG^T``:
     ``dG`` is staged in the scratch ``dG`` (laid out as ``A``, in its dtype; it may be ``A`` itself,
-    whose rows of the chunk are read into registers first and not again) and read
-    back transposed. ``x`` and ``v`` are read as in ``wy_fwd`` (``WINDOWED``); ``dx`` and ``dv`` are per
-write row."""
+    whose rows of the chunk are read into registers first and not again) and read back
+    transposed. ``x`` and ``v`` are read as in ``wy_fwd`` (``WINDOWED``); ``dx`` and ``dv`` are per
+    write row."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)

@@ -80,7 +80,7 @@ def _backward(q, x, v, eta, u, h, S0, o, do, dS_T, layout: ChunkLayout, read_aft
     c = _config("dv_bwd", K, V)
     kern.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, v, eta, u, h, dh, do, o, dv, deta, dlog_a, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=True, HAS_DH=True, STORE_DV=True, STORE_DETA=True, ADD_DLOG=False,
+        READ_AFTER=read_after, HAS_ETA=True, HAS_DH=True, STORE_DV=True, STORE_DETA=True, STORE_DLOG=True,
         PRECISION=prec, **c, **meta)
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
     c = _config("dqk_bwd", K, V)

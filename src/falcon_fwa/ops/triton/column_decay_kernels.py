@@ -58,9 +58,10 @@ Kernels (the per-column step sizes are ``step_size_kernels.column_step_fwd`` / `
 ``chunk_cumsum``, ``state_fwd`` (entry state of every chunk, sequential over chunks),
 ``output_fwd`` (one program per chunk and value block), ``state_bwd`` (reverse over
 chunks), ``dv_bwd`` (per chunk and value block, ``d log a`` included) and ``dqk_bwd`` (per
-chunk and key block, the value blocks in a loop). Rule 2 runs ``dv_bwd`` once per read and
-adds the reads' ``d log a``; its ``dq``, ``dx`` of both reads come from one kernel of its
-own (``column_delta_kernels.dqk_bwd_two_reads``, on the level helpers here).
+chunk and key block, the value blocks in a loop). Rule 2 runs ``dv_bwd`` for its outputs'
+``dD`` only (its sequential ``state_bwd`` sums ``d log a``); its ``dq``, ``dx`` of both reads
+come from one kernel of its own (``column_delta_kernels.dqk_bwd_two_reads``, on the level
+helpers here).
 """
 from __future__ import annotations
 
@@ -315,15 +316,15 @@ def dv_bwd(
     q, x, v, eta, u, h, dh, do, o, dv, deta, dlog_a, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, HAS_ETA: tl.constexpr,
-    HAS_DH: tl.constexpr, STORE_DV: tl.constexpr, STORE_DETA: tl.constexpr, ADD_DLOG: tl.constexpr,
+    HAS_DH: tl.constexpr, STORE_DV: tl.constexpr, STORE_DETA: tl.constexpr, STORE_DLOG: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``: ``dU`` of every chunk's sources, mapped to
     ``dv = eta * dU`` and ``deta = v * dU``, and ``d log a``: the per-step terms of the
     module docstring, summed within the chunk. ``o``: the read's values (the forward's
     outputs), for ``d uq = dO * O``. Rule 2's reads switch work off: ``HAS_ETA=False``
     (``U = v``, ``dv = dU``), ``HAS_DH=False`` (no exit-state gradient: ``dh`` unused),
-    ``STORE_DV=False`` / ``STORE_DETA=False`` (``dv`` / ``deta`` not wanted), ``ADD_DLOG``
-    (``d log a`` added to what ``dlog_a`` holds: a second read's share)."""
+    ``STORE_DV=False`` / ``STORE_DETA=False`` / ``STORE_DLOG=False`` (``dv`` / ``deta`` /
+    ``d log a`` not wanted; without ``d log a``, ``o`` is not read)."""
     i_v, i_h = tl.program_id(0), tl.program_id(2)
     i_c = tl.program_id(1)
     i_t, boh, first, last, rows, m_r = _chunk_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT,
@@ -382,18 +383,17 @@ def dv_bwd(
         tl.store(dv + off, b_dv.to(dv.dtype.element_ty), mask=m_rv)
     if STORE_DETA:
         tl.store(deta + off, b_v * b_dU, mask=m_rv)
-    d_read = b_do * tl.load(o + off, mask=m_rv, other=0.0).to(tl.float32)
-    d_u = -b_U * b_du_intra + tl.where(rows[:, None] == last, (tl.exp(u_last) * b_hdh)[None, :], 0.0)
-    b_c = b_U * b_du_state
-    if READ_AFTER:
-        d_u += d_read
-    # d log a_r = sum_{t >= r} du_t [+ sum_{t > r} dw_t] + sum_{s < r} c_s (rows past the chunk's end hold zeros)
-    d_log = tl.sum(d_u, axis=0)[None, :] - tl.cumsum(d_u, axis=0) + d_u + tl.cumsum(b_c, axis=0) - b_c
-    if not READ_AFTER:
-        d_log += tl.sum(d_read, axis=0)[None, :] - tl.cumsum(d_read, axis=0)
-    if ADD_DLOG:
-        d_log += tl.load(dlog_a + off, mask=m_rv, other=0.0)
-    tl.store(dlog_a + off, d_log, mask=m_rv)
+    if STORE_DLOG:
+        d_read = b_do * tl.load(o + off, mask=m_rv, other=0.0).to(tl.float32)
+        d_u = -b_U * b_du_intra + tl.where(rows[:, None] == last, (tl.exp(u_last) * b_hdh)[None, :], 0.0)
+        b_c = b_U * b_du_state
+        if READ_AFTER:
+            d_u += d_read
+        # d log a_r = sum_{t >= r} du_t [+ sum_{t > r} dw_t] + sum_{s < r} c_s (rows past the chunk's end hold zeros)
+        d_log = tl.sum(d_u, axis=0)[None, :] - tl.cumsum(d_u, axis=0) + d_u + tl.cumsum(b_c, axis=0) - b_c
+        if not READ_AFTER:
+            d_log += tl.sum(d_read, axis=0)[None, :] - tl.cumsum(d_read, axis=0)
+        tl.store(dlog_a + off, d_log, mask=m_rv)
 
 
 @triton.jit

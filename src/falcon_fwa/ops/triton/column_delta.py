@@ -12,12 +12,11 @@ columns), ``chunk_cumsum`` (the log-prefixes), ``state_fwd`` (sequential: the pe
 solve for the write values ``D`` and the residual reads ``R``, block after block, and the
 chunks' entry states), then the rule-2A ``output_fwd`` with values ``D``. Backward: the
 rule-2A ``dv_bwd`` for the outputs' intra-chunk ``dD``, ``state_bwd`` (sequential: the
-exit-state gradients and the adjoint ``z`` of ``D``), then the rule-2A ``dv_bwd`` of the
-residual reads (queries ``x``, read before the write, upstream ``dR = -kappa z``) and
-``dqk_bwd_two_reads``: the rule-2A ``dqk_bwd`` of both reads (outputs: queries ``q``) in one
-launch, ``dq`` and the whole ``dx`` stored in the inputs' dtype. Each ``dv_bwd`` sums its
-read's share of ``d log a`` within the chunk, from the read's values (the saved outputs
-``o``, the residual reads ``R``); the two shares add.
+exit-state gradients, the adjoint ``z`` of ``D`` and the whole ``d log a``, from the
+reads' values and adjoints: the saved outputs ``o``, the residual reads ``R``, ``z`` and
+the exit states), then ``dqk_bwd_two_reads``: the rule-2A ``dqk_bwd`` of both reads
+(outputs: queries ``q``; residual reads: queries ``x``, read before the write, upstream
+``dR = -kappa z``) in one launch, ``dq`` and the whole ``dx`` stored in the inputs' dtype.
 """
 from __future__ import annotations
 
@@ -89,18 +88,16 @@ def _outputs(q, x, D, u, h, layout: ChunkLayout, read_after: bool):
     return o
 
 
-def _read_dv(query, x, D, u, h, dh, d_read, read_out, dD, dlog, layout, read_after, add_dlog):
-    """The rule-2A ``dv_bwd`` of one read ``read_out = read(query; states with values D)``:
-    ``dD`` (intra-chunk, plus the exit-state term through ``dh`` unless ``dh`` is ``None``;
-    not stored if ``dD`` is ``None``) and this read's share of ``d log a`` into ``dlog``
-    (added to it with ``add_dlog``)."""
-    H, K = query.shape[2:]
+def _outputs_dD(q, x, D, u, h, do, dD, layout, read_after):
+    """The rule-2A ``dv_bwd`` of the outputs (queries ``q``, values ``D``), for their
+    intra-chunk gradient of ``D`` alone (no exit-state term, no ``d log a``) into ``dD``."""
+    H, K = q.shape[2:]
     V = D.shape[-1]
     c = column_config("dv_bwd", K, V)
     cd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        query, x, D, None, u, h, dh, d_read, read_out, dD, None, dlog, chunk_indices=layout.chunk_indices, H=H, K=K,
-        V=V, READ_AFTER=read_after, HAS_ETA=False, HAS_DH=dh is not None, STORE_DV=dD is not None, STORE_DETA=False,
-        ADD_DLOG=add_dlog, PRECISION=dot_precision(query.dtype), **c, **layout_args(layout))
+        q, x, D, None, u, h, None, do, None, dD, None, None, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, HAS_ETA=False, HAS_DH=False, STORE_DV=True, STORE_DETA=False, STORE_DLOG=False,
+        PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))
 
 
 def _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after):
@@ -117,39 +114,35 @@ def _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after):
     return dq, dx
 
 
-def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do, dS_T, layout: ChunkLayout, read_after: bool,
+def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: ChunkLayout, read_after: bool,
               o_private: bool):
     """``kappa=None``: ``kappa`` is ``eta`` (its gradient is folded into ``deta``; ``dkappa`` is ``None``).
     ``o_private``: the fp32 outputs ``o`` are not the tensor returned to the caller, and ``deta`` is
-    written over them once step 1 has read them."""
+    written over them as ``state_bwd`` reads them. ``S_T``: the final states (read with ``dS_T``)."""
     H, K = q.shape[2:]
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     f32 = torch.float32
-    # 1. the outputs' intra-chunk gradient of D (no exit-state term) and their share of d log a
+    # 1. the outputs' intra-chunk gradient of D (no exit-state term)
     dD_o = _empty(eta.shape, eta)
-    dlog_a = _empty(eta.shape, eta)
-    _read_dv(q, x, D, u, h, None, do, o, dD_o, dlog_a, layout, read_after, add_dlog=False)
-    # 2. reverse over chunks: exit-state gradients and the adjoint z of D,
-    # and from z: d_read = -kappa z (the upstream gradient of the residual reads R), dv, deta, dkappa.
+    _outputs_dD(q, x, D, u, h, do, dD_o, layout, read_after)
+    # 2. reverse over chunks: exit-state gradients and the adjoint z of D, and from z: d_read = -kappa z
+    # (the upstream gradient of the residual reads R), dv, deta, dkappa and the whole d log a.
     # d_read takes dD_o's place (state_bwd reads each element before it writes it), which no other
     # kernel reads: one [B, T, H, V] fp32 buffer less at the peak
     dh = _empty(h.shape, h)
     d_read = dD_o
-    deta = o if o_private else _empty(eta.shape, eta)  # o: read by step 1 only
+    deta = o if o_private else _empty(eta.shape, eta)
     dkappa = None if kappa is None else _empty(eta.shape, eta)
-    dv = _empty(v.shape, v)
+    dv, dlog_a = _empty(v.shape, v), _empty(eta.shape, eta)
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
     c = _sequential(K, V)
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
-        q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, dD_o, dh, d_read, dv, deta, dkappa, dS_T, dS0,
-        H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after,
-        PRECISION=prec, KAPPA_IS_ETA=kappa is None, **c, **meta)
-    # 3. the residual reads R (queries x, read before the write) with the exit-state terms through dh;
-    # state_bwd's adjoint already holds their dD: only their share of d log a and dq, dx are left
-    _read_dv(x, x, D, u, h, dh, d_read, R, None, dlog_a, layout, False, add_dlog=True)
-    # 4. q and x gradients of both reads in one launch (outputs: queries q; residual reads: queries x,
-    # with the exit-state term)
+        q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, o, dD_o, h, S_T, dh, d_read, dv, deta, dkappa,
+        dlog_a, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,
+        READ_AFTER=read_after, PRECISION=prec, KAPPA_IS_ETA=kappa is None, **c, **meta)
+    # 3. q and x gradients of both reads in one launch (outputs: queries q; residual reads: queries x,
+    # read before the write, with the exit-state term)
     dq, dx = _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after)
     return dq, dx, dv, deta, dkappa, dlog_a, dS0
 
@@ -160,7 +153,7 @@ class _ColumnDeltaChunk(torch.autograd.Function):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         o, G, u, h, D, R, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final)
-        ctx.save_for_backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o)
+        ctx.save_for_backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T)
         ctx.layout, ctx.read_after = layout, read_after
         # 16-bit values: the caller gets a rounded copy of the fp32 outputs, which the backward may overwrite
         ctx.o_private, ctx.spent = v.dtype != torch.float32, False
@@ -168,11 +161,11 @@ class _ColumnDeltaChunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dS_T):
-        q, x, v, eta, kappa, S0, G, u, h, D, R, o = ctx.saved_tensors
+        q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T = ctx.saved_tensors
         if ctx.spent and ctx.o_private:  # a second backward (retain_graph=True): the first wrote deta over o
             o = _outputs(q, x, D, u, h, ctx.layout, ctx.read_after)
         ctx.spent = True
-        grads = _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, do.contiguous(),
+        grads = _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.o_private)
         return (*grads, None, None, None, None)
 

@@ -35,10 +35,11 @@ r) dR)``, and at the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` 
 
     deta = y z,   dy = eta z,   dkappa = -R z
 
-and the gradients of ``q``, ``x`` (as query and as key) and of the log-prefixes are those
-of two per-column-decay reads with values ``D``: the outputs (queries ``q``, ``dO``) and
-the residual reads (queries ``x``, read before the write, ``dR``): the rule-2A ``dv_bwd``
-once per read, and ``dqk_bwd_two_reads`` for ``dq``, ``dx`` of both at once. Only
+and the whole ``d log a`` (see ``state_bwd``); the gradients of ``q`` and ``x`` (as query
+and as key) are those of two per-column-decay reads with values ``D``: the outputs
+(queries ``q``, ``dO``) and the residual reads (queries ``x``, read before the write,
+``dR``), from ``dqk_bwd_two_reads`` for both at once. ``dD_o`` is the rule-2A ``dv_bwd``
+of the outputs. Only
 non-positive exponents are ever evaluated. Tensors are time-major ``[B, T, H, D]``; states
 are ``[num_chunks, H, K, V]``; ``G`` is ``[B, T, H, BS]`` fp32 (row ``p`` holds
 ``x_p . x_s`` for the ``BS`` rows ``s`` of its block).
@@ -176,9 +177,9 @@ def state_fwd(
 
 @triton.jit
 def state_bwd(
-    q, x, v, eta, kappa, R, u, G, do, dD_local, dh, dR, dv, deta, dkappa, ds_final, ds0, cu_seqlens, chunk_offsets,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr,
+    q, x, v, eta, kappa, R, u, G, do, o, dD_local, h, s_final, dh, dR, dv, deta, dkappa, dlog_a, ds_final, ds0,
+    cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, KAPPA_IS_ETA: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks and their blocks,
@@ -188,7 +189,20 @@ def state_bwd(
     its products are, ``dR = -kappa z``, ``dv = eta z`` (in ``v``'s dtype), ``deta = y z``
     and ``dkappa = -R z`` (fp32); with ``KAPPA_IS_ETA`` (``kappa`` is ``eta``: no gate) the
     two gains' gradients are one, ``deta = (y - R) z``, and ``dkappa`` is not written. ``dR``
-    may be ``dD_local`` itself: each element is read, then written, by the same program."""
+    may be ``dD_local`` itself, and ``deta`` the outputs ``o``: each element is read, then
+    written, by the same program.
+
+    Also the whole ``d log a``. Every exponent is a difference of chunk-local log-prefixes or a
+    log-prefix alone, so, with the adjoints ``dO``, ``dR = -kappa z``, ``z`` of the outputs, the
+    residual reads and ``D``, the gradient of the log-prefix at row ``m`` is::
+
+        du_m = dO_m O_m [read after]  - D_m z_m  + dR_{m+1} R_{m+1}  [+ dO_{m+1} O_{m+1}, read before]
+               + [m = last] sum_k dH[k] S_exit[k]
+
+    (``R_t`` reads ``S_{t-1}``, at ``w_t = u_{t-1}``; ``S_exit``: the chunk's exit state, the
+    next chunk's entry state in ``h`` or the final state ``s_final``, ``dH`` its gradient),
+    and ``d log a_r`` sums ``du_m`` over the chunk's rows ``m >= r``: one running sum per
+    column from the chunk's end backwards, block by block. ``o``: the fp32 outputs."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -209,6 +223,12 @@ def state_bwd(
         n_steps = tl.minimum(BT, T_n - i_t * BT)
         last = first + n_steps - 1
         b_dq = tl.zeros([BK, BV], dtype=tl.float32)  # Q^T (exp(uq) dO) of the chunk
+        # d log a, summed from the chunk's end: first the exit state's term sum_k dH S_exit
+        b_exit = tl.load(h + ((boh + i_t + 1) * H + i_h) * K * V + state_off, mask=m_kv & (j > 0), other=0.0)
+        b_exit = b_exit.to(tl.float32)
+        if HAS_DS_FINAL:
+            b_exit += tl.load(s_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv & (j == 0), other=0.0)
+        b_later = tl.sum(b_dh * b_exit, axis=0)  # [BV]: sum of du over the rows after the block
         for jb in range(0, tl.cdiv(n_steps, BS)):
             b0 = first + (tl.cdiv(n_steps, BS) - 1 - jb) * BS
             rows, m_r, r_in, r_out = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
@@ -236,19 +256,35 @@ def state_bwd(
                 g_i = tl.sum(tl.where((o_s == i)[None, :], b_gram, 0.0), axis=1)  # G[i, s] = G[s, i]
                 earlier = ((o_s < i) & m_r & (b0 + i < end))[:, None]  # no exp(w_i - u) of a row past the end
                 b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
-            tl.store(dR + off, -b_k * b_z, mask=m_rv)
-            tl.store(dv + off, (tl.load(eta + off, mask=m_rv, other=0.0) * b_z).to(dv.dtype.element_ty), mask=m_rv)
+            b_eta = tl.load(eta + off, mask=m_rv, other=0.0)
             b_yv = tl.load(v + off, mask=m_rv, other=0.0).to(tl.float32)
             b_res = tl.load(R + off, mask=m_rv, other=0.0)
+            b_do = tl.load(do + off, mask=m_rv, other=0.0).to(tl.float32)
+            b_read = b_do * tl.load(o + off, mask=m_rv, other=0.0)  # dO O, read before deta may take o's place
+            b_dread = -b_k * b_z  # dR
+            tl.store(dR + off, b_dread, mask=m_rv)
+            tl.store(dv + off, (b_eta * b_z).to(dv.dtype.element_ty), mask=m_rv)
             if KAPPA_IS_ETA:
                 tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_rv)
             else:
                 tl.store(deta + off, b_yv * b_z, mask=m_rv)
                 tl.store(dkappa + off, -b_res * b_z, mask=m_rv)
+            # du at the row itself (-D z, and dO O when reading after) and at the row before (dR R,
+            # and dO O when reading before); d log a_r = the later blocks' sum + the sums over m >= r
+            b_own = -(b_eta * b_yv - b_k * b_res) * b_z
+            b_prev = b_dread * b_res
+            if READ_AFTER:
+                b_own += b_read
+            else:
+                b_prev += b_read
+            s_own, s_prev = tl.sum(b_own, axis=0), tl.sum(b_prev, axis=0)
+            d_log = (b_later + s_own + s_prev)[None, :] - tl.cumsum(b_own, axis=0) + b_own - tl.cumsum(b_prev, axis=0)
+            tl.store(dlog_a + off, d_log, mask=m_rv)
+            b_later += s_own + s_prev
             dt = b_x.dtype
-            b_dr = -b_k * b_z * _decay(b_w - r_in[None, :], m_r[:, None])
+            b_dr = b_dread * _decay(b_w - r_in[None, :], m_r[:, None])
             b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
-            b_g = tl.load(do + off, mask=m_rv, other=0.0).to(tl.float32) * _decay(b_uq, m_r[:, None])
+            b_g = b_do * _decay(b_uq, m_r[:, None])
             b_qt = _rows_t(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
             b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)
             b_dq += tl.dot(b_qt, b_g.to(dt), input_precision=PRECISION)

@@ -96,10 +96,10 @@ def gram_fwd(
 
 
 @triton.jit
-def _gram_block(G, rows, m_rows, i_h, H: tl.constexpr, BS: tl.constexpr):
-    """The block's Gram ``[BS, BS]`` (row ``p``: ``x_p . x_s`` for the block's rows ``s``;
-    symmetric, 0 on rows past the end)."""
-    return tl.load(G + (rows[:, None] * H + i_h) * BS + tl.arange(0, BS)[None, :], mask=m_rows[:, None], other=0.0)
+def _gram_column(G, rows, m_rows, i, i_h, H: tl.constexpr, BS: tl.constexpr):
+    """Column ``i`` of the block's Gram, ``[BS]``: ``x_p . x_{b0 + i}`` for the block's rows ``p``
+    (the Gram is symmetric: also row ``i``; 0 on rows past the end)."""
+    return tl.load(G + (rows * H + i_h) * BS + i, mask=m_rows, other=0.0)
 
 
 @triton.jit
@@ -150,19 +150,19 @@ def state_fwd(
             b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
             b_r = tl.dot(b_x, b_h.to(b_x.dtype), input_precision=PRECISION) * _decay(
                 b_w - r_in[None, :], m_r[:, None])
-            # The block's rows stay in registers; step i reads its row by a masked sum.
             b_y = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True)
             b_k = _rows(kappa, rows, m_r, i_h, H, V, o_v, m_v)
-            b_gram = _gram_block(G, rows, m_r, i_h, H, BS)
             b_d = tl.zeros([BS, BV], dtype=tl.float32)
             # forward substitution, all BV columns at once, unrolled over the block's BS rows: rows
-            # past the sequence's end load as zeros, so their d is 0 and they change no read
+            # past the sequence's end load as zeros, so their d is 0 and they change no read. Step i
+            # takes its write d_i from the tile by a masked sum (the one value that depends on the
+            # earlier steps); its log-prefix and Gram column are loaded, not gathered from tiles
             for i in tl.static_range(BS):
                 sel = (o_s == i)[:, None]
                 d_i = tl.sum(tl.where(sel, b_y - b_k * b_r, 0.0), axis=0)  # eta_i y_i - kappa_i R_i
                 b_d = tl.where(sel, d_i[None, :], b_d)
-                u_i = tl.sum(tl.where(sel, b_u, 0.0), axis=0)
-                g_i = tl.sum(tl.where((o_s == i)[None, :], b_gram, 0.0), axis=1)  # G[p, i]
+                u_i = _row(u, b0 + i, b0 + i < end, i_h, H, V, o_v, m_v)
+                g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[p, i]
                 later = ((o_s > i) & m_r)[:, None]
                 b_r += g_i[:, None] * _decay(b_w - u_i[None, :], later) * d_i[None, :]
             off = (rows[:, None] * H + i_h) * V + o_v[None, :]
@@ -240,21 +240,21 @@ def state_bwd(
                 b_x, b_dh.to(b_x.dtype), input_precision=PRECISION) * _decay(r_out[None, :] - b_u, m_r[:, None])
             b_k = tl.load(kappa + off, mask=m_rv, other=0.0)
             b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
-            b_gram = _gram_block(G, rows, m_r, i_h, H, BS)
             b_acc = tl.zeros([BS, BV], dtype=tl.float32)  # sum_{p > s} N[p, s] z_p, gathered row by row
             b_z = tl.zeros([BS, BV], dtype=tl.float32)
             # backward substitution, all BV columns at once, unrolled over the block's BS rows (rows
-            # past the sequence's end have z = 0 and are kept out of the earlier rows' sums)
+            # past the sequence's end have z = 0 and are kept out of the earlier rows' sums); as in
+            # state_fwd, only z_i comes from the tile, the row's kappa, w and Gram column are loaded
             for jj in tl.static_range(BS):
                 i = BS - 1 - jj
                 sel = (o_s == i)[:, None]
-                z_row = tl.where(sel, b_dd - b_acc, 0.0)
-                z_i = tl.sum(z_row, axis=0)
-                kz_i = tl.sum(z_row * b_k, axis=0)
+                z_i = tl.sum(tl.where(sel, b_dd - b_acc, 0.0), axis=0)
                 b_z = tl.where(sel, z_i[None, :], b_z)
-                w_i = tl.sum(tl.where(sel, b_w, 0.0), axis=0)
-                g_i = tl.sum(tl.where((o_s == i)[None, :], b_gram, 0.0), axis=1)  # G[i, s] = G[s, i]
-                earlier = ((o_s < i) & m_r & (b0 + i < end))[:, None]  # no exp(w_i - u) of a row past the end
+                ok = b0 + i < end
+                kz_i = z_i * _row(kappa, b0 + i, ok, i_h, H, V, o_v, m_v)
+                w_i = _row(u, b0 + i - 1, ok & (b0 + i > first), i_h, H, V, o_v, m_v)
+                g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[i, s] = G[s, i]
+                earlier = ((o_s < i) & m_r & ok)[:, None]  # no exp(w_i - u) of a row past the end
                 b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
             b_eta = tl.load(eta + off, mask=m_rv, other=0.0)
             b_yv = tl.load(v + off, mask=m_rv, other=0.0).to(tl.float32)

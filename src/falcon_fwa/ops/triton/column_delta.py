@@ -38,17 +38,19 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 # (bf16 fwd+bwd of the op): 32 columns at 4 warps 14.5 ms, at 8 warps 20.1; 16 columns at
 # 4 warps 15.2; 64 columns at 8 warps 18.4. With the substitutions unrolled: 32 columns at
 # 4 warps 8.1 ms, 16 columns at 4 warps 10.8 (benchmarks/results/h200_rule2_launch_sweep.txt).
-SEQUENTIAL = dict(BV=32, num_warps=4)
+# One entry per kernel (BV, num_warps, num_stages; their BK is always the whole key dimension).
+SEQUENTIAL = {"state_fwd": dict(BV=32, num_warps=4, num_stages=3), "state_bwd": dict(BV=32, num_warps=4, num_stages=3)}
 GRAM = dict(BK=64, num_warps=4)
 
 
 _empty = empty_buffer  # module-level, so tests can poison this module's buffers
 
 
-def _sequential(K: int, V: int) -> dict:
-    """Block sizes and warps of ``state_fwd`` / ``state_bwd``."""
-    return dict(BS=SUB_CHUNK, BK=max(16, next_power_of_2(K)), BV=min(SEQUENTIAL["BV"], max(16, next_power_of_2(V))),
-                num_warps=SEQUENTIAL["num_warps"])
+def _sequential(kernel: str, K: int, V: int) -> dict:
+    """Block sizes, warps and stages of ``state_fwd`` / ``state_bwd`` (``SEQUENTIAL[kernel]``)."""
+    c = SEQUENTIAL[kernel]
+    return dict(BS=SUB_CHUNK, BK=max(16, next_power_of_2(K)), BV=min(c["BV"], max(16, next_power_of_2(V))),
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
@@ -66,7 +68,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     h = _empty((layout.num_chunks, H, K, V), q)
     D, R = _empty(eta.shape, eta), _empty(eta.shape, eta)
     S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
-    c = _sequential(K, V)
+    c = _sequential("state_fwd", K, V)
     kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, eta if kappa is None else kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, **c, **meta)
@@ -136,7 +138,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
     dkappa = None if kappa is None else _empty(eta.shape, eta)
     dv, dlog_a = _empty(v.shape, v), _empty(eta.shape, eta)
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
-    c = _sequential(K, V)
+    c = _sequential("state_bwd", K, V)
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
         q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, o, dD_o, h, S_T, dh, d_read, dv, deta, dkappa,
         dlog_a, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,

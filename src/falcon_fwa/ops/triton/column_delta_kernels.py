@@ -277,10 +277,9 @@ def state_bwd(
                 b_own += b_read
             else:
                 b_prev += b_read
-            s_own, s_prev = tl.sum(b_own, axis=0), tl.sum(b_prev, axis=0)
-            d_log = (b_later + s_own + s_prev)[None, :] - tl.cumsum(b_own, axis=0) + b_own - tl.cumsum(b_prev, axis=0)
-            tl.store(dlog_a + off, d_log, mask=m_rv)
-            b_later += s_own + s_prev
+            b_all = b_own + b_prev
+            b_later += tl.sum(b_all, axis=0)
+            tl.store(dlog_a + off, b_later[None, :] - tl.cumsum(b_all, axis=0) + b_own, mask=m_rv)
             dt = b_x.dtype
             b_dr = b_dread * _decay(b_w - r_in[None, :], m_r[:, None])
             b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)

@@ -39,7 +39,11 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 # 4 warps 15.2; 64 columns at 8 warps 18.4. With the substitutions unrolled: 32 columns at
 # 4 warps 8.1 ms, 16 columns at 4 warps 10.8 (benchmarks/results/h200_rule2_launch_sweep.txt).
 # One entry per kernel (BV, num_warps, num_stages; their BK is always the whole key dimension).
-SEQUENTIAL = {"state_fwd": dict(BV=32, num_warps=4, num_stages=3), "state_bwd": dict(BV=32, num_warps=4, num_stages=3)}
+# Since the substitutions load each step's rows (1e59cb6, same op and shape): state_fwd 1.384 ms at
+# 32 columns, 4 warps, 3 stages, 1.094 at 16 columns, 1 warp, 2 stages; state_bwd 2.160 and 1.989;
+# 12 other settings each (benchmarks/results/h200_rule2_sequential_sweep_1e59cb6.txt). One warp keeps
+# each step's gather of its row inside a warp.
+SEQUENTIAL = {"state_fwd": dict(BV=16, num_warps=1, num_stages=2), "state_bwd": dict(BV=16, num_warps=1, num_stages=2)}
 GRAM = dict(BK=64, num_warps=4)
 
 

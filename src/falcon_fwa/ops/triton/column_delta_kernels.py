@@ -222,7 +222,6 @@ def state_bwd(
         first = bos + i_t * BT
         n_steps = tl.minimum(BT, T_n - i_t * BT)
         last = first + n_steps - 1
-        b_dq = tl.zeros([BK, BV], dtype=tl.float32)  # Q^T (exp(uq) dO) of the chunk
         # d log a, summed from the chunk's end: first the exit state's term sum_k dH S_exit
         b_exit = tl.load(h + ((boh + i_t + 1) * H + i_h) * K * V + state_off, mask=m_kv & (j > 0), other=0.0)
         b_exit = b_exit.to(tl.float32)
@@ -282,13 +281,17 @@ def state_bwd(
             tl.store(dlog_a + off, b_later[None, :] - tl.cumsum(b_all, axis=0) + b_own, mask=m_rv)
             dt = b_x.dtype
             b_dr = b_dread * _decay(b_w - r_in[None, :], m_r[:, None])
-            b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
-            b_g = b_do * _decay(b_uq, m_r[:, None])
-            b_qt = _rows_t(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
             b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)
-            b_dq += tl.dot(b_qt, b_g.to(dt), input_precision=PRECISION)
             b_dh = b_dh * tl.exp(r_out - r_in)[None, :] + tl.dot(b_xt, b_dr.to(dt), input_precision=PRECISION)
-        b_dh += b_dq
+        # the chunk's outputs read its entry state: dh += Q^T (exp(uq) dO), in a pass of its own over the
+        # chunk's blocks, so that no second [BK, BV] accumulator is live through the substitutions
+        for jb in range(0, tl.cdiv(n_steps, BS)):
+            rows = first + jb * BS + tl.arange(0, BS)
+            m_r = rows < end
+            b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
+            b_g = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(b_uq, m_r[:, None])
+            b_qt = _rows_t(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
+            b_dh += tl.dot(b_qt, b_g.to(b_qt.dtype), input_precision=PRECISION)
     if STORE_DS0:
         tl.store(ds0 + i_nh.to(tl.int64) * K * V + state_off, b_dh, mask=m_kv)
 

@@ -94,14 +94,14 @@ def _outputs(q, x, D, u, h, layout: ChunkLayout, read_after: bool):
     return o
 
 
-def _outputs_dD(q, x, D, u, h, do, dD, layout, read_after):
+def _outputs_dD(q, x, D, u, do, dD, layout, read_after):
     """The rule-2A ``dv_bwd`` of the outputs (queries ``q``, values ``D``), for their
     intra-chunk gradient of ``D`` alone (no exit-state term, no ``d log a``) into ``dD``."""
     H, K = q.shape[2:]
     V = D.shape[-1]
     c = column_config("dv_bwd", K, V)
     cd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        q, x, D, None, u, h, None, do, None, dD, None, None, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        q, x, D, None, u, None, None, do, None, dD, None, None, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=False, HAS_DH=False, STORE_DV=True, STORE_DETA=False, STORE_DLOG=False,
         PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))
 
@@ -131,7 +131,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
     f32 = torch.float32
     # 1. the outputs' intra-chunk gradient of D (no exit-state term)
     dD_o = _empty(eta.shape, eta)
-    _outputs_dD(q, x, D, u, h, do, dD_o, layout, read_after)
+    _outputs_dD(q, x, D, u, do, dD_o, layout, read_after)
     # 2. reverse over chunks: exit-state gradients and the adjoint z of D, and from z: d_read = -kappa z
     # (the upstream gradient of the residual reads R), dv, deta, dkappa and the whole d log a.
     # d_read takes dD_o's place (state_bwd reads each element before it writes it), which no other

@@ -179,8 +179,8 @@ def state_fwd(
 def state_bwd(
     q, x, v, eta, kappa, R, u, G, do, o, dD_local, h, s_final, dh, dR, dv, deta, dkappa, dlog_a, ds_final, ds0,
     cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, KAPPA_IS_ETA: tl.constexpr = False,
+    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, KAPPA_IS_ETA: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks and their blocks,
     the gradient of every chunk's exit state into ``dh``, the per-column transposed solve

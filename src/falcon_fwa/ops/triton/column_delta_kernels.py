@@ -18,8 +18,11 @@ log-prefix ``r``) solves, per column, the unit lower-triangular system::
 i.e. ``(I + N_j) d_j = eta_j y_j - kappa_j exp(w_j - r_j) (X_I h)_j`` with ``N_j[p, s] =
 kappa[p, j] exp(w[p, j] - u[s, j]) G[p, s]`` (``s < p``). The right-hand side depends on
 ``h``, so ``state_fwd`` solves it inside the sequential pass, block after block, by forward
-substitution on a ``[BS, BV]`` register tile (``BV`` columns at once; step ``i`` adds
-``G[:, i] exp(w - u_i) d_i`` to the reads of the later rows), then carries
+substitution on ``[BS, BV]`` register tiles (``BV`` columns at once). The block's part of the
+reads is carried as ``A_p = sum_{s < i} G[p, s] exp(u_{i-1} - u_s) d_s``: step ``i`` reads
+``R_i`` off row ``i`` of ``A`` (``w_i = u_{i-1}``), then sets ``A <- a_i A + G[:, i] d_i`` with
+the step's own carry ``a_i = exp(u_i - u_{i-1}) <= 1``: one ``exp`` per column and step, not
+one per pair of rows. The block then carries
 ``h <- exp(r' - r) h + X_I^T (exp(r' - u_I) d_I)`` (``r'``: the log-prefix at the block's
 end). The substitution works on blocks of ``BS`` steps whatever the chunk size; the
 entry state of every chunk goes to ``h`` for the outputs, which are the per-column-decay
@@ -30,7 +33,7 @@ Backward, with ``dD_o`` the outputs' gradient of ``D`` from within the chunk: wa
 blocks backwards with ``g`` the gradient of the state at a block's end (without the
 outputs of the chunk, which ``dD_o`` holds), the adjoint ``z`` of ``d`` solves, per column,
 ``(I + N_j)^T z_j = dD_o_j + exp(r'_j - u_j) (X_I g)_j`` (backward substitution,
-``state_bwd``); the reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w -
+``state_bwd``, with the same carried tile walked from the block's last row down); the reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w -
 r) dR)``, and at the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` also stores::
 
     deta = y z,   dy = eta z,   dkappa = -R z
@@ -152,19 +155,28 @@ def state_fwd(
                 b_w - r_in[None, :], m_r[:, None])
             b_y = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True)
             b_k = _rows(kappa, rows, m_r, i_h, H, V, o_v, m_v)
+            b_c = b_y - b_k * b_r  # eta y - kappa (the entry state's part of R)
             b_d = tl.zeros([BS, BV], dtype=tl.float32)
-            # forward substitution, all BV columns at once, unrolled over the block's BS rows: rows
-            # past the sequence's end load as zeros, so their d is 0 and they change no read. Step i
-            # takes its write d_i from the tile by a masked sum (the one value that depends on the
-            # earlier steps); its log-prefix and Gram column are loaded, not gathered from tiles
+            b_in = tl.zeros([BS, BV], dtype=tl.float32)  # the block's part of R, row by row
+            # forward substitution, all BV columns at once, unrolled over the block's BS rows. The tile
+            # b_acc holds, before step i, sum_{s < i} G[p, s] exp(u_{i-1} - u_s) d_s for every row p: its
+            # row i is the block's part of R_i (w_i = u_{i-1}). Moving on to step i + 1 multiplies it by
+            # exp(u_i - u_{i-1}) = a_i <= 1, one exp per column and step. Rows past the sequence's end
+            # load as zeros: their d is 0 and their carry 1, so they change nothing
+            b_acc = tl.zeros([BS, BV], dtype=tl.float32)
+            u_prev = r_in
             for i in tl.static_range(BS):
                 sel = (o_s == i)[:, None]
-                d_i = tl.sum(tl.where(sel, b_y - b_k * b_r, 0.0), axis=0)  # eta_i y_i - kappa_i R_i
+                d_i = tl.sum(tl.where(sel, b_c - b_k * b_acc, 0.0), axis=0)  # eta_i y_i - kappa_i R_i
                 b_d = tl.where(sel, d_i[None, :], b_d)
-                u_i = _row(u, b0 + i, b0 + i < end, i_h, H, V, o_v, m_v)
+                b_in = tl.where(sel, b_acc, b_in)
+                ok = b0 + i < end
+                u_i = _row(u, b0 + i, ok, i_h, H, V, o_v, m_v)
+                a_i = tl.exp(tl.where(ok, tl.minimum(u_i - u_prev, 0.0), 0.0))
                 g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[p, i]
-                later = ((o_s > i) & m_r)[:, None]
-                b_r += g_i[:, None] * _decay(b_w - u_i[None, :], later) * d_i[None, :]
+                b_acc = b_acc * a_i[None, :] + g_i[:, None] * d_i[None, :]
+                u_prev = u_i
+            b_r += b_in
             off = (rows[:, None] * H + i_h) * V + o_v[None, :]
             tl.store(D + off, b_d, mask=m_r[:, None] & m_v[None, :])
             tl.store(R + off, b_r, mask=m_r[:, None] & m_v[None, :])
@@ -239,22 +251,26 @@ def state_bwd(
                 b_x, b_dh.to(b_x.dtype), input_precision=PRECISION) * _decay(r_out[None, :] - b_u, m_r[:, None])
             b_k = tl.load(kappa + off, mask=m_rv, other=0.0)
             b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
-            b_acc = tl.zeros([BS, BV], dtype=tl.float32)  # sum_{p > s} N[p, s] z_p, gathered row by row
-            b_z = tl.zeros([BS, BV], dtype=tl.float32)
-            # backward substitution, all BV columns at once, unrolled over the block's BS rows (rows
-            # past the sequence's end have z = 0 and are kept out of the earlier rows' sums); as in
-            # state_fwd, only z_i comes from the tile, the row's kappa, w and Gram column are loaded
+            # backward substitution, all BV columns at once, unrolled over the block's BS rows. Before step
+            # i, the tile b_acc holds sum_{p > i} G[p, s] exp(w_p - u_i) kappa_p z_p for every row s: its row
+            # i is what z_i lacks (u_i = w_{i+1}); moving down to step i - 1 multiplies it by
+            # exp(u_i - w_i) = a_i <= 1, one exp per column and step. Rows past the sequence's end have
+            # kappa = 0, so kappa z = 0 there and b_acc stays 0 until the last row in the sequence
+            b_kd = b_k * b_dd
+            b_in = tl.zeros([BS, BV], dtype=tl.float32)  # row i: the later rows' part of z_i
+            b_acc = tl.zeros([BS, BV], dtype=tl.float32)
+            u_i = _row(u, b0 + BS - 1, b0 + BS - 1 < end, i_h, H, V, o_v, m_v)
             for jj in tl.static_range(BS):
                 i = BS - 1 - jj
                 sel = (o_s == i)[:, None]
-                z_i = tl.sum(tl.where(sel, b_dd - b_acc, 0.0), axis=0)
-                b_z = tl.where(sel, z_i[None, :], b_z)
-                ok = b0 + i < end
-                kz_i = z_i * _row(kappa, b0 + i, ok, i_h, H, V, o_v, m_v)
-                w_i = _row(u, b0 + i - 1, ok & (b0 + i > first), i_h, H, V, o_v, m_v)
+                b_in = tl.where(sel, b_acc, b_in)
+                kz_i = tl.sum(tl.where(sel, b_kd - b_k * b_acc, 0.0), axis=0)  # kappa_i z_i
+                w_i = _row(u, b0 + i - 1, (b0 + i < end) & (b0 + i > first), i_h, H, V, o_v, m_v)
+                a_i = tl.exp(tl.minimum(u_i - w_i, 0.0))
                 g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[i, s] = G[s, i]
-                earlier = ((o_s < i) & m_r & ok)[:, None]  # no exp(w_i - u) of a row past the end
-                b_acc += g_i[:, None] * _decay(w_i[None, :] - b_u, earlier) * kz_i[None, :]
+                b_acc = b_acc * a_i[None, :] + g_i[:, None] * kz_i[None, :]
+                u_i = w_i
+            b_z = b_dd - b_in
             b_eta = tl.load(eta + off, mask=m_rv, other=0.0)
             b_yv = tl.load(v + off, mask=m_rv, other=0.0).to(tl.float32)
             b_res = tl.load(R + off, mask=m_rv, other=0.0)

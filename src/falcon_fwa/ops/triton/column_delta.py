@@ -42,8 +42,11 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 # Since the substitutions load each step's rows (1e59cb6, same op and shape): state_fwd 1.384 ms at
 # 32 columns, 4 warps, 3 stages, 1.094 at 16 columns, 1 warp, 2 stages; state_bwd 2.160 and 1.989;
 # 12 other settings each (benchmarks/results/h200_rule2_sequential_sweep_1e59cb6.txt). One warp keeps
-# each step's gather of its row inside a warp.
-SEQUENTIAL = {"state_fwd": dict(BV=16, num_warps=1, num_stages=2), "state_bwd": dict(BV=16, num_warps=1, num_stages=2)}
+# each step's gather of its row inside a warp. Since the substitutions carry a rescaled tile (29c5a50),
+# the whole op: 5.62 ms with state_fwd at 16 columns, 1 warp; 5.47-5.50 at 64 columns, 4 warps (each warp
+# keeps 16 columns, outputs and gradients bit for bit the same); state_bwd stays best at 16 columns, 1 warp
+# (benchmarks/results/h200_rule2_sequential_sweep_29c5a50.txt).
+SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2), "state_bwd": dict(BV=16, num_warps=1, num_stages=2)}
 GRAM = dict(BK=64, num_warps=4)
 
 

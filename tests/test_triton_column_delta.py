@@ -68,9 +68,20 @@ def test_strong_decay_never_overflows():
     assert all(math.isfinite(e) for e in errors.values())
 
 
-def test_state_in_and_out_several_value_blocks():
-    # K = 40 in one padded key tile, V = 40 over two value blocks; the last-key carry
+@pytest.mark.parametrize("wide_grid", [column_delta.WIDE_GRID, 0])
+def test_state_in_and_out_several_value_blocks(wide_grid, monkeypatch):
+    # K = 40 in one padded key tile, V = 40 over two value blocks; the last-key carry. WIDE_GRID 0: the
+    # sequential kernels take the launch settings of large grids (state_fwd: V = 40 in one 64-column block)
+    monkeypatch.setattr(column_delta, "WIDE_GRID", wide_grid)
     _check((2, 18, 1, 40, 40), state=True, output_final_state=True, seed=3)
+
+
+def test_launch_settings_follow_the_grid():
+    small = column_delta._sequential("state_fwd", 128, 128, 2 * 16)
+    wide = column_delta._sequential("state_fwd", 128, 128, 8 * 16)
+    assert small["BV"] == column_delta.SEQUENTIAL_SMALL_GRID["state_fwd"]["BV"] == 16
+    assert wide["BV"] == column_delta.SEQUENTIAL["state_fwd"]["BV"] == 64 and wide["num_warps"] == 4
+    assert column_delta._sequential("state_bwd", 128, 128, 2 * 16) == column_delta._sequential("state_bwd", 128, 128, 8 * 16)
 
 
 def test_packed_sequences_with_states():

@@ -45,17 +45,25 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 # each step's gather of its row inside a warp. Since the substitutions carry a rescaled tile (29c5a50),
 # the whole op: 5.62 ms with state_fwd at 16 columns, 1 warp; 5.47-5.50 at 64 columns, 4 warps (each warp
 # keeps 16 columns, outputs and gradients bit for bit the same); state_bwd stays best at 16 columns, 1 warp
-# (benchmarks/results/h200_rule2_sequential_sweep_29c5a50.txt).
+# (benchmarks/results/h200_rule2_sequential_sweep_29c5a50.txt). With few sequences and heads the 16-column
+# programs spread over more SMs: at B=2 T=8192 H=16, 11.30 ms at 16 columns, 11.52 at 64
+# (benchmarks/results/h200_rule2_sequential_sweep_9a5c85d.txt); state_fwd takes 64 columns only where the
+# 16-column grid has at least WIDE_GRID programs (B=8 H=16 V=128: 1,024; B=2: 256).
 SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2), "state_bwd": dict(BV=16, num_warps=1, num_stages=2)}
+SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=1, num_stages=2)}
+WIDE_GRID = 1024
 GRAM = dict(BK=64, num_warps=4)
 
 
 _empty = empty_buffer  # module-level, so tests can poison this module's buffers
 
 
-def _sequential(kernel: str, K: int, V: int) -> dict:
-    """Block sizes, warps and stages of ``state_fwd`` / ``state_bwd`` (``SEQUENTIAL[kernel]``)."""
-    c = SEQUENTIAL[kernel]
+def _sequential(kernel: str, K: int, V: int, sequences_heads: int) -> dict:
+    """Block sizes, warps and stages of ``state_fwd`` / ``state_bwd`` for ``sequences_heads``
+    (sequences x heads) programs per value block: ``SEQUENTIAL[kernel]``, or
+    ``SEQUENTIAL_SMALL_GRID[kernel]`` where 16-column blocks give fewer than ``WIDE_GRID`` programs."""
+    small = sequences_heads * cdiv(V, 16) < WIDE_GRID
+    c = SEQUENTIAL_SMALL_GRID[kernel] if small and kernel in SEQUENTIAL_SMALL_GRID else SEQUENTIAL[kernel]
     return dict(BS=SUB_CHUNK, BK=max(16, next_power_of_2(K)), BV=min(c["BV"], max(16, next_power_of_2(V))),
                 num_warps=c["num_warps"], num_stages=c["num_stages"])
 
@@ -75,7 +83,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     h = _empty((layout.num_chunks, H, K, V), q)
     D, R = _empty(eta.shape, eta), _empty(eta.shape, eta)
     S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
-    c = _sequential("state_fwd", K, V)
+    c = _sequential("state_fwd", K, V, layout.N * H)
     kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, eta if kappa is None else kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, **c, **meta)
@@ -145,7 +153,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
     dkappa = None if kappa is None else _empty(eta.shape, eta)
     dv, dlog_a = _empty(v.shape, v), _empty(eta.shape, eta)
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
-    c = _sequential("state_bwd", K, V)
+    c = _sequential("state_bwd", K, V, layout.N * H)
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
         q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, o, dD_o, h, S_T, dh, d_read, dv, deta, dkappa,
         dlog_a, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,

@@ -33,8 +33,9 @@ Backward, with ``dD_o`` the outputs' gradient of ``D`` from within the chunk: wa
 blocks backwards with ``g`` the gradient of the state at a block's end (without the
 outputs of the chunk, which ``dD_o`` holds), the adjoint ``z`` of ``d`` solves, per column,
 ``(I + N_j)^T z_j = dD_o_j + exp(r'_j - u_j) (X_I g)_j`` (backward substitution,
-``state_bwd``, with the same carried tile walked from the block's last row down); the reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w -
-r) dR)``, and at the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` also stores::
+``state_bwd``, with the same carried tile walked from the block's last row down); the
+reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w - r) dR)``, and at
+the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` also stores::
 
     deta = y z,   dy = eta z,   dkappa = -R z
 

@@ -61,9 +61,10 @@ _empty = empty_buffer  # module-level, so tests can poison this module's buffers
 def _sequential(kernel: str, K: int, V: int, sequences_heads: int) -> dict:
     """Block sizes, warps and stages of ``state_fwd`` / ``state_bwd`` for ``sequences_heads``
     (sequences x heads) programs per value block: ``SEQUENTIAL[kernel]``, or
-    ``SEQUENTIAL_SMALL_GRID[kernel]`` where 16-column blocks give fewer than ``WIDE_GRID`` programs."""
-    small = sequences_heads * cdiv(V, 16) < WIDE_GRID
-    c = SEQUENTIAL_SMALL_GRID[kernel] if small and kernel in SEQUENTIAL_SMALL_GRID else SEQUENTIAL[kernel]
+    ``SEQUENTIAL_SMALL_GRID[kernel]`` where its blocks give fewer than ``WIDE_GRID`` programs."""
+    c, small = SEQUENTIAL[kernel], SEQUENTIAL_SMALL_GRID.get(kernel)
+    if small is not None and sequences_heads * cdiv(V, small["BV"]) < WIDE_GRID:
+        c = small
     return dict(BS=SUB_CHUNK, BK=max(16, next_power_of_2(K)), BV=min(c["BV"], max(16, next_power_of_2(V))),
                 num_warps=c["num_warps"], num_stages=c["num_stages"])
 

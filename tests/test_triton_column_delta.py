@@ -106,14 +106,16 @@ def test_fp16_inputs():
     _check((1, 33, 1, 16, 16), torch.float16, chunk_size=32, seed=6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("gate", [False, True])
-def test_second_backward_sees_the_same_graph(gate):
-    # with 16-bit values the backward writes deta over the saved fp32 outputs; a second backward through
-    # the same graph (retain_graph=True) recomputes them and gives the first one's gradients exactly
+def test_second_backward_sees_the_same_graph(gate, dtype):
+    # the backward writes d log a over the saved residual reads (and, with 16-bit values, deta over the
+    # saved fp32 outputs); a second backward through the same graph (retain_graph=True) recomputes them
+    # and gives the first one's gradients exactly
     g = torch.Generator().manual_seed(12)
     B, T, H, K, V = 1, 40, 1, 16, 24
-    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(DEVICE, torch.float16).requires_grad_() for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(DEVICE, dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g).to(DEVICE, dtype).requires_grad_()
     eta = (0.05 + 0.6 * torch.rand(B, T, H, V, generator=g)).to(DEVICE).requires_grad_()
     kappa = (eta * 0.9).detach().requires_grad_() if gate else None
     log_a = (-0.2 * torch.rand(B, T, H, V, generator=g)).to(DEVICE).requires_grad_()

@@ -81,15 +81,24 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     c = column_config("elementwise", K, V)
     cd.chunk_cumsum[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         log_a, u, chunk_indices=layout.chunk_indices, H=H, V=V, **c, **meta)
+    h, D, R, S_T = _states(q, x, v, eta, kappa, u, G, S0, layout, want_final)
+    o = _outputs(q, x, D, u, h, layout, read_after)
+    return o, G, u, h, D, R, S_T
+
+
+def _states(q, x, v, eta, kappa, u, G, S0, layout: ChunkLayout, want_final: bool):
+    """``state_fwd``: the chunks' entry states ``h`` ``[num_chunks, H, K, V]`` (``q``'s dtype), the
+    write values ``D`` and residual reads ``R`` ``[B, T, H, V]`` fp32, and the final states (or ``None``)."""
+    H, K = q.shape[2:]
+    V = v.shape[-1]
     h = _empty((layout.num_chunks, H, K, V), q)
     D, R = _empty(eta.shape, eta), _empty(eta.shape, eta)
     S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
     c = _sequential("state_fwd", K, V, layout.N * H)
     kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
         x, v, eta, eta if kappa is None else kappa, u, G, h, D, R, S0, S_T, H=H, K=K, V=V, HAS_S0=S0 is not None,
-        STORE_FINAL=want_final, PRECISION=prec, **c, **meta)
-    o = _outputs(q, x, D, u, h, layout, read_after)
-    return o, G, u, h, D, R, S_T
+        STORE_FINAL=want_final, PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))
+    return h, D, R, S_T
 
 
 def _outputs(q, x, D, u, h, layout: ChunkLayout, read_after: bool):
@@ -136,7 +145,8 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
               o_private: bool):
     """``kappa=None``: ``kappa`` is ``eta`` (its gradient is folded into ``deta``; ``dkappa`` is ``None``).
     ``o_private``: the fp32 outputs ``o`` are not the tensor returned to the caller, and ``deta`` is
-    written over them as ``state_bwd`` reads them. ``S_T``: the final states (read with ``dS_T``)."""
+    written over them as ``state_bwd`` reads them. ``d log a`` is written over the residual reads ``R``
+    the same way (no other kernel reads them). ``S_T``: the final states (read with ``dS_T``)."""
     H, K = q.shape[2:]
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
@@ -152,7 +162,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
     d_read = dD_o
     deta = o if o_private else _empty(eta.shape, eta)
     dkappa = None if kappa is None else _empty(eta.shape, eta)
-    dv, dlog_a = _empty(v.shape, v), _empty(eta.shape, eta)
+    dv, dlog_a = _empty(v.shape, v), R
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
     c = _sequential("state_bwd", K, V, layout.N * H)
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
@@ -180,8 +190,10 @@ class _ColumnDeltaChunk(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dS_T):
         q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T = ctx.saved_tensors
-        if ctx.spent and ctx.o_private:  # a second backward (retain_graph=True): the first wrote deta over o
-            o = _outputs(q, x, D, u, h, ctx.layout, ctx.read_after)
+        if ctx.spent:  # a second backward (retain_graph=True): the first wrote d log a over R (and deta over o)
+            h, D, R, _ = _states(q, x, v, eta, kappa, u, G, S0, ctx.layout, False)
+            if ctx.o_private:
+                o = _outputs(q, x, D, u, h, ctx.layout, ctx.read_after)
         ctx.spent = True
         grads = _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.o_private)
@@ -210,8 +222,8 @@ def column_delta_chunk(
     ``S0`` ``[N, H, K, V]`` fp32 or ``None`` (``N = B``, or the number of sequences packed by
     ``cu_seqlens`` with ``B = 1``). Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype and the
     final states ``[N, H, K, V]`` fp32 (or ``None``). With 16-bit values the backward writes
-    ``deta`` over the fp32 outputs it kept; a second backward through the same graph
-    (``retain_graph=True``) recomputes them first.
+    ``deta`` over the fp32 outputs it kept, and in every dtype ``d log a`` over the residual
+    reads; a second backward through the same graph (``retain_graph=True``) recomputes them first.
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")

@@ -157,26 +157,25 @@ def state_fwd(
             b_y = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True)
             b_k = _rows(kappa, rows, m_r, i_h, H, V, o_v, m_v)
             b_c = b_y - b_k * b_r  # eta y - kappa (the entry state's part of R)
-            b_d = tl.zeros([BS, BV], dtype=tl.float32)
             b_in = tl.zeros([BS, BV], dtype=tl.float32)  # the block's part of R, row by row
             # forward substitution, all BV columns at once, unrolled over the block's BS rows. The tile
             # b_acc holds, before step i, sum_{s < i} G[p, s] exp(u_{i-1} - u_s) d_s for every row p: its
             # row i is the block's part of R_i (w_i = u_{i-1}). Moving on to step i + 1 multiplies it by
             # exp(u_i - u_{i-1}) = a_i <= 1, one exp per column and step. Rows past the sequence's end
-            # load as zeros: their d is 0 and their carry 1, so they change nothing
+            # load as zeros (u_i = 0 >= u_{i-1}: carry 1), so they change nothing; d = c - kappa (b_in) is
+            # formed once after the block
             b_acc = tl.zeros([BS, BV], dtype=tl.float32)
             u_prev = r_in
             for i in tl.static_range(BS):
                 sel = (o_s == i)[:, None]
                 d_i = tl.sum(tl.where(sel, b_c - b_k * b_acc, 0.0), axis=0)  # eta_i y_i - kappa_i R_i
-                b_d = tl.where(sel, d_i[None, :], b_d)
                 b_in = tl.where(sel, b_acc, b_in)
-                ok = b0 + i < end
-                u_i = _row(u, b0 + i, ok, i_h, H, V, o_v, m_v)
-                a_i = tl.exp(tl.where(ok, tl.minimum(u_i - u_prev, 0.0), 0.0))
+                u_i = _row(u, b0 + i, b0 + i < end, i_h, H, V, o_v, m_v)
+                a_i = tl.exp(tl.minimum(u_i - u_prev, 0.0))
                 g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[p, i]
                 b_acc = b_acc * a_i[None, :] + g_i[:, None] * d_i[None, :]
                 u_prev = u_i
+            b_d = b_c - b_k * b_in
             b_r += b_in
             off = (rows[:, None] * H + i_h) * V + o_v[None, :]
             tl.store(D + off, b_d, mask=m_r[:, None] & m_v[None, :])

@@ -76,12 +76,19 @@ def test_state_in_and_out_several_value_blocks(wide_grid, monkeypatch):
     _check((2, 18, 1, 40, 40), state=True, output_final_state=True, seed=3)
 
 
-def test_launch_settings_follow_the_grid():
-    small = column_delta._sequential("state_fwd", 128, 128, 2 * 16)
-    wide = column_delta._sequential("state_fwd", 128, 128, 8 * 16)
-    assert small["BV"] == column_delta.SEQUENTIAL_SMALL_GRID["state_fwd"]["BV"] == 16
-    assert wide["BV"] == column_delta.SEQUENTIAL["state_fwd"]["BV"] == 64 and wide["num_warps"] == 4
-    assert column_delta._sequential("state_bwd", 128, 128, 2 * 16) == column_delta._sequential("state_bwd", 128, 128, 8 * 16)
+@pytest.mark.parametrize("kernel", ["state_fwd", "state_bwd"])
+def test_launch_settings_follow_the_grid(kernel):
+    # B=2 and B=8 at H=16, V=128: 256 and 1,024 programs of 16 columns, either side of WIDE_GRID
+    small = column_delta._sequential(kernel, 128, 128, 2 * 16)
+    wide = column_delta._sequential(kernel, 128, 128, 8 * 16)
+    table, small_table = column_delta.SEQUENTIAL[kernel], column_delta.SEQUENTIAL_SMALL_GRID.get(kernel)
+    assert (wide["BV"], wide["num_warps"]) == (table["BV"], table["num_warps"])
+    if small_table is None:
+        assert small == wide
+    else:
+        assert (small["BV"], small["num_warps"]) == (small_table["BV"], small_table["num_warps"]) == (16, small["num_warps"])
+    # on a wide grid a head dim below the block caps it (V=24: blocks of 32)
+    assert column_delta._sequential(kernel, 32, 24, 64 * 16)["BV"] == min(table["BV"], 32)
 
 
 def test_packed_sequences_with_states():

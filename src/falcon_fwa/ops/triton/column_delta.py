@@ -47,10 +47,16 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 # keeps 16 columns, outputs and gradients bit for bit the same); state_bwd stays best at 16 columns, 1 warp
 # (benchmarks/results/h200_rule2_sequential_sweep_29c5a50.txt). With few sequences and heads the 16-column
 # programs spread over more SMs: at B=2 T=8192 H=16, 11.30 ms at 16 columns, 11.52 at 64
-# (benchmarks/results/h200_rule2_sequential_sweep_9a5c85d.txt); state_fwd takes 64 columns only where the
-# 16-column grid has at least WIDE_GRID programs (B=8 H=16 V=128: 1,024; B=2: 256).
-SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2), "state_bwd": dict(BV=16, num_warps=1, num_stages=2)}
-SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=1, num_stages=2)}
+# (benchmarks/results/h200_rule2_sequential_sweep_9a5c85d.txt). Since the tiles are transposed, [BV, BS]
+# (a step's entries are a reduce along the tile's last axis, with fewer lane shuffles: 60 against 180 in
+# state_fwd's sm_90 code, 120 against 316 in state_bwd's): at B=8 T=2048, 5.06 ms with both kernels at 64 columns and 4 warps
+# (state_fwd 0.83, state_bwd 1.39) against 5.47 before; at B=2 T=8192, state_fwd 2.67 at 16 columns and one
+# warp, state_bwd 4.16 at 16 columns and 2 warps (benchmarks/results/h200_rule2_transposed_sweep.json).
+# A kernel takes SEQUENTIAL_SMALL_GRID's setting where its 16-column grid has fewer than WIDE_GRID
+# programs (B=8 H=16 V=128: 1,024; B=2: 256).
+SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2), "state_bwd": dict(BV=64, num_warps=4, num_stages=2)}
+SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=1, num_stages=2),
+                         "state_bwd": dict(BV=16, num_warps=2, num_stages=2)}
 WIDE_GRID = 1024
 GRAM = dict(BK=64, num_warps=4)
 

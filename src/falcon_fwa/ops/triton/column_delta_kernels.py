@@ -18,7 +18,9 @@ log-prefix ``r``) solves, per column, the unit lower-triangular system::
 i.e. ``(I + N_j) d_j = eta_j y_j - kappa_j exp(w_j - r_j) (X_I h)_j`` with ``N_j[p, s] =
 kappa[p, j] exp(w[p, j] - u[s, j]) G[p, s]`` (``s < p``). The right-hand side depends on
 ``h``, so ``state_fwd`` solves it inside the sequential pass, block after block, by forward
-substitution on ``[BS, BV]`` register tiles (``BV`` columns at once). The block's part of the
+substitution on ``[BV, BS]`` register tiles (``BV`` columns at once, the block's steps on the
+last axis, so that taking a step's entries is a reduce within a few lanes; the state is
+carried transposed, ``[BV, BK]``, so that no tile is ever transposed). The block's part of the
 reads is carried as ``A_p = sum_{s < i} G[p, s] exp(u_{i-1} - u_s) d_s``: step ``i`` reads
 ``R_i`` off row ``i`` of ``A`` (``w_i = u_{i-1}``), then sets ``A <- a_i A + G[:, i] d_i`` with
 the step's own carry ``a_i = exp(u_i - u_{i-1}) <= 1``: one ``exp`` per column and step, not
@@ -54,7 +56,7 @@ import triton
 import triton.language as tl
 
 from .column_decay_kernels import (_chunk_program, _decay, _level_blocks, _level_decay, _read_prefix, _row, _rows,
-                                   _rows_t, _writes)
+                                   _rows_t)
 from .scalar_decay_kernels import _chunk_of_program, _sequence
 
 
@@ -119,6 +121,13 @@ def _block(u, first, last, b0, end, i_h, H: tl.constexpr, V: tl.constexpr, BS: t
 
 
 @triton.jit
+def _prev_t(u, rows, m_r, first, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v):
+    """``u`` at the row before each of ``rows``, transposed ``[BV, BS]`` (0 at the chunk's first row
+    ``first``: ``w = u_{t-1}``, chunk-local)."""
+    return _rows_t(u, rows - 1, m_r & (rows > first), i_h, H, V, o_v, m_v)
+
+
+@triton.jit
 def state_fwd(
     x, v, eta, kappa, u, G, h, D, R, s0, s_final, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
@@ -127,7 +136,8 @@ def state_fwd(
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K`` (the whole key dimension): block after
     block, the per-column solve for ``D`` and ``R`` (fp32) and the state carry; every
-    chunk's entry state into ``h``."""
+    chunk's entry state into ``h``. Tiles are transposed, ``[BV, BS]`` (columns by steps), and
+    the state ``[BV, BK]``: each step takes its row with a reduce along a tile's last axis."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -136,55 +146,56 @@ def state_fwd(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_off = o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    m_vk = m_v[:, None] & m_k[None, :]
+    state_off = o_k[None, :] * V + o_v[:, None]  # [BV, BK]: element (j, k) of the state S[k, j]
+    b_h = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_S0:
-        b_h += tl.load(s0 + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0)
+        b_h += tl.load(s0 + i_nh.to(tl.int64) * K * V + state_off, mask=m_vk, other=0.0)
     for i_t in range(tl.cdiv(T_n, BT)):
-        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_off, b_h.to(h.dtype.element_ty), mask=m_kv)
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + state_off, b_h.to(h.dtype.element_ty), mask=m_vk)
         first = bos + i_t * BT
         n_steps = tl.minimum(BT, T_n - i_t * BT)
         last = first + n_steps - 1
         for i_b in range(0, tl.cdiv(n_steps, BS)):
             b0 = first + i_b * BS
             rows, m_r, r_in, r_out = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
-            b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
-            b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
-            b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
-            b_r = tl.dot(b_x, b_h.to(b_x.dtype), input_precision=PRECISION) * _decay(
-                b_w - r_in[None, :], m_r[:, None])
-            b_y = _writes(v, eta, rows, m_r, i_h, H, V, o_v, m_v, True)
-            b_k = _rows(kappa, rows, m_r, i_h, H, V, o_v, m_v)
+            m_vr = m_v[:, None] & m_r[None, :]
+            off = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BS]
+            b_u = tl.load(u + off, mask=m_vr, other=0.0)
+            b_w = _prev_t(u, rows, m_r, first, i_h, H, V, o_v, m_v)
+            b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
+            b_r = tl.dot(b_h.to(b_xt.dtype), b_xt, input_precision=PRECISION) * _decay(
+                b_w - r_in[:, None], m_r[None, :])
+            b_y = tl.load(v + off, mask=m_vr, other=0.0).to(tl.float32) * tl.load(eta + off, mask=m_vr, other=0.0)
+            b_k = tl.load(kappa + off, mask=m_vr, other=0.0)
             b_c = b_y - b_k * b_r  # eta y - kappa (the entry state's part of R)
-            b_in = tl.zeros([BS, BV], dtype=tl.float32)  # the block's part of R, row by row
-            # forward substitution, all BV columns at once, unrolled over the block's BS rows. The tile
-            # b_acc holds, before step i, sum_{s < i} G[p, s] exp(u_{i-1} - u_s) d_s for every row p: its
-            # row i is the block's part of R_i (w_i = u_{i-1}). Moving on to step i + 1 multiplies it by
-            # exp(u_i - u_{i-1}) = a_i <= 1, one exp per column and step. Rows past the sequence's end
+            b_in = tl.zeros([BV, BS], dtype=tl.float32)  # the block's part of R, step by step
+            # forward substitution, all BV columns at once, unrolled over the block's BS steps. The tile
+            # b_acc holds, before step i, sum_{s < i} G[p, s] exp(u_{i-1} - u_s) d_s for every step p: its
+            # column i is the block's part of R_i (w_i = u_{i-1}). Moving on to step i + 1 multiplies it by
+            # exp(u_i - u_{i-1}) = a_i <= 1, one exp per column and step. Steps past the sequence's end
             # load as zeros (u_i = 0 >= u_{i-1}: carry 1), so they change nothing; d = c - kappa (b_in) is
             # formed once after the block
-            b_acc = tl.zeros([BS, BV], dtype=tl.float32)
+            b_acc = tl.zeros([BV, BS], dtype=tl.float32)
             u_prev = r_in
             for i in tl.static_range(BS):
-                sel = (o_s == i)[:, None]
-                d_i = tl.sum(tl.where(sel, b_c - b_k * b_acc, 0.0), axis=0)  # eta_i y_i - kappa_i R_i
+                sel = (o_s == i)[None, :]
+                d_i = tl.sum(tl.where(sel, b_c - b_k * b_acc, 0.0), axis=1)  # eta_i y_i - kappa_i R_i
                 b_in = tl.where(sel, b_acc, b_in)
                 u_i = _row(u, b0 + i, b0 + i < end, i_h, H, V, o_v, m_v)
                 a_i = tl.exp(tl.minimum(u_i - u_prev, 0.0))
                 g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[p, i]
-                b_acc = b_acc * a_i[None, :] + g_i[:, None] * d_i[None, :]
+                b_acc = b_acc * a_i[:, None] + d_i[:, None] * g_i[None, :]
                 u_prev = u_i
             b_d = b_c - b_k * b_in
             b_r += b_in
-            off = (rows[:, None] * H + i_h) * V + o_v[None, :]
-            tl.store(D + off, b_d, mask=m_r[:, None] & m_v[None, :])
-            tl.store(R + off, b_r, mask=m_r[:, None] & m_v[None, :])
-            b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
-            b_wd = b_d * _decay(r_out[None, :] - b_u, m_r[:, None])
-            b_h = b_h * tl.exp(r_out - r_in)[None, :] + tl.dot(b_xt, b_wd.to(b_xt.dtype), input_precision=PRECISION)
+            tl.store(D + off, b_d, mask=m_vr)
+            tl.store(R + off, b_r, mask=m_vr)
+            b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
+            b_wd = b_d * _decay(r_out[:, None] - b_u, m_r[None, :])
+            b_h = b_h * tl.exp(r_out - r_in)[:, None] + tl.dot(b_wd.to(b_x.dtype), b_x, input_precision=PRECISION)
     if STORE_FINAL:
-        tl.store(s_final + i_nh.to(tl.int64) * K * V + state_off, b_h, mask=m_kv)
+        tl.store(s_final + i_nh.to(tl.int64) * K * V + state_off, b_h, mask=m_vk)
 
 
 @triton.jit
@@ -223,68 +234,67 @@ def state_bwd(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_off = o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    m_vk = m_v[:, None] & m_k[None, :]
+    state_off = o_k[None, :] * V + o_v[:, None]
+    b_dh = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_DS_FINAL:
-        b_dh += tl.load(ds_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0)
+        b_dh += tl.load(ds_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_vk, other=0.0)
     for j in range(tl.cdiv(T_n, BT)):
         i_t = tl.cdiv(T_n, BT) - 1 - j
-        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_off, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + state_off, b_dh.to(dh.dtype.element_ty), mask=m_vk)
         first = bos + i_t * BT
         n_steps = tl.minimum(BT, T_n - i_t * BT)
         last = first + n_steps - 1
-        # d log a, summed from the chunk's end: first the exit state's term sum_k dH S_exit
-        b_exit = tl.load(h + ((boh + i_t + 1) * H + i_h) * K * V + state_off, mask=m_kv & (j > 0), other=0.0)
+        b_exit = tl.load(h + ((boh + i_t + 1) * H + i_h) * K * V + state_off, mask=m_vk & (j > 0), other=0.0)
         b_exit = b_exit.to(tl.float32)
         if HAS_DS_FINAL:
-            b_exit += tl.load(s_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_kv & (j == 0), other=0.0)
-        b_later = tl.sum(b_dh * b_exit, axis=0)  # [BV]: sum of du over the rows after the block
+            b_exit += tl.load(s_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_vk & (j == 0), other=0.0)
+        b_later = tl.sum(b_dh * b_exit, axis=1)  # [BV]: sum of du over the steps after the block
         for jb in range(0, tl.cdiv(n_steps, BS)):
             b0 = first + (tl.cdiv(n_steps, BS) - 1 - jb) * BS
             rows, m_r, r_in, r_out = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
-            m_rv = m_r[:, None] & m_v[None, :]
-            off = (rows[:, None] * H + i_h) * V + o_v[None, :]
-            b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
-            b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
-            b_dd = tl.load(dD_local + off, mask=m_rv, other=0.0) + tl.dot(
-                b_x, b_dh.to(b_x.dtype), input_precision=PRECISION) * _decay(r_out[None, :] - b_u, m_r[:, None])
-            b_k = tl.load(kappa + off, mask=m_rv, other=0.0)
-            b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)
-            # backward substitution, all BV columns at once, unrolled over the block's BS rows. Before step
-            # i, the tile b_acc holds sum_{p > i} G[p, s] exp(w_p - u_i) kappa_p z_p for every row s: its row
-            # i is what z_i lacks (u_i = w_{i+1}); moving down to step i - 1 multiplies it by
-            # exp(u_i - w_i) = a_i <= 1, one exp per column and step. Rows past the sequence's end have
-            # kappa = 0, so kappa z = 0 there and b_acc stays 0 until the last row in the sequence
+            m_vr = m_v[:, None] & m_r[None, :]
+            off = (rows[None, :] * H + i_h) * V + o_v[:, None]
+            b_u = tl.load(u + off, mask=m_vr, other=0.0)
+            b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
+            b_dd = tl.load(dD_local + off, mask=m_vr, other=0.0) + tl.dot(
+                b_dh.to(b_xt.dtype), b_xt, input_precision=PRECISION) * _decay(r_out[:, None] - b_u, m_r[None, :])
+            b_k = tl.load(kappa + off, mask=m_vr, other=0.0)
+            b_w = _prev_t(u, rows, m_r, first, i_h, H, V, o_v, m_v)
+            # backward substitution, all BV columns at once, unrolled over the block's BS steps. Before step
+            # i, the tile b_acc holds sum_{p > i} G[p, s] exp(w_p - u_i) kappa_p z_p for every step s: its
+            # column i is what z_i lacks (u_i = w_{i+1}); moving down to step i - 1 multiplies it by
+            # exp(u_i - w_i) = a_i <= 1, one exp per column and step. Steps past the sequence's end have
+            # kappa = 0, so kappa z = 0 there and b_acc stays 0 until the last step in the sequence
             b_kd = b_k * b_dd
-            b_in = tl.zeros([BS, BV], dtype=tl.float32)  # row i: the later rows' part of z_i
-            b_acc = tl.zeros([BS, BV], dtype=tl.float32)
+            b_in = tl.zeros([BV, BS], dtype=tl.float32)  # column i: the later steps' part of z_i
+            b_acc = tl.zeros([BV, BS], dtype=tl.float32)
             u_i = _row(u, b0 + BS - 1, b0 + BS - 1 < end, i_h, H, V, o_v, m_v)
             for jj in tl.static_range(BS):
                 i = BS - 1 - jj
-                sel = (o_s == i)[:, None]
+                sel = (o_s == i)[None, :]
                 b_in = tl.where(sel, b_acc, b_in)
-                kz_i = tl.sum(tl.where(sel, b_kd - b_k * b_acc, 0.0), axis=0)  # kappa_i z_i
+                kz_i = tl.sum(tl.where(sel, b_kd - b_k * b_acc, 0.0), axis=1)  # kappa_i z_i
                 w_i = _row(u, b0 + i - 1, (b0 + i < end) & (b0 + i > first), i_h, H, V, o_v, m_v)
                 a_i = tl.exp(tl.minimum(u_i - w_i, 0.0))
                 g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[i, s] = G[s, i]
-                b_acc = b_acc * a_i[None, :] + g_i[:, None] * kz_i[None, :]
+                b_acc = b_acc * a_i[:, None] + kz_i[:, None] * g_i[None, :]
                 u_i = w_i
             b_z = b_dd - b_in
-            b_eta = tl.load(eta + off, mask=m_rv, other=0.0)
-            b_yv = tl.load(v + off, mask=m_rv, other=0.0).to(tl.float32)
-            b_res = tl.load(R + off, mask=m_rv, other=0.0)
-            b_do = tl.load(do + off, mask=m_rv, other=0.0).to(tl.float32)
-            b_read = b_do * tl.load(o + off, mask=m_rv, other=0.0)  # dO O, read before deta may take o's place
+            b_eta = tl.load(eta + off, mask=m_vr, other=0.0)
+            b_yv = tl.load(v + off, mask=m_vr, other=0.0).to(tl.float32)
+            b_res = tl.load(R + off, mask=m_vr, other=0.0)
+            b_do = tl.load(do + off, mask=m_vr, other=0.0).to(tl.float32)
+            b_read = b_do * tl.load(o + off, mask=m_vr, other=0.0)  # dO O, read before deta may take o's place
             b_dread = -b_k * b_z  # dR
-            tl.store(dR + off, b_dread, mask=m_rv)
-            tl.store(dv + off, (b_eta * b_z).to(dv.dtype.element_ty), mask=m_rv)
+            tl.store(dR + off, b_dread, mask=m_vr)
+            tl.store(dv + off, (b_eta * b_z).to(dv.dtype.element_ty), mask=m_vr)
             if KAPPA_IS_ETA:
-                tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_rv)
+                tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_vr)
             else:
-                tl.store(deta + off, b_yv * b_z, mask=m_rv)
-                tl.store(dkappa + off, -b_res * b_z, mask=m_rv)
-            # du at the row itself (-D z, and dO O when reading after) and at the row before (dR R,
+                tl.store(deta + off, b_yv * b_z, mask=m_vr)
+                tl.store(dkappa + off, -b_res * b_z, mask=m_vr)
+            # du at the step itself (-D z, and dO O when reading after) and at the step before (dR R,
             # and dO O when reading before); d log a_r = the later blocks' sum + the sums over m >= r
             b_own = -(b_eta * b_yv - b_k * b_res) * b_z
             b_prev = b_dread * b_res
@@ -293,23 +303,28 @@ def state_bwd(
             else:
                 b_prev += b_read
             b_all = b_own + b_prev
-            b_later += tl.sum(b_all, axis=0)
-            tl.store(dlog_a + off, b_later[None, :] - tl.cumsum(b_all, axis=0) + b_own, mask=m_rv)
-            dt = b_x.dtype
-            b_dr = b_dread * _decay(b_w - r_in[None, :], m_r[:, None])
-            b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)
-            b_dh = b_dh * tl.exp(r_out - r_in)[None, :] + tl.dot(b_xt, b_dr.to(dt), input_precision=PRECISION)
-        # the chunk's outputs read its entry state: dh += Q^T (exp(uq) dO), in a pass of its own over the
-        # chunk's blocks, so that no second [BK, BV] accumulator is live through the substitutions
+            b_later += tl.sum(b_all, axis=1)
+            tl.store(dlog_a + off, b_later[:, None] - tl.cumsum(b_all, axis=1) + b_own, mask=m_vr)
+            b_dr = b_dread * _decay(b_w - r_in[:, None], m_r[None, :])
+            b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
+            b_dh = b_dh * tl.exp(r_out - r_in)[:, None] + tl.dot(b_dr.to(b_x.dtype), b_x, input_precision=PRECISION)
+        # the chunk's outputs read its entry state: dh += Q^T (exp(uq) dO) (here transposed), in a pass of
+        # its own over the chunk's blocks, so that no second [BV, BK] accumulator is live through the
+        # substitutions
         for jb in range(0, tl.cdiv(n_steps, BS)):
             rows = first + jb * BS + tl.arange(0, BS)
             m_r = rows < end
-            b_uq = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, READ_AFTER)
-            b_g = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(b_uq, m_r[:, None])
-            b_qt = _rows_t(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
-            b_dh += tl.dot(b_qt, b_g.to(b_qt.dtype), input_precision=PRECISION)
+            m_vr = m_v[:, None] & m_r[None, :]
+            off = (rows[None, :] * H + i_h) * V + o_v[:, None]
+            if READ_AFTER:
+                b_uq = tl.load(u + off, mask=m_vr, other=0.0)
+            else:
+                b_uq = _prev_t(u, rows, m_r, first, i_h, H, V, o_v, m_v)
+            b_g = tl.load(do + off, mask=m_vr, other=0.0).to(tl.float32) * _decay(b_uq, m_r[None, :])
+            b_q = _rows(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
+            b_dh += tl.dot(b_g.to(b_q.dtype), b_q, input_precision=PRECISION)
     if STORE_DS0:
-        tl.store(ds0 + i_nh.to(tl.int64) * K * V + state_off, b_dh, mask=m_kv)
+        tl.store(ds0 + i_nh.to(tl.int64) * K * V + state_off, b_dh, mask=m_vk)
 
 
 @triton.jit

@@ -7,7 +7,7 @@ grouped by the innermost frame of this package (or of fla) that allocated them. 
 the upstream gradient are allocated before the recording and are not counted, as in
 ``bench_kernels.measure``: the total is the figure its ``peak_mem_bytes`` reports.
 
-    python benchmarks/memory_breakdown.py --ops falcon-2 fla-gated-delta-rule --out OUT
+    python benchmarks/memory_breakdown.py --ops falcon-2 fla-gated-delta-rule --allow-fla-gated --out OUT
 
 Writes ``OUT/memory_breakdown.json`` (a list of ``{op, shape, peak_bytes, groups: [{where,
 bytes, blocks}]}``) and prints the groups of each op, largest first.
@@ -92,9 +92,15 @@ def main() -> None:
     p.add_argument("--ops", nargs="+", required=True, help=f"ops of bench_kernels ({', '.join(OPS)})")
     p.add_argument("--shape", type=int, default=0, help="index into bench_kernels.SHAPES")
     p.add_argument("--out", default=".")
+    p.add_argument("--allow-fla-gated", action="store_true",
+                   help="lift fla's refusal of its gated backward on Triton 3.4-3.7.0 (as in bench_kernels.py; "
+                        "its memory stands, its gradients are not checked)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("memory_breakdown.py needs a CUDA GPU")
+    if a.allow_fla_gated:
+        import fla.ops.common.chunk_o as chunk_o
+        chunk_o.TRITON_ABOVE_3_7_1 = True
     for name in a.ops:
         if name not in OPS:
             sys.exit(f"--ops: unknown op {name!r}; choose from {', '.join(OPS)}")

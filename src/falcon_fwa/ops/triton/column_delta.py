@@ -50,12 +50,13 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 # (benchmarks/results/h200_rule2_sequential_sweep_9a5c85d.txt). Since the tiles are transposed, [BV, BS]
 # (a step's entries are a reduce along the tile's last axis, with fewer lane shuffles: 60 against 180 in
 # state_fwd's sm_90 code, 120 against 316 in state_bwd's): at B=8 T=2048, 5.06 ms with both kernels at 64 columns and 4 warps
-# (state_fwd 0.83, state_bwd 1.39) against 5.47 before; at B=2 T=8192, state_fwd 2.67 at 16 columns and one
-# warp, state_bwd 4.16 at 16 columns and 2 warps (benchmarks/results/h200_rule2_transposed_sweep.json).
-# A kernel takes SEQUENTIAL_SMALL_GRID's setting where its 16-column grid has fewer than WIDE_GRID
-# programs (B=8 H=16 V=128: 1,024; B=2: 256).
-SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2), "state_bwd": dict(BV=64, num_warps=4, num_stages=2)}
-SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=1, num_stages=2),
+# (state_fwd 0.83, state_bwd 1.39) against 5.47 before, and with 3 stages state_fwd 0.80, state_bwd 1.34;
+# at B=2 T=8192, state_fwd 2.51 at 16 columns and 2 warps (2.68 with one), state_bwd 4.16 at 16 columns and
+# 2 warps (4.75 at 64 columns) (benchmarks/results/h200_rule2_transposed_sweep.md). A kernel takes
+# SEQUENTIAL_SMALL_GRID's setting where its 16-column grid has fewer than WIDE_GRID programs
+# (B=8 H=16 V=128: 1,024; B=2: 256).
+SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd": dict(BV=64, num_warps=4, num_stages=3)}
+SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=2, num_stages=2),
                          "state_bwd": dict(BV=16, num_warps=2, num_stages=2)}
 WIDE_GRID = 1024
 GRAM = dict(BK=64, num_warps=4)

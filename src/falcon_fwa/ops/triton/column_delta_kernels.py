@@ -225,7 +225,8 @@ def state_bwd(
     (``R_t`` reads ``S_{t-1}``, at ``w_t = u_{t-1}``; ``S_exit``: the chunk's exit state, the
     next chunk's entry state in ``h`` or the final state ``s_final``, ``dH`` its gradient),
     and ``d log a_r`` sums ``du_m`` over the chunk's rows ``m >= r``: one running sum per
-    column from the chunk's end backwards, block by block. ``o``: the fp32 outputs."""
+    column from the chunk's end backwards, block by block. ``o``: the fp32 outputs. Tiles are
+    ``[BV, BS]`` and the state gradient ``[BV, BK]``, as in ``state_fwd``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -235,7 +236,7 @@ def state_bwd(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_vk = m_v[:, None] & m_k[None, :]
-    state_off = o_k[None, :] * V + o_v[:, None]
+    state_off = o_k[None, :] * V + o_v[:, None]  # [BV, BK]: element (j, k) of the state S[k, j]
     b_dh = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_DS_FINAL:
         b_dh += tl.load(ds_final + i_nh.to(tl.int64) * K * V + state_off, mask=m_vk, other=0.0)

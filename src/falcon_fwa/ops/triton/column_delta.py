@@ -33,28 +33,16 @@ from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, la
 __all__ = ["column_delta_chunk"]
 
 SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of gram_fwd)
-# The sequential kernels hold the whole key dimension (BK >= K) and BV value columns;
-# they solve blocks of SUB_CHUNK steps whatever the chunk size. On the H200 at K = V = 128
-# (bf16 fwd+bwd of the op): 32 columns at 4 warps 14.5 ms, at 8 warps 20.1; 16 columns at
-# 4 warps 15.2; 64 columns at 8 warps 18.4. With the substitutions unrolled: 32 columns at
-# 4 warps 8.1 ms, 16 columns at 4 warps 10.8 (benchmarks/results/h200_rule2_launch_sweep.txt).
-# One entry per kernel (BV, num_warps, num_stages; their BK is always the whole key dimension).
-# Since the substitutions load each step's rows (1e59cb6, same op and shape): state_fwd 1.384 ms at
-# 32 columns, 4 warps, 3 stages, 1.094 at 16 columns, 1 warp, 2 stages; state_bwd 2.160 and 1.989;
-# 12 other settings each (benchmarks/results/h200_rule2_sequential_sweep_1e59cb6.txt). One warp keeps
-# each step's gather of its row inside a warp. Since the substitutions carry a rescaled tile (29c5a50),
-# the whole op: 5.62 ms with state_fwd at 16 columns, 1 warp; 5.47-5.50 at 64 columns, 4 warps (each warp
-# keeps 16 columns, outputs and gradients bit for bit the same); state_bwd stays best at 16 columns, 1 warp
-# (benchmarks/results/h200_rule2_sequential_sweep_29c5a50.txt). With few sequences and heads the 16-column
-# programs spread over more SMs: at B=2 T=8192 H=16, 11.30 ms at 16 columns, 11.52 at 64
-# (benchmarks/results/h200_rule2_sequential_sweep_9a5c85d.txt). Since the tiles are transposed, [BV, BS]
-# (a step's entries are a reduce along the tile's last axis, with fewer lane shuffles: 60 against 180 in
-# state_fwd's sm_90 code, 120 against 316 in state_bwd's): at B=8 T=2048, 5.06 ms with both kernels at 64 columns and 4 warps
-# (state_fwd 0.83, state_bwd 1.39) against 5.47 before, and with 3 stages state_fwd 0.80, state_bwd 1.34;
-# at B=2 T=8192, state_fwd 2.51 at 16 columns and 2 warps (2.68 with one), state_bwd 4.16 at 16 columns and
-# 2 warps (4.75 at 64 columns) (benchmarks/results/h200_rule2_transposed_sweep.md). A kernel takes
-# SEQUENTIAL_SMALL_GRID's setting where its 16-column grid has fewer than WIDE_GRID programs
-# (B=8 H=16 V=128: 1,024; B=2: 256).
+# The sequential kernels hold the whole key dimension (BK >= K) and BV value columns; they
+# solve blocks of SUB_CHUNK steps whatever the chunk size. One entry per kernel (BV, num_warps,
+# num_stages). On the H200 at K = V = 128, bf16 fwd+bwd of the op, since the tiles are [BV, BS]
+# (9a41bce; earlier layouts and settings: benchmarks/results/h200_rule2_*sweep*):
+#   B=8 T=2048 H=16: 64 columns, 4 warps, 3 stages: state_fwd 0.80 ms, state_bwd 1.34 (op 5.00);
+#     16 columns, one warp: 0.93 and 1.43; 32 columns, 2 warps: 1.20 and 1.78.
+#   B=2 T=8192 H=16 (256 programs of 16 columns for 132 SMs): 16 columns, 2 warps: state_fwd 2.51,
+#     state_bwd 4.16 (op 9.53); 64 columns, 4 warps: 3.02 and 4.75.
+# (benchmarks/results/h200_rule2_transposed_sweep.md). A kernel takes SEQUENTIAL_SMALL_GRID's setting
+# where its 16-column grid has fewer than WIDE_GRID programs (B=8 H=16 V=128: 1,024; B=2: 256).
 SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd": dict(BV=64, num_warps=4, num_stages=3)}
 SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=2, num_stages=2),
                          "state_bwd": dict(BV=16, num_warps=2, num_stages=2)}

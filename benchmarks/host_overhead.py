@@ -26,8 +26,7 @@ sys.path.insert(0, "benchmarks")
 import bench_kernels as bk  # noqa: E402
 
 try:  # time fla's gated kernels on this Triton, as bench_kernels.py --allow-fla-gated does
-    import fla.ops.common.chunk_o as chunk_o
-    chunk_o.TRITON_ABOVE_3_7_1 = True
+    bk.lift_fla_gated_guard()
 except ImportError as e:
     print("fla not importable:", e)
 

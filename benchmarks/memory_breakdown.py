@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import OPS, SHAPES  # noqa: E402
+from bench_kernels import OPS, SHAPES, lift_fla_gated_guard  # noqa: E402
 
 _OURS = (os.sep + "falcon_fwa" + os.sep, os.sep + "fla" + os.sep)
 
@@ -99,8 +99,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("memory_breakdown.py needs a CUDA GPU")
     if a.allow_fla_gated:
-        import fla.ops.common.chunk_o as chunk_o
-        chunk_o.TRITON_ABOVE_3_7_1 = True
+        lift_fla_gated_guard()
     for name in a.ops:
         if name not in OPS:
             sys.exit(f"--ops: unknown op {name!r}; choose from {', '.join(OPS)}")

@@ -246,6 +246,7 @@ def state_bwd(
         first = bos + i_t * BT
         n_steps = tl.minimum(BT, T_n - i_t * BT)
         last = first + n_steps - 1
+        # d log a, summed from the chunk's end: first the exit state's term sum_k dH S_exit
         b_exit = tl.load(h + ((boh + i_t + 1) * H + i_h) * K * V + state_off, mask=m_vk & (j > 0), other=0.0)
         b_exit = b_exit.to(tl.float32)
         if HAS_DS_FINAL:

@@ -82,12 +82,13 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
 
 
 def _states(q, x, v, eta, kappa, u, G, S0, layout: ChunkLayout, want_final: bool):
-    """``state_fwd``: the chunks' entry states ``h`` ``[num_chunks, H, K, V]`` (``q``'s dtype), the
-    write values ``D`` and residual reads ``R`` ``[B, T, H, V]`` fp32, and the final states (or ``None``)."""
+    """``state_fwd``: the chunks' entry states ``h`` ``[num_chunks, H, K, V]`` and the write values
+    ``D`` ``[B, T, H, V]`` (both in ``q``'s dtype: every later kernel rounds them to it for its
+    dots), the residual reads ``R`` ``[B, T, H, V]`` fp32, and the final states (or ``None``)."""
     H, K = q.shape[2:]
     V = v.shape[-1]
     h = _empty((layout.num_chunks, H, K, V), q)
-    D, R = _empty(eta.shape, eta), _empty(eta.shape, eta)
+    D, R = _empty(eta.shape, q), _empty(eta.shape, eta)
     S_T = _empty((layout.N, H, K, V), q, torch.float32) if want_final else None
     c = _sequential("state_fwd", K, V, layout.N * H)
     kern.state_fwd[(cdiv(V, c["BV"]), layout.N * H)](
@@ -150,11 +151,10 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
     dD_o = _empty(eta.shape, eta)
     _outputs_dD(q, x, D, u, do, dD_o, layout, read_after)
     # 2. reverse over chunks: exit-state gradients and the adjoint z of D, and from z: d_read = -kappa z
-    # (the upstream gradient of the residual reads R), dv, deta, dkappa and the whole d log a.
-    # d_read takes dD_o's place (state_bwd reads each element before it writes it), which no other
-    # kernel reads: one [B, T, H, V] fp32 buffer less at the peak
+    # (the upstream gradient of the residual reads R, in q's dtype: dqk_bwd_two_reads rounds it to that
+    # for its dots), dv, deta, dkappa and the whole d log a
     dh = _empty(h.shape, h)
-    d_read = dD_o
+    d_read = _empty(eta.shape, q)
     deta = o if o_private else _empty(eta.shape, eta)
     dkappa = None if kappa is None else _empty(eta.shape, eta)
     dv, dlog_a = _empty(v.shape, v), R
@@ -164,6 +164,7 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
         q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, o, dD_o, h, S_T, dh, d_read, dv, deta, dkappa,
         dlog_a, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,
         READ_AFTER=read_after, PRECISION=prec, KAPPA_IS_ETA=kappa is None, **c, **meta)
+    del dD_o  # read by state_bwd alone: its fp32 buffer is free for dq and dx
     # 3. q and x gradients of both reads in one launch (outputs: queries q; residual reads: queries x,
     # read before the write, with the exit-state term)
     dq, dx = _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after)

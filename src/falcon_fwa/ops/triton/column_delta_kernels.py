@@ -135,7 +135,8 @@ def state_fwd(
     PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K`` (the whole key dimension): block after
-    block, the per-column solve for ``D`` and ``R`` (fp32) and the state carry; every
+    block, the per-column solve for ``D`` and ``R`` (in fp32; stored, ``R`` in fp32 and ``D`` in
+    ``D``'s dtype) and the state carry; every
     chunk's entry state into ``h``. Tiles are transposed, ``[BV, BS]`` (columns by steps), and
     the state ``[BV, BK]``: each step takes its row with a reduce along a tile's last axis."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -189,7 +190,7 @@ def state_fwd(
                 u_prev = u_i
             b_d = b_c - b_k * b_in
             b_r += b_in
-            tl.store(D + off, b_d, mask=m_vr)
+            tl.store(D + off, b_d.to(D.dtype.element_ty), mask=m_vr)
             tl.store(R + off, b_r, mask=m_vr)
             b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
             b_wd = b_d * _decay(r_out[:, None] - b_u, m_r[None, :])
@@ -209,11 +210,11 @@ def state_bwd(
     the gradient of every chunk's exit state into ``dh``, the per-column transposed solve
     for the adjoint ``z`` of ``D``, ``g <- exp(r' - r) g - X_I^T (exp(w - r) kappa z)`` and,
     at the chunk's start, ``dh_prev = g + Q^T (exp(uq) dO)``. ``z`` itself is not stored:
-    its products are, ``dR = -kappa z``, ``dv = eta z`` (in ``v``'s dtype), ``deta = y z``
-    and ``dkappa = -R z`` (fp32); with ``KAPPA_IS_ETA`` (``kappa`` is ``eta``: no gate) the
-    two gains' gradients are one, ``deta = (y - R) z``, and ``dkappa`` is not written. ``dR``
-    may be ``dD_local`` itself, and ``deta`` the outputs ``o``: each element is read, then
-    written, by the same program.
+    its products are, ``dR = -kappa z`` (in ``dR``'s dtype), ``dv = eta z`` (in ``v``'s dtype),
+    ``deta = y z`` and ``dkappa = -R z`` (fp32); with ``KAPPA_IS_ETA`` (``kappa`` is ``eta``: no
+    gate) the two gains' gradients are one, ``deta = (y - R) z``, and ``dkappa`` is not written.
+    ``deta`` may be the outputs ``o`` and ``d log a`` the reads ``R``: each element is read,
+    then written, by the same program.
 
     Also the whole ``d log a``. Every exponent is a difference of chunk-local log-prefixes or a
     log-prefix alone, so, with the adjoints ``dO``, ``dR = -kappa z``, ``z`` of the outputs, the
@@ -289,7 +290,7 @@ def state_bwd(
             b_do = tl.load(do + off, mask=m_vr, other=0.0).to(tl.float32)
             b_read = b_do * tl.load(o + off, mask=m_vr, other=0.0)  # dO O, read before deta may take o's place
             b_dread = -b_k * b_z  # dR
-            tl.store(dR + off, b_dread, mask=m_vr)
+            tl.store(dR + off, b_dread.to(dR.dtype.element_ty), mask=m_vr)
             tl.store(dv + off, (b_eta * b_z).to(dv.dtype.element_ty), mask=m_vr)
             if KAPPA_IS_ETA:
                 tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_vr)
@@ -369,8 +370,8 @@ def dqk_bwd_two_reads(
         m_v = o_v < V
         b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
         b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)  # the residual reads' uq
-        b_D = _rows(D, rows, m_r, i_h, H, V, o_v, m_v)
-        b_dr = _rows(dR, rows, m_r, i_h, H, V, o_v, m_v)
+        b_D = _rows(D, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
+        b_dr = _rows(dR, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
         b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
         if READ_AFTER:
             b_dd += tl.sum(b_do * b_D, axis=1)
@@ -410,9 +411,9 @@ def dqk_bwd_two_reads(
         b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
         b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
         b_go = (_rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(b_uq, m_r[:, None])).to(dt)
-        b_gr = (_rows(dR, rows, m_r, i_h, H, V, o_v, m_v) * _decay(b_w, m_r[:, None])).to(dt)
+        b_gr = (_rows(dR, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(b_w, m_r[:, None])).to(dt)
         u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
-        b_wc = (_rows(D, rows, m_r, i_h, H, V, o_v, m_v) * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
+        b_wc = (_rows(D, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
         b_dq += tl.dot(b_go, tl.trans(b_h), input_precision=PRECISION)
         b_dxt += tl.dot(b_h, tl.trans(b_gr), input_precision=PRECISION)
         b_dxt += tl.dot(b_dh, tl.trans(b_wc), input_precision=PRECISION)

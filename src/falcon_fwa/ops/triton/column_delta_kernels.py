@@ -135,8 +135,7 @@ def state_fwd(
     PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K`` (the whole key dimension): block after
-    block, the per-column solve for ``D`` and ``R`` (in fp32; stored, ``R`` in fp32 and ``D`` in
-    ``D``'s dtype) and the state carry; every
+    block, the per-column solve for ``D`` and ``R`` (fp32) and the state carry; every
     chunk's entry state into ``h``. Tiles are transposed, ``[BV, BS]`` (columns by steps), and
     the state ``[BV, BK]``: each step takes its row with a reduce along a tile's last axis."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -190,7 +189,7 @@ def state_fwd(
                 u_prev = u_i
             b_d = b_c - b_k * b_in
             b_r += b_in
-            tl.store(D + off, b_d.to(D.dtype.element_ty), mask=m_vr)
+            tl.store(D + off, b_d, mask=m_vr)
             tl.store(R + off, b_r, mask=m_vr)
             b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
             b_wd = b_d * _decay(r_out[:, None] - b_u, m_r[None, :])

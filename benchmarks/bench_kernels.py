@@ -16,6 +16,11 @@ a fixed upstream gradient.
 (:func:`paired_ratio`) and writes ``<out>/<name>-paired.json``: rows ``{op, fla_op, B, T, H, K, V,
 mode: "fwdbwd-paired", ms, fla_ms, ratio, ratio_min, ratio_max, rounds, target, commit}``.
 
+``--cudagraph`` also times every row from a CUDA graph (``triton.testing.do_bench_cudagraph``:
+the calls replayed from one captured graph) and adds ``graph_ms`` to the row (``graph_error`` where
+an op cannot be captured). Replayed, a call costs its kernels' device time and no host enqueue:
+the ratio of two ``graph_ms`` is that of the ops' device work, which the host's speed does not move.
+
 The configurations that fla's autotuned kernels picked in the process go to
 ``<out>/<name>-autotune.json`` (:func:`autotune_picks`): fla's times move between
 processes, and this file tells whether its picks did.
@@ -260,6 +265,24 @@ def measure(build: Builder, shape, mode: str) -> Tuple[float, int]:
     return float(ms), int(peak)
 
 
+def measure_graph(build: Builder, shape, mode: str) -> float:
+    """Median ms of one call of ``build`` at ``shape`` replayed from a CUDA graph
+    (``triton.testing.do_bench_cudagraph``; ``fwdbwd``: gradients reset to ``None`` before every
+    call, as in :func:`measure`). The host enqueues the whole graph once, so what is timed is the
+    device's work; an op that synchronizes with the host (or allocates on it) cannot be captured
+    and raises."""
+    from triton.testing import do_bench_cudagraph
+    step, leaves = _step(build, shape, mode)
+    step()  # compile / autotune outside the capture
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    ms = do_bench_cudagraph(step, rep=100, grad_to_none=leaves or None, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return float(ms)
+
+
 def paired_ratio(ours: Callable[[], float], theirs: Callable[[], float], rounds: int) -> dict:
     """Ratio of two timings taken in alternation: round ``i`` times ``ours`` then ``theirs`` (each
     timer returns a median in ms) and keeps ``ours / theirs``. A slow spell of the host (other
@@ -416,22 +439,34 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
            "bf16 inputs; median ms of `triton.testing.do_bench`; peak = extra memory allocated during one call "
            "(inputs excluded). `fwd` under `torch.no_grad()`; `fwdbwd` = forward + backward.", ""]
     out += [f"- {n}" for n in notes] + [""]
-    out += ["| op | B | T | H | K | V | mode | ms | peak MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    graphs = any("graph_ms" in r or "graph_error" in r for r in rows)
+    if graphs:
+        out += ["`graph ms`: the median of `triton.testing.do_bench_cudagraph`, the calls replayed from a CUDA "
+                "graph (the device's work, without the host's enqueue).", ""]
+    g_head, g_rule = (" graph ms |", "---|") if graphs else ("", "")
+    out += [f"| op | B | T | H | K | V | mode | ms |{g_head} peak MiB |", f"|---|---|---|---|---|---|---|---|{g_rule}---|"]
     for r in rows:
         if r["mode"] in ("decode", "fwdbwd-paired"):
             continue
         op = r["op"] if "window" not in r else f"{r['op']} (window {r['window']})"
+        g = f" {_graph_cell(r)} |" if graphs else ""
         out.append(f"| {op} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
-                   f"{r['ms']:.3f} | {r['peak_mem_bytes'] / 2**20:.0f} |")
+                   f"{r['ms']:.3f} |{g} {r['peak_mem_bytes'] / 2**20:.0f} |")
     index = {(r["op"], r["B"], r["T"], r["mode"]): r for r in rows}
+    g_head, g_rule = (" graph time ratio |", "---|") if graphs else ("", "")
     out += ["", "## Ratios against the fla counterparts (fwd+bwd, time and peak memory)", "",
-            "| Falcon op | fla op | B | T | time ratio | target | peak-memory ratio |", "|---|---|---|---|---|---|---|"]
+            f"| Falcon op | fla op | B | T | time ratio |{g_head} target | peak-memory ratio |",
+            f"|---|---|---|---|---|{g_rule}---|---|"]
     for ours, theirs, target in TARGETS:
         for B, T, *_ in SHAPES:
             a, b = index.get((ours, B, T, "fwdbwd")), index.get((theirs, B, T, "fwdbwd"))
             if a and b:
                 tgt = f"<= {target}" if (B, T) == SHAPES[0][:2] else "-"
-                out.append(f"| {ours} | {theirs} | {B} | {T} | {a['ms'] / b['ms']:.2f} | {tgt} | "
+                g = ""
+                if graphs:
+                    g = (f" {a['graph_ms'] / b['graph_ms']:.2f} |" if a.get("graph_ms") and b.get("graph_ms")
+                         else " - |")
+                out.append(f"| {ours} | {theirs} | {B} | {T} | {a['ms'] / b['ms']:.2f} |{g} {tgt} | "
                            f"{a['peak_mem_bytes'] / max(b['peak_mem_bytes'], 1):.2f} |")
     paired = [r for r in rows if r["mode"] == "fwdbwd-paired"]
     if paired:
@@ -450,6 +485,12 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
     if errors:
         out += ["", "## Failures", ""] + [f"- {e}" for e in errors]
     return "\n".join(out) + "\n"
+
+
+def _graph_cell(row: dict) -> str:
+    if row.get("graph_ms") is not None:
+        return f"{row['graph_ms']:.3f}"
+    return "not captured" if "graph_error" in row else "-"
 
 
 def main(argv=None) -> None:
@@ -471,6 +512,9 @@ def main(argv=None) -> None:
     p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                    help="also time each Falcon op of --ops against its fla counterpart (also in --ops) in alternation, "
                         "ROUNDS rounds, fwd+bwd at the first shape: a ratio robust to a busy host")
+    p.add_argument("--cudagraph", action="store_true",
+                   help="also time every row replayed from a CUDA graph (graph_ms: the device's work, "
+                        "without the host's enqueue)")
     p.add_argument("--row-timeout", type=float, default=90.0,
                    help="seconds one row may take before it is skipped and reported (checked between calls: "
                         "one call that hangs is not interrupted)")
@@ -508,7 +552,20 @@ def main(argv=None) -> None:
                                  commit=commit, **({"process": args.tag} if args.tag else {})))
                 if name in SLIDING_OPS:
                     rows[-1]["window"] = WINDOW
-                print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB", flush=True)
+                graph = ""
+                if args.cudagraph:
+                    try:
+                        with _time_limit(args.row_timeout):
+                            rows[-1]["graph_ms"] = round(measure_graph(OPS[name], shape, mode), 4)
+                        graph = f"  graph {rows[-1]['graph_ms']:9.3f} ms"
+                    except Exception as e:  # an op that cannot be captured keeps its eager row
+                        rows[-1]["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        graph = "  graph: not captured"
+                        errors.append(f"{name} {shape} {mode} (CUDA graph): {rows[-1]['graph_error']}")
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB{graph}",
+                      flush=True)
                 _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
                 _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))
     paired = []  # rows of --paired: written to <name>-paired.json, beside the plain rows

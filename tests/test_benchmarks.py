@@ -64,6 +64,24 @@ def test_markdown_lists_paired_rows_apart_from_the_table():
     assert "| falcon-1 | 8 |" not in text  # not a timing row of the main table
 
 
+def test_markdown_adds_graph_times_and_their_ratio_when_rows_have_them():
+    import bench_kernels
+    versions = dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p")
+    B, T, H, K, V = bench_kernels.SHAPES[0]
+    base = dict(B=B, T=T, H=H, K=K, V=V, mode="fwdbwd", peak_mem_bytes=2**20, commit="x")
+    rows = [dict(op="falcon-2", ms=5.0, graph_ms=4.5, **base), dict(op="fla-gated-delta-rule", ms=2.5, graph_ms=1.5, **base),
+            dict(op="falcon-1", ms=2.0, graph_error="RuntimeError: capture", **base)]
+    text = bench_kernels._markdown(rows, versions, "x", [], [])
+    assert "| op | B | T | H | K | V | mode | ms | graph ms | peak MiB |" in text
+    assert "| falcon-2 | 8 | 2048 | 16 | 128 | 128 | fwdbwd | 5.000 | 4.500 | 1 |" in text
+    assert "| falcon-1 | 8 | 2048 | 16 | 128 | 128 | fwdbwd | 2.000 | not captured | 1 |" in text
+    # eager ratio 5.0 / 2.5, graph ratio 4.5 / 1.5; falcon-1 has a counterpart row missing: no ratio line
+    assert "| falcon-2 | fla-gated-delta-rule | 8 | 2048 | 2.00 | 3.00 | <= 1.5 | 1.00 |" in text
+    # rows without graph times keep the plain layout
+    plain = bench_kernels._markdown([dict(op="falcon-2", ms=5.0, **base)], versions, "x", [], [])
+    assert "graph" not in plain
+
+
 def test_paired_drift_flags_a_slow_spell_on_one_side_only():
     import bench_kernels
     B, T, H, K, V = bench_kernels.SHAPES[0]

@@ -103,8 +103,9 @@ case "$STAGE" in
     # With two or more GPUs (and no BENCH_OPS) the rows are split over two processes, one per GPU, each timing
     # its own fla reference rows: every ratio is then taken between rows of one process (the `process` key).
     # PAIRED=N adds N rounds of each Falcon op timed in alternation with its fla counterpart (--paired): the
-    # ratio that holds up when the host is busy.
-    KOPTS="--allow-fla-gated --shapes 0 --row-timeout ${ROW_TIMEOUT:-150} ${PAIRED:+--paired $PAIRED}"
+    # ratio that holds up when the host is busy. CUDAGRAPH=1 adds each row replayed from a CUDA graph
+    # (--cudagraph, graph_ms): the device's work alone.
+    KOPTS="--allow-fla-gated --shapes 0 --row-timeout ${ROW_TIMEOUT:-150} ${PAIRED:+--paired $PAIRED} ${CUDAGRAPH:+--cudagraph}"
     PROFILE_OPTS="${BENCH_PROFILE:+--profile $BENCH_PROFILE}"
     if [ -z "${BENCH_OPS:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200-gpu0 \

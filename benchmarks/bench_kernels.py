@@ -562,8 +562,9 @@ def main(argv=None) -> None:
                         rows[-1]["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                         graph = "  graph: not captured"
                         errors.append(f"{name} {shape} {mode} (CUDA graph): {rows[-1]['graph_error']}")
-                        torch.cuda.synchronize()
-                        torch.cuda.empty_cache()
+                        with contextlib.suppress(Exception):  # a broken capture must not end the run
+                            torch.cuda.synchronize()
+                            torch.cuda.empty_cache()
                 print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB{graph}",
                       flush=True)
                 _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")

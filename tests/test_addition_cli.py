@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from falcon_fwa.tasks.addition import cli, compare
 from falcon_fwa.tasks.addition.lineup import LINEUP, resolve_model
@@ -181,11 +182,14 @@ def test_compare_refuses_runs_of_the_other_operand_order(tmp_path):
     old = tmp_path / "old" / "Transformer" / "seed0"
     old.mkdir(parents=True)
     (old / "results.json").write_text(json.dumps({"finished": True}))
-    compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {"operand_order": "msd", "base": 10})
+    paper = {"operand_order": "msd", "base": 10, "abacus_offset": None}
+    compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], paper)
     with pytest.raises(ValueError, match="operand_order"):
-        compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {"operand_order": "lsd", "base": 10})
+        compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {**paper, "operand_order": "lsd"})
     with pytest.raises(ValueError, match="base"):  # and the decimal base
-        compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {"operand_order": "msd", "base": 2})
+        compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {**paper, "base": 2})
+    with pytest.raises(ValueError, match="abacus_offset"):  # and no digit positions
+        compare.check_runs_task(tmp_path / "old", ["Transformer"], [0], {**paper, "abacus_offset": 4})
 
 
 def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monkeypatch):
@@ -232,6 +236,7 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
     assert cmd[cmd.index("--base") + 1] == "2"
     assert compare.task_suffixes({"operand_order": "lsd", "base": 3}) == ["lsd", "base3"]
     assert compare.task_suffixes({"operand_order": "msd", "base": 10}) == []
+    assert compare.task_suffixes({"operand_order": "msd", "base": 10, "abacus_offset": 0}) == ["abacus0"]
 
 
 def _compare_parser():
@@ -489,3 +494,44 @@ def test_fast_weight_options_are_refused_for_the_transformer(tmp_path, option):
     with pytest.raises(ValueError, match=f"^{option[0]}: model 'Transformer'"):
         cli.main(["--model", "Transformer", *option, "--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
     assert not (tmp_path / "run").exists()
+
+
+def test_digit_positions_add_nothing_at_index_zero_and_train_with_the_embedding():
+    from falcon_fwa.tasks.addition.lineup import DigitPositions, build_model, resolve_model
+    torch.manual_seed(0)
+    lm = build_model(resolve_model("Falcon-3A.3"), {"hidden_size": 16, "num_hidden_layers": 1, "num_heads": 2},
+                     vocab_size=16)
+    model = DigitPositions(lm, 8)
+    ids = torch.randint(0, 16, (2, 9))
+    zero = torch.zeros_like(ids)
+    assert torch.allclose(model(ids, zero).logits, lm(ids).logits, atol=1e-6)  # index 0: the tokens alone
+    index = torch.randint(1, 8, (2, 9))
+    out = model(ids, index).logits
+    assert not torch.allclose(out, lm(ids).logits)
+    out.square().sum().backward()
+    g = model.index_embed.weight.grad
+    assert g[0].abs().max() == 0 and g[1:].abs().max() > 0  # the padding row is never trained
+    groups = model.param_groups(1e-3, 0.1)
+    emb = next(gr for gr in groups if gr["name"] == "embedding")
+    assert any(p is model.index_embed.weight for p in emb["params"])
+    counted = [p for gr in groups for p in gr["params"]]
+    assert len(counted) == len({id(p) for p in counted}) == len(list(model.parameters()))
+
+
+def test_abacus_offset_reaches_the_model_the_results_and_the_default_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default folders are relative
+    budget = ["--steps", "2", "--eval-every", "2", "--hidden-size", "16", "--num-hidden-layers", "1",
+              "--num-heads", "2", "--abacus-offset", "3", *SMALL]
+    assert cli.main(["--model", "Falcon-1A.3", "--no-progress", *budget]) == 0
+    run_dir = tmp_path / "runs/addition/tiny-abacus3/Falcon-1A.3/seed0"  # the default folder names the option
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["finished"] and res["abacus_offset"] == res["preset"]["abacus_offset"] == 3
+    state = torch.load(run_dir / "best.pt", weights_only=False)["model"]
+    # places up to the longest answer: training widths up to 3 plus the offset 3, OOD widths up to 5
+    assert state["index_embed.weight"].shape == (3 + 3 + 1 + 1, 16)
+    with pytest.raises(ValueError, match="abacus_offset"):  # no resuming without the digit positions
+        cli.main(["--model", "Falcon-1A.3", "--steps", "3", "--out", str(run_dir), "--no-progress",
+                  "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL])
+    with pytest.raises(ValueError, match="abacus_offset"):
+        cli.main(["--model", "Falcon-1A.3", "--no-progress", *budget[:-len(SMALL) - 2], "--abacus-offset", "-1",
+                  *SMALL])

@@ -237,3 +237,37 @@ def test_position_hits_sum_to_the_sample_scores():
             assert digits.numel() == total[b] == w + 1
             expected = (pred[b, digits] == batch.input_ids[b, 1:][digits]).long()
             assert torch.equal(hits[b, : w + 1], expected) and not hits[b, w + 1:].any()
+
+
+def test_digit_index_counts_places_from_the_units_in_either_operand_order():
+    from falcon_fwa.tasks.addition.data import AdditionSample, digit_index
+    msd = AdditionSample(57, 968, 3)  # "057+968=5201$"
+    assert msd.text == "057+968=5201$"
+    assert digit_index(msd) == [3, 2, 1, 0, 3, 2, 1, 0, 1, 2, 3, 4, 0]
+    lsd = AdditionSample(57, 968, 3, operand_order="lsd")  # "750+869=5201$"
+    assert lsd.text == "750+869=5201$"
+    assert digit_index(lsd) == [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 4, 0]
+    # in a batch: right-padded with index 0, and an offset moves the digits only
+    b = collate([msd, AdditionSample(1, 2, 1)], offsets=[0, 5])
+    assert b.digit_index[0].tolist() == digit_index(msd)
+    assert b.digit_index[1].tolist() == [6, 0, 6, 0, 6, 7, 0] + [0] * 6  # "1+2=30$" then padding
+    with pytest.raises(ValueError, match="offsets"):
+        collate([msd], offsets=[1, 2])
+
+
+def test_abacus_offsets_shift_the_indices_and_leave_the_sums_alone():
+    plain = training_batch(7, 3, 64, 1, 6)
+    shifted = training_batch(7, 3, 64, 1, 6, abacus_offset=4)
+    assert torch.equal(plain.input_ids, shifted.input_ids)  # the same sums
+    assert torch.equal(shifted.digit_index, training_batch(7, 3, 64, 1, 6, abacus_offset=4).digit_index)
+    digits = plain.digit_index > 0
+    assert torch.equal(shifted.digit_index > 0, digits)  # non-digits and padding stay at 0
+    offset = shifted.digit_index - plain.digit_index  # one offset per sample, on all its digits
+    per_sample = [set(o[d].tolist()) for o, d in zip(offset, digits)]
+    assert all(len(s) == 1 for s in per_sample)
+    drawn = {next(iter(s)) for s in per_sample}
+    assert drawn <= set(range(5)) and len(drawn) > 1
+    assert torch.equal(training_batch(7, 3, 64, 1, 6, abacus_offset=0).digit_index, plain.digit_index)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="abacus_offset"):
+            training_batch(0, 0, 2, abacus_offset=bad)

@@ -51,6 +51,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the answer is always least significant digit first (default: the preset's, msd)")
     p.add_argument("--base", type=int, choices=BASES, metavar="{2..10}",
                    help="radix the numbers are written in (default: the preset's, 10; 2 is binary)")
+    p.add_argument("--abacus-offset", type=int, metavar="K",
+                   help="let the model see each digit's place in its number (a learned embedding added to the "
+                        "token's, 'Abacus' digit positions), shifted in training by a random offset in [0, K]; "
+                        "default: the preset's, none (the paper's setting)")
     p.add_argument("--ood-widths", type=int, nargs=2, metavar=("LO", "HI"),
                    help="override the (inclusive) range of out-of-distribution widths")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,8 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", choices=["ctx-beta", "ctx-eta"], help="which step-size quantity the context emits")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialization and the training stream")
     add_model_arguments(p)
-    p.add_argument("--out", help="output folder (default runs/addition/<preset>/<model>/seed<seed>, with -lsd and "
-                                 "-base<b> appended to <preset> for --operand-order lsd and --base b)")
+    p.add_argument("--out", help="output folder (default runs/addition/<preset>/<model>/seed<seed>, with -lsd, "
+                                 "-base<b> and -abacus<K> appended to <preset> for --operand-order lsd, --base b "
+                                 "and --abacus-offset K)")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     p.add_argument("--no-progress", action="store_true", help="log evaluations as lines instead of a progress bar")
 
@@ -88,7 +93,7 @@ def preset_from_args(args: argparse.Namespace):
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
         matmul_precision=args.matmul_precision, curriculum_steps=args.curriculum_steps,
-        operand_order=args.operand_order, base=args.base,
+        operand_order=args.operand_order, base=args.base, abacus_offset=args.abacus_offset,
         val_per_width=args.val_per_width, ood_per_width=args.ood_per_width,
         train_widths=tuple(args.train_widths) if args.train_widths else None,
         ood_widths=tuple(args.ood_widths) if args.ood_widths else None)
@@ -117,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"addition: {args.model} {fields} preset {args.preset} "
           f"(width {preset.hidden_size}, {preset.num_hidden_layers} layers, {preset.steps} steps"
           f"{', operands ' + preset.operand_order if preset.operand_order != 'msd' else ''}"
-          f"{f', base {preset.base}' if preset.base != 10 else ''}) "
+          f"{f', base {preset.base}' if preset.base != 10 else ''}"
+          f"{f', digit positions (offset <= {preset.abacus_offset})' if preset.abacus_offset is not None else ''}) "
           f"on {args.device} -> {out}")
     res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume)
     plot = plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",

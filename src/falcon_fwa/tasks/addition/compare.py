@@ -115,7 +115,8 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
            "--out", str(out), "--no-progress", "--preset", args.preset, "--device", args.device,
            "--dtype", args.dtype, "--eval-seed", str(args.eval_seed)]
     for flag in ("steps", "batch_size", "lr", "hidden_size", "num_hidden_layers", "num_heads", "matmul_precision",
-                 "curriculum_steps", "operand_order", "base", "eval_every", "val_per_width", "ood_per_width", "threads"):
+                 "curriculum_steps", "operand_order", "base", "abacus_offset", "eval_every", "val_per_width",
+                 "ood_per_width", "threads"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -276,6 +277,8 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
                  if meta.get("operand_order", "msd") != "msd" else "")
               + (f", numbers in base {meta['base']} (uniform guessing scores {100 / meta['base']:.0f} % of the digits)"
                  if meta.get("base", 10) != 10 else "")
+              + (f", each digit's place in its number embedded (training offset up to {meta['abacus_offset']})"
+                 if meta.get("abacus_offset") is not None else "")
               + f"), {meta['val_per_width']} validation samples per "
               f"training width, {meta['ood_per_width']} test samples per OOD width",
               f"- device: {meta['device']}; " + _wall_time(rows, meta),

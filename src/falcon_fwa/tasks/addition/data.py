@@ -23,6 +23,14 @@ do not depend on later padding, so no attention mask is needed. The loss is the
 next-token log-likelihood on the target suffix only (sum digits and end marker);
 the accuracies are computed on the ``n + 1`` sum digits (:mod:`.metrics`).
 
+Every batch also carries each token's *digit index* (:func:`digit_index`): the place of a
+digit in its number, 1 for the units, and 0 for ``+``, ``=``, ``$`` and padding. With the
+task option ``abacus_offset`` (None by default, the paper's setting) the model adds a learned
+embedding of that index to each token's (per-number digit positions, the "Abacus" embeddings of
+McLeish et al., 2024), and every training sample shifts its indices by a random offset in
+``[0, abacus_offset]`` (:func:`training_batch`; evaluation uses none), so that the indices of
+widths longer than the training ones are trained too.
+
 Every sample comes from a :class:`random.Random` seeded by a string naming its
 purpose (``"{seed}/train/{step}"``, ``"{seed}/eval/{width}"``), so data are
 identical across machines, Python versions and resumed runs, and no files are
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -154,6 +162,23 @@ def check_text(text: str, operand_order: str = "msd", base: int = 10) -> bool:
     return int(a, base) + int(b, base) == int(answer[::-1], base)
 
 
+def digit_index(sample: AdditionSample) -> List[int]:
+    """The digit index of every token of ``sample.text`` (``3n + 4`` of them): the place of a
+    digit in its number, 1 for the units, ``n`` for the operands' leading digit and ``n + 1`` for
+    the sum's last; 0 for ``+``, ``=`` and ``$``. E.g. ``"057+968=5201$"``:
+    ``[3, 2, 1, 0, 3, 2, 1, 0, 1, 2, 3, 4, 0]``."""
+    n = sample.width
+    operand = list(range(n, 0, -1)) if sample.operand_order == "msd" else list(range(1, n + 1))
+    return operand + [0] + operand + [0] + list(range(1, n + 2)) + [0]
+
+
+def check_abacus_offset(abacus_offset) -> None:
+    """``None`` or an ``int >= 0``, else a ``ValueError`` naming ``abacus_offset``."""
+    if abacus_offset is not None and (isinstance(abacus_offset, bool) or not isinstance(abacus_offset, int)
+                                      or abacus_offset < 0):
+        raise ValueError(f"abacus_offset must be None or an integer >= 0, got {abacus_offset!r}")
+
+
 @dataclass
 class AdditionBatch:
     """Right-padded token ids and masks, all ``[B, T]`` on one device.
@@ -161,49 +186,68 @@ class AdditionBatch:
     ``loss_mask[b, t]`` is true where token ``t`` belongs to the target suffix (sum
     digits and end marker) and ``digit_mask[b, t]`` where it is a sum digit: the
     logits at position ``t - 1`` predict token ``t``. ``widths`` is ``[B]``.
+    ``digit_index`` is each token's :func:`digit_index` (plus the sample's offset, on digits
+    only; 0 on padding).
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     digit_mask: torch.Tensor
     widths: torch.Tensor
+    digit_index: torch.Tensor
 
     def to(self, device) -> "AdditionBatch":
         return AdditionBatch(*(t.to(device, non_blocking=True) for t in
-                               (self.input_ids, self.loss_mask, self.digit_mask, self.widths)))
+                               (self.input_ids, self.loss_mask, self.digit_mask, self.widths, self.digit_index)))
 
 
-def collate(samples: Sequence[AdditionSample]) -> AdditionBatch:
-    """Encode and right-pad ``samples`` into one :class:`AdditionBatch`."""
+def collate(samples: Sequence[AdditionSample], offsets: Optional[Sequence[int]] = None) -> AdditionBatch:
+    """Encode and right-pad ``samples`` into one :class:`AdditionBatch`; ``offsets`` (one per
+    sample, default 0) are added to the digit indices of that sample's digits."""
     if not samples:
         raise ValueError("samples: empty batch")
+    if offsets is not None and len(offsets) != len(samples):
+        raise ValueError(f"offsets: {len(offsets)} for {len(samples)} samples")
     T = max(3 * s.width + 4 for s in samples)
     ids = torch.full((len(samples), T), PAD_ID, dtype=torch.long)
+    index = torch.zeros(len(samples), T, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), T, dtype=torch.bool)
     digit_mask = torch.zeros(len(samples), T, dtype=torch.bool)
     for i, s in enumerate(samples):
         tokens = encode(s.text)
         ids[i, : len(tokens)] = torch.tensor(tokens)
+        places = torch.tensor(digit_index(s))
+        index[i, : len(tokens)] = places + (offsets[i] if offsets is not None else 0) * (places > 0)
         start = 2 * s.width + 2  # first answer digit
         loss_mask[i, start : len(tokens)] = True
         digit_mask[i, start : start + s.width + 1] = True
     widths = torch.tensor([s.width for s in samples], dtype=torch.long)
-    return AdditionBatch(ids, loss_mask, digit_mask, widths)
+    return AdditionBatch(ids, loss_mask, digit_mask, widths, index)
 
 
 def training_batch(seed: int, step: int, batch_size: int, min_width: int = 1, max_width: int = 32, *,
-                   operand_order: str = "msd", base: int = 10) -> AdditionBatch:
+                   operand_order: str = "msd", base: int = 10, abacus_offset: Optional[int] = None) -> AdditionBatch:
     """The training batch of ``step``: widths uniform in ``[min_width, max_width]``; the same
-    sums in either ``operand_order``."""
+    sums in either ``operand_order``. With ``abacus_offset`` every sample's digit indices are
+    shifted by an offset uniform in ``[0, abacus_offset]``, drawn from a stream of its own
+    (the sums do not depend on it)."""
+    check_abacus_offset(abacus_offset)
     rng = random.Random(f"{seed}/train/{step}")
-    return collate([make_sample(rng, rng.randint(min_width, max_width), operand_order=operand_order, base=base)
-                    for _ in range(batch_size)])
+    samples = [make_sample(rng, rng.randint(min_width, max_width), operand_order=operand_order, base=base)
+               for _ in range(batch_size)]
+    offsets = None
+    if abacus_offset:
+        shift = random.Random(f"{seed}/abacus/{step}")
+        offsets = [shift.randint(0, abacus_offset) for _ in samples]
+    return collate(samples, offsets)
 
 
 def width_set(seed: int, widths: Sequence[int], per_width: int, *,
-              operand_order: str = "msd", base: int = 10) -> Dict[int, List[AdditionSample]]:
+              operand_order: str = "msd", base: int = 10,
+              abacus_offset: Optional[int] = None) -> Dict[int, List[AdditionSample]]:
     """A fixed evaluation set: ``per_width`` samples for every width in ``widths``; the same
-    sums in either ``operand_order``."""
+    sums in either ``operand_order`` (``abacus_offset`` is accepted with the other task fields:
+    evaluation shifts no digit index)."""
     out = {}
     for w in widths:
         rng = random.Random(f"{seed}/eval/{w}")

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+import torch
+
 MIXERS = ("falcon", "transformer", "deltanet", "gated_deltanet", "mamba2", "retnet")
 
 LINEUP: Dict[str, Dict[str, Any]] = {
@@ -83,3 +85,34 @@ def build_model(fields: Dict[str, Any], size: Dict[str, Any], vocab_size: int):
         if not hasattr(known, key):
             raise ValueError(f"model config field {key!r} does not exist on FalconConfig")
     return FalconForCausalLM(FalconConfig(**values))
+
+
+class DigitPositions(torch.nn.Module):
+    """A causal LM that adds to every token's embedding a learned embedding of its digit
+    index (:func:`.data.digit_index`; index 0, the non-digits and padding, adds nothing):
+    per-number digit positions, the "Abacus" embeddings of McLeish et al. (2024).
+
+    ``forward(input_ids, digit_index)`` (both ``[B, T]``) returns the LM's output. The index
+    table has ``num_indices`` rows, initialized like the token embedding and trained with it
+    (same learning rate and weight decay)."""
+
+    def __init__(self, lm: torch.nn.Module, num_indices: int):
+        super().__init__()
+        if num_indices < 2:
+            raise ValueError(f"num_indices must be >= 2, got {num_indices}")
+        self.lm = lm
+        self.index_embed = torch.nn.Embedding(num_indices, lm.config.hidden_size, padding_idx=0)
+        with torch.no_grad():
+            self.index_embed.weight.normal_(0.0, lm.config.initializer_range)
+            self.index_embed.weight[0].zero_()
+
+    def forward(self, input_ids: torch.Tensor, digit_index: torch.Tensor):
+        embeds = self.lm.get_input_embeddings()(input_ids) + self.index_embed(digit_index)
+        return self.lm(inputs_embeds=embeds)
+
+    def param_groups(self, lr: float, weight_decay: float):
+        groups = self.lm.param_groups(lr, weight_decay)
+        for g in groups:
+            if g["name"] == "embedding":
+                g["params"] = [*g["params"], self.index_embed.weight]
+        return groups

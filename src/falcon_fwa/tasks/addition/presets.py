@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
-from .data import OPERAND_ORDERS, check_base
+from .data import OPERAND_ORDERS, check_abacus_offset, check_base
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 """The values of ``torch.set_float32_matmul_precision``."""
@@ -79,6 +79,11 @@ class AdditionPreset:
     """The radix every number is written in (:data:`.data.BASES`): 10 (decimal, the default; the paper
     does not name a base) or 2 for binary, as in Kaiser and Sutskever's tasks, which the paper cites.
     Uniform guessing scores ``1/base`` of the digits."""
+    abacus_offset: Optional[int] = None
+    """``None`` (the paper's setting): the model sees the tokens alone. An integer ``K >= 0``: it also
+    sees each digit's place in its number (:func:`.data.digit_index`, a learned embedding added to the
+    token's: :class:`.lineup.DigitPositions`), shifted in training by a random offset in ``[0, K]``
+    per sample, so that the places of widths up to ``train_widths[1] + K`` are trained."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_heads", "steps", "batch_size", "eval_every",
@@ -96,6 +101,10 @@ class AdditionPreset:
             check_base(self.base)
         except ValueError as e:
             raise ValueError(f"preset field {e}") from None
+        try:
+            check_abacus_offset(self.abacus_offset)
+        except ValueError as e:
+            raise ValueError(f"preset field {e}") from None
         if self.lr <= 0 or self.warmup < 0:
             raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -111,6 +120,12 @@ class AdditionPreset:
         init = {"initializer_range": self.hidden_size ** -0.5} if self.fan_in_init else {}
         return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
                 "num_heads": self.num_heads, **init, **self.model}
+
+    def num_digit_indices(self) -> int:
+        """Rows of the digit-index table under ``abacus_offset``: index 0 (the non-digits) and the
+        places up to the longest answer of training (with the offset) or evaluation (without)."""
+        longest = max(self.train_widths[1] + (self.abacus_offset or 0), self.ood_widths[1]) + 1
+        return longest + 1
 
     def max_train_width(self, step: int) -> int:
         """The largest width drawn at training step ``step`` (0-based): with a curriculum,

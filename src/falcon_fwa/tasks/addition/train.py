@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
-from .lineup import build_model
+from .lineup import DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset
 from ...atomic import read_json, save_torch, write_json
@@ -83,13 +83,21 @@ def suffix_loss(logits: torch.Tensor, batch: AdditionBatch) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1][mask].float(), batch.input_ids[:, 1:][mask])
 
 
+def forward_logits(model: torch.nn.Module, batch: AdditionBatch) -> torch.Tensor:
+    """The model's logits on ``batch``: from the tokens, and with :class:`.lineup.DigitPositions`
+    from the tokens and their digit indices."""
+    if isinstance(model, DigitPositions):
+        return model(batch.input_ids, batch.digit_index).logits
+    return model(batch.input_ids).logits
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: AdditionBatch, grad_clip: float,
                autocast: Callable, *, label: str) -> torch.Tensor:
     """One optimizer step on ``batch``: forward, suffix loss, backward, gradient clipping, update.
     Returns the loss; a non-finite loss raises ``FloatingPointError`` naming ``label`` before
     any update."""
     with autocast():
-        logits = model(batch.input_ids).logits
+        logits = forward_logits(model, batch)
     loss = suffix_loss(logits, batch)
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite training loss at {label}")
@@ -100,9 +108,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return loss
 
 
-def eval_batches(seed: int, widths: range, per_width: int, batch: int, *,
-                 operand_order: str = "msd", base: int = 10) -> Dict[int, List[AdditionBatch]]:
-    """Fixed evaluation batches, one width per batch (no padding)."""
+def eval_batches(seed: int, widths: range, per_width: int, batch: int, *, operand_order: str = "msd",
+                 base: int = 10, abacus_offset: Optional[int] = None) -> Dict[int, List[AdditionBatch]]:
+    """Fixed evaluation batches, one width per batch (no padding; no digit-index offset, whatever
+    ``abacus_offset``)."""
     sets = width_set(seed, widths, per_width, operand_order=operand_order, base=base)
     return {w: [collate(s[i : i + batch]) for i in range(0, len(s), batch)] for w, s in sets.items()}
 
@@ -121,7 +130,7 @@ def evaluate(model: torch.nn.Module, batches: Dict[int, List[AdditionBatch]], de
         for b in group:
             b = b.to(device)
             with autocast():
-                logits = model(b.input_ids).logits
+                logits = forward_logits(model, b)
             pred = logits.argmax(-1)
             tally.add(b.widths, *score_predictions(pred, b), positions=position_hits(pred, b))
             tokens = int(b.loss_mask[:, 1:].sum())
@@ -219,9 +228,9 @@ def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str
     }
 
 
-TASK_DEFAULTS: Dict[str, Any] = {"operand_order": "msd", "base": 10}
-"""The preset fields that change the samples themselves (not the model or the budget), with the values
-runs recorded before each field existed had."""
+TASK_DEFAULTS: Dict[str, Any] = {"operand_order": "msd", "base": 10, "abacus_offset": None}
+"""The preset fields that change the samples or what the model sees of them (not the model's size or the
+budget), with the values runs recorded before each field existed had."""
 
 
 def task_fields(preset) -> Dict[str, Any]:
@@ -230,12 +239,16 @@ def task_fields(preset) -> Dict[str, Any]:
 
 
 def task_suffixes(task: Dict[str, Any]) -> List[str]:
-    """Name parts of the task fields away from their defaults: ``["lsd", "base2"]`` and the like."""
+    """Name parts of the task fields away from their defaults (a field ``task`` lacks is at its
+    default): ``["lsd", "base2", "abacus8"]`` and the like."""
+    task = {**TASK_DEFAULTS, **task}
     out = []
     if task["operand_order"] != TASK_DEFAULTS["operand_order"]:
         out.append(task["operand_order"])
     if task["base"] != TASK_DEFAULTS["base"]:
         out.append(f"base{task['base']}")
+    if task["abacus_offset"] is not None:
+        out.append(f"abacus{task['abacus_offset']}")
     return out
 
 
@@ -331,7 +344,10 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
     autocast = _autocast(device, spec.dtype)
 
     torch.manual_seed(spec.seed)
-    model = build_model(spec.fields, p.size(), vocab_size=len(VOCAB)).to(device)
+    model = build_model(spec.fields, p.size(), vocab_size=len(VOCAB))
+    if p.abacus_offset is not None:
+        model = DigitPositions(model, p.num_digit_indices())
+    model = model.to(device)
     optimizer = make_optimizer(model, p)
     val_widths = range(p.train_widths[0], p.train_widths[1] + 1)
     ood_widths = range(p.ood_widths[0], p.ood_widths[1] + 1)

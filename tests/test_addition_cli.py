@@ -503,9 +503,13 @@ def test_digit_positions_add_nothing_at_index_zero_and_train_with_the_embedding(
                      vocab_size=16)
     model = DigitPositions(lm, 8)
     ids = torch.randint(0, 16, (2, 9))
-    zero = torch.zeros_like(ids)
-    assert torch.allclose(model(ids, zero).logits, lm(ids).logits, atol=1e-6)  # index 0: the tokens alone
     index = torch.randint(1, 8, (2, 9))
+    # the table starts at zero: the model starts as the LM on the tokens alone, at any index
+    assert torch.allclose(model(ids, index).logits, lm(ids).logits, atol=1e-6)
+    with torch.no_grad():
+        model.index_embed.weight[1:].normal_()
+    zero = torch.zeros_like(ids)
+    assert torch.allclose(model(ids, zero).logits, lm(ids).logits, atol=1e-6)  # index 0 adds nothing
     out = model(ids, index).logits
     assert not torch.allclose(out, lm(ids).logits)
     out.square().sum().backward()

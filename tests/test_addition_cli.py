@@ -13,6 +13,7 @@ from falcon_fwa.tasks.addition.presets import get_addition_preset
 
 SMALL = ["--preset", "tiny", "--device", "cpu", "--batch-size", "4", "--val-per-width", "2", "--ood-per-width", "2",
          "--train-widths", "1", "3", "--ood-widths", "4", "5", "--threads", "1"]
+TWO_STEPS = ["--steps", "2", "--eval-every", "2", "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2"]
 
 
 def test_two_step_run_writes_results_and_resumes(tmp_path, monkeypatch, capsys):
@@ -197,8 +198,7 @@ def test_base_reaches_the_data_the_results_and_the_default_names(tmp_path, monke
 
     texts, evaluated = _record_samples(monkeypatch)
     monkeypatch.chdir(tmp_path)  # the default folders are relative
-    budget = ["--steps", "2", "--eval-every", "2", "--hidden-size", "16", "--num-hidden-layers", "1",
-              "--num-heads", "2", "--base", "2", *SMALL]
+    budget = [*TWO_STEPS, "--base", "2", *SMALL]
     assert cli.main(["--model", "Transformer", "--no-progress", *budget]) == 0
     run_dir = tmp_path / "runs/addition/tiny-base2/Transformer/seed0"  # the default folder names the base
     res = json.loads((run_dir / "results.json").read_text())
@@ -524,8 +524,7 @@ def test_digit_positions_add_nothing_at_index_zero_and_train_with_the_embedding(
 
 def test_abacus_offset_reaches_the_model_the_results_and_the_default_names(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default folders are relative
-    budget = ["--steps", "2", "--eval-every", "2", "--hidden-size", "16", "--num-hidden-layers", "1",
-              "--num-heads", "2", "--abacus-offset", "3", *SMALL]
+    budget = [*TWO_STEPS, "--abacus-offset", "3", *SMALL]
     assert cli.main(["--model", "Falcon-1A.3", "--no-progress", *budget]) == 0
     run_dir = tmp_path / "runs/addition/tiny-abacus3/Falcon-1A.3/seed0"  # the default folder names the option
     res = json.loads((run_dir / "results.json").read_text())
@@ -537,5 +536,4 @@ def test_abacus_offset_reaches_the_model_the_results_and_the_default_names(tmp_p
         cli.main(["--model", "Falcon-1A.3", "--steps", "3", "--out", str(run_dir), "--no-progress",
                   "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL])
     with pytest.raises(ValueError, match="abacus_offset"):
-        cli.main(["--model", "Falcon-1A.3", "--no-progress", *budget[:-len(SMALL) - 2], "--abacus-offset", "-1",
-                  *SMALL])
+        cli.main(["--model", "Falcon-1A.3", "--no-progress", *TWO_STEPS, "--abacus-offset", "-1", *SMALL])

@@ -29,7 +29,8 @@ from .cli import add_model_arguments, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
-from .train import check_same_setup, check_same_task, held_task, runs_folder, task_fields, task_suffixes
+from .train import (check_same_setup, check_same_task, held_task, runs_folder, sample_fields, task_fields,
+                    task_suffixes)
 from ...atomic import read_json, write_json, write_text
 
 
@@ -295,7 +296,7 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
 def _ood_reference(eval_seed: int, preset) -> Dict[str, Dict[str, float]]:
     """:func:`.reference.reference_scores` on the OOD samples the runs were tested on."""
     lo, hi = preset.ood_widths
-    return reference_scores(width_set(eval_seed, range(lo, hi + 1), preset.ood_per_width, **task_fields(preset)))
+    return reference_scores(width_set(eval_seed, range(lo, hi + 1), preset.ood_per_width, **sample_fields(preset)))
 
 
 def _invocation() -> str:

@@ -243,11 +243,9 @@ def training_batch(seed: int, step: int, batch_size: int, min_width: int = 1, ma
 
 
 def width_set(seed: int, widths: Sequence[int], per_width: int, *,
-              operand_order: str = "msd", base: int = 10,
-              abacus_offset: Optional[int] = None) -> Dict[int, List[AdditionSample]]:
+              operand_order: str = "msd", base: int = 10) -> Dict[int, List[AdditionSample]]:
     """A fixed evaluation set: ``per_width`` samples for every width in ``widths``; the same
-    sums in either ``operand_order`` (``abacus_offset`` is accepted with the other task fields:
-    evaluation shifts no digit index)."""
+    sums in either ``operand_order``."""
     out = {}
     for w in widths:
         rng = random.Random(f"{seed}/eval/{w}")

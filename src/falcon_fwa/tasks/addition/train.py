@@ -108,10 +108,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return loss
 
 
-def eval_batches(seed: int, widths: range, per_width: int, batch: int, *, operand_order: str = "msd",
-                 base: int = 10, abacus_offset: Optional[int] = None) -> Dict[int, List[AdditionBatch]]:
-    """Fixed evaluation batches, one width per batch (no padding; no digit-index offset, whatever
-    ``abacus_offset``)."""
+def eval_batches(seed: int, widths: range, per_width: int, batch: int, *,
+                 operand_order: str = "msd", base: int = 10) -> Dict[int, List[AdditionBatch]]:
+    """Fixed evaluation batches, one width per batch (no padding, no digit-index offset)."""
     sets = width_set(seed, widths, per_width, operand_order=operand_order, base=base)
     return {w: [collate(s[i : i + batch]) for i in range(0, len(s), batch)] for w, s in sets.items()}
 
@@ -238,6 +237,12 @@ def task_fields(preset) -> Dict[str, Any]:
     return {k: getattr(preset, k) for k in TASK_DEFAULTS}
 
 
+def sample_fields(preset) -> Dict[str, Any]:
+    """The task fields that decide the samples themselves (``operand_order``, ``base``): what the data
+    functions take. ``abacus_offset`` changes only what the model sees of them, in training."""
+    return {k: getattr(preset, k) for k in ("operand_order", "base")}
+
+
 def task_suffixes(task: Dict[str, Any]) -> List[str]:
     """Name parts of the task fields away from their defaults (a field ``task`` lacks is at its
     default): ``["lsd", "base2", "abacus8"]`` and the like."""
@@ -351,9 +356,9 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
     optimizer = make_optimizer(model, p)
     val_widths = range(p.train_widths[0], p.train_widths[1] + 1)
     ood_widths = range(p.ood_widths[0], p.ood_widths[1] + 1)
-    task = task_fields(p)
-    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch, **task)
-    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch, **task))
+    samples = sample_fields(p)
+    batches = eval_batches(spec.eval_seed, val_widths, p.val_per_width, spec.eval_batch, **samples)
+    batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch, **samples))
 
     results = _new_results(spec, device, sum(t.numel() for t in model.parameters()))
     start, elapsed_before = _resume(out_dir, model, optimizer, results, device) if resume else (0, 0.0)
@@ -373,7 +378,7 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_multiplier", 1.0)
         batch = training_batch(spec.seed, step, p.batch_size, p.train_widths[0], p.max_train_width(step),
-                               **task).to(device)
+                               **samples, abacus_offset=p.abacus_offset).to(device)
         loss = train_step(model, optimizer, batch, p.grad_clip, autocast,
                           label=f"step {step + 1} ({spec.model}, seed {spec.seed})")
         loss_sum += loss.item()

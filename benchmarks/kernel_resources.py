@@ -1,5 +1,5 @@
-"""Shared memory of every Triton kernel launch of a rule, compiled for a GPU
-architecture on a machine without one.
+"""Shared memory, registers and spills of every Triton kernel launch of a rule, compiled for
+a GPU architecture on a machine without one.
 
     python benchmarks/kernel_resources.py --rules 1 2 --dtypes fp32 bf16 --dims 64 128 [--arch 90]
 
@@ -7,22 +7,60 @@ Runs each rule's forward and backward through ``falcon_chunk_triton`` on CPU ten
 kernel launch replaced by a compile for ``sm_<arch>`` (Triton ships ``ptxas``; no GPU or driver is
 used, nothing is executed, so the outputs are garbage and only the launch configurations matter).
 Prints one row per distinct compiled kernel: its launch settings and shared memory against the
-architecture's limit. A kernel that needs more shared memory than the limit fails at launch on the
-GPU with ``OutOfResources``; this finds it before the GPU does.
+architecture's limit, and the registers per thread and the bytes spilled to local memory that
+``ptxas -v`` reports for the kernel's PTX. A kernel that needs more shared memory than the limit
+fails at launch on the GPU with ``OutOfResources``; this finds it before the GPU does. Spills are
+local-memory traffic inside the kernel's loops: a change that adds them is worth a second look
+before it is timed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
-from typing import Dict, List
+import tempfile
+from typing import Dict, List, Optional
 
 import torch
 
 # The limits of one thread block (dynamic shared memory opt-in), per architecture.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def ptxas_usage(ptx: str, arch: int) -> Optional[Dict[str, int]]:
+    """Registers per thread and spill bytes (stores, loads) that ``ptxas -v`` reports for ``ptx``,
+    compiled for ``sm_<arch>`` (``sm_90a`` on Hopper, as Triton compiles), with the ``ptxas`` that
+    Triton ships; ``None`` where it is missing or prints no usage line."""
+    from triton.backends.nvidia import compiler as nv
+    ptxas = None
+    for find in (lambda: nv.get_ptxas(arch).path, lambda: nv.get_ptxas().path,
+                 lambda: nv._path_to_binary("ptxas")[0]):  # the call differs between Triton releases
+        try:
+            ptxas = find()
+            break
+        except Exception:  # noqa: BLE001 - try the next form; none: no figures
+            continue
+    if ptxas is None:
+        return None
+    name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        r = subprocess.run([ptxas, "-v", f"--gpu-name={name}", f.name, "-o", os.devnull], capture_output=True,
+                           text=True, timeout=600)
+    finally:
+        os.unlink(f.name)
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if regs is None:
+        return None
+    return dict(regs=int(regs.group(1)), spill_stores=int(spills.group(1)) if spills else 0,
+                spill_loads=int(spills.group(2)) if spills else 0)
 
 
 def _compile_only(arch: int, limit: int, rows: List[Dict], context: Dict):
@@ -46,8 +84,9 @@ def _compile_only(arch: int, limit: int, rows: List[Dict], context: Dict):
             md = kernel.metadata
             blocks = {self.params[p[0]].name: v for p, v in constexprs.items()
                       if self.params[p[0]].name.startswith("B") or self.params[p[0]].name in ("K", "V", "SLOTS")}
+            usage = ptxas_usage(kernel.asm["ptx"], arch) or dict(regs=None, spill_stores=None, spill_loads=None)
             seen[key] = dict(kernel=self.fn.__name__, blocks=blocks, num_warps=md.num_warps,
-                             num_stages=md.num_stages, shared=md.shared, limit=limit)
+                             num_stages=md.num_stages, shared=md.shared, limit=limit, **usage)
         row = dict(context, **seen[key])
         if row not in rows:
             rows.append(row)
@@ -112,11 +151,13 @@ def main(argv=None) -> int:
                         failures += 1
                         print(f"rule {spec.name} {dtype} K=V={d} chunk {chunk}: {type(e).__name__}: {e}")
     over = [r for r in rows if r["shared"] > r["limit"]]
-    print(f"{'rule':4} {'dtype':5} {'K':>4} {'kernel':24} {'warps':>5} {'stages':>6} {'shared':>8}  blocks")
+    print(f"{'rule':4} {'dtype':5} {'K':>4} {'kernel':24} {'warps':>5} {'stages':>6} {'shared':>8} {'regs':>4} "
+          f"{'spills':>6}  blocks")
     for r in rows:
         flag = "  OVER" if r in over else ""
+        spills = "-" if r["spill_stores"] is None else r["spill_stores"] + r["spill_loads"]
         print(f"{r['rule']:4} {r['dtype']:5} {r['K']:>4} {r['kernel']:24} {r['num_warps']:>5} {r['num_stages']:>6} "
-              f"{r['shared']:>8}  {r['blocks']}{flag}")
+              f"{r['shared']:>8} {r['regs'] if r['regs'] is not None else '-':>4} {spills:>6}  {r['blocks']}{flag}")
     print(f"{len(rows)} kernels compiled for sm_{args.arch}; {len(over)} above the shared-memory limit "
           f"({limit} bytes); {failures} configurations failed")
     if args.out:

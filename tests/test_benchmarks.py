@@ -178,6 +178,8 @@ def test_kernel_resources_compiles_for_sm90_and_flags_the_limit(tmp_path):
     kernels = {row["kernel"] for row in rows}
     assert {"output_fwd", "dv_bwd", "dqk_bwd"} <= kernels
     assert all(row["limit"] == 1024 and row["rule"] == "1A" and row["K"] == 16 for row in rows)
+    # ptxas -v's figures for every kernel: registers within sm_90's 255 per thread, spills counted in bytes
+    assert all(0 < row["regs"] <= 255 and row["spill_stores"] >= 0 and row["spill_loads"] >= 0 for row in rows)
     over = [row for row in rows if row["shared"] > 1024]
     assert over and len(over) < len(rows)  # tiny kernels (the per-row step-size maps) stay under
     assert f"{len(over)} above the shared-memory limit" in r.stdout

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048 (split over 2 GPUs)
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
+#   BASE_SRC=DIR bash benchmarks/gpu_suite.sh OUT_DIR ab  # a change against the tree in DIR (its src/), side by side
 #   bash benchmarks/gpu_suite.sh OUT_DIR host      # host enqueue time against device time of the fast rows
 #   bash benchmarks/gpu_suite.sh OUT_DIR decode    # whole-model decoding tokens/s, fused step vs PyTorch step (eager, CUDA graphs)
 #   bash benchmarks/gpu_suite.sh OUT_DIR short-prompts  # prompt passes without gradients: fused recurrent vs chunk kernels
@@ -124,6 +125,24 @@ case "$STAGE" in
           2>&1 | tee "$OUT/bench_kernels.log"
     fi
     ;;
+  ab)
+    # A change against a base tree, side by side on this GPU: BASE_SRC holds the base's src/ (e.g. from
+    # `git archive BASE src | tar x -C DIR`). AB_ROUNDS rounds, each a process of the base then one of this
+    # tree, time AB_OPS (fwd and fwd+bwd, eager and from a CUDA graph) at the first benchmark shape; the first
+    # round also profiles each op per kernel. Rows: OUT/ab-{base,new}-<round>.{json,md} (tag = tree, round).
+    BASE=${BASE_SRC:?ab needs BASE_SRC=DIR, a tree whose src/ is the base}
+    OPS_AB=${AB_OPS:-falcon-1 falcon-3}
+    for r in $(seq 1 ${AB_ROUNDS:-2}); do
+      for tree in base new; do
+        SRC=$PWD/src; [ "$tree" = base ] && SRC=$(cd "$BASE" && pwd)/src
+        PROF=""; [ "$r" = 1 ] && PROF="--profile $OPS_AB"
+        PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH} timeout ${AB_TIMEOUT:-240} $PY benchmarks/bench_kernels.py \
+            --out "$OUT" --name ab-$tree-$r --tag $tree-$r --shapes 0 --cudagraph --allow-fla-gated \
+            --row-timeout ${ROW_TIMEOUT:-150} --ops $OPS_AB $PROF > "$OUT/ab-$tree-$r.log" 2>&1
+        grep -h " ms  peak\|^profile" "$OUT/ab-$tree-$r.log" | sed "s/^/$tree-$r /"
+      done
+    done
+    ;;
   kernels-long)
     # each Falcon row next to its fla counterpart; rule 3 profiled per kernel. fla's autotuning of chunk_gla's
     # backward took more than 260 s on a fresh machine at this shape, hence the longer row limit.
@@ -182,5 +201,5 @@ case "$STAGE" in
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, tests-full, fla, diagnose, profile, kernels, kernels-long, decode, lm, multigpu, addition or addition-step" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, tests-full, fla, diagnose, profile, kernels, kernels-long, ab, host, decode, short-prompts, lm, multigpu, addition or addition-step" >&2; exit 2;;
 esac

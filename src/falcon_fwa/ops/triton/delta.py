@@ -42,29 +42,33 @@ WY_FWD_LAUNCH = {
 WY_MAX_CHUNK = 64
 
 
-# (BV, warps, stages) of the kernels that hold the whole key dimension, for 16-bit inputs at K <= 128:
-# the fastest settings of an H200 sweep at B=8, T=2048, H=16, K=V=128 (bf16), each kernel's outputs checked
-# against the previous setting's (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt): state_fwd 0.159
-# -> 0.131 ms, state_bwd 0.393 -> 0.281 ms, wy_bwd 0.540 -> 0.512 ms (wy_bwd's warps: WY_WARPS).
-FULL_K_16BIT = {"state_fwd": (64, 4, 3), "state_bwd": (32, 4, 2), "wy_bwd": (64, None, 3)}
+# Value block, warps and pipeline stages of the kernels that hold the whole key dimension, for 16-bit
+# inputs at K <= 128 (BK is always the whole key dimension: a sweep's BK is ignored; wy_bwd's warps are
+# WY_WARPS'). From H200 sweeps at B=8, T=2048, H=16, K=V=128 (bf16), each kernel's outputs checked against
+# the previous setting's (``benchmarks/sweep_launch.py --table delta.FULL_K_16BIT``): state_fwd 0.159 ->
+# 0.131 ms, wy_bwd 0.540 -> 0.512 ms (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt); state_bwd,
+# which also forms the reads' part of dD since the twenty-third run, 0.294 ms at 32 columns -> 0.222 ms at
+# 64 (h200.md, twenty-third run).
+FULL_K_16BIT = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
+                "wy_bwd": dict(BV=64, num_warps=None, num_stages=3)}
 # The same for grouped writes (slots > 1, rule 3), from a sweep of falcon-3 at that shape, window 4
-# (benchmarks/results/h200_rule3_launch_sweep_f5fb5b2.txt): state_fwd 0.615 -> 0.462 ms, state_bwd
-# 1.560 -> 0.822 ms, wy_bwd 2.391 -> 2.254 ms, against (32, 4, 3) for all three.
-FULL_K_16BIT_GROUPED = {"state_fwd": (64, 4, 2), "state_bwd": (64, 4, 2), "wy_bwd": (64, None, 3)}
+# (benchmarks/results/h200_rule3_launch_sweep_f5fb5b2.txt): state_fwd 0.615 -> 0.462 ms, wy_bwd 2.391 ->
+# 2.254 ms, against (32, 4, 3); state_bwd with the reads' part of dD: 0.87 ms, the fastest of seven
+# settings (h200.md, twenty-third run).
+FULL_K_16BIT_GROUPED = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2),
+                        "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
+                        "wy_bwd": dict(BV=64, num_warps=None, num_stages=3)}
 
 
-# Launch settings of the scalar-decay kernels that read the write values D (``output_fwd``, ``dv_bwd``,
-# ``dqk_bwd``), one table for one write per step (rule 1) and one for grouped writes (rule 3), apart from
-# rule 1A's (``launch.LAUNCH``, where they started) so that each can be set for its own row layout.
-# Values from an H200 sweep inside each op at the shape above, bf16 (``benchmarks/sweep_launch.py``;
+# Launch settings of the scalar-decay kernels that read the write values D (``output_fwd``, ``dqk_bwd``),
+# one table for one write per step (rule 1) and one for grouped writes (rule 3), apart from rule 1A's
+# (``launch.LAUNCH``, where they started) so that each can be set for its own row layout. Values from an
+# H200 sweep inside each op at the shape above, bf16 (``benchmarks/sweep_launch.py``;
 # benchmarks/results/h200_wy_scalar_launch_sweep_9ef2ca8.txt): rule 3 output_fwd 0.428 -> 0.404 ms,
-# dv_bwd 0.312 -> 0.243 ms; rule 1 output_fwd 0.122 -> 0.112 ms, dv_bwd 0.092 -> 0.077 ms; dqk_bwd fastest
-# at rule 1A's setting for both.
+# rule 1 output_fwd 0.122 -> 0.112 ms; dqk_bwd fastest at rule 1A's setting for both.
 SCALAR_LAUNCH = {
-    "one": dict(output_fwd=dict(BK=64, BV=128, num_warps=4, num_stages=2),
-                dv_bwd=dict(BK=64, BV=128, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
-    "grouped": dict(output_fwd=dict(BK=128, BV=64, num_warps=4, num_stages=2),
-                    dv_bwd=dict(BK=64, BV=128, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
+    "one": dict(output_fwd=dict(BK=64, BV=128, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
+    "grouped": dict(output_fwd=dict(BK=128, BV=64, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
 }
 
 
@@ -82,8 +86,8 @@ def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[
     ``FULL_K_16BIT_GROUPED`` to grouped writes (rule 3)."""
     BK = max(16, next_power_of_2(K))
     if dtype.itemsize == 2 and BK <= 128:
-        BV, warps, stages = (FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
-        return BK, max(16, min(BV, next_power_of_2(V))), warps, stages
+        c = (FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
+        return BK, max(16, min(c["BV"], next_power_of_2(V))), c["num_warps"], c["num_stages"]
     BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
     stages = 2 if dtype.itemsize >= 4 and BK >= 128 else 3
     return BK, BV, 4 if BK <= 128 else 8, stages
@@ -158,18 +162,14 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     T, V = layout.T, v.shape[-1]
     qa, xa = _query_args(slots, query_slot), _key_args(slots, windowed)
     prec, meta = dot_precision(q.dtype), layout_args(layout)
-    # dv_bwd's local part, completed in place by state_bwd; in the inputs' dtype, in which wy_bwd and
-    # state_bwd's products take it (half the memory and traffic of fp32 for 16-bit inputs)
+    # the write values' gradient (the reads' part and the exit states' part, in one reverse pass), in the
+    # inputs' dtype, in which wy_bwd's and dqk_bwd's products take it
     dD = torch.empty_like(D)
-    c = _scalar("dv_bwd", K, V, slots)
-    sd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
-        q, x, do, None, log_a, None, dD, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, STATE_TERM=False, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
     BK, BV, warps, stages = _full_k("state_bwd", K, V, q.dtype, slots)
     wy.state_bwd[(cdiv(V, BV), layout.N * H)](
-        q, x, W, do, log_a, dD, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
+        q, x, W, do, log_a, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
         num_warps=warps, num_stages=stages, **meta, **qa, **xa)
     # dx per write row (windowed: summed onto the axis below) into W's buffer: W was read by state_bwd only

@@ -16,8 +16,9 @@ key ``x`` and values ``D``::
 Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk: one Gram per chunk, ``N`` staged in ``A``
 and inverted there in 16 x 16 blocks, forward substitution on the diagonal ones and
 products for the rest), ``state_fwd`` (sequential: entry states and
-``D``), ``state_bwd`` (reverse: ``dD = dD_local + exp(u_C - u) X dh`` and
-``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
+``D``; the outputs are ``scalar_decay_kernels.output_fwd``'s), ``state_bwd`` (reverse: the whole
+``dD``, its reads' part ``sum_t exp(uq_t - u_s) (q_t . x_s) do_t`` formed in the same pass, plus
+``exp(u_C - u) X dh``, and ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
 (through ``D = U - W h``, ``U``, ``W`` and ``A = L^{-1}``: ``dL = -A^T dA A^T``, each
 product once). Every transposed operand is loaded as such (``wy_bwd``'s ``dG^T`` read back
 from the scratch it was stored in), never ``tl.trans`` of a product. With ``WINDOWED`` the
@@ -32,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scalar_decay_kernels import _chunk_of_program, _log_prefixes, _pair_rows, _query_rows, _sequence
+from .scalar_decay_kernels import _chunk_of_program, _decay_mask_t, _log_prefixes, _pair_rows, _query_rows, _sequence
 
 
 @triton.jit
@@ -225,16 +226,20 @@ def state_fwd(
 
 @triton.jit
 def state_bwd(
-    q, x, W, do, log_a, dD_local, dD, dh, ds_final, ds0, cu_seqlens, chunk_offsets, T,
+    q, x, W, do, log_a, dD, dh, ds_final, ds0, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
 ):
-    """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks, the
-    gradient of every exit state into ``dh`` and the full ``dD`` (in its dtype). ``dD`` may be
-    ``dD_local`` itself: each element is read, then written, by the same program. ``q`` and
-    ``do`` on the query rows (``scalar_decay_kernels._query_rows``), ``x`` on the rows
-    ``_pair_rows(..., XWIN)`` gives."""
+    """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks, the gradient of
+    every exit state into ``dh`` and the whole ``dD`` (in its dtype) of the write values::
+
+        dD_s    = sum_{t: s in M(t)} exp(uq_t - u_s) (q_t . x_s) do_t + exp(u_C - u_s) dH^T x_s
+        dh_prev = exp(u_C) dH + sum_t exp(uq_t) q_t do_t^T - W^T dD
+
+    with ``dH`` the exit state's gradient (the reads' part of ``dD`` does not feed the
+    recurrence). ``q`` and ``do`` on the query rows (``scalar_decay_kernels._query_rows``),
+    ``x`` on the rows ``_pair_rows(..., XWIN)`` gives."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -253,15 +258,17 @@ def state_bwd(
         o_t = i_t * BT + tl.arange(0, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        rows_v = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
         r_x = _pair_rows(bos, o_t, i_n, T, XWIN)
         b_x = tl.load(x + (r_x[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_do = tl.load(do + (qr[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :], other=0.0)
-        b_x = (b_x * tl.exp(u_last - u)[:, None]).to(b_do.dtype)
-        b_dd = tl.load(dD_local + rows_v, mask=m_tv, other=0.0) + tl.dot(b_x, b_dh.to(b_do.dtype), input_precision=PRECISION)
-        tl.store(dD + rows_v, b_dd, mask=m_tv)
         b_qt = tl.load(q + (qr[None, :] * H + i_h) * K + o_k[:, None], mask=m_q[None, :] & m_k[:, None], other=0.0)
+        # the reads' part: [s, t] = exp(uq_t - u_s) (x_s . q_t) on s in M(t)
+        b_st = tl.dot(b_x, b_qt, input_precision=PRECISION) * _decay_mask_t(uq, u, READ_AFTER, BT)
+        b_dd = tl.dot(tl.where(m_t[:, None], b_st, 0.0).to(b_do.dtype), b_do, input_precision=PRECISION)
+        b_x = (b_x * tl.exp(u_last - u)[:, None]).to(b_do.dtype)
+        b_dd += tl.dot(b_x, b_dh.to(b_do.dtype), input_precision=PRECISION)
+        tl.store(dD + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_dd.to(dD.dtype.element_ty), mask=m_tv)
         b_wt = tl.load(W + ((bos + o_t[None, :]) * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
         b_qt = (b_qt * tl.exp(uq)[None, :]).to(b_do.dtype)
         b_dh = (b_dh * tl.exp(u_last) + tl.dot(b_qt, b_do, input_precision=PRECISION)

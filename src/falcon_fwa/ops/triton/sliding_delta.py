@@ -57,16 +57,20 @@ def _slot_rows(t: torch.Tensor) -> torch.Tensor:
 
 class _ExtendedAxis(torch.autograd.Function):
     """The extended axis ``[prefix | body]`` ``[B, L, H, D]`` (``body`` cut to ``L - n_pre`` rows):
-    one concatenation forward; backward, the axis' gradient stored split onto ``prefix`` and
-    ``body`` in one pass (``window_sum`` over one slot), a row of ``body`` past the axis getting
-    zero. Autograd's own cut and concatenation would store the body's gradient as a strided view
-    (or, cut, through a zero-filled copy)."""
+    forward, two copies into one buffer (``torch.cat`` of a few prefix rows and a long body ran at
+    a sixth of the copy bandwidth on an H200: 0.205 ms for a 64 MiB body); backward, the axis'
+    gradient stored split onto ``prefix`` and ``body`` in one pass (``window_sum`` over one slot), a
+    row of ``body`` past the axis getting zero. Autograd's own cut and concatenation would store the
+    body's gradient as a strided view (or, cut, through a zero-filled copy)."""
 
     @staticmethod
     def forward(ctx, prefix, body, L):
         n_pre = prefix.shape[1]
         ctx.n_pre, ctx.n_body = n_pre, body.shape[1]
-        return torch.cat([prefix, body[:, :L - n_pre]], 1)
+        ext = body.new_empty(body.shape[0], L, *body.shape[2:])
+        ext[:, :n_pre] = prefix
+        ext[:, n_pre:] = body[:, :L - n_pre]
+        return ext
 
     @staticmethod
     @once_differentiable

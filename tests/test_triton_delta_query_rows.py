@@ -24,9 +24,12 @@ def _padded_queries(q, slots, read):
     return rows.flatten(1, 2)
 
 
-@pytest.mark.parametrize("slots,read_after,cu_seqlens", [(4, True, None), (4, False, None), (2, True, [0, 24, 72]),
-                                                          (8, False, [0, 16, 64])])
-def test_query_rows_equal_zero_padded_queries(monkeypatch, slots, read_after, cu_seqlens):
+# chunk 64 with 4 slots: the outputs take the steps' query rows packed (16 per chunk; the last chunk of a
+# sequence partly filled), the other cases one tile row per write row
+@pytest.mark.parametrize("slots,read_after,cu_seqlens,chunk_size", [
+    (4, True, None, 16), (4, False, None, 16), (2, True, [0, 24, 72], 16), (8, False, [0, 16, 64], 16),
+    (4, True, None, 64), (4, False, [0, 40, 152], 64)])
+def test_query_rows_equal_zero_padded_queries(monkeypatch, slots, read_after, cu_seqlens, chunk_size):
     B = 1 if cu_seqlens is not None else 2
     T, H, K, V = 72 if cu_seqlens is not None else 48, 2, 24, 20
     if cu_seqlens is not None:
@@ -37,7 +40,7 @@ def test_query_rows_equal_zero_padded_queries(monkeypatch, slots, read_after, cu
     S0 = torch.randn(B if cu_seqlens is None else len(cu_seqlens) - 1, H, K, V, generator=g) / 4
     read = slots - 1 if read_after else 0
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=DEVICE)
-    opts = dict(read_after=read_after, chunk_size=16, cu_seqlens=cu, output_final_state=True, slots=slots)
+    opts = dict(read_after=read_after, chunk_size=chunk_size, cu_seqlens=cu, output_final_state=True, slots=slots)
     w_o = torch.randn(B, T // slots, H, V, generator=g).to(DEVICE)
     w_s = torch.randn(S0.shape, generator=g).to(DEVICE)
 

@@ -129,6 +129,14 @@ def _query_args(slots: int, query_slot: Optional[int]) -> dict:
     return {} if query_slot is None else dict(QSLOTS=slots, QREAD=query_slot)
 
 
+def _packed_query_args(slots: int, query_slot: Optional[int], BT: int) -> dict:
+    """``_query_args`` plus ``QPACK`` for the kernels that can take the steps' query rows packed
+    (``scalar_decay_kernels._query_tile``): where a chunk holds at least 16 steps, the smallest tile
+    a product takes."""
+    args = _query_args(slots, query_slot)
+    return dict(args, QPACK=True) if args and BT // slots >= 16 else args
+
+
 def _key_args(slots: int, windowed: bool) -> dict:
     """The feature-row argument of the kernels that read ``x`` (``scalar_decay_kernels._pair_rows``):
     with ``windowed``, in place from the extended axis, ``slots`` writes per step."""
@@ -152,7 +160,8 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     c = _scalar("output_fwd", K, V, slots)
     sd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **_query_args(slots, query_slot), **xa)
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta,
+        **_packed_query_args(slots, query_slot, layout.BT), **xa)
     return o, A, W, h, D, S_T
 
 
@@ -171,7 +180,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     wy.state_bwd[(cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
-        num_warps=warps, num_stages=stages, **meta, **qa, **xa)
+        num_warps=warps, num_stages=stages, **meta, **_packed_query_args(slots, query_slot, layout.BT), **xa)
     # dx per write row (windowed: summed onto the axis below) into W's buffer: W was read by state_bwd only
     dq, dx = torch.empty_like(q), W
     rows = B * T

@@ -33,7 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scalar_decay_kernels import _chunk_of_program, _decay_mask_t, _log_prefixes, _pair_rows, _query_rows, _sequence
+from .scalar_decay_kernels import (_chunk_of_program, _log_prefixes, _pair_rows, _query_tile, _read_decay_t,
+                                   _sequence)
 
 
 @triton.jit
@@ -230,6 +231,7 @@ def state_bwd(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
+    QPACK: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks, the gradient of
     every exit state into ``dh`` and the whole ``dD`` (in its dtype) of the write values::
@@ -238,8 +240,9 @@ def state_bwd(
         dh_prev = exp(u_C) dH + sum_t exp(uq_t) q_t do_t^T - W^T dD
 
     with ``dH`` the exit state's gradient (the reads' part of ``dD`` does not feed the
-    recurrence). ``q`` and ``do`` on the query rows (``scalar_decay_kernels._query_rows``),
-    ``x`` on the rows ``_pair_rows(..., XWIN)`` gives."""
+    recurrence). ``q`` and ``do`` on the query rows (``scalar_decay_kernels._query_tile``: packed
+    with ``QPACK``), ``x`` on the rows ``_pair_rows(..., XWIN)`` gives."""
+    BQ: tl.constexpr = BT // QSLOTS if QPACK else BT
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_n, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -258,13 +261,13 @@ def state_bwd(
         o_t = i_t * BT + tl.arange(0, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
+        qr, m_q, p, uq = _query_tile(bos, i_t, o_t, m_t, T_n, uq, BT, BQ, QSLOTS, QREAD)
         r_x = _pair_rows(bos, o_t, i_n, T, XWIN)
         b_x = tl.load(x + (r_x[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_do = tl.load(do + (qr[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :], other=0.0)
         b_qt = tl.load(q + (qr[None, :] * H + i_h) * K + o_k[:, None], mask=m_q[None, :] & m_k[:, None], other=0.0)
-        # the reads' part: [s, t] = exp(uq_t - u_s) (x_s . q_t) on s in M(t)
-        b_st = tl.dot(b_x, b_qt, input_precision=PRECISION) * _decay_mask_t(uq, u, READ_AFTER, BT)
+        # the reads' part: [s, j] = exp(uq_j - u_s) (x_s . q_j) for the writes s that query j reads
+        b_st = tl.dot(b_x, b_qt, input_precision=PRECISION) * _read_decay_t(uq, p, u, READ_AFTER, BT)
         b_dd = tl.dot(tl.where(m_t[:, None], b_st, 0.0).to(b_do.dtype), b_do, input_precision=PRECISION)
         b_x = (b_x * tl.exp(u_last - u)[:, None]).to(b_do.dtype)
         b_dd += tl.dot(b_x, b_dh.to(b_do.dtype), input_precision=PRECISION)

@@ -71,6 +71,23 @@ def _query_rows(bos, o_t, m_t, QSLOTS: tl.constexpr, QREAD: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(bos, i_t, o_t, m_t, T_n, uq, BT: tl.constexpr, BQ: tl.constexpr, QSLOTS: tl.constexpr,
+                QREAD: tl.constexpr):
+    """The query rows a chunk reads, as a tile of ``BQ`` rows: their rows of ``q`` / ``o``, their
+    mask, their chunk-local write row ``p`` and ``uq`` there. ``BQ = BT``: one per write row, as
+    ``_query_rows`` gives them (rows off the read slot masked). ``BQ = BT // QSLOTS`` (rule 3's
+    layout): the steps' query rows alone, packed (``p = j * QSLOTS + QREAD``), so that the products
+    of the reads take no masked rows."""
+    if BQ == BT:
+        qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
+        return qr, m_q, tl.arange(0, BT), uq
+    o_j = tl.arange(0, BQ)
+    p = o_j * QSLOTS + QREAD
+    uq_j = tl.sum(tl.where(tl.arange(0, BT)[None, :] == p[:, None], uq[None, :], 0.0), axis=1)
+    return (bos + i_t * BT) // QSLOTS + o_j, (i_t * BT + p) < T_n, p, uq_j
+
+
+@triton.jit
 def _pair_rows(bos, o_t, i_n, T, WIN: tl.constexpr):
     """Rows of the pair tensor (``x`` or ``v``) that hold the writes ``o_t`` of sequence ``i_n``:
     ``bos + o_t``, or with ``WIN > 1`` (rows of equal length ``T``, a multiple of ``WIN``: rule 3's
@@ -153,6 +170,29 @@ def _decay_mask(uq_rows, u_cols, READ_AFTER: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _read_decay(uq_j, p, u, READ_AFTER: tl.constexpr, BT: tl.constexpr):
+    """``[j, s] -> exp(uq_j - u_s)`` for the query of write row ``p_j`` and the writes ``s`` it reads
+    (``s <= p_j`` read after write, ``s < p_j`` before), 0 elsewhere; ``_decay_mask`` for ``p = 0 .. BT-1``."""
+    o = tl.arange(0, BT)
+    if READ_AFTER:
+        keep = o[None, :] <= p[:, None]
+    else:
+        keep = o[None, :] < p[:, None]
+    return tl.exp(tl.where(keep, uq_j[:, None] - u[None, :], float("-inf")))
+
+
+@triton.jit
+def _read_decay_t(uq_j, p, u, READ_AFTER: tl.constexpr, BT: tl.constexpr):
+    """The transpose ``[s, j]`` of ``_read_decay``, built directly."""
+    o = tl.arange(0, BT)
+    if READ_AFTER:
+        keep = o[:, None] <= p[None, :]
+    else:
+        keep = o[:, None] < p[None, :]
+    return tl.exp(tl.where(keep, uq_j[None, :] - u[:, None], float("-inf")))
+
+
+@triton.jit
 def _decay_mask_t(uq_cols, u_rows, READ_AFTER: tl.constexpr, BT: tl.constexpr):
     """The transpose ``[s, t] -> exp(uq_t - u_s)`` on ``M(t)``, built directly."""
     o = tl.arange(0, BT)
@@ -200,18 +240,21 @@ def output_fwd(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
     delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
+    QPACK: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``: outputs of every chunk from its entry state
-    (``q`` and ``o`` on the query rows, ``_query_rows``; ``x`` as ``_load_keys`` reads it)."""
+    (``q`` and ``o`` on the query rows, ``_query_tile``: packed with ``QPACK``, ``BT // QSLOTS >= 16``;
+    ``x`` as ``_load_keys`` reads it)."""
+    BQ: tl.constexpr = BT // QSLOTS if QPACK else BT
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     u, uq, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, READ_AFTER, HAS_ETA)
-    b_o = tl.zeros([BT, BV], dtype=tl.float32)
-    b_s = tl.zeros([BT, BT], dtype=tl.float32)
+    qr, m_q, p, uq = _query_tile(bos, i_t, o_t, m_t, T_n, uq, BT, BQ, QSLOTS, QREAD)
+    b_o = tl.zeros([BQ, BV], dtype=tl.float32)
+    b_s = tl.zeros([BQ, BT], dtype=tl.float32)
     h_base = h + ((boh + i_t) * H + i_h) * K * V
-    qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -221,7 +264,7 @@ def output_fwd(
         b_o += tl.dot(b_q, b_h, input_precision=PRECISION)
         b_s += tl.dot(b_q, b_xt, input_precision=PRECISION)
     b_v = _load_rows(v, delayed, 1, i_n, bos, o_t, m_t, i_h, o_v, o_v < V, H, V, False)
-    b_a = b_s * _decay_mask(uq, u, READ_AFTER, BT) * et[None, :]
+    b_a = b_s * _read_decay(uq, p, u, READ_AFTER, BT) * et[None, :]
     b_o = b_o * tl.exp(uq)[:, None] + tl.dot(b_a.to(b_v.dtype), b_v, input_precision=PRECISION)
     tl.store(o + (qr[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_q[:, None] & (o_v[None, :] < V))

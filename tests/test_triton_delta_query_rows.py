@@ -45,7 +45,8 @@ def test_query_rows_equal_zero_padded_queries(monkeypatch, slots, read_after, cu
     w_s = torch.randn(S0.shape, generator=g).to(DEVICE)
 
     def run(query_slot):
-        leaves = [t.to(DEVICE).requires_grad_() for t in (q, x, v, eta, kappa, log_a, S0)]
+        # fresh leaves per run: on the CPU, .to(DEVICE) is the tensor itself, whose .grad both runs would share
+        leaves = [t.to(DEVICE).clone().requires_grad_() for t in (q, x, v, eta, kappa, log_a, S0)]
         q_in = leaves[0] if query_slot is not None else _padded_queries(leaves[0], slots, read)
         with PoisonedEmpty(monkeypatch):
             o, S_T = delta_chunk(q_in, *leaves[1:], query_slot=query_slot, **opts)

@@ -169,7 +169,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
               slots: int, windowed: bool, query_slot: Optional[int]):
     B, _, H, K = x.shape
     T, V = layout.T, v.shape[-1]
-    qa, xa = _query_args(slots, query_slot), _key_args(slots, windowed)
+    xa = _key_args(slots, windowed)
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     # the write values' gradient (the reads' part and the exit states' part, in one reverse pass), in the
     # inputs' dtype, in which wy_bwd's and dqk_bwd's products take it
@@ -190,7 +190,8 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     sd.dqk_bwd[(NK, layout.num_chunks, H)](
         q, x, D, do, None, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta,
+        **_packed_query_args(slots, query_slot, layout.BT), **xa)
     del dh  # read by dqk_bwd only
     dv = D  # per write row (windowed: summed onto the axis below) into D's buffer: D was read by dqk_bwd only
     dkappa = torch.empty_like(kappa)

@@ -159,20 +159,10 @@ def _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H: tl.constexpr, BT: tl.conste
 
 
 @triton.jit
-def _decay_mask(uq_rows, u_cols, READ_AFTER: tl.constexpr, BT: tl.constexpr):
-    """``[t, s] -> exp(uq_t - u_s)`` on ``M(t)``, 0 elsewhere (no positive exponent evaluated)."""
-    o = tl.arange(0, BT)
-    if READ_AFTER:
-        keep = o[None, :] <= o[:, None]
-    else:
-        keep = o[None, :] < o[:, None]
-    return tl.exp(tl.where(keep, uq_rows[:, None] - u_cols[None, :], float("-inf")))
-
-
-@triton.jit
 def _read_decay(uq_j, p, u, READ_AFTER: tl.constexpr, BT: tl.constexpr):
     """``[j, s] -> exp(uq_j - u_s)`` for the query of write row ``p_j`` and the writes ``s`` it reads
-    (``s <= p_j`` read after write, ``s < p_j`` before), 0 elsewhere; ``_decay_mask`` for ``p = 0 .. BT-1``."""
+    (``s <= p_j`` read after write, ``s < p_j`` before), 0 elsewhere (no positive exponent evaluated);
+    with ``p = 0 .. BT-1``, the ``[t, s]`` mask of one query per row."""
     o = tl.arange(0, BT)
     if READ_AFTER:
         keep = o[None, :] <= p[:, None]
@@ -346,25 +336,27 @@ def dqk_bwd(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
     delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
+    QPACK: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` (on the query rows), ``dx`` (per write row; ``x``
-    as ``_load_keys`` reads it) and, per key block,
+    """Grid ``(cdiv(K, BK), num_chunks, H)``: ``dq`` (on the query rows, ``_query_tile``: packed with
+    ``QPACK``), ``dx`` (per write row; ``x`` as ``_load_keys`` reads it) and, per key block,
     partial sums of ``deta`` and of the log-prefix gradients: write side ``-kk . dkk``
     plus ``d u_C = <dh, h_next>`` at the last step into ``du``, read side ``q . dq``
-    into ``du`` (read after write) or ``dw`` (read before write)."""
+    (on the query's write row) into ``du`` (read after write) or ``dw`` (read before write)."""
+    BQ: tl.constexpr = BT // QSLOTS if QPACK else BT
     i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     u, uq, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, READ_AFTER, HAS_ETA)
-    b_ds = tl.zeros([BT, BT], dtype=tl.float32)   # [t, s] = do_t . v_s
-    b_dst = tl.zeros([BT, BT], dtype=tl.float32)  # [s, t] = v_s . do_t
-    b_dqh = tl.zeros([BT, BK], dtype=tl.float32)  # do h^T
+    qr, m_q, p, uq = _query_tile(bos, i_t, o_t, m_t, T_n, uq, BT, BQ, QSLOTS, QREAD)
+    b_ds = tl.zeros([BQ, BT], dtype=tl.float32)   # [j, s] = do_j . v_s
+    b_dst = tl.zeros([BT, BQ], dtype=tl.float32)  # [s, j] = v_s . do_j
+    b_dqh = tl.zeros([BQ, BK], dtype=tl.float32)  # do h^T
     b_dks = tl.zeros([BT, BK], dtype=tl.float32)  # v dh^T
     b_hdh = tl.zeros([BK], dtype=tl.float32)       # <h, dh> over this key block
     state = ((boh + i_t) * H + i_h) * K * V
-    qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -382,8 +374,8 @@ def dqk_bwd(
     b_q = tl.load(q + (qr[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
     b_x = _load_keys(x, delayed, i_n, bos, o_t, m_t, i_h, o_k, m_k, T, H, K, False, XWIN)
     b_kk = b_x.to(tl.float32) * et[:, None]
-    b_dp = (b_ds * _decay_mask(uq, u, READ_AFTER, BT)).to(b_q.dtype)
-    b_dpt = (b_dst * _decay_mask_t(uq, u, READ_AFTER, BT)).to(b_q.dtype)
+    b_dp = (b_ds * _read_decay(uq, p, u, READ_AFTER, BT)).to(b_q.dtype)
+    b_dpt = (b_dst * _read_decay_t(uq, p, u, READ_AFTER, BT)).to(b_q.dtype)
     b_dq = b_dqh * tl.exp(uq)[:, None] + tl.dot(b_dp, b_kk.to(b_q.dtype), input_precision=PRECISION)
     to_end = tl.exp(u_last - u)
     b_dkk_state = b_dks * to_end[:, None]
@@ -396,6 +388,8 @@ def dqk_bwd(
     # per-step partial sums over this key block, [NK, rows, H]
     d_eta = tl.sum(b_x.to(tl.float32) * b_dkk, axis=1)
     d_uq = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+    if BQ < BT:  # packed queries: each one's sum onto its write row
+        d_uq = tl.sum(tl.where(tl.arange(0, BT)[:, None] == p[None, :], d_uq[None, :], 0.0), axis=1)
     d_uk = -tl.sum(b_kk * b_dkk, axis=1)
     last = tl.minimum(BT, T_n - i_t * BT) - 1
     d_last = tl.exp(u_last) * tl.sum(b_hdh, axis=0) + tl.sum(tl.sum(b_kk * b_dkk_state, axis=1), axis=0)

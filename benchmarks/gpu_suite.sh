@@ -129,15 +129,17 @@ case "$STAGE" in
     # A change against a base tree, side by side on this GPU: BASE_SRC holds the base's src/ (e.g. from
     # `git archive BASE src | tar x -C DIR`). AB_ROUNDS rounds, each a process of the base then one of this
     # tree, time AB_OPS (fwd and fwd+bwd, eager and from a CUDA graph) at the first benchmark shape; the first
-    # round also profiles each op per kernel. Rows: OUT/ab-{base,new}-<round>.{json,md} (tag = tree, round).
+    # round also profiles each op per kernel. Rows: OUT/ab-{base,new}-<round>.{json,md} (tag = tree, round),
+    # recording BASE_COMMIT and COMMIT where given (a copied tree may carry no git metadata).
     BASE=${BASE_SRC:?ab needs BASE_SRC=DIR, a tree whose src/ is the base}
     OPS_AB=${AB_OPS:-falcon-1 falcon-3}
     for r in $(seq 1 ${AB_ROUNDS:-2}); do
       for tree in base new; do
-        SRC=$PWD/src; [ "$tree" = base ] && SRC=$(cd "$BASE" && pwd)/src
+        SRC=$PWD/src; SHA=${COMMIT:-}
+        [ "$tree" = base ] && SRC=$(cd "$BASE" && pwd)/src && SHA=${BASE_COMMIT:-}
         PROF=""; [ "$r" = 1 ] && PROF="--profile $OPS_AB"
         PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH} timeout ${AB_TIMEOUT:-240} $PY benchmarks/bench_kernels.py \
-            --out "$OUT" --name ab-$tree-$r --tag $tree-$r --shapes 0 --cudagraph --allow-fla-gated \
+            ${SHA:+--commit $SHA} --out "$OUT" --name ab-$tree-$r --tag $tree-$r --shapes 0 --cudagraph --allow-fla-gated \
             --row-timeout ${ROW_TIMEOUT:-150} --ops $OPS_AB $PROF > "$OUT/ab-$tree-$r.log" 2>&1
         grep -h " ms  peak\|^profile" "$OUT/ab-$tree-$r.log" | sed "s/^/$tree-$r /"
       done

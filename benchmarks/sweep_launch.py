@@ -9,7 +9,9 @@ calls under ``torch.profiler``), the op's total device time, and ``err``, the la
 (Frobenius) difference of its output and input gradients from those of the table as it was.
 
     python benchmarks/sweep_launch.py --op falcon-3 --table delta.SCALAR_LAUNCH.grouped \\
-        --kernels output_fwd dv_bwd dqk_bwd --out OUT
+        --kernels output_fwd dqk_bwd --out OUT
+    python benchmarks/sweep_launch.py --op falcon-1 --table delta.FULL_K_16BIT --kernels state_fwd state_bwd \\
+        --candidates 128,64,4,2 128,32,4,2 --out OUT      # the full-key kernels: BK is ignored
     python benchmarks/sweep_launch.py --op falcon-1 --table delta.WY_FWD_LAUNCH.16bit --kernels wy_fwd \\
         --candidates 64,64,4,2 128,64,4,3 64,128,4,3 --out OUT
 

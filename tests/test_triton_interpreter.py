@@ -23,7 +23,10 @@ KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_recurrent.py", "test_triton
                 "test_triton_column_delta.py", "test_triton_sliding_delta.py", "test_triton_wy_forward.py",
                 "test_triton_sliding_inplace.py", "test_triton_wy_backward.py", "test_triton_step_sizes.py",
                 "test_triton_window_sum.py", "test_triton_delta_query_rows.py",
+                "test_triton_dispatch.py::test_final_state_is_fp32_on_both_backends",
+                "test_triton_dispatch.py::test_triton_backend_takes_a_hard_reset_gate",
                 "test_triton_dispatch.py::test_triton_backend_matches_the_torch_forms",
+                "test_triton_dispatch.py::test_compiled_caller_runs_the_kernels_between_its_graphs",
                 "test_ops_read_norm.py::test_kernels_take_the_normalized_read",
                 "test_ops_read_norm.py::test_kernels_float16_read_does_not_overflow")
 FRESH_PROCESS_REASON = ("triton was imported before TRITON_INTERPRET=1 could be set; "
@@ -57,8 +60,19 @@ def test_kernel_tests_in_a_fresh_interpreter_process():
 def test_every_module_that_defers_to_a_fresh_process_is_listed():
     """A kernel test module that skips itself with FRESH_PROCESS_REASON (directly or through
     ``kernel_checks.in_this_process``) must be in KERNEL_TESTS, or a full run on a machine without
-    CUDA would run its kernels nowhere."""
+    CUDA would run its kernels nowhere; a module listed test by test must list every test it skips
+    so, not just one of them."""
     here = Path(__file__).parent
     deferring = {path.name for path in here.glob("test_*.py") if path.name != Path(__file__).name
                  and re.search(r"\b(in_this_process|FRESH_PROCESS_REASON)\b", path.read_text())}
     assert deferring == {name.split("::")[0] for name in KERNEL_TESTS}
+    by_test = {}
+    for name in KERNEL_TESTS:
+        if "::" in name:
+            module, test = name.split("::")
+            by_test.setdefault(module, set()).add(test)
+    for module, listed in by_test.items():
+        assert module not in KERNEL_TESTS, module  # listed whole and test by test
+        skipped = set(re.findall(r"@pytest\.mark\.skipif\([^\n]*\bFRESH_PROCESS_REASON\)\n(?:@.*\n)*def (test_\w+)",
+                                 (here / module).read_text()))
+        assert skipped and skipped == listed, (module, skipped ^ listed)

@@ -123,18 +123,14 @@ def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowe
     return A_out, U, W
 
 
-def _query_args(slots: int, query_slot: Optional[int]) -> dict:
+def _query_args(slots: int, query_slot: Optional[int], BT: int) -> dict:
     """The query-row arguments of the kernels that read ``q`` / ``do`` or write ``o`` / ``dq``
-    (``scalar_decay_kernels._query_rows``): one query per step on row ``query_slot``."""
-    return {} if query_slot is None else dict(QSLOTS=slots, QREAD=query_slot)
-
-
-def _packed_query_args(slots: int, query_slot: Optional[int], BT: int) -> dict:
-    """``_query_args`` plus ``QPACK`` for the kernels that can take the steps' query rows packed
-    (``scalar_decay_kernels._query_tile``): where a chunk holds at least 16 steps, the smallest tile
-    a product takes."""
-    args = _query_args(slots, query_slot)
-    return dict(args, QPACK=True) if args and BT // slots >= 16 else args
+    (``scalar_decay_kernels._query_tile``): one query per step on row ``query_slot``, the steps'
+    query rows packed where a chunk of ``BT`` rows holds at least 16 steps (the smallest tile a
+    product takes)."""
+    if query_slot is None:
+        return {}
+    return dict(QSLOTS=slots, QREAD=query_slot, QPACK=BT // slots >= 16)
 
 
 def _key_args(slots: int, windowed: bool) -> dict:
@@ -161,7 +157,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     sd.output_fwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, D, None, log_a, h, o, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta,
-        **_packed_query_args(slots, query_slot, layout.BT), **xa)
+        **_query_args(slots, query_slot, layout.BT), **xa)
     return o, A, W, h, D, S_T
 
 
@@ -169,7 +165,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
               slots: int, windowed: bool, query_slot: Optional[int]):
     B, _, H, K = x.shape
     T, V = layout.T, v.shape[-1]
-    xa = _key_args(slots, windowed)
+    qa, xa = _query_args(slots, query_slot, layout.BT), _key_args(slots, windowed)
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     # the write values' gradient (the reads' part and the exit states' part, in one reverse pass), in the
     # inputs' dtype, in which wy_bwd's and dqk_bwd's products take it
@@ -180,7 +176,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     wy.state_bwd[(cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,
-        num_warps=warps, num_stages=stages, **meta, **_packed_query_args(slots, query_slot, layout.BT), **xa)
+        num_warps=warps, num_stages=stages, **meta, **qa, **xa)
     # dx per write row (windowed: summed onto the axis below) into W's buffer: W was read by state_bwd only
     dq, dx = torch.empty_like(q), W
     rows = B * T
@@ -190,8 +186,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     sd.dqk_bwd[(NK, layout.num_chunks, H)](
         q, x, D, do, None, log_a, h, dh, dq, dx, parts[0], parts[1], parts[2],
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
-        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta,
-        **_packed_query_args(slots, query_slot, layout.BT), **xa)
+        READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
     del dh  # read by dqk_bwd only
     dv = D  # per write row (windowed: summed onto the axis below) into D's buffer: D was read by dqk_bwd only
     dkappa = torch.empty_like(kappa)

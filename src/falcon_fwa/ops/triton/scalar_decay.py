@@ -77,7 +77,7 @@ def scan_backward(q, x, v, eta, log_a, h, S0, do, dS_T, layout: ChunkLayout, rea
     c = launch_config("dv_bwd", K, V)
     kern.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
         q, x, do, eta, log_a, dh, dv, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
-        READ_AFTER=read_after, STATE_TERM=True, HAS_ETA=True, PRECISION=prec, **c, **meta, **delay)
+        READ_AFTER=read_after, HAS_ETA=True, PRECISION=prec, **c, **meta, **delay)
     dq, dx = torch.empty_like(q), torch.empty_like(x)
     rows = B * T
     c = launch_config("dqk_bwd", K, V)

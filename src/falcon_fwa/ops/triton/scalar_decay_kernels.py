@@ -298,12 +298,13 @@ def state_bwd(
 def dv_bwd(
     q, x, do, eta, log_a, dh, dv, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_TERM: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
-    delayed=None, QSLOTS: tl.constexpr = 1, QREAD: tl.constexpr = 0, XWIN: tl.constexpr = 1,
+    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_ETA: tl.constexpr, PRECISION: tl.constexpr,
+    delayed=None,
 ):
     """Grid ``(cdiv(V, BV), num_chunks, H)``:
     ``dv_s = sum_{t: s in M(t)} exp(uq_t - u_s) (q_t . kk_s) do_t + exp(u_C - u_s) dh^T kk_s``
-    (the last term only with ``STATE_TERM``; ``x`` as ``_load_keys`` reads it, ``dv`` per write row)."""
+    (``x`` as ``_load_rows`` reads it). The WY kernels of rules 1 and 3 form the first term in
+    their own ``state_bwd``."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -313,20 +314,19 @@ def dv_bwd(
     b_st = tl.zeros([BT, BT], dtype=tl.float32)  # [s, t] = x_s . q_t
     b_xd = tl.zeros([BT, BV], dtype=tl.float32)
     state = ((boh + i_t) * H + i_h) * K * V
-    qr, m_q = _query_rows(bos, o_t, m_t, QSLOTS, QREAD)
+    rows = bos + o_t
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_x = _load_keys(x, delayed, i_n, bos, o_t, m_t, i_h, o_k, m_k, T, H, K, False, XWIN)
-        b_qt = tl.load(q + (qr[None, :] * H + i_h) * K + o_k[:, None], mask=m_q[None, :] & m_k[:, None], other=0.0)
+        b_x = _load_rows(x, delayed, 0, i_n, bos, o_t, m_t, i_h, o_k, m_k, H, K, False)
+        b_qt = tl.load(q + (rows[None, :] * H + i_h) * K + o_k[:, None], mask=m_t[None, :] & m_k[:, None], other=0.0)
         b_st += tl.dot(b_x, b_qt, input_precision=PRECISION)
-        if STATE_TERM:
-            b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)
-            b_xd += tl.dot(b_x, b_dh, input_precision=PRECISION)
-    b_do = tl.load(do + (qr[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & (o_v[None, :] < V), other=0.0)
+        b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)
+        b_xd += tl.dot(b_x, b_dh, input_precision=PRECISION)
+    b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
     b_at = b_st * _decay_mask_t(uq, u, READ_AFTER, BT) * et[:, None]
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do, input_precision=PRECISION) + b_xd * (et * tl.exp(u_last - u))[:, None]
-    tl.store(dv + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+    tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit

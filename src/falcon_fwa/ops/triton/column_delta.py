@@ -43,9 +43,7 @@ SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of g
 #     state_bwd 4.16 (op 9.53); 64 columns, 4 warps: 3.02 and 4.75.
 # (benchmarks/results/h200_rule2_transposed_sweep.md). A kernel takes SEQUENTIAL_SMALL_GRID's setting
 # where its 16-column grid has fewer than WIDE_GRID programs (B=8 H=16 V=128: 1,024; B=2: 256).
-# state_bwd, since it also forms the outputs' part of dD (h200.md, twenty-fourth run): 64 columns, 4 warps, 2 stages
-# 1.655 ms, against 1.740 at 3 stages, 1.935 at 32 columns and 2 warps (benchmarks/results/h200_rule2_fused_dD_sweep.txt).
-SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd": dict(BV=64, num_warps=4, num_stages=2)}
+SEQUENTIAL = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd": dict(BV=64, num_warps=4, num_stages=3)}
 SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=2, num_stages=2),
                          "state_bwd": dict(BV=16, num_warps=2, num_stages=2)}
 WIDE_GRID = 1024

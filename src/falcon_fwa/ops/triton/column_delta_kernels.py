@@ -261,14 +261,9 @@ def state_bwd(
             off = (rows[None, :] * H + i_h) * V + o_v[:, None]
             b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
             b_qx = tl.dot(_rows(q, rows, m_r, i_h, H, K, o_k, m_k), b_xt, input_precision=PRECISION)  # q_t . x_s
-            # the part of dD that reaches the block's end: g holds every later read, this chunk's included.
-            # With 16-bit keys g enters the product as two 16-bit parts, g = hi + lo: g rounded once to
-            # bf16 took the log-gate gradient over the 1e-2 bound (1.18e-2, test_cuda_ragged[128-64-before-128])
-            b_hi = b_dh.to(b_xt.dtype)
-            b_dd = tl.dot(b_hi, b_xt, input_precision=PRECISION)
-            if b_xt.dtype != tl.float32:
-                b_dd = tl.dot((b_dh - b_hi.to(tl.float32)).to(b_xt.dtype), b_xt, b_dd, input_precision=PRECISION)
-            b_dd *= _decay(r_out[:, None] - tl.load(u + off, mask=m_vr, other=0.0), m_r[None, :])
+            # the part of dD that reaches the block's end: g holds every later read, this chunk's included
+            b_dd = tl.dot(b_dh.to(b_xt.dtype), b_xt, input_precision=PRECISION) * _decay(
+                r_out[:, None] - tl.load(u + off, mask=m_vr, other=0.0), m_r[None, :])
             b_k = tl.load(kappa + off, mask=m_vr, other=0.0)
             # backward substitution, all BV columns at once, unrolled over the block's BS steps. Before step
             # i, the tile b_acc holds, for every step s, sum_{p > i} G[p, s] exp(w_p - u_i) kappa_p z_p minus

@@ -10,11 +10,11 @@ and ``S0``.
 Forward: ``gram_fwd`` (the Gram of every block of ``SUB_CHUNK`` steps, shared by all
 columns), ``chunk_cumsum`` (the log-prefixes), ``state_fwd`` (sequential: the per-column
 solve for the write values ``D`` and the residual reads ``R``, block after block, and the
-chunks' entry states), then the rule-2A ``output_fwd`` with values ``D``. Backward:
-``state_bwd`` (sequential: the exit-state gradients, the adjoint ``z`` of ``D``, whose
-right-hand side takes the outputs' gradient of ``D`` in the same pass, and the whole
-``d log a``, from the reads' values and adjoints: the saved outputs ``o``, the residual
-reads ``R``, ``z`` and the exit states), then ``dqk_bwd_two_reads``: the rule-2A ``dqk_bwd`` of both reads
+chunks' entry states), then the rule-2A ``output_fwd`` with values ``D``. Backward: the
+rule-2A ``dv_bwd`` for the outputs' intra-chunk ``dD``, ``state_bwd`` (sequential: the
+exit-state gradients, the adjoint ``z`` of ``D`` and the whole ``d log a``, from the
+reads' values and adjoints: the saved outputs ``o``, the residual reads ``R``, ``z`` and
+the exit states), then ``dqk_bwd_two_reads``: the rule-2A ``dqk_bwd`` of both reads
 (outputs: queries ``q``; residual reads: queries ``x``, read before the write, upstream
 ``dR = -kappa z``) in one launch, ``dq`` and the whole ``dx`` stored in the inputs' dtype.
 """
@@ -113,6 +113,18 @@ def _outputs(q, x, D, u, h, layout: ChunkLayout, read_after: bool):
     return o
 
 
+def _outputs_dD(q, x, D, u, do, dD, layout, read_after):
+    """The rule-2A ``dv_bwd`` of the outputs (queries ``q``, values ``D``), for their
+    intra-chunk gradient of ``D`` alone (no exit-state term, no ``d log a``) into ``dD``."""
+    H, K = q.shape[2:]
+    V = D.shape[-1]
+    c = column_config("dv_bwd", K, V)
+    cd.dv_bwd[(cdiv(V, c["BV"]), layout.num_chunks, H)](
+        q, x, D, None, u, None, None, do, None, dD, None, None, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
+        READ_AFTER=read_after, HAS_ETA=False, HAS_DH=False, STORE_DV=True, STORE_DETA=False, STORE_DLOG=False,
+        PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))
+
+
 def _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after):
     """``dqk_bwd_two_reads``: ``dq`` (the outputs' queries) and the whole ``dx`` (the
     residual reads' queries, the keys of both reads and the exit-state term through
@@ -137,8 +149,10 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     f32 = torch.float32
-    # 1. reverse over chunks: exit-state gradients and the adjoint z of D (the outputs' part of its
-    # right-hand side formed in the same pass), and from z: d_read = -kappa z
+    # 1. the outputs' intra-chunk gradient of D (no exit-state term)
+    dD_o = _empty(eta.shape, eta)
+    _outputs_dD(q, x, D, u, do, dD_o, layout, read_after)
+    # 2. reverse over chunks: exit-state gradients and the adjoint z of D, and from z: d_read = -kappa z
     # (the upstream gradient of the residual reads R, in q's dtype: dqk_bwd_two_reads rounds it to that
     # for its dots), dv, deta, dkappa and the whole d log a
     dh = _empty(h.shape, h)
@@ -149,10 +163,11 @@ def _backward(q, x, v, eta, kappa, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: 
     dS0 = _empty(S0.shape, S0, f32) if S0 is not None else None
     c = _sequential("state_bwd", K, V, layout.N * H)
     kern.state_bwd[(cdiv(V, c["BV"]), layout.N * H)](
-        q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, o, h, S_T, dh, d_read, dv, deta, dkappa,
+        q, x, v, eta, eta if kappa is None else kappa, R, u, G, do, o, dD_o, h, S_T, dh, d_read, dv, deta, dkappa,
         dlog_a, dS_T, dS0, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,
         READ_AFTER=read_after, PRECISION=prec, KAPPA_IS_ETA=kappa is None, **c, **meta)
-    # 2. q and x gradients of both reads in one launch (outputs: queries q; residual reads: queries x,
+    del dD_o  # read by state_bwd alone: its fp32 buffer is free for dq and dx
+    # 3. q and x gradients of both reads in one launch (outputs: queries q; residual reads: queries x,
     # read before the write, with the exit-state term)
     dq, dx = _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after)
     return dq, dx, dv, deta, dkappa, dlog_a, dS0

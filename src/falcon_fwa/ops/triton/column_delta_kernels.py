@@ -31,22 +31,21 @@ entry state of every chunk goes to ``h`` for the outputs, which are the per-colu
 reads of ``ops.triton.column_decay_kernels`` with the values ``D``. ``gram_fwd`` stores
 the ``BS x BS`` diagonal blocks of the Gram.
 
-Backward: walking the blocks backwards with ``g`` the gradient of the state at a block's
-end (every later read included: the outputs of the block's chunk join it block by block),
-the adjoint ``z`` of ``d`` solves, per column,
-``(I + N_j)^T z_j = exp(r'_j - u_j) (X_I g)_j + c_j`` (backward substitution, ``state_bwd``,
-with the same carried tile walked from the block's last row down), where ``c_{i,j} = sum_t
-exp(uq_{t,j} - u_{i,j}) (q_t . x_i) dO_{t,j}`` over the block's reads ``t`` of write ``i``
-(``t >= i`` read after, ``t > i`` before) rides in that tile too; the reads ``R`` get
-``dR = -kappa z``, and ``g <- exp(r' - r) g + X_I^T (exp(w - r) dR) + Q_I^T (exp(uq - r) dO)``.
-``state_bwd`` also stores::
+Backward, with ``dD_o`` the outputs' gradient of ``D`` from within the chunk: walking the
+blocks backwards with ``g`` the gradient of the state at a block's end (without the
+outputs of the chunk, which ``dD_o`` holds), the adjoint ``z`` of ``d`` solves, per column,
+``(I + N_j)^T z_j = dD_o_j + exp(r'_j - u_j) (X_I g)_j`` (backward substitution,
+``state_bwd``, with the same carried tile walked from the block's last row down); the
+reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w - r) dR)``, and at
+the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` also stores::
 
     deta = y z,   dy = eta z,   dkappa = -R z
 
 and the whole ``d log a`` (see ``state_bwd``); the gradients of ``q`` and ``x`` (as query
 and as key) are those of two per-column-decay reads with values ``D``: the outputs
 (queries ``q``, ``dO``) and the residual reads (queries ``x``, read before the write,
-``dR``), from ``dqk_bwd_two_reads`` for both at once. Only
+``dR``), from ``dqk_bwd_two_reads`` for both at once. ``dD_o`` is the rule-2A ``dv_bwd``
+of the outputs. Only
 non-positive exponents are ever evaluated. Tensors are time-major ``[B, T, H, D]``; states
 are ``[num_chunks, H, K, V]``; ``G`` is ``[B, T, H, BS]`` fp32 (row ``p`` holds
 ``x_p . x_s`` for the ``BS`` rows ``s`` of its block).
@@ -201,16 +200,15 @@ def state_fwd(
 
 @triton.jit
 def state_bwd(
-    q, x, v, eta, kappa, R, u, G, do, o, h, s_final, dh, dR, dv, deta, dkappa, dlog_a, ds_final, ds0,
+    q, x, v, eta, kappa, R, u, G, do, o, dD_local, h, s_final, dh, dR, dv, deta, dkappa, dlog_a, ds_final, ds0,
     cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr,
     READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, KAPPA_IS_ETA: tl.constexpr = False,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks and their blocks,
     the gradient of every chunk's exit state into ``dh``, the per-column transposed solve
-    for the adjoint ``z`` of ``D`` (the block's own reads of ``D`` carried through the
-    substitution, the later ones through ``g``) and ``g <- exp(r' - r) g - X_I^T (exp(w - r)
-    kappa z) + Q_I^T (exp(uq - r) dO)``. ``z`` itself is not stored:
+    for the adjoint ``z`` of ``D``, ``g <- exp(r' - r) g - X_I^T (exp(w - r) kappa z)`` and,
+    at the chunk's start, ``dh_prev = g + Q^T (exp(uq) dO)``. ``z`` itself is not stored:
     its products are, ``dR = -kappa z`` (in ``dR``'s dtype), ``dv = eta z`` (in ``v``'s dtype),
     ``deta = y z`` and ``dkappa = -R z`` (fp32); with ``KAPPA_IS_ETA`` (``kappa`` is ``eta``: no
     gate) the two gains' gradients are one, ``deta = (y - R) z``, and ``dkappa`` is not written.
@@ -259,42 +257,32 @@ def state_bwd(
             rows, m_r, r_in, r_out = _block(u, first, last, b0, end, i_h, H, V, BS, o_v, m_v)
             m_vr = m_v[:, None] & m_r[None, :]
             off = (rows[None, :] * H + i_h) * V + o_v[:, None]
+            b_u = tl.load(u + off, mask=m_vr, other=0.0)
             b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
-            b_qx = tl.dot(_rows(q, rows, m_r, i_h, H, K, o_k, m_k), b_xt, input_precision=PRECISION)  # q_t . x_s
-            # the part of dD that reaches the block's end: g holds every later read, this chunk's included
-            b_dd = tl.dot(b_dh.to(b_xt.dtype), b_xt, input_precision=PRECISION) * _decay(
-                r_out[:, None] - tl.load(u + off, mask=m_vr, other=0.0), m_r[None, :])
+            b_dd = tl.load(dD_local + off, mask=m_vr, other=0.0) + tl.dot(
+                b_dh.to(b_xt.dtype), b_xt, input_precision=PRECISION) * _decay(r_out[:, None] - b_u, m_r[None, :])
             b_k = tl.load(kappa + off, mask=m_vr, other=0.0)
+            b_w = _prev_t(u, rows, m_r, first, i_h, H, V, o_v, m_v)
             # backward substitution, all BV columns at once, unrolled over the block's BS steps. Before step
-            # i, the tile b_acc holds, for every step s, sum_{p > i} G[p, s] exp(w_p - u_i) kappa_p z_p minus
-            # the block's reads of x_s at or after step i, sum_t exp(uq_t - u_i) (q_t . x_s) dO_t: its column
-            # i is what z_i lacks besides the part through g (u_i = w_{i+1}). Moving down to step i - 1
-            # multiplies it by exp(u_i - w_i) = a_i <= 1, one exp per column and step. Steps past the
-            # sequence's end have kappa = 0 and dO = 0, so b_acc stays 0 until the last step in the sequence,
-            # whose own carry a_i is exact (u_i = w_{i+1} loads while the row before step i + 1 is in it)
+            # i, the tile b_acc holds sum_{p > i} G[p, s] exp(w_p - u_i) kappa_p z_p for every step s: its
+            # column i is what z_i lacks (u_i = w_{i+1}); moving down to step i - 1 multiplies it by
+            # exp(u_i - w_i) = a_i <= 1, one exp per column and step. Steps past the sequence's end have
+            # kappa = 0, so kappa z = 0 there and b_acc stays 0 until the last step in the sequence
             b_kd = b_k * b_dd
-            b_in = tl.zeros([BV, BS], dtype=tl.float32)  # column i: what z_i takes besides the part through g
+            b_in = tl.zeros([BV, BS], dtype=tl.float32)  # column i: the later steps' part of z_i
             b_acc = tl.zeros([BV, BS], dtype=tl.float32)
             u_i = _row(u, b0 + BS - 1, b0 + BS - 1 < end, i_h, H, V, o_v, m_v)
             for jj in tl.static_range(BS):
                 i = BS - 1 - jj
                 sel = (o_s == i)[None, :]
-                do_i = _row(do, b0 + i, b0 + i < end, i_h, H, V, o_v, m_v)  # [BV]
-                qx_i = tl.sum(tl.where((o_s == i)[:, None], b_qx, 0.0), axis=0)  # [BS]: q_i . x_s
-                if READ_AFTER:  # o_i reads the state after step i's write (uq_i = u_i)
-                    b_acc -= do_i[:, None] * qx_i[None, :]
                 b_in = tl.where(sel, b_acc, b_in)
                 kz_i = tl.sum(tl.where(sel, b_kd - b_k * b_acc, 0.0), axis=1)  # kappa_i z_i
-                # w_i = u_{i-1} (0 at the chunk's first row); past the end, 0 once the row before is too
-                w_i = _row(u, b0 + i - 1, (b0 + i - 1 < end) & (b0 + i > first), i_h, H, V, o_v, m_v)
+                w_i = _row(u, b0 + i - 1, (b0 + i < end) & (b0 + i > first), i_h, H, V, o_v, m_v)
                 a_i = tl.exp(tl.minimum(u_i - w_i, 0.0))
                 g_i = _gram_column(G, rows, m_r, i, i_h, H, BS)  # G[i, s] = G[s, i]
                 b_acc = b_acc * a_i[:, None] + kz_i[:, None] * g_i[None, :]
-                if not READ_AFTER:  # o_i reads the state before step i's write (uq_i = w_i)
-                    b_acc -= do_i[:, None] * qx_i[None, :]
                 u_i = w_i
             b_z = b_dd - b_in
-            b_w = _prev_t(u, rows, m_r, first, i_h, H, V, o_v, m_v)
             b_eta = tl.load(eta + off, mask=m_vr, other=0.0)
             b_yv = tl.load(v + off, mask=m_vr, other=0.0).to(tl.float32)
             b_res = tl.load(R + off, mask=m_vr, other=0.0)
@@ -314,20 +302,29 @@ def state_bwd(
             b_prev = b_dread * b_res
             if READ_AFTER:
                 b_own += b_read
-                b_uq = tl.load(u + off, mask=m_vr, other=0.0)
             else:
                 b_prev += b_read
-                b_uq = b_w
             b_all = b_own + b_prev
             b_later += tl.sum(b_all, axis=1)
             tl.store(dlog_a + off, b_later[:, None] - tl.cumsum(b_all, axis=1) + b_own, mask=m_vr)
-            # g at the block's start: g <- exp(r' - r) g + X_I^T (exp(w - r) dR) + Q_I^T (exp(uq - r) dO)
             b_dr = b_dread * _decay(b_w - r_in[:, None], m_r[None, :])
-            b_dq = b_do * _decay(b_uq - r_in[:, None], m_r[None, :])
             b_x = _rows(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
-            b_q = _rows(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
             b_dh = b_dh * tl.exp(r_out - r_in)[:, None] + tl.dot(b_dr.to(b_x.dtype), b_x, input_precision=PRECISION)
-            b_dh += tl.dot(b_dq.to(b_q.dtype), b_q, input_precision=PRECISION)
+        # the chunk's outputs read its entry state: dh += Q^T (exp(uq) dO) (here transposed), in a pass of
+        # its own over the chunk's blocks, so that no second [BV, BK] accumulator is live through the
+        # substitutions
+        for jb in range(0, tl.cdiv(n_steps, BS)):
+            rows = first + jb * BS + tl.arange(0, BS)
+            m_r = rows < end
+            m_vr = m_v[:, None] & m_r[None, :]
+            off = (rows[None, :] * H + i_h) * V + o_v[:, None]
+            if READ_AFTER:
+                b_uq = tl.load(u + off, mask=m_vr, other=0.0)
+            else:
+                b_uq = _prev_t(u, rows, m_r, first, i_h, H, V, o_v, m_v)
+            b_g = tl.load(do + off, mask=m_vr, other=0.0).to(tl.float32) * _decay(b_uq, m_r[None, :])
+            b_q = _rows(q, rows, m_r, i_h, H, K, o_k, m_k)  # [BS, BK]
+            b_dh += tl.dot(b_g.to(b_q.dtype), b_q, input_precision=PRECISION)
     if STORE_DS0:
         tl.store(ds0 + i_nh.to(tl.int64) * K * V + state_off, b_dh, mask=m_vk)
 

@@ -8,6 +8,9 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048 (split over 2 GPUs)
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels-long  # the same at B=2 T=8192, with per-kernel profiles
 #   BASE_SRC=DIR bash benchmarks/gpu_suite.sh OUT_DIR ab  # a change against the tree in DIR (its src/), side by side
+#   bash benchmarks/gpu_suite.sh OUT_DIR warm      # compile WARM_OPS (default: fla's autotuned ops) into Triton's cache;
+#       run it in the background beside a stage that needs no timing, e.g. `(... warm &); ... tests; wait; ... kernels`:
+#       fla's chunk_gla needs more than 270 s of compiling for its fwd+bwd on a fresh machine
 #   bash benchmarks/gpu_suite.sh OUT_DIR host      # host enqueue time against device time of the fast rows
 #   bash benchmarks/gpu_suite.sh OUT_DIR decode    # whole-model decoding tokens/s, fused step vs PyTorch step (eager, CUDA graphs)
 #   bash benchmarks/gpu_suite.sh OUT_DIR short-prompts  # prompt passes without gradients: fused recurrent vs chunk kernels
@@ -124,6 +127,14 @@ case "$STAGE" in
                 falcon-3a fla-delta-rule sdpa torch-chunk-1A torch-chunk-1 torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3} \
           2>&1 | tee "$OUT/bench_kernels.log"
     fi
+    ;;
+  warm)
+    # one process per op, timings discarded: only the compiled kernels, in TRITON_CACHE_DIR, are kept
+    for op in ${WARM_OPS:-fla-gla fla-gated-delta-rule fla-simple-gla}; do
+      timeout ${WARM_TIMEOUT:-400} $PY benchmarks/bench_kernels.py --out "$OUT/warm" --name "warm-$op" --allow-fla-gated \
+          --shapes 0 --row-timeout ${WARM_TIMEOUT:-400} --ops "$op" > "$OUT/warm-$op.log" 2>&1 &
+    done
+    wait
     ;;
   ab)
     # A change against a base tree, side by side on this GPU: BASE_SRC holds the base's src/ (e.g. from

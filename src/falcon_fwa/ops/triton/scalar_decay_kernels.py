@@ -183,17 +183,6 @@ def _read_decay_t(uq_j, p, u, READ_AFTER: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _decay_mask_t(uq_cols, u_rows, READ_AFTER: tl.constexpr, BT: tl.constexpr):
-    """The transpose ``[s, t] -> exp(uq_t - u_s)`` on ``M(t)``, built directly."""
-    o = tl.arange(0, BT)
-    if READ_AFTER:
-        keep = o[:, None] <= o[None, :]
-    else:
-        keep = o[:, None] < o[None, :]
-    return tl.exp(tl.where(keep, uq_cols[None, :] - u_rows[:, None], float("-inf")))
-
-
-@triton.jit
 def state_fwd(
     x, v, eta, log_a, h, s0, s_final, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -324,7 +313,7 @@ def dv_bwd(
         b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)
         b_xd += tl.dot(b_x, b_dh, input_precision=PRECISION)
     b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_at = b_st * _decay_mask_t(uq, u, READ_AFTER, BT) * et[:, None]
+    b_at = b_st * _read_decay_t(uq, tl.arange(0, BT), u, READ_AFTER, BT) * et[:, None]
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do, input_precision=PRECISION) + b_xd * (et * tl.exp(u_last - u))[:, None]
     tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 

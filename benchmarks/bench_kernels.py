@@ -452,21 +452,22 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
         g = f" {_graph_cell(r)} |" if graphs else ""
         out.append(f"| {op} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
                    f"{r['ms']:.3f} |{g} {r['peak_mem_bytes'] / 2**20:.0f} |")
-    index = {(r["op"], r["B"], r["T"], r["mode"]): r for r in rows}
+    index = {(r["op"], _shape(r), r["mode"]): r for r in rows}
+    shapes = list(dict.fromkeys(_shape(r) for r in rows))  # in the order they ran
     g_head, g_rule = (" graph time ratio |", "---|") if graphs else ("", "")
     out += ["", "## Ratios against the fla counterparts (fwd+bwd, time and peak memory)", "",
-            f"| Falcon op | fla op | B | T | time ratio |{g_head} target | peak-memory ratio |",
-            f"|---|---|---|---|---|{g_rule}---|---|"]
+            f"| Falcon op | fla op | B | T | H | K | V | time ratio |{g_head} target | peak-memory ratio |",
+            f"|---|---|---|---|---|---|---|---|{g_rule}---|---|"]
     for ours, theirs, target in TARGETS:
-        for B, T, *_ in SHAPES:
-            a, b = index.get((ours, B, T, "fwdbwd")), index.get((theirs, B, T, "fwdbwd"))
+        for shape in shapes:
+            a, b = index.get((ours, shape, "fwdbwd")), index.get((theirs, shape, "fwdbwd"))
             if a and b:
-                tgt = f"<= {target}" if (B, T) == SHAPES[0][:2] else "-"
+                tgt = f"<= {target}" if shape == SHAPES[0] else "-"
                 g = ""
                 if graphs:
                     g = (f" {a['graph_ms'] / b['graph_ms']:.2f} |" if a.get("graph_ms") and b.get("graph_ms")
                          else " - |")
-                out.append(f"| {ours} | {theirs} | {B} | {T} | {a['ms'] / b['ms']:.2f} |{g} {tgt} | "
+                out.append(f"| {ours} | {theirs} | {' | '.join(map(str, shape))} | {a['ms'] / b['ms']:.2f} |{g} {tgt} | "
                            f"{a['peak_mem_bytes'] / max(b['peak_mem_bytes'], 1):.2f} |")
     paired = [r for r in rows if r["mode"] == "fwdbwd-paired"]
     if paired:
@@ -476,7 +477,7 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
         out += [f"| {r['op']} | {r['fla_op']} | {r['B']} | {r['T']} | {r['rounds']} | {r['ratio']:.2f}"
                 f"{' (not reliable: see the notes)' if 'unreliable' in r else ''} | "
                 f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['ms']:.3f} | {r['fla_ms']:.3f} | "
-                f"{'<= ' + str(r['target']) if (r['B'], r['T']) == SHAPES[0][:2] else '-'} |" for r in paired]
+                f"{'<= ' + str(r['target']) if _shape(r) == SHAPES[0] else '-'} |" for r in paired]
     decode = [r for r in rows if r["mode"] == "decode"]
     if decode:
         out += ["", "## Decoding step (one layer's mixer op, H=6, K=V=128)", "",
@@ -485,6 +486,10 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
     if errors:
         out += ["", "## Failures", ""] + [f"- {e}" for e in errors]
     return "\n".join(out) + "\n"
+
+
+def _shape(row: dict) -> Tuple[int, int, int, int, int]:
+    return row["B"], row["T"], row["H"], row["K"], row["V"]
 
 
 def _graph_cell(row: dict) -> str:
@@ -505,6 +510,8 @@ def main(argv=None) -> None:
                    help="also sweep the 1A kernels' launch configurations at the first shape")
     p.add_argument("--shapes", nargs="*", type=int, default=list(range(len(SHAPES))),
                    help=f"indices into {SHAPES}")
+    p.add_argument("--shape", nargs=5, type=int, action="append", default=None, metavar=("B", "T", "H", "K", "V"),
+                   help="a shape of one's own, in place of --shapes (repeat for several)")
     p.add_argument("--profile", nargs="*", default=[], help="ops whose fwd+bwd is profiled per kernel (first shape)")
     p.add_argument("--decode", action="store_true", help="also time the fused decoding step against the PyTorch step")
     p.add_argument("--tag", default=None,
@@ -530,13 +537,14 @@ def main(argv=None) -> None:
                      "`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`, lifting fla's refusal of its gated "
                      "backward on this Triton (known Hopper miscompile): their timings stand, their gradients "
                      "were not checked.")
+    shapes = [tuple(s) for s in args.shape] if args.shape else [SHAPES[i] for i in args.shapes]
     os.makedirs(args.out, exist_ok=True)
     versions, commit = _versions(), _commit(args.commit)
     if args.sweep:
         found = sweep(SHAPES[0])
         _atomic_write(os.path.join(args.out, f"{args.name}-sweep.json"), json.dumps(found, indent=1) + "\n")
     rows, errors = [], []
-    for shape in [SHAPES[i] for i in args.shapes]:
+    for shape in shapes:
         for name in args.ops:
             for mode in ("fwd", "fwdbwd"):
                 try:
@@ -571,7 +579,7 @@ def main(argv=None) -> None:
                 _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))
     paired = []  # rows of --paired: written to <name>-paired.json, beside the plain rows
     if args.paired:
-        shape = SHAPES[args.shapes[0]]
+        shape = shapes[0]
         for ours, theirs, target in TARGETS:
             if ours not in args.ops or theirs not in args.ops:
                 continue
@@ -600,7 +608,7 @@ def main(argv=None) -> None:
                           _markdown(rows + paired, versions, commit, notes, errors))
     for name in args.profile:
         try:
-            found = profile(name, SHAPES[args.shapes[0]])
+            found = profile(name, shapes[0])
             _atomic_write(os.path.join(args.out, f"{args.name}-profile-{name}.json"), json.dumps(found, indent=1) + "\n")
         except Exception as e:
             errors.append(f"profile {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

@@ -76,10 +76,24 @@ def test_markdown_adds_graph_times_and_their_ratio_when_rows_have_them():
     assert "| falcon-2 | 8 | 2048 | 16 | 128 | 128 | fwdbwd | 5.000 | 4.500 | 1 |" in text
     assert "| falcon-1 | 8 | 2048 | 16 | 128 | 128 | fwdbwd | 2.000 | not captured | 1 |" in text
     # eager ratio 5.0 / 2.5, graph ratio 4.5 / 1.5; falcon-1 has a counterpart row missing: no ratio line
-    assert "| falcon-2 | fla-gated-delta-rule | 8 | 2048 | 2.00 | 3.00 | <= 1.5 | 1.00 |" in text
+    assert "| falcon-2 | fla-gated-delta-rule | 8 | 2048 | 16 | 128 | 128 | 2.00 | 3.00 | <= 1.5 | 1.00 |" in text
     # rows without graph times keep the plain layout
     plain = bench_kernels._markdown([dict(op="falcon-2", ms=5.0, **base)], versions, "x", [], [])
     assert "graph" not in plain
+
+
+def test_markdown_ratios_of_a_shape_of_ones_own_carry_no_target():
+    import bench_kernels
+    versions = dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p")
+    base = dict(mode="fwdbwd", commit="x")
+    wide = dict(B=4, T=2048, H=16, K=256, V=256, **base)
+    rows = [dict(op="falcon-1", ms=3.0, peak_mem_bytes=3 * 2**20, **wide),
+            dict(op="fla-gated-delta-rule", ms=2.0, peak_mem_bytes=2 * 2**20, **wide),
+            dict(op="falcon-1", ms=9.0, peak_mem_bytes=2**20, B=8, T=2048, H=16, K=128, V=128, **base)]
+    text = bench_kernels._markdown(rows, versions, "x", [], [])
+    # the K = 256 pair has its ratio, without the benchmark shape's target; the lone K = 128 row has none
+    assert "| falcon-1 | fla-gated-delta-rule | 4 | 2048 | 16 | 256 | 256 | 1.50 | - | 1.50 |" in text
+    assert "| falcon-1 | fla-gated-delta-rule | 8 |" not in text
 
 
 def test_paired_drift_flags_a_slow_spell_on_one_side_only():
@@ -286,7 +300,7 @@ def test_profile_only_run_keeps_the_rows_of_an_earlier_run(tmp_path, monkeypatch
              "--commit", "x"])
     rows = json.loads((tmp_path / "h200.json").read_text())
     md = (tmp_path / "h200.md").read_text()
-    assert len(rows) == 4 and "| falcon-1 | fla-gated-delta-rule | 8 | 2048 | 1.00 | <= 0.8 | 1.00 |" in md
+    assert len(rows) == 4 and "| falcon-1 | fla-gated-delta-rule | 8 | 2048 | 16 | 128 | 128 | 1.00 | <= 0.8 | 1.00 |" in md
     bk.main(["--out", out, "--name", "h200", "--shapes", "0", "--ops", "--profile", "falcon-1", "--commit", "x"])
     assert json.loads((tmp_path / "h200.json").read_text()) == rows
     assert (tmp_path / "h200.md").read_text() == md

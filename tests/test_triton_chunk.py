@@ -94,6 +94,13 @@ def test_wy_inverse_with_strongly_coupled_writes():
 
 
 @each_rule
+def test_key_dim_above_128(rule):
+    # K = 136 takes the 256-row key tile of the kernels that hold the whole key dimension, mostly masked
+    check_kernel(rule, (1, 24, 1, 136, 24), torch.float32, chunk_size=16, state=True, output_final_state=True,
+                 seed=11)
+
+
+@each_rule
 def test_fp16_inputs(rule):
     check_kernel(rule, (1, 40, 2, 32, 32), torch.float16, seed=6)
 
@@ -112,8 +119,8 @@ def test_unsupported_switches_name_themselves():
         falcon_chunk_triton(q, q, q, beta, lam, chunk_size=24)
     with pytest.raises(NotImplementedError, match="dtype"):
         falcon_chunk_triton(q.double(), q.double(), q.double(), beta, lam)
-    wide = torch.randn(1, 8, 1, 256, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="head dim K=256"):
+    wide = torch.randn(1, 8, 1, 264, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="head dim K=264 is above 256"):
         falcon_chunk_triton(wide, wide, q, beta, lam, rule="1")
 
 
@@ -128,10 +135,19 @@ def test_cuda_benchmark_head_dims(rule, dtype):
 
 
 @needs_cuda
+@each_rule
+def test_cuda_key_dim_256_fp32(rule):
+    # rule 1's kernels that hold the whole key dimension run one pipeline stage here (delta._full_k)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_kernel(rule, (1, 300, 2, 256, 256), torch.float32, chunk_size=64, state=True, output_final_state=True,
+                 device="cuda")
+
+
+@needs_cuda
 @pytest.mark.parametrize("rule,K,V,read", [
     (rule, K, V, read) for rule in ("1A", "1")
-    for K, V, read in [(64, 64, "after"), (100, 100, "before"), (128, 64, "before"), (256, 256, "after")]
-    if rule == "1A" or K <= 128])  # rule 1 takes K <= 128 (test_unsupported_switches_name_themselves)
+    for K, V, read in [(64, 64, "after"), (100, 100, "before"), (128, 64, "before"), (256, 256, "after"),
+                       (200, 96, "before")]])
 def test_cuda_ragged(rule, K, V, read):
     check_kernel(rule, (2, 1000, 2, K, V), torch.bfloat16, chunk_size=64, read=read, output_final_state=True,
                  device="cuda")

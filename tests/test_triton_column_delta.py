@@ -89,6 +89,8 @@ def test_launch_settings_follow_the_grid(kernel):
         assert (small["BV"], small["num_warps"]) == (small_table["BV"], small_table["num_warps"]) == (16, small["num_warps"])
     # on a wide grid a head dim below the block caps it (V=24: blocks of 32)
     assert column_delta._sequential(kernel, 32, 24, 64 * 16)["BV"] == min(table["BV"], 32)
+    # a key tile of 256 rows halves the value block (the fp32 state tile stays within 128 x 64 elements)
+    assert column_delta._sequential(kernel, 256, 256, 64 * 16)["BV"] == min(table["BV"], 32)
 
 
 def test_packed_sequences_with_states():
@@ -107,6 +109,11 @@ def test_no_gate_folds_the_residual_gain_into_eta(read):
     # exercised in every program
     _check((1, 60, 1, 16, 40), gate=False, state=True, output_final_state=True, cu_seqlens=[0, 7, 41, 60], read=read,
            chunk_size=32, seed=11)
+
+
+def test_key_dim_above_128():
+    # K = 136 takes the 256-row key tile of the sequential kernels, mostly masked, and their narrower value block
+    _check((1, 20, 1, 136, 40), chunk_size=16, state=True, output_final_state=True, seed=12)
 
 
 def test_fp16_inputs():
@@ -177,10 +184,20 @@ def test_cuda_benchmark_head_dims(dtype):
 @needs_cuda
 @pytest.mark.parametrize("K,V,read,chunk_size", [(64, 64, "after", 64), (100, 100, "before", 64),
                                                  (128, 64, "before", 128), (32, 256, "after", 32),
-                                                 (128, 128, "after", 16)])
+                                                 (128, 128, "after", 16), (256, 256, "after", 64),
+                                                 (200, 96, "before", 32)])
 def test_cuda_ragged(K, V, read, chunk_size):
     _check((2, 1000, 2, K, V), torch.bfloat16, chunk_size=chunk_size, read=read, output_final_state=True,
            device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("wide_grid", [column_delta.WIDE_GRID, 0])
+def test_cuda_key_dim_256_fp32(wide_grid, monkeypatch):
+    # WIDE_GRID 0: the sequential kernels' settings of large grids (32 value columns at K = 256)
+    monkeypatch.setattr(column_delta, "WIDE_GRID", wide_grid)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check((1, 300, 2, 256, 256), torch.float32, chunk_size=64, state=True, output_final_state=True, device="cuda")
 
 
 @needs_cuda

@@ -147,6 +147,11 @@ def test_packed_sequences_with_states():
     _check((1, 46, 2, 16, 16), window=4, state=True, cu_seqlens=[0, 5, 30, 31, 46], read="before", seed=44)
 
 
+def test_key_dim_above_128():
+    # K = 136 takes the 256-row key tile of the WY kernels that hold the whole key dimension, mostly masked
+    _check((1, 12, 1, 136, 24), window=2, chunk_size=16, state=True, seed=61)
+
+
 def test_fp16_inputs():
     _check((1, 33, 2, 32, 32), torch.float16, window=4, seed=60)
 
@@ -234,9 +239,16 @@ def test_cuda_benchmark_head_dims(dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("K,V,read,window", [(64, 64, "after", 4), (100, 100, "before", 2), (128, 64, "before", 8)])
+@pytest.mark.parametrize("K,V,read,window", [(64, 64, "after", 4), (100, 100, "before", 2), (128, 64, "before", 8),
+                                              (256, 256, "after", 4), (200, 96, "before", 2)])
 def test_cuda_ragged(K, V, read, window):
     _check((2, 1000, 2, K, V), torch.bfloat16, window=window, chunk_size=64, read=read, device="cuda")
+
+
+@needs_cuda
+def test_cuda_key_dim_256_fp32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check((1, 300, 2, 256, 256), torch.float32, window=4, chunk_size=64, state=True, device="cuda")
 
 
 @needs_cuda

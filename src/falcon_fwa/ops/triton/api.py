@@ -39,7 +39,7 @@ TRITON_RULES = ("1", "1A", "2", "2A", "3", "3A")  # rules with chunk kernels
 # cases); benchmarks/results/h200_tests.md lists them and what ran where.
 GPU_CHECKED_RULES: tuple = ("1A", "1", "2A", "2", "3A", "3")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_WY_HEAD_DIM = 128  # the regression kernels (rules 1, 2) keep the whole key dimension in one tile
+MAX_WY_HEAD_DIM = 256  # the regression kernels (rules 1, 2, 3) keep the whole key dimension in one tile
 
 
 def _interpreting() -> bool:
@@ -152,14 +152,14 @@ def falcon_chunk_triton(
 
     Supported: rules "1A" (scalar-decay masked attention, any head dims), "2A" (one
     decay per value column, any head dims; ``ops.triton.column_decay``), "1" (WY
-    form, one triangular solve per chunk, key dim ``K <= 128``), "2" (per-column
+    form, one triangular solve per chunk, key dim ``K <= 256``), "2" (per-column
     regression: a Gram shared by the value columns, one triangular solve per column
-    and block of 16 steps in the sequential pass, ``K <= 128``;
+    and block of 16 steps in the sequential pass, ``K <= 256``;
     ``ops.triton.column_delta``), "3A" (the
     rule-1A scan over completed window pairs plus the band of open pairs, as
     kernels; ``window`` up to 65, ``ops.triton.sliding.MAX_WINDOW``) and "3" (the
     rule-1 WY kernels over the ``T * window`` window writes, those of one step
-    uncoupled; ``window`` in {1, 2, 4, 8, 16}, ``K <= 128``;
+    uncoupled; ``window`` in {1, 2, 4, 8, 16}, ``K <= 256``;
     ``ops.triton.sliding_delta``); every switch
     (``shift``, ``normalize``, ``log_gate``, ``read``, ``scale_ridge``,
     ``initial_state`` with the last-key carry, ``output_final_state``,

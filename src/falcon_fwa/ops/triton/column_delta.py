@@ -60,8 +60,10 @@ def _sequential(kernel: str, K: int, V: int, sequences_heads: int) -> dict:
     c, small = SEQUENTIAL[kernel], SEQUENTIAL_SMALL_GRID.get(kernel)
     if small is not None and sequences_heads * cdiv(V, small["BV"]) < WIDE_GRID:
         c = small
-    return dict(BS=SUB_CHUNK, BK=max(16, next_power_of_2(K)), BV=min(c["BV"], max(16, next_power_of_2(V))),
-                num_warps=c["num_warps"], num_stages=c["num_stages"])
+    BK = max(16, next_power_of_2(K))
+    # the fp32 state tile [BK, BV] stays at most 128 x 64 (BK = 256: 32 columns)
+    BV = min(c["BV"], max(16, next_power_of_2(V)), max(16, 8192 // BK))
+    return dict(BS=SUB_CHUNK, BK=BK, BV=BV, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
@@ -214,7 +216,7 @@ def column_delta_chunk(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunk-parallel regression (delta) scan with one step size and decay per value column.
 
-    ``q``, ``x`` ``[B, T, H, K]`` (``K <= 128``) and ``v`` ``[B, T, H, V]`` of one dtype
+    ``q``, ``x`` ``[B, T, H, K]`` (``K <= 256``) and ``v`` ``[B, T, H, V]`` of one dtype
     (bf16, fp16 or fp32); ``eta``, ``kappa``, ``log_a`` ``[B, T, H, V]`` fp32 (``log_a <= 0``;
     ``kappa=None`` or ``eta`` itself: ``kappa = eta``, one gradient buffer less);
     ``S0`` ``[N, H, K, V]`` fp32 or ``None`` (``N = B``, or the number of sequences packed by

@@ -79,17 +79,24 @@ def _scalar(name: str, K: int, V: int, slots: int) -> dict:
 
 def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, Optional[int], int]:
     """Kernel ``name`` (``state_fwd``, ``state_bwd`` or ``wy_bwd``), which holds the whole key
-    dimension: ``BK >= K``, ``BV``, warps and pipeline stages. Four-byte inputs at ``BK = 128``
-    take two stages instead of Triton's three: with three, ``state_bwd`` needs 246 KB of shared
-    memory, above the 227 KB of an sm_90 block (``benchmarks/kernel_resources.py``).
-    ``FULL_K_16BIT`` applies to one write per step (rule 1 and the delta-rule baselines),
-    ``FULL_K_16BIT_GROUPED`` to grouped writes (rule 3)."""
+    dimension: ``BK >= K``, ``BV``, warps and pipeline stages. Triton's three stages need more
+    shared memory than the 227 KB of an sm_90 block for ``state_bwd`` with four-byte inputs at
+    ``BK = 128`` (246 KB) and at ``BK = 256`` with any inputs (248 KB in bf16; fp32 needs 266 KB at
+    two stages), so those take two stages (bf16, fp16 at ``BK = 256``; fp32 at 128) or one
+    (fp32 at 256) (``benchmarks/kernel_resources.py``). ``FULL_K_16BIT`` applies to one write
+    per step (rule 1 and the delta-rule baselines), ``FULL_K_16BIT_GROUPED`` to grouped writes
+    (rule 3)."""
     BK = max(16, next_power_of_2(K))
     if dtype.itemsize == 2 and BK <= 128:
         c = (FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
         return BK, max(16, min(c["BV"], next_power_of_2(V))), c["num_warps"], c["num_stages"]
     BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
-    stages = 2 if dtype.itemsize >= 4 and BK >= 128 else 3
+    if BK <= 64:
+        stages = 3
+    elif BK <= 128:
+        stages = 2 if dtype.itemsize >= 4 else 3
+    else:
+        stages = 1 if dtype.itemsize >= 4 else 2
     return BK, BV, 4 if BK <= 128 else 8, stages
 
 

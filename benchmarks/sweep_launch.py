@@ -4,7 +4,7 @@ For every kernel named in ``--kernels`` of the table ``--table`` (a dict of per-
 ``dict(BK=, BV=, num_warps=, num_stages=)`` settings, given as ``module.ATTR`` or
 ``module.ATTR.key`` under ``falcon_fwa.ops.triton``), each candidate setting replaces that
 kernel's entry while the others keep theirs. The op (``bench_kernels.OPS``, at the first
-benchmark shape) then runs forward+backward: the kernel's device time (mean of ``--calls``
+benchmark shape or at ``--shape``) then runs forward+backward: the kernel's device time (mean of ``--calls``
 calls under ``torch.profiler``), the op's total device time, and ``err``, the largest relative
 (Frobenius) difference of its output and input gradients from those of the table as it was.
 
@@ -51,11 +51,12 @@ def resolve(path: str) -> dict:
     return table
 
 
-def run(op: str, calls: int):
-    """Output and gradients of one call, then the mean device ms per kernel name over ``calls``."""
+def run(op: str, calls: int, shape: tuple = SHAPES[0]):
+    """Output and gradients of one call at ``shape`` ``(B, T, H, K, V)``, then the mean device ms per
+    kernel name over ``calls``."""
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)  # the same inputs and upstream gradient for every setting
-    fn, leaves = OPS[op](*SHAPES[0])
+    fn, leaves = OPS[op](*shape)
     out = fn()
     do = torch.randn_like(out.detach())
     out.backward(do)
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--candidates", nargs="+", default=None, metavar="BK,BV,WARPS,STAGES",
                    help="the settings to try (default: CANDIDATES)")
     p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--shape", nargs=5, type=int, default=list(SHAPES[0]), metavar=("B", "T", "H", "K", "V"),
+                   help=f"the op's shape (default: the first benchmark shape, {SHAPES[0]})")
     p.add_argument("--out", default=".")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -114,7 +117,7 @@ def main() -> None:
             sys.exit(f"--kernels: {k!r} is not in {a.table} ({', '.join(table)})")
     os.makedirs(a.out, exist_ok=True)
     start = time.time()
-    ref, base = run(a.op, a.calls)
+    ref, base = run(a.op, a.calls, tuple(a.shape))
     total = sum(base.values())
     print(f"default {json.dumps({k: table[k] for k in a.kernels})} " +
           " ".join(f"{k}={base.get(k, 0):.3f}" for k in a.kernels) + f" total={total:.3f}", flush=True)
@@ -128,7 +131,7 @@ def main() -> None:
                 continue
             table[kernel] = setting
             try:
-                got, times = run(a.op, a.calls)
+                got, times = run(a.op, a.calls, tuple(a.shape))
                 err, ms = rel(got, ref), times.get(kernel, float("nan"))
             except Exception as e:  # a setting that does not compile or fit (shared memory)
                 err, ms, times = float("nan"), float("nan"), {}

@@ -58,6 +58,11 @@ FULL_K_16BIT = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd"
 FULL_K_16BIT_GROUPED = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2),
                         "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
                         "wy_bwd": dict(BV=64, num_warps=None, num_stages=3)}
+# The same for 16-bit inputs at 128 < K <= 256 (a 256-row key tile), one write per step or grouped. Two
+# stages: at three, state_bwd needs 248 KB of shared memory in bf16, above an sm_90 block's 227 KB.
+FULL_K_16BIT_256 = {"state_fwd": dict(BV=16, num_warps=8, num_stages=2),
+                    "state_bwd": dict(BV=16, num_warps=8, num_stages=2),
+                    "wy_bwd": dict(BV=16, num_warps=None, num_stages=2)}
 
 
 # Launch settings of the scalar-decay kernels that read the write values D (``output_fwd``, ``dqk_bwd``),
@@ -79,25 +84,19 @@ def _scalar(name: str, K: int, V: int, slots: int) -> dict:
 
 def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, Optional[int], int]:
     """Kernel ``name`` (``state_fwd``, ``state_bwd`` or ``wy_bwd``), which holds the whole key
-    dimension: ``BK >= K``, ``BV``, warps and pipeline stages. Triton's three stages need more
-    shared memory than the 227 KB of an sm_90 block for ``state_bwd`` with four-byte inputs at
-    ``BK = 128`` (246 KB) and at ``BK = 256`` with any inputs (248 KB in bf16; fp32 needs 266 KB at
-    two stages), so those take two stages (bf16, fp16 at ``BK = 256``; fp32 at 128) or one
-    (fp32 at 256) (``benchmarks/kernel_resources.py``). ``FULL_K_16BIT`` applies to one write
-    per step (rule 1 and the delta-rule baselines), ``FULL_K_16BIT_GROUPED`` to grouped writes
-    (rule 3)."""
+    dimension: ``BK >= K``, ``BV``, warps (``None``: ``WY_WARPS``'s) and pipeline stages. 16-bit
+    inputs take ``FULL_K_16BIT`` (one write per step: rule 1 and the delta-rule baselines) or
+    ``FULL_K_16BIT_GROUPED`` (grouped writes: rule 3) at ``K <= 128``, ``FULL_K_16BIT_256``
+    above. Four-byte inputs take fewer pipeline stages than Triton's three where ``state_bwd``
+    would need more shared memory than the 227 KB of an sm_90 block: two at ``BK = 128`` (246 KB
+    at three), one at ``BK = 256`` (266 KB at two) (``benchmarks/kernel_resources.py``)."""
     BK = max(16, next_power_of_2(K))
-    if dtype.itemsize == 2 and BK <= 128:
-        c = (FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
+    if dtype.itemsize == 2 and BK <= 256:
+        c = (FULL_K_16BIT_256 if BK > 128 else FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
         return BK, max(16, min(c["BV"], next_power_of_2(V))), c["num_warps"], c["num_stages"]
     BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
-    if BK <= 64:
-        stages = 3
-    elif BK <= 128:
-        stages = 2 if dtype.itemsize >= 4 else 3
-    else:
-        stages = 1 if dtype.itemsize >= 4 else 2
-    return BK, BV, 4 if BK <= 128 else 8, stages
+    stages = 3 if BK <= 64 or dtype.itemsize < 4 else 2 if BK <= 128 else 1
+    return BK, BV, None if name == "wy_bwd" else 4 if BK <= 128 else 8, stages
 
 
 def _wy_fwd_key(dtype: torch.dtype, prec: str, slots: int) -> str:
@@ -201,10 +200,10 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     # wy_bwd stages the Gram's gradient, read back transposed, in A's own rows (each program reads its
     # chunk's A first): no scratch buffer. A, W and D are spent here (_DeltaChunk.backward recomputes them
     # for a second backward)
-    BK, BV, _, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
+    BK, BV, warps, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed, num_warps=WY_WARPS["wy_bwd"],
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed, num_warps=warps or WY_WARPS["wy_bwd"],
         num_stages=stages, **meta)
     if windowed and slots > 1:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
         dx = window_sum(dx.view(B, T // slots, slots, H, K))

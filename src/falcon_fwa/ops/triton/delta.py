@@ -21,8 +21,9 @@ from .window_sum import window_sum
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
 SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row blocks of the inverse)
-# Warps of ``wy_bwd`` (module-level so that a diagnosis can vary them; Triton 3.4-3.7.0 is known to
-# miscompile a WY backward at chunk 64 with 4 warps on Hopper).
+# Warps of ``wy_bwd`` where its launch table names none (four-byte inputs; module-level so that a diagnosis
+# can vary them). Triton 3.4-3.7.0 is known to miscompile fla's WY backward at chunk 64 with 4 warps on
+# Hopper; this kernel runs 4 warps for 16-bit inputs (FULL_K_16BIT*), checked on an H200 against float64.
 WY_WARPS = {"wy_bwd": 8}
 # Launch settings of ``wy_fwd``, by the precision of its products and, for 16-bit inputs, the write
 # layout (one write per step: rule 1; grouped writes: rule 3). Exact fp32 products run on the FMA units
@@ -43,26 +44,28 @@ WY_MAX_CHUNK = 64
 
 
 # Value block, warps and pipeline stages of the kernels that hold the whole key dimension, for 16-bit
-# inputs at K <= 128 (BK is always the whole key dimension: a sweep's BK is ignored; wy_bwd's warps are
-# WY_WARPS'). From H200 sweeps at B=8, T=2048, H=16, K=V=128 (bf16), each kernel's outputs checked against
-# the previous setting's (``benchmarks/sweep_launch.py --table delta.FULL_K_16BIT``): state_fwd 0.159 ->
-# 0.131 ms, wy_bwd 0.540 -> 0.512 ms (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt); state_bwd,
-# which also forms the reads' part of dD since the twenty-third run, 0.294 ms at 32 columns -> 0.222 ms at
-# 64 (h200.md, twenty-third run).
+# inputs at K <= 128 (BK is always the whole key dimension: a sweep's BK is ignored; warps None: WY_WARPS').
+# From H200 sweeps at B=8, T=2048, H=16, K=V=128 (bf16), each kernel's outputs checked against the previous
+# setting's (``benchmarks/sweep_launch.py --table delta.FULL_K_16BIT``): state_fwd 0.159 -> 0.131 ms
+# (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt); state_bwd, which also forms the reads' part of
+# dD since the twenty-third run, 0.294 ms at 32 columns -> 0.222 ms at 64 (h200.md, twenty-third run);
+# wy_bwd 0.429 ms at 8 warps -> 0.282 ms at 4 (h200_launch_sweep_2ae1a89.txt).
 FULL_K_16BIT = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
-                "wy_bwd": dict(BV=64, num_warps=None, num_stages=3)}
+                "wy_bwd": dict(BV=64, num_warps=4, num_stages=3)}
 # The same for grouped writes (slots > 1, rule 3), from a sweep of falcon-3 at that shape, window 4
 # (benchmarks/results/h200_rule3_launch_sweep_f5fb5b2.txt): state_fwd 0.615 -> 0.462 ms, wy_bwd 2.391 ->
 # 2.254 ms, against (32, 4, 3); state_bwd with the reads' part of dD: 0.87 ms, the fastest of seven
-# settings (h200.md, twenty-third run).
+# settings (h200.md, twenty-third run); wy_bwd at 4 warps as rule 1's (h200.md, twenty-fifth run).
 FULL_K_16BIT_GROUPED = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2),
                         "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
-                        "wy_bwd": dict(BV=64, num_warps=None, num_stages=3)}
-# The same for 16-bit inputs at 128 < K <= 256 (a 256-row key tile), one write per step or grouped. Two
-# stages: at three, state_bwd needs 248 KB of shared memory in bf16, above an sm_90 block's 227 KB.
-FULL_K_16BIT_256 = {"state_fwd": dict(BV=16, num_warps=8, num_stages=2),
-                    "state_bwd": dict(BV=16, num_warps=8, num_stages=2),
-                    "wy_bwd": dict(BV=16, num_warps=None, num_stages=2)}
+                        "wy_bwd": dict(BV=64, num_warps=4, num_stages=3)}
+# The same for 16-bit inputs at 128 < K <= 256 (a 256-row key tile), one write per step or grouped, from a
+# sweep of falcon-1 at B=4, T=2048, H=16, K=V=256 (h200_launch_sweep_2ae1a89.txt): state_fwd 0.722 -> 0.386
+# ms, state_bwd 1.946 -> 0.990, wy_bwd 0.583 -> 0.435, against (16, 8, 2). At most two stages: at three,
+# state_bwd needs 248 KB of shared memory in bf16, above an sm_90 block's 227 KB.
+FULL_K_16BIT_256 = {"state_fwd": dict(BV=32, num_warps=4, num_stages=2),
+                    "state_bwd": dict(BV=32, num_warps=4, num_stages=2),
+                    "wy_bwd": dict(BV=64, num_warps=8, num_stages=1)}
 
 
 # Launch settings of the scalar-decay kernels that read the write values D (``output_fwd``, ``dqk_bwd``),

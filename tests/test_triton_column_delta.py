@@ -166,8 +166,8 @@ def test_public_op_routes_2_to_the_kernels_only_when_asked():
     args = check_public_op_routing("2", seed=11, key_power=KEY_POWER)
     with pytest.raises(NotImplementedError, match="chunk_size"):
         falcon_chunk_triton(*args, rule="2", chunk_size=24)
-    wide = torch.zeros(1, 4, 1, 160, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="K=160"):
+    wide = torch.zeros(1, 4, 1, 264, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="K=264 is above 256"):
         falcon_chunk_triton(wide, wide, torch.zeros(1, 4, 1, 8, device=DEVICE), torch.ones(1, 4, 1, 8, device=DEVICE),
                             torch.zeros(1, 4, 1, device=DEVICE), rule="2", chunk_size=16)
 

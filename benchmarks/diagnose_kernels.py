@@ -41,7 +41,9 @@ def main(argv=None) -> int:
         fwd, bwd = (int(w) for w in spec.split(","))
         for entry in delta.WY_FWD_LAUNCH.values():
             entry["wy_fwd"]["num_warps"] = fwd
-        delta.WY_WARPS.update(wy_bwd=bwd)
+        delta.WY_WARPS.update(wy_bwd=bwd)  # four-byte inputs; the 16-bit tables name their own warps
+        for table in (delta.FULL_K_16BIT, delta.FULL_K_16BIT_GROUPED, delta.FULL_K_16BIT_256):
+            table["wy_bwd"]["num_warps"] = bwd
         row = dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd)
         rows.append(row)
         try:

@@ -467,7 +467,8 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
                 if graphs:
                     g = (f" {a['graph_ms'] / b['graph_ms']:.2f} |" if a.get("graph_ms") and b.get("graph_ms")
                          else " - |")
-                out.append(f"| {ours} | {theirs} | {' | '.join(map(str, shape))} | {a['ms'] / b['ms']:.2f} |{g} {tgt} | "
+                dims = " | ".join(map(str, shape))
+                out.append(f"| {ours} | {theirs} | {dims} | {a['ms'] / b['ms']:.2f} |{g} {tgt} | "
                            f"{a['peak_mem_bytes'] / max(b['peak_mem_bytes'], 1):.2f} |")
     paired = [r for r in rows if r["mode"] == "fwdbwd-paired"]
     if paired:

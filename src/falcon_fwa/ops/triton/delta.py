@@ -206,8 +206,8 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     BK, BV, warps, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed, num_warps=warps or WY_WARPS["wy_bwd"],
-        num_stages=stages, **meta)
+        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed,
+        num_warps=warps or WY_WARPS["wy_bwd"], num_stages=stages, **meta)
     if windowed and slots > 1:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
         dx = window_sum(dx.view(B, T // slots, slots, H, K))
         dv = window_sum(dv.view(B, T // slots, slots, H, V))

@@ -7,8 +7,9 @@ Runs each rule's forward and backward through ``falcon_chunk_triton`` on CPU ten
 kernel launch replaced by a compile for ``sm_<arch>`` (Triton ships ``ptxas``; no GPU or driver is
 used, nothing is executed, so the outputs are garbage and only the launch configurations matter).
 Prints one row per distinct compiled kernel: its launch settings and shared memory against the
-architecture's limit, and the registers per thread and the bytes spilled to local memory that
-``ptxas -v`` reports for the kernel's PTX. A kernel that needs more shared memory than the limit
+architecture's limit, the registers per thread and the bytes spilled to local memory that
+``ptxas -v`` reports for the kernel's PTX, and how many of its blocks an SM holds at once
+(``blocks_per_sm``). A kernel that needs more shared memory than the limit
 fails at launch on the GPU with ``OutOfResources``; this finds it before the GPU does. Spills are
 local-memory traffic inside the kernel's loops: a change that adds them is worth a second look
 before it is timed.
@@ -28,6 +29,20 @@ import torch
 
 # The limits of one thread block (dynamic shared memory opt-in), per architecture.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# Per SM: 32-bit registers, shared memory (bytes), resident warps, resident blocks (CUDA occupancy tables).
+SM_LIMITS = {80: (65536, 167936, 64, 32), 86: (65536, 102400, 48, 16), 89: (65536, 102400, 48, 24),
+             90: (65536, 233472, 64, 32)}
+
+
+def blocks_per_sm(regs: int, shared: int, warps: int, arch: int = 90) -> int:
+    """Thread blocks of one launch resident on an SM at once: the least that its registers
+    (allocated per warp in units of 256), its shared memory (with 1 KB reserved per block), its
+    warps and the architecture's block limit allow. One block per SM leaves no other block's work
+    to cover a block's waits (the reason ``wy_bwd`` runs faster at 4 warps than at 8)."""
+    reg_file, smem, max_warps, max_blocks = SM_LIMITS[arch]
+    per_warp = -(-regs * 32 // 256) * 256
+    by_smem = smem // (shared + 1024) if shared else max_blocks
+    return min(reg_file // (per_warp * warps), by_smem, max_warps // warps, max_blocks)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -151,13 +166,18 @@ def main(argv=None) -> int:
                         failures += 1
                         print(f"rule {spec.name} {dtype} K=V={d} chunk {chunk}: {type(e).__name__}: {e}")
     over = [r for r in rows if r["shared"] > r["limit"]]
+    for r in rows:
+        fits = r["regs"] is not None and r["shared"] <= r["limit"] and args.arch in SM_LIMITS
+        r["blocks_per_sm"] = blocks_per_sm(r["regs"], r["shared"], r["num_warps"], args.arch) if fits else None
     print(f"{'rule':4} {'dtype':5} {'K':>4} {'kernel':24} {'warps':>5} {'stages':>6} {'shared':>8} {'regs':>4} "
-          f"{'spills':>6}  blocks")
+          f"{'spills':>6} {'per SM':>6}  blocks")
     for r in rows:
         flag = "  OVER" if r in over else ""
         spills = "-" if r["spill_stores"] is None else r["spill_stores"] + r["spill_loads"]
+        per_sm = "-" if r["blocks_per_sm"] is None else r["blocks_per_sm"]
         print(f"{r['rule']:4} {r['dtype']:5} {r['K']:>4} {r['kernel']:24} {r['num_warps']:>5} {r['num_stages']:>6} "
-              f"{r['shared']:>8} {r['regs'] if r['regs'] is not None else '-':>4} {spills:>6}  {r['blocks']}{flag}")
+              f"{r['shared']:>8} {r['regs'] if r['regs'] is not None else '-':>4} {spills:>6} {per_sm:>6}  "
+              f"{r['blocks']}{flag}")
     print(f"{len(rows)} kernels compiled for sm_{args.arch}; {len(over)} above the shared-memory limit "
           f"({limit} bytes); {failures} configurations failed")
     if args.out:

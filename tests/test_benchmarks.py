@@ -194,9 +194,27 @@ def test_kernel_resources_compiles_for_sm90_and_flags_the_limit(tmp_path):
     assert all(row["limit"] == 1024 and row["rule"] == "1A" and row["K"] == 16 for row in rows)
     # ptxas -v's figures for every kernel: registers within sm_90's 255 per thread, spills counted in bytes
     assert all(0 < row["regs"] <= 255 and row["spill_stores"] >= 0 and row["spill_loads"] >= 0 for row in rows)
+    # blocks per SM for the launches that fit the (given) limit, none for those over it
+    assert all((row["blocks_per_sm"] is None) == (row["shared"] > 1024) for row in rows)
+    assert all(row["blocks_per_sm"] >= 1 for row in rows if row["blocks_per_sm"] is not None)
     over = [row for row in rows if row["shared"] > 1024]
     assert over and len(over) < len(rows)  # tiny kernels (the per-row step-size maps) stay under
     assert f"{len(over)} above the shared-memory limit" in r.stdout
+
+
+def test_blocks_per_sm_by_hand():
+    from kernel_resources import blocks_per_sm
+    # sm_90: 65,536 registers, 233,472 bytes of shared memory, 64 warps and 32 blocks per SM
+    # 246 registers round up to 248 per thread: 7,936 per warp, 63,488 for 8 warps; one block by registers
+    assert blocks_per_sm(246, 114688, 8) == 1
+    # at 4 warps and 255 registers (256 per thread): 32,768 per block, two; shared 2 x (114,688 + 1,024) fits
+    assert blocks_per_sm(255, 114688, 4) == 2
+    # registers would allow two (240 per thread, 30,720 per block); 123,392 + 1,024 bytes of shared memory one
+    assert blocks_per_sm(240, 123392, 4) == 1
+    # a small kernel: 32 registers and no shared memory at 4 warps; the 64 resident warps allow 16 blocks
+    assert blocks_per_sm(32, 0, 4) == 16
+    # sm_86: 48 resident warps, 16 blocks; 102,400 bytes of shared memory
+    assert blocks_per_sm(32, 0, 2, arch=86) == 16 and blocks_per_sm(32, 50176, 2, arch=86) == 2
 
 
 def test_addition_step_timer_tiny(tmp_path):

@@ -117,7 +117,8 @@ def main() -> None:
             sys.exit(f"--kernels: {k!r} is not in {a.table} ({', '.join(table)})")
     os.makedirs(a.out, exist_ok=True)
     start = time.time()
-    ref, base = run(a.op, a.calls, tuple(a.shape))
+    shape = tuple(a.shape)
+    ref, base = run(a.op, a.calls, shape)
     total = sum(base.values())
     print(f"default {json.dumps({k: table[k] for k in a.kernels})} " +
           " ".join(f"{k}={base.get(k, 0):.3f}" for k in a.kernels) + f" total={total:.3f}", flush=True)
@@ -131,7 +132,7 @@ def main() -> None:
                 continue
             table[kernel] = setting
             try:
-                got, times = run(a.op, a.calls, tuple(a.shape))
+                got, times = run(a.op, a.calls, shape)
                 err, ms = rel(got, ref), times.get(kernel, float("nan"))
             except Exception as e:  # a setting that does not compile or fit (shared memory)
                 err, ms, times = float("nan"), float("nan"), {}

@@ -21,7 +21,7 @@ from .window_sum import window_sum
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
 SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row blocks of the inverse)
-# Warps of ``wy_bwd`` where its launch table names none (four-byte inputs; module-level so that a diagnosis
+# Warps of ``wy_bwd`` for four-byte inputs, which take no launch table (module-level so that a diagnosis
 # can vary them). Triton 3.4-3.7.0 is known to miscompile fla's WY backward at chunk 64 with 4 warps on
 # Hopper; this kernel runs 4 warps for 16-bit inputs (FULL_K_16BIT*), checked on an H200 against float64.
 WY_WARPS = {"wy_bwd": 8}
@@ -44,7 +44,7 @@ WY_MAX_CHUNK = 64
 
 
 # Value block, warps and pipeline stages of the kernels that hold the whole key dimension, for 16-bit
-# inputs at K <= 128 (BK is always the whole key dimension: a sweep's BK is ignored; warps None: WY_WARPS').
+# inputs at K <= 128 (BK is always the whole key dimension: a sweep's BK is ignored).
 # From H200 sweeps at B=8, T=2048, H=16, K=V=128 (bf16), each kernel's outputs checked against the previous
 # setting's (``benchmarks/sweep_launch.py --table delta.FULL_K_16BIT``): state_fwd 0.159 -> 0.131 ms
 # (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt); state_bwd, which also forms the reads' part of
@@ -85,21 +85,22 @@ def _scalar(name: str, K: int, V: int, slots: int) -> dict:
     return launch_config(name, K, V, SCALAR_LAUNCH["one" if slots == 1 else "grouped"])
 
 
-def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, Optional[int], int]:
+def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, int, int]:
     """Kernel ``name`` (``state_fwd``, ``state_bwd`` or ``wy_bwd``), which holds the whole key
-    dimension: ``BK >= K``, ``BV``, warps (``None``: ``WY_WARPS``'s) and pipeline stages. 16-bit
-    inputs take ``FULL_K_16BIT`` (one write per step: rule 1 and the delta-rule baselines) or
-    ``FULL_K_16BIT_GROUPED`` (grouped writes: rule 3) at ``K <= 128``, ``FULL_K_16BIT_256``
-    above. Four-byte inputs take fewer pipeline stages than Triton's three where ``state_bwd``
-    would need more shared memory than the 227 KB of an sm_90 block: two at ``BK = 128`` (246 KB
-    at three), one at ``BK = 256`` (266 KB at two) (``benchmarks/kernel_resources.py``)."""
+    dimension: ``BK >= K``, ``BV``, warps and pipeline stages. 16-bit inputs take ``FULL_K_16BIT``
+    (one write per step: rule 1 and the delta-rule baselines) or ``FULL_K_16BIT_GROUPED`` (grouped
+    writes: rule 3) at ``K <= 128``, ``FULL_K_16BIT_256`` above. Four-byte inputs run ``wy_bwd`` at
+    ``WY_WARPS``' warps, and take fewer pipeline stages than Triton's three where ``state_bwd`` would
+    need more shared memory than the 227 KB of an sm_90 block: two at ``BK = 128`` (246 KB at three),
+    one at ``BK = 256`` (266 KB at two) (``benchmarks/kernel_resources.py``)."""
     BK = max(16, next_power_of_2(K))
     if dtype.itemsize == 2 and BK <= 256:
         c = (FULL_K_16BIT_256 if BK > 128 else FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
         return BK, max(16, min(c["BV"], next_power_of_2(V))), c["num_warps"], c["num_stages"]
     BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
     stages = 3 if BK <= 64 or dtype.itemsize < 4 else 2 if BK <= 128 else 1
-    return BK, BV, None if name == "wy_bwd" else 4 if BK <= 128 else 8, stages
+    warps = WY_WARPS["wy_bwd"] if name == "wy_bwd" else 4 if BK <= 128 else 8
+    return BK, BV, warps, stages
 
 
 def _wy_fwd_key(dtype: torch.dtype, prec: str, slots: int) -> str:
@@ -207,7 +208,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     wy.wy_bwd[(layout.num_chunks, H)](
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A, chunk_indices=layout.chunk_indices, n_rows=rows,
         H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed,
-        num_warps=warps or WY_WARPS["wy_bwd"], num_stages=stages, **meta)
+        num_warps=warps, num_stages=stages, **meta)
     if windowed and slots > 1:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
         dx = window_sum(dx.view(B, T // slots, slots, H, K))
         dv = window_sum(dv.view(B, T // slots, slots, H, V))

@@ -14,6 +14,8 @@ calls under ``torch.profiler``), the op's total device time, and ``err``, the la
         --candidates 128,64,4,2 128,32,4,2 --out OUT      # the full-key kernels: BK is ignored
     python benchmarks/sweep_launch.py --op falcon-1 --table delta.WY_FWD_LAUNCH.16bit --kernels wy_fwd \\
         --candidates 64,64,4,2 128,64,4,3 64,128,4,3 --out OUT
+    python benchmarks/sweep_launch.py --op falcon-1 --table step_sizes.LAUNCH --kernels step_fwd step_bwd \\
+        --candidates BR=32 BR=128,num_warps=8 BK=64 --out OUT   # named keys of the kernel's own entry
 
 Prints one line per setting and ``PICK``: per kernel, the fastest setting with ``err < 1e-3``
 that is at least 3 % faster than the table's own; writes ``OUT/sweep_<op>.json``.
@@ -78,9 +80,19 @@ def run(op: str, calls: int, shape: tuple = SHAPES[0]):
     return ref, times
 
 
-def parse_candidate(text: str) -> tuple:
-    """``"BK,BV,WARPS,STAGES"`` -> four positive ints (``--candidates``)."""
+def parse_candidate(text: str):
+    """``"BK,BV,WARPS,STAGES"`` -> four positive ints, or ``"KEY=N,KEY=N"`` -> a dict of positive ints
+    (``--candidates``; the second form changes the named keys of the kernel's own entry, e.g.
+    ``BR=32,num_warps=8`` for a table whose entries name other blocks than ``BK``, ``BV``)."""
     parts = text.split(",")
+    if "=" in text:
+        try:
+            named = {k.strip(): int(v) for k, v in (part.split("=") for part in parts)}
+        except ValueError:
+            named = {}
+        if not named or min(named.values()) < 1 or not all(k.isidentifier() for k in named):
+            raise SystemExit(f"--candidates: {text!r} is not KEY=N,KEY=N,... (positive integers)")
+        return named
     try:
         values = tuple(int(v) for v in parts)
     except ValueError:
@@ -88,6 +100,18 @@ def parse_candidate(text: str) -> tuple:
     if len(values) != 4 or min(values) < 1:
         raise SystemExit(f"--candidates: {text!r} is not BK,BV,WARPS,STAGES (four positive integers)")
     return values
+
+
+def setting_of(candidate, own: dict) -> dict:
+    """The kernel entry a parsed candidate stands for: four values replace the entry, named keys
+    change the entry's own (``own``), whose other keys stay."""
+    if isinstance(candidate, dict):
+        unknown = set(candidate) - set(own)
+        if unknown:
+            raise SystemExit(f"--candidates: {sorted(unknown)} not in the kernel's entry {own}")
+        return dict(own, **candidate)
+    BK, BV, warps, stages = candidate
+    return dict(BK=BK, BV=BV, num_warps=warps, num_stages=stages)
 
 
 def rel(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
@@ -100,7 +124,7 @@ def main() -> None:
     p.add_argument("--table", required=True, help="module.ATTR[.key] under falcon_fwa.ops.triton")
     p.add_argument("--kernels", nargs="+", required=True)
     p.add_argument("--candidates", nargs="+", default=None, metavar="BK,BV,WARPS,STAGES",
-                   help="the settings to try (default: CANDIDATES)")
+                   help="the settings to try (default: CANDIDATES), or KEY=N,... to change named keys")
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--shape", nargs=5, type=int, default=list(SHAPES[0]), metavar=("B", "T", "H", "K", "V"),
                    help=f"the op's shape (default: the first benchmark shape, {SHAPES[0]})")
@@ -126,8 +150,8 @@ def main() -> None:
     for kernel in a.kernels:
         own = dict(table[kernel])
         best = (base.get(kernel, 0.0) * 0.97, None)
-        for BK, BV, warps, stages in candidates:
-            setting = dict(BK=BK, BV=BV, num_warps=warps, num_stages=stages)
+        for candidate in candidates:
+            setting = setting_of(candidate, own)
             if setting == own:
                 continue
             table[kernel] = setting
@@ -140,7 +164,7 @@ def main() -> None:
             finally:
                 table[kernel] = own
             rows.append(dict(kernel=kernel, **setting, ms=ms, total=sum(times.values()), err=err))
-            print(f"{kernel} {(BK, BV, warps, stages)}: {ms:.3f} ms (default {base.get(kernel, 0):.3f}) "
+            print(f"{kernel} {setting}: {ms:.3f} ms (default {base.get(kernel, 0):.3f}) "
                   f"total={sum(times.values()):.3f} err={err:.1e} [{time.time() - start:.0f}s]", flush=True)
             if err < 1e-3 and ms < best[0]:
                 best = (ms, setting)

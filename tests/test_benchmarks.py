@@ -368,3 +368,12 @@ def test_sweep_launch_parses_candidates():
     for bad in ("64,64,4", "64,64,4,x", "64,64,0,2"):
         with pytest.raises(SystemExit, match="BK,BV,WARPS,STAGES"):
             sweep_launch.parse_candidate(bad)
+    own = dict(BR=64, BK=128, num_warps=4)
+    assert sweep_launch.setting_of(sweep_launch.parse_candidate("BR=32,num_warps=8"), own) == dict(
+        BR=32, BK=128, num_warps=8)
+    assert sweep_launch.setting_of((64, 32, 8, 2), own) == dict(BK=64, BV=32, num_warps=8, num_stages=2)
+    with pytest.raises(SystemExit, match="not in the kernel's entry"):
+        sweep_launch.setting_of(sweep_launch.parse_candidate("BV=32"), own)
+    for bad in ("BR=0", "BR=x", "=4", "BR=32,"):
+        with pytest.raises(SystemExit, match="KEY=N"):
+            sweep_launch.parse_candidate(bad)

@@ -28,7 +28,8 @@ from . import column_decay_kernels as cd
 from . import column_delta_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
 from .column_decay import _config as column_config
-from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, layout_args, next_power_of_2
+from .launch import (SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, launch_config, layout_args,
+                     next_power_of_2)
 
 __all__ = ["column_delta_chunk"]
 
@@ -48,6 +49,10 @@ SEQUENTIAL_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=2, num_stages=2),
                          "state_bwd": dict(BV=16, num_warps=2, num_stages=2)}
 WIDE_GRID = 1024
 GRAM = dict(BK=64, num_warps=4)
+# ``dqk_bwd_two_reads``, one program per chunk and key block, looping over the value blocks: the
+# setting of rule 2A's ``dqk_bwd`` (``column_decay.LAUNCH``), where it started; its own entry so that
+# ``benchmarks/sweep_launch.py --table column_delta.LAUNCH`` sweeps it alone.
+LAUNCH = {"dqk_bwd_two_reads": dict(BK=128, BV=64, num_warps=8, num_stages=1)}
 
 
 _empty = empty_buffer  # module-level, so tests can poison this module's buffers
@@ -134,7 +139,7 @@ def _dqk(q, x, D, u, h, dh, do, d_read, layout, read_after):
     H, K = q.shape[2:]
     V = D.shape[-1]
     dq, dx = _empty(q.shape, q), _empty(x.shape, x)
-    c = column_config("dqk_bwd", K, V)
+    c = launch_config("dqk_bwd_two_reads", K, V, LAUNCH)
     kern.dqk_bwd_two_reads[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, D, u, h, dh, do, d_read, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
         READ_AFTER=read_after, PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))

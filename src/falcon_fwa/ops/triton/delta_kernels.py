@@ -109,32 +109,59 @@ def _invert_diagonal_blocks(a0, n_rows, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _load_block(a0, i, j, n_rows, H: tl.constexpr, BT: tl.constexpr):
+    """The 16 x 16 block ``(i, j)`` of a chunk's tile in ``A``, rows past the chunk's end zero."""
+    p, m = _block(a0, i, j, n_rows, H, BT)
+    return tl.load(p, mask=m, other=0.0)
+
+
+@triton.jit
+def _store_block(a0, i, j, b, n_rows, H: tl.constexpr, BT: tl.constexpr):
+    p, m = _block(a0, i, j, n_rows, H, BT)
+    tl.store(p, b, mask=m)
+
+
+@triton.jit
 def _unit_lower_inverse(a0, n_rows, H: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
     """In place: the chunk's tile ``N`` in ``A`` (strictly lower, zero above the diagonal) becomes
-    ``(I + N)^{-1}``. Diagonal 16 x 16 blocks by ``_invert_diagonal_blocks``, then block row after block
-    row (block forward substitution, 16 x 16 products)::
+    ``(I + N)^{-1}``. Diagonal 16 x 16 blocks by ``_invert_diagonal_blocks``, then the blocks below
+    the diagonal by block forward substitution, in registers (16 x 16 products)::
 
         A_ij = -A_ii sum_{j <= l < i} N_il A_lj       (j < i)
 
-    ``A_ij`` replaces ``N_ij`` once every program thread has read ``N_ij``; block row ``i`` reads rows
-    ``l < i``, already final."""
+    Every ``N_il`` and ``A_ii`` is read before one barrier, after which the ``A_ij`` replace the
+    ``N_ij``. ``BT`` is 16, 32 or 64 (``WY_MAX_CHUNK``)."""
     _invert_diagonal_blocks(a0, n_rows, H, BT)
     tl.debug_barrier()
-    for i in tl.static_range(1, BT // 16):
-        p_ii, m_i = _block(a0, i, i, n_rows, H, BT)
-        a_ii = tl.load(p_ii, mask=m_i, other=0.0)
-        for j in tl.static_range(i):
-            b_s = tl.zeros([16, 16], dtype=tl.float32)  # sum_l N_il A_lj
-            for l in tl.static_range(j, i):
-                p_il, _m = _block(a0, i, l, n_rows, H, BT)
-                p_lj, m_l = _block(a0, l, j, n_rows, H, BT)
-                b_s = tl.dot(tl.load(p_il, mask=m_i, other=0.0), tl.load(p_lj, mask=m_l, other=0.0), b_s,
-                             input_precision=PRECISION)
-            a_ij = -tl.dot(a_ii, b_s, input_precision=PRECISION)
-            p_ij, _m = _block(a0, i, j, n_rows, H, BT)
-            tl.debug_barrier()  # N_ij read by every thread before A_ij replaces it
-            tl.store(p_ij, a_ij, mask=m_i)
-        tl.debug_barrier()  # block row i final before the next block row reads it
+    if BT >= 32:
+        a00 = _load_block(a0, 0, 0, n_rows, H, BT)
+        a11 = _load_block(a0, 1, 1, n_rows, H, BT)
+        n10 = _load_block(a0, 1, 0, n_rows, H, BT)
+        if BT == 64:
+            a22 = _load_block(a0, 2, 2, n_rows, H, BT)
+            a33 = _load_block(a0, 3, 3, n_rows, H, BT)
+            n20 = _load_block(a0, 2, 0, n_rows, H, BT)
+            n21 = _load_block(a0, 2, 1, n_rows, H, BT)
+            n30 = _load_block(a0, 3, 0, n_rows, H, BT)
+            n31 = _load_block(a0, 3, 1, n_rows, H, BT)
+            n32 = _load_block(a0, 3, 2, n_rows, H, BT)
+        tl.debug_barrier()  # every N_ij read by every thread before the A_ij replace them
+        a10 = -tl.dot(a11, tl.dot(n10, a00, input_precision=PRECISION), input_precision=PRECISION)
+        _store_block(a0, 1, 0, a10, n_rows, H, BT)
+        if BT == 64:
+            a21 = -tl.dot(a22, tl.dot(n21, a11, input_precision=PRECISION), input_precision=PRECISION)
+            a32 = -tl.dot(a33, tl.dot(n32, a22, input_precision=PRECISION), input_precision=PRECISION)
+            s20 = tl.dot(n21, a10, tl.dot(n20, a00, input_precision=PRECISION), input_precision=PRECISION)
+            a20 = -tl.dot(a22, s20, input_precision=PRECISION)
+            s31 = tl.dot(n32, a21, tl.dot(n31, a11, input_precision=PRECISION), input_precision=PRECISION)
+            a31 = -tl.dot(a33, s31, input_precision=PRECISION)
+            s30 = tl.dot(n31, a10, tl.dot(n30, a00, input_precision=PRECISION), input_precision=PRECISION)
+            a30 = -tl.dot(a33, tl.dot(n32, a20, s30, input_precision=PRECISION), input_precision=PRECISION)
+            _store_block(a0, 2, 0, a20, n_rows, H, BT)
+            _store_block(a0, 2, 1, a21, n_rows, H, BT)
+            _store_block(a0, 3, 0, a30, n_rows, H, BT)
+            _store_block(a0, 3, 1, a31, n_rows, H, BT)
+            _store_block(a0, 3, 2, a32, n_rows, H, BT)
 
 
 @triton.jit

@@ -70,6 +70,16 @@ def test_shifted_step_sizes_match_the_equations(T, carry, gate, scale_ridge, V):
         assert torch.allclose(a.grad.double().cpu(), b.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("T,carry,gate,scale_ridge", [(9, False, True, False), (9, True, False, True)])
+def test_scalar_step_sizes_over_several_key_blocks(monkeypatch, T, carry, gate, scale_ridge):
+    # a key block of 16 for K = 20: the kernels loop over two blocks (the second partial) and read
+    # the features again for the shifted copy and the gradient, instead of keeping one tile
+    from falcon_fwa.ops.triton import step_sizes
+    for name in ("step_fwd", "step_bwd"):
+        monkeypatch.setitem(step_sizes.LAUNCH, name, dict(step_sizes.LAUNCH[name], BK=16))
+    test_shifted_step_sizes_match_the_equations(T, carry, gate, scale_ridge, None)
+
+
 def test_unshifted_step_sizes_without_a_validity_mask_take_every_pair():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(1, 5, 2, 16, generator=g) / 3).to(DEVICE)

@@ -66,30 +66,45 @@ def _energy(x, first, rows, m_r, T, H: tl.constexpr, K: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H: tl.constexpr, K: tl.constexpr,
-                   BK: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_DX_IN: tl.constexpr):
-    """``dx = dx_in + 2 x dE`` of ``rows``, stored row by row or, with ``SHIFT``, as the keys'
-    gradient one row earlier (``dk_{T-1} = 0``) and ``d_first`` at ``t = 0`` (``HAS_FIRST``)."""
-    if SHIFT:
+def _store_feature_grad(g_x, dx, d_first, rows, o_k, m, T, H: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr,
+                        HAS_FIRST: tl.constexpr):
+    """Stores the features' gradient ``g_x`` ``[BR, BK]`` (columns ``o_k``, mask ``m``) of ``rows``: row by
+    row or, with ``SHIFT``, as the keys' gradient one row earlier (``dk_{T-1} = 0``) and ``d_first`` at
+    ``t = 0`` (``HAS_FIRST``)."""
+    g_x = g_x.to(dx.dtype.element_ty)
+    if SHIFT:  # x_t = k_{t-1}: this row's gradient belongs to the key one row earlier
         at_start = ((rows // H) % T) == 0
         at_end = ((rows // H) % T) == T - 1
+        tl.store(dx + (rows - H)[:, None] * K + o_k[None, :], g_x, mask=m & ~at_start[:, None])
+        tl.store(dx + rows[:, None] * K + o_k[None, :], tl.zeros_like(g_x), mask=m & at_end[:, None])
+        if HAS_FIRST:
+            fr = (rows // (T * H)) * H + rows % H
+            tl.store(d_first + fr[:, None] * K + o_k[None, :], g_x.to(d_first.dtype.element_ty),
+                     mask=m & at_start[:, None])
+    else:
+        tl.store(dx + rows[:, None] * K + o_k[None, :], g_x, mask=m)
+
+
+@triton.jit
+def _feature_grad(b_x, dx_in, g_E, rows, o_k, m, K: tl.constexpr, HAS_DX_IN: tl.constexpr):
+    """``dx = dx_in + 2 x dE`` on one ``[BR, BK]`` tile of features ``b_x`` (fp32)."""
+    g_x = 2.0 * b_x * g_E[:, None]
+    if HAS_DX_IN:
+        g_x += tl.load(dx_in + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    return g_x
+
+
+@triton.jit
+def _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_DX_IN: tl.constexpr):
+    """``dx = dx_in + 2 x dE`` of ``rows``, the features read again block by block
+    (``_store_feature_grad``)."""
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m = m_r[:, None] & (o_k[None, :] < K)
         b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST).to(tl.float32)
-        g_x = 2.0 * b_x * g_E[:, None]
-        if HAS_DX_IN:
-            g_x += tl.load(dx_in + rows[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        g_x = g_x.to(dx.dtype.element_ty)
-        if SHIFT:  # x_t = k_{t-1}: this row's gradient belongs to the key one row earlier
-            tl.store(dx + (rows - H)[:, None] * K + o_k[None, :], g_x, mask=m & ~at_start[:, None])
-            tl.store(dx + rows[:, None] * K + o_k[None, :], tl.zeros_like(g_x), mask=m & at_end[:, None])
-            if HAS_FIRST:
-                fr = (rows // (T * H)) * H + rows % H
-                tl.store(d_first + fr[:, None] * K + o_k[None, :], g_x.to(d_first.dtype.element_ty),
-                         mask=m & at_start[:, None])
-        else:
-            tl.store(dx + rows[:, None] * K + o_k[None, :], g_x, mask=m)
+        _store_feature_grad(_feature_grad(b_x, dx_in, g_E, rows, o_k, m, K, HAS_DX_IN), dx, d_first, rows, o_k, m,
+                            T, H, K, SHIFT, HAS_FIRST)
 
 
 @triton.jit
@@ -111,6 +126,13 @@ def _row_terms(x, first, valid, lam, rows, m_r, T, eps, H: tl.constexpr, K: tl.c
     """Per row ``[BR]``: ``E``, ``lam``, ``lambda``, the denominator ``E + lambda + eps`` and
     whether the row takes a step (a valid pair, and a positive denominator with ``NORMALIZE``)."""
     E = _energy(x, first, rows, m_r, T, H, K, BK, BR, SHIFT, HAS_FIRST)
+    return _terms_of_energy(E, valid, lam, rows, m_r, T, eps, H, NORMALIZE, SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+
+
+@triton.jit
+def _terms_of_energy(E, valid, lam, rows, m_r, T, eps, H: tl.constexpr, NORMALIZE: tl.constexpr,
+                     SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
+    """``_row_terms`` from the energies ``E`` ``[BR]``."""
     b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
     if SCALE_RIDGE:
         lam_eff = b_lam * E
@@ -190,16 +212,26 @@ def step_fwd(
     and the features are written to ``x_out``."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = rows < n
-    E, b_lam, lam_eff, denom, ok = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
-                                              SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    if BK >= K:  # one key block: the features are read once, kept for the shifted copy
+        o_k = tl.arange(0, BK)
+        b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST)
+        E = tl.sum(b_x.to(tl.float32) * b_x.to(tl.float32), axis=1)
+        E, b_lam, lam_eff, denom, ok = _terms_of_energy(E, valid, lam, rows, m_r, T, eps, H, NORMALIZE, SCALE_RIDGE,
+                                                        SHIFT, HAS_FIRST, HAS_VALID)
+    else:
+        E, b_lam, lam_eff, denom, ok = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
+                                                  SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
     b_eta = _eta(beta, rows, ok, denom, NORMALIZE)
     la = _log1p(-tl.minimum(b_eta * lam_eff, 1.0 - decay_floor))
     if HAS_GATE:
         la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)
     tl.store(eta + rows, b_eta, mask=m_r)
     tl.store(log_a + rows, la, mask=m_r)
-    if SHIFT:  # the features, read once more (the energy loop kept no tiles)
-        _store_features(x, first, x_out, rows, m_r, T, H, K, BK, HAS_FIRST)
+    if SHIFT:
+        if BK >= K:
+            tl.store(x_out + rows[:, None] * K + o_k[None, :], b_x, mask=m_r[:, None] & (o_k[None, :] < K))
+        else:  # the features, read once more (the energy loop kept no tiles)
+            _store_features(x, first, x_out, rows, m_r, T, H, K, BK, HAS_FIRST)
 
 
 @triton.jit
@@ -214,8 +246,14 @@ def step_bwd(
     ``t = 0`` (``HAS_FIRST``)."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = rows < n
-    E, b_lam, lam_eff, denom, ok = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
-                                              SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    if BK >= K:  # one key block: the features are read once, kept for their gradient
+        o_k = tl.arange(0, BK)
+        b_x = _feature_block(x, first, rows, m_r, o_k, T, H, K, SHIFT, HAS_FIRST).to(tl.float32)
+        E, b_lam, lam_eff, denom, ok = _terms_of_energy(tl.sum(b_x * b_x, axis=1), valid, lam, rows, m_r, T, eps, H,
+                                                        NORMALIZE, SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
+    else:
+        E, b_lam, lam_eff, denom, ok = _row_terms(x, first, valid, lam, rows, m_r, T, eps, H, K, BK, BR, NORMALIZE,
+                                                  SCALE_RIDGE, SHIFT, HAS_FIRST, HAS_VALID)
     b_eta = _eta(beta, rows, ok, denom, NORMALIZE)
     g_eta = tl.load(d_eta + rows, mask=m_r, other=0.0)
     g_la = tl.load(d_log_a + rows, mask=m_r, other=0.0)
@@ -227,7 +265,12 @@ def step_bwd(
     g_lam, g_E = _lam_grads(g_lam_eff, g_E, E, b_lam, SCALE_RIDGE)
     tl.store(d_beta + rows, g_beta.to(d_beta.dtype.element_ty), mask=m_r)
     tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
-    _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H, K, BK, SHIFT, HAS_FIRST, HAS_DX_IN)
+    if BK >= K:
+        m = m_r[:, None] & (o_k[None, :] < K)
+        _store_feature_grad(_feature_grad(b_x, dx_in, g_E, rows, o_k, m, K, HAS_DX_IN), dx, d_first, rows, o_k, m,
+                            T, H, K, SHIFT, HAS_FIRST)
+    else:
+        _feature_grads(x, first, dx_in, dx, d_first, g_E, rows, m_r, T, H, K, BK, SHIFT, HAS_FIRST, HAS_DX_IN)
 
 
 @triton.jit

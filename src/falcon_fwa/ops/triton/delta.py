@@ -47,10 +47,11 @@ WY_MAX_CHUNK = 64
 # inputs at K <= 128 (BK is always the whole key dimension: a sweep's BK is ignored).
 # From H200 sweeps at B=8, T=2048, H=16, K=V=128 (bf16), each kernel's outputs checked against the previous
 # setting's (``benchmarks/sweep_launch.py --table delta.FULL_K_16BIT``): state_fwd 0.159 -> 0.131 ms
-# (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt); state_bwd, which also forms the reads' part of
+# (benchmarks/results/h200_rule1_launch_sweep_26e24eb.txt), 0.131 -> 0.118 ms at two stages (two blocks per SM;
+# h200_launch_sweep_29a.txt); state_bwd, which also forms the reads' part of
 # dD since the twenty-third run, 0.294 ms at 32 columns -> 0.222 ms at 64 (h200.md, twenty-third run);
 # wy_bwd 0.429 ms at 8 warps -> 0.282 ms at 4 (h200_launch_sweep_2ae1a89.txt).
-FULL_K_16BIT = {"state_fwd": dict(BV=64, num_warps=4, num_stages=3), "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
+FULL_K_16BIT = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2), "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
                 "wy_bwd": dict(BV=64, num_warps=4, num_stages=3)}
 # The same for grouped writes (slots > 1, rule 3), from a sweep of falcon-3 at that shape, window 4
 # (benchmarks/results/h200_rule3_launch_sweep_f5fb5b2.txt): state_fwd 0.615 -> 0.462 ms, wy_bwd 2.391 ->

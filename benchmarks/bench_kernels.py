@@ -405,7 +405,28 @@ def profile(name: str, shape, iters: int = 5) -> List[dict]:
     rows.sort(key=lambda r: -r["ms"])
     for r in rows[:20]:
         print(f"profile {name}: {r['ms']:8.3f} ms  x{r['calls']}  {r['kernel']}", flush=True)
+    _print_aten_ops(name, fn, leaves, do, iters)
     return rows[:20]
+
+
+def _print_aten_ops(name: str, fn, leaves, do, iters: int, top: int = 10) -> None:
+    """The PyTorch operators of ``name``'s forward+backward with the most device time, by input
+    shapes (which of them a kernel name such as ``elementwise_kernel`` stands for)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(iters):
+            for t in leaves:
+                t.grad = None
+            fn().backward(do)
+        torch.cuda.synchronize()
+    ops = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.key.startswith("aten::") and us > 0:
+            ops.append((us / iters / 1e3, e.count // iters, e.key, str(e.input_shapes)[:120]))
+    for ms, calls, key, shapes in sorted(ops, reverse=True)[:top]:
+        print(f"profile {name} aten: {ms:8.3f} ms  x{calls}  {key} {shapes}", flush=True)
 
 
 def _atomic_write(path: str, text: str) -> None:

@@ -8,7 +8,7 @@ import torch
 # kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
 from kernel_checks import DEVICE, in_this_process, needs_cuda
 
-from falcon_fwa.ops.triton.window_sum import window_sum
+from falcon_fwa.ops.triton.window_sum import axis_concat, window_sum
 
 pytestmark = in_this_process
 
@@ -88,3 +88,26 @@ def test_cuda_window_sum_benchmark_shape(S):
     x = torch.randn(B, R, S, H, D, generator=g).to("cuda", torch.bfloat16)
     want = _unfold_grad(x.float())
     assert torch.allclose(window_sum(x, dtype=torch.float32).double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,L", [(0, 9), (3, 12), (4, 4), (2, 11)])
+def test_axis_concat_is_the_cut_concatenation(n, L):
+    # L = n + m - 1 cuts the body's last row; L = n keeps none of it; n = 0 is the body alone
+    g = torch.Generator().manual_seed(n + L)
+    B, m, H, D = 2, 10, 3, 20
+    head = torch.randn(B, n, H, D, generator=g).to(torch.bfloat16)
+    body = torch.randn(B, m, H, D, generator=g).to(torch.bfloat16)
+    got = axis_concat(head.to(DEVICE), body.to(DEVICE), L).cpu()
+    assert torch.equal(got, torch.cat([head, body[:, :L - n]], 1))
+    # and window_sum over one slot with the same split takes it apart again, past-the-axis body rows zero
+    d_head, d_body = window_sum(got.to(DEVICE)[:, :, None], split=n, n_body=m)
+    assert torch.equal(d_head.cpu(), head)
+    assert torch.equal(d_body.cpu()[:, :L - n], body[:, :L - n]) and not d_body.cpu()[:, L - n:].any()
+
+
+def test_axis_concat_names_the_bad_argument():
+    head, body = torch.zeros(1, 2, 3), torch.zeros(1, 5, 3)
+    with pytest.raises(ValueError, match="L must lie in"):
+        axis_concat(head, body, 8)
+    with pytest.raises(ValueError, match="trailing dims"):
+        axis_concat(head, torch.zeros(1, 5, 4), 4)

@@ -10,6 +10,9 @@ in one pass (fp32 accumulation), optionally adding a gradient ``acc`` that alrea
 the axis, and optionally storing the axis split in two: positions ``0 .. n_head - 1`` and
 the rest, the latter onto ``n_body`` rows (rows past the axis are zero). This is
 ``torch.ops.aten.unfold_backward`` for a step of 1, without its zero-filled buffer.
+
+Its forward counterpart for the split, ``axis_concat``, lays a few head rows and the first rows
+of a body onto one axis in one pass (the concatenation that ``split`` undoes).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["window_sum"]
+__all__ = ["window_sum", "axis_concat"]
 
 
 @triton.jit
@@ -92,3 +95,41 @@ def window_sum(
             g, acc if acc is not None else g, head if n_head else body, body, R, n_head, n_body, H=H, D=D, S=S, BP=BP, BD=BD,
             HAS_ACC=acc is not None)
     return body if split is None else (head, body)
+
+
+@triton.jit
+def axis_concat_kernel(head, body, out, L, n_head, n_body, E: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """Grid ``(cdiv(L, BP), B, cdiv(E, BE))``: positions ``p`` of one batch row, ``E`` elements each
+    (contiguous); ``p < n_head`` from ``head`` ``[B, n_head, E]``, the others from row ``p - n_head``
+    of ``body`` ``[B, n_body, E]``."""
+    i_p, i_b, i_e = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_e = i_e * BE + tl.arange(0, BE)
+    m = (o_p < L)[:, None] & (o_e < E)[None, :]
+    in_head = (o_p < n_head)[:, None]
+    b_h = tl.load(head + (i_b * n_head + o_p[:, None]) * E + o_e[None, :], mask=m & in_head, other=0.0)
+    b_b = tl.load(body + (i_b * n_body + o_p[:, None] - n_head) * E + o_e[None, :], mask=m & ~in_head, other=0.0)
+    tl.store(out + (i_b * L + o_p[:, None]) * E + o_e[None, :], tl.where(in_head, b_h, b_b), mask=m)
+
+
+def axis_concat(head: torch.Tensor, body: torch.Tensor, L: int) -> torch.Tensor:
+    """``head`` ``[B, n, ...]`` and ``body`` ``[B, m, ...]`` (same trailing dims and dtype, ``n <= L <= n + m``)
+    -> ``torch.cat([head, body[:, :L - n]], 1)`` ``[B, L, ...]``, in one launch: the inverse of
+    ``window_sum(g[:, :, None], split=n, n_body=m)``."""
+    B, n = head.shape[:2]
+    m = body.shape[1]
+    if body.shape[0] != B or head.shape[2:] != body.shape[2:] or head.dtype != body.dtype:
+        raise ValueError(f"head {tuple(head.shape)} {head.dtype} and body {tuple(body.shape)} {body.dtype} must share "
+                         "the batch, the trailing dims and the dtype")
+    if not n <= L <= n + m:
+        raise ValueError(f"L must lie in [n, n + m] = [{n}, {n + m}], got {L}")
+    head, body = head.contiguous(), body.contiguous()
+    out = body.new_empty(B, L, *body.shape[2:])
+    E = out[0, 0].numel() if L else 0
+    BE = min(1024, max(16, next_power_of_2(E)))
+    BP = max(1, 4096 // BE)
+    if not body.is_cuda:  # Triton's interpreter: its cost is per program and op, not per element
+        BP = min(1024, next_power_of_2(max(1, L)))
+    if B and L and E:
+        axis_concat_kernel[(cdiv(L, BP), B, cdiv(E, BE))](head, body, out, L, n, m, E=E, BP=BP, BE=BE)
+    return out

@@ -184,14 +184,20 @@ def test_a_stop_signal_ends_the_run_at_the_step_in_progress_with_a_checkpoint(tm
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "causal_lm_loss", signalled)
-    before = signal.getsignal(signum)
-    raw = recipe(tmp_path, "run", save_every=0, eval_every=0)
-    trainer = Trainer(config_from_dict(raw))
+    # a suite launched as a shell's background job inherits SIGINT ignored, which the run leaves ignored
+    # (the next test): give the signal its interactive handler for this test
+    before = signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     try:
-        summary = trainer.train(stop_on_signal=True)
+        handler = signal.getsignal(signum)
+        raw = recipe(tmp_path, "run", save_every=0, eval_every=0)
+        trainer = Trainer(config_from_dict(raw))
+        try:
+            summary = trainer.train(stop_on_signal=True)
+        finally:
+            trainer.close()
+        assert signal.getsignal(signum) is handler  # the handler is given back
     finally:
-        trainer.close()
-    assert signal.getsignal(signum) is before  # the handler is given back
+        signal.signal(signum, before)
     assert summary["signal"] == signal.Signals(signum).name and summary["steps"] == 3
     assert trainer.last_checkpoint.endswith("step-00000003")
     assert load_checkpoint(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))["step"] == 3

@@ -56,6 +56,10 @@ def test_bad_shapes(case):
         ("decay_floor", 0.0, r"\bdecay_floor\b"),
         ("decay_floor", 1.0, r"\bdecay_floor\b"),
         ("decay_floor", -0.5, r"\bdecay_floor\b"),
+        ("decay_floor", None, r"\bdecay_floor\b"),
+        ("decay_floor", float("nan"), r"\bdecay_floor\b"),
+        ("eps", "1e-6", r"\beps\b"),
+        ("eps", float("nan"), r"\beps\b"),
         ("read", "during", r"\bread\b"),
     ],
 )
@@ -64,18 +68,63 @@ def test_bad_options(option, value, pattern):
         _call(_inp("3A"), **{"rule": "3A", option: value})
 
 
-def test_negative_lam():
+@pytest.mark.parametrize("bad", [-1e-3, float("nan"), float("inf")])
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_lam_negative_nan_or_infinite(bad, form):
     inp = _inp()
-    inp["lam"][1, 3, 0] = -1e-3
+    inp["lam"][1, 3, 0] = bad
     with pytest.raises(ValueError, match=r"\blam\b"):
-        _call(inp)
+        _call(inp, form=form)
+    with pytest.raises(ValueError, match=r"\blam\b"):  # the decoding step checks the same
+        falcon_step(*(inp[n][:, 3] for n in ("q", "k", "v", "beta", "lam")))
 
 
-def test_positive_log_gate():
+@pytest.mark.parametrize("bad", [0.1, float("nan"), float("inf")])
+def test_log_gate_positive_or_nan(bad):
     inp = _inp(with_gate=True)
-    inp["log_gate"][0, 2, 1] = 0.1
+    inp["log_gate"][0, 2, 1] = bad
     with pytest.raises(ValueError, match=r"\blog_gate\b"):
         _call(inp)
+
+
+def test_log_gate_minus_infinity_is_a_reset():
+    """g_t = -inf (exp(g_t) = 0) empties the state before step t: the output equals a fresh run
+    on steps t.. whose first pair is still the carried key x_t = k_{t-1}."""
+    inp = _inp(with_gate=True)
+    inp["log_gate"][:, 3] = -float("inf")
+    o, _ = _call(inp, rule="1A")
+    assert torch.isfinite(o).all()
+    rest = {n: inp[n][:, 3:] for n in ("q", "k", "v", "beta", "lam", "log_gate")}
+    rest["log_gate"] = rest["log_gate"].clone()
+    rest["log_gate"][:, 0] = 0.0
+    from falcon_fwa.ops.state import FalconState
+    B, H, K, V = 2, 2, 3, 4
+    empty = FalconState(rule="1A", window=1, shift=True, S=torch.zeros(B, H, K, V, dtype=inp["v"].dtype),
+                        last_key=inp["k"][:, 2])
+    o_rest, _ = _call(rest, rule="1A", initial_state=empty)
+    torch.testing.assert_close(o[:, 3:], o_rest)
+
+
+@pytest.mark.parametrize("switch", ["shift", "normalize", "scale_ridge", "output_final_state"])
+def test_switches_must_be_booleans(switch):
+    """A string such as "False" is truthy: refused rather than read as True."""
+    with pytest.raises(TypeError, match=rf"\b{switch}\b"):
+        _call(_inp(), **{switch: "False"})
+    if switch != "output_final_state":
+        inp = _inp()
+        with pytest.raises(TypeError, match=rf"\b{switch}\b"):
+            falcon_step(*(inp[n][:, 0] for n in ("q", "k", "v", "beta", "lam")), **{switch: "False"})
+
+
+@pytest.mark.parametrize("make,error", [
+    (lambda n: [0, 2, n], TypeError),
+    (lambda n: torch.tensor([[0, 2, n]]), ValueError),
+    (lambda n: torch.tensor([0.0, 2.7, n]), TypeError),
+])
+def test_cu_seqlens_must_be_a_1d_integer_tensor(make, error):
+    inp = {n: t[:1] for n, t in _inp().items()}
+    with pytest.raises(error, match=r"\bcu_seqlens\b"):
+        _call(inp, cu_seqlens=make(6))
 
 
 def test_non_float_and_non_tensor_inputs():

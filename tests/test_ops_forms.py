@@ -115,17 +115,19 @@ def test_clamp_really_limits_the_decay():
 @pytest.mark.parametrize("rule", RULE_NAMES)
 def test_poisoned_future_does_not_leak(rule):
     """Causality: the recurrent form's outputs before t0 stay finite and unchanged
-    when every input from step t0 on is NaN. The parallel and chunk forms mix a
-    chunk's steps in dense matrix products (where 0 * NaN = NaN), so for them the
-    future is replaced by finite garbage instead, which must not change the past."""
+    when the inputs from step t0 on are NaN (lam and log_gate, whose values are checked,
+    are garbage within their ranges). The parallel and chunk forms mix a chunk's steps in
+    dense matrix products (where 0 * NaN = NaN), so for them the future is replaced by
+    finite garbage instead, which must not change the past."""
     T, t0 = 26, 17
     inp = random_inputs(rule, B=1, T=T, seed=11, with_gate=True)
     garbage = random_inputs(rule, B=1, T=T, seed=12, with_gate=True, beta_range=(3.0, 9.0), lam_range=(0.0, 50.0))
     poisoned = {name: t.clone() for name, t in inp.items()}
     changed = {name: t.clone() for name, t in inp.items()}
     for name in inp:
-        poisoned[name][:, t0:] = float("nan")
         changed[name][:, t0:] = 10 * garbage[name][:, t0:]
+        # lam and log_gate are checked (NaN refused): their future is garbage within range instead
+        poisoned[name][:, t0:] = changed[name][:, t0:] if name in ("lam", "log_gate") else float("nan")
     clean, _ = falcon_attention(**inp, rule=rule, window=3, form="recurrent")
     o, _ = falcon_attention(**poisoned, rule=rule, window=3, form="recurrent")
     assert torch.isfinite(o[:, :t0]).all() and torch.isnan(o[:, t0 + 1:]).all()

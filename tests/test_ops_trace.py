@@ -82,6 +82,15 @@ def test_trace_names_a_bad_argument():
         falcon_trace(inp["k"], inp["v"], inp["beta"], None)
     with pytest.raises(ValueError, match="decay_floor"):
         falcon_trace(**inp, decay_floor=0.0)
+    k = inp.pop("k")  # the keys are its first tensor: errors about them name k, not q
+    with pytest.raises(TypeError, match=r"^k must be a torch.Tensor"):
+        falcon_trace(k.tolist(), **inp)
+    with pytest.raises(TypeError, match=r"^k must be a floating-point tensor"):
+        falcon_trace(k.long(), **inp)
+    with pytest.raises(ValueError, match=r"^k must have shape"):
+        falcon_trace(k[0], **inp)
+    with pytest.raises(TypeError, match=r"\bshift\b"):
+        falcon_trace(k, **inp, shift="False")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' trace is checked on a GPU")

@@ -63,6 +63,14 @@ def test_bounds_are_checked_and_name_cu_seqlens():
             sequence_bounds(torch.tensor(bad), 8)
 
 
+@pytest.mark.parametrize("bad,error", [([0, 3, 8], TypeError), (torch.tensor([0.0, 2.7, 8.0]), TypeError),
+                                       (torch.tensor([[0, 3, 8]]), ValueError)])
+def test_a_model_names_cu_seqlens_that_is_not_a_1d_integer_tensor(bad, error):
+    model = FalconForCausalLM(get_preset("tiny-falcon")).eval()
+    with pytest.raises(error, match=r"^cu_seqlens must"):
+        model(torch.randint(0, 64, (1, 8)), cu_seqlens=bad)
+
+
 @pytest.mark.parametrize("mixer", ["falcon", "transformer"])
 def test_a_packed_forward_reads_cu_seqlens_once_whatever_the_depth(mixer, reads):
     counts = []

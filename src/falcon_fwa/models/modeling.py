@@ -33,7 +33,7 @@ from ..layers.norms import RMSNorm
 from ..layers.packing import Packing, repad, unpad
 from ..layers.short_conv import ShortConv
 from ..ops.api import cast_to
-from ..ops.seqlens import known_sequence_bounds, sequence_bounds
+from ..ops.seqlens import check_cu_seqlens, known_sequence_bounds, sequence_bounds
 from .cache import FalconCache
 from .configuration import FalconConfig
 
@@ -295,6 +295,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         ``[B, T, D]``, called ``name`` in errors; only its shape and device are read); returns
         (packing, unpad index or None, real tokens per row)."""
         B, T = x.shape[:2]
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens)
         offsets = None if cache is None or cache.empty else cache.seen
         if offsets is not None:
             rows = B if cu_seqlens is None else cu_seqlens.numel() - 1

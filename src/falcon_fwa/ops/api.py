@@ -16,7 +16,7 @@ from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
 from .validate import (check_chunk_size, check_inputs, check_state, check_state_type, check_step_shapes,
-                       check_tensor_types)
+                       check_switches, check_tensor_types)
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -177,6 +177,7 @@ def falcon_attention(
         raise ValueError("backend='triton' runs the chunk form (its kernels) or the recurrent form (the fused "
                          "recurrent kernel, inference only); got form='parallel'")
     check_tensor_types(q, k, v, beta, lam, log_gate)
+    check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, output_final_state=output_final_state)
     spec = get_rule(rule)
     done = _read_normalizer(eps_attn, spec, v)
     if eps_attn is None:
@@ -313,7 +314,7 @@ def falcon_step(
     beta: torch.Tensor,
     lam: torch.Tensor,
     *,
-    state: Optional[FalconState],
+    state: Optional[FalconState] = None,
     rule: str = "1A",
     window: int = 4,
     eps: float = 1e-6,
@@ -338,11 +339,16 @@ def falcon_step(
     step; ``lam >= 0``, ``log_gate <= 0``; the state's configuration) on every backend;
     ``validate=False`` skips that, for callers whose inputs are valid by construction,
     such as the model's layers, where the checks would add a few small device launches
-    to every layer of every decoded token. ``eps_attn``: the normalized read, as in
-    ``falcon_attention`` (the state then carries ``z``)."""
+    to every layer of every decoded token (``falcon_attention`` always checks: once per
+    sequence, not per token); the state's type and the on/off switches are checked always.
+    ``eps_attn``: the normalized read, as in ``falcon_attention`` (the state then carries
+    ``z``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_tensor_types(q, k, v, beta, lam, log_gate)
+    check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, validate=validate)
+    if state is not None:
+        check_state_type(state, "state")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             want = "[B, H, V]" if name == "v" else "[B, H, K]"

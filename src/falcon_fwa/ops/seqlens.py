@@ -42,10 +42,22 @@ def check_sequence_bounds(bounds: Sequence[int], total: int) -> None:
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {total}, got {list(bounds)}")
 
 
+def check_cu_seqlens(cu_seqlens) -> None:
+    """``cu_seqlens`` must be a 1-D integer tensor (``TypeError``/``ValueError`` naming it; a
+    float tensor would be cut to integers and a list has no device)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a 1-D integer torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must have shape [N + 1], got {tuple(cu_seqlens.shape)}")
+
+
 def sequence_bounds(cu_seqlens: torch.Tensor, total: Optional[int] = None) -> Tuple[int, ...]:
     """``cu_seqlens`` ``[N + 1]`` as a tuple of Python ints: the declared host copy inside
     :func:`known_sequence_bounds` for this tensor object, else read from the tensor. With
     ``total``, checked to rise strictly from 0 to ``total``."""
+    check_cu_seqlens(cu_seqlens)
     hit = _entry(cu_seqlens)
     bounds = hit[1] if hit is not None else tuple(int(b) for b in cu_seqlens.tolist())
     if total is not None:

@@ -31,7 +31,7 @@ from .pairs import write_side
 from .rules import get_rule
 from .state import FalconState
 from .step_sizes import log_carry, step_sizes
-from .validate import check_inputs
+from .validate import check_inputs, check_switches
 
 __all__ = ["FalconTrace", "falcon_trace"]
 
@@ -82,8 +82,9 @@ def falcon_trace(
     :class:`FalconTrace`."""
     spec = get_rule(rule)
     W = window if spec.sliding else 1
+    check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge)
     check_inputs(k, k, v, beta, lam, log_gate, spec, window=W, form="chunk", chunk_size=chunk_size, eps=eps,
-                 decay_floor=decay_floor, read="before", initial_state=initial_state, shift=shift)
+                 decay_floor=decay_floor, read="before", initial_state=initial_state, shift=shift, query="k")
     if initial_state is not None and initial_state.z is not None:
         initial_state = replace(initial_state, z=None)
     dt = _compute_dtype(k, v, beta, lam, log_gate)

@@ -1,6 +1,7 @@
 """Argument checks for the public ops: every error names the argument at fault."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -32,10 +33,32 @@ def _check_values(bad: torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
-def check_tensor_types(q, k, v, beta, lam, log_gate=None) -> None:
+def check_switches(**switches) -> None:
+    """A ``TypeError`` naming the first on/off argument that is not a ``bool`` (a string such as
+    ``"False"`` would otherwise count as true)."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_number(name: str, value, low: float, high: Optional[float] = None, *, open_low: bool = False) -> None:
+    """A ``ValueError`` naming ``name`` unless ``value`` is a real number (not NaN) at or above
+    ``low`` (above it with ``open_low``) and below ``high`` when given."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    above = value > low if open_low else value >= low
+    if not above or (high is not None and not value < high):
+        if high is None:
+            span = f"{'>' if open_low else '>='} {low}"
+        else:
+            span = f"lie in {'(' if open_low else '['}{low}, {high})"
+        raise ValueError(f"{name} must {'be ' if high is None else ''}{span}, got {value!r}")
+
+
+def check_tensor_types(q, k, v, beta, lam, log_gate=None, *, query: str = "q") -> None:
     """A ``TypeError`` naming the first of the op's tensor arguments that is not a tensor
-    (``log_gate`` may be ``None``). Host-only: no device work."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+    (``log_gate`` may be ``None``; the first argument is called ``query``). Host-only."""
+    for name, t in ((query, q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
         if t is None and name == "log_gate":
             continue
         if not isinstance(t, torch.Tensor):
@@ -59,20 +82,22 @@ def check_inputs(
     read: str,
     initial_state: Optional[FalconState],
     shift: bool,
+    query: str = "q",
 ) -> None:
     """Check the arguments of ``falcon_attention`` (shapes in its docstring), raising
-    ``TypeError``/``ValueError`` that names the argument at fault."""
-    check_tensor_types(q, k, v, beta, lam, log_gate)
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+    ``TypeError``/``ValueError`` that names the argument at fault (the first tensor is called
+    ``query``: ``falcon_trace`` passes its keys there)."""
+    check_tensor_types(q, k, v, beta, lam, log_gate, query=query)
+    for name, t in ((query, q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
         if t is None:
             continue
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+            raise ValueError(f"{name} is on {t.device} but {query} is on {q.device}")
     if q.dim() == 4 and q.shape[1] < 1:
-        raise ValueError("q must have at least one time step (T >= 1)")
-    check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"))
+        raise ValueError(f"{query} must have at least one time step (T >= 1)")
+    check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"), query=query)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if form not in FORMS:
@@ -82,14 +107,14 @@ def check_inputs(
     if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
     check_chunk_size(chunk_size)
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if not 0 < decay_floor < 1:
-        raise ValueError(f"decay_floor must lie in (0, 1), got {decay_floor!r}")
+    check_number("eps", eps, 0)
+    check_number("decay_floor", decay_floor, 0, 1, open_low=True)
     if _values_checked():
-        _check_values(lam < 0, "lam must be >= 0 (it is the actual ridge coefficient lambda_t)")
-        if log_gate is not None:
-            _check_values(log_gate > 0, "log_gate must be <= 0 (the gate exp(g_t) is a decay)")
+        # written so that NaN fails too; lam = inf would give eta_t lam_t = 0 * inf
+        _check_values(~((lam >= 0) & (lam < math.inf)),
+                      "lam must be finite and >= 0 (it is the actual ridge coefficient lambda_t)")
+        if log_gate is not None:  # -inf (a hard reset) is a gate; NaN and positive values are not
+            _check_values(~(log_gate <= 0), "log_gate must be <= 0, not NaN (the gate exp(g_t) is a decay)")
     if initial_state is not None:
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 
@@ -100,16 +125,16 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
 
 
-def check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...]) -> None:
-    """The shapes of the tensors against ``q``'s, whose leading axes are named ``axes``
-    (``("B", "T", "H")`` for a sequence, ``("B", "H")`` for one decoding step)."""
+def check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...], query: str = "q") -> None:
+    """The shapes of the tensors against ``q``'s (the argument called ``query``), whose leading
+    axes are named ``axes`` (``("B", "T", "H")`` for a sequence, ``("B", "H")`` for one step)."""
     lead = ", ".join(axes)
     if q.dim() != len(axes) + 1:
-        raise ValueError(f"q must have shape [{lead}, K], got {tuple(q.shape)}")
+        raise ValueError(f"{query} must have shape [{lead}, K], got {tuple(q.shape)}")
     dims = tuple(q.shape[:-1])
-    _shape("k", k, tuple(q.shape), f"[{lead}, K] like q")
+    _shape("k", k, tuple(q.shape), f"[{lead}, K] like {query}")
     if v.dim() != len(axes) + 1 or tuple(v.shape[:-1]) != dims:
-        raise ValueError(f"v must have shape [{lead}, V] with {lead} = {dims} from q, got {tuple(v.shape)}")
+        raise ValueError(f"v must have shape [{lead}, V] with {lead} = {dims} from {query}, got {tuple(v.shape)}")
     if rule.per_column:
         _shape("beta", beta, dims + (v.shape[-1],), f"[{lead}, V] for the per-column rule {rule.name}")
     else:

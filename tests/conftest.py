@@ -155,10 +155,10 @@ def reference_falcon(
                     alpha_raw = eta * lam_t
                     alpha = torch.clamp(alpha_raw, max=1.0 - decay_floor)
                     gamma = 1.0 - alpha
-                    n_steps += alpha_raw.numel()
-                    n_clamped += int((alpha_raw > 1.0 - decay_floor).sum())
                     etas[b, i, h], gammas[b, i, h] = eta, gamma
-                    clamps[b, i, h] = alpha_raw >= 1.0 - decay_floor
+                    clamps[b, i, h] = alpha_raw >= 1.0 - decay_floor  # the clamp holds gamma at decay_floor
+                    n_steps += alpha_raw.numel()
+                    n_clamped += int(clamps[b, i, h].sum())
                     preds[b, i, h] = S.T @ x
                     if rule == "1":  # Algorithm 5
                         r = y - S.T @ x

@@ -42,6 +42,12 @@ def test_continuation(rule, form):
         out, state = _chained(inp, cuts, **options)
         assert rel_err(out, full) <= TOL, f"cuts {cuts}"
         assert rel_err(state.S, full_state.S) <= TOL
+        # what the next segment continues from: the last key (the next pair's x) and the window's tail
+        assert torch.equal(state.last_key, full_state.last_key) and torch.equal(state.last_key, inp["k"][:, -1])
+        if rule in SLIDING:
+            assert torch.equal(state.tail_valid, full_state.tail_valid)
+            for name in ("tail_x", "tail_y"):
+                assert torch.equal(getattr(state, name), getattr(full_state, name)), name
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)

@@ -325,10 +325,37 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(rule="1A", eps_attn="0.1"), "eps_attn"),
     (dict(rule="1A", eps_attn=0.0), "eps_attn"),  # shift=True: the first token reads 0 / (0 + eps_attn)
     (dict(rule="1A", shift=False, read="before", eps_attn=0.0), "eps_attn"),
+    # types: a fraction for an integer, text for a bool or a number, a bool for the window
+    (dict(hidden_size=64.5), "hidden_size"),
+    (dict(chunk_size=2.5), "chunk_size"),
+    (dict(shift="False"), "shift"),
+    (dict(use_short_conv="no"), "use_short_conv"),
+    (dict(decay_floor="0.1"), "decay_floor"),
+    (dict(rule="3", window=True), "window"),
+    # values that would make every forward NaN, or fail later without the field's name
+    (dict(lambda_scale=float("nan")), "lambda_scale"),
+    (dict(query_scale=float("inf")), "query_scale"),
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
+    (dict(eps=-1.0), "eps"),
+    (dict(initializer_range=-1.0), "initializer_range"),
+    (dict(mixer="transformer", rope_theta=0.0), "rope_theta"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         FalconConfig(**{**dict(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1), **kwargs})
+
+
+def test_an_integral_float_is_an_integer_field():
+    """64.0 (JSON's or a division's) is the integer 64, stored as an int."""
+    cfg = FalconConfig(vocab_size=64.0, hidden_size=32, num_heads=2.0, num_hidden_layers=1)
+    assert (cfg.vocab_size, cfg.num_heads) == (64, 2) and isinstance(cfg.num_heads, int)
+
+
+def test_a_preset_override_that_is_not_a_field_is_an_error():
+    """A misspelt field would be kept by the config, unused, leaving the model as it was."""
+    with pytest.raises(ValueError, match=r"unknown config field 'rul' \(did you mean 'rule'\?\)"):
+        get_preset("tiny-falcon", rul="3")
+    assert get_preset("tiny-falcon", rule="3").rule == "3"
 
 
 def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():

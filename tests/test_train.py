@@ -311,9 +311,31 @@ def test_recipe_values_of_the_wrong_type_name_their_field(tmp_path, assignment, 
 def test_set_takes_an_exponent_without_a_dot_as_a_number(tmp_path):
     from falcon_fwa.train.config import apply_overrides
 
-    # YAML 1.1 reads 1e-3 (no dot) as a string
-    cfg = config_from_dict(apply_overrides(recipe(tmp_path), ["optim.lr=1e-3", "optim.eps=1e-6"]))
+    # YAML 1.1 reads 1e-3 (no dot) as a string; the recipe reader reads it as YAML 1.2 does, a number,
+    # in every section, the model's overrides (typed by the model config) included
+    cfg = config_from_dict(apply_overrides(recipe(tmp_path), ["optim.lr=1e-3", "optim.eps=1e-6",
+                                                              "model.overrides.eps_attn=1e-6",
+                                                              "model.overrides.chunk_size=1e1"]))
     assert cfg.optim.lr == 1e-3 and cfg.optim.eps == 1e-6 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.overrides["eps_attn"] == 1e-6 and cfg.model.overrides["chunk_size"] == 10.0
+    path = tmp_path / "r.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n")
+    from falcon_fwa.train.config import read_recipe
+    assert read_recipe(str(path))["optim"]["lr"] == 3e-4
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("model.overrides.rul=3", r"unknown config field 'rul' \(did you mean 'rule'\?\)"),
+    ("model.overrides.hidden_size=64.5", "config field 'hidden_size' must be an integer, got 64.5"),
+    ("model.overrides.shift='false'", "config field 'shift' must be true or false, got 'false'"),
+    ("model.preset=tiny-lstm", "unknown preset 'tiny-lstm'"),
+])
+def test_model_overrides_are_checked_with_the_recipe(tmp_path, assignment, message):
+    """Before any data is read: a misspelt or mistyped model field stops the recipe, naming it."""
+    from falcon_fwa.train.config import apply_overrides
+
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(apply_overrides(recipe(tmp_path), [assignment]))
 
 
 @pytest.mark.parametrize("section, field, value", [("train", "eval_every", -1), ("train", "eval_batches", 0),

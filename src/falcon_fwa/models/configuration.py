@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from ..ops.rules import RULES, get_rule
 
-__all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS"]
+__all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "config_fields"]
 
 RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
 MIXERS = RECURRENT_MIXERS + ("transformer",)
@@ -64,6 +64,35 @@ MIXER_DEFAULTS = {
 def _choice(field: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"config field {field!r} must be one of {list(allowed)}, got {value!r}")
+
+
+def _int(field: str, value) -> int:
+    """``value`` as an int: an int or an integral float (``64.0`` from a JSON file); a fraction,
+    text or a bool is an error naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"config field {field!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(field: str, value) -> float:
+    """``value`` as a finite float; NaN, infinities, bools and text are errors naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"config field {field!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(field: str, value) -> bool:
+    """``value`` if it is a bool: text such as ``"False"`` would otherwise count as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"config field {field!r} must be true or false, got {value!r}")
+    return value
+
+
+def config_fields() -> frozenset:
+    """The names :class:`FalconConfig` takes as its own fields (its ``__init__`` arguments)."""
+    import inspect
+    return frozenset(n for n, p in inspect.signature(FalconConfig.__init__).parameters.items()
+                     if n != "self" and p.kind is not p.VAR_KEYWORD)
 
 
 class FalconConfig(PretrainedConfig):
@@ -157,40 +186,38 @@ class FalconConfig(PretrainedConfig):
         def pick(name, value):  # a field left None takes the mixer's default
             return defaults[name] if value is None else value
 
-        self.vocab_size = int(vocab_size)
-        self.hidden_size = int(hidden_size)
-        self.num_hidden_layers = int(num_hidden_layers)
-        self.num_heads = int(num_heads)
+        self.vocab_size = _int("vocab_size", vocab_size)
+        self.hidden_size = _int("hidden_size", hidden_size)
+        self.num_hidden_layers = _int("num_hidden_layers", num_hidden_layers)
+        self.num_heads = _int("num_heads", num_heads)
         self.mixer = mixer
         rule_name = str(pick("rule", rule)).strip().upper()
         self.rule = get_rule(rule_name).name if rule_name in RULES else str(pick("rule", rule))
         self.window = window
-        self.shift = bool(pick("shift", shift))
-        self.normalize = bool(pick("normalize", normalize))
+        self.shift = _bool("shift", pick("shift", shift))
+        self.normalize = _bool("normalize", pick("normalize", normalize))
         self.read = pick("read", read)
         self.gate = pick("gate", gate)
         self.log_gate = pick("log_gate", log_gate)
-        self.lambda_scale = float(pick("lambda_scale", lambda_scale))
+        self.lambda_scale = _float("lambda_scale", pick("lambda_scale", lambda_scale))
         self.qk_norm = pick("qk_norm", qk_norm)
-        self.v_norm = bool(v_norm)
+        self.v_norm = _bool("v_norm", v_norm)
         self.feature_map = pick("feature_map", feature_map)
-        self.use_short_conv = bool(pick("use_short_conv", use_short_conv))
-        self.conv_size = int(conv_size)
-        self.output_gate = bool(pick("output_gate", output_gate))
-        self.use_d_skip = bool(pick("use_d_skip", use_d_skip))
-        self.norm_before_gate = bool(pick("norm_before_gate", norm_before_gate))
+        self.use_short_conv = _bool("use_short_conv", pick("use_short_conv", use_short_conv))
+        self.conv_size = _int("conv_size", conv_size)
+        self.output_gate = _bool("output_gate", pick("output_gate", output_gate))
+        self.use_d_skip = _bool("use_d_skip", pick("use_d_skip", use_d_skip))
+        self.norm_before_gate = _bool("norm_before_gate", pick("norm_before_gate", norm_before_gate))
         self.form = form
-        self.chunk_size = int(chunk_size)
-        self.eps = float(eps)
-        self.decay_floor = float(decay_floor)
-        if isinstance(eps_attn, bool) or not (eps_attn is None or isinstance(eps_attn, (int, float))):
-            raise ValueError(f"config field 'eps_attn' must be None or a number, got {eps_attn!r}")
-        self.eps_attn = None if eps_attn is None else float(eps_attn)
+        self.chunk_size = _int("chunk_size", chunk_size)
+        self.eps = _float("eps", eps)
+        self.decay_floor = _float("decay_floor", decay_floor)
+        self.eps_attn = None if eps_attn is None else _float("eps_attn", eps_attn)
         self.backend = backend
-        self.rope_theta = float(rope_theta)
-        self.rms_norm_eps = float(rms_norm_eps)
-        self.initializer_range = float(initializer_range)
-        self.mup_base_width = None if mup_base_width is None else int(mup_base_width)
+        self.rope_theta = _float("rope_theta", rope_theta)
+        self.rms_norm_eps = _float("rms_norm_eps", rms_norm_eps)
+        self.initializer_range = _float("initializer_range", initializer_range)
+        self.mup_base_width = None if mup_base_width is None else _int("mup_base_width", mup_base_width)
         self.use_cache = use_cache
         if self.num_heads < 1:
             raise ValueError(f"config field 'num_heads' must be >= 1, got {num_heads}")
@@ -199,13 +226,14 @@ class FalconConfig(PretrainedConfig):
                 raise ValueError(
                     f"config field 'num_heads' = {self.num_heads} does not divide 'hidden_size' = {self.hidden_size};"
                     " choose num_heads dividing the width or set 'head_k_dim' / 'head_v_dim'")
-        self.head_k_dim = int(head_k_dim) if head_k_dim is not None else self.hidden_size // self.num_heads
-        self.head_v_dim = int(head_v_dim) if head_v_dim is not None else self.hidden_size // self.num_heads
+        per_head = self.hidden_size // self.num_heads
+        self.head_k_dim = per_head if head_k_dim is None else _int("head_k_dim", head_k_dim)
+        self.head_v_dim = per_head if head_v_dim is None else _int("head_v_dim", head_v_dim)
         if intermediate_size is None:
             intermediate_size = 64 * -(-(8 * self.hidden_size // 3) // 64)
-        self.intermediate_size = int(intermediate_size)
+        self.intermediate_size = _int("intermediate_size", intermediate_size)
         qs = pick("query_scale", query_scale)
-        self.query_scale = float(self.head_k_dim ** -0.5 if qs is None else qs)
+        self.query_scale = float(self.head_k_dim ** -0.5) if qs is None else _float("query_scale", qs)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate_fields()
@@ -219,7 +247,8 @@ class FalconConfig(PretrainedConfig):
         _choice("mixer", self.mixer, MIXERS)
         if self.rule not in RULES:
             raise ValueError(f"config field 'rule' must be one of {sorted(RULES)}, got {self.rule!r}")
-        if RULES[self.rule].sliding and (not isinstance(self.window, int) or self.window < 1):
+        if RULES[self.rule].sliding and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                         or self.window < 1):
             raise ValueError(f"config field 'window' must be an integer >= 1 for the sliding rule "
                              f"{self.rule!r}, got {self.window!r}")
         _choice("read", self.read, ("after", "before"))
@@ -229,8 +258,12 @@ class FalconConfig(PretrainedConfig):
         _choice("feature_map", self.feature_map, FEATURE_MAPS)
         _choice("form", self.form, FORMS)
         _choice("backend", self.backend, BACKENDS)
-        if self.lambda_scale < 0:
-            raise ValueError(f"config field 'lambda_scale' must be >= 0, got {self.lambda_scale}")
+        for field in ("lambda_scale", "eps", "initializer_range"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"config field {field!r} must be >= 0, got {getattr(self, field)}")
+        for field in ("rms_norm_eps", "rope_theta"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"config field {field!r} must be > 0, got {getattr(self, field)}")
         if not 0.0 < self.decay_floor < 1.0:
             raise ValueError(f"config field 'decay_floor' must lie in (0, 1), got {self.decay_floor}")
         if self.eps_attn is not None:

@@ -11,9 +11,10 @@ counts (recorded in benchmarks/results/params.md).
 """
 from __future__ import annotations
 
+import difflib
 from typing import Dict
 
-from .configuration import FalconConfig
+from .configuration import FalconConfig, config_fields
 
 __all__ = ["PRESETS", "get_preset"]
 
@@ -46,7 +47,15 @@ PRESETS: Dict[str, dict] = {
 
 
 def get_preset(name: str, **overrides) -> FalconConfig:
-    """The :class:`FalconConfig` of preset ``name`` with ``overrides`` applied."""
+    """The :class:`FalconConfig` of preset ``name`` with ``overrides`` applied. An override that
+    is not a config field is an error naming it (a misspelt field would otherwise be stored
+    unused and leave the model unchanged)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    fields = config_fields()
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        hints = [f"{u!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(u, fields, 1))
+                             else "") for u in unknown]
+        raise ValueError(f"unknown config field {', '.join(hints)} for preset {name!r}")
     return FalconConfig(**{**PRESETS[name], **overrides})

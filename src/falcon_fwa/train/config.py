@@ -119,11 +119,25 @@ class RunConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"config field {name} {why}, got {_get(self, name)!r}")
+        self._check_model()
         if o.warmup_steps > t.steps:
             warnings.warn(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}: the learning rate "
                           f"ends at {min(t.steps, o.warmup_steps) / max(o.warmup_steps, 1):.3g} of optim.lr, "
                           "still warming up", stacklevel=2)
         return self
+
+
+    def _check_model(self) -> None:
+        """The preset exists and every override is a valid model config field with a valid value
+        (checked now, before any data is read; ``vocab_size`` is left to the tokenizer)."""
+        from ..models import get_preset
+
+        overrides = dict(self.model.overrides)
+        overrides.pop("vocab_size", None)
+        try:
+            get_preset(self.model.preset, **overrides)
+        except ValueError as e:
+            raise ValueError(f"config section model (preset {self.model.preset!r}, overrides {overrides}): {e}") from None
 
 
 def _get(cfg, dotted: str):
@@ -149,9 +163,7 @@ def read_recipe(path: str) -> dict:
     """The raw dict of a recipe file, with ``extends`` chains resolved."""
     with open(path) as f:
         if path.endswith((".yaml", ".yml")):
-            import yaml
-
-            raw = yaml.safe_load(f) or {}
+            raw = load_yaml(f) or {}
         else:
             raw = json.load(f)
     if not isinstance(raw, dict):
@@ -162,10 +174,24 @@ def read_recipe(path: str) -> dict:
     return raw
 
 
-def _parse_value(text: str):
+def load_yaml(stream):
+    """``yaml.safe_load`` that also reads exponent numbers without a dot (``1e-3``, ``5E4``) as
+    floats, as YAML 1.2 does; PyYAML's YAML 1.1 rules read them as text."""
+    import re
+
     import yaml
 
-    return yaml.safe_load(text)
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+    return yaml.load(stream, Loader=Loader)
+
+
+def _parse_value(text: str):
+    return load_yaml(text)
 
 
 def apply_overrides(raw: dict, assignments: List[str]) -> dict:

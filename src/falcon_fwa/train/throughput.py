@@ -206,12 +206,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_preset(spec: str):
     """``"falcon-1a.3-130m:rule=1,window=4"`` -> FalconConfig."""
-    import yaml
-
     from ..models import get_preset
+    from .config import load_yaml
 
     name, _, rest = spec.partition(":")
-    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in rest.split(",") if item)}
+    overrides = {k: load_yaml(v) for k, v in (item.split("=", 1) for item in rest.split(",") if item)}
     return get_preset(name, **overrides)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_json
+from ..cli_options import DEVICE_HELP, dtype_option, resolve_device
 from ..provenance import command_provenance
 
 
@@ -17,8 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
     parser.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        type=dtype_option(["float32", "bfloat16", "float16"]),
+                        help="the weights' dtype (fp32, bf16 and fp16 are taken too)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="context length in tokens: longer contexts are cut from the left, rolling "
                              "log-likelihoods use windows of it (default: the tokenizer's model_max_length, "
@@ -28,12 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from lm_eval.utils import make_table
 
     from .harness import evaluate
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     results = evaluate(args.model, tasks, include_path=args.include_path,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=args.limit, device=device,

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from ..atomic import write_json
+from ..cli_options import DEVICE_HELP, dtype_option, resolve_device
 from ..data.sources import TEXT_SPLITS
 from ..provenance import command_provenance
 from .perplexity import (bucket_report, check_edges, default_edges, load_model, plot_buckets, position_nll,
@@ -26,16 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS,
                         help="how text files split into documents")
     parser.add_argument("--text-field", default="text", help="JSONL/Parquet column holding the text")
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu", help="default: cuda when available")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16 runs under autocast")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], type=dtype_option(["fp32", "bf16"]),
+                        help="bf16 runs under autocast (float32 and bfloat16 are taken too)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--plot", default=None, help="write the perplexity-by-position plot here (PNG)")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _edges(args: argparse.Namespace) -> list:
@@ -59,6 +55,7 @@ def _edges(args: argparse.Namespace) -> list:
 
 def run(args: argparse.Namespace) -> int:
     edges = _edges(args)
+    args.device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, device=args.device)
     tokens = token_stream(args.data, tokenizer, text_split=args.text_split, text_field=args.text_field,
                           max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1)

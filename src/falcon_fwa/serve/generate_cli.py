@@ -17,6 +17,7 @@ import os
 import sys
 from typing import List
 
+from ..cli_options import DEVICE_HELP, dtype_option, resolve_device
 from ..atomic import read_json, write_json
 from ..eval.perplexity import check_model_folder, load_model
 from ..provenance import command_provenance
@@ -39,30 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per batch (left-padded)")
     parser.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="end a completion at its first end-of-text token")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights' dtype")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], type=dtype_option(["fp32", "bf16"]),
+                        help="the weights' dtype (bfloat16 and float32 are taken too)")
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                         help="replay decoding steps from a CUDA graph: auto (a recurrent model on CUDA, falling back "
                              "to eager steps if recording fails), on (required), off")
     parser.add_argument("--json", default=None, help="write prompts, completions, settings and timings here")
-
-
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available here")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return name
 
 
 def _prompts(args: argparse.Namespace) -> List[str]:
@@ -99,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                     top_p=args.top_p, batch_size=args.batch_size)
     check_settings(**settings, name=lambda n: "--" + n.replace("_", "-"))
     prompts = _prompts(args)
-    device = _device(args.device)
+    device = resolve_device(args.device)
     try:
         check_model_folder(args.model)
     except FileNotFoundError as err:

@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..cli_options import DEVICE_HELP, resolve_device
+
 _clock = time.perf_counter  # every time in this module comes from here
 
 
@@ -195,8 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per measurement: seconds of timed steps (warm-up not counted)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="wall-clock seconds for the whole command (the only hard cap)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="default: cuda when available")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -241,6 +242,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --preset and/or --config")
     if args.min_steps < 1 or args.steps < args.min_steps:
         raise ValueError(f"--steps ({args.steps}) must be >= --min-steps ({args.min_steps}) >= 1")
+    for option, value, low in (("--seq-len", min(args.seq_len), 1), ("--batch-tokens", args.batch_tokens, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < low:
+            raise ValueError(f"{option} must be >= {low}, got {value}")
+    args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
     for name, config, seq_len, batch_size in list(_jobs(args)):
         row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size}

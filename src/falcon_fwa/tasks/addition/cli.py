@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ...cli_options import DEVICE_HELP, dtype_option, resolve_device
 from .data import BASES, OPERAND_ORDERS
 from .lineup import LINEUP, MIXERS, resolve_model
 from .presets import MATMUL_PRECISIONS, PRESETS, get_addition_preset
@@ -57,9 +58,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the preset's, none (the paper's setting)")
     p.add_argument("--ood-widths", type=int, nargs=2, metavar=("LO", "HI"),
                    help="override the (inclusive) range of out-of-distribution widths")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16 runs the model under autocast")
+                   type=dtype_option(["float32", "bfloat16"]),
+                   help="bfloat16 runs the model under autocast (fp32 and bf16 are taken too)")
     p.add_argument("--eval-seed", type=int, default=1234, help="seed of the fixed validation and OOD sets")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the preset's choice)")
 
@@ -99,6 +101,14 @@ def preset_from_args(args: argparse.Namespace):
         ood_widths=tuple(args.ood_widths) if args.ood_widths else None)
 
 
+def check_machine_options(args: argparse.Namespace) -> None:
+    """``--device`` resolved (``auto``: cuda where available) and ``--threads`` >= 1, or a
+    ``ValueError`` naming the option."""
+    args.device = resolve_device(args.device)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+
+
 def run(args: argparse.Namespace) -> int:
     from .plot import plot_accuracy_by_position, plot_accuracy_vs_width
     from .train import RunSpec, runs_folder, task_fields, train_run
@@ -111,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{given[0]}: model {args.model!r} is a Transformer (softmax attention), which has no "
                              f"fast-weight update; {', '.join(FAST_WEIGHT_OPTIONS.values())} apply to the "
                              "recurrent mixers only")
+    check_machine_options(args)
     preset = preset_from_args(args)
     threads = args.threads or (preset.cpu_threads if args.device == "cpu" else None)
     if threads:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ...provenance import git_commit
-from .cli import add_model_arguments, preset_from_args, slug
+from .cli import add_model_arguments, check_machine_options, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
@@ -313,6 +313,7 @@ def _git_commit() -> Optional[str]:
 def run(args: argparse.Namespace) -> int:
     from .plot import plot_accuracy_vs_width, plot_lineup_positions
 
+    check_machine_options(args)
     for m in args.models:
         if m not in LINEUP:
             raise ValueError(f"models: unknown {m!r}; choose from {', '.join(LINEUP)}")

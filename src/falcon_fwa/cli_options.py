@@ -1,0 +1,51 @@
+"""Options shared by the commands. A bad value ends the command with one line naming the
+option (exit status 2): a ``ValueError`` from ``resolve_device`` (the CLI prints it), argparse's
+own error for a ``--dtype`` it cannot read."""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Sequence
+
+DEVICE_HELP = "cpu, cuda, cuda:N or auto (cuda when available)"
+
+# every spelling of a dtype the commands take -> the torch name
+_DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                  "fp16": "float16", "float16": "float16"}
+
+
+def resolve_device(name: str) -> str:
+    """``name`` as a device string: ``auto`` is ``cuda`` where CUDA is available, else ``cpu``;
+    otherwise ``cpu``, ``cuda`` or ``cuda:N`` of a device this machine has. ``ValueError``
+    naming ``--device`` for anything else."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device must be {DEVICE_HELP}, got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be {DEVICE_HELP}, got {name!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return name
+
+
+def dtype_option(choices: Sequence[str]) -> Callable[[str], str]:
+    """argparse ``type`` of a ``--dtype`` option whose values are ``choices`` (a command's own
+    spellings): any spelling of the same dtype (``bf16`` or ``bfloat16``, ``fp32`` or ``float32``,
+    ``fp16`` or ``float16``) is taken and returned in the command's spelling."""
+    by_dtype = {_DTYPE_ALIASES[c]: c for c in choices}
+
+    def parse(text: str) -> str:
+        name = _DTYPE_ALIASES.get(text.strip().lower())
+        if name not in by_dtype:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)} (or their other spellings: "
+                                             f"fp32/float32, bf16/bfloat16, fp16/float16), got {text!r}")
+        return by_dtype[name]
+
+    parse.__name__ = "dtype"
+    return parse

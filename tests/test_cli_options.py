@@ -1,0 +1,90 @@
+"""Options every command shares (--device, --dtype) and the integer options that a division or
+torch would refuse with a traceback: a bad value ends the command with one line naming it."""
+import argparse
+import importlib
+
+import pytest
+import torch
+
+from falcon_fwa import cli
+from falcon_fwa.cli_options import dtype_option, resolve_device
+
+# each command with the least it needs to reach its own checks (no model or data is read)
+COMMANDS = {
+    "addition": [],
+    "addition-compare": [],
+    "ppl": ["--model", "no/model", "--data", "no/data.txt"],
+    "lm-eval": ["--model", "no/model", "--tasks", "piqa"],
+    "throughput": ["--preset", "tiny-falcon"],
+    "generate": ["--model", "no/model", "--prompt", "a"],
+}
+
+
+def _fails_naming(capsys, argv, named):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa {argv[0]}: error: {named}") and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("device", ["foo", "meta", "cuda:x"])
+def test_a_bad_device_is_named(command, device, capsys, monkeypatch):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    _fails_naming(capsys, [command, *COMMANDS[command], "--device", device], "--device")
+
+
+def test_auto_and_the_devices_this_machine_has(monkeypatch):
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="^--device cuda: CUDA is not available here$"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match="^--device cuda:2: this machine has 2 CUDA device"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["addition", "--threads", "-1"], "--threads"),
+    (["addition", "--threads", "0"], "--threads"),  # 0 would otherwise mean "the preset's choice"
+    (["addition-compare", "--threads", "0"], "--threads"),
+    (["throughput", "--preset", "tiny-falcon", "--seq-len", "0"], "--seq-len"),
+    (["throughput", "--preset", "tiny-falcon", "--batch-tokens", "0"], "--batch-tokens"),
+    (["throughput", "--preset", "tiny-falcon", "--warmup", "-1"], "--warmup"),
+])
+def test_integer_options_out_of_range_are_named(argv, named, capsys, monkeypatch):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    _fails_naming(capsys, argv, named)
+
+
+def _parse(command, argv):
+    module = importlib.import_module(cli.COMMANDS[command][0])
+    parser = argparse.ArgumentParser(prog=f"falcon-fwa {command}")
+    module.add_arguments(parser)
+    return parser.parse_args([*COMMANDS[command], *argv])
+
+
+@pytest.mark.parametrize("command,spellings,value", [
+    ("addition", ("bf16", "bfloat16", "BF16"), "bfloat16"),
+    ("addition", ("fp32", "float32"), "float32"),
+    ("ppl", ("bf16", "bfloat16"), "bf16"),
+    ("ppl", ("fp32", "float32"), "fp32"),
+    ("generate", ("bf16", "bfloat16"), "bf16"),
+    ("lm-eval", ("fp16", "float16"), "float16"),
+    ("lm-eval", ("bf16", "bfloat16"), "bfloat16"),
+])
+def test_every_command_takes_both_spellings_of_a_dtype(command, spellings, value):
+    for text in spellings:
+        assert _parse(command, ["--dtype", text]).dtype == value
+
+
+def test_a_dtype_a_command_lacks_is_refused_naming_its_choices():
+    parse = dtype_option(["fp32", "bf16"])
+    for bad in ("fp16", "half", "int8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"must be one of fp32, bf16"):
+            parse(bad)
+    with pytest.raises(SystemExit):
+        _parse("ppl", ["--dtype", "float16"])

@@ -54,6 +54,8 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["throughput", "--preset", "tiny-falcon", "--seq-len", "0"], "--seq-len"),
     (["throughput", "--preset", "tiny-falcon", "--batch-tokens", "0"], "--batch-tokens"),
     (["throughput", "--preset", "tiny-falcon", "--warmup", "-1"], "--warmup"),
+    (["addition", "--window", "0"], "--window"),
+    (["data", "--train", "no/such.txt", "--out", "no/out", "--val-every", "1"], "--val-every"),
 ])
 def test_integer_options_out_of_range_are_named(argv, named, capsys, monkeypatch):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
@@ -88,3 +90,10 @@ def test_a_dtype_a_command_lacks_is_refused_naming_its_choices():
             parse(bad)
     with pytest.raises(SystemExit):
         _parse("ppl", ["--dtype", "float16"])
+
+
+def test_a_bpe_tokenizer_without_an_integer_size_is_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    (tmp_path / "a.txt").write_text("some text to train on\n")
+    argv = ["data", "--train", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--tokenizer", "bpe:abc"]
+    _fails_naming(capsys, argv, "tokenizer 'bpe:N' needs an integer vocabulary size N, got 'bpe:abc'")

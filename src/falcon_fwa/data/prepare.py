@@ -108,4 +108,6 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool) -> dict:
 
 
 def open_split(out_dir: str, which: str) -> TokenShards:
+    """The token shards of split ``which`` (``"train"`` or ``"val"``) of a folder that
+    :func:`prepare_dataset` wrote (memory-mapped; each document is stored as ``[eos] + tokens``)."""
     return TokenShards(os.path.join(out_dir, which))

@@ -75,7 +75,10 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
     if spec.startswith("bpe:"):
         if texts is None:
             raise ValueError("tokenizer 'bpe:N' needs the corpus texts to train on")
-        return train_bpe_tokenizer(texts, int(spec.split(":", 1)[1]))
+        size = spec.split(":", 1)[1]
+        if not size.isdigit():
+            raise ValueError(f"tokenizer 'bpe:N' needs an integer vocabulary size N, got {spec!r}")
+        return train_bpe_tokenizer(texts, int(size))
     from transformers import AutoTokenizer
 
     try:  # a local folder, or a Hugging Face Hub name when online

@@ -153,6 +153,8 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
 
 
 def default_edges(seq_len: int, first: int = 64) -> List[int]:
+    """Position-bucket edges ``[0, first, 2 first, 4 first, ..., seq_len]`` (doubling while below
+    ``seq_len``): bucket ``i`` holds the positions ``edges[i] <= p < edges[i + 1]``."""
     edges, e = [0], first
     while e < seq_len:
         edges.append(e)

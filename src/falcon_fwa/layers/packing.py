@@ -75,7 +75,8 @@ class Packing:
 
 
 def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """``[0, l_0, l_0 + l_1, ...]`` as int64."""
+    """Offsets ``cu_seqlens`` ``[N + 1]`` (int64) of sequences of ``lengths`` ``[N]`` packed one after
+    another: ``[0, l_0, l_0 + l_1, ..., sum(lengths)]``."""
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
 
 

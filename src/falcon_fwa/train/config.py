@@ -251,6 +251,10 @@ def _typed(name: str, kind, value):
 
 
 def config_from_dict(raw: dict) -> RunConfig:
+    """A validated :class:`RunConfig` from a recipe's raw mapping ``{section: {field: value}}``
+    (what ``read_recipe`` and ``apply_overrides`` give). Unknown sections or fields and values
+    of the wrong type are ``ValueError``s naming the field; the model section is checked
+    against its preset (``RunConfig.validate``)."""
     sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
     kwargs = {}
     for name, value in raw.items():

@@ -102,11 +102,13 @@ def preset_from_args(args: argparse.Namespace):
 
 
 def check_machine_options(args: argparse.Namespace) -> None:
-    """``--device`` resolved (``auto``: cuda where available) and ``--threads`` >= 1, or a
-    ``ValueError`` naming the option."""
+    """``--device`` resolved (``auto``: cuda where available), ``--threads`` and ``--window``
+    >= 1, or a ``ValueError`` naming the option."""
     args.device = resolve_device(args.device)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if getattr(args, "window", None) is not None and args.window < 1:
+        raise ValueError(f"--window must be >= 1, got {args.window}")
 
 
 def run(args: argparse.Namespace) -> int:

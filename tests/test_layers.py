@@ -1,6 +1,7 @@
 """Token mixers against textbook definitions: short convolution, RoPE attention, the
 baselines' recurrences, the Falcon gates, packing and cached continuation."""
 import math
+import re
 
 import pytest
 import torch
@@ -339,6 +340,11 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(eps=-1.0), "eps"),
     (dict(initializer_range=-1.0), "initializer_range"),
     (dict(mixer="transformer", rope_theta=0.0), "rope_theta"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps"),
+    # the switches HF itself reads are typed too
+    (dict(use_cache="no"), "use_cache"),
+    (dict(tie_word_embeddings=1), "tie_word_embeddings"),
+    (dict(rule="3", window=2.5), "window"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -349,6 +355,31 @@ def test_an_integral_float_is_an_integer_field():
     """64.0 (JSON's or a division's) is the integer 64, stored as an int."""
     cfg = FalconConfig(vocab_size=64.0, hidden_size=32, num_heads=2.0, num_hidden_layers=1)
     assert (cfg.vocab_size, cfg.num_heads) == (64, 2) and isinstance(cfg.num_heads, int)
+
+
+def test_numpy_scalars_are_numbers_and_switches():
+    """Values read from numpy (a sweep grid, np.load) are taken, stored as Python types."""
+    import numpy as np
+
+    cfg = FalconConfig(vocab_size=np.int64(64), hidden_size=32, num_heads=2, num_hidden_layers=1, rule="3",
+                       window=np.int32(3), shift=np.bool_(False), eps=np.float32(1e-5))
+    assert (cfg.vocab_size, cfg.window, cfg.shift) == (64, 3, False)
+    assert type(cfg.vocab_size) is int and type(cfg.window) is int and type(cfg.shift) is bool
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lambda_scale", float("nan"), "config field 'lambda_scale' must be a finite number, got nan"),
+    ("lambda_scale", -0.5, "config field 'lambda_scale' must be >= 0, got -0.5"),
+    ("shift", "False", "config field 'shift' must be true or false, got 'False'"),
+    ("chunk_size", 2.5, "config field 'chunk_size' must be an integer, got 2.5"),
+    ("query_scale", float("inf"), "config field 'query_scale' must be a finite number"),
+    ("window", True, "config field 'window' must be an integer >= 1"),
+])
+def test_validate_fields_checks_fields_assigned_after_construction(field, value, message):
+    cfg = FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, rule="3")
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cfg.validate_fields()
 
 
 def test_a_preset_override_that_is_not_a_field_is_an_error():

@@ -11,8 +11,10 @@ changes: ``shift``, ``read``, ``qk_norm``, ``gate``, ``lambda_scale``.
 from __future__ import annotations
 
 import math
-
+import numbers
 from typing import Optional
+
+import numpy as np
 
 from transformers import PretrainedConfig
 
@@ -67,25 +69,32 @@ def _choice(field: str, value, allowed) -> None:
 
 
 def _int(field: str, value) -> int:
-    """``value`` as an int: an int or an integral float (``64.0`` from a JSON file); a fraction,
-    text or a bool is an error naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    """``value`` as an int: an integer (numpy's too) or an integral float (``64.0`` from a JSON
+    file); a fraction, text, NaN or a bool is an error naming ``field``."""
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value != int(value)):
         raise ValueError(f"config field {field!r} must be an integer, got {value!r}")
     return int(value)
 
 
 def _float(field: str, value) -> float:
     """``value`` as a finite float; NaN, infinities, bools and text are errors naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"config field {field!r} must be a finite number, got {value!r}")
     return float(value)
 
 
 def _bool(field: str, value) -> bool:
-    """``value`` if it is a bool: text such as ``"False"`` would otherwise count as true."""
-    if not isinstance(value, bool):
+    """``value`` if it is a bool (Python's or numpy's): text such as ``"False"`` would otherwise
+    count as true, and 0/1 would hide a value meant for another field."""
+    if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"config field {field!r} must be true or false, got {value!r}")
-    return value
+    return bool(value)
+
+
+BOOL_FIELDS = ("shift", "normalize", "v_norm", "use_short_conv", "output_gate", "use_d_skip", "norm_before_gate",
+               "tie_word_embeddings", "use_cache")
+"""The switches of :class:`FalconConfig`: each must be ``True`` or ``False``."""
 
 
 def config_fields() -> frozenset:
@@ -193,7 +202,10 @@ class FalconConfig(PretrainedConfig):
         self.mixer = mixer
         rule_name = str(pick("rule", rule)).strip().upper()
         self.rule = get_rule(rule_name).name if rule_name in RULES else str(pick("rule", rule))
-        self.window = window
+        # an integral number is stored as an int; anything else is left to validate_fields, which
+        # refuses it for the sliding rules (the others never read the window)
+        self.window = (int(window) if isinstance(window, numbers.Real) and not isinstance(window, (bool, np.bool_))
+                       and math.isfinite(window) and window == int(window) else window)
         self.shift = _bool("shift", pick("shift", shift))
         self.normalize = _bool("normalize", pick("normalize", normalize))
         self.read = pick("read", read)
@@ -218,7 +230,7 @@ class FalconConfig(PretrainedConfig):
         self.rms_norm_eps = _float("rms_norm_eps", rms_norm_eps)
         self.initializer_range = _float("initializer_range", initializer_range)
         self.mup_base_width = None if mup_base_width is None else _int("mup_base_width", mup_base_width)
-        self.use_cache = use_cache
+        self.use_cache = _bool("use_cache", use_cache)
         if self.num_heads < 1:
             raise ValueError(f"config field 'num_heads' must be >= 1, got {num_heads}")
         if head_k_dim is None or head_v_dim is None:
@@ -235,15 +247,22 @@ class FalconConfig(PretrainedConfig):
         qs = pick("query_scale", query_scale)
         self.query_scale = float(self.head_k_dim ** -0.5) if qs is None else _float("query_scale", qs)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+                         tie_word_embeddings=_bool("tie_word_embeddings", tie_word_embeddings), **kwargs)
         self.validate_fields()
 
     def validate_fields(self) -> None:
-        """Raise ``ValueError`` naming the first inconsistent field."""
-        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "head_k_dim",
+        """Raise ``ValueError`` naming the first inconsistent field (also after fields were
+        assigned one by one: the types are checked again, and every range check is written so
+        that NaN fails it)."""
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "intermediate_size", "head_k_dim",
                       "head_v_dim", "chunk_size", "conv_size"):
-            if getattr(self, field) < 1:
+            if _int(field, getattr(self, field)) < 1:
                 raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
+        for field in BOOL_FIELDS:
+            _bool(field, getattr(self, field))
+        for field in ("lambda_scale", "query_scale", "eps", "decay_floor", "rope_theta", "rms_norm_eps",
+                      "initializer_range"):
+            _float(field, getattr(self, field))
         _choice("mixer", self.mixer, MIXERS)
         if self.rule not in RULES:
             raise ValueError(f"config field 'rule' must be one of {sorted(RULES)}, got {self.rule!r}")
@@ -259,15 +278,16 @@ class FalconConfig(PretrainedConfig):
         _choice("form", self.form, FORMS)
         _choice("backend", self.backend, BACKENDS)
         for field in ("lambda_scale", "eps", "initializer_range"):
-            if getattr(self, field) < 0:
+            if not getattr(self, field) >= 0:
                 raise ValueError(f"config field {field!r} must be >= 0, got {getattr(self, field)}")
         for field in ("rms_norm_eps", "rope_theta"):
-            if getattr(self, field) <= 0:
+            if not getattr(self, field) > 0:
                 raise ValueError(f"config field {field!r} must be > 0, got {getattr(self, field)}")
         if not 0.0 < self.decay_floor < 1.0:
             raise ValueError(f"config field 'decay_floor' must lie in (0, 1), got {self.decay_floor}")
         if self.eps_attn is not None:
-            if not math.isfinite(self.eps_attn) or self.eps_attn < 0:
+            if isinstance(self.eps_attn, bool) or not isinstance(self.eps_attn, numbers.Real) \
+                    or not math.isfinite(self.eps_attn) or self.eps_attn < 0:
                 raise ValueError(f"config field 'eps_attn' must be None or a finite number >= 0, got {self.eps_attn}")
             if self.mixer == "transformer" or RULES[self.rule].regression:
                 raise ValueError(f"config field 'eps_attn' (the normalized read) needs an inner-product rule (1A, 2A, "
@@ -282,7 +302,7 @@ class FalconConfig(PretrainedConfig):
         if self.mixer == "transformer" and self.hidden_size % self.num_heads:
             raise ValueError(f"config field 'num_heads' = {self.num_heads} does not divide 'hidden_size' = "
                              f"{self.hidden_size} (the Transformer's head dim)")
-        if self.mup_base_width is not None and self.mup_base_width < 1:
+        if self.mup_base_width is not None and _int("mup_base_width", self.mup_base_width) < 1:
             raise ValueError(f"config field 'mup_base_width' must be >= 1, got {self.mup_base_width}")
 
     @property

@@ -324,6 +324,27 @@ def test_set_takes_an_exponent_without_a_dot_as_a_number(tmp_path):
     assert read_recipe(str(path))["optim"]["lr"] == 3e-4
 
 
+def test_model_overrides_take_numeric_text_for_float_fields_as_the_other_sections_do(tmp_path):
+    """A quoted number (YAML '1e-6', a JSON string) is a number in optim.* and in model.overrides
+    alike, and reaches the model as a float; text that is not a number names the override."""
+    from falcon_fwa.train.config import read_recipe
+    from falcon_fwa.train.model_factory import build_model
+
+    raw = recipe(tmp_path)
+    raw["optim"]["eps"] = "1e-7"
+    raw["model"]["overrides"] = {"eps_attn": "1e-6", "rule": "2A", "eps": "1e-5"}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(raw))
+    cfg = config_from_dict(read_recipe(str(path)))
+    assert cfg.optim.eps == 1e-7
+    assert cfg.model.overrides == {"eps_attn": 1e-6, "rule": "2A", "eps": 1e-5}
+    model_cfg = build_model(cfg.model, vocab_size=257, eos_token_id=256).config
+    assert (model_cfg.eps_attn, model_cfg.eps, model_cfg.rule) == (1e-6, 1e-5, "2A")
+    raw["model"]["overrides"] = {"eps_attn": "tiny"}
+    with pytest.raises(ValueError, match="config field model.overrides.eps_attn must be a number, got 'tiny'"):
+        config_from_dict(raw)
+
+
 @pytest.mark.parametrize("assignment, message", [
     ("model.overrides.rul=3", r"unknown config field 'rul' \(did you mean 'rule'\?\)"),
     ("model.overrides.hidden_size=64.5", "config field 'hidden_size' must be an integer, got 64.5"),

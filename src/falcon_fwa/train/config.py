@@ -250,6 +250,17 @@ def _typed(name: str, kind, value):
     return value
 
 
+def _typed_model_overrides(overrides: dict) -> dict:
+    """``model.overrides`` with the values of the model config's float fields typed as the
+    recipe's own float fields are (numeric text such as ``"1e-6"`` is the number). The other
+    values go to :class:`FalconConfig` as they are, which checks them naming the field."""
+    from ..models import FalconConfig
+
+    hints = get_type_hints(FalconConfig.__init__)
+    floats = {name for name, kind in hints.items() if kind is float or kind == Optional[float]}
+    return {k: _typed(f"model.overrides.{k}", hints[k], v) if k in floats else v for k, v in overrides.items()}
+
+
 def config_from_dict(raw: dict) -> RunConfig:
     """A validated :class:`RunConfig` from a recipe's raw mapping ``{section: {field: value}}``
     (what ``read_recipe`` and ``apply_overrides`` give). Unknown sections or fields and values
@@ -270,6 +281,8 @@ def config_from_dict(raw: dict) -> RunConfig:
                 raise ValueError(f"unknown config field {name}.{key}; fields of {name!r} are {sorted(known)}")
         types = get_type_hints(cls)
         kwargs[name] = cls(**{k: _typed(f"{name}.{k}", types[k], v) for k, v in (value or {}).items()})
+    if "model" in kwargs:
+        kwargs["model"].overrides = _typed_model_overrides(kwargs["model"].overrides)
     return RunConfig(**kwargs).validate()
 
 

@@ -56,6 +56,8 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["throughput", "--preset", "tiny-falcon", "--warmup", "-1"], "--warmup"),
     (["addition", "--window", "0"], "--window"),
     (["data", "--train", "no/such.txt", "--out", "no/out", "--val-every", "1"], "--val-every"),
+    (["data", "--train", "no/such.txt", "--out", "no/out", "--max-documents", "0"], "--max-documents"),
+    (["data", "--train", "no/such.txt", "--out", "no/out", "--bpe-documents", "0"], "--bpe-documents"),
 ])
 def test_integer_options_out_of_range_are_named(argv, named, capsys, monkeypatch):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
@@ -96,4 +98,5 @@ def test_a_bpe_tokenizer_without_an_integer_size_is_named(tmp_path, capsys, monk
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
     (tmp_path / "a.txt").write_text("some text to train on\n")
     argv = ["data", "--train", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--tokenizer", "bpe:abc"]
-    _fails_naming(capsys, argv, "tokenizer 'bpe:N' needs an integer vocabulary size N, got 'bpe:abc'")
+    _fails_naming(capsys, argv, "--tokenizer bpe:N needs an integer N (the vocabulary size), got 'bpe:abc'")
+    assert not (tmp_path / "out").exists()  # refused before the folder is made

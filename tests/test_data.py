@@ -1,13 +1,14 @@
 """Language-model data: tokenizers, document sources, token shards, packing, sample order."""
 import json
 import random
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from falcon_fwa.data import (BatchStream, DataSpec, PackedRows, RowOrder, TokenShards, byte_tokenizer, collate,
-                             encode_documents, iter_documents, prepare_dataset, train_bpe_tokenizer,
+                             encode_documents, iter_documents, load_tokenizer, prepare_dataset, train_bpe_tokenizer,
                              write_token_shards)
 
 TEXTS = ["Fast weights write keys.", "Zürich – naïve café ✓", "line one\nline two", "x" * 300, "a"]
@@ -222,3 +223,27 @@ def test_a_refused_val_every_leaves_no_folder(tmp_path):
     with pytest.raises(ValueError, match="data.val_every must be >= 2, got 1"):
         prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=1), str(tmp_path / "d"))
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("fields, field, message", [
+    (dict(val_every=1), "val_every", "must be >= 2, got 1"),
+    (dict(max_documents=0), "max_documents", "must be >= 1, got 0"),
+    (dict(bpe_documents=0), "bpe_documents", "must be >= 1, got 0"),
+    (dict(tokenizer="bpe:abc"), "tokenizer", "bpe:N needs an integer N (the vocabulary size), got 'bpe:abc'"),
+    (dict(tokenizer="bpe:257"), "tokenizer", "bpe:N needs N > 257"),
+])
+def test_a_bad_data_setting_is_named_before_the_folder_is_made(tmp_path, fields, field, message):
+    """Checked before the lock (which creates the folder) and before any document is read; named
+    as the recipe's data.FIELD, or as the caller names it (the data command: its options)."""
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
+    spec = DataSpec(train_source=str(tmp_path / "c.jsonl"), **fields)
+    with pytest.raises(ValueError, match="^" + re.escape(f"data.{field} {message}")):
+        prepare_dataset(spec, str(tmp_path / "d"))
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(ValueError, match="^" + re.escape(f"--{field.replace('_', '-')} {message}")):
+        spec.check(name=lambda f: "--" + f.replace("_", "-"))
+
+
+def test_load_tokenizer_names_a_bpe_size_that_is_not_an_integer():
+    with pytest.raises(ValueError, match=r"^tokenizer bpe:N needs an integer N .*got 'bpe:1e3'$"):
+        load_tokenizer("bpe:1e3", texts=["a b c"])

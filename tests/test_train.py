@@ -360,12 +360,22 @@ def test_model_overrides_are_checked_with_the_recipe(tmp_path, assignment, messa
 
 
 @pytest.mark.parametrize("section, field, value", [("train", "eval_every", -1), ("train", "eval_batches", 0),
-                                                   ("log", "every", 0)])
+                                                   ("log", "every", 0), ("data", "val_every", 1),
+                                                   ("data", "max_documents", 0), ("data", "bpe_documents", 0)])
 def test_recipe_value_errors_name_their_own_field(tmp_path, section, field, value):
     raw = recipe(tmp_path)
     raw[section][field] = value
     with pytest.raises(ValueError, match=rf"config field {section}\.{field} .*got {value}"):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize("tokenizer, message", [("bpe:abc", "needs an integer N"), ("bpe:100", "needs N > 257")])
+def test_a_bad_bpe_size_names_data_tokenizer_before_any_data_is_read(tmp_path, tokenizer, message):
+    raw = recipe(tmp_path)
+    raw["data"]["tokenizer"] = tokenizer
+    with pytest.raises(ValueError, match=f"^config field data.tokenizer bpe:N {message}.*got '{tokenizer}'$"):
+        config_from_dict(raw)
+    assert not (tmp_path / "data").exists()
 
 
 def test_compare_shares_one_data_folder_and_uses_calib_steps(tmp_path, monkeypatch):

@@ -25,11 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.val_every < 2:  # the recipe's data.val_every, named as the option here
-        raise ValueError(f"--val-every must be >= 2, got {args.val_every}")
     spec = DataSpec(train_source=args.train, val_source=args.val, tokenizer=args.tokenizer, text_split=args.text_split,
                     text_field=args.text_field, val_every=args.val_every, max_documents=args.max_documents,
                     bpe_documents=args.bpe_documents)
+    spec.check(name=lambda field: "--" + field.replace("_", "-"))  # the options, not the recipe's data.FIELD
     record = prepare_dataset(spec, args.out, overwrite=args.overwrite)
     print(json.dumps(record, indent=1))
     return 0

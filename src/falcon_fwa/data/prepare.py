@@ -11,12 +11,12 @@ import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ..atomic import write_json
 from .shards import TokenShards, write_token_shards
 from .sources import iter_documents
-from .tokenizer import load_tokenizer
+from .tokenizer import bpe_vocab_size, load_tokenizer
 
 
 @dataclass
@@ -35,6 +35,22 @@ class DataSpec:
     val_every: int = 20
     max_documents: Optional[int] = None
     bpe_documents: int = 100_000
+
+    def check(self, name: Callable[[str], str] = lambda field: f"data.{field}") -> None:
+        """Raise ``ValueError`` naming the first bad setting, before any document is read.
+        ``name`` turns a field name into the name the caller knows it by (default: the recipe's
+        ``data.FIELD``; the ``data`` command passes its options, ``--val-every``)."""
+        if self.val_every < 2:
+            raise ValueError(f"{name('val_every')} must be >= 2, got {self.val_every}")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise ValueError(f"{name('max_documents')} must be >= 1, got {self.max_documents}")
+        if self.bpe_documents < 1:
+            raise ValueError(f"{name('bpe_documents')} must be >= 1, got {self.bpe_documents}")
+        if self.tokenizer.startswith("bpe:"):
+            try:
+                bpe_vocab_size(self.tokenizer)
+            except ValueError as err:
+                raise ValueError(f"{name('tokenizer')} {err}") from None
 
 
 def _docs(spec: DataSpec, which: str):
@@ -68,8 +84,7 @@ def _locked(out_dir: str):
 
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) -> dict:
     """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts."""
-    if spec.val_every < 2:  # before the lock, which creates the folder
-        raise ValueError(f"data.val_every must be >= 2, got {spec.val_every}")
+    spec.check()  # before the lock, which creates the folder
     with _locked(out_dir):
         return _prepare(spec, out_dir, overwrite)
 

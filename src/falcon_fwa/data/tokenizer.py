@@ -67,6 +67,17 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
     return _wrap(tok)
 
 
+def bpe_vocab_size(spec: str) -> int:
+    """The vocabulary size ``N`` of a ``"bpe:N"`` tokenizer spec; ``ValueError`` (its message
+    reads after the name of the setting) unless ``N`` is an integer > 257."""
+    size = spec.split(":", 1)[1].strip()
+    if not size.isdigit():
+        raise ValueError(f"bpe:N needs an integer N (the vocabulary size), got {spec!r}")
+    if int(size) <= 257:
+        raise ValueError(f"bpe:N needs N > 257 (the 256 bytes and the end-of-text token come first), got {spec!r}")
+    return int(size)
+
+
 def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
     """``spec``: ``"byte"``, ``"bpe:<vocab_size>"`` (trained on ``texts``), a local folder
     holding a Hugging Face tokenizer, or a Hub tokenizer name (online)."""
@@ -75,10 +86,11 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
     if spec.startswith("bpe:"):
         if texts is None:
             raise ValueError("tokenizer 'bpe:N' needs the corpus texts to train on")
-        size = spec.split(":", 1)[1]
-        if not size.isdigit():
-            raise ValueError(f"tokenizer 'bpe:N' needs an integer vocabulary size N, got {spec!r}")
-        return train_bpe_tokenizer(texts, int(size))
+        try:
+            size = bpe_vocab_size(spec)
+        except ValueError as err:
+            raise ValueError(f"tokenizer {err}") from None
+        return train_bpe_tokenizer(texts, size)
     from transformers import AutoTokenizer
 
     try:  # a local folder, or a Hugging Face Hub name when online

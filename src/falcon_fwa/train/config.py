@@ -119,6 +119,7 @@ class RunConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"config field {name} {why}, got {_get(self, name)!r}")
+        d.check(name=lambda field: f"config field data.{field}")  # the corpus settings, before any is read
         self._check_model()
         if o.warmup_steps > t.steps:
             warnings.warn(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}: the learning rate "

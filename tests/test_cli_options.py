@@ -2,12 +2,13 @@
 torch would refuse with a traceback: a bad value ends the command with one line naming it."""
 import argparse
 import importlib
+import re
 
 import pytest
 import torch
 
 from falcon_fwa import cli
-from falcon_fwa.cli_options import dtype_option, resolve_device
+from falcon_fwa.cli_options import at_least, dtype_option, resolve_device
 
 # each command with the least it needs to reach its own checks (no model or data is read)
 COMMANDS = {
@@ -28,8 +29,9 @@ def _fails_naming(capsys, argv, named):
 
 @pytest.mark.parametrize("command", list(COMMANDS))
 @pytest.mark.parametrize("device", ["foo", "meta", "cuda:x"])
-def test_a_bad_device_is_named(command, device, capsys, monkeypatch):
+def test_a_bad_device_is_named(command, device, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)
     _fails_naming(capsys, [command, *COMMANDS[command], "--device", device], "--device")
 
 
@@ -54,14 +56,36 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["throughput", "--preset", "tiny-falcon", "--seq-len", "0"], "--seq-len"),
     (["throughput", "--preset", "tiny-falcon", "--batch-tokens", "0"], "--batch-tokens"),
     (["throughput", "--preset", "tiny-falcon", "--warmup", "-1"], "--warmup"),
+    (["throughput", "--preset", "tiny-falcon", "--profile", "-1"], "--profile"),
+    (["throughput", "--preset", "tiny-falcon", "--max-seconds", "nan"], "--max-seconds"),
+    (["throughput", "--preset", "tiny-falcon", "--deadline", "0"], "--deadline"),
+    (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--batch-size", "0"], "--batch-size"),
+    (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--num-fewshot", "-1"], "--num-fewshot"),
+    (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--limit", "0"], "--limit"),
+    (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--max-length", "0"], "--max-length"),
+    (["lm-eval", "--model", "no/model", "--tasks", " , "], "--tasks"),
+    (["ppl", "--model", "no/model", "--data", "no/data.txt", "--batch-size", "0"], "--batch-size"),
     (["addition", "--window", "0"], "--window"),
     (["data", "--train", "no/such.txt", "--out", "no/out", "--val-every", "1"], "--val-every"),
     (["data", "--train", "no/such.txt", "--out", "no/out", "--max-documents", "0"], "--max-documents"),
     (["data", "--train", "no/such.txt", "--out", "no/out", "--bpe-documents", "0"], "--bpe-documents"),
 ])
-def test_integer_options_out_of_range_are_named(argv, named, capsys, monkeypatch):
+def test_integer_options_out_of_range_are_named(argv, named, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)  # the relative paths above: nothing lands in the checkout if a check is missed
     _fails_naming(capsys, argv, named)
+
+
+@pytest.mark.parametrize("value, low, strict, message", [
+    (0, 1, False, "--x must be >= 1, got 0"),
+    (float("nan"), 0, False, "--x must be >= 0, got nan"),
+    (0.0, 0, True, "--x must be > 0, got 0.0"),
+])
+def test_at_least_names_the_option_and_fails_nan(value, low, strict, message):
+    at_least("--x", None, low, strict=strict)  # an option left out passes
+    at_least("--x", low + 1, low, strict=strict)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        at_least("--x", value, low, strict=strict)
 
 
 def _parse(command, argv):

@@ -1,6 +1,6 @@
 """Options shared by the commands. A bad value ends the command with one line naming the
-option (exit status 2): a ``ValueError`` from ``resolve_device`` (the CLI prints it), argparse's
-own error for a ``--dtype`` it cannot read."""
+option (exit status 2): a ``ValueError`` from ``resolve_device`` or ``at_least`` (the CLI
+prints it with the place it was raised), argparse's own error for a ``--dtype`` it cannot read."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,14 @@ def resolve_device(name: str) -> str:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return name
+
+
+def at_least(option: str, value, low, *, strict: bool = False) -> None:
+    """``ValueError`` naming ``option`` unless ``value >= low`` (``value > low`` when ``strict``);
+    NaN fails, ``None`` (an option left out) passes. For integer and number options whose bad
+    values would otherwise end in a traceback or be silently taken as "off"."""
+    if value is not None and not (value > low if strict else value >= low):
+        raise ValueError(f"{option} must be {'>' if strict else '>='} {low}, got {value}")
 
 
 def dtype_option(choices: Sequence[str]) -> Callable[[str], str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_json
-from ..cli_options import DEVICE_HELP, dtype_option, resolve_device
+from ..cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
 from ..provenance import command_provenance
 
 
@@ -31,12 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the options first: a bad value is named before lm-eval is imported or the model loaded
+    at_least("--batch-size", args.batch_size, 1)
+    at_least("--num-fewshot", args.num_fewshot, 0)
+    at_least("--limit", args.limit, 0, strict=True)
+    at_least("--max-length", args.max_length, 1)
+    device = resolve_device(args.device)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError(f"--tasks must name at least one task, got {args.tasks!r}")
     from lm_eval.utils import make_table
 
     from .harness import evaluate
 
-    device = resolve_device(args.device)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     results = evaluate(args.model, tasks, include_path=args.include_path,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=args.limit, device=device,
                        dtype=args.dtype, max_length=args.max_length)

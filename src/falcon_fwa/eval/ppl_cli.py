@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..atomic import write_json
-from ..cli_options import DEVICE_HELP, dtype_option, resolve_device
+from ..cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
 from ..data.sources import TEXT_SPLITS
 from ..provenance import command_provenance
 from .perplexity import (bucket_report, check_edges, default_edges, load_model, plot_buckets, position_nll,
@@ -37,9 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _edges(args: argparse.Namespace) -> list:
     """The bucket edges, checked before any work (a bad --buckets would otherwise end a long run)."""
     for name in ("seq_len", "batch_size", "max_windows"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        at_least(f"--{name.replace('_', '-')}", getattr(args, name), 1)
     if not args.buckets:
         return default_edges(args.seq_len)
     try:

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..cli_options import DEVICE_HELP, resolve_device
+from ..cli_options import DEVICE_HELP, at_least, resolve_device
 
 _clock = time.perf_counter  # every time in this module comes from here
 
@@ -242,10 +242,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --preset and/or --config")
     if args.min_steps < 1 or args.steps < args.min_steps:
         raise ValueError(f"--steps ({args.steps}) must be >= --min-steps ({args.min_steps}) >= 1")
-    for option, value, low in (("--seq-len", min(args.seq_len), 1), ("--batch-tokens", args.batch_tokens, 1),
-                               ("--warmup", args.warmup, 0)):
-        if value < low:
-            raise ValueError(f"{option} must be >= {low}, got {value}")
+    at_least("--seq-len", min(args.seq_len), 1)
+    at_least("--batch-tokens", args.batch_tokens, 1)
+    at_least("--warmup", args.warmup, 0)
+    at_least("--profile", args.profile, 0)
+    at_least("--max-seconds", args.max_seconds, 0)
+    at_least("--deadline", args.deadline, 0, strict=True)
     args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
     for name, config, seq_len, batch_size in list(_jobs(args)):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ...cli_options import DEVICE_HELP, dtype_option, resolve_device
+from ...cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
 from .data import BASES, OPERAND_ORDERS
 from .lineup import LINEUP, MIXERS, resolve_model
 from .presets import MATMUL_PRECISIONS, PRESETS, get_addition_preset
@@ -105,10 +105,8 @@ def check_machine_options(args: argparse.Namespace) -> None:
     """``--device`` resolved (``auto``: cuda where available), ``--threads`` and ``--window``
     >= 1, or a ``ValueError`` naming the option."""
     args.device = resolve_device(args.device)
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if getattr(args, "window", None) is not None and args.window < 1:
-        raise ValueError(f"--window must be >= 1, got {args.window}")
+    at_least("--threads", args.threads, 1)  # 0 would otherwise silently mean "the preset's choice"
+    at_least("--window", getattr(args, "window", None), 1)  # the model config would name its field 'window'
 
 
 def run(args: argparse.Namespace) -> int:

@@ -350,6 +350,7 @@ def test_model_overrides_take_numeric_text_for_float_fields_as_the_other_section
     ("model.overrides.hidden_size=64.5", "config field 'hidden_size' must be an integer, got 64.5"),
     ("model.overrides.shift='false'", "config field 'shift' must be true or false, got 'false'"),
     ("model.preset=tiny-lstm", "unknown preset 'tiny-lstm'"),
+    ("model.overrides.eos_token_id=3", "config field model.overrides.eos_token_id: the end-of-text id is the tokenizer's"),
 ])
 def test_model_overrides_are_checked_with_the_recipe(tmp_path, assignment, message):
     """Before any data is read: a misspelt or mistyped model field stops the recipe, naming it."""

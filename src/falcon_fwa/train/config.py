@@ -135,6 +135,9 @@ class RunConfig:
 
         overrides = dict(self.model.overrides)
         overrides.pop("vocab_size", None)
+        if "eos_token_id" in overrides:  # build_model passes the tokenizer's
+            raise ValueError("config field model.overrides.eos_token_id: the end-of-text id is the tokenizer's; "
+                             "leave it out")
         try:
             get_preset(self.model.preset, **overrides)
         except ValueError as e:

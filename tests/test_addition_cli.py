@@ -535,5 +535,5 @@ def test_abacus_offset_reaches_the_model_the_results_and_the_default_names(tmp_p
     with pytest.raises(ValueError, match="abacus_offset"):  # no resuming without the digit positions
         cli.main(["--model", "Falcon-1A.3", "--steps", "3", "--out", str(run_dir), "--no-progress",
                   "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL])
-    with pytest.raises(ValueError, match="abacus_offset"):
+    with pytest.raises(ValueError, match="^--abacus-offset must be >= 0, got -1$"):  # named as typed
         cli.main(["--model", "Falcon-1A.3", "--no-progress", *TWO_STEPS, "--abacus-offset", "-1", *SMALL])

@@ -91,6 +91,14 @@ def slug(name: str) -> str:
 
 
 def preset_from_args(args: argparse.Namespace):
+    """The ``--preset`` with the options given replacing its fields; an option out of range is
+    named as typed (the preset would name its field, ``hidden_size``)."""
+    for field in ("steps", "batch_size", "eval_every", "hidden_size", "num_hidden_layers", "num_heads",
+                  "val_per_width", "ood_per_width"):
+        at_least("--" + field.replace("_", "-"), getattr(args, field), 1)
+    at_least("--curriculum-steps", args.curriculum_steps, 0)
+    at_least("--abacus-offset", args.abacus_offset, 0)
+    at_least("--lr", args.lr, 0, strict=True)
     return get_addition_preset(args.preset).replace(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,

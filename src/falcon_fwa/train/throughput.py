@@ -206,13 +206,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_preset(spec: str):
-    """``"falcon-1a.3-130m:rule=1,window=4"`` -> FalconConfig."""
+    """``"falcon-1a.3-130m:rule=1,window=4"`` -> FalconConfig; ``ValueError`` naming ``--preset``
+    for an unknown preset or field (with the closest field name) or a bad value."""
     from ..models import get_preset
     from .config import load_yaml
 
     name, _, rest = spec.partition(":")
-    overrides = {k: load_yaml(v) for k, v in (item.split("=", 1) for item in rest.split(",") if item)}
-    return get_preset(name, **overrides)
+    items = [item for item in rest.split(",") if item]
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--preset {spec!r}: {item!r} is not field=value (NAME:field=value,...)")
+    try:
+        return get_preset(name, **{k.strip(): load_yaml(v) for k, v in (item.split("=", 1) for item in items)})
+    except ValueError as err:  # an unknown preset or field, a bad value: named with the option
+        raise ValueError(f"--preset {spec!r}: {err}") from None
 
 
 def _jobs(args):

@@ -7,8 +7,9 @@ empty state. Two ways to treat the documents inside a window:
 * ``documents="reset"`` (``eos_id`` given; the default of ``falcon-fwa ppl``, and what
   training with ``packing: cu_seqlens`` does): every document starts from an empty state
   (the window is run as packed sequences with ``cu_seqlens`` at each end-of-text), the
-  prediction of a document's opening token from the previous document is left out (as in
-  the training loss), and a token's position is its position in its document; the part of
+  prediction of a document's opening token from the previous document is left out (the
+  trainer's losses count it: they score every target of a row, so on data whose documents
+  end inside the rows ``ppl`` and ``val_loss`` differ by those predictions), and a token's position is its position in its document; the part of
   a document that continues from the previous window starts from an empty state at the
   window's start, so there a position counts from the window's start (the context the
   model had). A held-out file read as one document (``text_split="file"``) is therefore

@@ -199,6 +199,7 @@ def test_a_stop_signal_ends_the_run_at_the_step_in_progress_with_a_checkpoint(tm
     finally:
         signal.signal(signum, before)
     assert summary["signal"] == signal.Signals(signum).name and summary["steps"] == 3
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["signal"] == summary["signal"]
     assert trainer.last_checkpoint.endswith("step-00000003")
     assert load_checkpoint(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))["step"] == 3
     monkeypatch.undo()

@@ -259,10 +259,7 @@ class Trainer:
         before ``train.steps`` names the signal (``"signal": "SIGTERM"``). A second signal interrupts
         at once."""
         with _StopSignals(stop_on_signal) as signals:
-            summary = self._train(stop_at, should_stop, signals)
-        if signals.received and summary["steps"] < self.cfg.train.steps:
-            summary = {**summary, "signal": signal.Signals(signals.received).name}
-        return summary
+            return self._train(stop_at, should_stop, signals)
 
     def _train(self, stop_at: Optional[int], should_stop: Optional[Callable[[int], bool]], signals) -> dict:
         cfg, t, o, info = self.cfg, self.cfg.train, self.cfg.optim, self.info
@@ -344,6 +341,8 @@ class Trainer:
                                       if info.device.type == "cuda" else None),
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,
                    "commit": git_commit(short=False), "config": cfg.to_dict()}
+        if signals.received and self.step < t.steps:  # in summary.json too: why the run ended early
+            summary["signal"] = signal.Signals(signals.received).name
         if info.is_main:
             write_json(summary_path, summary)
         return summary

@@ -202,10 +202,10 @@ class FalconConfig(PretrainedConfig):
         self.mixer = mixer
         rule_name = str(pick("rule", rule)).strip().upper()
         self.rule = get_rule(rule_name).name if rule_name in RULES else str(pick("rule", rule))
-        # an integral number is stored as an int; anything else is left to validate_fields, which
-        # refuses it for the sliding rules (the others never read the window)
-        self.window = (int(window) if isinstance(window, numbers.Real) and not isinstance(window, (bool, np.bool_))
-                       and math.isfinite(window) and window == int(window) else window)
+        try:  # an integral number is stored as an int
+            self.window = _int("window", window)
+        except ValueError:  # left to validate_fields, which refuses it for the sliding rules (the others never read it)
+            self.window = window
         self.shift = _bool("shift", pick("shift", shift))
         self.normalize = _bool("normalize", pick("normalize", normalize))
         self.read = pick("read", read)

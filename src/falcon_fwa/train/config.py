@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -127,7 +128,6 @@ class RunConfig:
                           "still warming up", stacklevel=2)
         return self
 
-
     def _check_model(self) -> None:
         """The preset exists and every override is a valid model config field with a valid value
         (checked now, before any data is read; ``vocab_size`` is left to the tokenizer)."""
@@ -141,7 +141,8 @@ class RunConfig:
         try:
             get_preset(self.model.preset, **overrides)
         except ValueError as e:
-            raise ValueError(f"config section model (preset {self.model.preset!r}, overrides {overrides}): {e}") from None
+            raise ValueError(f"config section model (preset {self.model.preset!r}, overrides {overrides}): "
+                             f"{e}") from None
 
 
 def _get(cfg, dotted: str):
@@ -178,9 +179,9 @@ def read_recipe(path: str) -> dict:
     return raw
 
 
-def load_yaml(stream):
-    """``yaml.safe_load`` that also reads exponent numbers without a dot (``1e-3``, ``5E4``) as
-    floats, as YAML 1.2 does; PyYAML's YAML 1.1 rules read them as text."""
+@functools.lru_cache(maxsize=None)
+def _yaml_loader():
+    """``yaml.SafeLoader`` that also reads exponent numbers without a dot as floats."""
     import re
 
     import yaml
@@ -191,7 +192,15 @@ def load_yaml(stream):
     Loader.add_implicit_resolver("tag:yaml.org,2002:float",
                                  re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
                                  list("-+0123456789"))
-    return yaml.load(stream, Loader=Loader)
+    return Loader
+
+
+def load_yaml(stream):
+    """``yaml.safe_load`` that also reads exponent numbers without a dot (``1e-3``, ``5E4``) as
+    floats, as YAML 1.2 does; PyYAML's YAML 1.1 rules read them as text."""
+    import yaml
+
+    return yaml.load(stream, Loader=_yaml_loader())
 
 
 def _parse_value(text: str):

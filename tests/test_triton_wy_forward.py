@@ -9,7 +9,8 @@ writes per step)::
     A = (I + N)^{-1},   U = A (eta Y),   W = A (kappa exp(w) X)
 
 ``A`` comes from ``torch.linalg.inv`` in float64. Every output buffer starts as NaN, so a
-value the kernel reads before writing it, or a row it leaves unwritten, shows.
+value the kernel reads before writing it, or a row it leaves unwritten, shows. Every test runs
+both forms of the forward: one launch (``wy_fwd``) and two (``wy_inverse``, then ``wy_apply``).
 """
 from __future__ import annotations
 
@@ -21,10 +22,24 @@ import torch
 # kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
 from kernel_checks import DEVICE, PoisonedEmpty, in_this_process, needs_cuda, rel_norm
 
+from falcon_fwa.ops.triton import delta
 from falcon_fwa.ops.triton.chunk_index import chunk_layout
 from falcon_fwa.ops.triton.delta import wy_forward
 
 pytestmark = in_this_process
+
+
+@pytest.fixture(autouse=True, params=["one launch", "two launches"])
+def wy_launches(request, monkeypatch):
+    """Every entry of ``delta.WY_FWD_LAUNCH`` in the form of ``request.param``, at its own block
+    sizes, warps and stages."""
+    for key, entry in delta.WY_FWD_LAUNCH.items():
+        c = dict(entry["wy_fwd"]) if "wy_fwd" in entry else {**entry["wy_inverse"], **entry["wy_apply"]}
+        if request.param == "one launch":
+            form = {"wy_fwd": c}
+        else:
+            form = {"wy_inverse": {n: c[n] for n in ("BK", "num_warps", "num_stages")}, "wy_apply": c}
+        monkeypatch.setitem(delta.WY_FWD_LAUNCH, key, form)
 
 
 def wy_inputs(B: int, T: int, H: int, K: int, V: int, *, slots: int = 1, seed: int = 0, eta_scale: float = 0.6,
@@ -157,6 +172,24 @@ def test_half_precision_inverse(monkeypatch, slots):
     # fp16 inputs: A is formed in fp32 and returned in fp16 (at most 2^-11 relative per entry), the
     # dtype every product takes it in; the interpreter runs fp16 (not bf16)
     check_wy(monkeypatch, (1, 72, 2, 16, 16), torch.float16, slots=slots, seed=9 + slots, tol_a=1e-3, tol_uw=3e-3)
+
+
+def test_windowed_pairs_read_in_place(monkeypatch):
+    # rule 3's layout read in place: write j*slots + i takes its pair from row j + i of the extended axis
+    # [B, T // slots + slots - 1, H, D]; the result is that of the expanded write rows
+    B, steps, slots, H, K, V = 2, 19, 4, 1, 16, 16
+    T = steps * slots
+    g = torch.Generator().manual_seed(11)
+    x_axis = torch.randn(B, steps + slots - 1, H, K, generator=g) / K ** 0.5
+    v_axis = torch.randn(B, steps + slots - 1, H, V, generator=g)
+    _x, _v, eta, kappa, log_a = wy_inputs(B, T, H, K, V, slots=slots, seed=12)
+    pos = (torch.arange(T) // slots + torch.arange(T) % slots)  # write -> row of the axis
+    layout = chunk_layout(B, T, 64, None)
+    with PoisonedEmpty(monkeypatch):
+        A, U, W = wy_forward(x_axis, v_axis, eta, kappa, log_a, layout, slots, windowed=True)
+    ref = wy_reference(x_axis[:, pos], v_axis[:, pos], eta, kappa, log_a, BT=64, slots=slots)
+    for name, got, want in (("A", A, ref[0]), ("U", U, ref[1]), ("W", W, ref[2])):
+        assert rel_norm(got.cpu(), want) <= 2e-6, name
 
 
 # ---- GPU: benchmark head dims ----

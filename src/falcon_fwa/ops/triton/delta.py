@@ -25,12 +25,15 @@ SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row b
 # can vary them). Triton 3.4-3.7.0 is known to miscompile fla's WY backward at chunk 64 with 4 warps on
 # Hopper; this kernel runs 4 warps for 16-bit inputs (FULL_K_16BIT*), checked on an H200 against float64.
 WY_WARPS = {"wy_bwd": 8}
-# Launch settings of ``wy_fwd``, by the precision of its products and, for 16-bit inputs, the write
-# layout (one write per step: rule 1; grouped writes: rule 3). Exact fp32 products run on the FMA units
-# with their operands in registers: 64-wide blocks spill for sm_90 at 4 or 8 warps. On an H200 at
-# B=8, T=2048, H=16, K=V=128: exact fp32 1.25 ms at 16-wide blocks and 4 warps (32-wide at 8 warps:
-# 1.67 ms); bf16 0.26 ms at 4 warps against 0.52 at 8. ``benchmarks/sweep_launch.py`` sweeps an entry
-# (``--table delta.WY_FWD_LAUNCH.16bit --kernels wy_fwd``).
+# Launch settings of the WY forward, by the precision of its products and, for 16-bit inputs, the write
+# layout (one write per step: rule 1; grouped writes: rule 3). An entry names either ``wy_fwd`` (one
+# launch: the inverse and the products) or ``wy_inverse`` and ``wy_apply`` (two launches: the inverse,
+# then the products over a grid of column blocks, at the apply kernel's own occupancy). Exact fp32
+# products run on the FMA units with their operands in registers: 64-wide blocks spill for sm_90 at 4 or
+# 8 warps. On an H200 at B=8, T=2048, H=16, K=V=128: exact fp32 1.25 ms at 16-wide blocks and 4 warps
+# (32-wide at 8 warps: 1.67 ms); bf16 0.26 ms at 4 warps against 0.52 at 8. ``benchmarks/sweep_launch.py``
+# sweeps an entry (``--table delta.WY_FWD_LAUNCH.16bit --kernels wy_fwd``), ``benchmarks/bench_wy_forward.py``
+# times one launch against two.
 WY_FWD_LAUNCH = {
     "ieee": {"wy_fwd": dict(BK=16, BV=16, num_warps=4, num_stages=3)},
     "tf32": {"wy_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3)},
@@ -112,11 +115,11 @@ def _wy_fwd_key(dtype: torch.dtype, prec: str, slots: int) -> str:
 
 
 def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowed: bool = False):
-    """``wy_fwd`` over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` (row ``t``
-    holds its chunk's row of the inverse), ``U = A (eta Y)`` ``[B, T, H, V]`` and
+    """The WY forward over every chunk of ``layout``: ``A = (I + N)^{-1}`` ``[B, T, H, BT]`` (row
+    ``t`` holds its chunk's row of the inverse), ``U = A (eta Y)`` ``[B, T, H, V]`` and
     ``W = A (kappa exp(w) X)`` ``[B, T, H, K]`` in the inputs' dtype (``delta_kernels``), over the
-    ``T = layout.T`` write rows. With ``windowed``, ``x`` and ``v`` are ``[B, T // slots + slots - 1,
-    H, D]`` (``delta_chunk``).
+    ``T = layout.T`` write rows, in one launch or two (``WY_FWD_LAUNCH``). With ``windowed``, ``x``
+    and ``v`` are ``[B, T // slots + slots - 1, H, D]`` (``delta_chunk``).
 
     The inverse is formed in fp32. For 16-bit inputs it is returned rounded to the inputs'
     dtype, as every product that reads it takes it (here and in ``wy_bwd``): the fp32 scratch
@@ -127,10 +130,20 @@ def wy_forward(x, v, eta, kappa, log_a, layout: ChunkLayout, slots: int, windowe
     A = x.new_empty(B, T, H, layout.BT, dtype=torch.float32)  # also the scratch of N (written before read)
     A_out = A if x.dtype == torch.float32 else torch.empty_like(A, dtype=x.dtype)
     U, W = x.new_empty(B, T, H, V, dtype=v.dtype), x.new_empty(B, T, H, K)
-    c = launch_config("wy_fwd", K, V, WY_FWD_LAUNCH[_wy_fwd_key(x.dtype, prec, slots)])
-    wy.wy_fwd[(layout.num_chunks, H)](
-        x, v, eta, kappa, log_a, A, A_out, U, W, chunk_indices=layout.chunk_indices, H=H, K=K, V=V, **c,
-        PRECISION=prec, SLOTS=slots, WINDOWED=windowed, STORE_A_OUT=A_out is not A, **layout_args(layout))
+    table = WY_FWD_LAUNCH[_wy_fwd_key(x.dtype, prec, slots)]
+    rows = dict(chunk_indices=layout.chunk_indices, H=H, K=K, PRECISION=prec, SLOTS=slots, WINDOWED=windowed,
+                **layout_args(layout))
+    if "wy_fwd" in table:
+        c = launch_config("wy_fwd", K, V, table)
+        wy.wy_fwd[(layout.num_chunks, H)](x, v, eta, kappa, log_a, A, A_out, U, W, V=V, STORE_A_OUT=A_out is not A,
+                                          **c, **rows)
+        return A_out, U, W
+    c = launch_config("wy_inverse", K, V, table)
+    wy.wy_inverse[(layout.num_chunks, H)](x, kappa, log_a, A, A_out, STORE_A_OUT=A_out is not A, **c, **rows)
+    c = launch_config("wy_apply", K, V, table)
+    wy.wy_apply[(layout.num_chunks, H, cdiv(V, c["BV"]) + cdiv(K, c["BK"]))](
+        x, v, eta, kappa, log_a, A_out, U, W, V=V, **c, **rows)
+    del A  # the fp32 scratch (16-bit inputs)
     return A_out, U, W
 
 

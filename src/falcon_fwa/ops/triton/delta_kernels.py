@@ -15,7 +15,7 @@ key ``x`` and values ``D``::
 
 Kernels: ``wy_fwd`` (``A``, ``U``, ``W`` of every chunk: one Gram per chunk, ``N`` staged in ``A``
 and inverted there in 16 x 16 blocks, forward substitution on the diagonal ones and
-products for the rest), ``state_fwd`` (sequential: entry states and
+products for the rest; or the same in two launches, ``wy_inverse`` then ``wy_apply``), ``state_fwd`` (sequential: entry states and
 ``D``; the outputs are ``scalar_decay_kernels.output_fwd``'s), ``state_bwd`` (reverse: the whole
 ``dD``, its reads' part ``sum_t exp(uq_t - u_s) (q_t . x_s) do_t`` formed in the same pass, plus
 ``exp(u_C - u) X dh``, and ``dh_prev = exp(u_C) dh + sum_t exp(uq_t) q_t do_t^T - W^T dD``) and ``wy_bwd``
@@ -165,6 +165,53 @@ def _unit_lower_inverse(a0, n_rows, H: tl.constexpr, BT: tl.constexpr, PRECISION
 
 
 @triton.jit
+def _wy_coefficients(log_a, eta, kappa, i_t, i_h, bos, T_n, H: tl.constexpr, BT: tl.constexpr, SLOTS: tl.constexpr,
+                     HAS_ETA: tl.constexpr = True):
+    """Per write row of the chunk: ``u`` and ``w`` (``_step_prefix``), ``kappa``, the scales ``eta``
+    (1 without ``HAS_ETA``) of ``Y`` and ``kappa exp(w)`` of ``X``, and the row mask."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    u, w, _u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, HAS_ETA)
+    w = _step_prefix(u, w, BT, SLOTS)
+    ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    return u, w, ka, et, ka * tl.exp(w), m_t
+
+
+@triton.jit
+def _wy_inverse(x, A, A_out, r_p, ka, u, w, m_t, i_t, i_h, bos, T_n, H: tl.constexpr, K: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr,
+                STORE_A_OUT: tl.constexpr):
+    """``A = (I + N)^{-1}`` of one chunk, into its rows of ``A`` (fp32; ``N`` is staged there and
+    inverted in place) and, with ``STORE_A_OUT``, rounded to the input dtype into ``A_out``.
+    Returns the tile in the input dtype, the operand of every product that reads it."""
+    o_c = tl.arange(0, BT)
+    a0 = A + ((bos + i_t * BT) * H + i_h) * BT  # the chunk's first row of A; rows H * BT apart
+    p_a = a0 + o_c[:, None] * (H * BT) + o_c[None, :]
+    b_n = _decayed_gram(x, r_p, ka, u, w, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
+    tl.store(p_a, b_n, mask=m_t[:, None])
+    tl.debug_barrier()
+    _unit_lower_inverse(a0, T_n - i_t * BT, H, BT, PRECISION)
+    tl.debug_barrier()
+    b_a = tl.load(p_a, mask=m_t[:, None], other=0.0).to(x.dtype.element_ty)
+    if STORE_A_OUT:
+        tl.store(A_out + ((bos + i_t * BT) * H + i_h) * BT + o_c[:, None] * (H * BT) + o_c[None, :], b_a,
+                 mask=m_t[:, None])
+    return b_a
+
+
+@triton.jit
+def _wy_product(src, dst, b_a, scale, r_p, o_t, m_t, bos, i_h, i_d, H: tl.constexpr, D: tl.constexpr,
+                BD: tl.constexpr, PRECISION: tl.constexpr):
+    """Column block ``i_d`` (``BD`` wide) of ``dst = A (scale * src)``: ``src`` rows ``r_p`` of the
+    chunk, ``dst`` per write row; a ``[BT, BT] x [BT, BD]`` product in ``b_a``'s dtype, fp32
+    accumulation."""
+    o_d = i_d * BD + tl.arange(0, BD)
+    m = m_t[:, None] & (o_d[None, :] < D)
+    b_s = tl.load(src + (r_p[:, None] * H + i_h) * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_o = tl.dot(b_a, (b_s * scale[:, None]).to(b_a.dtype), input_precision=PRECISION)
+    tl.store(dst + ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :], b_o.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def wy_fwd(
     x, v, eta, kappa, log_a, A, A_out, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -177,40 +224,59 @@ def wy_fwd(
     ``W`` are ``[BT, BT] x [BT, BV]`` products in the input dtype with fp32 accumulation. With
     ``STORE_A_OUT``, ``A`` rounded to the input dtype (the operand of those products, and of every
     product of ``wy_bwd``) is also stored in ``A_out``, laid out as ``A``. ``x`` and ``v`` are read on
-    the rows ``_pair_rows`` gives (``WINDOWED``: in place on the extended axis)."""
+    the rows ``_pair_rows`` gives (``WINDOWED``: in place on the extended axis). ``wy_inverse``
+    followed by ``wy_apply`` computes the same in two launches."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
-    o_c = tl.arange(0, BT)
-    u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
-    w = _step_prefix(u, w, BT, SLOTS)
-    ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    a0 = A + ((bos + i_t * BT) * H + i_h) * BT  # the chunk's first row of A; rows H * BT apart
-    p_a = a0 + o_c[:, None] * (H * BT) + o_c[None, :]
+    u, w, ka, et, kw, m_t = _wy_coefficients(log_a, eta, kappa, i_t, i_h, bos, T_n, H, BT, SLOTS)
     r_p = _pair_rows(bos, o_t, i_n, T, SLOTS if WINDOWED else 1)  # rows of x and v
-    b_n = _decayed_gram(x, r_p, ka, u, w, i_t, i_h, T_n, H, K, BT, BK, PRECISION, SLOTS)
-    tl.store(p_a, b_n, mask=m_t[:, None])
-    tl.debug_barrier()
-    _unit_lower_inverse(a0, T_n - i_t * BT, H, BT, PRECISION)
-    tl.debug_barrier()
-    dt = x.dtype.element_ty  # U and W: products in the input dtype, fp32 accumulation
-    b_a16 = tl.load(p_a, mask=m_t[:, None], other=0.0).to(dt)
-    if STORE_A_OUT:
-        tl.store(A_out + ((bos + i_t * BT) * H + i_h) * BT + o_c[:, None] * (H * BT) + o_c[None, :], b_a16,
-                 mask=m_t[:, None])
+    b_a = _wy_inverse(x, A, A_out, r_p, ka, u, w, m_t, i_t, i_h, bos, T_n, H, K, BT, BK, PRECISION, SLOTS,
+                      STORE_A_OUT)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m = m_t[:, None] & (o_v[None, :] < V)
-        b_y = tl.load(v + (r_p[:, None] * H + i_h) * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_a16, (b_y * et[:, None]).to(dt), input_precision=PRECISION)
-        tl.store(U + ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m)
-    kw = ka * tl.exp(w)
+        _wy_product(v, U, b_a, et, r_p, o_t, m_t, bos, i_h, i_v, H, V, BV, PRECISION)
     for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m = m_t[:, None] & (o_k[None, :] < K)
-        b_x = tl.load(x + (r_p[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_w = tl.dot(b_a16, (b_x * kw[:, None]).to(dt), input_precision=PRECISION)
-        tl.store(W + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m)
+        _wy_product(x, W, b_a, kw, r_p, o_t, m_t, bos, i_h, i_k, H, K, BK, PRECISION)
+
+
+@triton.jit
+def wy_inverse(
+    x, kappa, log_a, A, A_out, cu_seqlens, chunk_indices, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED: tl.constexpr = False,
+    STORE_A_OUT: tl.constexpr = False,
+):
+    """Grid ``(num_chunks, H)``: ``wy_fwd``'s ``A`` (and ``A_out``) alone."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    u, w, ka, _et, _kw, m_t = _wy_coefficients(log_a, log_a, kappa, i_t, i_h, bos, T_n, H, BT, SLOTS, False)
+    r_p = _pair_rows(bos, o_t, i_n, T, SLOTS if WINDOWED else 1)
+    _wy_inverse(x, A, A_out, r_p, ka, u, w, m_t, i_t, i_h, bos, T_n, H, K, BT, BK, PRECISION, SLOTS, STORE_A_OUT)
+
+
+@triton.jit
+def wy_apply(
+    x, v, eta, kappa, log_a, A, U, W, cu_seqlens, chunk_indices, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED: tl.constexpr = False,
+):
+    """Grid ``(num_chunks, H, cdiv(V, BV) + cdiv(K, BK))``: one column block of ``wy_fwd``'s ``U``
+    (the first ``cdiv(V, BV)`` programs) or ``W`` (the rest) from the inverse ``A`` (``[rows, H,
+    BT]`` in the input dtype, or fp32 for fp32 inputs, as ``wy_inverse`` leaves it)."""
+    i_c, i_h, i_j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = tl.arange(0, BT)
+    u, w, ka, et, kw, m_t = _wy_coefficients(log_a, eta, kappa, i_t, i_h, bos, T_n, H, BT, SLOTS)
+    r_p = _pair_rows(bos, o_t, i_n, T, SLOTS if WINDOWED else 1)
+    b_a = tl.load(A + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], mask=m_t[:, None],
+                  other=0.0).to(x.dtype.element_ty)
+    NV = tl.cdiv(V, BV)
+    if i_j < NV:
+        _wy_product(v, U, b_a, et, r_p, o_t, m_t, bos, i_h, i_j, H, V, BV, PRECISION)
+    else:
+        _wy_product(x, W, b_a, kw, r_p, o_t, m_t, bos, i_h, i_j - NV, H, K, BK, PRECISION)
 
 
 @triton.jit

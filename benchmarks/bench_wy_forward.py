@@ -3,12 +3,12 @@
 For rule 1's write layout (one write per step) and rule 3's (window 4: four writes per step, read in
 place from the extended axis) at B=8, T=2048, H=16, K=V=128 in bf16:
 
-1. ``delta.wy_forward`` alone, replayed from a CUDA graph (median ms), under the table's one-launch
-   setting and under two-launch candidates: first the inverse's settings (the apply kernel at its
+1. ``delta.wy_forward`` alone, replayed from a CUDA graph (median ms), in one launch (``ONE``) and
+   under two-launch candidates: first the inverse's settings (the apply kernel at its
    first candidate), then the apply kernel's (at the fastest inverse). Every candidate's ``A``,
    ``U``, ``W`` are compared with the one-launch outputs (largest relative Frobenius difference).
-2. The whole op forward+backward (``falcon-1``, ``falcon-3``) from a CUDA graph, with the table as it
-   was and with the fastest two-launch setting, in alternation (``--rounds``), beside fla's
+2. The whole op forward+backward (``falcon-1``, ``falcon-3``) from a CUDA graph, in one launch and with
+   the fastest two-launch setting, in alternation (``--rounds``), beside fla's
    ``chunk_gated_delta_rule`` (``--allow-fla-gated``: its Hopper guard lifted, for timing only).
 
     python benchmarks/bench_wy_forward.py --out OUT [--commit SHA] [--allow-fla-gated]
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import OPS, SHAPES, _commit, _versions, lift_fla_gated_guard, measure_graph, profile  # noqa: E402
 
+ONE = {"wy_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3)}  # the fastest one-launch setting (bf16)
 INVERSE = [dict(BK=BK, num_warps=w, num_stages=s) for BK in (64, 128) for w in (2, 4) for s in (2, 3)]
 APPLY = [dict(BK=b, BV=b, num_warps=w, num_stages=s) for b in (64, 128) for w in (4, 8) for s in (2, 3)]
 LAYOUTS = {"rule 1": dict(slots=1, key="16bit", op="falcon-1"), "rule 3": dict(slots=4, key="16bit_grouped", op="falcon-3")}
@@ -83,28 +84,37 @@ def main(argv=None) -> None:
     p.add_argument("--allow-fla-gated", action="store_true", help="time fla's chunk_gated_delta_rule beside")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--profile", action="store_true", help="per-kernel device time of each op with the two-launch pick")
+    p.add_argument("--inverse", nargs="+", default=None, metavar="BK,WARPS,STAGES",
+                   help="wy_inverse candidates (default: BK 64/128 x 2/4 warps x 2/3 stages)")
+    p.add_argument("--apply", nargs="+", default=None, metavar="BK,BV,WARPS,STAGES",
+                   help="wy_apply candidates, the first one used while the inverse's are timed (default: BK = BV "
+                        "64/128 x 4/8 warps x 2/3 stages)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_wy_forward.py needs a CUDA GPU")
     from falcon_fwa.ops.triton import delta
+    inverse = INVERSE if args.inverse is None else [
+        dict(zip(("BK", "num_warps", "num_stages"), map(int, c.split(",")))) for c in args.inverse]
+    apply = APPLY if args.apply is None else [
+        dict(zip(("BK", "BV", "num_warps", "num_stages"), map(int, c.split(",")))) for c in args.apply]
     os.makedirs(args.out, exist_ok=True)
     rows: List[Dict] = []
     best: Dict[str, dict] = {}
     for name in args.layouts:
         lay = LAYOUTS[name]
-        one = dict(delta.WY_FWD_LAUNCH[lay["key"]])
+        one = ONE
         ms_one, _err, ref = time_forward(delta, lay["slots"], lay["key"], one)
         rows.append(dict(layout=name, form="one launch", setting=one, ms=ms_one, err=0.0))
         print(f"{name} one launch {one}: {ms_one:.4f} ms", flush=True)
         results = []
-        for inv in INVERSE:
-            entry = {"wy_inverse": inv, "wy_apply": APPLY[0]}
+        for inv in inverse:
+            entry = {"wy_inverse": inv, "wy_apply": apply[0]}
             ms, err, _ = time_forward(delta, lay["slots"], lay["key"], entry, ref)
             results.append((ms, err, entry))
             rows.append(dict(layout=name, form="two launches", setting=entry, ms=ms, err=err))
             print(f"{name} two launches {entry}: {ms:.4f} ms  err {err:.2e}", flush=True)
         inv = min((r for r in results if r[1] < 1e-2), key=lambda r: r[0])[2]["wy_inverse"]
-        for app in APPLY[1:]:
+        for app in apply[1:]:
             entry = {"wy_inverse": inv, "wy_apply": app}
             ms, err, _ = time_forward(delta, lay["slots"], lay["key"], entry, ref)
             results.append((ms, err, entry))
@@ -120,12 +130,12 @@ def main(argv=None) -> None:
     ops = [(LAYOUTS[n]["op"], n) for n in args.layouts] + ([("fla-gated-delta-rule", None)] if args.allow_fla_gated else [])
     for r in range(args.rounds):
         for op, name in ops:
-            forms = ["table"] if name is None else ["table", "two launches"]
-            for form in forms:
+            forms = {"-": None} if name is None else {"one launch": ONE, "two launches": best[name]}
+            for form, entry in forms.items():
                 saved = None
-                if form == "two launches":
+                if entry is not None:
                     key = LAYOUTS[name]["key"]
-                    saved, delta.WY_FWD_LAUNCH[key] = delta.WY_FWD_LAUNCH[key], best[name]
+                    saved, delta.WY_FWD_LAUNCH[key] = delta.WY_FWD_LAUNCH[key], entry
                 try:
                     ms = measure_graph(OPS[op], SHAPES[0], "fwdbwd")
                 finally:

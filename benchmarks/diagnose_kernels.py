@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=1)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--warps", nargs="*", default=["4,8", "4,4", "8,8"],
-                   help="WY kernel warps as wy_fwd,wy_bwd (rules 1 and 3)")
+                   help="WY kernel warps as forward,wy_bwd (rules 1 and 3; the forward's inverse: wy_fwd or "
+                        "wy_inverse, whichever the table names)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     import kernel_checks as kc  # switches the interpreter on without CUDA, before triton is imported
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     for spec in args.warps:
         fwd, bwd = (int(w) for w in spec.split(","))
         for entry in delta.WY_FWD_LAUNCH.values():
-            entry["wy_fwd"]["num_warps"] = fwd
+            entry["wy_fwd" if "wy_fwd" in entry else "wy_inverse"]["num_warps"] = fwd
         delta.WY_WARPS.update(wy_bwd=bwd)  # four-byte inputs; the 16-bit tables name their own warps
         for table in (delta.FULL_K_16BIT, delta.FULL_K_16BIT_GROUPED, delta.FULL_K_16BIT_256):
             table["wy_bwd"]["num_warps"] = bwd

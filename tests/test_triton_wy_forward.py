@@ -186,7 +186,8 @@ def test_windowed_pairs_read_in_place(monkeypatch):
     pos = (torch.arange(T) // slots + torch.arange(T) % slots)  # write -> row of the axis
     layout = chunk_layout(B, T, 64, None)
     with PoisonedEmpty(monkeypatch):
-        A, U, W = wy_forward(x_axis, v_axis, eta, kappa, log_a, layout, slots, windowed=True)
+        A, U, W = wy_forward(*(t.to(DEVICE) for t in (x_axis, v_axis, eta, kappa, log_a)), layout, slots,
+                             windowed=True)
     ref = wy_reference(x_axis[:, pos], v_axis[:, pos], eta, kappa, log_a, BT=64, slots=slots)
     for name, got, want in (("A", A, ref[0]), ("U", U, ref[1]), ("W", W, ref[2])):
         assert rel_norm(got.cpu(), want) <= 2e-6, name

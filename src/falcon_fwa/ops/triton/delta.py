@@ -31,18 +31,18 @@ WY_WARPS = {"wy_bwd": 8}
 # then the products over a grid of column blocks, at the apply kernel's own occupancy). Exact fp32
 # products run on the FMA units with their operands in registers: 64-wide blocks spill for sm_90 at 4 or
 # 8 warps. On an H200 at B=8, T=2048, H=16, K=V=128: exact fp32 1.25 ms at 16-wide blocks and 4 warps
-# (32-wide at 8 warps: 1.67 ms). bf16: 0.245 ms in one launch at 4 warps (0.52 at 8), 0.200 ms in two (the
-# inverse at 2 warps 0.105 ms, 4 warps would take 1.3x as long; the products over 128-wide blocks at 4
-# warps 0.096 ms); rule 3 0.973 -> 0.816 ms (benchmarks/results/h200-wy-forward-3100709.md).
+# (32-wide at 8 warps: 1.67 ms). bf16: 0.245 ms in one launch at 4 warps (0.52 at 8); 0.170 ms in two, the
+# inverse at one warp (0.200 at 2 warps, 0.27 at 4) and the products over 128-wide blocks at 4 warps;
+# rule 3 0.968 -> 0.679 ms (benchmarks/results/h200-wy-forward-3100709.md, h200-wy-forward-sweep-33a2d94.md).
 # ``benchmarks/bench_wy_forward.py`` times one launch against two; ``benchmarks/sweep_launch.py`` sweeps
 # an entry (``--table delta.WY_FWD_LAUNCH.16bit --kernels wy_apply``).
 WY_FWD_LAUNCH = {
     "ieee": {"wy_fwd": dict(BK=16, BV=16, num_warps=4, num_stages=3)},
     "tf32": {"wy_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3)},
-    "16bit": {"wy_inverse": dict(BK=64, num_warps=2, num_stages=3),
+    "16bit": {"wy_inverse": dict(BK=64, num_warps=1, num_stages=2),
               "wy_apply": dict(BK=128, BV=128, num_warps=4, num_stages=3)},
-    "16bit_grouped": {"wy_inverse": dict(BK=64, num_warps=2, num_stages=3),
-                      "wy_apply": dict(BK=128, BV=128, num_warps=4, num_stages=2)},
+    "16bit_grouped": {"wy_inverse": dict(BK=64, num_warps=1, num_stages=2),
+                      "wy_apply": dict(BK=128, BV=128, num_warps=4, num_stages=3)},
 }
 # The largest chunk the WY kernels run: a request for 128 runs at 64 (the result is the same up to
 # rounding). At 128 the fp32 kernels take 6.5 minutes to compile for sm_90 (even at K = V = 16;

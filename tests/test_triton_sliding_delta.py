@@ -55,33 +55,45 @@ def test_top_eigenvalue_kernel_against_eigvalsh(W):
                           rtol=1e-6)
 
 
-def test_window_gram_kernel_against_float64():
-    """The window Grams ``G_t[i, j] = x_{t+i} . x_{t+j}`` of ``_WindowGram`` (one kernel over the
-    extended axis, invalid pairs as zero) and their gradient for the pairs, against float64
-    products of the materialized windows; K = 80 spans two key blocks."""
-    from falcon_fwa.ops.triton.sliding_delta import _WindowGram
+@pytest.mark.parametrize("n_pre,cut", [(0, 0), (3, 0), (4, 1)])
+def test_key_axis_and_window_grams_against_float64(n_pre, cut):
+    """``_KeyAxis``: the extended axis ``[prefix | body]`` (the body's last ``cut`` rows left off, as
+    with the shift) and its window Grams ``G_t[i, j] = x_{t+i} . x_{t+j}`` (invalid pairs as zero)
+    against float64 products of the materialized windows; the backward's sum of the axis' own
+    gradient and the Grams', split onto prefix and body (rows left off: zero). K = 80 spans two key
+    blocks."""
+    from falcon_fwa.ops.triton.sliding_delta import _KeyAxis
 
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(5 + n_pre)
     for W in (1, 2, 4, 16):
         B, T, H, K = 2, 7, 2, 80
         L = T + W - 1
-        x = torch.randn(B, L, H, K, generator=g)
+        if n_pre > L:
+            continue
+        prefix = torch.randn(B, n_pre, H, K, generator=g)
+        body = torch.randn(B, L - n_pre + cut, H, K, generator=g)
         valid = torch.rand(B, L, generator=g) > 0.3
-        x[~valid] = float("nan")  # an invalid pair is zero, whatever it holds
+        x = torch.cat([prefix, body[:, :L - n_pre]], 1)
+        prefix[~valid[:, :n_pre]] = 1e4  # an invalid pair is zero in the Grams, whatever it holds
+        body[:, :L - n_pre][~valid[:, n_pre:]] = 1e4
         dG = torch.randn(B, H, T, W, W, generator=g, dtype=torch.float64)
-        leaf = x.to(DEVICE).requires_grad_()
-        G = _WindowGram.apply(leaf, valid.to(DEVICE), W)  # [B, T, H, W, W]
+        d_ext = torch.randn(B, L, H, K, generator=g, dtype=torch.float64)
+        leaves = [t.to(DEVICE).requires_grad_() for t in (prefix, body)]
+        x_ext, G = _KeyAxis.apply(*leaves, valid.to(DEVICE), L, W)
+        assert torch.equal(x_ext.cpu(), torch.cat([prefix, body[:, :L - n_pre]], 1))
         assert G.shape == (B, T, H, W, W) and G.is_contiguous()
         G = G.transpose(1, 2)
-        (G.double() * dG.to(DEVICE)).sum().backward()
-        ref = torch.where(valid[..., None, None], x.detach().double(), 0.0).requires_grad_()
+        ((G.double() * dG.to(DEVICE)).sum() + (x_ext.double() * d_ext.to(DEVICE)).sum()).backward()
+        ref = torch.where(valid[..., None, None], x.double(), 0.0).requires_grad_()
         win = ref.unfold(1, W, 1).permute(0, 2, 1, 4, 3)  # [B, H, T, W, K]
         want = win @ win.transpose(-1, -2)
         (want * dG).sum().backward()
         assert torch.allclose(G.double().cpu(), want.detach(), rtol=1e-5, atol=1e-5), W
-        got = leaf.grad.double().cpu()
-        assert torch.allclose(got[valid], ref.grad[valid], rtol=1e-5, atol=1e-5), W
-        assert torch.equal(got[~valid], torch.zeros_like(got[~valid])), W
+        d_axis = torch.where(valid[..., None, None], ref.grad, 0.0) + d_ext
+        assert torch.allclose(leaves[0].grad.double().cpu(), d_axis[:, :n_pre], rtol=1e-5, atol=1e-5), W
+        got_body = leaves[1].grad.double().cpu()
+        assert torch.allclose(got_body[:, :L - n_pre], d_axis[:, n_pre:], rtol=1e-5, atol=1e-5), W
+        assert torch.equal(got_body[:, L - n_pre:], torch.zeros_like(got_body[:, L - n_pre:])), W
 
 
 # ---- the grouped WY solve itself, against a literal loop ----

@@ -503,13 +503,19 @@ def window_gram_fwd(
 
 @triton.jit
 def window_gram_bwd(
-    x, valid, dG, dx, T, L,
-    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+    x, valid, dG, acc, head, body, T, L, n_head, n_body,
+    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, HAS_ACC: tl.constexpr,
 ):
-    """Grid ``(cdiv(L, BP), B * H, cdiv(K, BK))``: the gradient of ``window_gram_fwd`` for the
-    pairs, ``dx_p = [p valid] sum_e c_e(p) x_{p+e}`` over the lags ``e = j - i`` in ``(-W, W)``,
-    with ``c_e(p) = sum_i dG[p-i, i, i+e] + dG[p-i, i+e, i]`` (steps ``0 <= p - i < T``) and
-    invalid pairs counting as zero."""
+    """Grid ``(cdiv(n_head + n_body, BP), B * H, cdiv(K, BK))``: the gradient of the pairs ``x``
+    ``[B, L, H, K]``, that of ``window_gram_fwd`` plus ``acc`` (``[B, L, H, K]``, the gradient the
+    pairs get elsewhere; with ``HAS_ACC``)::
+
+        dx_p = acc_p + [p valid] sum_e c_e(p) x_{p+e}
+
+    over the lags ``e = j - i`` in ``(-W, W)``, with ``c_e(p) = sum_i dG[p-i, i, i+e] + dG[p-i, i+e, i]``
+    (steps ``0 <= p - i < T``) and invalid pairs counting as zero. Stored split as
+    ``window_sum`` stores an axis: ``p < n_head`` into ``head`` ``[B, n_head, H, K]``, the others
+    onto row ``p - n_head`` of ``body`` ``[B, n_body, H, K]`` (positions past the axis: zero)."""
     i_p, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     o_p = i_p * BP + tl.arange(0, BP)
@@ -535,5 +541,12 @@ def window_gram_bwd(
                       other=0.0).to(tl.float32)
         b_dx += c[:, None] * b_x
     ok = tl.load(valid + row0 + o_p, mask=m_p, other=0) != 0
-    tl.store(dx + ((row0 + o_p[:, None]) * H + i_h) * K + o_k[None, :], tl.where(ok[:, None], b_dx, 0.0).to(
-        dx.dtype.element_ty), mask=m_p[:, None] & m_k[None, :])
+    b_dx = tl.where(ok[:, None], b_dx, 0.0)
+    if HAS_ACC:
+        b_dx += tl.load(acc + ((row0 + o_p[:, None]) * H + i_h) * K + o_k[None, :], mask=m_p[:, None] & m_k[None, :],
+                        other=0.0).to(tl.float32)
+    tl.store(head + ((i_b.to(tl.int64) * n_head + o_p[:, None]) * H + i_h) * K + o_k[None, :],
+             b_dx.to(head.dtype.element_ty), mask=(o_p < n_head)[:, None] & m_k[None, :])
+    r = o_p - n_head
+    tl.store(body + ((i_b.to(tl.int64) * n_body + r[:, None]) * H + i_h) * K + o_k[None, :],
+             b_dx.to(body.dtype.element_ty), mask=((r >= 0) & (r < n_body))[:, None] & m_k[None, :])

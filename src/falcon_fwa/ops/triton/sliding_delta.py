@@ -15,14 +15,15 @@ before: it sees the earlier steps only); the other rows read nothing. The kernel
 is ever laid out over the ``T * W`` rows.
 
 The pairs are laid out once on the extended time axis ``[tail | pairs]`` (positions
-``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``; ``_ExtendedAxis``). Every
+``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``; ``_KeyAxis``, ``_ExtendedAxis``). Every
 kernel reads the features and values in place from that axis (``delta_chunk(...,
 windowed=True)``): the ``T * W`` write rows are never materialized. Their gradients sum back
 onto the axis in one pass each (``window_sum``), and from there onto ``k``, ``v`` and the tail.
 The per-write scalars ``eta``, ``kappa`` and the carry are formed time-major (``[B, T, W, H]``,
 the rows' order) from the step sizes, which are time-major themselves.
 The window Gram ``G_t[i, j] = x_{t+i} . x_{t+j}`` comes from one kernel over the axis
-(``delta_kernels.window_gram_fwd``, with its backward), and its top eigenvalue from
+(``delta_kernels.window_gram_fwd``; its backward also adds the axis' gradient from the scan and
+splits the sum onto the keys and the tail, ``_KeyAxis``), and its top eigenvalue from
 repeated squaring (``ops.step_sizes.top_eigenvalue_by_squaring``, as one kernel:
 ``step_sizes.top_eigenvalue_triton``; no eigensolver, no host synchronization). Gradients
 of the step sizes come from autograd. The cost is that of a rule-1 scan ``W`` times as
@@ -77,14 +78,19 @@ class _ExtendedAxis(torch.autograd.Function):
         return d_pre, d_body, None
 
 
-class _WindowGram(torch.autograd.Function):
-    """Window Grams ``[B, T, H, W, W]`` fp32, ``G_t[i, j] = x_{t+i} . x_{t+j}``, of the pairs
-    ``x_ext`` ``[B, T + W - 1, H, K]`` with validity ``valid_ext`` ``[B, T + W - 1]`` (an invalid pair
-    counts as zero): ``delta_kernels.window_gram_fwd`` / ``window_gram_bwd``."""
+class _KeyAxis(torch.autograd.Function):
+    """The keys' extended axis and its window Grams, one node: ``x_ext`` ``[B, L, H, K]`` as
+    ``_ExtendedAxis`` builds it from ``prefix`` and ``body``, and ``G`` ``[B, T, H, W, W]`` fp32,
+    ``G_t[i, j] = x_{t+i} . x_{t+j}`` (``T = L - W + 1``; a pair with ``valid_ext`` False counts as
+    zero): ``delta_kernels.window_gram_fwd``. The backward receives the axis' gradient from the
+    scan and the Grams' together and forms their sum, split onto ``prefix`` and ``body``, in one
+    launch (``window_gram_bwd``): autograd would add the two gradients on the axis in a pass of
+    its own, and the split would be a third."""
 
     @staticmethod
-    def forward(ctx, x_ext, valid_ext, W):
-        B, L, H, K = x_ext.shape
+    def forward(ctx, prefix, body, valid_ext, L, W):
+        x_ext = axis_concat(prefix, body, L)
+        B, _, H, K = x_ext.shape
         T = L - W + 1
         G = x_ext.new_empty(B, T, H, W, W, dtype=torch.float32)
         BT, BK = max(1, 64 // W), min(64, max(16, next_power_of_2(K)))
@@ -92,22 +98,31 @@ class _WindowGram(torch.autograd.Function):
             BT = min(1024, next_power_of_2(T))
         wy.window_gram_fwd[(cdiv(T, BT), B * H)](x_ext, valid_ext, G, T, L, H=H, K=K, W=W, BT=BT, BK=BK)
         ctx.save_for_backward(x_ext, valid_ext)
-        ctx.W = W
-        return G
+        ctx.W, ctx.n_pre, ctx.n_body = W, prefix.shape[1], body.shape[1]
+        ctx.set_materialize_grads(False)
+        return x_ext, G
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dG):
+    def backward(ctx, d_ext, dG):
         x_ext, valid_ext = ctx.saved_tensors
-        W = ctx.W
         B, L, H, K = x_ext.shape
-        dx = torch.empty_like(x_ext)
+        W, n_pre, n_body = ctx.W, ctx.n_pre, ctx.n_body
+        if dG is None:
+            if d_ext is None:
+                return None, None, None, None, None
+            d_pre, d_body = window_sum(d_ext.reshape(B, L, 1, H, K), split=n_pre, n_body=n_body)
+            return d_pre, d_body, None, None, None
+        d_pre = x_ext.new_empty(B, n_pre, H, K)
+        d_body = x_ext.new_empty(B, n_body, H, K)
         BP, BK = 32, min(64, max(16, next_power_of_2(K)))
         if not x_ext.is_cuda:  # the interpreter (see forward)
-            BP = min(1024, next_power_of_2(L))
-        wy.window_gram_bwd[(cdiv(L, BP), B * H, cdiv(K, BK))](
-            x_ext, valid_ext, dG.contiguous(), dx, L - W + 1, L, H=H, K=K, W=W, BP=BP, BK=BK)
-        return dx, None, None
+            BP = min(1024, next_power_of_2(n_pre + n_body))
+        acc = None if d_ext is None else d_ext.contiguous()
+        wy.window_gram_bwd[(cdiv(n_pre + n_body, BP), B * H, cdiv(K, BK))](
+            x_ext, valid_ext, dG.contiguous(), x_ext if acc is None else acc, d_pre if n_pre else d_body, d_body,
+            L - W + 1, L, n_pre, n_body, H=H, K=K, W=W, BP=BP, BK=BK, HAS_ACC=acc is not None)
+        return d_pre, d_body, None, None, None
 
 
 def sliding_delta_chunk(
@@ -151,14 +166,15 @@ def sliding_delta_chunk(
     dev = q.device
     # the extended axis [tail | pairs]: x_p = k_{p-1} (shift) or k_p
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
-    x_ext = _ExtendedAxis.apply(x_pre, k, T + n)  # [B, T + n, H, K]
+    # [B, T + n, H, K] and the window Grams [B, T, H, W, W]
+    x_ext, gram = _KeyAxis.apply(x_pre, k, valid_ext, T + n, W)
     y_ext = _ExtendedAxis.apply(y_pre, v, T + n)  # [B, T + n, H, V]
     slot_valid = valid_ext.unfold(1, W, 1)  # [B, T, W]: slot j of step t is the pair at t + j
 
     # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp; every [B, H, T]
     # tensor below is a view of a time-major [B, T, H] one (as beta, lam and the gate come)
     count = slot_valid.sum(-1).clamp(min=1)[..., None]  # [B, T, 1]
-    stat = (top_eigenvalue_triton(_WindowGram.apply(x_ext, valid_ext, W)) / count).transpose(1, 2)
+    stat = (top_eigenvalue_triton(gram) / count).transpose(1, 2)
     eta_slots, log_gamma = gains_from_statistic(get_rule("3"), stat, slot_valid, beta.float().transpose(1, 2),
                                                 lam.float().transpose(1, 2), eps=eps, decay_floor=decay_floor,
                                                 normalize=normalize, scale_ridge=scale_ridge)

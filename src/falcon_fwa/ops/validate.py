@@ -23,13 +23,15 @@ def _values_checked() -> bool:
     return not torch.compiler.is_compiling()
 
 
-def _check_values(bad: torch.Tensor, message: str) -> None:
-    """Raise ``ValueError(message)`` if any element of ``bad`` is set. On a GPU the check
+def _check_values(ok: torch.Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` unless the one-element ``ok`` is true. On a GPU the check
     is a device-side assertion, so the host never waits for it (a failure surfaces as a
-    CUDA error carrying the message at the next synchronization)."""
-    if bad.is_cuda:
-        torch._assert_async(~bad.any(), message)
-    elif bool(bad.any()):
+    CUDA error carrying the message at the next synchronization). Callers reduce their tensor
+    first (``aminmax``, ``amax``): one pass over it, where an elementwise mask and ``any``
+    would take several."""
+    if ok.is_cuda:
+        torch._assert_async(ok, message)
+    elif not bool(ok):
         raise ValueError(message)
 
 
@@ -110,11 +112,14 @@ def check_inputs(
     check_number("eps", eps, 0)
     check_number("decay_floor", decay_floor, 0, 1, open_low=True)
     if _values_checked():
-        # written so that NaN fails too; lam = inf would give eta_t lam_t = 0 * inf
-        _check_values(~((lam >= 0) & (lam < math.inf)),
-                      "lam must be finite and >= 0 (it is the actual ridge coefficient lambda_t)")
-        if log_gate is not None:  # -inf (a hard reset) is a gate; NaN and positive values are not
-            _check_values(~(log_gate <= 0), "log_gate must be <= 0, not NaN (the gate exp(g_t) is a decay)")
+        # NaN propagates through the reductions and fails the comparisons; lam = inf would give
+        # eta_t lam_t = 0 * inf
+        if lam.numel():
+            low, high = torch.aminmax(lam)
+            _check_values((low >= 0) & (high < math.inf),
+                          "lam must be finite and >= 0 (it is the actual ridge coefficient lambda_t)")
+        if log_gate is not None and log_gate.numel():  # -inf (a hard reset) is a gate; NaN and positive values are not
+            _check_values(log_gate.amax() <= 0, "log_gate must be <= 0, not NaN (the gate exp(g_t) is a decay)")
     if initial_state is not None:
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 

@@ -64,6 +64,7 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
      "--preset 'tiny-falcon:chunk_size=2.5': config field 'chunk_size' must be an integer, got 2.5"),
     (["throughput", "--preset", "tiny-falcon", "--max-seconds", "nan"], "--max-seconds"),
     (["throughput", "--preset", "tiny-falcon", "--deadline", "0"], "--deadline"),
+    (["throughput", "--preset", "tiny-falcon", "--fp32", "--dtype", "bfloat16"], "--fp32 and --dtype bf16"),
     (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--batch-size", "0"], "--batch-size"),
     (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--num-fewshot", "-1"], "--num-fewshot"),
     (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--limit", "0"], "--limit"),
@@ -112,10 +113,23 @@ def _parse(command, argv):
     ("generate", ("bf16", "bfloat16"), "bf16"),
     ("lm-eval", ("fp16", "float16"), "float16"),
     ("lm-eval", ("bf16", "bfloat16"), "bfloat16"),
+    ("throughput", ("bf16", "bfloat16"), "bf16"),
+    ("throughput", ("fp32", "float32"), "fp32"),
 ])
 def test_every_command_takes_both_spellings_of_a_dtype(command, spellings, value):
     for text in spellings:
         assert _parse(command, ["--dtype", text]).dtype == value
+
+
+@pytest.mark.parametrize("argv,bf16", [([], True), (["--dtype", "bf16"], True), (["--dtype", "float32"], False),
+                                       (["--fp32"], False), (["--fp32", "--dtype", "fp32"], False)])
+def test_throughput_dtype_reaches_the_measurement(argv, bf16, monkeypatch):
+    from falcon_fwa.train import throughput
+    seen = []
+    monkeypatch.setattr(throughput, "measure", lambda config, **kw: seen.append(kw["bf16"]) or {})
+    monkeypatch.setattr(throughput, "_append_row", lambda path, row: None)
+    assert throughput.run(_parse("throughput", ["--device", "cpu", *argv])) == 0
+    assert seen == [bf16]
 
 
 def test_a_dtype_a_command_lacks_is_refused_naming_its_choices():

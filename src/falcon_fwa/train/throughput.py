@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..cli_options import DEVICE_HELP, at_least, resolve_device
+from ..cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
 
 _clock = time.perf_counter  # every time in this module comes from here
 
@@ -198,7 +198,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=float, default=None,
                         help="wall-clock seconds for the whole command (the only hard cap)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
-    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], type=dtype_option(["bf16", "fp32"]),
+                        help="bf16: the training step under bf16 autocast, fp32 weights (the default, as training "
+                             "runs); fp32: no autocast")
+    parser.add_argument("--fp32", action="store_true", help="the same as --dtype fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step and keep its N most expensive kernels in the row")
@@ -255,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
     at_least("--profile", args.profile, 0)
     at_least("--max-seconds", args.max_seconds, 0)
     at_least("--deadline", args.deadline, 0, strict=True)
+    if args.fp32 and args.dtype == "bf16":
+        raise ValueError("--fp32 and --dtype bf16 contradict each other: give one")
+    bf16 = not args.fp32 and args.dtype != "fp32"
     args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
     for name, config, seq_len, batch_size in list(_jobs(args)):
@@ -266,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
                                warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
-                               deadline=deadline, device=args.device, bf16=not args.fp32, compile=args.compile,
+                               deadline=deadline, device=args.device, bf16=bf16, compile=args.compile,
                                profile=args.profile))
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"

@@ -72,6 +72,7 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["lm-eval", "--model", "no/model", "--tasks", " , "], "--tasks"),
     (["ppl", "--model", "no/model", "--data", "no/data.txt", "--batch-size", "0"], "--batch-size"),
     (["addition", "--window", "0"], "--window"),
+    (["params", "--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
     (["addition", "--hidden-size", "0"], "--hidden-size"),
     (["addition", "--lr", "0"], "--lr"),
     (["addition", "--curriculum-steps", "-1"], "--curriculum-steps"),

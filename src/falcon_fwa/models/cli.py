@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_text
+from ..cli_options import at_least
 from .params import parameter_table
 from .presets import PRESETS, get_preset
 
@@ -16,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.vocab_size is not None:
+        at_least("--vocab-size", args.vocab_size, 1)
     names = args.presets or list(PRESETS)
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     table = parameter_table(names, [get_preset(n, **overrides) for n in names])

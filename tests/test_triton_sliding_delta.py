@@ -209,6 +209,22 @@ def test_pairs_read_in_place_from_the_window_axis(S):
         results.append((o, S_T, xl.grad, yl.grad))
     for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    # the value axis built inside from a prefix and a body one row longer than the axis needs (cut):
+    # the same outputs, and the axis' gradient split back onto the two (the extra row's: zero)
+    y_pre = y[:, :S - 1].clone().requires_grad_()
+    y_body = torch.cat([y[:, S - 1:], torch.randn(B, 1, H, V, generator=g).to(DEVICE)], 1).requires_grad_()
+    xl = x_axis.clone().requires_grad_()
+    o, S_T = delta_chunk(q, xl, y_body, eta, eta * 0.9, log_a, S0, read_after=False, chunk_size=16,
+                         output_final_state=True, slots=S, windowed=True, value_prefix=y_pre)
+    ((o * probe).sum() + S_T.sum()).backward()
+    want = results[1]
+    for a, b in ((o, want[0]), (S_T, want[1]), (xl.grad, want[2]), (y_pre.grad, want[3][:, :S - 1]),
+                 (y_body.grad[:, :L - S + 1], want[3][:, S - 1:])):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(y_body.grad[:, -1], torch.zeros_like(y_body.grad[:, -1]))
+    with pytest.raises(ValueError, match="value_prefix needs windowed"):
+        delta_chunk(q, windows(x_axis), windows(y), eta, eta, log_a, None, read_after=True, slots=S,
+                    value_prefix=y_pre.detach())
     with pytest.raises(ValueError, match="cu_seqlens=None"):
         delta_chunk(q[:1], x_axis[:1], y[:1], eta[:1], eta[:1], log_a[:1], None, read_after=True, slots=S,
                     windowed=True, cu_seqlens=torch.tensor([0, T], device=DEVICE))

@@ -16,7 +16,7 @@ from . import delta_kernels as wy
 from . import scalar_decay_kernels as sd
 from .chunk_index import ChunkLayout, chunk_layout
 from .launch import LAUNCH, SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args, next_power_of_2
-from .window_sum import window_sum
+from .window_sum import axis_concat, window_sum
 
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
@@ -190,7 +190,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
 
 
 def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: ChunkLayout, read_after: bool,
-              slots: int, windowed: bool, query_slot: Optional[int]):
+              slots: int, windowed: bool, query_slot: Optional[int], value_split: Optional[Tuple[int, int]] = None):
     B, _, H, K = x.shape
     T, V = layout.T, v.shape[-1]
     qa, xa = _query_args(slots, query_slot, layout.BT), _key_args(slots, windowed)
@@ -227,9 +227,13 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A, chunk_indices=layout.chunk_indices, n_rows=rows,
         H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed,
         num_warps=warps, num_stages=stages, **meta)
-    if windowed and slots > 1:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
-        dx = window_sum(dx.view(B, T // slots, slots, H, K))
-        dv = window_sum(dv.view(B, T // slots, slots, H, V))
+    if windowed:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
+        if slots > 1:
+            dx = window_sum(dx.view(B, T // slots, slots, H, K))
+        if value_split is not None:  # ... and the values' straight onto the two parts the axis was built from
+            dv = window_sum(dv.view(B, T // slots, slots, H, V), split=value_split[0], n_body=value_split[1])
+        elif slots > 1:
+            dv = window_sum(dv.view(B, T // slots, slots, H, V))
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     sd.dlog_bwd[(layout.num_chunks, H)](
         parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
@@ -240,9 +244,13 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
 class _DeltaChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, want_final, slots, windowed,
-                query_slot):
+                query_slot, value_prefix):
         B, T = eta.shape[:2]  # the write rows (windowed: x and v lie on the shorter extended axis)
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
+        ctx.value_split = None
+        if value_prefix is not None:  # the value axis [value_prefix | v], built here, its gradient split back
+            ctx.value_split = (value_prefix.shape[1], v.shape[1])
+            v = axis_concat(value_prefix, v, T // slots + slots - 1)
         o, A, W, h, D, S_T = _forward(q, x, v, eta, kappa, log_a, S0, layout, read_after, want_final, slots,
                                       windowed, query_slot)
         ctx.save_for_backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D)
@@ -259,8 +267,12 @@ class _DeltaChunk(torch.autograd.Function):
         ctx.spent = True
         grads = _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do.contiguous(),
                           None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.slots,
-                          ctx.windowed, ctx.query_slot)
-        return (*grads, None, None, None, None, None, None, None)
+                          ctx.windowed, ctx.query_slot, ctx.value_split)
+        dq, dx, dv, *rest = grads
+        d_prefix = None
+        if ctx.value_split is not None:
+            d_prefix, dv = dv
+        return (dq, dx, dv, *rest, None, None, None, None, None, None, None, d_prefix)
 
 
 def delta_chunk(
@@ -279,6 +291,7 @@ def delta_chunk(
     slots: int = 1,
     windowed: bool = False,
     query_slot: Optional[int] = None,
+    value_prefix: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunk-parallel regression (delta) scan with scalar step sizes.
 
@@ -292,6 +305,11 @@ def delta_chunk(
     + i`` takes its pair from row ``j + i`` of both (the writes are the overlapping windows of
     ``slots`` consecutive rows, read in place); their gradients are summed onto that axis
     (``window_sum``). ``T`` is then the number of write rows, that of ``eta``.
+
+    ``value_prefix`` ``[B, n, H, V]`` (with ``windowed``): ``v`` is then the body of the value axis
+    (``[B, m, H, V]``, ``n + m >= T // slots + slots - 1``) and the axis is ``[value_prefix | v]``
+    cut to its length, built here; the gradients of ``value_prefix`` and ``v`` come out of the
+    pass that sums the writes' gradients (``v``'s rows past the axis get zero).
 
     ``query_slot`` (with ``slots`` > 1): ``q`` is ``[B, T // slots, H, K]``, one query per
     step, read on row ``j*slots + query_slot`` of its group (the other rows read nothing, as
@@ -320,10 +338,18 @@ def delta_chunk(
     if windowed:
         if cu_seqlens is not None:
             raise ValueError("windowed needs rows of equal length (cu_seqlens=None)")
-        for name, t in (("x", x), ("v", v)):
-            if t.shape[1] != T // slots + slots - 1:
-                raise ValueError(f"with windowed, {name} must have T // slots + slots - 1 = {T // slots + slots - 1} "
-                                 f"rows (T = {T} write rows), got {t.shape[1]}")
+        L = T // slots + slots - 1
+        if x.shape[1] != L:
+            raise ValueError(f"with windowed, x must have T // slots + slots - 1 = {L} rows (T = {T} write rows), "
+                             f"got {x.shape[1]}")
+        if value_prefix is None and v.shape[1] != L:
+            raise ValueError(f"with windowed, v must have T // slots + slots - 1 = {L} rows (T = {T} write rows), "
+                             f"got {v.shape[1]}")
+        if value_prefix is not None and not (value_prefix.shape[1] <= L <= value_prefix.shape[1] + v.shape[1]):
+            raise ValueError(f"with value_prefix, the axis of {L} rows must lie between value_prefix's "
+                             f"{value_prefix.shape[1]} rows and those plus v's {v.shape[1]}")
+    elif value_prefix is not None:
+        raise ValueError("value_prefix needs windowed=True")
     else:
         for name, t in (("x", x), ("v", v)):
             if t.shape[1] != T:
@@ -339,4 +365,4 @@ def delta_chunk(
     eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
     S0 = None if S0 is None else S0.float().contiguous()
     return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state,
-                             slots, windowed, query_slot)
+                             slots, windowed, query_slot, value_prefix)

@@ -15,10 +15,12 @@ before: it sees the earlier steps only); the other rows read nothing. The kernel
 is ever laid out over the ``T * W`` rows.
 
 The pairs are laid out once on the extended time axis ``[tail | pairs]`` (positions
-``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``; ``_KeyAxis``, ``_ExtendedAxis``). Every
-kernel reads the features and values in place from that axis (``delta_chunk(...,
-windowed=True)``): the ``T * W`` write rows are never materialized. Their gradients sum back
-onto the axis in one pass each (``window_sum``), and from there onto ``k``, ``v`` and the tail.
+``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``; ``_KeyAxis`` for the features,
+``delta_chunk(..., value_prefix=...)`` for the values). Every kernel reads the features and values
+in place from that axis (``delta_chunk(..., windowed=True)``): the ``T * W`` write rows are never
+materialized. Their gradients sum back onto the axis in one pass each (``window_sum``); the
+values' pass stores them straight onto ``v`` and the tail, the features' go there with the window
+Grams' gradient (``_KeyAxis``).
 The per-write scalars ``eta``, ``kappa`` and the carry are formed time-major (``[B, T, W, H]``,
 the rows' order) from the step sizes, which are time-major themselves.
 The window Gram ``G_t[i, j] = x_{t+i} . x_{t+j}`` comes from one kernel over the axis
@@ -42,7 +44,7 @@ from ..step_sizes import gains_from_statistic
 from . import delta_kernels as wy
 from .delta import SLOT_COUNTS, delta_chunk
 from .launch import cdiv, next_power_of_2
-from .sliding import window_prefix
+from .sliding import _ext_rows, window_prefix
 from .step_sizes import top_eigenvalue_triton
 from .window_sum import axis_concat, window_sum
 
@@ -56,36 +58,16 @@ def _slot_rows(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1).contiguous().view(B, T * W, H)
 
 
-class _ExtendedAxis(torch.autograd.Function):
-    """The extended axis ``[prefix | body]`` ``[B, L, H, D]`` (``body`` cut to ``L - n_pre`` rows):
-    forward, one launch that reads each row once (``axis_concat``; ``torch.cat`` of a few prefix rows
-    and a long body ran at a sixth of the copy bandwidth on an H200, 0.205 ms for a 64 MiB body, and
-    two slice copies at about a third, 0.08 ms); backward, the axis' gradient stored split onto
-    ``prefix`` and ``body`` in one pass (``window_sum`` over one slot), a row of ``body`` past the
-    axis getting zero. Autograd's own cut and concatenation would store the body's gradient as a
-    strided view (or, cut, through a zero-filled copy)."""
-
-    @staticmethod
-    def forward(ctx, prefix, body, L):
-        ctx.n_pre, ctx.n_body = prefix.shape[1], body.shape[1]
-        return axis_concat(prefix, body, L)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, d_ext):
-        B, L, H, D = d_ext.shape
-        d_pre, d_body = window_sum(d_ext.reshape(B, L, 1, H, D), split=ctx.n_pre, n_body=ctx.n_body)
-        return d_pre, d_body, None
-
-
 class _KeyAxis(torch.autograd.Function):
-    """The keys' extended axis and its window Grams, one node: ``x_ext`` ``[B, L, H, K]`` as
-    ``_ExtendedAxis`` builds it from ``prefix`` and ``body``, and ``G`` ``[B, T, H, W, W]`` fp32,
+    """The keys' extended axis and its window Grams, one node: ``x_ext`` ``[B, L, H, K]``, the
+    concatenation ``[prefix | body]`` cut to ``L`` rows (``axis_concat``: one launch that reads each
+    row once; ``torch.cat`` of a few prefix rows and a long body ran at a sixth of the copy
+    bandwidth on an H200), and ``G`` ``[B, T, H, W, W]`` fp32,
     ``G_t[i, j] = x_{t+i} . x_{t+j}`` (``T = L - W + 1``; a pair with ``valid_ext`` False counts as
     zero): ``delta_kernels.window_gram_fwd``. The backward receives the axis' gradient from the
     scan and the Grams' together and forms their sum, split onto ``prefix`` and ``body``, in one
     launch (``window_gram_bwd``): autograd would add the two gradients on the axis in a pass of
-    its own, and the split would be a third."""
+    its own, and the split would be a third (rows of ``body`` past the axis get zero)."""
 
     @staticmethod
     def forward(ctx, prefix, body, valid_ext, L, W):
@@ -168,7 +150,6 @@ def sliding_delta_chunk(
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
     # [B, T + n, H, K] and the window Grams [B, T, H, W, W]
     x_ext, gram = _KeyAxis.apply(x_pre, k, valid_ext, T + n, W)
-    y_ext = _ExtendedAxis.apply(y_pre, v, T + n)  # [B, T + n, H, V]
     slot_valid = valid_ext.unfold(1, W, 1)  # [B, T, W]: slot j of step t is the pair at t + j
 
     # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp; every [B, H, T]
@@ -188,10 +169,11 @@ def sliding_delta_chunk(
     # the carry on each step's first row, nothing on the others; the query on the read row only
     carry = log_a if W == 1 else F.pad(log_a.contiguous()[:, :, None], (0, 0, 0, W - 1)).reshape(B, T * W, H)
     read = W - 1 if read_after else 0
-    o, S_T = delta_chunk(q, x_ext, y_ext, eta, kappa, carry,  # the pairs read in place from the axis
-                         None if S0 is None else S0.float(), read_after=read_after, chunk_size=chunk_size,
-                         output_final_state=output_final_state, slots=W, windowed=True,
-                         query_slot=None if W == 1 else read)
+    # the pairs read in place from the axes; the values' axis [y_pre | v] is built inside the scan, whose
+    # backward sums the writes' gradients straight onto y_pre and v
+    o, S_T = delta_chunk(q, x_ext, v, eta, kappa, carry, None if S0 is None else S0.float(), read_after=read_after,
+                         chunk_size=chunk_size, output_final_state=output_final_state, slots=W, windowed=True,
+                         query_slot=None if W == 1 else read, value_prefix=y_pre if n else None)
     if not output_final_state:
         return o, None
     if W == 1:
@@ -200,5 +182,5 @@ def sliding_delta_chunk(
     end = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
     idx = end[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
     rows = torch.arange(B, device=dev)[:, None]
-    return o, (S_T, x_ext[rows, idx].transpose(1, 2).float(), y_ext[rows, idx].transpose(1, 2).float(),
+    return o, (S_T, x_ext[rows, idx].transpose(1, 2).float(), _ext_rows(y_pre, v, idx).transpose(1, 2).float(),
                valid_ext.gather(1, idx))

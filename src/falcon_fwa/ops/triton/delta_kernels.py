@@ -397,10 +397,7 @@ def wy_bwd(
     o_c = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    u, w, u_last, et, m_t = _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H, BT, False, True)
-    w = _step_prefix(u, w, BT, SLOTS)
-    ka = tl.load(kappa + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    kw = ka * tl.exp(w)
+    u, w, ka, et, kw, m_t = _wy_coefficients(log_a, eta, kappa, i_t, i_h, bos, T_n, H, BT, SLOTS)
     # dot operands in the input dtype (the tensor cores' native type for 16-bit inputs), fp32 accumulation
     dt = x.dtype.element_ty
     b_at = tl.load(A + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :], other=0.0).to(dt)
@@ -504,11 +501,11 @@ def window_gram_fwd(
 @triton.jit
 def window_gram_bwd(
     x, valid, dG, acc, head, body, T, L, n_head, n_body,
-    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, HAS_ACC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
 ):
     """Grid ``(cdiv(n_head + n_body, BP), B * H, cdiv(K, BK))``: the gradient of the pairs ``x``
     ``[B, L, H, K]``, that of ``window_gram_fwd`` plus ``acc`` (``[B, L, H, K]``, the gradient the
-    pairs get elsewhere; with ``HAS_ACC``)::
+    pairs get elsewhere)::
 
         dx_p = acc_p + [p valid] sum_e c_e(p) x_{p+e}
 
@@ -542,9 +539,8 @@ def window_gram_bwd(
         b_dx += c[:, None] * b_x
     ok = tl.load(valid + row0 + o_p, mask=m_p, other=0) != 0
     b_dx = tl.where(ok[:, None], b_dx, 0.0)
-    if HAS_ACC:
-        b_dx += tl.load(acc + ((row0 + o_p[:, None]) * H + i_h) * K + o_k[None, :], mask=m_p[:, None] & m_k[None, :],
-                        other=0.0).to(tl.float32)
+    b_dx += tl.load(acc + ((row0 + o_p[:, None]) * H + i_h) * K + o_k[None, :], mask=m_p[:, None] & m_k[None, :],
+                    other=0.0).to(tl.float32)
     tl.store(head + ((i_b.to(tl.int64) * n_head + o_p[:, None]) * H + i_h) * K + o_k[None, :],
              b_dx.to(head.dtype.element_ty), mask=(o_p < n_head)[:, None] & m_k[None, :])
     r = o_p - n_head

@@ -46,7 +46,7 @@ from .delta import SLOT_COUNTS, delta_chunk
 from .launch import cdiv, next_power_of_2
 from .sliding import _ext_rows, window_prefix
 from .step_sizes import top_eigenvalue_triton
-from .window_sum import axis_concat, window_sum
+from .window_sum import axis_concat
 
 __all__ = ["sliding_delta_chunk", "SLOT_COUNTS"]
 
@@ -81,7 +81,6 @@ class _KeyAxis(torch.autograd.Function):
         wy.window_gram_fwd[(cdiv(T, BT), B * H)](x_ext, valid_ext, G, T, L, H=H, K=K, W=W, BT=BT, BK=BK)
         ctx.save_for_backward(x_ext, valid_ext)
         ctx.W, ctx.n_pre, ctx.n_body = W, prefix.shape[1], body.shape[1]
-        ctx.set_materialize_grads(False)
         return x_ext, G
 
     @staticmethod
@@ -90,20 +89,14 @@ class _KeyAxis(torch.autograd.Function):
         x_ext, valid_ext = ctx.saved_tensors
         B, L, H, K = x_ext.shape
         W, n_pre, n_body = ctx.W, ctx.n_pre, ctx.n_body
-        if dG is None:
-            if d_ext is None:
-                return None, None, None, None, None
-            d_pre, d_body = window_sum(d_ext.reshape(B, L, 1, H, K), split=n_pre, n_body=n_body)
-            return d_pre, d_body, None, None, None
         d_pre = x_ext.new_empty(B, n_pre, H, K)
         d_body = x_ext.new_empty(B, n_body, H, K)
         BP, BK = 32, min(64, max(16, next_power_of_2(K)))
         if not x_ext.is_cuda:  # the interpreter (see forward)
             BP = min(1024, next_power_of_2(n_pre + n_body))
-        acc = None if d_ext is None else d_ext.contiguous()
         wy.window_gram_bwd[(cdiv(n_pre + n_body, BP), B * H, cdiv(K, BK))](
-            x_ext, valid_ext, dG.contiguous(), x_ext if acc is None else acc, d_pre if n_pre else d_body, d_body,
-            L - W + 1, L, n_pre, n_body, H=H, K=K, W=W, BP=BP, BK=BK, HAS_ACC=acc is not None)
+            x_ext, valid_ext, dG.contiguous(), d_ext.contiguous(), d_pre if n_pre else d_body, d_body,
+            L - W + 1, L, n_pre, n_body, H=H, K=K, W=W, BP=BP, BK=BK)
         return d_pre, d_body, None, None, None
 
 

@@ -35,6 +35,31 @@ def _check_values(ok: torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
+_LAM_RANGE = "lam must be finite and >= 0 (it is the actual ridge coefficient lambda_t)"
+_GATE_RANGE = "log_gate must be <= 0, not NaN (the gate exp(g_t) is a decay)"
+
+
+def check_value_ranges(lam: torch.Tensor, log_gate: Optional[torch.Tensor]) -> None:
+    """``lam`` finite and ``>= 0`` (``lam = inf`` would give ``eta_t lam_t = 0 * inf``) and
+    ``log_gate <= 0`` (``-inf``, a hard reset, is a gate; NaN and positive values are not).
+    On a GPU one kernel flags both and device-side assertions raise
+    (``ops.triton.checks.assert_ranges``); elsewhere a reduction each (NaN propagates through
+    them and fails the comparisons)."""
+    if lam.is_cuda:
+        try:
+            from .triton.checks import assert_ranges
+        except ImportError:  # no Triton: the reductions below
+            pass
+        else:
+            assert_ranges(lam, log_gate, _LAM_RANGE, _GATE_RANGE)
+            return
+    if lam.numel():
+        low, high = torch.aminmax(lam)
+        _check_values((low >= 0) & (high < math.inf), _LAM_RANGE)
+    if log_gate is not None and log_gate.numel():
+        _check_values(log_gate.amax() <= 0, _GATE_RANGE)
+
+
 def check_switches(**switches) -> None:
     """A ``TypeError`` naming the first on/off argument that is not a ``bool`` (a string such as
     ``"False"`` would otherwise count as true)."""
@@ -112,14 +137,7 @@ def check_inputs(
     check_number("eps", eps, 0)
     check_number("decay_floor", decay_floor, 0, 1, open_low=True)
     if _values_checked():
-        # NaN propagates through the reductions and fails the comparisons; lam = inf would give
-        # eta_t lam_t = 0 * inf
-        if lam.numel():
-            low, high = torch.aminmax(lam)
-            _check_values((low >= 0) & (high < math.inf),
-                          "lam must be finite and >= 0 (it is the actual ridge coefficient lambda_t)")
-        if log_gate is not None and log_gate.numel():  # -inf (a hard reset) is a gate; NaN and positive values are not
-            _check_values(log_gate.amax() <= 0, "log_gate must be <= 0, not NaN (the gate exp(g_t) is a decay)")
+        check_value_ranges(lam, log_gate)
     if initial_state is not None:
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 

@@ -27,73 +27,112 @@ _check = functools.partial(check_kernel, "3", output_final_state=True)
 
 # ---- the window Grams' top eigenvalue (the step-size statistic) ----
 
-@pytest.mark.parametrize("W", [1, 2, 4, 8, 16])
-def test_top_eigenvalue_kernel_against_eigvalsh(W):
-    """The kernel's top eigenvalue of PSD Grams against float64 ``eigvalsh`` (within float32
-    rounding and the squaring bound), including rank-deficient and zero matrices, and its
-    gradient against that of ``eigvalsh``."""
-    from falcon_fwa.ops.triton.step_sizes import top_eigenvalue_triton
+def _window_steps(gram, valid_ext, **kw):
+    """``window_steps_forward`` on Grams ``[B, T, H, W, W]`` with unit ``beta`` and zero ``lam``."""
+    from falcon_fwa.ops.triton.step_sizes import window_steps_forward
 
+    B, T, H = gram.shape[:3]
+    ones = torch.ones(B, T, H, device=gram.device)
+    steps = dict(eps=1e-6, decay_floor=1e-3, normalize=True, scale_ridge=False)
+    return window_steps_forward(gram, valid_ext, ones, torch.zeros_like(ones), None, **{**steps, **kw})
+
+
+@pytest.mark.parametrize("W", [1, 2, 4, 8, 16])
+def test_top_eigenpair_kernel_against_eigvalsh(W):
+    """The step kernel's top eigenvalue of PSD Grams against float64 ``eigvalsh`` (within float32
+    rounding and the squaring bound), including rank-deficient and zero matrices, and its
+    eigenvector through the gradient ``v v^T`` of the eigenvalue, against that of ``eigvalsh``."""
     g = torch.Generator().manual_seed(W)
     x = torch.randn(5, 41, W, 3, generator=g, dtype=torch.float64)  # rank <= 3: ties at 0 for W > 3
     x[0, :4] = 0.0  # zero windows (the start of a fresh sequence)
-    gram = (x @ x.transpose(-1, -2)).float().to(DEVICE)
+    gram = (x @ x.transpose(-1, -2)).float()[:, :, None].to(DEVICE)  # [5, 41, 1, W, W]
+    valid_ext = torch.ones(5, 41 + W - 1, dtype=torch.bool, device=DEVICE)
     exact = torch.linalg.eigvalsh(gram.double().cpu())[..., -1]
-    got = top_eigenvalue_triton(gram).double().cpu()
-    assert torch.equal(got[0, :4], torch.zeros(4, dtype=torch.float64))
+    *_, top, vec = _window_steps(gram, valid_ext)
+    got = top.double().cpu()
+    assert torch.equal(got[0, :4], torch.zeros(4, 1, dtype=torch.float64))
     assert torch.allclose(got, exact, rtol=2e-6, atol=1e-6)
-    leaf = gram.clone().requires_grad_()
-    top_eigenvalue_triton(leaf).sum().backward()
     ref = gram.double().cpu()[1:].requires_grad_()
     torch.linalg.eigvalsh(ref)[..., -1].sum().backward()
-    assert torch.allclose(leaf.grad[1:].double().cpu(), ref.grad, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="W in"):
-        top_eigenvalue_triton(torch.zeros(3, 3, 3, device=DEVICE))
+    v = vec.double().cpu()[1:]
+    assert torch.allclose(v[..., :, None] * v[..., None, :], ref.grad, rtol=1e-4, atol=1e-4)
     # a Gram whose trace overflows float32 while no entry does
-    big = torch.eye(W, device=DEVICE) * 1e38
-    assert torch.allclose(top_eigenvalue_triton(big[None]).double().cpu(), torch.tensor([1e38], dtype=torch.float64),
-                          rtol=1e-6)
+    big = (torch.eye(W, device=DEVICE) * 1e38).expand(1, 1, 1, W, W).contiguous()
+    *_, top, _ = _window_steps(big, valid_ext[:1, :W])
+    assert torch.allclose(top.double().cpu(), torch.tensor([1e38], dtype=torch.float64), rtol=1e-6)
 
 
-@pytest.mark.parametrize("n_pre,cut", [(0, 0), (3, 0), (4, 1)])
-def test_key_axis_and_window_grams_against_float64(n_pre, cut):
-    """``_KeyAxis``: the extended axis ``[prefix | body]`` (the body's last ``cut`` rows left off, as
-    with the shift) and its window Grams ``G_t[i, j] = x_{t+i} . x_{t+j}`` (invalid pairs as zero)
-    against float64 products of the materialized windows; the backward's sum of the axis' own
-    gradient and the Grams', split onto prefix and body (rows left off: zero). K = 80 spans two key
-    blocks."""
-    from falcon_fwa.ops.triton.sliding_delta import _KeyAxis
+@pytest.mark.parametrize("n_pre,cut,gated,scale_ridge,normalize", [
+    (0, 0, False, False, True), (3, 0, True, True, True), (4, 1, True, False, False)])
+def test_window_writes_against_float64(n_pre, cut, gated, scale_ridge, normalize):
+    """``_WindowWrites``: the extended axis ``[prefix | body]`` (the body's last ``cut`` rows left off,
+    as with the shift) and the step sizes per write, ``eta``, ``kappa`` and the carry, against
+    float64 ones from the materialized windows (``eigvalsh`` of their Grams, invalid pairs as zero,
+    then ``ops.step_sizes.gains_from_statistic``); and the gradients of the prefix, the body
+    (rows left off: zero), ``beta``, ``lam`` and ``log_gate`` from those of all four outputs.
+    K = 80 spans two key blocks."""
+    from falcon_fwa.ops.rules import get_rule
+    from falcon_fwa.ops.step_sizes import gains_from_statistic
+    from falcon_fwa.ops.triton.sliding_delta import _WindowWrites
 
     g = torch.Generator().manual_seed(5 + n_pre)
+    steps = dict(eps=1e-6, decay_floor=0.05, normalize=normalize, scale_ridge=scale_ridge)
     for W in (1, 2, 4, 16):
         B, T, H, K = 2, 7, 2, 80
         L = T + W - 1
         if n_pre > L:
             continue
-        prefix = torch.randn(B, n_pre, H, K, generator=g)
-        body = torch.randn(B, L - n_pre + cut, H, K, generator=g)
+        prefix = torch.randn(B, n_pre, H, K, generator=g) / 4
+        body = torch.randn(B, L - n_pre + cut, H, K, generator=g) / 4
         valid = torch.rand(B, L, generator=g) > 0.3
-        x = torch.cat([prefix, body[:, :L - n_pre]], 1)
+        beta = torch.rand(B, T, H, generator=g)
+        lam = torch.rand(B, T, H, generator=g) * (4.0 if scale_ridge else 20.0)  # some steps reach the clamp
+        gate = -torch.rand(B, T, H, generator=g) if gated else None
         prefix[~valid[:, :n_pre]] = 1e4  # an invalid pair is zero in the Grams, whatever it holds
         body[:, :L - n_pre][~valid[:, n_pre:]] = 1e4
-        dG = torch.randn(B, H, T, W, W, generator=g, dtype=torch.float64)
-        d_ext = torch.randn(B, L, H, K, generator=g, dtype=torch.float64)
-        leaves = [t.to(DEVICE).requires_grad_() for t in (prefix, body)]
-        x_ext, G = _KeyAxis.apply(*leaves, valid.to(DEVICE), L, W)
-        assert torch.equal(x_ext.cpu(), torch.cat([prefix, body[:, :L - n_pre]], 1))
-        assert G.shape == (B, T, H, W, W) and G.is_contiguous()
-        G = G.transpose(1, 2)
-        ((G.double() * dG.to(DEVICE)).sum() + (x_ext.double() * d_ext.to(DEVICE)).sum()).backward()
-        ref = torch.where(valid[..., None, None], x.double(), 0.0).requires_grad_()
-        win = ref.unfold(1, W, 1).permute(0, 2, 1, 4, 3)  # [B, H, T, W, K]
-        want = win @ win.transpose(-1, -2)
-        (want * dG).sum().backward()
-        assert torch.allclose(G.double().cpu(), want.detach(), rtol=1e-5, atol=1e-5), W
-        d_axis = torch.where(valid[..., None, None], ref.grad, 0.0) + d_ext
-        assert torch.allclose(leaves[0].grad.double().cpu(), d_axis[:, :n_pre], rtol=1e-5, atol=1e-5), W
+        x = torch.cat([prefix, body[:, :L - n_pre]], 1)
+        cot = [torch.randn(B, L, H, K, generator=g, dtype=torch.float64)] + [
+            torch.randn(B, T * W, H, generator=g, dtype=torch.float64) for _ in range(3)]
+        inputs = [prefix, body, beta, lam] + ([gate] if gated else [])
+        leaves = [t.clone().to(DEVICE).requires_grad_() for t in inputs]
+        got = _WindowWrites.apply(leaves[0], leaves[1], valid.to(DEVICE), leaves[2], leaves[3],
+                                  leaves[4] if gated else None, L, W, steps)
+        assert torch.equal(got[0].cpu(), x)
+        if not gated:
+            assert got[2] is None  # kappa is eta
+        sum(((o.double() * c.to(DEVICE)).sum() for o, c in zip(got, cot) if o is not None)).backward()
+        # the float64 reference
+        ref = [t.double().requires_grad_() for t in (x, beta, lam) + ((gate,) if gated else ())]
+        xz = torch.where(valid[..., None, None], ref[0], 0.0)
+        win = xz.unfold(1, W, 1).permute(0, 2, 1, 4, 3)  # [B, H, T, W, K]
+        top = torch.linalg.eigvalsh(win @ win.transpose(-1, -2))[..., -1]  # [B, H, T]
+        slot_valid = valid.unfold(1, W, 1)
+        stat = top / slot_valid.sum(-1).clamp(min=1)[:, None, :]
+        eta_s, log_gamma = gains_from_statistic(get_rule("3"), stat, slot_valid, ref[1].transpose(1, 2),
+                                                ref[2].transpose(1, 2), **steps)
+        eta = eta_s[..., 0].permute(0, 2, 3, 1).reshape(B, T * W, H)
+        log_a = log_gamma[..., 0].transpose(1, 2)
+        kappa = eta
+        if gated:
+            log_a = log_a + ref[3]
+            kappa = (eta.view(B, T, W, H) * torch.exp(ref[3])[:, :, None]).reshape(B, T * W, H)
+        carry = torch.zeros(B, T, W, H, dtype=torch.float64)
+        carry = carry + torch.nn.functional.one_hot(torch.zeros((), dtype=torch.long), W).double()[None, None, :, None] \
+            * log_a[:, :, None, :]
+        carry = carry.reshape(B, T * W, H)
+        want = [ref[0], eta, kappa if gated else None, carry]
+        for o, w in zip(got[1:], want[1:]):
+            if w is not None:
+                assert torch.allclose(o.double().cpu(), w.detach(), rtol=1e-4, atol=1e-6), W
+        sum(((w * c).sum() for w, c in zip(want, cot) if w is not None)).backward()
+        d_axis = ref[0].grad
+        assert torch.allclose(leaves[0].grad.double().cpu(), d_axis[:, :n_pre], rtol=1e-4, atol=1e-4), W
         got_body = leaves[1].grad.double().cpu()
-        assert torch.allclose(got_body[:, :L - n_pre], d_axis[:, n_pre:], rtol=1e-5, atol=1e-5), W
+        assert torch.allclose(got_body[:, :L - n_pre], d_axis[:, n_pre:], rtol=1e-4, atol=1e-4), W
         assert torch.equal(got_body[:, L - n_pre:], torch.zeros_like(got_body[:, L - n_pre:])), W
+        for name, leaf, r in zip(("beta", "lam", "log_gate"), leaves[2:], ref[1:]):
+            assert r.grad is not None and leaf.grad is not None, (W, name)
+            assert torch.allclose(leaf.grad.double().cpu(), r.grad, rtol=1e-4, atol=1e-5), (W, name)
 
 
 # ---- the grouped WY solve itself, against a literal loop ----

@@ -56,7 +56,7 @@ def delta_recurrent(q, x, v, eta, kappa, log_a, S0, *, slots: int, bounds: Seque
 
 def check_gradients(monkeypatch, dims, dtype=torch.float32, *, slots: int = 1, chunk_size: int = 16,
                     cu_seqlens: Optional[Sequence[int]] = None, with_state: bool = True, device: str = DEVICE,
-                    tol: float = 1e-5, seed: int = 0) -> None:
+                    tol: float = 1e-5, seed: int = 0, kappa_is_eta: bool = False) -> None:
     B, T, H, K, V = dims
     g = torch.Generator().manual_seed(seed)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
@@ -69,7 +69,7 @@ def check_gradients(monkeypatch, dims, dtype=torch.float32, *, slots: int = 1, c
         log_a=-0.2 * torch.rand(B, T, H, generator=g),
         S0=0.3 * torch.randn(N, H, K, V, generator=g) if with_state else None,
     )
-    leaves["kappa"] = leaves["eta"] * torch.exp(-0.1 * torch.rand(B, T, H, generator=g))
+    leaves["kappa"] = None if kappa_is_eta else leaves["eta"] * torch.exp(-0.1 * torch.rand(B, T, H, generator=g))
     for n in ("q", "x", "v"):  # the reference sees the values the kernels get
         leaves[n] = leaves[n].to(dtype).float()
     leaves["log_a"][:, torch.arange(T) % slots != 0] = 0.0
@@ -80,7 +80,8 @@ def check_gradients(monkeypatch, dims, dtype=torch.float32, *, slots: int = 1, c
     # the reference runs where the kernels do: on a GPU its thousand small steps take seconds, on a host
     # shared with other test workers minutes
     ref = {n: None if t is None else t.to(device, torch.float64).requires_grad_() for n, t in leaves.items()}
-    o, S = delta_recurrent(*(ref[n] for n in NAMES), slots=slots, bounds=bounds)
+    o, S = delta_recurrent(*(ref["eta"] if n == "kappa" and kappa_is_eta else ref[n] for n in NAMES), slots=slots,
+                           bounds=bounds)
     ((o * w_o.to(device)).sum() + (S * w_s.to(device)).sum()).backward()
     o, S = o.detach().cpu(), S.detach().cpu()
 
@@ -122,6 +123,12 @@ def test_packed_sequences(monkeypatch):
 
 def test_packed_grouped_writes(monkeypatch):
     check_gradients(monkeypatch, (1, 40, 1, 16, 16), slots=4, cu_seqlens=[0, 12, 40], seed=3)
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_kappa_is_eta(monkeypatch, slots):
+    # kappa=None: the kernels read eta for kappa, and eta's gradient holds both parts
+    check_gradients(monkeypatch, (1, 40, 2, 16, 16), slots=slots, chunk_size=16, seed=11 + slots, kappa_is_eta=True)
 
 
 def test_head_dims_spanning_value_blocks(monkeypatch):

@@ -217,7 +217,7 @@ def falcon_chunk_triton(
             kappa = None if gate is None else eta * gate[..., None]
             o, S_T = column_delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
         else:
-            kappa = eta if gate is None else eta * gate
+            kappa = None if gate is None else eta * gate  # None: kappa is eta
             o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
     elif spec.per_column:  # rule 2A: eta and the decay per value column
         o, S_T = column_decay_chunk(q, x, v, eta, log_a, S0, **scan)

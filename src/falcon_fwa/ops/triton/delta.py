@@ -3,8 +3,9 @@ r"""Autograd function over the WY chunk kernels (Falcon-1).
 ``delta_chunk(q, x, v, eta, kappa, log_a, S0, ...)`` computes, per head,
 ``S_t = a_t S_{t-1} + x_t (eta_t v_t - kappa_t S_{t-1}^T x_t)^T`` with
 ``a_t = exp(log_a_t)`` and reads ``o_t = S_t^T q_t`` (``read_after``) or
-``S_{t-1}^T q_t``. Falcon-1 is ``a = gamma exp(g)``, ``kappa = eta exp(g)``;
-gradients flow to ``q``, ``x``, ``v``, ``eta``, ``kappa``, ``log_a`` and ``S0``.
+``S_{t-1}^T q_t``. Falcon-1 is ``a = gamma exp(g)``, ``kappa = eta exp(g)``
+(``kappa=None`` without a gate: kappa is eta, read from eta's buffer, its gradient summed into
+eta's); gradients flow to ``q``, ``x``, ``v``, ``eta``, ``kappa``, ``log_a`` and ``S0``.
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     B, _, H, K = x.shape
     V = v.shape[-1]
     prec, meta, xa = dot_precision(q.dtype), layout_args(layout), _key_args(slots, windowed)
-    A, U, W = wy_forward(x, v, eta, kappa, log_a, layout, slots, windowed)
+    A, U, W = wy_forward(x, v, eta, eta if kappa is None else kappa, log_a, layout, slots, windowed)
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(U)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
@@ -217,16 +218,16 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
     del dh  # read by dqk_bwd only
     dv = D  # per write row (windowed: summed onto the axis below) into D's buffer: D was read by dqk_bwd only
-    dkappa = torch.empty_like(kappa)
-    extra = q.new_empty(3, rows, H, dtype=torch.float32)
+    dkappa = None if kappa is None else torch.empty_like(kappa)  # kappa=None (kappa is eta): into deta
+    deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     # wy_bwd stages the Gram's gradient, read back transposed, in A's own rows (each program reads its
     # chunk's A first): no scratch buffer. A, W and D are spent here (_DeltaChunk.backward recomputes them
-    # for a second backward)
+    # for a second backward). It also sums the reads' partials of the decay's gradient (parts) into dlog_a.
     BK, BV, warps, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
-        x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots, WINDOWED=windowed,
-        num_warps=warps, num_stages=stages, **meta)
+        x, v, eta, eta if kappa is None else kappa, log_a, A, h, dD, dx, dv, dkappa, parts[1], parts[2], deta, dlog_a,
+        A, chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V, BK=BK, BV=BV, NK=NK, PRECISION=prec,
+        SLOTS=slots, WINDOWED=windowed, KAPPA_IS_ETA=kappa is None, num_warps=warps, num_stages=stages, **meta)
     if windowed:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
         if slots > 1:
             dx = window_sum(dx.view(B, T // slots, slots, H, K))
@@ -234,10 +235,6 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
             dv = window_sum(dv.view(B, T // slots, slots, H, V), split=value_split[0], n_body=value_split[1])
         elif slots > 1:
             dv = window_sum(dv.view(B, T // slots, slots, H, V))
-    deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
-    sd.dlog_bwd[(layout.num_chunks, H)](
-        parts[0], parts[1], parts[2], extra, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, NK=NK, HAS_ETA=False, HAS_EXTRA=True, **meta)
     return dq, dx, dv, deta, dkappa, dlog_a, dS0
 
 
@@ -280,7 +277,7 @@ def delta_chunk(
     x: torch.Tensor,
     v: torch.Tensor,
     eta: torch.Tensor,
-    kappa: torch.Tensor,
+    kappa: Optional[torch.Tensor],
     log_a: torch.Tensor,
     S0: Optional[torch.Tensor],
     *,
@@ -318,7 +315,7 @@ def delta_chunk(
     ``chunk_size`` 128 runs as 64 (``WY_MAX_CHUNK``).
 
     ``q``, ``x`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` of one dtype; ``eta``,
-    ``kappa``, ``log_a`` ``[B, T, H]`` fp32; ``S0`` ``[N, H, K, V]`` fp32 or ``None``.
+    ``kappa``, ``log_a`` ``[B, T, H]`` fp32 (``kappa=None``: kappa is eta); ``S0`` ``[N, H, K, V]`` fp32 or ``None``.
     Returns ``o`` ``[B, T, H, V]`` and the final states ``[N, H, K, V]`` fp32 (or ``None``).
 
     The backward writes its gradients over buffers the forward kept and it no longer reads
@@ -362,7 +359,8 @@ def delta_chunk(
             raise ValueError(f"with query_slot, q must have T // slots = {T // slots} rows, got {q.shape[1]}")
     chunk_size = min(chunk_size, WY_MAX_CHUNK)
     q, x, v = (t.contiguous() for t in (q, x, v))
-    eta, kappa, log_a = (t.float().contiguous() for t in (eta, kappa, log_a))
+    eta, log_a = eta.float().contiguous(), log_a.float().contiguous()
+    kappa = None if kappa is None else kappa.float().contiguous()
     S0 = None if S0 is None else S0.float().contiguous()
     return _DeltaChunk.apply(q, x, v, eta, kappa, log_a, S0, cu_seqlens, chunk_size, read_after, output_final_state,
                              slots, windowed, query_slot, value_prefix)

@@ -375,15 +375,24 @@ def state_bwd(
 
 @triton.jit
 def wy_bwd(
-    x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
+    x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, du_part, dw_part, deta, dlog_a, dG, cu_seqlens, chunk_indices,
+    chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED: tl.constexpr = False,
+    NK: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
+    WINDOWED: tl.constexpr = False, KAPPA_IS_ETA: tl.constexpr = False,
 ):
     """Grid ``(num_chunks, H)`` with ``BK >= K``: gradients through ``D = U - W h``,
     ``U = A (eta Y)``, ``W = A (kappa exp(w) X)`` and ``A = (I + N)^{-1}``. Writes ``dv``,
-    ``dkappa``, adds into ``dx`` and writes ``extra = [deta, du, dw]`` ``[3, rows, H]``::
+    ``dkappa`` (with ``KAPPA_IS_ETA``, ``kappa`` is ``eta`` and its gradient goes into ``deta``),
+    ``deta`` and ``dlog_a``, and adds into ``dx``::
 
         dU = dD,  dW = -dD h^T,  dA = dU (eta Y)^T + dW (kappa exp(w) X)^T,  dL = -A^T dA A^T
+
+    ``dlog_a`` sums, within the chunk, the gradients of the log-decay prefixes ``u`` (which
+    include ``log_a_t``) and ``w`` (which do not), this kernel's and the reads' partials
+    ``du_part``, ``dw_part`` ``[NK, rows, H]`` (``dqk_bwd``)::
+
+        d log_a_r = sum_{t >= r} du_t + sum_{t > r} dw_t
 
     Each product is formed once, with ``A^T``, ``Y^T``, ``h^T`` and ``X^T`` loaded as such. The
     Gram's gradient ``dG`` (``[p, r]``, ``r`` before ``p``) enters ``dx`` through ``dG + dG^T``:
@@ -454,13 +463,21 @@ def wy_bwd(
     b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)
     row = (bos + o_t) * H + i_h
-    tl.store(dkappa + row, d_kappa, mask=m_t)
-    tl.store(extra + row, d_eta, mask=m_t)
-    tl.store(extra + n_rows * H + row, d_u, mask=m_t)
+    if KAPPA_IS_ETA:
+        d_eta += d_kappa
+    else:
+        tl.store(dkappa + row, d_kappa, mask=m_t)
+    tl.store(deta + row, d_eta, mask=m_t)
     if SLOTS > 1:  # w_p = u_p - la(first write of p's step): its gradient, summed per step, onto that write
         same = (o_c[None, :] // SLOTS) == (o_c[:, None] // SLOTS)
         d_w = tl.where(o_c % SLOTS == 0, tl.sum(tl.where(same, d_w[None, :], 0.0), axis=1), 0.0)
-    tl.store(extra + 2 * n_rows * H + row, d_w, mask=m_t)
+    d_u = tl.where(m_t, d_u, 0.0)
+    d_w = tl.where(m_t, d_w, 0.0)
+    for i_k in range(NK):  # the reads' partials
+        d_u += tl.load(du_part + i_k * n_rows * H + row, mask=m_t, other=0.0)
+        d_w += tl.load(dw_part + i_k * n_rows * H + row, mask=m_t, other=0.0)
+    total = d_u + d_w
+    tl.store(dlog_a + row, tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total - d_w, mask=m_t)
 
 
 # ---- rule 3: the window Grams of the step sizes ----
@@ -500,19 +517,20 @@ def window_gram_fwd(
 
 @triton.jit
 def window_gram_bwd(
-    x, valid, dG, acc, head, body, T, L, n_head, n_body,
+    x, valid, vec, d_top, acc, head, body, T, L, n_head, n_body,
     H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
 ):
     """Grid ``(cdiv(n_head + n_body, BP), B * H, cdiv(K, BK))``: the gradient of the pairs ``x``
-    ``[B, L, H, K]``, that of ``window_gram_fwd`` plus ``acc`` (``[B, L, H, K]``, the gradient the
-    pairs get elsewhere)::
+    ``[B, L, H, K]`` through the top eigenvalues of their window Grams (``d G_t = d_top_t v_t
+    v_t^T``, ``vec`` ``[B, T, H, W]`` the unit eigenvectors, ``d_top`` ``[B, T, H]``), plus ``acc``
+    (``[B, L, H, K]``, the gradient the pairs get elsewhere)::
 
-        dx_p = acc_p + [p valid] sum_e c_e(p) x_{p+e}
+        dx_p = acc_p + [p valid] sum_e c_e(p) x_{p+e},   c_e(p) = 2 sum_i d_top_{p-i} v_{p-i,i} v_{p-i,i+e}
 
-    over the lags ``e = j - i`` in ``(-W, W)``, with ``c_e(p) = sum_i dG[p-i, i, i+e] + dG[p-i, i+e, i]``
-    (steps ``0 <= p - i < T``) and invalid pairs counting as zero. Stored split as
-    ``window_sum`` stores an axis: ``p < n_head`` into ``head`` ``[B, n_head, H, K]``, the others
-    onto row ``p - n_head`` of ``body`` ``[B, n_body, H, K]`` (positions past the axis: zero)."""
+    over the lags ``e`` in ``(-W, W)`` and the steps ``0 <= p - i < T``, invalid pairs counting
+    as zero. Stored split as ``window_sum`` stores an axis: ``p < n_head`` into ``head``
+    ``[B, n_head, H, K]``, the others onto row ``p - n_head`` of ``body`` ``[B, n_body, H, K]``
+    (positions past the axis: zero)."""
     i_p, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     o_p = i_p * BP + tl.arange(0, BP)
@@ -523,14 +541,14 @@ def window_gram_bwd(
     row0 = i_b.to(tl.int64) * L
     t = o_p[:, None] - o_w[None, :]  # [BP, W]: the step whose slot i holds pair p
     m_s = (t >= 0) & (t < T)
-    g0 = dG + ((i_b.to(tl.int64) * T + t) * H + i_h) * W * W  # dG [B, T, H, W, W]
+    r_t = (i_b.to(tl.int64) * T + t) * H + i_h  # the row (b, t, h) of d_top and vec
+    s_i = 2.0 * tl.load(d_top + r_t, mask=m_s, other=0.0) * tl.load(vec + r_t * W + o_w[None, :], mask=m_s, other=0.0)
     b_dx = tl.zeros([BP, BK], dtype=tl.float32)
     for e_i in tl.static_range(2 * W - 1):
         e = e_i - (W - 1)  # a constant of the unrolled loop (Triton 3.6 refuses a reassigned tl.constexpr)
         j = o_w[None, :] + e
         m = m_s & (j >= 0) & (j < W)
-        c = tl.sum(tl.load(g0 + o_w[None, :] * W + j, mask=m, other=0.0)
-                   + tl.load(g0 + j * W + o_w[None, :], mask=m, other=0.0), axis=1)  # [BP]
+        c = tl.sum(s_i * tl.load(vec + r_t * W + j, mask=m, other=0.0), axis=1)  # [BP]
         q = o_p + e
         m_q = (q >= 0) & (q < L)
         ok = tl.load(valid + row0 + q, mask=m_q, other=0) != 0

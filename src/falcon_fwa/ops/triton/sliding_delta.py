@@ -15,62 +15,54 @@ before: it sees the earlier steps only); the other rows read nothing. The kernel
 is ever laid out over the ``T * W`` rows.
 
 The pairs are laid out once on the extended time axis ``[tail | pairs]`` (positions
-``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``; ``_KeyAxis`` for the features,
-``delta_chunk(..., value_prefix=...)`` for the values). Every kernel reads the features and values
-in place from that axis (``delta_chunk(..., windowed=True)``): the ``T * W`` write rows are never
-materialized. Their gradients sum back onto the axis in one pass each (``window_sum``); the
-values' pass stores them straight onto ``v`` and the tail, the features' go there with the window
-Grams' gradient (``_KeyAxis``).
-The per-write scalars ``eta``, ``kappa`` and the carry are formed time-major (``[B, T, W, H]``,
-the rows' order) from the step sizes, which are time-major themselves.
-The window Gram ``G_t[i, j] = x_{t+i} . x_{t+j}`` comes from one kernel over the axis
-(``delta_kernels.window_gram_fwd``; its backward also adds the axis' gradient from the scan and
-splits the sum onto the keys and the tail, ``_KeyAxis``), and its top eigenvalue from
-repeated squaring (``ops.step_sizes.top_eigenvalue_by_squaring``, as one kernel:
-``step_sizes.top_eigenvalue_triton``; no eigensolver, no host synchronization). Gradients
-of the step sizes come from autograd. The cost is that of a rule-1 scan ``W`` times as
-long.
+``0 .. T + W - 2``; slot ``j`` of step ``t`` is position ``t + j``; ``_WindowWrites`` for the
+features, ``delta_chunk(..., value_prefix=...)`` for the values). Every kernel reads the features
+and values in place from that axis (``delta_chunk(..., windowed=True)``): the ``T * W`` write rows
+are never materialized. The values' gradients sum back onto ``v`` and the tail in one pass
+(``window_sum``), the features' go there with the step sizes' gradient (``_WindowWrites``).
+
+The step sizes come from the window Grams ``G_t[i, j] = x_{t+i} . x_{t+j}`` (one kernel over the
+axis, ``delta_kernels.window_gram_fwd``) and their top eigenvalues by repeated squaring
+(``ops.step_sizes.top_eigenvalue_by_squaring``; no eigensolver, no host synchronization), in
+one kernel with the gains that writes ``eta``, ``kappa`` and the carry per write, time-major
+(``[B, T, W, H]``, the rows' order): ``step_sizes.window_steps_forward``. Their backward is one
+kernel too, whose gradient of the top eigenvalues the Grams' backward takes. The cost is that of
+a rule-1 scan ``W`` times as long.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..rules import get_rule
-from ..step_sizes import gains_from_statistic
 from . import delta_kernels as wy
 from .delta import SLOT_COUNTS, delta_chunk
 from .launch import cdiv, next_power_of_2
 from .sliding import _ext_rows, window_prefix
-from .step_sizes import top_eigenvalue_triton
+from .step_sizes import window_steps_backward, window_steps_forward
 from .window_sum import axis_concat
 
 __all__ = ["sliding_delta_chunk", "SLOT_COUNTS"]
 
 
-def _slot_rows(t: torch.Tensor) -> torch.Tensor:
-    """``[B, H, T, W]`` -> ``[B, T * W, H]`` (step ``t``'s slots on rows ``t*W ..``): a view when
-    ``t`` is laid out time-major (``[B, T, W, H]`` in memory, as the step sizes come), else a copy."""
-    B, H, T, W = t.shape
-    return t.permute(0, 2, 3, 1).contiguous().view(B, T * W, H)
+class _WindowWrites(torch.autograd.Function):
+    """The keys' extended axis and the per-write step sizes of rule 3, one node.
 
-
-class _KeyAxis(torch.autograd.Function):
-    """The keys' extended axis and its window Grams, one node: ``x_ext`` ``[B, L, H, K]``, the
-    concatenation ``[prefix | body]`` cut to ``L`` rows (``axis_concat``: one launch that reads each
-    row once; ``torch.cat`` of a few prefix rows and a long body ran at a sixth of the copy
-    bandwidth on an H200), and ``G`` ``[B, T, H, W, W]`` fp32,
-    ``G_t[i, j] = x_{t+i} . x_{t+j}`` (``T = L - W + 1``; a pair with ``valid_ext`` False counts as
-    zero): ``delta_kernels.window_gram_fwd``. The backward receives the axis' gradient from the
-    scan and the Grams' together and forms their sum, split onto ``prefix`` and ``body``, in one
-    launch (``window_gram_bwd``): autograd would add the two gradients on the axis in a pass of
-    its own, and the split would be a third (rows of ``body`` past the axis get zero)."""
+    Forward: ``x_ext`` ``[B, L, H, K]``, the concatenation ``[prefix | body]`` cut to ``L`` rows
+    (``axis_concat``: one launch that reads each row once; ``torch.cat`` of a few prefix rows and a
+    long body ran at a sixth of the copy bandwidth on an H200); the window Grams ``G_t[i, j] =
+    x_{t+i} . x_{t+j}`` ``[B, T, H, W, W]`` fp32 (``T = L - W + 1``; a pair with ``valid_ext`` False
+    counts as zero; ``delta_kernels.window_gram_fwd``), never returned; and from their top
+    eigenvalues the step sizes per write, ``eta``, ``kappa`` (``None`` without a gate) and the
+    carry ``[B, T * W, H]`` (``step_sizes.window_steps_forward``). Backward: the step sizes'
+    gradient gives that of the top eigenvalues (``d G_t = d_top_t v_t v_t^T``, never formed), and one
+    launch (``window_gram_bwd``) adds it to the axis' gradient from the scan, split onto ``prefix`` and
+    ``body`` (rows of ``body`` past the axis get zero): autograd would add the two gradients on the
+    axis in a pass of its own, and the split would be a third."""
 
     @staticmethod
-    def forward(ctx, prefix, body, valid_ext, L, W):
+    def forward(ctx, prefix, body, valid_ext, beta, lam, log_gate, L, W, steps):
         x_ext = axis_concat(prefix, body, L)
         B, _, H, K = x_ext.shape
         T = L - W + 1
@@ -79,25 +71,29 @@ class _KeyAxis(torch.autograd.Function):
         if not x_ext.is_cuda:  # Triton's interpreter: its cost is per program and op, not per element
             BT = min(1024, next_power_of_2(T))
         wy.window_gram_fwd[(cdiv(T, BT), B * H)](x_ext, valid_ext, G, T, L, H=H, K=K, W=W, BT=BT, BK=BK)
-        ctx.save_for_backward(x_ext, valid_ext)
-        ctx.W, ctx.n_pre, ctx.n_body = W, prefix.shape[1], body.shape[1]
-        return x_ext, G
+        eta, kappa, carry, top, vec = window_steps_forward(G, valid_ext, beta, lam, log_gate, **steps)
+        ctx.save_for_backward(x_ext, valid_ext, beta, lam, log_gate, top, vec)
+        ctx.W, ctx.n_pre, ctx.n_body, ctx.steps = W, prefix.shape[1], body.shape[1], steps
+        return x_ext, eta, kappa, carry
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_ext, dG):
-        x_ext, valid_ext = ctx.saved_tensors
+    def backward(ctx, d_ext, d_eta, d_kappa, d_carry):
+        x_ext, valid_ext, beta, lam, log_gate, top, vec = ctx.saved_tensors
         B, L, H, K = x_ext.shape
         W, n_pre, n_body = ctx.W, ctx.n_pre, ctx.n_body
+        d_top, d_beta, d_lam, d_gate = window_steps_backward(top, valid_ext, beta, lam, log_gate, d_eta, d_kappa,
+                                                              d_carry, **ctx.steps)
         d_pre = x_ext.new_empty(B, n_pre, H, K)
         d_body = x_ext.new_empty(B, n_body, H, K)
+        d_ext = torch.zeros_like(x_ext) if d_ext is None else d_ext.contiguous()
         BP, BK = 32, min(64, max(16, next_power_of_2(K)))
         if not x_ext.is_cuda:  # the interpreter (see forward)
             BP = min(1024, next_power_of_2(n_pre + n_body))
         wy.window_gram_bwd[(cdiv(n_pre + n_body, BP), B * H, cdiv(K, BK))](
-            x_ext, valid_ext, dG.contiguous(), d_ext.contiguous(), d_pre if n_pre else d_body, d_body,
+            x_ext, valid_ext, vec, d_top, d_ext, d_pre if n_pre else d_body, d_body,
             L - W + 1, L, n_pre, n_body, H=H, K=K, W=W, BP=BP, BK=BK)
-        return d_pre, d_body, None, None, None
+        return d_pre, d_body, None, d_beta, d_lam, d_gate, None, None, None
 
 
 def sliding_delta_chunk(
@@ -141,26 +137,13 @@ def sliding_delta_chunk(
     dev = q.device
     # the extended axis [tail | pairs]: x_p = k_{p-1} (shift) or k_p
     x_pre, y_pre, valid_ext = window_prefix(q, k, v, last_key, tail, lengths, window=W, shift=shift)
-    # [B, T + n, H, K] and the window Grams [B, T, H, W, W]
-    x_ext, gram = _KeyAxis.apply(x_pre, k, valid_ext, T + n, W)
-    slot_valid = valid_ext.unfold(1, W, 1)  # [B, T, W]: slot j of step t is the pair at t + j
-
-    # step sizes: mu_t = lambda_max(G_t) / B_t, then the shared gains and clamp; every [B, H, T]
-    # tensor below is a view of a time-major [B, T, H] one (as beta, lam and the gate come)
-    count = slot_valid.sum(-1).clamp(min=1)[..., None]  # [B, T, 1]
-    stat = (top_eigenvalue_triton(gram) / count).transpose(1, 2)
-    eta_slots, log_gamma = gains_from_statistic(get_rule("3"), stat, slot_valid, beta.float().transpose(1, 2),
-                                                lam.float().transpose(1, 2), eps=eps, decay_floor=decay_floor,
-                                                normalize=normalize, scale_ridge=scale_ridge)
-    eta = _slot_rows(eta_slots[..., 0])  # [B, T * W, H]
-    log_a = log_gamma[..., 0].transpose(1, 2)  # [B, T, H]
-    kappa = eta
-    if log_gate is not None:  # the carry gamma * exp(g); the residual is read at the gated state
-        g = log_gate.float()
-        log_a = log_a + g
-        kappa = (eta.view(B, T, W, H) * torch.exp(g)[:, :, None]).reshape(B, T * W, H)
-    # the carry on each step's first row, nothing on the others; the query on the read row only
-    carry = log_a if W == 1 else F.pad(log_a.contiguous()[:, :, None], (0, 0, 0, W - 1)).reshape(B, T * W, H)
+    # the axis [B, T + n, H, K] and the step sizes per write [B, T * W, H] (step t on rows t*W ..): from the
+    # top eigenvalue of each window's Gram, mu_t = lambda_max(G_t) / B_t; kappa is None without a gate
+    steps = dict(eps=eps, decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
+    x_ext, eta, kappa, carry = _WindowWrites.apply(x_pre, k, valid_ext, beta.contiguous(), lam.contiguous(),
+                                                   None if log_gate is None else log_gate.contiguous(), T + n, W,
+                                                   steps)
+    # the query on the read row only
     read = W - 1 if read_after else 0
     # the pairs read in place from the axes; the values' axis [y_pre | v] is built inside the scan, whose
     # backward sums the writes' gradients straight onto y_pre and v

@@ -1,7 +1,9 @@
-r"""Fused step sizes of the non-sliding rules, one program per block of ``(b, t, h)``
-rows: the kernel counterpart of ``ops.step_sizes``. ``step_fwd`` / ``step_bwd`` serve the
-scalar rules (1, 1A), ``column_step_fwd`` / ``column_step_bwd`` the per-column rules (2, 2A),
-whose ``beta``, ``eta`` and ``log_a`` carry one value per value column.
+r"""Fused step sizes, one program per block of ``(b, t, h)`` rows: the kernel counterpart of
+``ops.step_sizes``. ``step_fwd`` / ``step_bwd`` serve the scalar rules (1, 1A),
+``column_step_fwd`` / ``column_step_bwd`` the per-column rules (2, 2A), whose ``beta``,
+``eta`` and ``log_a`` carry one value per value column, and ``window_step_fwd`` /
+``window_step_bwd`` rule 3, whose statistic is the top eigenvalue of each window's Gram
+(``top_eigenpair``) and whose step sizes are laid out per write of the window.
 
 Per row, with the write feature ``x`` (``K`` values), ``E = ||x||^2`` and
 ``lambda = lam`` (``lam * E`` with ``scale_ridge``)::
@@ -383,15 +385,117 @@ def top_eigenpair(g, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr)
     return lam, v
 
 
+# ---- rule 3: the step sizes of the window writes ----
+
 @triton.jit
-def top_eigen_fwd(gram, lam_out, vec_out, n, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr):
-    """Top eigenpair (``top_eigenpair``) of ``n`` symmetric PSD ``[W, W]`` matrices (``gram``
-    ``[n, W, W]`` fp32). Writes ``lam_out`` ``[n]`` and ``vec_out`` ``[n, W]``."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # int64: n * W * W may pass 2^31
+def _window_terms(lam_max, valid_ext, lam, rows, m_r, T, eps, H: tl.constexpr, W: tl.constexpr,
+                  NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr):
+    """Per row ``(b, t, h)`` of rule 3, from the Grams' top eigenvalues ``lam_max`` ``[BR]``: the slots' validity ``[BR, W]`` (slot ``j`` of step ``t``
+    is the pair at extended position ``t + j``), their count ``B_t`` clamped to 1, and
+    ``_terms_of_energy``'s terms with ``E = mu_t = lambda_max(G_t) / B_t`` (the multiplier of
+    ``scale_ridge`` is ``E`` too; the backward treats it as a constant, Appendix C.6). A row
+    takes a step where its window holds a pair."""
+    bt = rows // H
+    o_w = tl.arange(0, W)
+    pos = (bt // T) * (T + W - 1) + bt % T
+    slot_ok = tl.load(valid_ext + pos[:, None] + o_w[None, :], mask=m_r[:, None], other=0) != 0
+    count = tl.sum(slot_ok.to(tl.float32), axis=1)
+    cnt = tl.maximum(count, 1.0)
+    E = lam_max / cnt
+    b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
+    if SCALE_RIDGE:
+        lam_eff = b_lam * E
+    else:
+        lam_eff = b_lam
+    denom = E + lam_eff + eps
+    ok = m_r & (count > 0)
+    if NORMALIZE:
+        ok = ok & (denom > 0)
+    return slot_ok, cnt, E, lam_eff, denom, ok
+
+
+@triton.jit
+def window_step_fwd(
+    gram, valid_ext, beta, lam, log_gate, eta, kappa, carry, top, vec, n, T, eps, decay_floor, log_floor,
+    H: tl.constexpr, W: tl.constexpr, SQUARINGS: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR),)`` over the ``n = B*T*H`` rows ``(b, t, h)`` of rule 3, time-major. From the
+    window Grams ``gram`` ``[n, W, W]`` fp32: their top eigenpair (``top_eigenpair``; ``top`` ``[n]``,
+    ``vec`` ``[n, W]``, kept for the backward), then per row::
+
+        mu    = lambda_max(G_t) / B_t,  eta = beta / (mu + lambda + eps)   (0 without a pair)
+        log_a = max(log1p(-min(eta * lambda, 1 - decay_floor)), log decay_floor) + g
+
+    and per write ``(b, t, j, h)`` (``[B, T, W, H]``, the scan's row order): ``eta_j = eta [j
+    valid] / B_t``, ``kappa_j = eta_j exp(g)`` (``HAS_GATE``; without a gate kappa is eta) and the
+    carry ``log_a`` on slot 0, zero on the others."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = rows < n
-    o = tl.arange(0, W)
-    offs = rows[:, None, None] * (W * W) + o[None, :, None] * W + o[None, None, :]
-    g = tl.load(gram + offs, mask=m_r[:, None, None], other=0.0).to(tl.float32)
-    lam, v = top_eigenpair(g, W, SQUARINGS, BR)
-    tl.store(lam_out + rows, lam, mask=m_r)
-    tl.store(vec_out + rows[:, None] * W + o[None, :], v, mask=m_r[:, None])
+    o_w = tl.arange(0, W)
+    g = tl.load(gram + rows[:, None, None] * (W * W) + o_w[None, :, None] * W + o_w[None, None, :],
+                mask=m_r[:, None, None], other=0.0)
+    lam_max, v = top_eigenpair(g, W, SQUARINGS, BR)
+    tl.store(top + rows, lam_max, mask=m_r)
+    tl.store(vec + rows[:, None] * W + o_w[None, :], v, mask=m_r[:, None])
+    slot_ok, cnt, E, lam_eff, denom, ok = _window_terms(lam_max, valid_ext, lam, rows, m_r, T, eps, H, W, NORMALIZE,
+                                                        SCALE_RIDGE)
+    b_eta = _eta(beta, rows, ok, denom, NORMALIZE)
+    la = tl.maximum(_log1p(-tl.minimum(b_eta * lam_eff, 1.0 - decay_floor)), log_floor)
+    e_slots = tl.where(slot_ok, b_eta[:, None] / cnt[:, None], 0.0)  # [BR, W]
+    off = ((rows // H)[:, None] * W + o_w[None, :]) * H + (rows % H)[:, None]
+    m = m_r[:, None]
+    tl.store(eta + off, e_slots, mask=m)
+    if HAS_GATE:
+        b_g = tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)
+        la += b_g
+        tl.store(kappa + off, e_slots * tl.exp(b_g)[:, None], mask=m)
+    tl.store(carry + off, tl.where(o_w[None, :] == 0, la[:, None], 0.0), mask=m)
+
+
+@triton.jit
+def window_step_bwd(
+    top, valid_ext, beta, lam, log_gate, d_eta, d_kappa, d_carry, d_top, d_beta, d_lam, d_gate,
+    n, T, eps, decay_floor, log_floor,
+    H: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_D_ETA: tl.constexpr, HAS_D_KAPPA: tl.constexpr, HAS_D_CARRY: tl.constexpr,
+):
+    """Grid ``(cdiv(n, BR),)``: the backward of ``window_step_fwd`` from the writes' gradients
+    ``d_eta``, ``d_kappa``, ``d_carry`` ``[B, T, W, H]`` (each may be absent): ``d_beta``,
+    ``d_lam``, ``d_gate`` ``[n]`` and ``d_top`` ``[n]``, the gradient of ``lambda_max(G_t)``
+    (``d mu / B_t``; ``d G_t = d_top v v^T`` is formed where the Grams' backward needs it)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < n
+    o_w = tl.arange(0, W)
+    lam_max = tl.load(top + rows, mask=m_r, other=0.0)
+    slot_ok, cnt, E, lam_eff, denom, ok = _window_terms(lam_max, valid_ext, lam, rows, m_r, T, eps, H, W, NORMALIZE,
+                                                        SCALE_RIDGE)
+    b_eta = _eta(beta, rows, ok, denom, NORMALIZE)
+    off = ((rows // H)[:, None] * W + o_w[None, :]) * H + (rows % H)[:, None]
+    m = m_r[:, None]
+    g_slots = tl.zeros([BR, W], dtype=tl.float32)
+    if HAS_D_ETA:
+        g_slots += tl.load(d_eta + off, mask=m, other=0.0)
+    g_carry = tl.zeros([BR], dtype=tl.float32)
+    if HAS_D_CARRY:
+        g_carry += tl.sum(tl.load(d_carry + off, mask=m & (o_w[None, :] == 0), other=0.0), axis=1)
+    if HAS_GATE:
+        e_g = tl.exp(tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32))
+        g_gate = g_carry
+        if HAS_D_KAPPA:
+            g_k = tl.load(d_kappa + off, mask=m, other=0.0)
+            g_slots += g_k * e_g[:, None]
+            g_gate += tl.sum(tl.where(slot_ok, g_k * (b_eta * e_g / cnt)[:, None], 0.0), axis=1)
+        tl.store(d_gate + rows, g_gate.to(d_gate.dtype.element_ty), mask=m_r)
+    g_eta = tl.sum(tl.where(slot_ok, g_slots, 0.0), axis=1) / cnt
+    la_raw = _log1p(-tl.minimum(b_eta * lam_eff, 1.0 - decay_floor))
+    g_la = tl.where(la_raw >= log_floor, g_carry, 0.0)
+    g_beta, g_lam_eff, g_denom = _eta_grads(g_eta, g_la, b_eta, lam_eff, denom, ok, decay_floor, NORMALIZE)
+    g_lam_eff += g_denom  # denom = E + lambda + eps (g_denom is 0 without NORMALIZE)
+    if SCALE_RIDGE:  # lambda = lam * E, E held constant
+        g_lam = g_lam_eff * E
+    else:
+        g_lam = g_lam_eff
+    tl.store(d_beta + rows, g_beta.to(d_beta.dtype.element_ty), mask=m_r)
+    tl.store(d_lam + rows, g_lam.to(d_lam.dtype.element_ty), mask=m_r)
+    tl.store(d_top + rows, g_denom / cnt, mask=m_r)

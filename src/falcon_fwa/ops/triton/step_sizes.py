@@ -1,17 +1,17 @@
-"""Autograd functions over the fused step-size kernels: the non-sliding rules' step sizes
-(scalar for rules 1 and 1A, per value column for rules 2 and 2A), and the top eigenvalue
-of rule 3's window Grams."""
+"""The fused step-size kernels: autograd functions for the non-sliding rules' step sizes
+(scalar for rules 1 and 1A, per value column for rules 2 and 2A), and the launches of rule 3's
+(from the top eigenvalues of its window Grams; ``sliding_delta`` puts them in its autograd node)."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import step_size_kernels as kern
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["feature_step_sizes", "shifted_step_sizes", "top_eigenvalue_triton"]
+__all__ = ["feature_step_sizes", "shifted_step_sizes", "window_steps_forward", "window_steps_backward"]
 
 # The scalar rules' kernels (``step_fwd``, ``step_bwd``): rows per program, the key block (capped by the
 # head dim; a block that covers the head reads each feature tile once) and warps. On an H200 inside
@@ -155,34 +155,55 @@ def shifted_step_sizes(
 _EIGEN_SQUARINGS = 20  # as ops.step_sizes.top_eigenvalue_by_squaring's default
 
 
-class _TopEigenvalue(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gram):
-        W = gram.shape[-1]
-        flat = gram.reshape(-1, W, W).float().contiguous()
-        n = flat.shape[0]
-        lam = torch.empty(n, dtype=torch.float32, device=gram.device)
-        vec = torch.empty(n, W, dtype=torch.float32, device=gram.device)
-        BR = max(1, 2048 // (W * W))  # matrices per program: the [BR, W, W] tiles stay in registers
-        if n:
-            kern.top_eigen_fwd[(cdiv(n, BR),)](flat, lam, vec, n, W=W, SQUARINGS=_EIGEN_SQUARINGS, BR=BR)
-        ctx.save_for_backward(vec)
-        ctx.shape, ctx.dtype = gram.shape, gram.dtype
-        return lam.reshape(gram.shape[:-2]).to(gram.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, d_lam):
-        (vec,) = ctx.saved_tensors
-        d = d_lam.reshape(-1).float()[:, None, None] * vec[:, :, None] * vec[:, None, :]
-        return d.reshape(ctx.shape).to(ctx.dtype)
+def _window_rows(W: int) -> int:
+    """Rows per program of the rule-3 step kernels: their ``[BR, W, W]`` Gram tiles stay in registers."""
+    return min(256, max(1, 2048 // (W * W)))
 
 
-def top_eigenvalue_triton(gram: torch.Tensor) -> torch.Tensor:
-    """Largest eigenvalue of each symmetric PSD matrix in ``gram`` ``[..., W, W]`` (``W`` a power
-    of two up to 16) -> ``[...]``: ``ops.step_sizes.top_eigenvalue_by_squaring`` in one kernel
-    (``step_size_kernels.top_eigen_fwd``), with the gradient ``v v^T`` of its eigenvector."""
-    W = gram.shape[-1]
-    if gram.shape[-2] != W or W not in (1, 2, 4, 8, 16):
-        raise ValueError(f"gram must end in [W, W] with W in (1, 2, 4, 8, 16), got {tuple(gram.shape)}")
-    return _TopEigenvalue.apply(gram)
+def window_steps_forward(gram, valid_ext, beta, lam, log_gate, *, eps: float, decay_floor: float, normalize: bool,
+                         scale_ridge: bool):
+    """Rule 3's step sizes per write, from its window Grams: ``step_size_kernels.window_step_fwd``.
+
+    ``gram`` ``[B, T, H, W, W]`` fp32 (``G_t[i, j] = x_{t+i} . x_{t+j}``), ``valid_ext``
+    ``[B, T + W - 1]`` (the pairs' validity on the extended axis), time-major ``beta``, ``lam``,
+    ``log_gate`` ``[B, T, H]`` (``log_gate`` may be ``None``). Returns ``eta``, ``kappa`` (``None``
+    without a gate: kappa is eta) and the carry ``[B, T * W, H]`` fp32 (step ``t``'s writes on rows
+    ``t*W ..``; the carry on the first), and the top eigenpairs ``top`` ``[B, T, H]``, ``vec``
+    ``[B, T, H, W]`` for ``window_steps_backward``. Not differentiable by itself."""
+    B, T, H, W = gram.shape[:4]
+    n = B * T * H
+    eta = torch.empty(B, T * W, H, dtype=torch.float32, device=gram.device)
+    kappa = torch.empty_like(eta) if log_gate is not None else None
+    carry = torch.empty_like(eta)
+    top = torch.empty(B, T, H, dtype=torch.float32, device=gram.device)
+    vec = torch.empty(B, T, H, W, dtype=torch.float32, device=gram.device)
+    BR = _window_rows(W)
+    if n:
+        kern.window_step_fwd[(cdiv(n, BR),)](
+            gram, valid_ext, beta, lam, log_gate, eta, kappa, carry, top, vec, n, T, float(eps), float(decay_floor),
+            math.log(decay_floor), H=H, W=W, SQUARINGS=_EIGEN_SQUARINGS, BR=BR, NORMALIZE=normalize,
+            SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None)
+    return eta, kappa, carry, top, vec
+
+
+def window_steps_backward(top, valid_ext, beta, lam, log_gate, d_eta, d_kappa, d_carry, *, eps: float,
+                          decay_floor: float, normalize: bool, scale_ridge: bool):
+    """The backward of ``window_steps_forward`` (``step_size_kernels.window_step_bwd``) from the
+    gradients of ``eta``, ``kappa``, the carry (each ``[B, T * W, H]`` or ``None``): ``d_top``
+    ``[B, T, H]`` fp32 (that of the Grams' top eigenvalues), ``d_beta``, ``d_lam``, ``d_gate`` in
+    their tensors' dtypes (``d_gate`` ``None`` without a gate)."""
+    B, T, H = top.shape
+    W = valid_ext.shape[1] - T + 1
+    n = B * T * H
+    d_top = torch.empty_like(top)
+    d_beta, d_lam = torch.empty_like(beta), torch.empty_like(lam)
+    d_gate = None if log_gate is None else torch.empty_like(log_gate)
+    d_eta, d_kappa, d_carry = (None if t is None else t.float().contiguous() for t in (d_eta, d_kappa, d_carry))
+    BR = _window_rows(W)
+    if n:
+        kern.window_step_bwd[(cdiv(n, BR),)](
+            top, valid_ext, beta, lam, log_gate, d_eta, d_kappa, d_carry, d_top, d_beta, d_lam, d_gate, n, T,
+            float(eps), float(decay_floor), math.log(decay_floor), H=H, W=W, BR=BR, NORMALIZE=normalize,
+            SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, HAS_D_ETA=d_eta is not None,
+            HAS_D_KAPPA=d_kappa is not None and log_gate is not None, HAS_D_CARRY=d_carry is not None)
+    return d_top, d_beta, d_lam, d_gate

@@ -376,4 +376,4 @@ def test_a_bad_value_on_cuda_is_a_device_assertion_naming_the_argument():
     # with the argument's name in the message (run in a child process, since the assertion ends its CUDA context)
     run = subprocess.run([sys.executable, "-c", _BAD_LAM_ON_CUDA], capture_output=True, text=True, timeout=240)
     assert run.returncode != 0
-    assert "lam must be >= 0" in run.stderr
+    assert "lam must be finite and >= 0" in run.stderr

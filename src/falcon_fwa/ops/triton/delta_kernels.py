@@ -452,16 +452,7 @@ def wy_bwd(
     b_dnn = b_dn * dec * b_g * ka[:, None]  # dN * N
     d_w += tl.sum(b_dnn, axis=1)
     d_u = -tl.sum(b_dnn, axis=0)
-    b_dg = tl.where(m_t[:, None], b_dn * dec * ka[:, None], 0.0)  # dG (rows past the sequence: 0, as reloaded)
-    tl.debug_barrier()  # every thread's reads of A done before dG (possibly A's rows) replaces them
-    tl.store(dG + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_dg.to(dG.dtype.element_ty),
-             mask=m_t[:, None])
-    tl.debug_barrier()  # every row of dG stored before it is read back transposed
-    b_dg += tl.load(dG + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :],
-                    other=0.0).to(tl.float32)
-    b_dx += tl.dot(b_dg.to(dt), b_x, input_precision=PRECISION)
-    b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
-    tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)
+    # the step sizes' and the decay's gradients, complete here (stored before the Gram's part of dx)
     row = (bos + o_t) * H + i_h
     if KAPPA_IS_ETA:
         d_eta += d_kappa
@@ -478,6 +469,16 @@ def wy_bwd(
         d_w += tl.load(dw_part + i_k * n_rows * H + row, mask=m_t, other=0.0)
     total = d_u + d_w
     tl.store(dlog_a + row, tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total - d_w, mask=m_t)
+    b_dg = tl.where(m_t[:, None], b_dn * dec * ka[:, None], 0.0)  # dG (rows past the sequence: 0, as reloaded)
+    tl.debug_barrier()  # every thread's reads of A done before dG (possibly A's rows) replaces them
+    tl.store(dG + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_dg.to(dG.dtype.element_ty),
+             mask=m_t[:, None])
+    tl.debug_barrier()  # every row of dG stored before it is read back transposed
+    b_dg += tl.load(dG + ((bos + o_t[None, :]) * H + i_h) * BT + o_c[:, None], mask=m_t[None, :],
+                    other=0.0).to(tl.float32)
+    b_dx += tl.dot(b_dg.to(dt), b_x, input_precision=PRECISION)
+    b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)
 
 
 # ---- rule 3: the window Grams of the step sizes ----

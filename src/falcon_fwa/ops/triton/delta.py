@@ -218,16 +218,16 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
         READ_AFTER=read_after, HAS_ETA=False, PRECISION=prec, **c, **meta, **qa, **xa)
     del dh  # read by dqk_bwd only
     dv = D  # per write row (windowed: summed onto the axis below) into D's buffer: D was read by dqk_bwd only
-    dkappa = None if kappa is None else torch.empty_like(kappa)  # kappa=None (kappa is eta): into deta
-    deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
+    dkappa = torch.empty_like(eta)  # kappa=None (kappa is eta): summed into deta by dlog_bwd
+    extra = q.new_empty(3, rows, H, dtype=torch.float32)
     # wy_bwd stages the Gram's gradient, read back transposed, in A's own rows (each program reads its
     # chunk's A first): no scratch buffer. A, W and D are spent here (_DeltaChunk.backward recomputes them
-    # for a second backward). It also sums the reads' partials of the decay's gradient (parts) into dlog_a.
+    # for a second backward)
     BK, BV, warps, stages = _full_k("wy_bwd", K, V, q.dtype, slots)
     wy.wy_bwd[(layout.num_chunks, H)](
-        x, v, eta, eta if kappa is None else kappa, log_a, A, h, dD, dx, dv, dkappa, parts[1], parts[2], deta, dlog_a,
-        A, chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V, BK=BK, BV=BV, NK=NK, PRECISION=prec,
-        SLOTS=slots, WINDOWED=windowed, KAPPA_IS_ETA=kappa is None, num_warps=warps, num_stages=stages, **meta)
+        x, v, eta, eta if kappa is None else kappa, log_a, A, h, dD, dx, dv, dkappa, extra, A,
+        chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V, BK=BK, BV=BV, PRECISION=prec, SLOTS=slots,
+        WINDOWED=windowed, num_warps=warps, num_stages=stages, **meta)
     if windowed:  # write j*slots + i read position j + i: sum the writes' gradients onto the axis
         if slots > 1:
             dx = window_sum(dx.view(B, T // slots, slots, H, K))
@@ -235,7 +235,12 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
             dv = window_sum(dv.view(B, T // slots, slots, H, V), split=value_split[0], n_body=value_split[1])
         elif slots > 1:
             dv = window_sum(dv.view(B, T // slots, slots, H, V))
-    return dq, dx, dv, deta, dkappa, dlog_a, dS0
+    # the decay's gradient (the reads' partials and the WY kernel's, summed within each chunk) and eta's
+    deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
+    sd.dlog_bwd[(layout.num_chunks, H)](
+        parts[0], parts[1], parts[2], extra, dkappa, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
+        H=H, NK=NK, HAS_ETA=False, HAS_EXTRA=True, HAS_DKAPPA=kappa is None, **meta)
+    return dq, dx, dv, deta, None if kappa is None else dkappa, dlog_a, dS0
 
 
 class _DeltaChunk(torch.autograd.Function):

@@ -375,24 +375,15 @@ def state_bwd(
 
 @triton.jit
 def wy_bwd(
-    x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, du_part, dw_part, deta, dlog_a, dG, cu_seqlens, chunk_indices,
-    chunk_offsets, T, n_rows,
+    x, v, eta, kappa, log_a, A, h, dD, dx, dv, dkappa, extra, dG, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NK: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1,
-    WINDOWED: tl.constexpr = False, KAPPA_IS_ETA: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, SLOTS: tl.constexpr = 1, WINDOWED: tl.constexpr = False,
 ):
     """Grid ``(num_chunks, H)`` with ``BK >= K``: gradients through ``D = U - W h``,
     ``U = A (eta Y)``, ``W = A (kappa exp(w) X)`` and ``A = (I + N)^{-1}``. Writes ``dv``,
-    ``dkappa`` (with ``KAPPA_IS_ETA``, ``kappa`` is ``eta`` and its gradient goes into ``deta``),
-    ``deta`` and ``dlog_a``, and adds into ``dx``::
+    ``dkappa``, adds into ``dx`` and writes ``extra = [deta, du, dw]`` ``[3, rows, H]``::
 
         dU = dD,  dW = -dD h^T,  dA = dU (eta Y)^T + dW (kappa exp(w) X)^T,  dL = -A^T dA A^T
-
-    ``dlog_a`` sums, within the chunk, the gradients of the log-decay prefixes ``u`` (which
-    include ``log_a_t``) and ``w`` (which do not), this kernel's and the reads' partials
-    ``du_part``, ``dw_part`` ``[NK, rows, H]`` (``dqk_bwd``)::
-
-        d log_a_r = sum_{t >= r} du_t + sum_{t > r} dw_t
 
     Each product is formed once, with ``A^T``, ``Y^T``, ``h^T`` and ``X^T`` loaded as such. The
     Gram's gradient ``dG`` (``[p, r]``, ``r`` before ``p``) enters ``dx`` through ``dG + dG^T``:
@@ -452,23 +443,6 @@ def wy_bwd(
     b_dnn = b_dn * dec * b_g * ka[:, None]  # dN * N
     d_w += tl.sum(b_dnn, axis=1)
     d_u = -tl.sum(b_dnn, axis=0)
-    # the step sizes' and the decay's gradients, complete here (stored before the Gram's part of dx)
-    row = (bos + o_t) * H + i_h
-    if KAPPA_IS_ETA:
-        d_eta += d_kappa
-    else:
-        tl.store(dkappa + row, d_kappa, mask=m_t)
-    tl.store(deta + row, d_eta, mask=m_t)
-    if SLOTS > 1:  # w_p = u_p - la(first write of p's step): its gradient, summed per step, onto that write
-        same = (o_c[None, :] // SLOTS) == (o_c[:, None] // SLOTS)
-        d_w = tl.where(o_c % SLOTS == 0, tl.sum(tl.where(same, d_w[None, :], 0.0), axis=1), 0.0)
-    d_u = tl.where(m_t, d_u, 0.0)
-    d_w = tl.where(m_t, d_w, 0.0)
-    for i_k in range(NK):  # the reads' partials
-        d_u += tl.load(du_part + i_k * n_rows * H + row, mask=m_t, other=0.0)
-        d_w += tl.load(dw_part + i_k * n_rows * H + row, mask=m_t, other=0.0)
-    total = d_u + d_w
-    tl.store(dlog_a + row, tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total - d_w, mask=m_t)
     b_dg = tl.where(m_t[:, None], b_dn * dec * ka[:, None], 0.0)  # dG (rows past the sequence: 0, as reloaded)
     tl.debug_barrier()  # every thread's reads of A done before dG (possibly A's rows) replaces them
     tl.store(dG + ((bos + o_t[:, None]) * H + i_h) * BT + o_c[None, :], b_dg.to(dG.dtype.element_ty),
@@ -479,6 +453,14 @@ def wy_bwd(
     b_dx += tl.dot(b_dg.to(dt), b_x, input_precision=PRECISION)
     b_dx += tl.load(dx + rows_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dx + rows_k, b_dx.to(dx.dtype.element_ty), mask=m_tk)
+    row = (bos + o_t) * H + i_h
+    tl.store(dkappa + row, d_kappa, mask=m_t)
+    tl.store(extra + row, d_eta, mask=m_t)
+    tl.store(extra + n_rows * H + row, d_u, mask=m_t)
+    if SLOTS > 1:  # w_p = u_p - la(first write of p's step): its gradient, summed per step, onto that write
+        same = (o_c[None, :] // SLOTS) == (o_c[:, None] // SLOTS)
+        d_w = tl.where(o_c % SLOTS == 0, tl.sum(tl.where(same, d_w[None, :], 0.0), axis=1), 0.0)
+    tl.store(extra + 2 * n_rows * H + row, d_w, mask=m_t)
 
 
 # ---- rule 3: the window Grams of the step sizes ----

@@ -89,8 +89,8 @@ def scan_backward(q, x, v, eta, log_a, h, S0, do, dS_T, layout: ChunkLayout, rea
         READ_AFTER=read_after, HAS_ETA=True, PRECISION=prec, **c, **meta, **delay)
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
     kern.dlog_bwd[(layout.num_chunks, H)](
-        parts[0], parts[1], parts[2], deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows, H=H, NK=NK,
-        **meta)
+        parts[0], parts[1], parts[2], None, None, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
+        H=H, NK=NK, HAS_ETA=True, HAS_EXTRA=False, HAS_DKAPPA=False, **meta)
     return dq, dx, dv, deta, dlog_a, dS0
 
 

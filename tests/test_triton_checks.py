@@ -48,7 +48,17 @@ def test_a_bad_entry_in_any_block_and_tensors_of_different_sizes():
     assert range_flags(lam[:0], None).tolist() == [1, 1]  # empty: nothing to flag
 
 
-_BAD_GATE_ON_CUDA = """
+# a negative lam in a decoding step (the fused step kernel), a positive log_gate in a sequence (the chunk kernels)
+_BAD_VALUES_ON_CUDA = {
+    "lam must be finite and >= 0": """
+import torch
+from falcon_fwa import falcon_step
+q, k, v = (torch.randn(2, 2, 16, device="cuda") for _ in range(3))
+beta, lam = torch.rand(2, 2, device="cuda"), -torch.rand(2, 2, device="cuda") - 0.1
+falcon_step(q, k, v, beta, lam, state=None, rule="1A", backend="triton")
+torch.cuda.synchronize()
+""",
+    "log_gate must be <= 0": """
 import torch
 from falcon_fwa import falcon_attention
 q, k, v = (torch.randn(1, 16, 2, 16, device="cuda") for _ in range(3))
@@ -57,12 +67,16 @@ gate = -torch.rand(1, 16, 2, device="cuda")
 gate[0, 9, 1] = 0.5
 falcon_attention(q, k, v, beta, lam, rule="1", log_gate=gate, backend="triton")
 torch.cuda.synchronize()
-"""
+""",
+}
 
 
 @needs_cuda
-def test_a_positive_gate_on_cuda_is_a_device_assertion_naming_it():
-    # run in a child process: the assertion ends its CUDA context
-    run = subprocess.run([sys.executable, "-c", _BAD_GATE_ON_CUDA], capture_output=True, text=True, timeout=240)
+@pytest.mark.parametrize("message", sorted(_BAD_VALUES_ON_CUDA))
+def test_a_bad_value_on_cuda_is_a_device_assertion_naming_the_argument(message):
+    # the checks do not wait for the device: the process stops at the next synchronization, with the argument's
+    # name in the message (run in a child process, since the assertion ends its CUDA context)
+    run = subprocess.run([sys.executable, "-c", _BAD_VALUES_ON_CUDA[message]], capture_output=True, text=True,
+                         timeout=240)
     assert run.returncode != 0
-    assert "log_gate must be <= 0" in run.stderr
+    assert message in run.stderr

@@ -38,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .step_size_kernels import _log1p
+from .step_size_kernels import _log1p, ridge_terms
 
 
 @triton.jit
@@ -232,14 +232,8 @@ def _step_terms(n_ext, valid_ext, beta, lam, log_gate, i_b, i_h, s, m_s, T, eps,
     row = (i_b * T + s) * H + i_h
     b_beta = tl.load(beta + row, mask=m_s, other=0.0).to(tl.float32)
     b_lam = tl.load(lam + row, mask=m_s, other=0.0).to(tl.float32)
-    if SCALE_RIDGE:
-        lam_eff = b_lam * stat
-    else:
-        lam_eff = b_lam
-    denom = stat + lam_eff + eps
-    ok = count > 0
+    lam_eff, denom, ok = ridge_terms(stat, b_lam, count > 0, eps, NORMALIZE, SCALE_RIDGE)
     if NORMALIZE:
-        ok = ok & (denom > 0)
         eta = tl.where(ok, b_beta / tl.where(ok, denom, 1.0), 0.0)
     else:
         eta = tl.where(ok, b_beta, 0.0)

@@ -136,15 +136,23 @@ def _terms_of_energy(E, valid, lam, rows, m_r, T, eps, H: tl.constexpr, NORMALIZ
                      SCALE_RIDGE: tl.constexpr, SHIFT: tl.constexpr, HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr):
     """``_row_terms`` from the energies ``E`` ``[BR]``."""
     b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
+    ok = _pair_valid(valid, rows, m_r, T, H, SHIFT, HAS_FIRST, HAS_VALID)
+    lam_eff, denom, ok = ridge_terms(E, b_lam, ok, eps, NORMALIZE, SCALE_RIDGE)
+    return E, b_lam, lam_eff, denom, ok
+
+
+@triton.jit
+def ridge_terms(E, b_lam, ok, eps, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr):
+    """From the statistic ``E`` and ``lam``: ``lambda`` (``lam * E`` with ``SCALE_RIDGE``), the
+    denominator ``E + lambda + eps``, and ``ok`` narrowed to a positive denominator (``NORMALIZE``)."""
     if SCALE_RIDGE:
         lam_eff = b_lam * E
     else:
         lam_eff = b_lam
     denom = E + lam_eff + eps
-    ok = _pair_valid(valid, rows, m_r, T, H, SHIFT, HAS_FIRST, HAS_VALID)
     if NORMALIZE:
         ok = ok & (denom > 0)
-    return E, b_lam, lam_eff, denom, ok
+    return lam_eff, denom, ok
 
 
 @triton.jit
@@ -403,14 +411,7 @@ def _window_terms(lam_max, valid_ext, lam, rows, m_r, T, eps, H: tl.constexpr, W
     cnt = tl.maximum(count, 1.0)
     E = lam_max / cnt
     b_lam = tl.load(lam + rows, mask=m_r, other=0.0).to(tl.float32)
-    if SCALE_RIDGE:
-        lam_eff = b_lam * E
-    else:
-        lam_eff = b_lam
-    denom = E + lam_eff + eps
-    ok = m_r & (count > 0)
-    if NORMALIZE:
-        ok = ok & (denom > 0)
+    lam_eff, denom, ok = ridge_terms(E, b_lam, m_r & (count > 0), eps, NORMALIZE, SCALE_RIDGE)
     return slot_ok, cnt, E, lam_eff, denom, ok
 
 

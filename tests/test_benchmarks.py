@@ -32,6 +32,15 @@ def test_row_time_limit_stops_a_slow_row_only():
     assert signal.getsignal(signal.SIGALRM) is before
 
 
+def test_baselines_are_timed_first():
+    import bench_kernels
+
+    ops = ["falcon-1", "falcon-3", "fla-gated-delta-rule", "torch-chunk-1", "sdpa", "fla-simple-gla"]
+    assert bench_kernels.timing_order(ops) == ["fla-gated-delta-rule", "sdpa", "fla-simple-gla", "falcon-1",
+                                               "falcon-3", "torch-chunk-1"]
+    assert set(bench_kernels.timing_order(list(bench_kernels.OPS))) == set(bench_kernels.OPS)
+
+
 def test_paired_ratio_cancels_a_slow_spell_of_the_host():
     import bench_kernels
     # ours takes 2 ms and theirs 4 ms, except in rounds 2-4 where the host slows both by 3 ms

@@ -17,8 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.vocab_size is not None:
-        at_least("--vocab-size", args.vocab_size, 1)
+    at_least("--vocab-size", args.vocab_size, 1)
     names = args.presets or list(PRESETS)
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     table = parameter_table(names, [get_preset(n, **overrides) for n in names])

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .scalar_decay_kernels import (_chunk_of_program, _log_prefixes, _pair_rows, _query_tile, _read_decay_t,
                                    _sequence)
+from .window_sum import store_split
 
 
 @triton.jit
@@ -542,8 +543,4 @@ def window_gram_bwd(
     b_dx = tl.where(ok[:, None], b_dx, 0.0)
     b_dx += tl.load(acc + ((row0 + o_p[:, None]) * H + i_h) * K + o_k[None, :], mask=m_p[:, None] & m_k[None, :],
                     other=0.0).to(tl.float32)
-    tl.store(head + ((i_b.to(tl.int64) * n_head + o_p[:, None]) * H + i_h) * K + o_k[None, :],
-             b_dx.to(head.dtype.element_ty), mask=(o_p < n_head)[:, None] & m_k[None, :])
-    r = o_p - n_head
-    tl.store(body + ((i_b.to(tl.int64) * n_body + r[:, None]) * H + i_h) * K + o_k[None, :],
-             b_dx.to(body.dtype.element_ty), mask=((r >= 0) & (r < n_body))[:, None] & m_k[None, :])
+    store_split(head, body, b_dx, i_b.to(tl.int64), o_p, i_h, o_k, m_k, n_head, n_body, H, K)

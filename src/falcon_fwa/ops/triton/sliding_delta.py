@@ -86,12 +86,11 @@ class _WindowWrites(torch.autograd.Function):
                                                               d_carry, **ctx.steps)
         d_pre = x_ext.new_empty(B, n_pre, H, K)
         d_body = x_ext.new_empty(B, n_body, H, K)
-        d_ext = torch.zeros_like(x_ext) if d_ext is None else d_ext.contiguous()
         BP, BK = 32, min(64, max(16, next_power_of_2(K)))
         if not x_ext.is_cuda:  # the interpreter (see forward)
             BP = min(1024, next_power_of_2(n_pre + n_body))
         wy.window_gram_bwd[(cdiv(n_pre + n_body, BP), B * H, cdiv(K, BK))](
-            x_ext, valid_ext, vec, d_top, d_ext, d_pre if n_pre else d_body, d_body,
+            x_ext, valid_ext, vec, d_top, d_ext.contiguous(), d_pre if n_pre else d_body, d_body,
             L - W + 1, L, n_pre, n_body, H=H, K=K, W=W, BP=BP, BK=BK)
         return d_pre, d_body, None, d_beta, d_lam, d_gate, None, None, None
 

@@ -459,10 +459,10 @@ def window_step_bwd(
     top, valid_ext, beta, lam, log_gate, d_eta, d_kappa, d_carry, d_top, d_beta, d_lam, d_gate,
     n, T, eps, decay_floor, log_floor,
     H: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr,
-    HAS_GATE: tl.constexpr, HAS_D_ETA: tl.constexpr, HAS_D_KAPPA: tl.constexpr, HAS_D_CARRY: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
     """Grid ``(cdiv(n, BR),)``: the backward of ``window_step_fwd`` from the writes' gradients
-    ``d_eta``, ``d_kappa``, ``d_carry`` ``[B, T, W, H]`` (each may be absent): ``d_beta``,
+    ``d_eta``, ``d_carry`` and (``HAS_GATE``) ``d_kappa`` ``[B, T, W, H]``: ``d_beta``,
     ``d_lam``, ``d_gate`` ``[n]`` and ``d_top`` ``[n]``, the gradient of ``lambda_max(G_t)``
     (``d mu / B_t``; ``d G_t = d_top v v^T`` is formed where the Grams' backward needs it)."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -474,19 +474,13 @@ def window_step_bwd(
     b_eta = _eta(beta, rows, ok, denom, NORMALIZE)
     off = ((rows // H)[:, None] * W + o_w[None, :]) * H + (rows % H)[:, None]
     m = m_r[:, None]
-    g_slots = tl.zeros([BR, W], dtype=tl.float32)
-    if HAS_D_ETA:
-        g_slots += tl.load(d_eta + off, mask=m, other=0.0)
-    g_carry = tl.zeros([BR], dtype=tl.float32)
-    if HAS_D_CARRY:
-        g_carry += tl.sum(tl.load(d_carry + off, mask=m & (o_w[None, :] == 0), other=0.0), axis=1)
+    g_slots = tl.load(d_eta + off, mask=m, other=0.0)
+    g_carry = tl.sum(tl.load(d_carry + off, mask=m & (o_w[None, :] == 0), other=0.0), axis=1)
     if HAS_GATE:
         e_g = tl.exp(tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32))
-        g_gate = g_carry
-        if HAS_D_KAPPA:
-            g_k = tl.load(d_kappa + off, mask=m, other=0.0)
-            g_slots += g_k * e_g[:, None]
-            g_gate += tl.sum(tl.where(slot_ok, g_k * (b_eta * e_g / cnt)[:, None], 0.0), axis=1)
+        g_k = tl.load(d_kappa + off, mask=m, other=0.0)
+        g_slots += g_k * e_g[:, None]
+        g_gate = g_carry + tl.sum(tl.where(slot_ok, g_k * (b_eta * e_g / cnt)[:, None], 0.0), axis=1)
         tl.store(d_gate + rows, g_gate.to(d_gate.dtype.element_ty), mask=m_r)
     g_eta = tl.sum(tl.where(slot_ok, g_slots, 0.0), axis=1) / cnt
     la_raw = _log1p(-tl.minimum(b_eta * lam_eff, 1.0 - decay_floor))

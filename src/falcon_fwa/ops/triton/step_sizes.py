@@ -189,7 +189,7 @@ def window_steps_forward(gram, valid_ext, beta, lam, log_gate, *, eps: float, de
 def window_steps_backward(top, valid_ext, beta, lam, log_gate, d_eta, d_kappa, d_carry, *, eps: float,
                           decay_floor: float, normalize: bool, scale_ridge: bool):
     """The backward of ``window_steps_forward`` (``step_size_kernels.window_step_bwd``) from the
-    gradients of ``eta``, ``kappa``, the carry (each ``[B, T * W, H]`` or ``None``): ``d_top``
+    gradients of ``eta``, the carry and, with a gate, ``kappa`` (each ``[B, T * W, H]``): ``d_top``
     ``[B, T, H]`` fp32 (that of the Grams' top eigenvalues), ``d_beta``, ``d_lam``, ``d_gate`` in
     their tensors' dtypes (``d_gate`` ``None`` without a gate)."""
     B, T, H = top.shape
@@ -198,12 +198,12 @@ def window_steps_backward(top, valid_ext, beta, lam, log_gate, d_eta, d_kappa, d
     d_top = torch.empty_like(top)
     d_beta, d_lam = torch.empty_like(beta), torch.empty_like(lam)
     d_gate = None if log_gate is None else torch.empty_like(log_gate)
-    d_eta, d_kappa, d_carry = (None if t is None else t.float().contiguous() for t in (d_eta, d_kappa, d_carry))
+    d_eta, d_carry = d_eta.float().contiguous(), d_carry.float().contiguous()
+    d_kappa = None if log_gate is None else d_kappa.float().contiguous()
     BR = _window_rows(W)
     if n:
         kern.window_step_bwd[(cdiv(n, BR),)](
             top, valid_ext, beta, lam, log_gate, d_eta, d_kappa, d_carry, d_top, d_beta, d_lam, d_gate, n, T,
             float(eps), float(decay_floor), math.log(decay_floor), H=H, W=W, BR=BR, NORMALIZE=normalize,
-            SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None, HAS_D_ETA=d_eta is not None,
-            HAS_D_KAPPA=d_kappa is not None and log_gate is not None, HAS_D_CARRY=d_carry is not None)
+            SCALE_RIDGE=scale_ridge, HAS_GATE=log_gate is not None)
     return d_top, d_beta, d_lam, d_gate

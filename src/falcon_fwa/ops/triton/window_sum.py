@@ -24,7 +24,19 @@ import triton.language as tl
 
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["window_sum", "axis_concat"]
+__all__ = ["window_sum", "axis_concat", "store_split"]
+
+
+@triton.jit
+def store_split(head, body, b_s, i_b, o_p, i_h, o_d, m_d, n_head, n_body, H: tl.constexpr, D: tl.constexpr):
+    """Stores the axis positions ``o_p`` of one batch row ``i_b`` (int64) and head, columns ``o_d``
+    (mask ``m_d``), ``b_s`` ``[BP, BD]``, split: ``p < n_head`` into ``head`` ``[B, n_head, H, D]``,
+    the others onto row ``p - n_head`` of ``body`` ``[B, n_body, H, D]`` (positions past it dropped)."""
+    tl.store(head + ((i_b * n_head + o_p[:, None]) * H + i_h) * D + o_d[None, :], b_s.to(head.dtype.element_ty),
+             mask=(o_p < n_head)[:, None] & m_d[None, :])
+    q = o_p - n_head
+    tl.store(body + ((i_b * n_body + q[:, None]) * H + i_h) * D + o_d[None, :], b_s.to(body.dtype.element_ty),
+             mask=((q >= 0) & (q < n_body))[:, None] & m_d[None, :])
 
 
 @triton.jit
@@ -51,11 +63,7 @@ def window_sum_kernel(
         P = R + S - 1
         b_s += tl.load(acc + ((i_b * P + o_p[:, None]) * H + i_h) * D + o_d[None, :],
                        mask=(o_p < P)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-    tl.store(head + ((i_b * n_head + o_p[:, None]) * H + i_h) * D + o_d[None, :], b_s.to(head.dtype.element_ty),
-             mask=(o_p < n_head)[:, None] & m_d[None, :])
-    q = o_p - n_head
-    tl.store(body + ((i_b * n_body + q[:, None]) * H + i_h) * D + o_d[None, :], b_s.to(body.dtype.element_ty),
-             mask=((q >= 0) & (q < n_body))[:, None] & m_d[None, :])
+    store_split(head, body, b_s, i_b, o_p, i_h, o_d, m_d, n_head, n_body, H, D)
 
 
 def window_sum(

@@ -237,9 +237,9 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
             dv = window_sum(dv.view(B, T // slots, slots, H, V))
     # the decay's gradient (the reads' partials and the WY kernel's, summed within each chunk) and eta's
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
-    sd.dlog_bwd[(layout.num_chunks, H)](
+    sd.dlog_bwd[(layout.num_chunks,)](
         parts[0], parts[1], parts[2], extra, dkappa, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, NK=NK, HAS_ETA=False, HAS_EXTRA=True, HAS_DKAPPA=kappa is None, **meta)
+        H=H, BH=next_power_of_2(H), NK=NK, HAS_ETA=False, HAS_EXTRA=True, HAS_DKAPPA=kappa is None, **meta)
     return dq, dx, dv, deta, None if kappa is None else dkappa, dlog_a, dS0
 
 

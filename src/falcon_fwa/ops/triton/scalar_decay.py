@@ -17,7 +17,7 @@ import torch
 
 from . import scalar_decay_kernels as kern
 from .chunk_index import ChunkLayout, chunk_layout
-from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args
+from .launch import SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, launch_config, layout_args, next_power_of_2
 
 __all__ = ["scalar_decay_chunk", "scan_forward", "scan_backward"]
 
@@ -88,9 +88,9 @@ def scan_backward(q, x, v, eta, log_a, h, S0, do, dS_T, layout: ChunkLayout, rea
         chunk_indices=layout.chunk_indices, n_rows=rows, H=H, K=K, V=V,
         READ_AFTER=read_after, HAS_ETA=True, PRECISION=prec, **c, **meta, **delay)
     deta, dlog_a = torch.empty_like(eta), torch.empty_like(log_a)
-    kern.dlog_bwd[(layout.num_chunks, H)](
+    kern.dlog_bwd[(layout.num_chunks,)](
         parts[0], parts[1], parts[2], None, None, deta, dlog_a, chunk_indices=layout.chunk_indices, n_rows=rows,
-        H=H, NK=NK, HAS_ETA=True, HAS_EXTRA=False, HAS_DKAPPA=False, **meta)
+        H=H, BH=next_power_of_2(H), NK=NK, HAS_ETA=True, HAS_EXTRA=False, HAS_DKAPPA=False, **meta)
     return dq, dx, dv, deta, dlog_a, dS0
 
 

@@ -396,34 +396,36 @@ def dqk_bwd(
 @triton.jit
 def dlog_bwd(
     deta_part, du_part, dw_part, extra, dkappa, deta, dlog_a, cu_seqlens, chunk_indices, chunk_offsets, T, n_rows,
-    H: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, HAS_ETA: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    HAS_DKAPPA: tl.constexpr, IS_VARLEN: tl.constexpr,
+    H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, HAS_ETA: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, HAS_DKAPPA: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Grid ``(num_chunks, H)``: sum the partials (``NK`` key blocks, plus ``extra``
-    ``[3, rows, H]`` = ``deta, du, dw`` from the WY kernel, plus ``dkappa`` ``[rows, H]`` where
-    kappa is eta itself); ``d log_a_r = sum_{t >= r} du_t + sum_{t > r} dw_t`` within the chunk
-    (``u_t`` includes ``log_a_t``, ``w_t`` does not)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """Grid ``(num_chunks,)``, every head of a chunk in one ``[BT, BH]`` tile (its rows are
+    contiguous in memory): sum the partials (``NK`` key blocks, plus ``extra`` ``[3, rows, H]`` =
+    ``deta, du, dw`` from the WY kernel, plus ``dkappa`` ``[rows, H]`` where kappa is eta
+    itself); ``d log_a_r = sum_{t >= r} du_t + sum_{t > r} dw_t`` within the chunk (``u_t``
+    includes ``log_a_t``, ``w_t`` does not)."""
+    i_c = tl.program_id(0)
     i_n, i_t, bos, T_n, boh = _chunk_of_program(i_c, cu_seqlens, chunk_indices, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T_n
-    row = (bos + o_t) * H + i_h
-    d_eta = tl.zeros([BT], dtype=tl.float32)
-    du = tl.zeros([BT], dtype=tl.float32)
-    dw = tl.zeros([BT], dtype=tl.float32)
+    o_h = tl.arange(0, BH)
+    m = (o_t < T_n)[:, None] & (o_h < H)[None, :]
+    row = ((bos + o_t) * H)[:, None] + o_h[None, :]
+    d_eta = tl.zeros([BT, BH], dtype=tl.float32)
+    du = tl.zeros([BT, BH], dtype=tl.float32)
+    dw = tl.zeros([BT, BH], dtype=tl.float32)
     for i_k in range(NK):
         off = i_k * n_rows * H + row
         if HAS_ETA:
-            d_eta += tl.load(deta_part + off, mask=m_t, other=0.0)
-        du += tl.load(du_part + off, mask=m_t, other=0.0)
-        dw += tl.load(dw_part + off, mask=m_t, other=0.0)
+            d_eta += tl.load(deta_part + off, mask=m, other=0.0)
+        du += tl.load(du_part + off, mask=m, other=0.0)
+        dw += tl.load(dw_part + off, mask=m, other=0.0)
     if HAS_EXTRA:
-        d_eta += tl.load(extra + row, mask=m_t, other=0.0)
-        du += tl.load(extra + n_rows * H + row, mask=m_t, other=0.0)
-        dw += tl.load(extra + 2 * n_rows * H + row, mask=m_t, other=0.0)
+        d_eta += tl.load(extra + row, mask=m, other=0.0)
+        du += tl.load(extra + n_rows * H + row, mask=m, other=0.0)
+        dw += tl.load(extra + 2 * n_rows * H + row, mask=m, other=0.0)
     if HAS_DKAPPA:
-        d_eta += tl.load(dkappa + row, mask=m_t, other=0.0)
+        d_eta += tl.load(dkappa + row, mask=m, other=0.0)
     total = du + dw
-    d_log = tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total - dw  # reverse cumsums
-    tl.store(deta + row, d_eta, mask=m_t)
-    tl.store(dlog_a + row, d_log, mask=m_t)
+    d_log = tl.sum(total, axis=0)[None, :] - tl.cumsum(total, axis=0) + total - dw  # reverse cumsums
+    tl.store(deta + row, d_eta, mask=m)
+    tl.store(dlog_a + row, d_log, mask=m)

@@ -18,8 +18,9 @@ __all__ = ["feature_step_sizes", "shifted_step_sizes", "window_steps_forward", "
 # falcon-1 (B=8, T=2048, H=16, K=128, bf16; benchmarks/results/h200_step_launch_sweep.txt): 32 rows and one
 # 128-wide block, 0.039 ms forward and 0.067 backward, against 0.045 and 0.074 at 64 rows and two 64-wide
 # blocks (the features read twice) and 0.048 and 0.161 at 64 rows and one block (182 registers, 2 blocks per SM).
-# step_bwd at 16 rows: 0.055 ms against 0.067 at 32 (benchmarks/results/h200_step_bwd_sweep_a9b87fc.txt).
-LAUNCH = {"step_fwd": dict(BR=32, BK=128, num_warps=4), "step_bwd": dict(BR=16, BK=128, num_warps=4)}
+# Both at 16 rows since: step_bwd 0.055 ms against 0.067 at 32 (h200_step_bwd_sweep_a9b87fc.txt), step_fwd
+# 0.034 against 0.039 (h200_step_fwd_sweep_d7198b8.txt).
+LAUNCH = {"step_fwd": dict(BR=16, BK=128, num_warps=4), "step_bwd": dict(BR=16, BK=128, num_warps=4)}
 # The per-column rules' kernels: rows per program, key and value blocks, warps (grid: row blocks
 # times value blocks forward, row blocks backward).
 COLUMN_LAUNCH = dict(BR=32, BK=64, BV=32, num_warps=4)

@@ -268,6 +268,9 @@ def test_summary_means_and_spreads_over_seeds():
     table = compare.markdown(rows, meta)
     assert "| 85.0 ± 7.1 | 100.0/65.0 | 95.0 ± 0.0 / 99.0 / 90.0 |" in table  # both means carry the spread
     assert "wall time of the comparison: 12 s" in table
+    # the verdict against the paper's 87.2 under both readings of its accuracy
+    assert "Falcon-3A.3 mean exact-match accuracy 85.0 vs the paper's 87.2: short by 2.2 points (-2.2)." in table
+    assert "Falcon-3A.3 mean per-digit accuracy 95.0 vs the paper's 87.2: target met (+7.8)." in table
 
 
 def test_lineup_names_map_to_the_paper_variants():

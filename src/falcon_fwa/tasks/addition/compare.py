@@ -223,12 +223,14 @@ def _verdict(rows: List[Dict[str, Any]], mean_key: str) -> List[str]:
     target = "Falcon-3A.3"
     if target not in by:
         return []
-    ours = by[target][mean_key]
-    lines = []
     paper = PAPER_TABLE3[target]["mean_acc_33_48"]
-    gap = ours - paper
-    lines.append(f"- {target} mean accuracy {ours:.1f} vs the paper's {paper:.1f}: "
-                 + ("target met" if gap >= 0 else f"short by {-gap:.1f} points") + f" ({gap:+.1f}).")
+    lines = []
+    for key, measure in ((mean_key, "exact-match"), (f"digit_{mean_key}", "per-digit")):
+        ours = by[target][key]
+        gap = ours - paper
+        lines.append(f"- {target} mean {measure} accuracy {ours:.1f} vs the paper's {paper:.1f}: "
+                     + ("target met" if gap >= 0 else f"short by {-gap:.1f} points") + f" ({gap:+.1f}).")
+    ours = by[target][mean_key]
     for name, r in by.items():
         if name == target:
             continue
@@ -245,8 +247,10 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     lines = [f"# Variable-length addition ({meta['preset_name']} preset)", "",
              f"Teacher-forced accuracy on the n+1 sum digits, at the best validation step; "
              f"training widths {meta['train_widths'][0]}-{meta['train_widths'][1]}, OOD widths {lo}-{hi}. "
-             "'acc' = exact match of the whole answer (the paper's d33/d48 figures are whole numbers, which "
-             "fits exact match over 100 samples per width); 'digits' = fraction of sum digits right.", "",
+             "'acc' = exact match of the whole answer; 'digits' = fraction of sum digits right. The paper's figures "
+             "fit the per-digit reading: a model right on every answer position of the training widths and at "
+             "chance past them scores a mean of 82.5-84.7 on widths 33-48, 97.4-100 at 33 and 70.6-72.4 at 48; the "
+             "verdict below gives both.", "",
              "| model | steps run | best step | val. acc | mean acc | Acc@d%d/d%d | digits: mean / d%d / d%d | "
              "paper: best step | val. acc | mean acc | Acc@d33/d48 |" % (lo, hi, lo, hi),
              "|---|---|---|---|---|---|---|---|---|---|---|"]

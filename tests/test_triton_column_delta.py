@@ -104,9 +104,8 @@ def test_packed_fresh_starts_chunk_128_partial_second_chunk():
 
 @pytest.mark.parametrize("read", ["after", "before"])
 def test_no_gate_folds_the_residual_gain_into_eta(read):
-    # without a gate kappa is eta itself: one gradient, (y - R) z, for both gains; states, packing and
-    # two value blocks, so that the buffer shared by the outputs' dD and the residual reads' dR is
-    # exercised in every program
+    # without a gate kappa is eta itself: one gradient, (y - R) z, for both gains, and the residual reads'
+    # upstream gradient is -dv; states, packing and two value blocks of the sequential kernels
     _check((1, 60, 1, 16, 40), gate=False, state=True, output_final_state=True, cu_seqlens=[0, 7, 41, 60], read=read,
            chunk_size=32, seed=11)
 
@@ -120,27 +119,66 @@ def test_fp16_inputs():
     _check((1, 33, 1, 16, 16), torch.float16, chunk_size=32, seed=6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("gate", [False, True])
-def test_second_backward_sees_the_same_graph(gate, dtype):
+def _direct_inputs(B, T, H, K, V, dtype, *, seed):
+    """Inputs of ``column_delta_chunk`` itself: ``q, x, v``, the factors ``beta`` and ``eta_scale``
+    (zero on one row, as at the sentinel) with ``eta = beta * eta_scale``, a per-row ``log_gate``
+    and ``log_a``."""
+    g = torch.Generator().manual_seed(seed)
+    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(DEVICE, dtype) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g).to(DEVICE, dtype)
+    beta = (0.05 + 0.6 * torch.rand(B, T, H, V, generator=g)).to(DEVICE)
+    eta_scale = (0.5 + torch.rand(B, T, H, generator=g)).to(DEVICE)
+    eta_scale[:, 0] = 0.0
+    eta = column_delta._eta_of(beta, eta_scale)
+    log_gate = (-0.2 * torch.rand(B, T, H, generator=g)).to(DEVICE)
+    log_a = (-0.2 * torch.rand(B, T, H, V, generator=g)).to(DEVICE)
+    return q, x, v, beta, eta_scale, eta, log_gate, log_a
+
+
+@pytest.mark.parametrize("dtype,gate,factored", [(torch.float16, False, True), (torch.float16, True, False),
+                                                 (torch.float32, False, False), (torch.float32, True, True)])
+def test_second_backward_sees_the_same_graph(gate, dtype, factored):
     # the backward writes d log a over the saved residual reads (and, with 16-bit values, deta over the
     # saved fp32 outputs); a second backward through the same graph (retain_graph=True) recomputes them
-    # and gives the first one's gradients exactly
-    g = torch.Generator().manual_seed(12)
-    B, T, H, K, V = 1, 40, 1, 16, 24
-    q, x = ((torch.randn(B, T, H, K, generator=g) / 4).to(DEVICE, dtype).requires_grad_() for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=g).to(DEVICE, dtype).requires_grad_()
-    eta = (0.05 + 0.6 * torch.rand(B, T, H, V, generator=g)).to(DEVICE).requires_grad_()
-    kappa = (eta * 0.9).detach().requires_grad_() if gate else None
-    log_a = (-0.2 * torch.rand(B, T, H, V, generator=g)).to(DEVICE).requires_grad_()
-    leaves = tuple(t for t in (q, x, v, eta, kappa, log_a) if t is not None)
-    o, _ = column_delta.column_delta_chunk(q, x, v, eta, kappa, log_a, None, read_after=True, chunk_size=16)
-    probe = torch.randn(o.shape, generator=g).to(DEVICE, o.dtype)
+    # (and, when eta was not kept, eta from its factors) and gives the first one's gradients exactly
+    q, x, v, beta, eta_scale, eta, log_gate, log_a = _direct_inputs(1, 40, 1, 16, 24, dtype, seed=12)
+    log_gate = log_gate if gate else None
+    leaves = tuple(t.requires_grad_() for t in (q, x, v, eta, log_gate, log_a) if t is not None)
+    factors = dict(beta=beta, eta_scale=eta_scale) if factored else {}
+    o, _ = column_delta.column_delta_chunk(q, x, v, eta, log_gate, log_a, None, read_after=True, chunk_size=16,
+                                           **factors)
+    probe = torch.randn(o.shape, generator=torch.Generator().manual_seed(13)).to(DEVICE, o.dtype)
     first = torch.autograd.grad((o * probe).float().sum(), leaves, retain_graph=True)
     second = torch.autograd.grad((o * probe).float().sum(), leaves)
     for i, (a, b) in enumerate(zip(first, second)):
         assert torch.isfinite(a).all(), i
         assert torch.equal(a, b), f"gradient {i} differs in the second backward"
+
+
+@pytest.mark.parametrize("read_after", [True, False])
+def test_eta_formed_from_its_factors_gives_the_kept_etas_gradients_exactly(read_after):
+    # beta and eta_scale instead of a kept eta: state_bwd multiplies eta out again, one fp32 product
+    # as the step-size kernel formed it, so outputs and every gradient are those of the kept eta, to the
+    # bit; two value blocks of the sequential kernels (V = 40) and a gate
+    q, x, v, beta, eta_scale, eta, log_gate, log_a = _direct_inputs(1, 37, 2, 16, 40, torch.float32, seed=14)
+    probe = torch.randn(1, 37, 2, 40, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    results = []
+    for factors in ({}, dict(beta=beta, eta_scale=eta_scale)):
+        leaves = [t.clone().requires_grad_() for t in (q, x, v, eta, log_gate, log_a)]
+        o, _ = column_delta.column_delta_chunk(*leaves[:6], None, read_after=read_after, chunk_size=16, **factors)
+        (o * probe).sum().backward()
+        results.append([o.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("o", "q", "x", "v", "eta", "log_gate", "log_a"), *results):
+        assert torch.equal(a, b), name
+
+
+def test_the_factors_of_eta_go_together():
+    q, x, v, beta, eta_scale, eta, log_gate, log_a = _direct_inputs(1, 4, 1, 16, 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="beta and eta_scale go together"):
+        column_delta.column_delta_chunk(q, x, v, eta, None, log_a, None, read_after=True, chunk_size=16, beta=beta)
+    with pytest.raises(ValueError, match=r"eta_scale \(1, 4, 1\)"):
+        column_delta.column_delta_chunk(q, x, v, eta, None, log_a, None, read_after=True, chunk_size=16, beta=beta,
+                                        eta_scale=eta_scale[..., None])
 
 
 def test_per_column_steps_differ_from_a_shared_step():

@@ -64,6 +64,14 @@ def test_shifted_step_sizes_match_the_equations(T, carry, gate, scale_ridge, V):
     sum((o * wi.float().to(DEVICE)).sum() for o, wi in zip(out, w)).backward()
 
     assert (not carry) == bool((out[1][:, 0] == 0).all())  # the sentinel's pair writes nothing
+    eta_scale = out[3]
+    if V is None:
+        assert eta_scale is None
+    else:  # the row factor of the per-column gains: eta = beta * scale to the bit, 1 / (E + lambda + eps)
+        want_scale = ref[1][..., 0] / ins64[2][..., 0]
+        assert torch.allclose(eta_scale.double().cpu(), want_scale.detach(), rtol=1e-6, atol=0)
+        formed = torch.where(eta_scale[..., None] != 0, ins[2].detach() * eta_scale[..., None], 0.0)
+        assert torch.equal(out[1], formed)
     for name, got, want in zip(("x", "eta", "log_a"), out, ref):
         assert torch.allclose(got.double().cpu(), want.detach(), rtol=1e-5, atol=1e-6), name
     for a, b in zip(leaves, leaves64):
@@ -85,8 +93,9 @@ def test_unshifted_step_sizes_without_a_validity_mask_take_every_pair():
     x = (torch.randn(1, 5, 2, 16, generator=g) / 3).to(DEVICE)
     beta, lam = (torch.rand(1, 5, 2, generator=g).to(DEVICE) for _ in range(2))
     opts = dict(eps=1e-6, decay_floor=1e-3, normalize=True, scale_ridge=False)
-    eta_all, la_all = feature_step_sizes(x, None, beta, lam, None, **opts)
-    eta_m, la_m = feature_step_sizes(x, torch.ones(1, 5, dtype=torch.bool, device=DEVICE), beta, lam, None, **opts)
+    eta_all, la_all, no_scale = feature_step_sizes(x, None, beta, lam, None, **opts)
+    eta_m, la_m, _ = feature_step_sizes(x, torch.ones(1, 5, dtype=torch.bool, device=DEVICE), beta, lam, None, **opts)
+    assert no_scale is None  # a scalar beta: eta is the row's own
     assert torch.equal(eta_all, eta_m) and torch.equal(la_all, la_m)
     want = beta / ((x * x).sum(-1) + lam + 1e-6)
     assert torch.allclose(eta_all, want, rtol=1e-6)

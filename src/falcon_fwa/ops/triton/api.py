@@ -204,20 +204,19 @@ def falcon_chunk_triton(
     last_key = None if initial_state is None or not shift else initial_state.last_key
     steps = dict(eps=eps, decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
     if shift and cu_seqlens is None:  # pairs and step sizes in one kernel
-        x, eta, log_a = shifted_step_sizes(k, last_key, beta, lam, log_gate, **steps)
+        x, eta, log_a, eta_scale = shifted_step_sizes(k, last_key, beta, lam, log_gate, **steps)
     else:
         x, valid = _shifted_keys(k, shift, last_key, starts if cu_seqlens is None else cu_seqlens[:-1].long())
-        eta, log_a = feature_step_sizes(x, valid, beta, lam, log_gate, **steps)
+        eta, log_a, eta_scale = feature_step_sizes(x, valid, beta, lam, log_gate, **steps)
     S0 = None if initial_state is None else initial_state.S
     scan = dict(read_after=read == "after", chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 output_final_state=output_final_state)
     if spec.regression:  # rules 1, 2: the residual is read at the gated state, kappa = eta exp(g)
-        gate = None if log_gate is None else torch.exp(log_gate.float())
-        if spec.per_column:  # rule 2: eta, kappa and the decay per value column (kappa=None: eta itself)
-            kappa = None if gate is None else eta * gate[..., None]
-            o, S_T = column_delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
+        if spec.per_column:  # rule 2: eta and the decay per value column, the gate per row; the backward
+            # forms eta again from beta and the step sizes' row scale instead of keeping it
+            o, S_T = column_delta_chunk(q, x, v, eta, log_gate, log_a, S0, beta=beta, eta_scale=eta_scale, **scan)
         else:
-            kappa = None if gate is None else eta * gate  # None: kappa is eta
+            kappa = None if log_gate is None else eta * torch.exp(log_gate.float())  # None: kappa is eta
             o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
     elif spec.per_column:  # rule 2A: eta and the decay per value column
         o, S_T = column_decay_chunk(q, x, v, eta, log_a, S0, **scan)

@@ -37,14 +37,16 @@ outputs of the chunk, which ``dD_o`` holds), the adjoint ``z`` of ``d`` solves, 
 ``(I + N_j)^T z_j = dD_o_j + exp(r'_j - u_j) (X_I g)_j`` (backward substitution,
 ``state_bwd``, with the same carried tile walked from the block's last row down); the
 reads ``R`` get ``dR = -kappa z``, ``g <- exp(r' - r) g + X_I^T (exp(w - r) dR)``, and at
-the chunk's start ``dh = g + Q^T (exp(uq) dO)``. ``state_bwd`` also stores::
+the chunk's start ``dh = g + Q^T (exp(uq) dO)``. With ``kappa = eta exp(g_t)``, ``state_bwd``
+also stores::
 
-    deta = y z,   dy = eta z,   dkappa = -R z
+    dy = eta z,   deta = (y - exp(g) R) z,   d g_t = -sum_j kappa R z
 
-and the whole ``d log a`` (see ``state_bwd``); the gradients of ``q`` and ``x`` (as query
-and as key) are those of two per-column-decay reads with values ``D``: the outputs
-(queries ``q``, ``dO``) and the residual reads (queries ``x``, read before the write,
-``dR``), from ``dqk_bwd_two_reads`` for both at once. ``dD_o`` is the rule-2A ``dv_bwd``
+and the whole ``d log a`` (see ``state_bwd``). The gradients
+of ``q`` and ``x`` (as query and as key) are those of two per-column-decay reads with values
+``D``: the outputs (queries ``q``, ``dO``) and the residual reads (queries ``x``, read before
+the write, ``dR = -exp(g) dy``, formed from the stored ``dy``), from ``dqk_bwd_two_reads`` for
+both at once. ``dD_o`` is the rule-2A ``dv_bwd``
 of the outputs. Only
 non-positive exponents are ever evaluated. Tensors are time-major ``[B, T, H, D]``; states
 are ``[num_chunks, H, K, V]``; ``G`` is ``[B, T, H, BS]`` fp32 (row ``p`` holds
@@ -128,11 +130,36 @@ def _prev_t(u, rows, m_r, first, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v
 
 
 @triton.jit
+def _gate_rows(gate, rows, m_rows, i_h, H: tl.constexpr):
+    """The residual gate ``exp(g_t)`` of ``rows`` ``[R]`` (``gate`` ``[B, T, H]`` fp32; 0 past the end)."""
+    return tl.load(gate + rows * H + i_h, mask=m_rows, other=0.0)
+
+
+@triton.jit
+def _residual_gain(b_eta, gate, rows, m_rows, i_h, H: tl.constexpr, HAS_GATE: tl.constexpr):
+    """``kappa = eta exp(g_t)`` on a transposed ``[BV, BS]`` tile of ``eta`` (``eta`` itself without a gate)."""
+    if HAS_GATE:
+        return b_eta * _gate_rows(gate, rows, m_rows, i_h, H)[None, :]
+    return b_eta
+
+
+@triton.jit
+def _read_grad_rows(dv, gate, rows, m_rows, i_h, H: tl.constexpr, V: tl.constexpr, o_v, m_v,
+                    HAS_GATE: tl.constexpr):
+    """The residual reads' upstream gradient ``dR = -kappa z = -exp(g_t) dv`` (``dv = eta z``) on the
+    ``[R, BV]`` tile of ``rows``, from the values' gradient as stored."""
+    b_dv = _rows(dv, rows, m_rows, i_h, H, V, o_v, m_v).to(tl.float32)
+    if HAS_GATE:
+        return -b_dv * _gate_rows(gate, rows, m_rows, i_h, H)[:, None]
+    return -b_dv
+
+
+@triton.jit
 def state_fwd(
-    x, v, eta, kappa, u, G, h, D, R, s0, s_final, cu_seqlens, chunk_offsets, T,
+    x, v, eta, gate, u, G, h, D, R, s0, s_final, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BV: tl.constexpr, HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_GATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K`` (the whole key dimension): block after
     block, the per-column solve for ``D`` and ``R`` (fp32) and the state carry; every
@@ -166,8 +193,9 @@ def state_fwd(
             b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
             b_r = tl.dot(b_h.to(b_xt.dtype), b_xt, input_precision=PRECISION) * _decay(
                 b_w - r_in[:, None], m_r[None, :])
-            b_y = tl.load(v + off, mask=m_vr, other=0.0).to(tl.float32) * tl.load(eta + off, mask=m_vr, other=0.0)
-            b_k = tl.load(kappa + off, mask=m_vr, other=0.0)
+            b_eta = tl.load(eta + off, mask=m_vr, other=0.0)
+            b_y = tl.load(v + off, mask=m_vr, other=0.0).to(tl.float32) * b_eta
+            b_k = _residual_gain(b_eta, gate, rows, m_r, i_h, H, HAS_GATE)
             b_c = b_y - b_k * b_r  # eta y - kappa (the entry state's part of R)
             b_in = tl.zeros([BV, BS], dtype=tl.float32)  # the block's part of R, step by step
             # forward substitution, all BV columns at once, unrolled over the block's BS steps. The tile
@@ -200,18 +228,23 @@ def state_fwd(
 
 @triton.jit
 def state_bwd(
-    q, x, v, eta, kappa, R, u, G, do, o, dD_local, h, s_final, dh, dR, dv, deta, dkappa, dlog_a, ds_final, ds0,
-    cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, STORE_DS0: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, KAPPA_IS_ETA: tl.constexpr = False,
+    q, x, v, eta, beta, scale, gate, R, u, G, do, o, dD_local, h, s_final, dh, dv, deta, dgate, dlog_a, ds_final,
+    ds0, cu_seqlens, chunk_offsets, T, n_rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr,
+    STORE_DS0: tl.constexpr, READ_AFTER: tl.constexpr, HAS_GATE: tl.constexpr, ETA_FROM_BETA: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * H)`` with ``BK >= K``: reverse over chunks and their blocks,
     the gradient of every chunk's exit state into ``dh``, the per-column transposed solve
     for the adjoint ``z`` of ``D``, ``g <- exp(r' - r) g - X_I^T (exp(w - r) kappa z)`` and,
     at the chunk's start, ``dh_prev = g + Q^T (exp(uq) dO)``. ``z`` itself is not stored:
-    its products are, ``dR = -kappa z`` (in ``dR``'s dtype), ``dv = eta z`` (in ``v``'s dtype),
-    ``deta = y z`` and ``dkappa = -R z`` (fp32); with ``KAPPA_IS_ETA`` (``kappa`` is ``eta``: no
-    gate) the two gains' gradients are one, ``deta = (y - R) z``, and ``dkappa`` is not written.
+    its products are, ``dv = eta z`` (in ``v``'s dtype; ``dqk_bwd_two_reads`` takes the reads'
+    ``dR = -kappa z = -exp(g) dv`` from it), ``deta = (y - exp(g) R) z`` (fp32) and, with
+    ``HAS_GATE``, the gate's ``d g_t = -sum_j R z kappa`` as one partial sum per value block,
+    ``dgate[i_v, row]`` (``[cdiv(V, BV), n_rows]``, ``n_rows = B T H``). ``kappa = eta exp(g)``
+    (``eta`` without a gate). With ``ETA_FROM_BETA`` the gains are not read from ``eta`` but
+    formed as the step-size kernel formed them, ``eta = beta * scale`` (``scale`` ``[B, T, H]``,
+    0 where the row takes no step), so the forward's ``eta`` need not be kept.
     ``deta`` may be the outputs ``o`` and ``d log a`` the reads ``R``: each element is read,
     then written, by the same program.
 
@@ -261,7 +294,12 @@ def state_bwd(
             b_xt = _rows_t(x, rows, m_r, i_h, H, K, o_k, m_k)  # [BK, BS]
             b_dd = tl.load(dD_local + off, mask=m_vr, other=0.0) + tl.dot(
                 b_dh.to(b_xt.dtype), b_xt, input_precision=PRECISION) * _decay(r_out[:, None] - b_u, m_r[None, :])
-            b_k = tl.load(kappa + off, mask=m_vr, other=0.0)
+            if ETA_FROM_BETA:
+                b_sc = tl.load(scale + rows * H + i_h, mask=m_r, other=0.0)[None, :]
+                b_eta = tl.where(b_sc != 0, tl.load(beta + off, mask=m_vr, other=0.0).to(tl.float32) * b_sc, 0.0)
+            else:
+                b_eta = tl.load(eta + off, mask=m_vr, other=0.0)
+            b_k = _residual_gain(b_eta, gate, rows, m_r, i_h, H, HAS_GATE)
             b_w = _prev_t(u, rows, m_r, first, i_h, H, V, o_v, m_v)
             # backward substitution, all BV columns at once, unrolled over the block's BS steps. Before step
             # i, the tile b_acc holds sum_{p > i} G[p, s] exp(w_p - u_i) kappa_p z_p for every step s: its
@@ -283,19 +321,17 @@ def state_bwd(
                 b_acc = b_acc * a_i[:, None] + kz_i[:, None] * g_i[None, :]
                 u_i = w_i
             b_z = b_dd - b_in
-            b_eta = tl.load(eta + off, mask=m_vr, other=0.0)
             b_yv = tl.load(v + off, mask=m_vr, other=0.0).to(tl.float32)
             b_res = tl.load(R + off, mask=m_vr, other=0.0)
             b_do = tl.load(do + off, mask=m_vr, other=0.0).to(tl.float32)
             b_read = b_do * tl.load(o + off, mask=m_vr, other=0.0)  # dO O, read before deta may take o's place
             b_dread = -b_k * b_z  # dR
-            tl.store(dR + off, b_dread.to(dR.dtype.element_ty), mask=m_vr)
             tl.store(dv + off, (b_eta * b_z).to(dv.dtype.element_ty), mask=m_vr)
-            if KAPPA_IS_ETA:
-                tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_vr)
+            if HAS_GATE:  # kappa = eta exp(g): d eta = (y - exp(g) R) z, d g = sum_j -R z kappa
+                tl.store(deta + off, (b_yv - _gate_rows(gate, rows, m_r, i_h, H)[None, :] * b_res) * b_z, mask=m_vr)
+                tl.store(dgate + i_v * n_rows + rows * H + i_h, tl.sum(b_dread * b_res, axis=0), mask=m_r)
             else:
-                tl.store(deta + off, b_yv * b_z, mask=m_vr)
-                tl.store(dkappa + off, -b_res * b_z, mask=m_vr)
+                tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_vr)
             # du at the step itself (-D z, and dO O when reading after) and at the step before (dR R,
             # and dO O when reading before); d log a_r = the later blocks' sum + the sums over m >= r
             b_own = -(b_eta * b_yv - b_k * b_res) * b_z
@@ -331,15 +367,16 @@ def state_bwd(
 
 @triton.jit
 def dqk_bwd_two_reads(
-    q, x, D, u, h, dh, do, dR, dq, dx, cu_seqlens, chunk_indices, chunk_offsets, T,
+    q, x, D, u, h, dh, do, dv, gate, dq, dx, cu_seqlens, chunk_indices, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    READ_AFTER: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    READ_AFTER: tl.constexpr, HAS_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(K, BK), num_chunks, H)``: the rule-2A ``dqk_bwd`` of both reads with
     values ``D`` in one program per chunk and key block: ``dq`` of the outputs (queries
     ``q``, upstream ``dO``, ``READ_AFTER``) and the whole ``dx``, as the residual reads'
     queries and as the keys of both reads (residual reads: read before the write, upstream
-    ``dR``, the exit-state term through ``dh``). With the reads' score gradients
+    ``dR = -exp(g) dv``, from the values' gradient ``dv = eta z``; the exit-state term through
+    ``dh``). With the reads' score gradients
     ``dP_O[t, s] = sum_j dO[t, j] exp(uq[t, j] - u[s, j]) D[s, j]`` (``s in M(t)``) and
     ``dP_R`` (the same with ``dR`` and ``w = u_{t-1}``, ``s < t``)::
 
@@ -370,7 +407,7 @@ def dqk_bwd_two_reads(
         b_u = _rows(u, rows, m_r, i_h, H, V, o_v, m_v)
         b_w = _read_prefix(u, rows, m_r, first, i_h, H, V, o_v, m_v, False)  # the residual reads' uq
         b_D = _rows(D, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
-        b_dr = _rows(dR, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
+        b_dr = _read_grad_rows(dv, gate, rows, m_r, i_h, H, V, o_v, m_v, HAS_GATE)
         b_do = _rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32)
         if READ_AFTER:
             b_dd += tl.sum(b_do * b_D, axis=1)
@@ -410,7 +447,7 @@ def dqk_bwd_two_reads(
         b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
         b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
         b_go = (_rows(do, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(b_uq, m_r[:, None])).to(dt)
-        b_gr = (_rows(dR, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(b_w, m_r[:, None])).to(dt)
+        b_gr = (_read_grad_rows(dv, gate, rows, m_r, i_h, H, V, o_v, m_v, HAS_GATE) * _decay(b_w, m_r[:, None])).to(dt)
         u_last = _row(u, last, True, i_h, H, V, o_v, m_v)
         b_wc = (_rows(D, rows, m_r, i_h, H, V, o_v, m_v).to(tl.float32) * _decay(u_last[None, :] - b_u, m_r[:, None])).to(dt)
         b_dq += tl.dot(b_go, tl.trans(b_h), input_precision=PRECISION)

@@ -168,6 +168,15 @@ def _eta(beta, off, ok, denom, NORMALIZE: tl.constexpr):
 
 
 @triton.jit
+def _eta_scale(denom, ok, NORMALIZE: tl.constexpr):
+    """The per-row factor of the per-column gains, ``eta = beta * scale``: ``1 / denom``
+    (``1`` without ``NORMALIZE``), 0 where the row takes no step."""
+    if NORMALIZE:
+        return tl.where(ok, 1.0 / tl.where(ok, denom, 1.0), 0.0)
+    return tl.where(ok, 1.0, 0.0)
+
+
+@triton.jit
 def _eta_grads(g_eta, g_la, eta, lam_eff, denom, ok, decay_floor, NORMALIZE: tl.constexpr):
     """Backward of ``alpha = min(eta * lambda, 1 - decay_floor)``, ``log_a = log1p(-alpha)`` and
     ``eta = beta / denom``, elementwise on a ``[BR]`` or ``[BR, BV]`` tile (``lam_eff``, ``denom``
@@ -285,15 +294,17 @@ def step_bwd(
 
 @triton.jit
 def column_step_fwd(
-    x, first, valid, beta, lam, log_gate, x_out, eta, log_a, n, T, eps, decay_floor,
+    x, first, valid, beta, lam, log_gate, x_out, eta, log_a, scale, n, T, eps, decay_floor,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
     NORMALIZE: tl.constexpr, SCALE_RIDGE: tl.constexpr, HAS_GATE: tl.constexpr, SHIFT: tl.constexpr,
     HAS_FIRST: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
     """Grid ``(cdiv(n, BR), cdiv(V, BV))`` over the ``n = B*T*H`` rows, the per-column rules
-    (2, 2A): per value column ``eta = beta / (E + lambda + eps)``, ``log_a = log1p(-min(eta *
-    lambda, 1 - decay_floor)) + g`` (``beta`` ``[n, V]``). With ``SHIFT`` the programs of the
-    first column block also write the features to ``x_out``."""
+    (2, 2A): per value column ``eta = beta * scale`` with the row's ``scale = 1 / (E + lambda +
+    eps)`` (0 where the row takes no step), ``log_a = log1p(-min(eta * lambda, 1 - decay_floor)) +
+    g`` (``beta`` ``[n, V]``). The programs of the first column block also write ``scale`` ``[n]``
+    (so that a later kernel can form ``eta`` again, to the bit, from ``beta``) and, with ``SHIFT``,
+    the features to ``x_out``."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = rows < n
     o_v = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -303,14 +314,16 @@ def column_step_fwd(
     ok = ok_rows[:, None] & m_v[None, :]
     m = m_r[:, None] & m_v[None, :]
     off = rows[:, None] * V + o_v[None, :]
-    b_eta = _eta(beta, off, ok, denom[:, None], NORMALIZE)
+    b_scale = _eta_scale(denom, ok_rows, NORMALIZE)
+    b_eta = tl.where(ok, tl.load(beta + off, mask=ok, other=0.0).to(tl.float32) * b_scale[:, None], 0.0)
     la = _log1p(-tl.minimum(b_eta * lam_eff[:, None], 1.0 - decay_floor))
     if HAS_GATE:
         la += tl.load(log_gate + rows, mask=m_r, other=0.0).to(tl.float32)[:, None]
     tl.store(eta + off, b_eta, mask=m)
     tl.store(log_a + off, la, mask=m)
-    if SHIFT:
-        if tl.program_id(1) == 0:
+    if tl.program_id(1) == 0:
+        tl.store(scale + rows, b_scale, mask=m_r)
+        if SHIFT:
             _store_features(x, first, x_out, rows, m_r, T, H, K, BK, HAS_FIRST)
 
 

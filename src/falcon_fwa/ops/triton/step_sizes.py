@@ -40,10 +40,11 @@ def _column_launch(x, K, V):
 
 
 class _StepSizes(torch.autograd.Function):
-    """``(x, eta, log_a)`` from the write features or, with ``shift``, from the keys
+    """``(x, eta, log_a, eta_scale)`` from the write features or, with ``shift``, from the keys
     (``step_size_kernels``); the backward takes the gradient ``x`` received downstream.
-    ``beta`` ``[B, T, H]`` (the scalar rules) or ``[B, T, H, V]`` (the per-column rules:
-    ``eta``, ``log_a`` per value column)."""
+    ``beta`` ``[B, T, H]`` (the scalar rules; ``eta_scale`` is ``None``) or ``[B, T, H, V]``
+    (the per-column rules: ``eta``, ``log_a`` per value column, ``eta = beta * eta_scale`` with
+    the row factor ``eta_scale`` ``[B, T, H]`` fp32, not differentiable)."""
 
     @staticmethod
     def forward(ctx, src, first, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge, shift):
@@ -53,24 +54,27 @@ class _StepSizes(torch.autograd.Function):
         eta = torch.empty(beta.shape, dtype=torch.float32, device=src.device)
         log_a = torch.empty_like(eta)
         x = torch.empty_like(src) if shift else src
+        scale = torch.empty(lam.shape, dtype=torch.float32, device=src.device) if per_column else None
         flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, SHIFT=shift, HAS_FIRST=shift and first is not None,
                      HAS_VALID=valid is not None)
-        args = (src, first, valid, beta, lam, log_gate, x, eta, log_a, n, T, eps, decay_floor)
+        args = (src, first, valid, beta, lam, log_gate, x, eta, log_a)
+        tail = (n, T, eps, decay_floor)
         if per_column:
             c = _column_launch(src, K, beta.shape[-1])
             kern.column_step_fwd[(cdiv(n, c["BR"]), cdiv(c["V"], c["BV"]))](
-                *args, HAS_GATE=log_gate is not None, **flags, **c)
+                *args, scale, *tail, HAS_GATE=log_gate is not None, **flags, **c)
         else:
             c = _launch("step_fwd", src, K)
-            kern.step_fwd[(cdiv(n, c["BR"]),)](*args, HAS_GATE=log_gate is not None, **flags, **c)
+            kern.step_fwd[(cdiv(n, c["BR"]),)](*args, *tail, HAS_GATE=log_gate is not None, **flags, **c)
         ctx.save_for_backward(src, first, valid, beta, lam)
         ctx.options = (eps, decay_floor, flags, None if log_gate is None else log_gate.dtype)
-        if not shift:
-            ctx.mark_non_differentiable(x)  # src itself: callers use src (feature_step_sizes drops this)
-        return x, eta, log_a
+        # x is src itself without shift: callers use src (feature_step_sizes drops this); the scale is a
+        # by-product (its gradient reaches beta and the features through eta's)
+        ctx.mark_non_differentiable(*(t for t in ((None if shift else x), scale) if t is not None))
+        return x, eta, log_a, scale
 
     @staticmethod
-    def backward(ctx, dx_in, d_eta, d_log_a):
+    def backward(ctx, dx_in, d_eta, d_log_a, _d_scale):
         src, first, valid, beta, lam = ctx.saved_tensors
         eps, decay_floor, flags, gate_dtype = ctx.options
         B, T, H, K = src.shape
@@ -119,16 +123,18 @@ def feature_step_sizes(
     decay_floor: float,
     normalize: bool,
     scale_ridge: bool,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``eta`` and ``log_a = log gamma + log_gate`` fp32, of ``beta``'s shape, from the write
     features ``x`` ``[B, T, H, K]``, pair validity ``valid`` ``[B, T]`` (bool; ``None``: every
     pair valid), ``beta`` (``[B, T, H]`` for rules 1 and 1A, ``[B, T, H, V]`` for the
     per-column rules 2 and 2A), ``lam`` and ``log_gate`` ``[B, T, H]`` (the equations of
     ``ops.step_sizes``): ``eta = beta / (||x_t||^2 + lambda_t + eps)``,
-    ``log gamma = log1p(-min(eta lambda_t, 1 - decay_floor))``."""
-    _, eta, log_a = _step_sizes(x, None, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor,
-                                normalize=normalize, scale_ridge=scale_ridge, shift=False)
-    return eta, log_a
+    ``log gamma = log1p(-min(eta lambda_t, 1 - decay_floor))``; and, for a per-column ``beta``,
+    the row factor ``eta_scale`` ``[B, T, H]`` fp32 with ``eta = beta * eta_scale`` to the bit
+    (``None`` for the scalar rules; not differentiable)."""
+    _, eta, log_a, eta_scale = _step_sizes(x, None, valid, beta, lam, log_gate, eps=eps, decay_floor=decay_floor,
+                                           normalize=normalize, scale_ridge=scale_ridge, shift=False)
+    return eta, log_a, eta_scale
 
 
 def shifted_step_sizes(
@@ -142,11 +148,11 @@ def shifted_step_sizes(
     decay_floor: float,
     normalize: bool,
     scale_ridge: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The write features ``x`` ``[B, T, H, K]`` of fixed-length rows, ``x_t = k_{t-1}`` and
     ``x_0 = first`` ``[B, H, K]`` (the carried last key) or the invalid sentinel ``0``
-    (``first=None``), with their ``eta`` and ``log_a`` (as ``feature_step_sizes``), in one
-    kernel each way; differentiable in ``k``, ``first``, ``beta``, ``lam`` and ``log_gate``."""
+    (``first=None``), with their ``eta``, ``log_a`` and ``eta_scale`` (as ``feature_step_sizes``),
+    in one kernel each way; differentiable in ``k``, ``first``, ``beta``, ``lam`` and ``log_gate``."""
     want = (k.shape[0], *k.shape[2:])
     if first is not None and tuple(first.shape) != want:
         raise ValueError(f"first (the carried last key) must have shape {want} = [B, H, K], got {tuple(first.shape)}")

@@ -244,7 +244,11 @@ def test_throughput_profile_lists_the_most_expensive_operators_of_one_extra_step
         top = r["profile"]
         assert len(top) == 4 and all(t["ms"] > 0 and t["calls"] >= 1 and t["name"] for t in top)
         assert [t["ms"] for t in top] == sorted((t["ms"] for t in top), reverse=True)
-    assert any("mm" in t["name"] or "linear" in t["name"] for t in rows[1]["profile"])  # the transformer's matmuls
+    # the operators are the step's own: the transformer's matmuls are among them. Which ones make the top 4 is a
+    # matter of timing (on a loaded machine a preempted elementwise op can outrank them), so this asks for them all
+    (tmp_path / "all").mkdir()
+    every = run_throughput(tmp_path / "all", "--steps", "1", "--min-steps", "1", "--profile", "1000")[1]["profile"]
+    assert 4 < len(every) < 1000 and any(t["name"] in ("aten::mm", "aten::addmm", "aten::linear") for t in every)
 
 
 @pytest.mark.slow

@@ -181,6 +181,30 @@ def test_the_factors_of_eta_go_together():
                                         eta_scale=eta_scale[..., None])
 
 
+@pytest.mark.parametrize("shift", [True, False])
+def test_the_public_op_gives_a_second_backward_the_first_ones_gradients(shift):
+    # rule 2's step sizes and scan are one node, whose backward uses up what its forward kept (the fp32
+    # outputs, the residual reads, D, and with shift the shifted keys, over which it writes their gradient):
+    # a second backward through the same graph runs the forward again and gives the same gradients exactly
+    from falcon_fwa.ops.state import FalconState
+    x = _inputs(1, 37, 2, 16, 24, torch.float16, seed=16, state=True)
+    names = ("q", "k", "v", "beta", "lam", "log_gate")
+    leaves = {n: x[n].to(DEVICE, torch.float16 if n in ("q", "k", "v") else torch.float32).requires_grad_()
+              for n in names}
+    S0 = x["S0"].to(DEVICE).requires_grad_()
+    last = x["last_key"].to(DEVICE).requires_grad_() if shift else None
+    init = FalconState(rule="2", window=1, shift=shift, S=S0, last_key=last)
+    o, _ = falcon_chunk_triton(*(leaves[n] for n in names[:5]), rule="2", log_gate=leaves["log_gate"],
+                               initial_state=init, shift=shift, chunk_size=16)
+    probe = torch.randn(o.shape, generator=torch.Generator().manual_seed(17)).to(DEVICE, o.dtype)
+    wrt = [*leaves.values(), S0] + ([last] if shift else [])
+    first = torch.autograd.grad((o * probe).float().sum(), wrt, retain_graph=True)
+    second = torch.autograd.grad((o * probe).float().sum(), wrt)
+    for name, a, b in zip((*names, "S0", "last_key"), first, second):
+        assert torch.isfinite(a).all() and a.abs().sum() > 0, name
+        assert torch.equal(a, b), f"the gradient of {name} differs in the second backward"
+
+
 def test_per_column_steps_differ_from_a_shared_step():
     # the kernels follow each column's own step: rule 2 with beta equal across the columns is
     # rule 1, and a per-column beta moves the output away from it

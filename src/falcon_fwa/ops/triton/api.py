@@ -1,7 +1,8 @@
 """``falcon_chunk_triton``: the chunk form of ``falcon_attention`` on the Triton kernels.
 
 The step sizes (``eta``, the clamped decay ``gamma``, the equations of ``ops.step_sizes``)
-and the scan are kernels, each an autograd function, so gradients reach ``beta``,
+and the scan are kernels, each an autograd function (for rule 2 one function holds both:
+``column_delta.column_delta_steps``), so gradients reach ``beta``,
 ``lam``, ``log_gate``, ``k``, the initial state and its last key. The pairs (shifted
 keys, sentinel, last-key carry) are built inside the step-size kernel for the non-sliding
 rules on fixed-length rows (``step_sizes.shifted_step_sizes``), in PyTorch otherwise
@@ -19,7 +20,7 @@ from ..seqlens import sequence_bounds
 from ..state import FalconState
 from ..validate import check_inputs, check_state, check_state_type
 from .column_decay import column_decay_chunk
-from .column_delta import column_delta_chunk
+from .column_delta import column_delta_steps
 from .delta import delta_chunk
 from .launch import SUPPORTED_CHUNK_SIZES
 from .scalar_decay import scalar_decay_chunk
@@ -203,25 +204,36 @@ def falcon_chunk_triton(
     k, v = k.to(q.dtype), v.to(q.dtype)
     last_key = None if initial_state is None or not shift else initial_state.last_key
     steps = dict(eps=eps, decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
-    if shift and cu_seqlens is None:  # pairs and step sizes in one kernel
-        x, eta, log_a, eta_scale = shifted_step_sizes(k, last_key, beta, lam, log_gate, **steps)
-    else:
-        x, valid = _shifted_keys(k, shift, last_key, starts if cu_seqlens is None else cu_seqlens[:-1].long())
-        eta, log_a, eta_scale = feature_step_sizes(x, valid, beta, lam, log_gate, **steps)
     S0 = None if initial_state is None else initial_state.S
     scan = dict(read_after=read == "after", chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 output_final_state=output_final_state)
-    if spec.regression:  # rules 1, 2: the residual is read at the gated state, kappa = eta exp(g)
-        if spec.per_column:  # rule 2: eta and the decay per value column, the gate per row; the backward
-            # forms eta again from beta and the step sizes' row scale instead of keeping it
-            o, S_T = column_delta_chunk(q, x, v, eta, log_gate, log_a, S0, beta=beta, eta_scale=eta_scale, **scan)
+    in_kernel_shift = shift and cu_seqlens is None  # pairs and step sizes in one kernel
+    if not in_kernel_shift:
+        x, valid = _shifted_keys(k, shift, last_key, starts if cu_seqlens is None else cu_seqlens[:-1].long())
+    if spec.regression and spec.per_column:  # rule 2: the step sizes and the scan in one node (column_delta_steps)
+        if in_kernel_shift:
+            o, S_T = column_delta_steps(q, k, v, beta, lam, log_gate, S0, first=last_key, valid=None, shift=True,
+                                        **steps, **scan)
         else:
-            kappa = None if log_gate is None else eta * torch.exp(log_gate.float())  # None: kappa is eta
-            o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
+            o, S_T = column_delta_steps(q, x, v, beta, lam, log_gate, S0, first=None, valid=valid, shift=False,
+                                        **steps, **scan)
+        return _finish(o, S_T, out_dtype, spec, shift, k, cu_seqlens, output_final_state)
+    if in_kernel_shift:
+        x, eta, log_a, _ = shifted_step_sizes(k, last_key, beta, lam, log_gate, **steps)
+    else:
+        eta, log_a, _ = feature_step_sizes(x, valid, beta, lam, log_gate, **steps)
+    if spec.regression:  # rule 1: the residual is read at the gated state, kappa = eta exp(g)
+        kappa = None if log_gate is None else eta * torch.exp(log_gate.float())  # None: kappa is eta
+        o, S_T = delta_chunk(q, x, v, eta, kappa, log_a, S0, **scan)
     elif spec.per_column:  # rule 2A: eta and the decay per value column
         o, S_T = column_decay_chunk(q, x, v, eta, log_a, S0, **scan)
     else:
         o, S_T = scalar_decay_chunk(q, x, v, eta, log_a, S0, **scan)
+    return _finish(o, S_T, out_dtype, spec, shift, k, cu_seqlens, output_final_state)
+
+
+def _finish(o, S_T, out_dtype, spec, shift, k, cu_seqlens, output_final_state):
+    """The outputs in ``out_dtype`` and the final :class:`FalconState` of a non-sliding rule (or ``None``)."""
     final = None
     if output_final_state:
         last = None

@@ -20,10 +20,16 @@ the exit states), then ``dqk_bwd_two_reads``: the rule-2A ``dqk_bwd`` of both re
 ``dR = -kappa z = -exp(g) dv``, formed from the values' gradient) in one launch, ``dq`` and
 the whole ``dx`` stored in the inputs' dtype.
 
-Kept for the backward: the fp32 ``u``, ``D``, ``R`` and outputs, the chunk states and the
-Grams. ``eta`` too, unless the caller passes the factors the step-size kernel formed it from
-(``beta`` and ``eta_scale``, ``eta = beta * eta_scale``), which the backward multiplies out
-again in ``state_bwd``: 128 MiB less at B=8, T=2048, H=16, V=128.
+What the backward reads, and when it lets go of it (B=8, T=2048, H=16, V=128: 128 MiB per
+``[B, T, H, V]`` fp32 tensor): ``dv_bwd`` reads ``D``, which is freed after it; ``state_bwd``
+forms ``D = eta y - kappa R`` again, elementwise, over the outputs' ``dD`` as it consumes it,
+for ``dqk_bwd_two_reads``, and writes ``d eta`` over the fp32 outputs and ``d log a`` over
+``R``; the Grams go after ``state_bwd``. ``eta`` is kept only when it cannot be formed again
+from its factors (``beta`` and ``eta_scale``, ``eta = beta * eta_scale``, as the step-size
+kernel formed it). ``column_delta_steps`` is rule 2 from the keys: the step sizes and the scan
+in one autograd node, so that ``eta``, ``log_a`` (summed in place into ``u``) and the shifted
+keys (over which ``dqk_bwd_two_reads`` writes ``dx``) are its own buffers, each freed or reused
+as soon as it has been read for the last time.
 """
 from __future__ import annotations
 
@@ -37,8 +43,9 @@ from .chunk_index import ChunkLayout, chunk_layout
 from .column_decay import _config as column_config
 from .launch import (SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, launch_config, layout_args,
                      next_power_of_2)
+from .step_sizes import prepare_inputs, step_flags, step_sizes_backward, step_sizes_forward
 
-__all__ = ["column_delta_chunk"]
+__all__ = ["column_delta_chunk", "column_delta_steps"]
 
 SUB_CHUNK = 16  # steps per block of the per-column solves (and of the Gram of gram_fwd)
 # The sequential kernels hold the whole key dimension (BK >= K) and BV value columns; they
@@ -78,7 +85,12 @@ def _sequential(kernel: str, K: int, V: int, sequences_heads: int) -> dict:
     return dict(BS=SUB_CHUNK, BK=BK, BV=BV, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-def _forward(q, x, v, eta, gate, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool):
+def _forward(q, x, v, eta, gate, log_a, S0, layout: ChunkLayout, read_after: bool, want_final: bool,
+             u_over_log_a: bool = False):
+    """The fp32 outputs, the final states (or ``None``) and a dict of what the backward reads: the
+    Grams ``G``, the log-prefixes ``u``, the entry states ``h``, ``D``, ``R`` and the fp32 outputs
+    ``o`` (``_backward`` empties it as it goes). ``u_over_log_a``: ``log_a`` is the caller's own
+    buffer, and the log-prefixes are summed into it in place."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
@@ -86,13 +98,13 @@ def _forward(q, x, v, eta, gate, log_a, S0, layout: ChunkLayout, read_after: boo
     kern.gram_fwd[(layout.num_chunks * (layout.BT // SUB_CHUNK), H)](
         x, G, chunk_indices=layout.chunk_indices, H=H, K=K, BS=SUB_CHUNK,
         BK=min(GRAM["BK"], max(16, next_power_of_2(K))), PRECISION=prec, num_warps=GRAM["num_warps"], **meta)
-    u = _empty(eta.shape, eta)
+    u = log_a if u_over_log_a else _empty(log_a.shape, log_a)
     c = column_config("elementwise", K, V)
-    cd.chunk_cumsum[(cdiv(V, c["BV"]), layout.num_chunks, H)](
+    cd.chunk_cumsum[(cdiv(V, c["BV"]), layout.num_chunks, H)](  # each program reads its tile before writing it
         log_a, u, chunk_indices=layout.chunk_indices, H=H, V=V, **c, **meta)
     h, D, R, S_T = _states(q, x, v, eta, gate, u, G, S0, layout, want_final)
     o = _outputs(q, x, D, u, h, layout, read_after)
-    return o, G, u, h, D, R, S_T
+    return o, S_T, dict(G=G, u=u, h=h, D=D, R=R, o=o)
 
 
 def _states(q, x, v, eta, gate, u, G, S0, layout: ChunkLayout, want_final: bool):
@@ -139,13 +151,15 @@ def _outputs_dD(q, x, D, u, do, dD, layout, read_after):
         PRECISION=dot_precision(q.dtype), **c, **layout_args(layout))
 
 
-def _dqk(q, x, D, u, h, dh, do, dv, gate, layout, read_after):
+def _dqk(q, x, D, u, h, dh, do, dv, gate, layout, read_after, dx_over_x: bool = False):
     """``dqk_bwd_two_reads``: ``dq`` (the outputs' queries) and the whole ``dx`` (the
     residual reads' queries, whose upstream gradient ``-exp(g) dv`` it forms from ``dv``, the
-    keys of both reads and the exit-state term through ``dh``), in ``q``'s and ``x``'s dtype."""
+    keys of both reads and the exit-state term through ``dh``), in ``q``'s and ``x``'s dtype.
+    ``dx_over_x``: ``dx`` is written over ``x`` (each program reads its rows and key columns of
+    ``x`` before it writes the same ones of ``dx``)."""
     H, K = q.shape[2:]
     V = D.shape[-1]
-    dq, dx = _empty(q.shape, q), _empty(x.shape, x)
+    dq, dx = _empty(q.shape, q), (x if dx_over_x else _empty(x.shape, x))
     c = launch_config("dqk_bwd_two_reads", K, V, LAUNCH)
     kern.dqk_bwd_two_reads[(cdiv(K, c["BK"]), layout.num_chunks, H)](
         q, x, D, u, h, dh, do, dv, gate, dq, dx, chunk_indices=layout.chunk_indices, H=H, K=K, V=V,
@@ -153,24 +167,28 @@ def _dqk(q, x, D, u, h, dh, do, dv, gate, layout, read_after):
     return dq, dx
 
 
-def _backward(q, x, v, eta, gate, factors, S0, G, u, h, D, R, o, S_T, do, dS_T, layout: ChunkLayout,
-              read_after: bool, o_private: bool):
-    """``gate``: ``exp(log_gate)`` ``[B, T, H]`` fp32 or ``None`` (``kappa`` is ``eta``);
-    ``factors``: ``(beta, eta_scale)`` when ``eta`` is not kept (``eta`` is then ``None``).
-    ``o_private``: the fp32 outputs ``o`` are not the tensor returned to the caller, and ``deta``
-    is written over them as ``state_bwd`` reads them. ``d log a`` is written over the residual
-    reads ``R`` the same way (no other kernel reads them). ``S_T``: the final states (read with
-    ``dS_T``). Returns the gradients of ``q``, ``x``, ``v``, ``eta``, ``log_gate`` (``None``
-    without a gate), ``log_a`` and ``S0``."""
+def _backward(q, x, v, kept: dict, S0, S_T, do, dS_T, layout: ChunkLayout, read_after: bool, *, o_private: bool,
+              dx_over_x: bool):
+    """The gradients of ``q``, ``x``, ``v``, ``eta``, ``log_gate`` (``None`` without a gate),
+    ``log_a`` and ``S0``. ``kept``: what ``_forward`` returned, plus ``eta`` (or ``None``),
+    ``factors`` (``(beta, eta_scale)``, or ``None`` when ``eta`` is kept) and ``gate``
+    (``exp(log_gate)`` ``[B, T, H]`` fp32 or ``None``: ``kappa`` is ``eta``); each entry is
+    taken out when read for the last time, so that it is freed then if the caller keeps no other
+    reference. ``o_private``: the fp32 outputs ``o`` are not the tensor returned to the caller,
+    and ``deta`` is written over them as ``state_bwd`` reads them; ``d log a`` is written over
+    the residual reads ``R`` the same way. ``S_T``: the final states (read with ``dS_T``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     prec, meta = dot_precision(q.dtype), layout_args(layout)
     f32 = torch.float32
-    # 1. the outputs' intra-chunk gradient of D (no exit-state term)
-    dD_o = _empty(u.shape, u)
-    _outputs_dD(q, x, D, u, do, dD_o, layout, read_after)
+    u, h, R, o, gate = kept.pop("u"), kept.pop("h"), kept.pop("R"), kept.pop("o"), kept.pop("gate")
+    # 1. the outputs' intra-chunk gradient of D (no exit-state term), the last read of the forward's D
+    dD = _empty(u.shape, u)
+    D = kept.pop("D")
+    _outputs_dD(q, x, D, u, do, dD, layout, read_after)
+    del D
     # 2. reverse over chunks: exit-state gradients and the adjoint z of D, and from z: dv, deta, the gate's
-    # partial sums and the whole d log a
+    # partial sums and the whole d log a; D formed again over dD
     dh = _empty(h.shape, h)
     deta = o if o_private else _empty(u.shape, u)
     dv, dlog_a = _empty(v.shape, v), R
@@ -178,16 +196,17 @@ def _backward(q, x, v, eta, gate, factors, S0, G, u, h, D, R, o, S_T, do, dS_T, 
     c = _sequential("state_bwd", K, V, layout.N * H)
     n_vb = cdiv(V, c["BV"])
     dgate = _empty((n_vb, B * T * H), u) if gate is not None else None
+    eta, factors, G = kept.pop("eta"), kept.pop("factors"), kept.pop("G")
     beta, scale = factors if factors is not None else (None, None)
     kern.state_bwd[(n_vb, layout.N * H)](
-        q, x, v, eta, beta, scale, gate, R, u, G, do, o, dD_o, h, S_T, dh, dv, deta, dgate, dlog_a, dS_T, dS0,
+        q, x, v, eta, beta, scale, gate, R, u, G, do, o, dD, h, S_T, dh, dv, deta, dgate, dlog_a, dS_T, dS0,
         n_rows=B * T * H, H=H, K=K, V=V, HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None,
         READ_AFTER=read_after, HAS_GATE=gate is not None, ETA_FROM_BETA=factors is not None, PRECISION=prec,
         **c, **meta)
-    del dD_o  # read by state_bwd alone: its fp32 buffer is free for dq and dx
+    del eta, factors, beta, scale, G, R, o
     # 3. q and x gradients of both reads in one launch (outputs: queries q; residual reads: queries x,
-    # read before the write, with the exit-state term)
-    dq, dx = _dqk(q, x, D, u, h, dh, do, dv, gate, layout, read_after)
+    # read before the write, with the exit-state term), with the D that state_bwd formed
+    dq, dx = _dqk(q, x, dD, u, h, dh, do, dv, gate, layout, read_after, dx_over_x)
     dlog_gate = None if gate is None else dgate.sum(0).view(B, T, H)
     return dq, dx, dv, deta, dlog_gate, dlog_a, dS0
 
@@ -199,30 +218,36 @@ class _ColumnDeltaChunk(torch.autograd.Function):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
         gate = None if log_gate is None else torch.exp(log_gate.float()).contiguous()
-        o, G, u, h, D, R, S_T = _forward(q, x, v, eta, gate, log_a, S0, layout, read_after, want_final)
+        o, S_T, kept = _forward(q, x, v, eta, gate, log_a, S0, layout, read_after, want_final)
         # eta is kept only when it cannot be formed again from its factors
-        ctx.save_for_backward(q, x, v, None if beta is not None else eta, gate, beta, eta_scale, S0, G, u, h, D, R,
-                              o, S_T)
-        ctx.layout, ctx.read_after, ctx.gate_dtype = layout, read_after, None if log_gate is None else log_gate.dtype
+        factors = None if beta is None else (beta, eta_scale)
+        kept.update(eta=None if factors is not None else eta, factors=factors, gate=gate)
+        # the fp32 outputs through save_for_backward: with fp32 values they are the returned tensor itself
+        ctx.save_for_backward(q, x, v, eta if factors is None else None, log_gate, log_a, S0, beta, eta_scale, S_T,
+                              kept.pop("o"))
+        ctx.kept, ctx.layout, ctx.read_after = kept, layout, read_after
         # 16-bit values: the caller gets a rounded copy of the fp32 outputs, which the backward may overwrite
-        ctx.o_private, ctx.spent = v.dtype != torch.float32, False
+        ctx.o_private = v.dtype != torch.float32
         return o.to(v.dtype), S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
-        q, x, v, eta, gate, beta, eta_scale, S0, G, u, h, D, R, o, S_T = ctx.saved_tensors
-        factors = None if beta is None else (beta, eta_scale)
-        if ctx.spent:  # a second backward (retain_graph=True): the first wrote d log a over R (and deta over o)
-            eta_now = eta if factors is None else _eta_of(beta, eta_scale)
-            h, D, R, _ = _states(q, x, v, eta_now, gate, u, G, S0, ctx.layout, False)
-            if ctx.o_private:
-                o = _outputs(q, x, D, u, h, ctx.layout, ctx.read_after)
-        ctx.spent = True
+        q, x, v, eta, log_gate, log_a, S0, beta, eta_scale, S_T, o = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
+        if kept is None:  # a second backward (retain_graph=True): the first one used up what the forward kept
+            gate = None if log_gate is None else torch.exp(log_gate.float()).contiguous()
+            factors = None if beta is None else (beta, eta_scale)
+            _, _, kept = _forward(q, x, v, eta if factors is None else _eta_of(beta, eta_scale), gate, log_a, S0,
+                                  ctx.layout, ctx.read_after, False)
+            kept.update(eta=None if factors is not None else eta, factors=factors, gate=gate)
+        else:
+            kept["o"] = o
+        del o
         dq, dx, dv, deta, dlog_gate, dlog_a, dS0 = _backward(
-            q, x, v, eta, gate, factors, S0, G, u, h, D, R, o, S_T, do.contiguous(),
-            None if dS_T is None else dS_T.contiguous(), ctx.layout, ctx.read_after, ctx.o_private)
+            q, x, v, kept, S0, S_T, do.contiguous(), None if dS_T is None else dS_T.contiguous(), ctx.layout,
+            ctx.read_after, o_private=ctx.o_private, dx_over_x=False)
         if dlog_gate is not None:
-            dlog_gate = dlog_gate.to(ctx.gate_dtype)
+            dlog_gate = dlog_gate.to(log_gate.dtype)
         return dq, dx, dv, deta, dlog_gate, dlog_a, dS0, None, None, None, None, None, None
 
 
@@ -231,6 +256,122 @@ def _eta_of(beta: torch.Tensor, eta_scale: torch.Tensor) -> torch.Tensor:
     step-size kernel and ``state_bwd`` form, to the bit (one fp32 multiplication)."""
     scale = eta_scale[..., None]
     return torch.where(scale != 0, beta.float() * scale, torch.zeros((), device=beta.device))
+
+
+class _Options:
+    """The switches of ``column_delta_steps``, fixed for one call."""
+
+    def __init__(self, *, eps, decay_floor, flags, layout, read_after, want_final, gate_dtype):
+        self.eps, self.decay_floor, self.flags, self.layout = eps, decay_floor, flags, layout
+        self.read_after, self.want_final, self.gate_dtype = read_after, want_final, gate_dtype
+
+
+def _steps_and_scan(q, src, v, beta, lam, log_gate, S0, first, valid, opt: _Options, want_final: bool):
+    """The step sizes (``step_sizes_forward``) and the scan's forward on them: the fp32 outputs, the
+    final states and what the backward reads (``_forward``'s dict, with the shifted keys ``x``, the
+    factors of ``eta`` and the gate). ``eta`` is dropped on return and ``u`` is summed over ``log_a``."""
+    x, eta, log_a, scale = step_sizes_forward(src, first, valid, beta, lam, log_gate, eps=opt.eps,
+                                              decay_floor=opt.decay_floor, flags=opt.flags)
+    gate = None if log_gate is None else torch.exp(log_gate.float()).contiguous()
+    o, S_T, kept = _forward(q, x, v, eta, gate, log_a, S0, opt.layout, opt.read_after, want_final, u_over_log_a=True)
+    kept.update(x=x, eta=None, factors=(beta, scale), gate=gate)
+    return o, S_T, kept
+
+
+class _ColumnDeltaSteps(torch.autograd.Function):
+    """Rule 2 from the keys (or the write features): the step sizes and the scan in one node."""
+
+    @staticmethod
+    def forward(ctx, q, src, v, beta, lam, log_gate, S0, first, valid, opt: _Options):
+        o, S_T, kept = _steps_and_scan(q, src, v, beta, lam, log_gate, S0, first, valid, opt, opt.want_final)
+        ctx.save_for_backward(q, src, v, beta, lam, log_gate, S0, first, valid, S_T, kept.pop("o"))  # as above
+        ctx.kept, ctx.opt = kept, opt
+        ctx.o_private = v.dtype != torch.float32  # as in _ColumnDeltaChunk
+        return o.to(v.dtype), S_T
+
+    @staticmethod
+    def backward(ctx, do, dS_T):
+        q, src, v, beta, lam, log_gate, S0, first, valid, S_T, o = ctx.saved_tensors
+        opt = ctx.opt
+        kept, ctx.kept = ctx.kept, None
+        if kept is None:  # a second backward (retain_graph=True): the first one used up what the forward kept
+            _, _, kept = _steps_and_scan(q, src, v, beta, lam, log_gate, S0, first, valid, opt, False)
+        else:
+            kept["o"] = o
+        del o
+        x = kept.pop("x")
+        # with shift, x holds the node's own shifted keys, and dx can take their place
+        dq, dx, dv, deta, dlog_gate, dlog_a, dS0 = _backward(
+            q, x, v, kept, S0, S_T, do.contiguous(), None if dS_T is None else dS_T.contiguous(), opt.layout,
+            opt.read_after, o_private=ctx.o_private, dx_over_x=opt.flags["SHIFT"])
+        del x
+        d_src, d_first, d_beta, d_lam, d_gate = step_sizes_backward(
+            src, first, valid, beta, lam, opt.gate_dtype, deta, dlog_a, dx, eps=opt.eps, decay_floor=opt.decay_floor,
+            flags=opt.flags)
+        if d_gate is not None:  # through the decay (the step sizes) and through the residual gain (the scan)
+            d_gate = (d_gate.float() + dlog_gate).to(opt.gate_dtype)
+        return dq, d_src, dv, d_beta, d_lam, d_gate, dS0, d_first, None, None
+
+
+def column_delta_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    log_gate: Optional[torch.Tensor],
+    S0: Optional[torch.Tensor],
+    *,
+    first: Optional[torch.Tensor],
+    valid: Optional[torch.Tensor],
+    shift: bool,
+    eps: float,
+    decay_floor: float,
+    normalize: bool,
+    scale_ridge: bool,
+    read_after: bool,
+    chunk_size: int = 64,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Falcon-2 on the kernels from the keys: the per-column step sizes (``step_sizes``, the
+    equations of ``ops.step_sizes``) and ``column_delta_chunk``'s scan in one autograd node.
+
+    ``q``, ``k`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]`` of one dtype; ``beta`` ``[B, T, H, V]``;
+    ``lam``, ``log_gate`` (or ``None``) ``[B, T, H]``; ``S0`` ``[N, H, K, V]`` fp32 or ``None``.
+    With ``shift`` the write features are the keys shifted in the kernel, ``x_t = k_{t-1}``,
+    ``x_0 = first`` (``[B, H, K]``, the carried last key) or the invalid sentinel 0 (fixed-length
+    rows only); without it ``k`` holds the features themselves and ``valid`` ``[B, T]`` (bool, or
+    ``None``: every pair valid) marks their pairs. Returns the outputs in ``v``'s dtype and the
+    final states ``[N, H, K, V]`` fp32 (or ``None``); differentiable in ``q``, ``k``, ``v``,
+    ``beta``, ``lam``, ``log_gate``, ``S0`` and ``first``.
+
+    Gains and decays as ``step_sizes.feature_step_sizes``; the residual gain ``kappa = eta
+    exp(log_gate)``. The step sizes' fp32 ``eta`` lives only until the scan's forward has read it
+    (the backward forms it again from ``beta``), ``log_a`` becomes the log-prefixes in place, and
+    the backward writes the shifted keys' gradient over them: 1,024 MiB instead of 1,105 at
+    B=8, T=2048, H=16, K=V=128 in bf16.
+    """
+    if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
+        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
+    if shift and cu_seqlens is not None:
+        raise ValueError("shift=True shifts fixed-length rows in the kernel; with cu_seqlens pass the shifted "
+                         "features as k, shift=False and their validity")
+    if first is not None and not shift:
+        raise ValueError("first (the carried last key) goes with shift=True")
+    if first is not None and tuple(first.shape) != (k.shape[0], *k.shape[2:]):
+        raise ValueError(f"first (the carried last key) must have shape {(k.shape[0], *k.shape[2:])} = [B, H, K], "
+                         f"got {tuple(first.shape)}")
+    B, T = q.shape[:2]
+    q, v = q.contiguous(), v.contiguous()
+    src, first, valid, beta, lam, log_gate = prepare_inputs(k, first, valid, beta, lam, log_gate)
+    S0 = None if S0 is None else S0.float().contiguous()
+    opt = _Options(eps=float(eps), decay_floor=float(decay_floor),
+                   flags=step_flags(normalize=normalize, scale_ridge=scale_ridge, shift=shift, first=first,
+                                    valid=valid),
+                   layout=chunk_layout(B, T, chunk_size, cu_seqlens), read_after=read_after,
+                   want_final=output_final_state, gate_dtype=None if log_gate is None else log_gate.dtype)
+    return _ColumnDeltaSteps.apply(q, src, v, beta, lam, log_gate, S0, first, valid, opt)
 
 
 def column_delta_chunk(

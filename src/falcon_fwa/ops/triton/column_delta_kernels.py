@@ -246,7 +246,8 @@ def state_bwd(
     formed as the step-size kernel formed them, ``eta = beta * scale`` (``scale`` ``[B, T, H]``,
     0 where the row takes no step), so the forward's ``eta`` need not be kept.
     ``deta`` may be the outputs ``o`` and ``d log a`` the reads ``R``: each element is read,
-    then written, by the same program.
+    then written, by the same program. Over ``dD_local``, once read, it writes the write values
+    ``D = eta y - kappa R`` again, so that the forward's ``D`` can be freed before this kernel.
 
     Also the whole ``d log a``. Every exponent is a difference of chunk-local log-prefixes or a
     log-prefix alone, so, with the adjoints ``dO``, ``dR = -kappa z``, ``z`` of the outputs, the
@@ -327,6 +328,9 @@ def state_bwd(
             b_read = b_do * tl.load(o + off, mask=m_vr, other=0.0)  # dO O, read before deta may take o's place
             b_dread = -b_k * b_z  # dR
             tl.store(dv + off, (b_eta * b_z).to(dv.dtype.element_ty), mask=m_vr)
+            # D itself, elementwise, over the dD just consumed: for dqk_bwd_two_reads, after the forward's D is freed
+            b_wv = b_eta * b_yv - b_k * b_res
+            tl.store(dD_local + off, b_wv, mask=m_vr)
             if HAS_GATE:  # kappa = eta exp(g): d eta = (y - exp(g) R) z, d g = sum_j -R z kappa
                 tl.store(deta + off, (b_yv - _gate_rows(gate, rows, m_r, i_h, H)[None, :] * b_res) * b_z, mask=m_vr)
                 tl.store(dgate + i_v * n_rows + rows * H + i_h, tl.sum(b_dread * b_res, axis=0), mask=m_r)
@@ -334,7 +338,7 @@ def state_bwd(
                 tl.store(deta + off, (b_yv - b_res) * b_z, mask=m_vr)
             # du at the step itself (-D z, and dO O when reading after) and at the step before (dR R,
             # and dO O when reading before); d log a_r = the later blocks' sum + the sums over m >= r
-            b_own = -(b_eta * b_yv - b_k * b_res) * b_z
+            b_own = -b_wv * b_z
             b_prev = b_dread * b_res
             if READ_AFTER:
                 b_own += b_read

@@ -11,7 +11,8 @@ import torch
 from . import step_size_kernels as kern
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["feature_step_sizes", "shifted_step_sizes", "window_steps_forward", "window_steps_backward"]
+__all__ = ["feature_step_sizes", "shifted_step_sizes", "step_sizes_forward", "step_sizes_backward", "step_flags",
+           "prepare_inputs", "window_steps_forward", "window_steps_backward"]
 
 # The scalar rules' kernels (``step_fwd``, ``step_bwd``): rows per program, the key block (capped by the
 # head dim; a block that covers the head reads each feature tile once) and warps. On an H200 inside
@@ -39,6 +40,63 @@ def _column_launch(x, K, V):
     return dict(H=x.shape[2], K=K, V=V, **c)
 
 
+def step_flags(*, normalize: bool, scale_ridge: bool, shift: bool, first, valid) -> dict:
+    """The step kernels' switches for these inputs."""
+    return dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, SHIFT=shift, HAS_FIRST=shift and first is not None,
+                HAS_VALID=valid is not None)
+
+
+def step_sizes_forward(src, first, valid, beta, lam, log_gate, *, eps: float, decay_floor: float, flags: dict):
+    """The step kernels' forward, outside autograd, on prepared inputs (``prepare_inputs``):
+    ``(x, eta, log_a, eta_scale)`` as ``_StepSizes`` returns them (``x`` is ``src`` without shift,
+    ``eta_scale`` ``None`` for a scalar ``beta``)."""
+    B, T, H, K = src.shape
+    n = lam.numel()
+    per_column = beta.dim() == 4
+    eta = torch.empty(beta.shape, dtype=torch.float32, device=src.device)
+    log_a = torch.empty_like(eta)
+    x = torch.empty_like(src) if flags["SHIFT"] else src
+    scale = torch.empty(lam.shape, dtype=torch.float32, device=src.device) if per_column else None
+    args = (src, first, valid, beta, lam, log_gate, x, eta, log_a)
+    tail = (n, T, eps, decay_floor)
+    if per_column:
+        c = _column_launch(src, K, beta.shape[-1])
+        kern.column_step_fwd[(cdiv(n, c["BR"]), cdiv(c["V"], c["BV"]))](
+            *args, scale, *tail, HAS_GATE=log_gate is not None, **flags, **c)
+    else:
+        c = _launch("step_fwd", src, K)
+        kern.step_fwd[(cdiv(n, c["BR"]),)](*args, *tail, HAS_GATE=log_gate is not None, **flags, **c)
+    return x, eta, log_a, scale
+
+
+def step_sizes_backward(src, first, valid, beta, lam, gate_dtype, d_eta, d_log_a, dx_in, *, eps: float,
+                        decay_floor: float, flags: dict):
+    """The step kernels' backward, outside autograd: from the gradients of ``eta`` and ``log_a``
+    (fp32, ``beta``'s shape) and the gradient ``dx_in`` the features received downstream (or
+    ``None``), the gradients of ``src`` (the keys with shift), ``first``, ``beta``, ``lam`` and
+    the gate (``None`` when ``gate_dtype`` is)."""
+    B, T, H, K = src.shape
+    n = lam.numel()
+    dx = torch.empty_like(src)
+    d_first = torch.empty_like(first) if flags["HAS_FIRST"] else None
+    d_beta, d_lam = torch.empty_like(beta), torch.empty_like(lam)
+    dx_in = None if dx_in is None else dx_in.contiguous()
+    flags = dict(flags, HAS_DX_IN=dx_in is not None)
+    if beta.dim() == 4:  # per column: the gate's gradient is the row sum of d_log_a
+        d_gate = None if gate_dtype is None else torch.empty(lam.shape, dtype=gate_dtype, device=src.device)
+        c = _column_launch(src, K, beta.shape[-1])
+        kern.column_step_bwd[(cdiv(n, c["BR"]),)](
+            src, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, d_gate, n, T, eps,
+            decay_floor, HAS_GATE=d_gate is not None, **flags, **c)
+    else:  # the gate's gradient is d_log_a itself
+        d_gate = None if gate_dtype is None else d_log_a.to(gate_dtype)
+        c = _launch("step_bwd", src, K)
+        kern.step_bwd[(cdiv(n, c["BR"]),)](
+            src, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, n, T, eps,
+            decay_floor, **flags, **c)
+    return dx, d_first, d_beta, d_lam, d_gate
+
+
 class _StepSizes(torch.autograd.Function):
     """``(x, eta, log_a, eta_scale)`` from the write features or, with ``shift``, from the keys
     (``step_size_kernels``); the backward takes the gradient ``x`` received downstream.
@@ -48,24 +106,9 @@ class _StepSizes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, src, first, valid, beta, lam, log_gate, eps, decay_floor, normalize, scale_ridge, shift):
-        B, T, H, K = src.shape
-        n = lam.numel()
-        per_column = beta.dim() == 4
-        eta = torch.empty(beta.shape, dtype=torch.float32, device=src.device)
-        log_a = torch.empty_like(eta)
-        x = torch.empty_like(src) if shift else src
-        scale = torch.empty(lam.shape, dtype=torch.float32, device=src.device) if per_column else None
-        flags = dict(NORMALIZE=normalize, SCALE_RIDGE=scale_ridge, SHIFT=shift, HAS_FIRST=shift and first is not None,
-                     HAS_VALID=valid is not None)
-        args = (src, first, valid, beta, lam, log_gate, x, eta, log_a)
-        tail = (n, T, eps, decay_floor)
-        if per_column:
-            c = _column_launch(src, K, beta.shape[-1])
-            kern.column_step_fwd[(cdiv(n, c["BR"]), cdiv(c["V"], c["BV"]))](
-                *args, scale, *tail, HAS_GATE=log_gate is not None, **flags, **c)
-        else:
-            c = _launch("step_fwd", src, K)
-            kern.step_fwd[(cdiv(n, c["BR"]),)](*args, *tail, HAS_GATE=log_gate is not None, **flags, **c)
+        flags = step_flags(normalize=normalize, scale_ridge=scale_ridge, shift=shift, first=first, valid=valid)
+        x, eta, log_a, scale = step_sizes_forward(src, first, valid, beta, lam, log_gate, eps=eps,
+                                                  decay_floor=decay_floor, flags=flags)
         ctx.save_for_backward(src, first, valid, beta, lam)
         ctx.options = (eps, decay_floor, flags, None if log_gate is None else log_gate.dtype)
         # x is src itself without shift: callers use src (feature_step_sizes drops this); the scale is a
@@ -77,37 +120,28 @@ class _StepSizes(torch.autograd.Function):
     def backward(ctx, dx_in, d_eta, d_log_a, _d_scale):
         src, first, valid, beta, lam = ctx.saved_tensors
         eps, decay_floor, flags, gate_dtype = ctx.options
-        B, T, H, K = src.shape
-        n = lam.numel()
         d_eta = torch.zeros(beta.shape, device=src.device) if d_eta is None else d_eta.float().contiguous()
         d_log_a = torch.zeros(beta.shape, device=src.device) if d_log_a is None else d_log_a.float().contiguous()
         if not flags["SHIFT"]:
             dx_in = None  # non-differentiable output (see forward)
-        dx = torch.empty_like(src)
-        d_first = torch.empty_like(first) if flags["HAS_FIRST"] else None
-        d_beta, d_lam = torch.empty_like(beta), torch.empty_like(lam)
-        dx_in = None if dx_in is None else dx_in.contiguous()
-        flags = dict(flags, HAS_DX_IN=dx_in is not None)
-        if beta.dim() == 4:  # per column: the gate's gradient is the row sum of d_log_a
-            d_gate = None if gate_dtype is None else torch.empty(lam.shape, dtype=gate_dtype, device=src.device)
-            c = _column_launch(src, K, beta.shape[-1])
-            kern.column_step_bwd[(cdiv(n, c["BR"]),)](
-                src, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, d_gate, n, T, eps,
-                decay_floor, HAS_GATE=d_gate is not None, **flags, **c)
-        else:  # the gate's gradient is d_log_a itself
-            d_gate = None if gate_dtype is None else d_log_a.to(gate_dtype)
-            c = _launch("step_bwd", src, K)
-            kern.step_bwd[(cdiv(n, c["BR"]),)](
-                src, first, valid, beta, lam, d_eta, d_log_a, dx_in, dx, d_first, d_beta, d_lam, n, T, eps,
-                decay_floor, **flags, **c)
+        dx, d_first, d_beta, d_lam, d_gate = step_sizes_backward(
+            src, first, valid, beta, lam, gate_dtype, d_eta, d_log_a, dx_in, eps=eps, decay_floor=decay_floor,
+            flags=flags)
         return dx, d_first, None, d_beta, d_lam, d_gate, None, None, None, None, None
 
 
-def _step_sizes(src, first, valid, beta, lam, log_gate, *, eps, decay_floor, normalize, scale_ridge, shift):
+def prepare_inputs(src, first, valid, beta, lam, log_gate):
+    """The step kernels' inputs as they read them: contiguous, ``first`` in ``src``'s dtype,
+    ``valid`` as bytes."""
     src, beta, lam = src.contiguous(), beta.contiguous(), lam.contiguous()
     log_gate = None if log_gate is None else log_gate.contiguous()
     first = None if first is None else first.to(src.dtype).contiguous()
     valid = None if valid is None else valid.to(torch.uint8).contiguous()
+    return src, first, valid, beta, lam, log_gate
+
+
+def _step_sizes(src, first, valid, beta, lam, log_gate, *, eps, decay_floor, normalize, scale_ridge, shift):
+    src, first, valid, beta, lam, log_gate = prepare_inputs(src, first, valid, beta, lam, log_gate)
     return _StepSizes.apply(src, first, valid, beta, lam, log_gate, float(eps), float(decay_floor),
                             bool(normalize), bool(scale_ridge), bool(shift))
 

@@ -33,6 +33,7 @@ as soon as it has been read for the last time.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -258,12 +259,16 @@ def _eta_of(beta: torch.Tensor, eta_scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale != 0, beta.float() * scale, torch.zeros((), device=beta.device))
 
 
+@dataclass(frozen=True)
 class _Options:
-    """The switches of ``column_delta_steps``, fixed for one call."""
-
-    def __init__(self, *, eps, decay_floor, flags, layout, read_after, want_final, gate_dtype):
-        self.eps, self.decay_floor, self.flags, self.layout = eps, decay_floor, flags, layout
-        self.read_after, self.want_final, self.gate_dtype = read_after, want_final, gate_dtype
+    """The switches of ``column_delta_steps``, fixed for one call (``flags``: the step kernels')."""
+    eps: float
+    decay_floor: float
+    flags: dict
+    layout: ChunkLayout
+    read_after: bool
+    want_final: bool
+    gate_dtype: Optional[torch.dtype]
 
 
 def _steps_and_scan(q, src, v, beta, lam, log_gate, S0, first, valid, opt: _Options, want_final: bool):

@@ -44,7 +44,7 @@ from .chunk_index import ChunkLayout, chunk_layout
 from .column_decay import _config as column_config
 from .launch import (SUPPORTED_CHUNK_SIZES, cdiv, dot_precision, empty_buffer, launch_config, layout_args,
                      next_power_of_2)
-from .step_sizes import prepare_inputs, step_flags, step_sizes_backward, step_sizes_forward
+from .step_sizes import check_first, prepare_inputs, step_flags, step_sizes_backward, step_sizes_forward
 
 __all__ = ["column_delta_chunk", "column_delta_steps"]
 
@@ -71,6 +71,16 @@ LAUNCH = {"dqk_bwd_two_reads": dict(BK=128, BV=64, num_warps=8, num_stages=1)}
 
 
 _empty = empty_buffer  # module-level, so tests can poison this module's buffers
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
+        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
+
+
+def _gate_of(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The residual gate ``exp(g)`` ``[B, T, H]`` fp32 that the sequential kernels read (``None``: no gate)."""
+    return None if log_gate is None else torch.exp(log_gate.float()).contiguous()
 
 
 def _sequential(kernel: str, K: int, V: int, sequences_heads: int) -> dict:
@@ -212,20 +222,26 @@ def _backward(q, x, v, kept: dict, S0, S_T, do, dS_T, layout: ChunkLayout, read_
     return dq, dx, dv, deta, dlog_gate, dlog_a, dS0
 
 
+def _chunk_forward(q, x, v, eta, log_gate, log_a, S0, beta, eta_scale, layout, read_after, want_final):
+    """``_forward`` for ``column_delta_chunk``, with what its backward reads besides: ``eta`` only when it
+    cannot be formed again from its factors (``beta``, ``eta_scale``), the factors, the gate."""
+    gate = _gate_of(log_gate)
+    factors = None if beta is None else (beta, eta_scale)
+    o, S_T, kept = _forward(q, x, v, eta, gate, log_a, S0, layout, read_after, want_final)
+    kept.update(eta=None if factors is not None else eta, factors=factors, gate=gate)
+    return o, S_T, kept
+
+
 class _ColumnDeltaChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, x, v, eta, log_gate, log_a, S0, beta, eta_scale, cu_seqlens, chunk_size, read_after,
                 want_final):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, chunk_size, cu_seqlens)
-        gate = None if log_gate is None else torch.exp(log_gate.float()).contiguous()
-        o, S_T, kept = _forward(q, x, v, eta, gate, log_a, S0, layout, read_after, want_final)
-        # eta is kept only when it cannot be formed again from its factors
-        factors = None if beta is None else (beta, eta_scale)
-        kept.update(eta=None if factors is not None else eta, factors=factors, gate=gate)
+        o, S_T, kept = _chunk_forward(q, x, v, eta, log_gate, log_a, S0, beta, eta_scale, layout, read_after,
+                                      want_final)
         # the fp32 outputs through save_for_backward: with fp32 values they are the returned tensor itself
-        ctx.save_for_backward(q, x, v, eta if factors is None else None, log_gate, log_a, S0, beta, eta_scale, S_T,
-                              kept.pop("o"))
+        ctx.save_for_backward(q, x, v, kept["eta"], log_gate, log_a, S0, beta, eta_scale, S_T, kept.pop("o"))
         ctx.kept, ctx.layout, ctx.read_after = kept, layout, read_after
         # 16-bit values: the caller gets a rounded copy of the fp32 outputs, which the backward may overwrite
         ctx.o_private = v.dtype != torch.float32
@@ -236,11 +252,8 @@ class _ColumnDeltaChunk(torch.autograd.Function):
         q, x, v, eta, log_gate, log_a, S0, beta, eta_scale, S_T, o = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None
         if kept is None:  # a second backward (retain_graph=True): the first one used up what the forward kept
-            gate = None if log_gate is None else torch.exp(log_gate.float()).contiguous()
-            factors = None if beta is None else (beta, eta_scale)
-            _, _, kept = _forward(q, x, v, eta if factors is None else _eta_of(beta, eta_scale), gate, log_a, S0,
-                                  ctx.layout, ctx.read_after, False)
-            kept.update(eta=None if factors is not None else eta, factors=factors, gate=gate)
+            _, _, kept = _chunk_forward(q, x, v, eta if beta is None else _eta_of(beta, eta_scale), log_gate, log_a,
+                                        S0, beta, eta_scale, ctx.layout, ctx.read_after, False)
         else:
             kept["o"] = o
         del o
@@ -277,7 +290,7 @@ def _steps_and_scan(q, src, v, beta, lam, log_gate, S0, first, valid, opt: _Opti
     factors of ``eta`` and the gate). ``eta`` is dropped on return and ``u`` is summed over ``log_a``."""
     x, eta, log_a, scale = step_sizes_forward(src, first, valid, beta, lam, log_gate, eps=opt.eps,
                                               decay_floor=opt.decay_floor, flags=opt.flags)
-    gate = None if log_gate is None else torch.exp(log_gate.float()).contiguous()
+    gate = _gate_of(log_gate)
     o, S_T, kept = _forward(q, x, v, eta, gate, log_a, S0, opt.layout, opt.read_after, want_final, u_over_log_a=True)
     kept.update(x=x, eta=None, factors=(beta, scale), gate=gate)
     return o, S_T, kept
@@ -357,16 +370,13 @@ def column_delta_steps(
     the backward writes the shifted keys' gradient over them: 1,024 MiB instead of 1,105 at
     B=8, T=2048, H=16, K=V=128 in bf16.
     """
-    if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
-        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
+    _check_chunk_size(chunk_size)
     if shift and cu_seqlens is not None:
         raise ValueError("shift=True shifts fixed-length rows in the kernel; with cu_seqlens pass the shifted "
                          "features as k, shift=False and their validity")
     if first is not None and not shift:
         raise ValueError("first (the carried last key) goes with shift=True")
-    if first is not None and tuple(first.shape) != (k.shape[0], *k.shape[2:]):
-        raise ValueError(f"first (the carried last key) must have shape {(k.shape[0], *k.shape[2:])} = [B, H, K], "
-                         f"got {tuple(first.shape)}")
+    check_first(first, k)
     B, T = q.shape[:2]
     q, v = q.contiguous(), v.contiguous()
     src, first, valid, beta, lam, log_gate = prepare_inputs(k, first, valid, beta, lam, log_gate)
@@ -414,8 +424,7 @@ def column_delta_chunk(
     dtype ``d log a`` over the residual reads; a second backward through the same graph
     (``retain_graph=True``) recomputes them first.
     """
-    if chunk_size not in SUPPORTED_CHUNK_SIZES or chunk_size % SUB_CHUNK:
-        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES} for the Triton kernels, got {chunk_size}")
+    _check_chunk_size(chunk_size)
     if (beta is None) != (eta_scale is None):
         raise ValueError("beta and eta_scale go together (the factors of eta = beta * eta_scale), "
                          f"got beta={'None' if beta is None else 'a tensor'} and "

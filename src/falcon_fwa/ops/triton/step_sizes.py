@@ -12,7 +12,7 @@ from . import step_size_kernels as kern
 from .launch import cdiv, next_power_of_2
 
 __all__ = ["feature_step_sizes", "shifted_step_sizes", "step_sizes_forward", "step_sizes_backward", "step_flags",
-           "prepare_inputs", "window_steps_forward", "window_steps_backward"]
+           "check_first", "prepare_inputs", "window_steps_forward", "window_steps_backward"]
 
 # The scalar rules' kernels (``step_fwd``, ``step_bwd``): rows per program, the key block (capped by the
 # head dim; a block that covers the head reads each feature tile once) and warps. On an H200 inside
@@ -130,6 +130,14 @@ class _StepSizes(torch.autograd.Function):
         return dx, d_first, None, d_beta, d_lam, d_gate, None, None, None, None, None
 
 
+def check_first(first: Optional[torch.Tensor], k: torch.Tensor) -> None:
+    """``ValueError`` unless the carried last key ``first`` is ``None`` or ``[B, H, K]`` for the keys
+    ``k`` ``[B, T, H, K]`` (the kernels would read past it)."""
+    want = (k.shape[0], *k.shape[2:])
+    if first is not None and tuple(first.shape) != want:
+        raise ValueError(f"first (the carried last key) must have shape {want} = [B, H, K], got {tuple(first.shape)}")
+
+
 def prepare_inputs(src, first, valid, beta, lam, log_gate):
     """The step kernels' inputs as they read them: contiguous, ``first`` in ``src``'s dtype,
     ``valid`` as bytes."""
@@ -187,9 +195,7 @@ def shifted_step_sizes(
     ``x_0 = first`` ``[B, H, K]`` (the carried last key) or the invalid sentinel ``0``
     (``first=None``), with their ``eta``, ``log_a`` and ``eta_scale`` (as ``feature_step_sizes``),
     in one kernel each way; differentiable in ``k``, ``first``, ``beta``, ``lam`` and ``log_gate``."""
-    want = (k.shape[0], *k.shape[2:])
-    if first is not None and tuple(first.shape) != want:
-        raise ValueError(f"first (the carried last key) must have shape {want} = [B, H, K], got {tuple(first.shape)}")
+    check_first(first, k)
     return _step_sizes(k, first, None, beta, lam, log_gate, eps=eps, decay_floor=decay_floor, normalize=normalize,
                        scale_ridge=scale_ridge, shift=True)
 

@@ -12,6 +12,7 @@ from .pairs import next_tail, write_side
 from .parallel import parallel_form
 from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
+from .segments import check_segments, run_segments
 from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
@@ -94,6 +95,7 @@ def falcon_attention(
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
     eps_attn: Optional[float] = None,
+    segments: int = 1,
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
     r"""Falcon fast-weight attention.
 
@@ -163,6 +165,12 @@ def falcon_attention(
             stabilizer ``>= 0`` of the normalized read (Eq. 2.3, Appendix C.1; rules 1A,
             2A, 3A). Its state carries ``z`` (``FalconState.z``). Safe where ``z_t^T q_t``
             stays positive, as with nonnegative features.
+        segments: run the sequence in this many pieces of whole chunks, each from the state the
+            one before it returned (``ops/segments.py``). Under autograd each piece is
+            checkpointed: its forward runs again in the backward, so the chunk form's
+            intermediates live for one piece at a time (about ``1/segments`` of the peak
+            memory they take, for one more forward). The result is the same up to rounding.
+            ``1`` (the default) runs the sequence whole; needs ``cu_seqlens=None``.
 
     Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
     normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;
@@ -178,6 +186,18 @@ def falcon_attention(
                          "recurrent kernel, inference only); got form='parallel'")
     check_tensor_types(q, k, v, beta, lam, log_gate)
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, output_final_state=output_final_state)
+    check_segments(segments, cu_seqlens)
+    if segments > 1 and q.dim() == 4:  # (a q of another shape goes on, to be refused by the checks below)
+        check_chunk_size(chunk_size)
+        options = dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps, decay_floor=decay_floor,
+                       shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge, backend=backend,
+                       eps_attn=eps_attn)
+
+        def piece(q, k, v, beta, lam, log_gate, *, initial_state, output_final_state):
+            return falcon_attention(q, k, v, beta, lam, log_gate=log_gate, initial_state=initial_state,
+                                    output_final_state=output_final_state, **options)
+        return run_segments(piece, (q, k, v, beta, lam, log_gate), initial_state, output_final_state,
+                            segments=segments, chunk_size=chunk_size)
     spec = get_rule(rule)
     done = _read_normalizer(eps_attn, spec, v)
     if eps_attn is None:

@@ -1,0 +1,114 @@
+"""``falcon_attention(segments=n)``: the sequence in pieces, each checkpointed (ops/segments.py).
+
+Segmenting must change nothing but memory: outputs, the final state and the gradients of
+every input (and of an initial state) equal those of one whole call, for every rule and
+form, and the float64 reference of ``conftest`` on a fresh sequence."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FORMS, RULE_NAMES, SLIDING, random_inputs, reference_falcon, rel_err
+
+from falcon_fwa import falcon_attention
+from falcon_fwa.ops.segments import segment_bounds
+
+TOL = 1e-10
+
+
+def _loss(o, state):
+    """A fixed random projection of the output and of every tensor of the final state."""
+    g = torch.Generator().manual_seed(7)
+    total = (o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum()
+    for name in ("S", "last_key", "tail_x", "tail_y"):
+        t = getattr(state, name)
+        if t is not None:
+            total = total + (t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum()
+    return total
+
+
+def _run(inp, leaves, **options):
+    o, state = falcon_attention(**inp, output_final_state=True, **options)
+    return o, state, torch.autograd.grad(_loss(o, state), leaves)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_segments_match_one_call(rule, form):
+    inp = random_inputs(rule, B=2, T=45, seed=3, with_gate=True, lam_range=(0.0, 2.0))
+    leaves = [t.requires_grad_() for t in inp.values()]
+    options = dict(rule=rule, window=3, form=form, chunk_size=8)
+    o1, st1, g1 = _run(inp, leaves, **options)
+    for segments in (2, 3, 9):  # 9 asks for more pieces than the 6 chunks: whole chunks, 6 pieces
+        o, st, g = _run(inp, leaves, segments=segments, **options)
+        assert rel_err(o, o1) <= TOL and rel_err(st.S, st1.S) <= TOL, segments
+        assert torch.equal(st.last_key, st1.last_key)
+        if rule in SLIDING:
+            assert torch.equal(st.tail_valid, st1.tail_valid)
+            assert rel_err(st.tail_x, st1.tail_x) <= TOL and rel_err(st.tail_y, st1.tail_y) <= TOL
+        for name, a, b in zip(inp, g, g1):
+            assert rel_err(a, b) <= TOL, (segments, name)
+
+
+@pytest.mark.parametrize("rule", ["3", "2A"])
+def test_segments_against_the_reference(rule):
+    inp = random_inputs(rule, B=1, T=40, seed=5, with_gate=True)
+    o, _ = falcon_attention(**inp, rule=rule, window=4, chunk_size=4, segments=4)
+    want, _, _ = reference_falcon(**inp, rule=rule, window=4)
+    assert rel_err(o, want) <= TOL
+
+
+@pytest.mark.parametrize("rule", ["1", "3A"])
+def test_segments_continue_a_state_and_carry_its_gradient(rule):
+    inp = random_inputs(rule, B=2, T=50, seed=11, with_gate=True)
+    first = {n: t[:, :13] for n, t in inp.items()}
+    rest = {n: t[:, 13:].clone().requires_grad_() for n, t in inp.items()}
+    _, start = falcon_attention(**first, rule=rule, window=4, output_final_state=True)
+    start.S.requires_grad_()
+    leaves = [start.S, *rest.values()]
+    options = dict(rule=rule, window=4, chunk_size=8, initial_state=start)
+    o1, st1, g1 = _run(rest, leaves, **options)
+    o, st, g = _run(rest, leaves, segments=4, **options)
+    assert rel_err(o, o1) <= TOL and rel_err(st.S, st1.S) <= TOL
+    for a, b in zip(g, g1):
+        assert rel_err(a, b) <= TOL
+
+
+def test_segments_normalized_read():
+    inp = random_inputs("1A", B=1, T=33, seed=2)
+    inp["q"], inp["k"] = inp["q"].abs(), inp["k"].abs()  # nonnegative features: z^T q stays positive
+    leaves = [t.requires_grad_() for t in inp.values()]
+    options = dict(rule="1A", chunk_size=4, eps_attn=1e-6)
+    o1, st1, g1 = _run(inp, leaves, **options)
+    o, st, g = _run(inp, leaves, segments=3, **options)
+    assert rel_err(o, o1) <= TOL and rel_err(st.z, st1.z) <= TOL
+    for a, b in zip(g, g1):
+        assert rel_err(a, b) <= TOL
+
+
+def test_segments_without_autograd():
+    inp = random_inputs("3", B=2, T=30, seed=4)
+    with torch.no_grad():
+        o1, st1 = falcon_attention(**inp, rule="3", chunk_size=4, output_final_state=True)
+        o, st = falcon_attention(**inp, rule="3", chunk_size=4, output_final_state=True, segments=5)
+    assert rel_err(o, o1) <= TOL and rel_err(st.S, st1.S) <= TOL
+    assert not o.requires_grad
+
+
+def test_segment_bounds():
+    assert segment_bounds(100, 3, 16) == [0, 48, 96, 100]  # 34 steps a piece, rounded up to 3 chunks
+    assert segment_bounds(128, 2, 64) == [0, 64, 128]
+    assert segment_bounds(10, 4, 64) == [0, 10]  # one chunk: one piece
+    assert segment_bounds(12, 12, 1) == list(range(13))
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_segments_must_be_a_positive_integer(bad):
+    inp = random_inputs("1", B=1, T=8)
+    with pytest.raises(ValueError, match="segments must be an integer >= 1"):
+        falcon_attention(**inp, rule="1", segments=bad)
+
+
+def test_segments_refuse_packed_sequences():
+    inp = random_inputs("1", B=1, T=8)
+    with pytest.raises(ValueError, match="segments=2 needs rows of equal length"):
+        falcon_attention(**inp, rule="1", segments=2, cu_seqlens=torch.tensor([0, 3, 8]))

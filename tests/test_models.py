@@ -242,3 +242,26 @@ def test_paper_presets_round_to_the_papers_sizes(name):
     total = count_parameters(get_preset(name))["total"]
     expected = 124 if name == "transformer-124m" else 130
     assert round(total / 1e6) == expected, (name, total)
+
+
+@pytest.mark.parametrize("rule", ["3", "2A"])
+def test_segments_change_neither_the_loss_nor_the_gradients(rule):
+    """``segments`` (the op's checkpointed time pieces) in every layer: the same loss and gradients."""
+    x = torch.randint(0, 64, (2, 29), generator=torch.Generator().manual_seed(2))
+    results = []
+    for segments in (1, 3):
+        model = _model("falcon", rule=rule, segments=segments).train()
+        loss = model(x, labels=x).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l1, g1), (l3, g3) = results
+    assert torch.allclose(l3, l1, rtol=1e-12, atol=0)
+    for name in g1:
+        assert torch.allclose(g3[name], g1[name], rtol=1e-9, atol=1e-12), name
+
+
+def test_segments_must_be_a_positive_integer_in_the_config():
+    with pytest.raises(ValueError, match="'segments'"):
+        FalconConfig(segments=0)
+    with pytest.raises(ValueError, match="'segments'"):
+        FalconConfig(segments=1.5)

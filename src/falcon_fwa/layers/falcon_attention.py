@@ -66,6 +66,7 @@ class FalconAttention(nn.Module):
         self.rule, self.window, self.shift, self.normalize, self.read = c.rule, c.window, c.shift, c.normalize, c.read
         self.form, self.chunk_size, self.eps, self.decay_floor = c.form, c.chunk_size, c.eps, c.decay_floor
         self.eps_attn = getattr(c, "eps_attn", None)
+        self.segments = getattr(c, "segments", 1)  # (configs saved before the field have none)
         self.qk_norm, self.v_norm, self.query_scale = c.qk_norm, c.v_norm, c.query_scale
         self.feature_map = _FEATURE_MAPS[c.feature_map]
         self.norm_eps = c.rms_norm_eps
@@ -153,7 +154,8 @@ class FalconAttention(nn.Module):
         else:
             o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
                                         log_gate=log_gate, initial_state=init, output_final_state=want_state,
-                                        cu_seqlens=packing.cu_seqlens, **opts)
+                                        cu_seqlens=packing.cu_seqlens, segments=1 if packing.packed else self.segments,
+                                        **opts)
         if cache is not None:
             cache.store_state(final, packing.rows)
         return o

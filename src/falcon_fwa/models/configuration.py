@@ -120,6 +120,9 @@ class FalconConfig(PretrainedConfig):
       ``read`` ("after"/"before"), ``log_gate`` ("none"; "data": Gated DeltaNet's
       ``g_t = -exp(A_log) softplus(w^T h_t + b)``; "dt": Mamba-2's ``g_t = -exp(A_log) dt_t``;
       "fixed": RetNet's ``g = log(1 - 2^{-5-h})``), ``form``/``chunk_size`` of training,
+      ``segments`` (the op's time segments on rows of equal length, ``falcon_attention(segments=)``:
+      each layer's op runs its sequence in that many checkpointed pieces, less memory for one more
+      forward of the op),
       ``eps``, ``decay_floor``, ``eps_attn`` (``None``: the denominator-free read; a number
       ``>= 0``, ``> 0`` with ``shift`` or ``read="before"``, whose first token reads the empty
       memory: the normalized read ``S^T q / (z^T q + eps_attn)`` of the inner-product rules,
@@ -174,6 +177,7 @@ class FalconConfig(PretrainedConfig):
         norm_before_gate: Optional[bool] = None,
         form: str = "chunk",
         chunk_size: int = 64,
+        segments: int = 1,
         eps: float = 1e-6,
         decay_floor: float = 1e-3,
         eps_attn: Optional[float] = None,
@@ -222,6 +226,7 @@ class FalconConfig(PretrainedConfig):
         self.norm_before_gate = _bool("norm_before_gate", pick("norm_before_gate", norm_before_gate))
         self.form = form
         self.chunk_size = _int("chunk_size", chunk_size)
+        self.segments = _int("segments", segments)
         self.eps = _float("eps", eps)
         self.decay_floor = _float("decay_floor", decay_floor)
         self.eps_attn = None if eps_attn is None else _float("eps_attn", eps_attn)
@@ -255,7 +260,7 @@ class FalconConfig(PretrainedConfig):
         assigned one by one: the types are checked again, and every range check is written so
         that NaN fails it)."""
         for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "intermediate_size", "head_k_dim",
-                      "head_v_dim", "chunk_size", "conv_size"):
+                      "head_v_dim", "chunk_size", "segments", "conv_size"):
             if _int(field, getattr(self, field)) < 1:
                 raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
         for field in BOOL_FIELDS:

@@ -25,9 +25,9 @@ The configurations that fla's autotuned kernels picked in the process go to
 ``<out>/<name>-autotune.json`` (:func:`autotune_picks`): fla's times move between
 processes, and this file tells whether its picks did.
 
-``falcon-3-seg4``, ``falcon-3-seg8`` and ``falcon-2-seg2`` run the public op with ``segments=n``
-(``ops/segments.py``): the sequence in ``n`` checkpointed pieces, peak memory traded for one more
-forward.
+``falcon-3-seg2``, ``falcon-3-seg4``, ``falcon-3-seg8`` and ``falcon-2-seg2`` run the public op
+with ``segments=n`` (``ops/segments.py``): the sequence in ``n`` pieces, each recomputed in the
+backward, peak memory traded for one more forward.
 
 flash-linear-attention 0.6.0 refuses its gated backward on Triton 3.4-3.7.0 on
 Hopper (a known miscompile); ``--allow-fla-gated`` lifts that guard for timing only.
@@ -60,6 +60,7 @@ TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=204
     ("falcon-2a", "fla-gla", 1.0),
     ("falcon-2", "fla-gated-delta-rule", 1.5),
     ("falcon-3", "fla-gated-delta-rule", 3.0),
+    ("falcon-3-seg2", "fla-gated-delta-rule", 3.0),
     ("falcon-3-seg4", "fla-gated-delta-rule", 3.0),
     ("falcon-3-seg8", "fla-gated-delta-rule", 3.0),
     ("falcon-2-seg2", "fla-gated-delta-rule", 1.5),
@@ -106,8 +107,8 @@ def falcon_triton(rule: str, validate: bool = True) -> Builder:
 
 
 def falcon_segmented(rule: str, segments: int) -> Builder:
-    """The public op on the kernels with ``segments=n``: the sequence in ``n`` checkpointed pieces,
-    each piece's forward run again in the backward (``ops/segments.py``): peak memory for time."""
+    """The public op on the kernels with ``segments=n``: the sequence in ``n`` pieces, each piece's
+    forward run again in the backward (``ops/segments.py``): peak memory for time."""
     def build(B, T, H, K, V):
         from falcon_fwa import falcon_attention
         leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"))
@@ -186,6 +187,7 @@ OPS: Dict[str, Builder] = {
     "falcon-2a": falcon_triton("2A"),
     "falcon-2": falcon_triton("2"),
     "falcon-3": falcon_triton("3"),
+    "falcon-3-seg2": falcon_segmented("3", 2),
     "falcon-3-seg4": falcon_segmented("3", 4),
     "falcon-3-seg8": falcon_segmented("3", 8),
     "falcon-2-seg2": falcon_segmented("2", 2),
@@ -211,8 +213,8 @@ def timing_order(ops):
     return baseline + [n for n in ops if n not in baseline]
 
 
-SLIDING_OPS = ("falcon-3", "falcon-3-seg4", "falcon-3-seg8", "falcon-3a", "falcon-3a-unchecked", "torch-chunk-3",
-               "torch-chunk-3A")  # run at WINDOW
+SLIDING_OPS = ("falcon-3", "falcon-3-seg2", "falcon-3-seg4", "falcon-3-seg8", "falcon-3a", "falcon-3a-unchecked",
+               "torch-chunk-3", "torch-chunk-3A")  # run at WINDOW
 
 DECODE_PRESET = dict(layers=12, H=6, K=128, V=128)  # the 130M presets' mixer: 12 layers, 6 heads of 128
 

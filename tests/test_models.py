@@ -246,7 +246,7 @@ def test_paper_presets_round_to_the_papers_sizes(name):
 
 @pytest.mark.parametrize("rule", ["3", "2A"])
 def test_segments_change_neither_the_loss_nor_the_gradients(rule):
-    """``segments`` (the op's checkpointed time pieces) in every layer: the same loss and gradients."""
+    """``segments`` (the op in time pieces, recomputed in the backward) in every layer: the same loss and gradients."""
     x = torch.randint(0, 64, (2, 29), generator=torch.Generator().manual_seed(2))
     results = []
     for segments in (1, 3):

@@ -1,4 +1,4 @@
-"""``falcon_attention(segments=n)``: the sequence in pieces, each checkpointed (ops/segments.py).
+"""``falcon_attention(segments=n)``: the sequence in pieces, each recomputed in the backward (ops/segments.py).
 
 Segmenting must change nothing but memory: outputs, the final state and the gradients of
 every input (and of an initial state) equal those of one whole call, for every rule and
@@ -112,3 +112,21 @@ def test_segments_refuse_packed_sequences():
     inp = random_inputs("1", B=1, T=8)
     with pytest.raises(ValueError, match="segments=2 needs rows of equal length"):
         falcon_attention(**inp, rule="1", segments=2, cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+def test_segments_second_backward_and_state_only_gradient():
+    """A second backward through the same graph (``retain_graph``) gives the first one's gradients;
+    a loss on the final state alone reaches the inputs through every piece."""
+    inp = random_inputs("3", B=1, T=40, seed=8, with_gate=True)
+    leaves = [t.requires_grad_() for t in inp.values()]
+    o, st = falcon_attention(**inp, rule="3", window=2, chunk_size=8, segments=3, output_final_state=True)
+    loss = _loss(o, st)
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves, retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    _, st1 = falcon_attention(**inp, rule="3", window=2, chunk_size=8, output_final_state=True)
+    want = torch.autograd.grad(st1.S.sum(), leaves[1:])  # (no query reaches S)
+    got = torch.autograd.grad(st.S.sum(), leaves, allow_unused=True)
+    assert got[0] is None or got[0].abs().sum() == 0
+    assert all(rel_err(a, b) <= TOL for a, b in zip(got[1:], want))
+    assert got[1][:, :8].abs().sum() > 0  # the first piece's keys reach the last state

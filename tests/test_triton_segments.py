@@ -43,9 +43,10 @@ def test_segments_on_the_kernels_match_one_call(rule, window):
 
 
 @needs_cuda
-@pytest.mark.parametrize("rule,window", [("3", 4), ("1", 1)])
-def test_segments_lower_the_peak_memory(rule, window):
-    # bf16 at a shape where the chunk form's intermediates dominate: a quarter of the sequence at a time
+@pytest.mark.parametrize("rule,window,most", [("3", 4, 0.6), ("2", 1, 0.75)])
+def test_segments_lower_the_peak_memory(rule, window, most):
+    # bf16 at a shape where the kernels' intermediates dominate: a quarter of the sequence at a time. Rule 2's
+    # node frees its intermediates during its own backward; inside a piece's graph it still does
     leaves = _inputs(rule, 2, 2048, 4, 64, 64, torch.bfloat16, seed=5)
 
     def peak(segments):
@@ -59,7 +60,7 @@ def test_segments_lower_the_peak_memory(rule, window):
     _fwd_bwd(leaves, rule, window, 4, chunk_size=64)  # compile outside the measurement
     m1, (o1, _, g1) = peak(1)
     m4, (o4, _, g4) = peak(4)
-    assert m4 < 0.6 * m1, (m4, m1)
+    assert m4 < most * m1, (m4, m1)
     assert rel_norm(o4, o1) < 1e-2
     for a, b in zip(g4, g1):
         assert rel_norm(a, b) < 1e-2

@@ -166,11 +166,12 @@ def falcon_attention(
             2A, 3A). Its state carries ``z`` (``FalconState.z``). Safe where ``z_t^T q_t``
             stays positive, as with nonnegative features.
         segments: run the sequence in this many pieces of whole chunks, each from the state the
-            one before it returned (``ops/segments.py``). Under autograd each piece is
-            checkpointed: its forward runs again in the backward, so the chunk form's
-            intermediates live for one piece at a time (about ``1/segments`` of the peak
-            memory they take, for one more forward). The result is the same up to rounding.
-            ``1`` (the default) runs the sequence whole; needs ``cu_seqlens=None``.
+            one before it returned (``ops/segments.py``). Under autograd the forward keeps only
+            the states at the cuts, and the backward runs each piece's forward again before its
+            own backward, so the op's intermediates live for one piece at a time (about
+            ``1/segments`` of the memory they take, for one more forward). The result is the
+            same up to rounding. ``1`` (the default) runs the sequence whole; needs
+            ``cu_seqlens=None``.
 
     Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
     normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;

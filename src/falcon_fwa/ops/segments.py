@@ -1,33 +1,40 @@
 r"""Time-segmented recomputation: the op over a long sequence in ``n`` pieces.
 
-The state ``S`` (with the shifted key's carry and the sliding tail, ``FalconState``) is all a
-segment needs from the ones before it, so the sequence can run piece by piece, each piece
-starting from the state the previous one returned. That is exact: the op continues a state
-to the bit of its recurrence (up to the rounding of where its chunks fall).
-
-Under autograd each piece runs inside ``torch.utils.checkpoint`` (non-reentrant): its
-forward keeps only its inputs and the state it started from, and the backward runs the
-piece's forward again, from that state, just before its own backward. The intermediates of
-the chunk form (the per-chunk states, the WY terms, the write values) are then alive for one
-piece at a time: about ``1/n`` of the whole, for one more forward. Without autograd the
-pieces simply run one after the other, which bounds a long prefill's scratch the same way.
+The state (``FalconState``: ``S``, the shifted key's carry, the sliding tail, the read
+normalizer ``z``) is all a piece needs from the ones before it, so the sequence can run piece
+by piece, each piece starting from the state the previous one returned. That is exact: the op
+continues a state to the rounding of where its chunks fall.
 
     pieces:   [ 0, c_1 ) [ c_1, c_2 ) ... [ c_{n-1}, T )
     state:    S_0 --piece 1--> S_{c_1} --piece 2--> ... --piece n--> S_T
 
-Segments are cut at whole chunks (``segment_bounds``), so that only the last one may end in
-a partial chunk, as the whole sequence would.
+Under autograd the pieces form one node (``_Pieces``). Its forward runs them without a graph
+and keeps only the states at the cuts (``n - 1`` of them, ``[B, H, K, V]`` fp32 each, and the
+small carries). Its backward takes the pieces last to first: it runs piece ``i``'s forward
+again from the state at cut ``i`` with a graph, backpropagates into it the output's gradient
+on the piece and the gradient of the state it handed on (from piece ``i + 1``), and so gets
+the gradient of the piece's inputs and of its entry state, which goes on to piece ``i - 1``.
+The chunk form's intermediates (per-chunk states, WY terms, write values) are then alive for
+one piece at a time, about ``1/n`` of what one call holds, for one more forward of the op.
+Whatever the op keeps for its backward, and however its own nodes free it, lives and dies
+inside one piece's graph.
+
+Cuts fall on whole chunks (``segment_bounds``), so that only the last piece may end in a
+partial chunk, as the whole sequence would.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from dataclasses import replace
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .state import FalconState
 
 __all__ = ["segment_bounds", "run_segments", "check_segments"]
+
+# the state's tensors, in the order the node takes and returns them (tail_valid is a mask: no gradient)
+STATE_FIELDS = ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z")
 
 
 def check_segments(segments, cu_seqlens: Optional[torch.Tensor]) -> None:
@@ -47,6 +54,94 @@ def segment_bounds(T: int, segments: int, chunk_size: int) -> List[int]:
     return list(range(0, T, per)) + [T] if T > 0 else [0, 0]
 
 
+def _state_tensors(state: Optional[FalconState]) -> Tuple[Optional[torch.Tensor], ...]:
+    return tuple(None if state is None else getattr(state, f) for f in STATE_FIELDS)
+
+
+def _with_tensors(template: FalconState, tensors: Sequence[Optional[torch.Tensor]]) -> FalconState:
+    return replace(template, **dict(zip(STATE_FIELDS, tensors)))
+
+
+def _piece(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+    return None if t is None else t[:, a:b]
+
+
+def _run_pieces(call, bounds: Sequence[int], state: Optional[FalconState], want_final: bool, inputs):
+    """The pieces one after the other: the outputs, the state at every piece's entry and the last state."""
+    cuts, outs = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        cuts.append(state)
+        last = i == len(bounds) - 2
+        o, state = call(*(_piece(t, a, b) for t in inputs), initial_state=state,
+                        output_final_state=want_final or not last)
+        outs.append(o)
+    return torch.cat(outs, dim=1), cuts, state
+
+
+class _Pieces(torch.autograd.Function):
+    """``(o, *final state tensors)`` of ``call`` over the pieces ``bounds`` of the inputs
+    ``(q, k, v, beta, lam, log_gate)`` from the initial state's tensors (see the module). The
+    final state's configuration goes into ``holder["template"]``."""
+
+    @staticmethod
+    def forward(ctx, call, bounds, template, want_final, holder, *flat):
+        inputs, start = flat[:6], flat[6:]
+        state = None if template is None else _with_tensors(template, start)
+        with torch.no_grad():
+            o, cuts, state = _run_pieces(call, bounds, state, want_final, inputs)
+        ctx.call, ctx.bounds, ctx.want_final, ctx.cuts = call, bounds, want_final, cuts
+        ctx.save_for_backward(*inputs)
+        holder["template"] = state
+        # the final state's tensors may be views of the inputs (the last key): the node returns copies
+        final = tuple(None if t is None else t.clone() for t in _state_tensors(state if want_final else None))
+        if final[STATE_FIELDS.index("tail_valid")] is not None:
+            ctx.mark_non_differentiable(final[STATE_FIELDS.index("tail_valid")])
+        return (o, *final)
+
+    @staticmethod
+    def backward(ctx, do, *d_final):
+        inputs = ctx.saved_tensors
+        wants = ctx.needs_input_grad[5:5 + 6]
+        grads: List[Optional[torch.Tensor]] = [torch.empty_like(t) if t is not None and w else None
+                                               for t, w in zip(inputs, wants)]
+        d_state: Sequence[Optional[torch.Tensor]] = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
+        bounds = ctx.bounds
+        for i in reversed(range(len(bounds) - 1)):
+            a, b = bounds[i], bounds[i + 1]
+            last = i == len(bounds) - 2
+            with torch.enable_grad():
+                leaves = [None if t is None else t[:, a:b].detach().requires_grad_(w) for t, w in zip(inputs, wants)]
+                entry = ctx.cuts[i]
+                entry_leaves = [None if entry is None else getattr(entry, f) for f in STATE_FIELDS]
+                entry_leaves = [None if t is None else
+                                t.detach().requires_grad_(t.is_floating_point() and (i > 0 or _wants_state(ctx, j)))
+                                for j, t in enumerate(entry_leaves)]
+                state = None if entry is None else _with_tensors(entry, entry_leaves)
+                o, out_state = ctx.call(*leaves, initial_state=state, output_final_state=ctx.want_final or not last)
+                outputs, upstream = [o], [do[:, a:b]]
+                for t, g in zip(_state_tensors(out_state), d_state):
+                    if t is not None and g is not None and t.requires_grad:
+                        outputs.append(t)
+                        upstream.append(g)
+                wrt = [t for t in leaves + entry_leaves if t is not None and t.requires_grad]
+                found = torch.autograd.grad(outputs, wrt, upstream, allow_unused=True) if wrt else ()
+            found = iter(found)
+            for n, t in enumerate(leaves):
+                if t is not None and t.requires_grad:
+                    g = next(found)
+                    if g is None:
+                        grads[n][:, a:b].zero_()
+                    else:
+                        grads[n][:, a:b].copy_(g)
+            d_state = [next(found) if t is not None and t.requires_grad else None for t in entry_leaves]
+        return (None, None, None, None, None, *grads, *d_state)
+
+
+def _wants_state(ctx, j: int) -> bool:
+    """Whether the node's input ``j``-th initial-state tensor asks for a gradient."""
+    return ctx.needs_input_grad[5 + 6 + j]
+
+
 def run_segments(
     call: Callable[..., Tuple[torch.Tensor, Optional[FalconState]]],
     tensors: Tuple[Optional[torch.Tensor], ...],
@@ -56,29 +151,19 @@ def run_segments(
     segments: int,
     chunk_size: int,
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
-    """``call(*pieces, initial_state=..., output_final_state=...)`` over the pieces of
-    ``tensors`` (``[B, T, ...]`` each, or ``None``) cut along ``T`` by ``segment_bounds``, the
-    state handed from piece to piece. Returns the outputs concatenated along ``T`` and the last
-    piece's state (``None`` unless ``output_final_state``).
-
-    With gradients enabled, every piece is checkpointed: its forward runs again in the backward.
-    The pieces are views made by one ``torch.split`` per tensor, whose backward concatenates the
-    pieces' gradients in one pass (a slice per piece would add a zero-filled copy of the whole
-    tensor per piece)."""
+    """``call(q, k, v, beta, lam, log_gate, initial_state=..., output_final_state=...)`` over the
+    pieces of ``tensors`` (``[B, T, ...]`` each, ``log_gate`` may be ``None``) cut along ``T`` by
+    ``segment_bounds``, the state handed from piece to piece. Returns the outputs concatenated
+    along ``T`` and the last piece's state (``None`` unless ``output_final_state``). Under
+    autograd, as one node that runs each piece's forward again in its backward."""
     T = tensors[0].shape[1]
     bounds = segment_bounds(T, segments, chunk_size)
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-    if len(sizes) == 1:
+    if len(bounds) == 2:
         return call(*tensors, initial_state=initial_state, output_final_state=output_final_state)
-    pieces = [[None] * len(sizes) if t is None else t.split(sizes, dim=1) for t in tensors]
-    grad = torch.is_grad_enabled()
-    state, outs = initial_state, []
-    for i in range(len(sizes)):
-        args = [p[i] for p in pieces]
-        want = output_final_state or i < len(sizes) - 1
-        if grad:
-            o, state = checkpoint(call, *args, initial_state=state, output_final_state=want, use_reentrant=False)
-        else:
-            o, state = call(*args, initial_state=state, output_final_state=want)
-        outs.append(o)
-    return torch.cat(outs, dim=1), state if output_final_state else None
+    if not torch.is_grad_enabled():
+        o, _, state = _run_pieces(call, bounds, initial_state, output_final_state, tensors)
+        return o, state if output_final_state else None
+    holder: dict = {}
+    o, *final = _Pieces.apply(call, bounds, initial_state, output_final_state, holder, *tensors,
+                              *_state_tensors(initial_state))
+    return o, _with_tensors(holder["template"], final) if output_final_state else None

@@ -25,7 +25,7 @@ The configurations that fla's autotuned kernels picked in the process go to
 ``<out>/<name>-autotune.json`` (:func:`autotune_picks`): fla's times move between
 processes, and this file tells whether its picks did.
 
-``falcon-3-seg2``, ``falcon-3-seg4``, ``falcon-3-seg8`` and ``falcon-2-seg2`` run the public op
+``falcon-3-seg2``, ``falcon-3-seg4``, ``falcon-3-seg8``, ``falcon-2-seg2`` and ``falcon-2-seg4`` run the public op
 with ``segments=n`` (``ops/segments.py``): the sequence in ``n`` pieces, each recomputed in the
 backward, peak memory traded for one more forward.
 
@@ -64,6 +64,7 @@ TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=204
     ("falcon-3-seg4", "fla-gated-delta-rule", 3.0),
     ("falcon-3-seg8", "fla-gated-delta-rule", 3.0),
     ("falcon-2-seg2", "fla-gated-delta-rule", 1.5),
+    ("falcon-2-seg4", "fla-gated-delta-rule", 1.5),
 ]
 WINDOW = 4  # the window B of the sliding rules' rows
 
@@ -191,6 +192,7 @@ OPS: Dict[str, Builder] = {
     "falcon-3-seg4": falcon_segmented("3", 4),
     "falcon-3-seg8": falcon_segmented("3", 8),
     "falcon-2-seg2": falcon_segmented("2", 2),
+    "falcon-2-seg4": falcon_segmented("2", 4),
     "falcon-1a-kernels-only": falcon_core,
     "torch-chunk-1A": torch_chunk("1A"),
     "torch-chunk-1": torch_chunk("1"),

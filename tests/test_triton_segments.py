@@ -43,7 +43,7 @@ def test_segments_on_the_kernels_match_one_call(rule, window):
 
 
 @needs_cuda
-@pytest.mark.parametrize("rule,window,most", [("3", 4, 0.6), ("2", 1, 0.75)])
+@pytest.mark.parametrize("rule,window,most", [("3", 4, 0.6), ("2", 1, 0.9)])
 def test_segments_lower_the_peak_memory(rule, window, most):
     # bf16 at a shape where the kernels' intermediates dominate: a quarter of the sequence at a time. Rule 2's
     # node frees its intermediates during its own backward; inside a piece's graph it still does

@@ -102,39 +102,44 @@ class _Pieces(torch.autograd.Function):
     def backward(ctx, do, *d_final):
         inputs = ctx.saved_tensors
         wants = ctx.needs_input_grad[5:5 + 6]
-        grads: List[Optional[torch.Tensor]] = [torch.empty_like(t) if t is not None and w else None
-                                               for t, w in zip(inputs, wants)]
-        d_state: Sequence[Optional[torch.Tensor]] = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
-        bounds = ctx.bounds
-        for i in reversed(range(len(bounds) - 1)):
-            a, b = bounds[i], bounds[i + 1]
-            last = i == len(bounds) - 2
-            with torch.enable_grad():
-                leaves = [None if t is None else t[:, a:b].detach().requires_grad_(w) for t, w in zip(inputs, wants)]
-                entry = ctx.cuts[i]
-                entry_leaves = [None if entry is None else getattr(entry, f) for f in STATE_FIELDS]
-                entry_leaves = [None if t is None else
-                                t.detach().requires_grad_(t.is_floating_point() and (i > 0 or _wants_state(ctx, j)))
-                                for j, t in enumerate(entry_leaves)]
-                state = None if entry is None else _with_tensors(entry, entry_leaves)
-                o, out_state = ctx.call(*leaves, initial_state=state, output_final_state=ctx.want_final or not last)
-                outputs, upstream = [o], [do[:, a:b]]
-                for t, g in zip(_state_tensors(out_state), d_state):
-                    if t is not None and g is not None and t.requires_grad:
-                        outputs.append(t)
-                        upstream.append(g)
-                wrt = [t for t in leaves + entry_leaves if t is not None and t.requires_grad]
-                found = torch.autograd.grad(outputs, wrt, upstream, allow_unused=True) if wrt else ()
-            found = iter(found)
-            for n, t in enumerate(leaves):
-                if t is not None and t.requires_grad:
-                    g = next(found)
-                    if g is None:
-                        grads[n][:, a:b].zero_()
-                    else:
-                        grads[n][:, a:b].copy_(g)
-            d_state = [next(found) if t is not None and t.requires_grad else None for t in entry_leaves]
+        grads = [torch.empty_like(t) if t is not None and w else None for t, w in zip(inputs, wants)]
+        d_state = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
+        for i in reversed(range(len(ctx.bounds) - 1)):
+            # one piece per call: its output, graph and gradients are gone before the next piece runs
+            d_state = _piece_backward(ctx, i, inputs, wants, do, d_state, grads)
         return (None, None, None, None, None, *grads, *d_state)
+
+
+def _piece_backward(ctx, i: int, inputs, wants, do, d_state, grads) -> List[Optional[torch.Tensor]]:
+    """Piece ``i`` of ``_Pieces`` again, from the state at its entry, with a graph; backpropagate the
+    output's gradient on the piece and ``d_state`` (that of the state it handed on) into it. Writes the
+    inputs' gradients on the piece into ``grads`` and returns that of its entry state."""
+    a, b = ctx.bounds[i], ctx.bounds[i + 1]
+    last = i == len(ctx.bounds) - 2
+    with torch.enable_grad():
+        leaves = [None if t is None else t[:, a:b].detach().requires_grad_(w) for t, w in zip(inputs, wants)]
+        entry = ctx.cuts[i]
+        entry_leaves = [None if entry is None or getattr(entry, f) is None else
+                        getattr(entry, f).detach().requires_grad_(f != "tail_valid" and (i > 0 or _wants_state(ctx, j)))
+                        for j, f in enumerate(STATE_FIELDS)]
+        state = None if entry is None else _with_tensors(entry, entry_leaves)
+        o, out_state = ctx.call(*leaves, initial_state=state, output_final_state=ctx.want_final or not last)
+        outputs, upstream = [o], [do[:, a:b]]
+        for t, g in zip(_state_tensors(out_state), d_state):
+            if t is not None and g is not None and t.requires_grad:
+                outputs.append(t)
+                upstream.append(g)
+        wrt = [t for t in leaves + entry_leaves if t is not None and t.requires_grad]
+        found = list(torch.autograd.grad(outputs, wrt, upstream, allow_unused=True)) if wrt else []
+    found.reverse()
+    for n, t in enumerate(leaves):
+        if t is not None and t.requires_grad:
+            g = found.pop()
+            if g is None:
+                grads[n][:, a:b].zero_()
+            else:
+                grads[n][:, a:b].copy_(g)
+    return [found.pop() if t is not None and t.requires_grad else None for t in entry_leaves]
 
 
 def _wants_state(ctx, j: int) -> bool:

@@ -102,18 +102,21 @@ class _Pieces(torch.autograd.Function):
     def backward(ctx, do, *d_final):
         inputs = ctx.saved_tensors
         wants = ctx.needs_input_grad[5:5 + 6]
-        grads = [torch.empty_like(t) if t is not None and w else None for t, w in zip(inputs, wants)]
+        pieces: List[List[torch.Tensor]] = [[] for _ in inputs]  # the inputs' gradients, last piece first
         d_state = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
         for i in reversed(range(len(ctx.bounds) - 1)):
             # one piece per call: its output, graph and gradients are gone before the next piece runs
-            d_state = _piece_backward(ctx, i, inputs, wants, do, d_state, grads)
+            d_state = _piece_backward(ctx, i, inputs, wants, do, d_state, pieces)
+        # concatenated once every piece is done: buffers of the whole length taken at the start would add a
+        # piece's worth of gradients to the peak, which lies inside a piece's backward
+        grads = [torch.cat(p[::-1], dim=1) if p else None for p in pieces]
         return (None, None, None, None, None, *grads, *d_state)
 
 
-def _piece_backward(ctx, i: int, inputs, wants, do, d_state, grads) -> List[Optional[torch.Tensor]]:
+def _piece_backward(ctx, i: int, inputs, wants, do, d_state, pieces) -> List[Optional[torch.Tensor]]:
     """Piece ``i`` of ``_Pieces`` again, from the state at its entry, with a graph; backpropagate the
-    output's gradient on the piece and ``d_state`` (that of the state it handed on) into it. Writes the
-    inputs' gradients on the piece into ``grads`` and returns that of its entry state."""
+    output's gradient on the piece and ``d_state`` (that of the state it handed on) into it. Appends
+    the inputs' gradients on the piece to ``pieces`` and returns that of its entry state."""
     a, b = ctx.bounds[i], ctx.bounds[i + 1]
     last = i == len(ctx.bounds) - 2
     with torch.enable_grad():
@@ -135,10 +138,7 @@ def _piece_backward(ctx, i: int, inputs, wants, do, d_state, grads) -> List[Opti
     for n, t in enumerate(leaves):
         if t is not None and t.requires_grad:
             g = found.pop()
-            if g is None:
-                grads[n][:, a:b].zero_()
-            else:
-                grads[n][:, a:b].copy_(g)
+            pieces[n].append(torch.zeros_like(t) if g is None else g)
     return [found.pop() if t is not None and t.requires_grad else None for t in entry_leaves]
 
 

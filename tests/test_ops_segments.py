@@ -10,7 +10,7 @@ import torch
 from conftest import FORMS, RULE_NAMES, SLIDING, random_inputs, reference_falcon, rel_err
 
 from falcon_fwa import falcon_attention
-from falcon_fwa.ops.segments import segment_bounds
+from falcon_fwa.ops.segments import packed_groups, segment_bounds
 
 TOL = 1e-10
 
@@ -108,10 +108,40 @@ def test_segments_must_be_a_positive_integer(bad):
         falcon_attention(**inp, rule="1", segments=bad)
 
 
-def test_segments_refuse_packed_sequences():
-    inp = random_inputs("1", B=1, T=8)
-    with pytest.raises(ValueError, match="segments=2 needs rows of equal length"):
-        falcon_attention(**inp, rule="1", segments=2, cu_seqlens=torch.tensor([0, 3, 8]))
+def test_packed_groups():
+    # cuts at the sequence boundary nearest each equal cut; coinciding cuts count once
+    assert packed_groups([0, 5, 10, 15, 20], 2) == [0, 2, 4]
+    assert packed_groups([0, 5, 10, 15, 20], 4) == [0, 1, 2, 3, 4]
+    assert packed_groups([0, 1, 2, 30], 3) == [0, 2, 3]  # cuts at 10 and 20: both nearest to 2
+    assert packed_groups([0, 30], 4) == [0, 1]  # one sequence stays whole
+
+
+@pytest.mark.parametrize("rule", ["3", "2", "1A"])
+def test_segments_of_packed_sequences_match_one_call(rule, monkeypatch):
+    """Packed: groups of whole sequences, each its own call, with their rows of the initial state."""
+    from falcon_fwa.ops import segments as module
+
+    pieces = []
+    real = module._Pieces.apply
+    monkeypatch.setattr(module._Pieces, "apply", lambda *a: pieces.append(a[1]) or real(*a))
+    inp = random_inputs(rule, B=1, T=60, seed=12, with_gate=True)
+    cu = torch.tensor([0, 7, 19, 20, 41, 60])
+    _, start = falcon_attention(**random_inputs(rule, B=5, T=6, seed=13), rule=rule, window=3,
+                                output_final_state=True)
+    start.S.requires_grad_()
+    leaves = [*(t.requires_grad_() for t in inp.values()), start.S]
+    options = dict(rule=rule, window=3, chunk_size=4, cu_seqlens=cu, initial_state=start)
+    o1, st1, g1 = _run(inp, leaves, **options)
+    assert pieces == []
+    for segments, lengths in ((2, [20, 40]), (3, [20, 21, 19]), (10, [7, 12, 1, 21, 19])):
+        pieces.clear()
+        o, st, g = _run(inp, leaves, segments=segments, **options)
+        assert [b[-1] for b in pieces] == lengths  # one node per group of whole sequences (bounds [0, length])
+        assert rel_err(o, o1) <= TOL and rel_err(st.S, st1.S) <= TOL, segments
+        if rule in SLIDING:
+            assert rel_err(st.tail_x, st1.tail_x) <= TOL and torch.equal(st.tail_valid, st1.tail_valid)
+        for a, b in zip(g, g1):
+            assert rel_err(a, b) <= TOL, segments
 
 
 def test_segments_second_backward_and_state_only_gradient():

@@ -551,3 +551,25 @@ def test_a_warmup_longer_than_the_run_is_warned_about(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config_from_dict(raw)
+
+
+def test_model_segments_train_as_the_whole_sequence(tmp_path, monkeypatch):
+    """``model.overrides.segments`` (the op in pieces, recomputed in the backward) trains the same model
+    with packed documents (the recipe's default packing, where the pieces are groups of documents):
+    the logged losses of four steps agree with the whole sequence's to float32 rounding."""
+    from falcon_fwa.ops import api
+
+    calls = []
+    real = api.run_segments
+    monkeypatch.setattr(api, "run_segments", lambda *a, **kw: calls.append(kw["segments"]) or real(*a, **kw))
+    whole = recipe(tmp_path, out="whole", steps=4)
+    pieces = recipe(tmp_path, out="pieces", steps=4)
+    pieces["model"]["overrides"] = {"segments": 3}
+    run_trainer(whole)
+    assert calls == []
+    run_trainer(pieces)
+    assert calls and set(calls) == {3}  # every layer's op ran in pieces
+    a, b = losses(tmp_path / "whole"), losses(tmp_path / "pieces")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(x), (a, b)

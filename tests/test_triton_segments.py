@@ -42,6 +42,23 @@ def test_segments_on_the_kernels_match_one_call(rule, window):
         assert rel_norm(a, b) < 1e-5
 
 
+def test_packed_segments_on_the_kernels_match_one_call():
+    leaves = _inputs("3", 1, 60, 2, 16, 16, torch.float32, seed=4)
+    cu = torch.tensor([0, 9, 30, 31, 60], device=DEVICE)
+    q, k, v, beta, lam, gate = leaves
+
+    def run(segments):
+        o, st = falcon_attention(q, k, v, beta, lam, log_gate=gate, rule="3", window=2, chunk_size=16,
+                                 backend="triton", cu_seqlens=cu, output_final_state=True, segments=segments)
+        return o, st, torch.autograd.grad(o.square().sum() + st.S.sum(), leaves)
+
+    o1, st1, g1 = run(1)
+    o, st, g = run(2)
+    assert rel_norm(o, o1) < 1e-5 and rel_norm(st.S, st1.S) < 1e-5
+    for a, b in zip(g, g1):
+        assert rel_norm(a, b) < 1e-5
+
+
 @needs_cuda
 @pytest.mark.parametrize("rule,window,most", [("3", 4, 0.6), ("2", 1, 0.9)])
 def test_segments_lower_the_peak_memory(rule, window, most):

@@ -154,8 +154,7 @@ class FalconAttention(nn.Module):
         else:
             o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
                                         log_gate=log_gate, initial_state=init, output_final_state=want_state,
-                                        cu_seqlens=packing.cu_seqlens, segments=1 if packing.packed else self.segments,
-                                        **opts)
+                                        cu_seqlens=packing.cu_seqlens, segments=self.segments, **opts)
         if cache is not None:
             cache.store_state(final, packing.rows)
         return o

@@ -120,9 +120,9 @@ class FalconConfig(PretrainedConfig):
       ``read`` ("after"/"before"), ``log_gate`` ("none"; "data": Gated DeltaNet's
       ``g_t = -exp(A_log) softplus(w^T h_t + b)``; "dt": Mamba-2's ``g_t = -exp(A_log) dt_t``;
       "fixed": RetNet's ``g = log(1 - 2^{-5-h})``), ``form``/``chunk_size`` of training,
-      ``segments`` (the op's time segments on rows of equal length, ``falcon_attention(segments=)``:
-      each layer's op runs its sequence in that many pieces, each recomputed in the backward: less
-      memory for one more forward of the op),
+      ``segments`` (``falcon_attention(segments=)``: each layer's op runs its sequence in that many
+      pieces, each recomputed in the backward, less memory for one more forward of the op; packed
+      batches are cut between documents),
       ``eps``, ``decay_floor``, ``eps_attn`` (``None``: the denominator-free read; a number
       ``>= 0``, ``> 0`` with ``shift`` or ``read="before"``, whose first token reads the empty
       memory: the normalized read ``S^T q / (z^T q + eps_attn)`` of the inner-product rules,

@@ -170,8 +170,9 @@ def falcon_attention(
             the states at the cuts, and the backward runs each piece's forward again before its
             own backward, so the op's intermediates live for one piece at a time (about
             ``1/segments`` of the memory they take, for one more forward). The result is the
-            same up to rounding. ``1`` (the default) runs the sequence whole; needs
-            ``cu_seqlens=None``.
+            same up to rounding. ``1`` (the default) runs the sequence whole. With
+            ``cu_seqlens`` the pieces are groups of whole sequences, cut at the sequence
+            boundaries nearest to equal parts (a sequence longer than a piece stays whole).
 
     Known recurrences as special cases: DeltaNet = rule "1", ``shift=False,
     normalize=False``, ``lam=0``; Gated DeltaNet = the same with ``log_gate``;
@@ -187,18 +188,18 @@ def falcon_attention(
                          "recurrent kernel, inference only); got form='parallel'")
     check_tensor_types(q, k, v, beta, lam, log_gate)
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, output_final_state=output_final_state)
-    check_segments(segments, cu_seqlens)
+    check_segments(segments)
     if segments > 1 and q.dim() == 4:  # (a q of another shape goes on, to be refused by the checks below)
         check_chunk_size(chunk_size)
         options = dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps, decay_floor=decay_floor,
                        shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge, backend=backend,
                        eps_attn=eps_attn)
 
-        def piece(q, k, v, beta, lam, log_gate, *, initial_state, output_final_state):
+        def piece(q, k, v, beta, lam, log_gate, *, initial_state, output_final_state, cu_seqlens=None):
             return falcon_attention(q, k, v, beta, lam, log_gate=log_gate, initial_state=initial_state,
-                                    output_final_state=output_final_state, **options)
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options)
         return run_segments(piece, (q, k, v, beta, lam, log_gate), initial_state, output_final_state,
-                            segments=segments, chunk_size=chunk_size)
+                            segments=segments, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
     spec = get_rule(rule)
     done = _read_normalizer(eps_attn, spec, v)
     if eps_attn is None:

@@ -21,6 +21,10 @@ inside one piece's graph.
 
 Cuts fall on whole chunks (``segment_bounds``), so that only the last piece may end in a
 partial chunk, as the whole sequence would.
+
+Packed sequences (``cu_seqlens``) are cut between sequences only (``packed_groups``): each piece
+is a group of whole sequences, a packed call of its own with its rows of the initial state, and
+nothing passes from one piece to the next. A sequence longer than a piece stays whole.
 """
 from __future__ import annotations
 
@@ -29,20 +33,21 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .seqlens import known_sequence_bounds, sequence_bounds
 from .state import FalconState
 
-__all__ = ["segment_bounds", "run_segments", "check_segments"]
+__all__ = ["segment_bounds", "packed_groups", "run_segments", "check_segments"]
 
 # the state's tensors, in the order the node takes and returns them (tail_valid is a mask: no gradient)
 STATE_FIELDS = ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z")
+# _Pieces.apply(call, bounds, initial_state, want_final, holder, q, k, v, beta, lam, log_gate, *state tensors)
+N_OPTIONS, N_INPUTS = 5, 6
 
 
-def check_segments(segments, cu_seqlens: Optional[torch.Tensor]) -> None:
-    """``segments`` must be an integer >= 1, and 1 with packed sequences (``ValueError``)."""
+def check_segments(segments) -> None:
+    """``segments`` must be an integer >= 1 (``ValueError``)."""
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"segments must be an integer >= 1, got {segments!r}")
-    if segments > 1 and cu_seqlens is not None:
-        raise ValueError(f"segments={segments} needs rows of equal length; with cu_seqlens, pass segments=1")
 
 
 def segment_bounds(T: int, segments: int, chunk_size: int) -> List[int]:
@@ -52,6 +57,21 @@ def segment_bounds(T: int, segments: int, chunk_size: int) -> List[int]:
     per = -(-T // segments)  # ceil
     per = -(-per // chunk_size) * chunk_size
     return list(range(0, T, per)) + [T] if T > 0 else [0, 0]
+
+
+def packed_groups(bounds: Sequence[int], segments: int) -> List[int]:
+    """Groups of whole packed sequences: indices ``0 = s_0 < s_1 < ... < s_m = N`` of the sequences
+    that open each group, for the sequence offsets ``bounds`` ``[N + 1]``. Each cut is the sequence
+    boundary nearest to one of the equal cuts ``j * total / segments``; cuts that coincide count
+    once, so ``m <= segments``."""
+    N, total = len(bounds) - 1, bounds[-1]
+    cuts = [0]
+    for j in range(1, segments):
+        target = j * total / segments
+        s = min(range(1, N), key=lambda i: abs(bounds[i] - target), default=None)
+        if s is not None and s > cuts[-1]:
+            cuts.append(s)
+    return cuts + [N]
 
 
 def _state_tensors(state: Optional[FalconState]) -> Tuple[Optional[torch.Tensor], ...]:
@@ -84,9 +104,10 @@ class _Pieces(torch.autograd.Function):
     final state's configuration goes into ``holder["template"]``."""
 
     @staticmethod
-    def forward(ctx, call, bounds, template, want_final, holder, *flat):
-        inputs, start = flat[:6], flat[6:]
-        state = None if template is None else _with_tensors(template, start)
+    def forward(ctx, call, bounds, initial_state, want_final, holder, *flat):
+        inputs, start = flat[:N_INPUTS], flat[N_INPUTS:]
+        # (the state's tensors come as arguments of their own, for autograd to see them)
+        state = None if initial_state is None else _with_tensors(initial_state, start)
         with torch.no_grad():
             o, cuts, state = _run_pieces(call, bounds, state, want_final, inputs)
         ctx.call, ctx.bounds, ctx.want_final, ctx.cuts = call, bounds, want_final, cuts
@@ -101,7 +122,7 @@ class _Pieces(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, *d_final):
         inputs = ctx.saved_tensors
-        wants = ctx.needs_input_grad[5:5 + 6]
+        wants = ctx.needs_input_grad[N_OPTIONS:N_OPTIONS + N_INPUTS]
         pieces: List[List[torch.Tensor]] = [[] for _ in inputs]  # the inputs' gradients, last piece first
         d_state = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
         for i in reversed(range(len(ctx.bounds) - 1)):
@@ -110,7 +131,7 @@ class _Pieces(torch.autograd.Function):
         # concatenated once every piece is done: buffers of the whole length taken at the start would add a
         # piece's worth of gradients to the peak, which lies inside a piece's backward
         grads = [torch.cat(p[::-1], dim=1) if p else None for p in pieces]
-        return (None, None, None, None, None, *grads, *d_state)
+        return (*(None,) * N_OPTIONS, *grads, *d_state)
 
 
 def _piece_backward(ctx, i: int, inputs, wants, do, d_state, pieces) -> List[Optional[torch.Tensor]]:
@@ -143,8 +164,19 @@ def _piece_backward(ctx, i: int, inputs, wants, do, d_state, pieces) -> List[Opt
 
 
 def _wants_state(ctx, j: int) -> bool:
-    """Whether the node's input ``j``-th initial-state tensor asks for a gradient."""
-    return ctx.needs_input_grad[5 + 6 + j]
+    """Whether the node's ``j``-th initial-state tensor (``STATE_FIELDS[j]``) asks for a gradient."""
+    return ctx.needs_input_grad[N_OPTIONS + N_INPUTS + j]
+
+
+def _one_piece(call, tensors, state: Optional[FalconState], want_final: bool):
+    """``call`` on ``tensors`` from ``state`` as one piece: under autograd, its forward runs again in
+    the backward (``_Pieces`` over a single piece)."""
+    if not torch.is_grad_enabled():
+        return call(*tensors, initial_state=state, output_final_state=want_final)
+    holder: dict = {}
+    o, *final = _Pieces.apply(call, [0, tensors[0].shape[1]], state, want_final, holder, *tensors,
+                              *_state_tensors(state))
+    return o, _with_tensors(holder["template"], final) if want_final else None
 
 
 def run_segments(
@@ -155,12 +187,20 @@ def run_segments(
     *,
     segments: int,
     chunk_size: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
     """``call(q, k, v, beta, lam, log_gate, initial_state=..., output_final_state=...)`` over the
     pieces of ``tensors`` (``[B, T, ...]`` each, ``log_gate`` may be ``None``) cut along ``T`` by
     ``segment_bounds``, the state handed from piece to piece. Returns the outputs concatenated
     along ``T`` and the last piece's state (``None`` unless ``output_final_state``). Under
-    autograd, as one node that runs each piece's forward again in its backward."""
+    autograd, as one node that runs each piece's forward again in its backward.
+
+    With ``cu_seqlens`` (``[1, total, ...]`` tensors): ``call`` also takes ``cu_seqlens=``, and the
+    pieces are groups of whole sequences (``packed_groups``), each run as its own packed call and
+    recomputed in the backward on its own; the final state has one row per sequence, as one call's."""
+    if cu_seqlens is not None:
+        return _run_packed(call, tensors, initial_state, output_final_state, segments=segments,
+                           cu_seqlens=cu_seqlens)
     T = tensors[0].shape[1]
     bounds = segment_bounds(T, segments, chunk_size)
     if len(bounds) == 2:
@@ -172,3 +212,32 @@ def run_segments(
     o, *final = _Pieces.apply(call, bounds, initial_state, output_final_state, holder, *tensors,
                               *_state_tensors(initial_state))
     return o, _with_tensors(holder["template"], final) if output_final_state else None
+
+
+def _run_packed(call, tensors, initial_state: Optional[FalconState], output_final_state: bool, *, segments: int,
+                cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, Optional[FalconState]]:
+    """``run_segments`` for packed sequences: groups of whole sequences, each a packed call of its own.
+    The groups' offsets are formed on the device from ``cu_seqlens`` and declared with their host
+    values (``known_sequence_bounds``), so that no group reads them back."""
+    bounds = sequence_bounds(cu_seqlens, tensors[0].shape[1])
+    groups = packed_groups(bounds, segments)
+    if len(groups) == 2:
+        return call(*tensors, initial_state=initial_state, output_final_state=output_final_state,
+                    cu_seqlens=cu_seqlens)
+    sizes = [bounds[b] - bounds[a] for a, b in zip(groups, groups[1:])]
+    parts = [[None] * len(sizes) if t is None else t.split(sizes, dim=1) for t in tensors]
+    outs, finals = [], []
+    for g, (a, b) in enumerate(zip(groups, groups[1:])):
+        cu = cu_seqlens[a:b + 1] - cu_seqlens[a]
+        local = tuple(x - bounds[a] for x in bounds[a:b + 1])
+        rows = None if initial_state is None else initial_state.index_select(
+            torch.arange(a, b, device=initial_state.S.device))
+
+        def group_call(*args, initial_state, output_final_state, cu=cu, local=local):
+            with known_sequence_bounds(cu, local):
+                return call(*args, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu)
+
+        o, final = _one_piece(group_call, [p[g] for p in parts], rows, output_final_state)
+        outs.append(o)
+        finals.append(final)
+    return torch.cat(outs, dim=1), FalconState.cat(finals) if output_final_state else None

@@ -31,6 +31,17 @@ def _run(inp, leaves, **options):
     return o, state, torch.autograd.grad(_loss(o, state), leaves)
 
 
+def _same_as_one_call(inp, leaves, segments, **options):
+    """The output, the final ``S`` and the gradients of ``leaves`` with ``segments`` pieces equal one
+    call's; returns both final states."""
+    o1, st1, g1 = _run(inp, leaves, **options)
+    o, st, g = _run(inp, leaves, segments=segments, **options)
+    assert rel_err(o, o1) <= TOL and rel_err(st.S, st1.S) <= TOL
+    for a, b in zip(g, g1):
+        assert rel_err(a, b) <= TOL
+    return st, st1
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rule", RULE_NAMES)
 def test_segments_match_one_call(rule, form):
@@ -65,24 +76,15 @@ def test_segments_continue_a_state_and_carry_its_gradient(rule):
     _, start = falcon_attention(**first, rule=rule, window=4, output_final_state=True)
     start.S.requires_grad_()
     leaves = [start.S, *rest.values()]
-    options = dict(rule=rule, window=4, chunk_size=8, initial_state=start)
-    o1, st1, g1 = _run(rest, leaves, **options)
-    o, st, g = _run(rest, leaves, segments=4, **options)
-    assert rel_err(o, o1) <= TOL and rel_err(st.S, st1.S) <= TOL
-    for a, b in zip(g, g1):
-        assert rel_err(a, b) <= TOL
+    _same_as_one_call(rest, leaves, 4, rule=rule, window=4, chunk_size=8, initial_state=start)
 
 
 def test_segments_normalized_read():
     inp = random_inputs("1A", B=1, T=33, seed=2)
     inp["q"], inp["k"] = inp["q"].abs(), inp["k"].abs()  # nonnegative features: z^T q stays positive
     leaves = [t.requires_grad_() for t in inp.values()]
-    options = dict(rule="1A", chunk_size=4, eps_attn=1e-6)
-    o1, st1, g1 = _run(inp, leaves, **options)
-    o, st, g = _run(inp, leaves, segments=3, **options)
-    assert rel_err(o, o1) <= TOL and rel_err(st.z, st1.z) <= TOL
-    for a, b in zip(g, g1):
-        assert rel_err(a, b) <= TOL
+    st, st1 = _same_as_one_call(inp, leaves, 3, rule="1A", chunk_size=4, eps_attn=1e-6)
+    assert rel_err(st.z, st1.z) <= TOL
 
 
 def test_segments_without_autograd():

@@ -12,12 +12,12 @@ from .pairs import next_tail, write_side
 from .parallel import parallel_form
 from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
-from .segments import check_segments, run_segments
+from .segments import run_segments
 from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import (check_chunk_size, check_inputs, check_state, check_state_type, check_step_shapes,
-                       check_switches, check_tensor_types)
+from .validate import (check_chunk_size, check_inputs, check_positive_int, check_state, check_state_type,
+                       check_step_shapes, check_switches, check_tensor_types)
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -188,7 +188,7 @@ def falcon_attention(
                          "recurrent kernel, inference only); got form='parallel'")
     check_tensor_types(q, k, v, beta, lam, log_gate)
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, output_final_state=output_final_state)
-    check_segments(segments)
+    check_positive_int("segments", segments)
     if segments > 1 and q.dim() == 4:  # (a q of another shape goes on, to be refused by the checks below)
         check_chunk_size(chunk_size)
         options = dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps, decay_floor=decay_floor,

@@ -36,18 +36,12 @@ import torch
 from .seqlens import known_sequence_bounds, sequence_bounds
 from .state import FalconState
 
-__all__ = ["segment_bounds", "packed_groups", "run_segments", "check_segments"]
+__all__ = ["segment_bounds", "packed_groups", "run_segments"]
 
 # the state's tensors, in the order the node takes and returns them (tail_valid is a mask: no gradient)
 STATE_FIELDS = ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z")
 # _Pieces.apply(call, bounds, initial_state, want_final, holder, q, k, v, beta, lam, log_gate, *state tensors)
 N_OPTIONS, N_INPUTS = 5, 6
-
-
-def check_segments(segments) -> None:
-    """``segments`` must be an integer >= 1 (``ValueError``)."""
-    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"segments must be an integer >= 1, got {segments!r}")
 
 
 def segment_bounds(T: int, segments: int, chunk_size: int) -> List[int]:
@@ -95,7 +89,7 @@ def _run_pieces(call, bounds: Sequence[int], state: Optional[FalconState], want_
         o, state = call(*(_piece(t, a, b) for t in inputs), initial_state=state,
                         output_final_state=want_final or not last)
         outs.append(o)
-    return torch.cat(outs, dim=1), cuts, state
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), cuts, state
 
 
 class _Pieces(torch.autograd.Function):
@@ -168,14 +162,14 @@ def _wants_state(ctx, j: int) -> bool:
     return ctx.needs_input_grad[N_OPTIONS + N_INPUTS + j]
 
 
-def _one_piece(call, tensors, state: Optional[FalconState], want_final: bool):
-    """``call`` on ``tensors`` from ``state`` as one piece: under autograd, its forward runs again in
-    the backward (``_Pieces`` over a single piece)."""
+def _apply_pieces(call, bounds: Sequence[int], tensors, state: Optional[FalconState], want_final: bool):
+    """``call`` over the pieces ``bounds`` of ``tensors`` from ``state``: under autograd as the node
+    ``_Pieces`` (each piece's forward runs again in the backward), else one piece after the other."""
     if not torch.is_grad_enabled():
-        return call(*tensors, initial_state=state, output_final_state=want_final)
+        o, _, state = _run_pieces(call, bounds, state, want_final, tensors)
+        return o, state if want_final else None
     holder: dict = {}
-    o, *final = _Pieces.apply(call, [0, tensors[0].shape[1]], state, want_final, holder, *tensors,
-                              *_state_tensors(state))
+    o, *final = _Pieces.apply(call, bounds, state, want_final, holder, *tensors, *_state_tensors(state))
     return o, _with_tensors(holder["template"], final) if want_final else None
 
 
@@ -205,13 +199,7 @@ def run_segments(
     bounds = segment_bounds(T, segments, chunk_size)
     if len(bounds) == 2:
         return call(*tensors, initial_state=initial_state, output_final_state=output_final_state)
-    if not torch.is_grad_enabled():
-        o, _, state = _run_pieces(call, bounds, initial_state, output_final_state, tensors)
-        return o, state if output_final_state else None
-    holder: dict = {}
-    o, *final = _Pieces.apply(call, bounds, initial_state, output_final_state, holder, *tensors,
-                              *_state_tensors(initial_state))
-    return o, _with_tensors(holder["template"], final) if output_final_state else None
+    return _apply_pieces(call, bounds, tensors, initial_state, output_final_state)
 
 
 def _run_packed(call, tensors, initial_state: Optional[FalconState], output_final_state: bool, *, segments: int,
@@ -237,7 +225,7 @@ def _run_packed(call, tensors, initial_state: Optional[FalconState], output_fina
             with known_sequence_bounds(cu, local):
                 return call(*args, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu)
 
-        o, final = _one_piece(group_call, [p[g] for p in parts], rows, output_final_state)
+        o, final = _apply_pieces(group_call, [0, sizes[g]], [p[g] for p in parts], rows, output_final_state)
         outs.append(o)
         finals.append(final)
     return torch.cat(outs, dim=1), FalconState.cat(finals) if output_final_state else None

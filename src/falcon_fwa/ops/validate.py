@@ -142,10 +142,15 @@ def check_inputs(
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 
 
+def check_positive_int(name: str, value) -> None:
+    """``value`` must be an integer >= 1 (``ValueError`` naming ``name``; a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def check_chunk_size(chunk_size) -> None:
     """``chunk_size`` must be an integer >= 1 (``ValueError`` naming it)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    check_positive_int("chunk_size", chunk_size)
 
 
 def check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...], query: str = "q") -> None:

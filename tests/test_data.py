@@ -184,7 +184,7 @@ def test_rows_are_windows_of_the_stream_and_cu_seqlens_cut_at_documents(tmp_path
         assert starts.tolist() == [p for p in range(1, L) if tokens[p] == 256]
     picked = [rows.row(i) for i in (3, 4, 5)]
     b = collate(picked, "cu_seqlens")
-    assert b["input_ids"].shape == (1, 3 * L) and b["labels"].shape == (1, 3 * L)
+    assert b["input_ids"].shape == (1, 3 * L) and b["targets"].shape == (1, 3 * L)
     cu = b["cu_seqlens"].tolist()
     assert cu[0] == 0 and cu[-1] == 3 * L and cu == sorted(set(cu))
     flat = b["input_ids"][0]
@@ -194,10 +194,10 @@ def test_rows_are_windows_of_the_stream_and_cu_seqlens_cut_at_documents(tmp_path
         if flat[start] == 256:
             assert start in cu
     for r, (tokens, _) in enumerate(picked):  # targets are each row's next tokens
-        assert b["labels"][0, r * L:(r + 1) * L].tolist() == tokens[1:].tolist()
+        assert b["targets"][0, r * L:(r + 1) * L].tolist() == tokens[1:].tolist()
     e = collate(picked, "eos")
     assert e["input_ids"].shape == (3, L) and "cu_seqlens" not in e
-    torch.testing.assert_close(e["labels"][:, :-1], e["input_ids"][:, 1:])
+    torch.testing.assert_close(e["targets"][:, :-1], e["input_ids"][:, 1:])
 
 
 def test_row_order_is_an_epoch_permutation_and_ranks_are_disjoint(tmp_path):

@@ -48,11 +48,15 @@ class PackedRows:
 
 
 def collate(rows: Sequence, packing: str) -> dict:
-    """Batch of rows -> ``input_ids``/``labels`` [B, L] (``"eos"``) or [1, B*L] + ``cu_seqlens`` (int32)."""
+    """Batch of rows -> ``input_ids``/``targets`` [B, L] (``"eos"``) or [1, B*L] + ``cu_seqlens`` (int32).
+
+    ``targets[:, t]`` is the token after ``input_ids[:, t]``: already shifted, so it is not the
+    model's ``labels`` argument (which ``FalconForCausalLM`` shifts itself); the trainer scores
+    ``logits`` against it directly."""
     if packing not in PACKINGS:
         raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
     tokens = torch.from_numpy(np.stack([t for t, _ in rows]))
-    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
     if packing == "cu_seqlens":
         L = tokens.shape[1] - 1
         cuts: List[int] = []

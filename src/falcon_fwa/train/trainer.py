@@ -51,8 +51,8 @@ def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.
         kwargs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
     with autocast():
         logits = model(**kwargs).logits
-    labels = batch["labels"].to(device, non_blocking=True)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    targets = batch["targets"].to(device, non_blocking=True)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

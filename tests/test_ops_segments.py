@@ -110,6 +110,12 @@ def test_segments_must_be_a_positive_integer(bad):
         falcon_attention(**inp, rule="1", segments=bad)
 
 
+def test_segments_refuse_a_state_of_another_type_by_name():
+    inp = random_inputs("1", B=1, T=8)
+    with pytest.raises(TypeError, match="initial_state must be a FalconState, got dict"):
+        falcon_attention(**inp, rule="1", segments=2, chunk_size=4, initial_state={})
+
+
 def test_packed_groups():
     # cuts at the sequence boundary nearest each equal cut; coinciding cuts count once
     assert packed_groups([0, 5, 10, 15, 20], 2) == [0, 2, 4]

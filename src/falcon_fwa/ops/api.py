@@ -191,6 +191,8 @@ def falcon_attention(
     check_positive_int("segments", segments)
     if segments > 1 and q.dim() == 4:  # (a q of another shape goes on, to be refused by the checks below)
         check_chunk_size(chunk_size)
+        if initial_state is not None:  # the pieces read its fields before any piece checks it
+            check_state_type(initial_state)
         options = dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps, decay_floor=decay_floor,
                        shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge, backend=backend,
                        eps_attn=eps_attn)

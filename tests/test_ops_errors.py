@@ -60,6 +60,7 @@ def test_bad_shapes(case):
         ("decay_floor", float("nan"), r"\bdecay_floor\b"),
         ("eps", "1e-6", r"\beps\b"),
         ("eps", float("nan"), r"\beps\b"),
+        ("eps", float("inf"), r"\beps\b"),
         ("read", "during", r"\bread\b"),
     ],
 )
@@ -180,6 +181,15 @@ def test_step_checks_its_inputs():
     _, st = falcon_step(**inp, state=None, rule="2")
     with pytest.raises(ValueError, match=r"\bstate\b.*rule"):
         falcon_step(**{n: t for n, t in inp.items() if n != "beta"}, beta=inp["beta"][..., 0], state=st, rule="1")
+
+
+@pytest.mark.parametrize("option,value", [("read", "bogus"), ("window", 0), ("eps", -1.0), ("decay_floor", 1.0)])
+def test_step_checks_its_options_even_unvalidated(option, value):
+    """``validate=False`` skips the checks that wait on the tensors' values, not the host-only options:
+    an unknown ``read`` would otherwise run as "before" on one backend and raise on another."""
+    inp = {n: t[:, 0] for n, t in _inp("3").items()}
+    with pytest.raises(ValueError, match=rf"\b{option}\b"):
+        falcon_step(**inp, rule="3", validate=False, **{option: value})
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])

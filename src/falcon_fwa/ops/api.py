@@ -16,8 +16,8 @@ from .segments import run_segments
 from .seqlens import sequence_bounds
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import (check_chunk_size, check_inputs, check_positive_int, check_state, check_state_type,
-                       check_step_shapes, check_switches, check_tensor_types)
+from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_state,
+                       check_state_type, check_step_shapes, check_switches, check_tensor_types)
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -364,7 +364,8 @@ def falcon_step(
     ``validate=False`` skips that, for callers whose inputs are valid by construction,
     such as the model's layers, where the checks would add a few small device launches
     to every layer of every decoded token (``falcon_attention`` always checks: once per
-    sequence, not per token); the state's type and the on/off switches are checked always.
+    sequence, not per token); the state's type, the on/off switches and the options that are
+    not tensors (``read``, ``window``, ``eps``, ``decay_floor``: host-only) are checked always.
     ``eps_attn``: the normalized read, as in ``falcon_attention`` (the state then carries
     ``z``)."""
     if backend not in BACKENDS:
@@ -378,6 +379,7 @@ def falcon_step(
             want = "[B, H, V]" if name == "v" else "[B, H, K]"
             raise ValueError(f"{name} must have shape {want} (one token), got {tuple(getattr(t, 'shape', ()))}")
     spec = get_rule(rule)
+    check_options(spec, window=window, eps=eps, decay_floor=decay_floor, read=read)
     W = window if spec.sliding else 1
     done = _read_normalizer(eps_attn, spec, v)
     if eps_attn is None:

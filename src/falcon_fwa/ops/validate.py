@@ -129,17 +129,24 @@ def check_inputs(
     V = v.shape[-1]
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    if read not in READS:
-        raise ValueError(f"read must be one of {READS}, got {read!r}")
-    if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
+    check_options(rule, window=window, eps=eps, decay_floor=decay_floor, read=read)
     check_chunk_size(chunk_size)
-    check_number("eps", eps, 0)
-    check_number("decay_floor", decay_floor, 0, 1, open_low=True)
     if _values_checked():
         check_value_ranges(lam, log_gate)
     if initial_state is not None:
         check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
+
+
+def check_options(rule: RuleSpec, *, window: int, eps: float, decay_floor: float, read: str) -> None:
+    """The op's options that are not tensors: ``read`` one of :data:`READS`, ``window`` an integer
+    ``>= 1`` for a sliding rule, ``eps`` finite and ``>= 0``, ``decay_floor`` in ``(0, 1)``.
+    Host-only, so ``falcon_step`` checks them even with ``validate=False``."""
+    if read not in READS:
+        raise ValueError(f"read must be one of {READS}, got {read!r}")
+    if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
+    check_number("eps", eps, 0, math.inf)
+    check_number("decay_floor", decay_floor, 0, 1, open_low=True)
 
 
 def check_positive_int(name: str, value) -> None:

@@ -11,7 +11,7 @@ import torch
 from ..rules import get_rule
 from ..seqlens import sequence_bounds
 from ..state import FalconState
-from ..validate import check_inputs, check_state, check_state_type
+from ..validate import check_inputs, check_options, check_state, check_state_type
 from . import recurrent_kernels as kern
 from .api import TRITON_RULES, check_kernel_support
 from .launch import cdiv, next_power_of_2
@@ -91,10 +91,9 @@ def falcon_recurrent_triton(
     chunk kernels' launches cost more than the steps. Inference only.
 
     ``validate=False`` skips ``ops.validate.check_inputs`` and the check of ``initial_state``;
-    what the kernel supports is always checked."""
+    the options that are not tensors and what the kernel supports are always checked."""
     spec = get_rule(rule)
-    if read not in ("after", "before"):
-        raise ValueError(f"read must be 'after' or 'before', got {read!r}")
+    check_options(spec, window=window, eps=eps, decay_floor=decay_floor, read=read)  # host-only: always
     if validate:
         check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form="recurrent", chunk_size=1, eps=eps,
                      decay_floor=decay_floor, read=read, initial_state=None, shift=shift)

@@ -154,6 +154,12 @@ def test_misused_caches_and_empty_inputs_raise_errors_naming_the_argument():
             model.generate(x[:, 4:], past_key_values=cache, max_new_tokens=2, do_sample=False)
         with pytest.raises(ValueError, match="past_key_values holds 2 sequences, but this call continues 3"):
             model(torch.randint(0, 64, (3, 1)), past_key_values=cache)
+        with pytest.raises(ValueError, match="cache and past_key_values are two names of one argument"):
+            model(x[:, :1], past_key_values=cache, cache=FalconCache(model.config.num_hidden_layers))
+        with pytest.raises(ValueError, match=r"labels must have the shape .* \(2, 6\), got \(2, 5\)"):
+            model(x, labels=x[:, 1:], use_cache=False)
+        with pytest.raises(ValueError, match="generate\\(\\) does not take cu_seqlens"):
+            model.generate(x, cu_seqlens=torch.tensor([0, 3, 6]), max_new_tokens=2, do_sample=False)
         # the cache is untouched by the refused calls: continuing it still equals one pass
         nxt = torch.randint(0, 64, (2, 1))
         step = model(nxt, past_key_values=cache).logits[:, -1]

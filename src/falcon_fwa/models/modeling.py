@@ -215,6 +215,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         passes none, and there it is the step whose embeddings reach past the columns the cache consumed (after
         the prompt step the cache has consumed all of them). ``next_sequence_length``, which transformers 5 passes,
         is not relied on: its value at the prompt step differs between versions."""
+        if kwargs.get("cu_seqlens") is not None:
+            raise ValueError("generate() does not take cu_seqlens: pass the prompts as a padded batch with "
+                             "attention_mask (left padding)")
         cache = cache if cache is not None else past_key_values
         fresh = cache is None or cache.empty
         if is_first_iteration is None and inputs_embeds is not None and not fresh:
@@ -366,6 +369,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if logits_to_keep and labels is not None:
             raise ValueError(f"labels are scored against the logits of every position: logits_to_keep must be 0 "
                              f"with labels, got {logits_to_keep}")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("cache and past_key_values are two names of one argument: pass one of them")
         cache = cache if cache is not None else past_key_values
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training)
@@ -375,6 +380,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             cache = None
         B, T = h.shape[:2]
         x, name = (input_ids, "input_ids") if input_ids is not None else (inputs_embeds, "inputs_embeds")
+        if labels is not None and tuple(labels.shape) != (B, T):
+            raise ValueError(f"labels must have the shape of {name}'s first two axes, {(B, T)}, got "
+                             f"{tuple(labels.shape)}")
         packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]

@@ -389,6 +389,25 @@ def test_a_preset_override_that_is_not_a_field_is_an_error():
     assert get_preset("tiny-falcon", rule="3").rule == "3"
 
 
+@pytest.mark.parametrize("name,meant", [("decay_flor", "decay_floor"), ("num_attention_heads", "num_heads"),
+                                        ("segment", "segments")])
+def test_config_refuses_a_misspelt_or_foreign_field_name(name, meant):
+    """FalconConfig(**kwargs) hands unknown names to PretrainedConfig, which would store them unused."""
+    with pytest.raises(ValueError, match=rf"unknown config field '{name}' \(did you mean '{meant}'\?\)"):
+        FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, **{name: 2})
+
+
+def test_config_keeps_hugging_face_attributes_and_reloads(tmp_path):
+    """What a saved config carries besides the fields (transformers_version, architectures, ...) and
+    Hugging Face's own attributes still pass."""
+    cfg = FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, output_hidden_states=True,
+                       architectures=["FalconForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    again = FalconConfig.from_pretrained(tmp_path)
+    assert again.output_hidden_states and again.architectures == ["FalconForCausalLM"]
+    assert again.to_dict() == cfg.to_dict()
+
+
 def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
     FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
     # textbook normalized linear attention reads its own first key: eps_attn = 0 is allowed there

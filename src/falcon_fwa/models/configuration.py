@@ -10,9 +10,10 @@ changes: ``shift``, ``read``, ``qk_norm``, ``gate``, ``lambda_scale``.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from transformers import PretrainedConfig
 
 from ..ops.rules import RULES, get_rule
 
-__all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "config_fields"]
+__all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "check_field_names", "config_fields"]
 
 RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
 MIXERS = RECURRENT_MIXERS + ("transformer",)
@@ -102,6 +103,45 @@ def config_fields() -> frozenset:
     import inspect
     return frozenset(n for n, p in inspect.signature(FalconConfig.__init__).parameters.items()
                      if n != "self" and p.kind is not p.VAR_KEYWORD)
+
+
+# Other libraries' names for FalconConfig fields, for the hint of an unknown name
+ALIASES = {"num_attention_heads": "num_heads", "n_head": "num_heads", "n_layer": "num_hidden_layers",
+           "num_layers": "num_hidden_layers", "n_embd": "hidden_size", "d_model": "hidden_size"}
+
+
+def _hint(name: str, fields: frozenset, cutoff: float = 0.6) -> Optional[str]:
+    """The field ``name`` most likely meant: its alias, or a spelling at least ``cutoff`` close
+    (``difflib``'s ratio; ``None``: neither)."""
+    if name in ALIASES:
+        return ALIASES[name]
+    close = difflib.get_close_matches(name, fields, 1, cutoff)
+    return close[0] if close else None
+
+
+def check_field_names(names: Iterable[str], where: str = "") -> None:
+    """A ``ValueError`` naming every one of ``names`` that is not a :class:`FalconConfig` field,
+    with the field it most likely meant (a misspelt override would otherwise be stored unused
+    and leave the model unchanged). ``where`` ends the message (e.g. ``" for preset 'x'"``)."""
+    fields = config_fields()
+    unknown = sorted(set(names) - fields)
+    if unknown:
+        hints = [f"{u!r}" + (f" (did you mean {h!r}?)" if (h := _hint(u, fields)) else "") for u in unknown]
+        raise ValueError(f"unknown config field {', '.join(hints)}{where}")
+
+
+def _refuse_misspelt(extra: Iterable[str]) -> None:
+    """The keyword arguments that ``FalconConfig`` hands to ``PretrainedConfig``: Hugging Face's own
+    attributes, and whatever a saved config carries, pass; a name that is not one of those but is an
+    alias or a close spelling of a field (``decay_flor``, ``num_attention_heads``) is refused."""
+    base = PretrainedConfig()
+    fields = config_fields()
+    for name in extra:
+        if name.startswith("_") or hasattr(base, name):
+            continue
+        hint = _hint(name, fields, cutoff=0.8)
+        if hint is not None:
+            raise ValueError(f"unknown config field {name!r} (did you mean {hint!r}?)")
 
 
 class FalconConfig(PretrainedConfig):
@@ -193,6 +233,7 @@ class FalconConfig(PretrainedConfig):
         eos_token_id: Optional[int] = None,
         **kwargs,
     ):
+        _refuse_misspelt(kwargs)
         _choice("mixer", mixer, MIXERS)
         defaults = MIXER_DEFAULTS[mixer]
 

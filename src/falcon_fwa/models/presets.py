@@ -11,10 +11,9 @@ counts (recorded in benchmarks/results/params.md).
 """
 from __future__ import annotations
 
-import difflib
 from typing import Dict
 
-from .configuration import FalconConfig, config_fields
+from .configuration import FalconConfig, check_field_names
 
 __all__ = ["PRESETS", "get_preset"]
 
@@ -52,10 +51,5 @@ def get_preset(name: str, **overrides) -> FalconConfig:
     unused and leave the model unchanged)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    fields = config_fields()
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        hints = [f"{u!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(u, fields, 1))
-                             else "") for u in unknown]
-        raise ValueError(f"unknown config field {', '.join(hints)} for preset {name!r}")
+    check_field_names(overrides, f" for preset {name!r}")
     return FalconConfig(**{**PRESETS[name], **overrides})

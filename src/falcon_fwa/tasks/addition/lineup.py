@@ -78,12 +78,10 @@ def build_model(fields: Dict[str, Any], size: Dict[str, Any], vocab_size: int):
     this version of the models lacks raises instead of being stored silently.
     """
     from falcon_fwa.models import FalconConfig, FalconForCausalLM
+    from falcon_fwa.models.configuration import check_field_names
 
-    known = FalconConfig()
     values = {"vocab_size": vocab_size, **size, **fields}
-    for key in values:
-        if not hasattr(known, key):
-            raise ValueError(f"model config field {key!r} does not exist on FalconConfig")
+    check_field_names(values)
     return FalconForCausalLM(FalconConfig(**values))
 
 

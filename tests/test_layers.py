@@ -408,6 +408,18 @@ def test_config_keeps_hugging_face_attributes_and_reloads(tmp_path):
     assert again.to_dict() == cfg.to_dict()
 
 
+@pytest.mark.parametrize("kwargs,name", [(dict(gate="bogus"), "gate"), (dict(log_gate="decay"), "log_gate"),
+                                         (dict(lambda_scale=-1.0), "lambda_scale"),
+                                         (dict(lambda_scale=float("inf")), "lambda_scale")])
+def test_context_gates_refuse_an_unknown_kind_when_built(kwargs, name):
+    """Built directly (not through a config), an unknown kind would otherwise run as another one
+    ("none" for log_gate) or fail only in the forward."""
+    from falcon_fwa.layers import ContextGates
+    args = {**dict(gate="ctx-eta", log_gate="none", lambda_scale=1.0, per_column=False), **kwargs}
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        ContextGates(16, 2, 8, **args)
+
+
 def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
     FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
     # textbook normalized linear attention reads its own first key: eps_attn = 0 is allowed there

@@ -39,7 +39,7 @@ from .norms import RMSNorm, normalize_features, rms_normalize
 from .packing import Packing
 from .short_conv import ShortConv
 
-__all__ = ["FalconAttention"]
+__all__ = ["FEATURE_MAPS", "FalconAttention"]
 
 _FEATURE_MAPS = {
     "identity": lambda x: x,
@@ -47,6 +47,8 @@ _FEATURE_MAPS = {
     "elu1": lambda x: F.elu(x) + 1.0,
     "relu": F.relu,
 }
+FEATURE_MAPS = tuple(_FEATURE_MAPS)
+"""The feature maps ``phi`` a config's ``feature_map`` may name."""
 
 
 class FalconAttention(nn.Module):

@@ -43,7 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ContextGates"]
+__all__ = ["ContextGates", "GATES", "LOG_GATES"]
+
+GATES = ("ctx-beta", "ctx-eta", "sigmoid", "dt", "one")
+"""The write gains ``gate`` may name (module docstring)."""
+LOG_GATES = ("none", "data", "dt", "fixed")
+"""The state decays ``log_gate`` may name."""
 
 
 def _inv_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -60,13 +65,22 @@ class ContextGates(nn.Module):
     """Computes ``(beta, lam, log_gate)`` for ``falcon_attention`` from ``h``.
 
     Shapes: ``beta`` ``[B, T, H]`` (``[B, T, H, V]`` when ``per_column``), ``lam``
-    ``[B, T, H]`` (``lambda-bar`` when ``normalize``: the op couples it to ``E_t``),
-    ``log_gate`` ``[B, T, H]`` or ``None``.
+    ``[B, T, H]`` (``lambda-bar``; the layer passes ``scale_ridge=normalize`` to the op, which then
+    couples it to the write energy, ``lambda_t = lambda-bar_t E_t``), ``log_gate`` ``[B, T, H]``
+    or ``None``. ``gate`` is one of :data:`GATES`, ``log_gate`` one of :data:`LOG_GATES`,
+    ``lambda_scale`` a finite number ``>= 0`` (0: no ridge).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_v_dim: int, *, gate: str, log_gate: str,
                  lambda_scale: float, per_column: bool):
         super().__init__()
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if log_gate not in LOG_GATES:
+            raise ValueError(f"log_gate must be one of {LOG_GATES}, got {log_gate!r}")
+        if isinstance(lambda_scale, bool) or not isinstance(lambda_scale, (int, float)) or not (
+                0 <= lambda_scale < math.inf):
+            raise ValueError(f"lambda_scale must be a finite number >= 0 (0: no ridge), got {lambda_scale!r}")
         self.gate, self.log_gate_kind, self.lambda_scale = gate, log_gate, lambda_scale
         self.num_heads = num_heads
         self.columns = head_v_dim if per_column else 1
@@ -126,10 +140,8 @@ class ContextGates(nn.Module):
                 beta = c * torch.sigmoid(pre) * (1.0 + lam)[..., None]
             elif self.gate == "sigmoid":
                 beta = torch.sigmoid(pre)
-            elif self.gate == "dt":
+            else:  # "dt"
                 beta = F.softplus(pre)
-            else:
-                raise ValueError(f"gate must be one of ctx-beta, ctx-eta, sigmoid, dt, one; got {self.gate!r}")
         log_gate = None
         if self.log_gate_kind == "data":
             log_gate = -torch.exp(self.A_log) * F.softplus(self.decay_proj(h) + self.decay_bias)

@@ -9,7 +9,10 @@ from torch import nn
 
 from ..ops.api import cast_to
 
-__all__ = ["RMSNorm", "rms_normalize", "normalize_features"]
+__all__ = ["QK_NORMS", "RMSNorm", "rms_normalize", "normalize_features"]
+
+QK_NORMS = ("rmsnorm", "l2", "none")
+"""The query/key normalizations ``normalize_features`` applies (the config's ``qk_norm``)."""
 
 
 def rms_normalize(u: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -30,7 +33,7 @@ def normalize_features(u: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
         return u * torch.rsqrt(u.pow(2).sum(-1, keepdim=True) + eps)
     if kind == "none":
         return u
-    raise ValueError(f"qk_norm must be 'rmsnorm', 'l2' or 'none', got {kind!r}")
+    raise ValueError(f"kind (the qk_norm) must be one of {QK_NORMS}, got {kind!r}")
 
 
 class RMSNorm(nn.Module):

@@ -1,8 +1,9 @@
 """Causal depthwise short convolution that restarts at every sequence boundary.
 
-``y_t = SiLU(sum_{i=0}^{W-1} w_i * x_{t-i})`` per channel, where ``x_{t-i}`` is taken
-from the same sequence, from the carried buffer (the last ``W-1`` inputs of the
-cached prefix) when ``t-i`` falls before the segment, or zero on a fresh sequence.
+``y_t = SiLU(sum_{j=0}^{W-1} w_j * x_{t-W+1+j})`` per channel (``conv1d``'s order, as in
+``nn.Conv1d`` with causal padding: the last tap ``w_{W-1}`` weights the current token ``x_t``), where
+each ``x`` is taken from the same sequence, from the carried buffer (the last ``W-1`` inputs of the
+cached prefix) when its step falls before the segment, or zero on a fresh sequence.
 
 All layouts go through one valid (unpadded) ``conv1d``: each sequence is laid out
 as ``[buffer (W-1 rows), tokens]`` back to back, so every output window lies inside

@@ -19,17 +19,16 @@ import numpy as np
 
 from transformers import PretrainedConfig
 
+from ..layers.falcon_attention import FEATURE_MAPS
+from ..layers.gates import GATES, LOG_GATES
+from ..layers.norms import QK_NORMS
 from ..ops.rules import RULES, get_rule
+from ..ops.validate import FORMS
 
 __all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "check_field_names", "config_fields"]
 
 RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
 MIXERS = RECURRENT_MIXERS + ("transformer",)
-GATES = ("ctx-beta", "ctx-eta", "sigmoid", "dt", "one")
-LOG_GATES = ("none", "data", "dt", "fixed")
-QK_NORMS = ("rmsnorm", "l2", "none")
-FEATURE_MAPS = ("identity", "silu", "elu1", "relu")
-FORMS = ("chunk", "recurrent", "parallel")
 BACKENDS = ("native", "fla")
 
 # Switches of the recurrent mixers. ``gate``: how the context sets the write gain

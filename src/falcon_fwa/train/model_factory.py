@@ -26,7 +26,8 @@ def build_model(section: ModelSection, *, vocab_size: int, eos_token_id: int) ->
 
 def param_groups(model: nn.Module, *, lr: float, weight_decay: float) -> List[dict]:
     """The model's own (muP) groups when it defines ``param_groups(lr, weight_decay)``, else
-    weight decay on matrices only. Each group records ``lr_scale`` = its lr / ``lr``."""
+    weight decay on matrices only. Each group records ``lr_multiplier`` = its lr / ``lr`` (the key the
+    model's own groups carry)."""
     if hasattr(model, "param_groups"):
         groups = [dict(g) for g in model.param_groups(lr=lr, weight_decay=weight_decay)]
     else:
@@ -36,6 +37,6 @@ def param_groups(model: nn.Module, *, lr: float, weight_decay: float) -> List[di
                   {"params": other, "lr": lr, "weight_decay": 0.0}]
     for g in groups:
         g["params"] = list(g["params"])
-        g["lr_scale"] = g.get("lr", lr) / lr
-        g["lr"] = lr * g["lr_scale"]
+        g["lr_multiplier"] = g.get("lr", lr) / lr
+        g["lr"] = lr * g["lr_multiplier"]
     return [g for g in groups if g["params"]]

@@ -19,6 +19,6 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
 
 
 def set_lr(optimizer, base_lr: float) -> None:
-    """Every param group runs at ``base_lr * group['lr_scale']`` (the model's muP multiplier)."""
+    """Every param group runs at ``base_lr * group['lr_multiplier']`` (the model's muP multiplier)."""
     for group in optimizer.param_groups:
-        group["lr"] = base_lr * group.get("lr_scale", 1.0)
+        group["lr"] = base_lr * group.get("lr_multiplier", 1.0)

@@ -179,7 +179,7 @@ class Trainer:
         for group, fresh in zip(self.optimizer.param_groups,
                                 param_groups(self.core, lr=o.lr, weight_decay=o.weight_decay)):
             group.update(weight_decay=fresh.get("weight_decay", o.weight_decay), betas=tuple(o.betas), eps=o.eps,
-                         lr_scale=fresh["lr_scale"])
+                         lr_multiplier=fresh["lr_multiplier"])
         self.step = int(state["step"])
         data = state["data"]
         # The position counts micro-steps of micro_batch x processes samples: convert the samples

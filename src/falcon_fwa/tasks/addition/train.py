@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import platform
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset
 from ...atomic import read_json, save_torch, write_json
 from ...provenance import git_commit
+from ...train import schedule
 
 
 def metric_note(ood_widths: Tuple[int, int]) -> str:
@@ -62,13 +62,10 @@ class RunSpec:
 
 
 def lr_at(step: int, preset: AdditionPreset) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine."""
-    if step < preset.warmup:
-        return preset.lr * (step + 1) / preset.warmup
-    span = max(preset.steps - preset.warmup, 1)
-    progress = min((step - preset.warmup) / span, 1.0)
-    floor = preset.lr * preset.min_lr_ratio
-    return floor + 0.5 * (preset.lr - floor) * (1.0 + math.cos(math.pi * progress))
+    """Learning rate of optimizer step ``step`` (0-based): the trainer's schedule
+    (:func:`falcon_fwa.train.schedule.lr_at`, linear warmup then cosine) with the preset's budget."""
+    return schedule.lr_at(step, lr=preset.lr, warmup_steps=preset.warmup, total_steps=preset.steps,
+                          min_lr_ratio=preset.min_lr_ratio)
 
 
 def make_optimizer(model: torch.nn.Module, preset: AdditionPreset) -> torch.optim.AdamW:
@@ -375,8 +372,7 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
         bar = tqdm(total=p.steps, initial=start, desc=f"{spec.model} s{spec.seed}", dynamic_ncols=True)
     for step in range(start, p.steps):
         lr = lr_at(step, p)
-        for g in optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_multiplier", 1.0)
+        schedule.set_lr(optimizer, lr)
         batch = training_batch(spec.seed, step, p.batch_size, p.train_widths[0], p.max_train_width(step),
                                **samples, abacus_offset=p.abacus_offset).to(device)
         loss = train_step(model, optimizer, batch, p.grad_clip, autocast,

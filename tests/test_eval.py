@@ -278,6 +278,15 @@ def test_load_model_names_a_missing_or_empty_folder(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_load_model_takes_either_spelling_of_its_dtype(saved_model):
+    folder = str(saved_model / "run" / "model")
+    for spelling in ("bf16", "bfloat16"):
+        model, _ = load_model(folder, dtype=spelling)
+        assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"^dtype must be one of fp32, bf16 .* got 'int8'"):
+        load_model(folder, dtype="int8")
+
+
 def test_lm_eval_cli_names_a_missing_model_folder_include_path_or_task(tmp_path, capsys):
     # before: a transformers "Repo id must be in the form ..." OSError, or a KeyError traceback from the harness
     pytest.importorskip("lm_eval")

@@ -42,6 +42,18 @@ def at_least(option: str, value, low, *, strict: bool = False) -> None:
         raise ValueError(f"{option} must be {'>' if strict else '>='} {low}, got {value}")
 
 
+def dtype_name(value: str, choices: Sequence[str], *, name: str = "dtype") -> str:
+    """The torch name (``"float32"``, ``"bfloat16"``, ``"float16"``) of ``value``, any spelling of one
+    of ``choices``: the Python functions behind the commands take what their ``--dtype`` takes.
+    ``ValueError`` naming ``name`` otherwise."""
+    allowed = {_DTYPE_ALIASES[c] for c in choices}
+    torch_name = _DTYPE_ALIASES.get(str(value).strip().lower())
+    if torch_name not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(choices)} (or their other spellings: "
+                         f"fp32/float32, bf16/bfloat16, fp16/float16), got {value!r}")
+    return torch_name
+
+
 def dtype_option(choices: Sequence[str]) -> Callable[[str], str]:
     """argparse ``type`` of a ``--dtype`` option whose values are ``choices`` (a command's own
     spellings): any spelling of the same dtype (``bf16`` or ``bfloat16``, ``fp32`` or ``float32``,

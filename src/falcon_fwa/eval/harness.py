@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+from ..cli_options import dtype_name
+
 
 def register() -> None:
     """Register the model type with transformers and ``falcon-fwa`` with the harness."""
@@ -50,7 +52,8 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     if missing:
         raise ValueError(f"tasks: unknown {', '.join(map(repr, missing))}"
                          + ("" if include_path else " (local task YAML files need include_path)"))
-    model_args = {"pretrained": model_dir, "dtype": dtype, "trust_remote_code": True}
+    model_args = {"pretrained": model_dir, "dtype": dtype_name(dtype, ("float32", "bfloat16", "float16")),
+                  "trust_remote_code": True}
     if max_length is not None:
         model_args["max_length"] = max_length
     return lm_eval.simple_evaluate(

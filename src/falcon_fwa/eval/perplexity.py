@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..cli_options import dtype_name
 from ..data.shards import TokenShards
 from ..data.sources import iter_documents
 from ..data.tokenizer import encode_documents, is_byte_tokenizer
@@ -53,13 +54,14 @@ def check_model_folder(folder: str) -> None:
 
 
 def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
-    """A saved model folder (or a Hugging Face hub id ``owner/name``) -> (model in eval mode, tokenizer)."""
+    """A saved model folder (or a Hugging Face hub id ``owner/name``) -> (model in eval mode, tokenizer).
+    ``dtype``: the weights', ``"fp32"`` or ``"bf16"`` (``"float32"``, ``"bfloat16"`` are taken too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(folder)
     from .. import models  # noqa: F401  (registers model_type "falcon_fwa" with the Auto classes)
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    torch_dtype = getattr(torch, dtype_name(dtype, ("fp32", "bf16")))
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
     except OSError as err:

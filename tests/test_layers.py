@@ -351,6 +351,11 @@ def test_config_errors_name_the_field(kwargs, field):
         FalconConfig(**{**dict(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1), **kwargs})
 
 
+@pytest.mark.parametrize("name,stored", [("3a", "3A"), ("Falcon-1A", "1A"), (" 2 ", "2")])
+def test_config_takes_a_rule_as_get_rule_does_and_stores_its_canonical_name(name, stored):
+    assert FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule=name).rule == stored
+
+
 def test_an_integral_float_is_an_integer_field():
     """64.0 (JSON's or a division's) is the integer 64, stored as an int."""
     cfg = FalconConfig(vocab_size=64.0, hidden_size=32, num_heads=2.0, num_hidden_layers=1)

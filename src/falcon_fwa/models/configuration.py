@@ -244,8 +244,10 @@ class FalconConfig(PretrainedConfig):
         self.num_hidden_layers = _int("num_hidden_layers", num_hidden_layers)
         self.num_heads = _int("num_heads", num_heads)
         self.mixer = mixer
-        rule_name = str(pick("rule", rule)).strip().upper()
-        self.rule = get_rule(rule_name).name if rule_name in RULES else str(pick("rule", rule))
+        try:  # stored by its canonical name ("falcon-1a" -> "1A")
+            self.rule = get_rule(pick("rule", rule)).name
+        except ValueError:  # left to validate_fields, which names the field
+            self.rule = str(pick("rule", rule))
         try:  # an integral number is stored as an int
             self.window = _int("window", window)
         except ValueError:  # left to validate_fields, which refuses it for the sliding rules (the others never read it)

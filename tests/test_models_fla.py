@@ -52,13 +52,13 @@ def core_forward_errors(kind):
     up = [None if t is None else t.double() for t in (q, k, v, beta, g)]
     o_ref, s_ref = _native(kind, *up, h0=h0.double())
     o, st = fla_backend.run(kind, q, k, v, beta, g, initial_state=FalconState("1", 1, False, h0),
-                            output_final_state=True, cu_seqlens=None, rule="1", window=1, shift=False)
+                            output_final_state=True, cu_seqlens=None, rule="1", shift=False)
     dense = (_rel(o, o_ref), _rel(st.S, s_ref))
     cu = torch.tensor([0, 37, 200, 201, 300], device="cuda")
     flat = [None if t is None else t[:1] for t in (q, k, v, beta, g)]
     o_ref, _ = _native(kind, *[None if t is None else t.double() for t in flat], cu_seqlens=cu)
     o, _ = fla_backend.run(kind, *flat, initial_state=None, output_final_state=True, cu_seqlens=cu, rule="1",
-                           window=1, shift=False)
+                           shift=False)
     return {"o (dense, h0)": dense[0], "final state": dense[1], "o (packed)": _rel(o, o_ref)}
 
 
@@ -77,7 +77,7 @@ def core_gradient_errors(kind):
 
     ref = grads(lambda *a: _native(kind, *a)[0], torch.float64)
     got = grads(lambda *a: fla_backend.run(kind, *a, initial_state=None, output_final_state=False, cu_seqlens=None,
-                                           rule="1", window=1, shift=False)[0], torch.bfloat16)
+                                           rule="1", shift=False)[0], torch.bfloat16)
     return {f"d{n}": _rel(a, b) for n, a, b in zip(names, got, ref) if b is not None}
 
 

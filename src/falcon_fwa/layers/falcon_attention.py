@@ -152,7 +152,7 @@ class FalconAttention(nn.Module):
         elif self.backend == "fla" and q.is_cuda:
             o, final = fla_backend.run(self.core_kind(), q, k, v, beta, log_gate, initial_state=init,
                                        output_final_state=want_state, cu_seqlens=packing.cu_seqlens,
-                                       rule=self.rule, window=self.window, shift=self.shift)
+                                       rule=self.rule, shift=self.shift)
         else:
             o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
                                         log_gate=log_gate, initial_state=init, output_final_state=want_state,

@@ -52,10 +52,11 @@ def check_supported(kind: str) -> None:
 
 
 def run(kind: str, q, k, v, beta, log_gate, *, initial_state: Optional[FalconState], output_final_state: bool,
-        cu_seqlens: Optional[torch.Tensor], rule: str, window: int, shift: bool
+        cu_seqlens: Optional[torch.Tensor], rule: str, shift: bool
         ) -> Tuple[torch.Tensor, Optional[FalconState]]:
     """``q``, ``k`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``,
-    ``log_gate`` ``[B, T, H]``; returns ``o`` ``[B, T, H, V]`` and the final state."""
+    ``log_gate`` ``[B, T, H]``; returns ``o`` ``[B, T, H, V]`` and the final state (``rule`` and
+    ``shift`` are recorded on it; the recurrences fla runs have no sliding window)."""
     check_supported(kind)
     h0 = None if initial_state is None else initial_state.S.float()
     cu = None if cu_seqlens is None else cu_seqlens.to(torch.long)

@@ -45,7 +45,8 @@ def top_eigenvalue(gram: torch.Tensor, batch: int = EIGH_BATCH) -> torch.Tensor:
 def top_eigenvalue_by_squaring(gram: torch.Tensor, squarings: int = 20) -> torch.Tensor:
     """Largest eigenvalue of each symmetric positive semi-definite matrix in ``gram``
     ``[..., W, W]`` -> ``[...]``, from elementwise products only: no host synchronization
-    and no eigensolver, for the GPU path of rule 3.
+    and no eigensolver. This is the readable statement of the method rule 3's Triton kernels use
+    for the window statistic (``ops/triton/step_size_kernels.py``), and what its bound is tested on.
 
     ``M = G / max_i G_ii`` (which cannot overflow: ``lambda_max / W <= max_i G_ii <=
     lambda_max``) is squared ``squarings`` times, renormalized to unit trace each time,

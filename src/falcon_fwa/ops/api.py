@@ -13,7 +13,7 @@ from .parallel import parallel_form
 from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
 from .segments import run_segments
-from .seqlens import sequence_bounds
+from .seqlens import packed_bounds, padded_rows
 from .state import FalconState
 from .step_sizes import step_sizes
 from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_state,
@@ -299,9 +299,7 @@ def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_
     """Packed sequences: unpacked into right-padded rows (padding steps are no-ops),
     run as one batch, and packed back."""
     spec = options["spec"]
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
-    bounds = sequence_bounds(cu_seqlens, q.shape[1])
+    bounds = packed_bounds(q, cu_seqlens)
     N = len(bounds) - 1
     check_inputs(q, k, v, beta, lam, log_gate, spec, window=options["window"] if spec.sliding else 1,
                  form=options["form"], chunk_size=options["chunk_size"], eps=options["eps"],
@@ -312,20 +310,9 @@ def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_
             raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {N} sequences")
         check_state(initial_state, spec, window=options["window"], shift=options["shift"], B=N, H=q.shape[2],
                     K=q.shape[3], V=v.shape[3])
-    dev = q.device
-    starts = torch.tensor(bounds[:-1], device=dev)
-    lengths = torch.tensor(bounds[1:], device=dev) - starts
-    L = int(max(b1 - b0 for b0, b1 in zip(bounds, bounds[1:])))
-    pos = starts[:, None] + torch.arange(L, device=dev)[None, :]  # [N, L]
-    real = torch.arange(L, device=dev)[None, :] < lengths[:, None]
-    pos = torch.where(real, pos, torch.zeros_like(pos))
-
-    def unpack(t):
-        if t is None:
-            return None
-        rows = t[0][pos]  # [N, L, ...]
-        return rows.masked_fill(~real.view(N, L, *([1] * (rows.dim() - 2))), 0.0)
-
+    starts = torch.tensor(bounds[:-1], device=q.device)
+    lengths = torch.tensor(bounds[1:], device=q.device) - starts
+    unpack, real = padded_rows(starts, lengths, max(b1 - b0 for b0, b1 in zip(bounds, bounds[1:])))
     o, final = _torch_forms(*map(unpack, (q, k, v, beta, lam, log_gate)), initial_state, output_final_state,
                             lengths=lengths, **options)
     return o[real][None], final

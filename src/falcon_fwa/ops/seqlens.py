@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["sequence_bounds", "known_sequence_bounds", "memo"]
+__all__ = ["sequence_bounds", "known_sequence_bounds", "memo", "packed_bounds", "padded_rows"]
 
 _LOCAL = threading.local()
 
@@ -95,3 +95,32 @@ def known_sequence_bounds(cu_seqlens: Optional[torch.Tensor], bounds: Optional[S
             known.pop(key, None)
         else:
             known[key] = outer
+
+
+def packed_bounds(q: torch.Tensor, cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
+    """:func:`sequence_bounds` of the sequences packed in ``q``, which must be ``[1, total, H, K]``
+    (``ValueError`` naming ``q`` otherwise)."""
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
+    return sequence_bounds(cu_seqlens, q.shape[1])
+
+
+def padded_rows(starts: torch.Tensor, lengths: torch.Tensor, L: int
+                ) -> Tuple[Callable[[Optional[torch.Tensor]], Optional[torch.Tensor]], torch.Tensor]:
+    """Packed sequences as right-padded rows, for the forms that run a batch of rows.
+
+    ``starts``, ``lengths`` ``[N]`` (int64, on the tensors' device): where each sequence begins in
+    the packed axis and how many steps it has; ``L``: the longest. Returns ``unpack``, which maps a
+    packed ``[1, total, ...]`` tensor to ``[N, L, ...]`` with zeros past each sequence's end (``None``
+    stays ``None``), and ``real`` ``[N, L]``, the steps that exist: ``o[real][None]`` packs rows back."""
+    steps = torch.arange(L, device=starts.device)[None, :]
+    real = steps < lengths[:, None]
+    pos = torch.where(real, starts[:, None] + steps, torch.zeros_like(steps))
+
+    def unpack(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        rows = t[0][pos]
+        return rows.masked_fill(~real.view(*real.shape, *([1] * (rows.dim() - 2))), 0.0)
+
+    return unpack, real

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..rules import get_rule
-from ..seqlens import sequence_bounds
+from ..seqlens import packed_bounds, padded_rows
 from ..state import FalconState
 from ..validate import check_inputs, check_state, check_state_type
 from .column_decay import column_decay_chunk
@@ -183,9 +183,7 @@ def falcon_chunk_triton(
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
-        bounds = sequence_bounds(cu_seqlens, T)
+        bounds = packed_bounds(q, cu_seqlens)
         cu_seqlens = cu_seqlens.to(q.device)  # the kernels index it on the device
         starts, ends = bounds[:-1], bounds[1:]
     else:
@@ -256,19 +254,9 @@ def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, en
     k, v = k.to(q.dtype), v.to(q.dtype)
     lengths = None
     if cu_seqlens is not None:
-        dev = q.device
         first = cu_seqlens[:-1].long()
         lengths = cu_seqlens[1:].long() - first
-        L = max(e - s for s, e in zip(starts, ends))
-        real = torch.arange(L, device=dev)[None, :] < lengths[:, None]  # [N, L]
-        pos = torch.where(real, first[:, None] + torch.arange(L, device=dev)[None, :], torch.zeros_like(real, dtype=torch.long))
-
-        def unpack(t):
-            if t is None:
-                return None
-            rows = t[0][pos]
-            return rows.masked_fill(~real.view(*real.shape, *([1] * (rows.dim() - 2))), 0.0)
-
+        unpack, real = padded_rows(first, lengths, max(e - s for s, e in zip(starts, ends)))
         q, k, v, beta, lam, log_gate = map(unpack, (q, k, v, beta, lam, log_gate))
     scan = sliding_chunk if rule == "3A" else sliding_delta_chunk
     o, final = scan(q, k, v, beta, lam, log_gate, S0, last_key, tail, window=window, eps=eps,

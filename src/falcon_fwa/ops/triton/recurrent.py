@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..rules import get_rule
-from ..seqlens import sequence_bounds
+from ..seqlens import packed_bounds
 from ..state import FalconState
 from ..validate import check_inputs, check_options, check_state, check_state_type
 from . import recurrent_kernels as kern
@@ -104,9 +104,7 @@ def falcon_recurrent_triton(
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
-        N = len(sequence_bounds(cu_seqlens, T)) - 1
+        N = len(packed_bounds(q, cu_seqlens)) - 1
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     else:
         N = B

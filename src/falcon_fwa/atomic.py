@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
-__all__ = ["atomic_path", "write_json", "write_text", "save_torch", "read_json"]
+__all__ = ["atomic_path", "synced_write", "write_json", "write_text", "save_torch", "read_json"]
 
 
 def _umask() -> int:
@@ -44,12 +44,18 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         raise
 
 
+def synced_write(path: PathLike, write: Callable[[Any], None], mode: str = "w") -> None:
+    """``write(f)`` on ``path`` opened in ``mode``, then flushed to disk (not atomic by itself: the
+    callers write into a temporary path, :func:`atomic_path`, or a temporary folder)."""
+    with open(path, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_file(path: PathLike, write: Callable[[Any], None]) -> None:
     with atomic_path(path) as tmp:
-        with open(tmp, "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        synced_write(tmp, write)
 
 
 def write_text(path: PathLike, text: str) -> None:
@@ -68,10 +74,7 @@ def save_torch(path: PathLike, obj: Any) -> None:
     import torch
 
     with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        synced_write(tmp, lambda f: torch.save(obj, f), "wb")
 
 
 def read_json(path: PathLike) -> Any:

@@ -17,6 +17,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..atomic import synced_write
+
 LATEST = "LATEST"
 PREFIX = "step-"
 
@@ -27,13 +29,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_file(path: str, write) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def rng_state() -> dict:
@@ -62,9 +57,9 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 
     final = os.path.join(checkpoint_dir, name)
     tmp = os.path.join(checkpoint_dir, f".tmp-{name}")
     os.makedirs(tmp)
-    _write_file(os.path.join(tmp, "state.pt"), lambda f: torch.save(state, f))
+    synced_write(os.path.join(tmp, "state.pt"), lambda f: torch.save(state, f), "wb")
     meta = json.dumps({"step": step, "complete": True}).encode()
-    _write_file(os.path.join(tmp, "meta.json"), lambda f: f.write(meta))
+    synced_write(os.path.join(tmp, "meta.json"), lambda f: f.write(meta), "wb")
     stale = None
     if os.path.exists(final):  # a re-save of this step: move the old one aside (one rename), delete it last
         stale = os.path.join(checkpoint_dir, f".tmp-old-{name}")
@@ -74,7 +69,7 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
     pointer = os.path.join(checkpoint_dir, f".tmp-{LATEST}")
-    _write_file(pointer, lambda f: f.write(name.encode()))
+    synced_write(pointer, lambda f: f.write(name.encode()), "wb")
     os.replace(pointer, os.path.join(checkpoint_dir, LATEST))
     _fsync_dir(checkpoint_dir)
     # Keep the newest ``keep`` checkpoints up to this step, this one included. Checkpoints of later

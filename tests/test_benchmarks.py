@@ -19,12 +19,10 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 def test_row_time_limit_stops_a_slow_row_only():
     import bench_kernels
-    start = time.perf_counter()
-    with pytest.raises(bench_kernels.RowTimeout, match="row-timeout"):
+    with pytest.raises(bench_kernels.RowTimeout, match="row-timeout"):  # the endless row is stopped
         with bench_kernels._time_limit(0.2):
             while True:
                 time.sleep(0.01)
-    assert time.perf_counter() - start < 2.0
     before = signal.getsignal(signal.SIGALRM)
     with bench_kernels._time_limit(0.1):  # a fast row is untouched, and the alarm is cleared after it
         pass

@@ -503,19 +503,27 @@ def test_the_summary_records_the_recipe_and_the_commit(tmp_path):
 
 
 def test_logged_tokens_per_s_is_not_inflated_by_an_evaluation_between_log_steps(tmp_path, monkeypatch):
+    """On a clock that a training micro-step advances by 1 s and an evaluation batch by 100 s, every
+    logged rate is the tokens of the window's steps over their 2 s each, evaluations left out."""
+    now = [0.0]
     real = trainer_module.causal_lm_loss
 
-    def slow(*args, **kwargs):  # every micro-step takes at least 50 ms: a step (2 micro-steps) >= 0.1 s
-        time.sleep(0.05)
+    def charged(*args, **kwargs):
+        now[0] += 1.0 if torch.is_grad_enabled() else 100.0
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "causal_lm_loss", slow)
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", charged)
+    monkeypatch.setattr(trainer_module, "_clock", lambda: now[0])
     raw = recipe(tmp_path, "run", steps=9, eval_every=2, save_every=0)
     raw["log"]["every"] = 3  # evaluations (steps 2, 4, 6, 8) fall between log steps
+    micro_steps = raw["train"]["global_batch"] // raw["train"]["micro_batch"]
+    assert micro_steps == 2
     run_trainer(raw)
     tokens_per_step = raw["train"]["global_batch"] * raw["data"]["seq_len"]
-    for step, rate in losses(tmp_path / "run", "tokens_per_s"):
-        assert rate <= tokens_per_step / 0.1, (step, rate)
+    rates = losses(tmp_path / "run", "tokens_per_s")
+    assert [step for step, _ in rates] == [3, 6, 9]
+    for step, rate in rates:
+        assert rate == pytest.approx(tokens_per_step / micro_steps), (step, rate)
 
 
 def test_resume_applies_the_recipes_optimizer_hyperparameters(tmp_path):

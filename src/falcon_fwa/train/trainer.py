@@ -31,6 +31,8 @@ from .logger import MetricLogger
 from .model_factory import build_model, param_groups
 from .schedule import lr_at, set_lr
 
+_clock = time.perf_counter  # every time the loop measures comes from here
+
 
 class NonFiniteLoss(RuntimeError):
     """Raised when a step's loss or gradient norm is NaN or Inf."""
@@ -272,12 +274,12 @@ class Trainer:
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)
         self.model.train()
-        window_start, window_steps, timed_tokens, timed_seconds = time.perf_counter(), 0, 0, 0.0
+        window_start, window_steps, timed_tokens, timed_seconds = _clock(), 0, 0, 0.0
         skip = self.step + min(10, t.steps // 10)  # the first steps include allocation and warm-up
         last_val = {}
         first_step = self.step
         while self.step < end:
-            step_start = time.perf_counter()
+            step_start = _clock()
             lr = lr_at(self.step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps,
                        min_lr_ratio=o.min_lr_ratio)
             set_lr(self.optimizer, lr)
@@ -303,30 +305,30 @@ class Trainer:
                 end = self.step
             if self.step > skip:
                 timed_tokens += tokens_per_step
-                timed_seconds += time.perf_counter() - step_start
+                timed_seconds += _clock() - step_start
             window_steps += 1
             bar.update(1)
             if self.step % cfg.log.every == 0 or self.step == end:
                 if info.device.type == "cuda":
                     torch.cuda.synchronize(info.device)
-                seconds = time.perf_counter() - window_start
+                seconds = _clock() - window_start
                 tok_s = window_steps * tokens_per_step / max(seconds, 1e-9)
                 self.logger.log(self.step, loss=step_loss, lr=lr, grad_norm=grad_norm,
                                 tokens=self.step * tokens_per_step, tokens_per_s=tok_s)
                 bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_steps = _clock(), 0
             # evaluation and checkpoint time is left out of the window's tokens/s (not its steps)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                paused = time.perf_counter()
+                paused = _clock()
                 last_val = self.evaluate()
                 self.logger.log(self.step, **last_val)
                 if info.is_main:  # tqdm.write prints even where the bar is disabled
                     bar.write(f"step {self.step}: val_loss {last_val['val_loss']:.4f} ppl {last_val['val_ppl']:.3f}")
-                window_start += time.perf_counter() - paused
+                window_start += _clock() - paused
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
-                paused = time.perf_counter()
+                paused = _clock()
                 self.save()
-                window_start += time.perf_counter() - paused
+                window_start += _clock() - paused
         bar.close()
         if self.step == t.steps and t.export_model:
             self.export(os.path.join(self.out_dir, "model"))

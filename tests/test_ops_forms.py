@@ -200,13 +200,19 @@ def test_decay_floor_below_the_dtype_epsilon(dtype, decay_floor):
 def test_hard_reset_gate(rule):
     """log_gate = -inf (exp(g) = 0: the state is reset) is a valid gate (g <= 0): every form
     gives the recurrence's finite outputs and gradients. A huge finite gate (-1e6) in float32
-    does not cost the chunk-local differences their precision."""
+    does not cost the chunk-local differences their precision. The gradients are those of the
+    recurrent form in float64 (autograd, itself checked against finite differences with the -inf
+    gate): within 1e-10 in float64, and within float32 rounding (5e-5) for the float32 inputs."""
     inp = random_inputs(rule, B=1, T=12, H=1, K=3, V=2, seed=13, with_gate=True)
-    for g, dtype, tol in ((float("-inf"), torch.float64, TOL), (-1e6, torch.float32, 1e-5)):
+    for g, dtype, tol, grad_tol in ((float("-inf"), torch.float64, TOL, TOL), (-1e6, torch.float32, 1e-5, 5e-5)):
         x = {n: t.clone() for n, t in inp.items()}
         x["log_gate"][:, 5] = g
         x = {n: t.to(dtype) for n, t in x.items()}
         ref, _, _ = reference_falcon(**x, rule=rule, window=3)
+        # float64 autograd of the recurrent form (the definition) at the same (rounded) values
+        ref_grads = _squared_output_grads({n: t.double() for n, t in x.items()}, rule, "recurrent")
+        assert all(t.abs().max() > 0 for n, t in ref_grads.items() if n != "log_gate")
+        assert ref_grads["log_gate"][:, 5].abs().max() == 0  # d/dg exp(g) S = exp(g) S = 0 at the reset
         for form in FORMS:
             leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
             o, _ = falcon_attention(**leaves, rule=rule, window=3, form=form, chunk_size=8, backend="torch")
@@ -214,6 +220,27 @@ def test_hard_reset_gate(rule):
             (o ** 2).sum().backward()
             for n, t in leaves.items():
                 assert torch.isfinite(t.grad).all(), (form, g, n)
+                assert rel_err(t.grad, ref_grads[n]) <= grad_tol, (form, g, n, rel_err(t.grad, ref_grads[n]))
+    # the recurrent form's own gradient with the -inf gate, against finite differences
+    x = {n: t.clone() for n, t in inp.items()}
+    x["log_gate"][:, 5] = float("-inf")
+    names = list(x)
+
+    def f(*tensors):
+        o, st = falcon_attention(**dict(zip(names, tensors)), rule=rule, window=3, form="recurrent",
+                                 output_final_state=True, backend="torch")
+        return o, st.S
+
+    leaves = tuple(x[n].clone().requires_grad_() for n in names)
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def _squared_output_grads(x, rule, form):
+    """Gradients of ``sum(o ** 2)`` with respect to every input in ``x`` (window 3, chunks of 8)."""
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = falcon_attention(**leaves, rule=rule, window=3, form=form, chunk_size=8, backend="torch")
+    (o ** 2).sum().backward()
+    return {n: t.grad for n, t in leaves.items()}
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)

@@ -1,10 +1,11 @@
 """Gradients: the parallel and chunk forms against autograd through the recurrent
-form (float64, <= 1e-8), and finite differences (gradcheck) for every rule."""
+form (float64, <= 1e-8), and finite differences (gradcheck) for every rule, also of the
+recurrent form under each switch (scale_ridge, read="before", shift=False, normalize=False)."""
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RULE_NAMES, random_inputs, reference_falcon, rel_err
+from conftest import RULE_NAMES, SLIDING, random_inputs, reference_falcon, rel_err
 
 from falcon_fwa import falcon_attention
 
@@ -73,3 +74,79 @@ def test_gradcheck(rule, form):
 
     leaves = tuple(inp[n].clone().requires_grad_() for n in names)
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# The switches' gradients through the recurrent form, the definition (the other forms are compared with it
+# above, and share its step-size code: only finite differences check that code's own gradient).
+SWITCHES = {
+    "scale_ridge": dict(scale_ridge=True),
+    "read_before": dict(read="before"),
+    "unshifted": dict(shift=False),
+    "unnormalized": dict(normalize=False),
+    "unnormalized_scaled": dict(normalize=False, scale_ridge=True),
+    "all": dict(scale_ridge=True, read="before", shift=False),
+}
+
+
+def _window_energy(k, rule, window, shift):
+    """``E_t`` ``[B, T, H]`` of the sliding rules, with loops: over the write features ``x_j``, ``j`` in
+    ``I_t`` (``k_{j-1}``, from the second step with ``shift``; else ``k_j``), the top eigenvalue of the
+    window Gram over ``B_t`` (rule 3) or the mean squared norm (3A); 0 where the window is empty."""
+    B, T, H, _ = k.shape
+    E = torch.zeros(B, T, H, dtype=k.dtype)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                js = range(max(int(shift), t - window + 1), t + 1)
+                if not js:
+                    continue
+                X = torch.stack([k[b, j - 1 if shift else j, h] for j in js])
+                E[b, t, h] = (torch.linalg.eigvalsh(X @ X.T)[-1] if rule == "3" else (X * X).sum()) / len(js)
+    return E
+
+
+@pytest.mark.parametrize("switches", list(SWITCHES.values()), ids=list(SWITCHES))
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_gradcheck_of_the_switches(rule, switches):
+    """Finite differences (float64 gradcheck) of the recurrent form under each switch, with a full
+    sliding window (3 of 5 steps). With ``scale_ridge`` the sliding rules scale lambda by a detached
+    ``E_t`` (Appendix C.6), which is no derivative: their key gradient is checked as that of the op
+    with ``scale_ridge=False`` and the ridge ``lam * E_t`` of the unperturbed keys, itself gradchecked."""
+    inp = random_inputs(rule, B=1, T=5, H=1, K=3, V=3, seed=66, beta_range=(0.3, 0.9), lam_range=(0.05, 0.5),
+                        with_gate=True)
+    opts = dict(rule=rule, window=3, **switches)
+    ref_o, ref_S, info = reference_falcon(**inp, **opts)
+    assert info["clamped_fraction"] == 0.0  # away from the clamp's kink
+    o, st = falcon_attention(**inp, form="recurrent", output_final_state=True, **opts)
+    assert rel_err(o, ref_o) <= 1e-10 and rel_err(st.S, ref_S) <= 1e-10  # the switches reach the op
+    detached = rule in SLIDING and switches.get("scale_ridge", False)
+    names = [n for n in inp if not (detached and n == "k")]
+
+    def op(values, **overrides):
+        args = {**inp, **values}
+        o, st = falcon_attention(**args, form="recurrent", output_final_state=True, **{**opts, **overrides})
+        return o, st.S
+
+    def f(*tensors):
+        return op(dict(zip(names, tensors)))
+
+    leaves = tuple(inp[n].clone().requires_grad_() for n in names)
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+    if not detached:
+        return
+    ridge = inp["lam"] * _window_energy(inp["k"], rule, 3, switches.get("shift", True))
+
+    def g(k):
+        return op(dict(k=k, lam=ridge), scale_ridge=False)
+
+    k = inp["k"].clone().requires_grad_()
+    assert torch.autograd.gradcheck(g, (k,), eps=1e-6, atol=1e-7, rtol=1e-5)
+    cot = torch.randn(inp["v"].shape, generator=torch.Generator().manual_seed(67), dtype=torch.float64)
+    grads = []
+    for fn in (lambda k: op(dict(k=k)), g):
+        k = inp["k"].clone().requires_grad_()
+        o, S = fn(k)
+        assert rel_err(o, ref_o) <= 1e-10
+        ((o * cot).sum() + S.sum()).backward()
+        grads.append(k.grad)
+    assert rel_err(grads[0], grads[1]) <= 1e-10

@@ -4,8 +4,12 @@ import pytest
 import torch
 
 from conftest import RULE_NAMES, random_inputs, reference_falcon
+from test_triton_interpreter import FRESH_PROCESS_REASON, prepare_interpreter
 
 from falcon_fwa import falcon_attention, falcon_trace
+
+KERNELS_RUN = prepare_interpreter()  # CUDA, or Triton's interpreter on the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _close(a, b):
@@ -93,15 +97,19 @@ def test_trace_names_a_bad_argument():
         falcon_trace(k, **inp, shift="False")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' trace is checked on a GPU")
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
 @pytest.mark.parametrize("rule", RULE_NAMES)
 def test_trace_on_the_kernels_is_the_float64_trace(rule):
-    """On CUDA the predictions come from the chunk kernels (``backend="auto"``, fp32 inputs): they
-    and the step sizes equal the float64 trace within fp32 rounding."""
-    inp = random_inputs(rule, T=70, K=16, V=16, with_gate=True, seed=11)
+    """With ``backend="triton"`` (fp32 inputs; on a CPU through Triton's interpreter) the predictions
+    come from the chunk kernels, which raise rather than fall back: they and the step sizes equal the
+    float64 trace within fp32 rounding. Window 4 is one the rule-3 kernels take (``SLOT_COUNTS``; 3 is
+    not), and spans the chunk boundaries of the 40 steps in chunks of 16."""
+    pytest.importorskip("triton")
+    inp = random_inputs(rule, T=40, K=16, V=16, with_gate=True, seed=11)
     inp.pop("q")
-    ref = falcon_trace(**inp, rule=rule, window=3)
-    trace = falcon_trace(**{n: t.float().cuda() for n, t in inp.items()}, rule=rule, window=3, chunk_size=16)
+    ref = falcon_trace(**inp, rule=rule, window=4)
+    trace = falcon_trace(**{n: t.float().to(DEVICE) for n, t in inp.items()}, rule=rule, window=4, chunk_size=16,
+                         backend="triton")
     scale = ref.prediction.abs().max()
     assert (trace.prediction.cpu().double() - ref.prediction).abs().max() <= 1e-4 * scale
     assert torch.allclose(trace.eta.cpu().double(), ref.eta, rtol=1e-5, atol=1e-7)

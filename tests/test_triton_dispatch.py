@@ -57,17 +57,27 @@ def test_final_state_is_fp32_on_both_backends(rule):
 @pytest.mark.parametrize("rule", ["1A", "1"])
 def test_triton_backend_takes_a_hard_reset_gate(rule):
     """A gate of -inf (exp(g) = 0) reaches the kernels floored: outputs and gradients are the
-    recurrent form's, finite (unfloored, the chunk-local log differences would be NaN)."""
+    recurrent form's, finite (unfloored, the chunk-local log differences would be NaN). The
+    gradients, the gate's too, are those of the recurrent form in float64 within fp32 rounding."""
     q, k, v, beta, lam = _inputs()
     g = -torch.rand(*beta.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     g[:, 9] = float("-inf")
     ref, _ = falcon_attention(q, k, v, beta, lam, rule=rule, log_gate=g, form="recurrent", backend="torch")
     assert torch.isfinite(ref).all()
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, lam)]
-    out, _ = falcon_attention(*leaves, rule=rule, log_gate=g, chunk_size=16, backend="triton")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, lam, g)]
+    out, _ = falcon_attention(*leaves[:5], rule=rule, log_gate=leaves[5], chunk_size=16, backend="triton")
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
     out.square().sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, beta, lam, g)]
+    ref64, _ = falcon_attention(*ref_leaves[:5], rule=rule, log_gate=ref_leaves[5], form="recurrent", backend="torch")
+    ref64.square().sum().backward()
+    for name, t, r in zip(("q", "k", "v", "beta", "lam", "log_gate"), leaves, ref_leaves):
+        scale = r.grad.abs().max()
+        assert scale > 0, name
+        err = (t.grad.double() - r.grad).abs().max() / scale
+        assert err <= 1e-4, (name, err.item())
+    assert ref_leaves[5].grad[:, 9].abs().max() == 0  # the reset step's gate: d/dg exp(g) S = 0 at g = -inf
 
 
 @pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)

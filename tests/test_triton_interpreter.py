@@ -29,7 +29,8 @@ KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_recurrent.py", "test_triton
                 "test_triton_dispatch.py::test_triton_backend_matches_the_torch_forms",
                 "test_triton_dispatch.py::test_compiled_caller_runs_the_kernels_between_its_graphs",
                 "test_ops_read_norm.py::test_kernels_take_the_normalized_read",
-                "test_ops_read_norm.py::test_kernels_float16_read_does_not_overflow")
+                "test_ops_read_norm.py::test_kernels_float16_read_does_not_overflow",
+                "test_ops_trace.py::test_trace_on_the_kernels_is_the_float64_trace")
 FRESH_PROCESS_REASON = ("triton was imported before TRITON_INTERPRET=1 could be set; "
                         "test_triton_interpreter.py runs this module in a fresh process")
 

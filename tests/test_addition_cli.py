@@ -376,6 +376,69 @@ def test_validation_loss_sees_the_training_widths_only():
     assert tally.exact_acc(range(1, 3)) == 100.0
 
 
+def test_summary_reports_each_accuracy_by_hand():
+    """Validation widths 1-2, OOD widths 3-4; hits per sample (of w + 1 digits) chosen so that
+    exact and digit accuracy, validation and OOD, pooled and per-width means all differ."""
+    from falcon_fwa.tasks.addition import train
+    from falcon_fwa.tasks.addition.metrics import AccuracyTally
+
+    tally = AccuracyTally()
+    rows = {1: [[1, 1], [1, 0]],  # 2/2 and 1/2 digits right: exact 1/2, digit 3/4
+            2: [[1, 1, 1]],  # exact 1/1, digit 3/3
+            3: [[1, 1, 1, 1]] + [[0, 0, 0, 1]] * 3,  # exact 1/4, digit 7/16
+            4: [[1] * 5, [1, 0, 0, 0, 0]]}  # exact 1/2, digit 6/10
+    for w, hits in rows.items():
+        hits = torch.tensor(hits)
+        tally.add(torch.full((len(hits),), w), hits.sum(1), torch.full((len(hits),), w + 1), positions=hits)
+    s = train._summary(tally, range(1, 3), range(3, 5))
+    assert s.pop("per_width") == {"1": {"exact": 50.0, "digit": 75.0}, "2": {"exact": 100.0, "digit": 100.0},
+                                  "3": {"exact": 25.0, "digit": 43.75}, "4": {"exact": 50.0, "digit": 60.0}}
+    assert s.pop("per_position") == {"1": [100.0, 50.0], "2": [100.0] * 3, "3": [25.0, 25.0, 25.0, 100.0],
+                                     "4": [100.0, 50.0, 50.0, 50.0, 50.0]}
+    assert s == pytest.approx({
+        "val_acc": 100 * 2 / 3,  # pooled over the 3 validation samples (the mean of widths would be 75)
+        "val_digit_acc": 100 * 6 / 7,  # pooled over their 7 digits
+        "mean_acc_ood": (25.0 + 50.0) / 2,  # mean of the OOD widths (pooled would be 2/6)
+        "digit_mean_acc_ood": (43.75 + 60.0) / 2,
+        "acc_d3": 25.0, "acc_d4": 50.0, "digit_acc_d3": 43.75, "digit_acc_d4": 60.0,
+    })
+
+
+def test_best_step_prefers_val_acc_then_digit_acc_then_lower_loss():
+    from falcon_fwa.tasks.addition.train import _better
+
+    base = {"val_acc": 50.0, "val_digit_acc": 80.0, "val_loss": 1.0}
+    for better in ({"val_acc": 60.0, "val_digit_acc": 70.0, "val_loss": 2.0},  # exact match first
+                   {"val_acc": 50.0, "val_digit_acc": 90.0, "val_loss": 2.0},  # then digit accuracy
+                   {"val_acc": 50.0, "val_digit_acc": 80.0, "val_loss": 0.5}):  # then the lower loss
+        assert _better(better, base) and not _better(base, better), better
+    assert not _better(dict(base), base)  # a full tie keeps the earlier step
+    assert _better(base, None)
+
+
+def test_best_pt_holds_the_best_validation_step(tmp_path, monkeypatch):
+    """Four evaluations with scripted validation accuracies: by hand the best is step 3 (ties step 2
+    on exact match, more digits right), not the last one nor the one with the highest digit accuracy."""
+    from falcon_fwa.tasks.addition import train
+
+    script = iter([(10.0, 95.0), (30.0, 60.0), (30.0, 70.0), (20.0, 90.0)])  # (val_acc, val_digit_acc)
+    original = train._summary
+
+    def scripted(*args):
+        val_acc, val_digit_acc = next(script)
+        return {**original(*args), "val_acc": val_acc, "val_digit_acc": val_digit_acc}
+
+    monkeypatch.setattr(train, "_summary", scripted)
+    out = tmp_path / "run"
+    assert cli.main(["--model", "Transformer", "--steps", "4", "--eval-every", "1", "--out", str(out),
+                     "--no-progress", "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2",
+                     *SMALL]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [h["step"] for h in res["history"]] == [1, 2, 3, 4]
+    assert res["best"]["step"] == 3 and res["best"]["val_digit_acc"] == 70.0
+    assert torch.load(out / "best.pt", weights_only=False)["step"] == 3
+
+
 def test_position_curves_average_seeds_and_skip_runs_without_positions(tmp_path, capsys):
     from falcon_fwa.tasks.addition.plot import plot_lineup_positions, position_curve
 

@@ -136,6 +136,16 @@ def test_checker_rejects_wrong_and_malformed_texts():
         assert not check_text(bad), bad
 
 
+def test_checker_rejects_extra_digits_and_extra_or_misplaced_markers():
+    # 57 + 968 = 1025: the end marker is optional, nothing else may be added or moved
+    assert check_text("057+968=5201$") and check_text("057+968=5201")
+    for bad in ["057+968=52010$", "057+968=52010", "057+968=520100$",  # over-long: still 1025 when read as a number
+                "057+968+000=5201$", "057+968=52+01$", "+057+968=5201$",  # a second "+"
+                "057+968==5201$", "057+968=5201=$", "057=968=5201$", "057+968=5201=5201$",  # a second "="
+                "057+968=5201$$", "057+968=52$01$", "057+968=5201$0", "$057+968=5201"]:  # end marker not last
+        assert not check_text(bad), bad
+
+
 def test_generator_is_deterministic_and_seeded():
     b1, b2 = training_batch(3, 17, 16), training_batch(3, 17, 16)
     assert torch.equal(b1.input_ids, b2.input_ids)
@@ -266,7 +276,7 @@ def test_abacus_offsets_shift_the_indices_and_leave_the_sums_alone():
     per_sample = [set(o[d].tolist()) for o, d in zip(offset, digits)]
     assert all(len(s) == 1 for s in per_sample)
     drawn = {next(iter(s)) for s in per_sample}
-    assert drawn <= set(range(5)) and len(drawn) > 1
+    assert drawn == set(range(5))  # 64 draws reach both ends of [0, 4]
     assert torch.equal(training_batch(7, 3, 64, 1, 6, abacus_offset=0).digit_index, plain.digit_index)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="abacus_offset"):

@@ -107,6 +107,20 @@ def test_compare_writes_results_after_every_recipe_and_a_kill_loses_only_the_one
     assert "| killed | running |" in compare_report.markdown_table(rows)
 
 
+def test_compare_refuses_the_base_recipe_that_a_glob_takes_along(tmp_path):
+    import argparse
+
+    base, model = tmp_path / "base.yaml", tmp_path / "model.yaml"
+    base.write_text(yaml.safe_dump(recipe(tmp_path)))
+    model.write_text("extends: base.yaml\nmodel: {preset: tiny-transformer}\n")
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args(["--configs", str(base), str(model), "--out", str(tmp_path / "cmp")])
+    with pytest.raises(ValueError, match=r"base\.yaml is the base that .*model\.yaml extends"):
+        compare.run(args)
+    assert not (tmp_path / "cmp").exists()  # refused before anything ran
+
+
 def test_deadline_stops_the_running_recipe_at_a_step_boundary_then_evaluates_it(tmp_path, clock):
     # falcon: 101 + 1 s for step 1, then 2 s a step: the deadline of 110 s is reached at step 5
     code, out = run_compare(tmp_path, {"falcon": "tiny-falcon", "transformer": "tiny-transformer"},

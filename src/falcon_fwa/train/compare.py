@@ -1,7 +1,7 @@
 """Train several recipes on the same data, tokens and schedule, then collect validation
 perplexity, tokens/s and peak memory of each.
 
-``falcon-fwa compare --configs configs/small/*.yaml --names ... --deadline 380 --out runs/compare``
+``falcon-fwa compare --configs configs/small/{falcon-1a.3,transformer}.yaml --names ... --deadline 380 --out runs/compare``
 
 The recipes train one after another in this process, each alone on the device (so its
 tokens/s and peak memory are its own), each from scratch in ``OUT/main/NAME`` (an earlier run
@@ -47,7 +47,7 @@ import traceback
 from typing import Iterator, List, Optional, Tuple
 
 from ..atomic import write_json
-from .config import load_config
+from .config import load_config, recipe_parent
 from .logger import read_log
 
 _clock = time.monotonic  # every time in this module comes from here
@@ -297,6 +297,11 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError("--deadline needs the sequential runs (drop --concurrent)")
     if args.calib_warmup < 1:
         raise ValueError(f"--calib-warmup must be >= 1, got {args.calib_warmup}")
+    parents = {os.path.realpath(p): c for c in args.configs if (p := recipe_parent(c))}
+    for c in args.configs:  # a glob such as configs/small/*.yaml also takes the recipes' shared base
+        if os.path.realpath(c) in parents:
+            raise ValueError(f"--configs: {c} is the base that {parents[os.path.realpath(c)]} extends, not a model "
+                             "of its own; leave it out")
 
 
 def _sequential_steps(args, names: List[str], sets: List[str], report: dict, deadline_at: Optional[float]):

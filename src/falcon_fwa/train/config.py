@@ -164,8 +164,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_recipe(path: str) -> dict:
-    """The raw dict of a recipe file, with ``extends`` chains resolved."""
+def _read_file(path: str) -> dict:
     with open(path) as f:
         if path.endswith((".yaml", ".yml")):
             raw = load_yaml(f) or {}
@@ -173,6 +172,18 @@ def read_recipe(path: str) -> dict:
             raw = json.load(f)
     if not isinstance(raw, dict):
         raise ValueError(f"recipe {path!r} must hold a mapping of sections")
+    return raw
+
+
+def recipe_parent(path: str) -> Optional[str]:
+    """The file recipe ``path`` extends (``extends:``, resolved next to it; ``None``: none)."""
+    parent = _read_file(path).get("extends")
+    return os.path.join(os.path.dirname(path), parent) if parent else None
+
+
+def read_recipe(path: str) -> dict:
+    """The raw dict of a recipe file, with ``extends`` chains resolved."""
+    raw = _read_file(path)
     parent = raw.pop("extends", None)
     if parent:
         return _deep_merge(read_recipe(os.path.join(os.path.dirname(path), parent)), raw)

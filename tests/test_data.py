@@ -99,7 +99,7 @@ def test_prepare_reuses_and_rejects_changed_settings(tmp_path):
     rec = prepare_dataset(spec, str(tmp_path / "d"))
     assert rec["counts"]["val"]["n_docs"] == 4 and rec["counts"]["train"]["n_docs"] == 36
     assert prepare_dataset(spec, str(tmp_path / "d")) == rec
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match=r"other settings \(val_every 10 there, 5 here\): choose another folder"):
         prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=5), str(tmp_path / "d"))
 
 
@@ -247,3 +247,28 @@ def test_a_bad_data_setting_is_named_before_the_folder_is_made(tmp_path, fields,
 def test_load_tokenizer_names_a_bpe_size_that_is_not_an_integer():
     with pytest.raises(ValueError, match=r"^tokenizer bpe:N needs an integer N .*got 'bpe:1e3'$"):
         load_tokenizer("bpe:1e3", texts=["a b c"])
+
+
+@pytest.mark.parametrize("spec,meant", [("bytes", "byte"), ("Byte", "byte"), ("bpe=1024", "bpe:<vocab_size>"),
+                                        ("BPE:512", "bpe:<vocab_size>")])
+def test_load_tokenizer_names_a_misspelt_built_in_before_asking_the_hub(spec, meant, monkeypatch):
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
+    with pytest.raises(ValueError, match=rf"^tokenizer '{spec}' is no tokenizer \(did you mean '{meant}'\?\)$"):
+        load_tokenizer(spec, texts=["a b c"])
+
+
+def test_a_data_source_that_does_not_exist_is_named_as_such(tmp_path):
+    from falcon_fwa.data.sources import list_files
+
+    with pytest.raises(FileNotFoundError, match=r"data source '.*nothing\.txt' does not exist$"):
+        list_files(str(tmp_path / "nothing.txt"))
+    (tmp_path / "notes.csv").write_text("a,b\n")  # exists, but holds no text, JSON or Parquet file
+    with pytest.raises(FileNotFoundError, match=r"names no \.txt/"):
+        list_files(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"names no \.txt/"):  # a glob that matches nothing
+        list_files(str(tmp_path / "*.txt"))

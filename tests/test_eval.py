@@ -283,7 +283,7 @@ def test_load_model_takes_either_spelling_of_its_dtype(saved_model):
     for spelling in ("bf16", "bfloat16"):
         model, _ = load_model(folder, dtype=spelling)
         assert next(model.parameters()).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"^dtype must be one of fp32, bf16 .* got 'int8'"):
+    with pytest.raises(ValueError, match=r"^dtype must be one of fp32 \(float32\), bf16 \(bfloat16\), got 'int8'"):
         load_model(folder, dtype="int8")
 
 

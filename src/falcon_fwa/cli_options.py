@@ -42,6 +42,12 @@ def at_least(option: str, value, low, *, strict: bool = False) -> None:
         raise ValueError(f"{option} must be {'>' if strict else '>='} {low}, got {value}")
 
 
+def _spellings(choices: Sequence[str]) -> str:
+    """``choices`` with their other spellings, for an error message: ``fp32 (float32), bf16 (bfloat16)``."""
+    return ", ".join(f"{c} ({'/'.join(a for a, t in _DTYPE_ALIASES.items() if t == _DTYPE_ALIASES[c] and a != c)})"
+                     for c in choices)
+
+
 def dtype_name(value: str, choices: Sequence[str], *, name: str = "dtype") -> str:
     """The torch name (``"float32"``, ``"bfloat16"``, ``"float16"``) of ``value``, any spelling of one
     of ``choices``: the Python functions behind the commands take what their ``--dtype`` takes.
@@ -49,8 +55,7 @@ def dtype_name(value: str, choices: Sequence[str], *, name: str = "dtype") -> st
     allowed = {_DTYPE_ALIASES[c] for c in choices}
     torch_name = _DTYPE_ALIASES.get(str(value).strip().lower())
     if torch_name not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(choices)} (or their other spellings: "
-                         f"fp32/float32, bf16/bfloat16, fp16/float16), got {value!r}")
+        raise ValueError(f"{name} must be one of {_spellings(choices)}, got {value!r}")
     return torch_name
 
 
@@ -63,8 +68,7 @@ def dtype_option(choices: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         name = _DTYPE_ALIASES.get(text.strip().lower())
         if name not in by_dtype:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)} (or their other spellings: "
-                                             f"fp32/float32, bf16/bfloat16, fp16/float16), got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be one of {_spellings(choices)}, got {text!r}")
         return by_dtype[name]
 
     parse.__name__ = "dtype"

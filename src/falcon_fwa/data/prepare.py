@@ -96,8 +96,12 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool) -> dict:
         with open(record_path) as f:
             record = json.load(f)
         if record["spec"] != wanted:
-            raise ValueError(f"data folder {out_dir!r} was prepared with other settings {record['spec']}; "
-                             f"choose another data.out_dir or overwrite")
+            held = record["spec"]
+            differ = ", ".join(f"{k} {held.get(k)!r} there, {wanted.get(k)!r} here"
+                               for k in sorted(set(held) | set(wanted)) if held.get(k) != wanted.get(k))
+            raise ValueError(f"data folder {out_dir!r} was prepared with other settings ({differ}): choose another "
+                             "folder (falcon-fwa data --out, or a recipe's data.out_dir) or rebuild this one "
+                             "(falcon-fwa data --overwrite)")
         return record
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset

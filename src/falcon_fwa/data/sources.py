@@ -34,6 +34,8 @@ def list_files(source: str) -> List[str]:
     suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
     files = sorted(f for f in files if f.endswith(suffixes))
     if not files:
+        if not glob.has_magic(source) and not os.path.exists(source):
+            raise FileNotFoundError(f"data source {source!r} does not exist")
         raise FileNotFoundError(f"data source {source!r} names no {'/'.join(suffixes)} files")
     return files
 

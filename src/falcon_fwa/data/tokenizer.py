@@ -8,6 +8,7 @@ every document as its separator.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Iterable, Optional
 
@@ -91,6 +92,11 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
         except ValueError as err:
             raise ValueError(f"tokenizer {err}") from None
         return train_bpe_tokenizer(texts, size)
+    if not os.path.isdir(spec) and "/" not in spec:  # a misspelt built-in would otherwise go to the Hub
+        meant = ("byte" if difflib.get_close_matches(spec.lower(), ["byte"], 1, 0.75)
+                 else "bpe:<vocab_size>" if spec.lower().startswith("bpe") else None)
+        if meant is not None:
+            raise ValueError(f"tokenizer {spec!r} is no tokenizer (did you mean {meant!r}?)")
     from transformers import AutoTokenizer
 
     try:  # a local folder, or a Hugging Face Hub name when online

@@ -319,7 +319,8 @@ def test_curriculum_schedule_by_hand():
     """max width = lo + ceil((hi - lo) * min(1, (step + 1) / curriculum_steps)); 0 steps = no curriculum."""
     p = get_addition_preset("tiny").replace(train_widths=(1, 5), curriculum_steps=4)
     assert [p.max_train_width(s) for s in range(6)] == [2, 3, 4, 5, 5, 5]
-    assert [p.replace(curriculum_steps=10, train_widths=(1, 32)).max_train_width(s) for s in (0, 4, 9)] == [5, 17, 32]
+    wide = p.replace(curriculum_steps=10, train_widths=(1, 32), ood_widths=(33, 48))
+    assert [wide.max_train_width(s) for s in (0, 4, 9)] == [5, 17, 32]
     assert {get_addition_preset("paper").max_train_width(s) for s in (0, 1999)} == {32}  # the paper: no curriculum
     with pytest.raises(ValueError, match="curriculum_steps"):
         p.replace(curriculum_steps=-1)
@@ -339,6 +340,7 @@ def test_training_draws_widths_under_the_curriculum(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "training_batch", recording)
     small = list(SMALL)
     small[small.index("--train-widths") + 2] = "7"
+    small[small.index("--ood-widths") + 1: small.index("--ood-widths") + 3] = ["8", "9"]
     assert cli.main(["--model", "Transformer", "--steps", "3", "--eval-every", "3", "--curriculum-steps", "3",
                      "--out", str(tmp_path / "run"), "--no-progress", "--hidden-size", "16", "--num-heads", "2",
                      *small]) == 0
@@ -560,6 +562,25 @@ def test_fast_weight_options_are_refused_for_the_transformer(tmp_path, option):
     with pytest.raises(ValueError, match=f"^{option[0]}: model 'Transformer'"):
         cli.main(["--model", "Transformer", *option, "--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "Falcon-1A.3", "--rule", "3"], r"^--rule 3: Falcon-1A\.3 is defined with rule 1A; .*--model falcon"),
+    (["--model", "Falcon-3A.3", "--qk-norm", "l2"], r"^--qk-norm l2: Falcon-3A\.3 is defined with qk_norm rmsnorm"),
+    (["--model", "Falcon-1A.3", "--window", "4"], r"^--window 4: rule 1A has no window"),
+    (["--model", "falcon", "--rule", "2", "--window", "4"], r"^--window 4: rule 2 has no window"),
+    (["--ood-widths", "3", "8"], r"'ood_widths' \(3, 8\) overlaps the training widths \(1, 3\)"),
+])
+def test_a_run_is_what_it_is_named(tmp_path, argv, message):
+    """A paper name trained with another rule would be recorded and plotted under that name; a window
+    on a rule without one, or OOD widths among the training widths, would change nothing they say."""
+    with pytest.raises(ValueError, match=message):
+        cli.main(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL, *argv])  # (argv's options last: they win)
+    assert not (tmp_path / "run").exists()
+    # the same rule spelt otherwise is the paper's model
+    assert cli.main(["--model", "Falcon-3A.3", "--rule", "3a", "--steps", "1", "--eval-every", "1",
+                     "--out", str(tmp_path / "ok"), "--no-progress", "--hidden-size", "16",
+                     "--num-hidden-layers", "1", *SMALL]) == 0
 
 
 def test_digit_positions_add_nothing_at_index_zero_and_train_with_the_embedding():

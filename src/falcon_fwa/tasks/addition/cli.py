@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from ...cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
+from ...models.configuration import MIXER_DEFAULTS
+from ...ops.rules import get_rule
 from .data import BASES, OPERAND_ORDERS
 from .lineup import LINEUP, MIXERS, resolve_model
 from .presets import MATMUL_PRECISIONS, PRESETS, get_addition_preset
@@ -109,6 +111,16 @@ def preset_from_args(args: argparse.Namespace):
         ood_widths=tuple(args.ood_widths) if args.ood_widths else None)
 
 
+def _canonical(field: str, value: str) -> str:
+    """A ``--rule`` by its canonical name (``3a`` -> ``3A``); other options as given."""
+    if field == "rule":
+        try:
+            return get_rule(value).name
+        except ValueError:
+            return value
+    return value
+
+
 def check_machine_options(args: argparse.Namespace) -> None:
     """``--device`` resolved (``auto``: cuda where available), ``--threads`` and ``--window``
     >= 1, or a ``ValueError`` naming the option."""
@@ -121,8 +133,17 @@ def run(args: argparse.Namespace) -> int:
     from .plot import plot_accuracy_by_position, plot_accuracy_vs_width
     from .train import RunSpec, runs_folder, task_fields, train_run
 
+    if args.model in LINEUP:  # a paper name is that model: another rule, norm or gate is another model
+        for field, option in FAST_WEIGHT_OPTIONS.items():
+            given, defined = getattr(args, field), LINEUP[args.model].get(field)
+            if given is not None and defined is not None and _canonical(field, given) != defined:
+                raise ValueError(f"{option} {given}: {args.model} is defined with {field} {defined}; for another "
+                                 f"variant name the mixer (--model {LINEUP[args.model]['mixer']} {option} {given})")
     fields = resolve_model(args.model, {"rule": args.rule, "window": args.window,
                                         "qk_norm": args.qk_norm, "gate": args.gate})
+    rule = fields.get("rule", MIXER_DEFAULTS[fields["mixer"]].get("rule"))
+    if args.window is not None and fields["mixer"] != "transformer" and not get_rule(rule).sliding:
+        raise ValueError(f"--window {args.window}: rule {get_rule(rule).name} has no window (rules 3 and 3A do)")
     if fields["mixer"] == "transformer":  # softmax attention has no fast-weight update to configure
         given = [opt for field, opt in FAST_WEIGHT_OPTIONS.items() if getattr(args, field) is not None]
         if given:

@@ -114,6 +114,9 @@ class AdditionPreset:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"preset field {name!r} must be an inclusive range 1 <= lo <= hi, got {(lo, hi)}")
+        if self.ood_widths[0] <= self.train_widths[1] and self.train_widths[0] <= self.ood_widths[1]:
+            raise ValueError(f"preset field 'ood_widths' {self.ood_widths} overlaps the training widths "
+                             f"{self.train_widths}: out-of-distribution widths must lie outside them")
 
     def size(self) -> Dict[str, Any]:
         """The model config fields of the preset: width, depth, heads, the initialization scale and ``model``."""

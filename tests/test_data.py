@@ -35,6 +35,10 @@ def test_byte_tokenizer_is_utf8_and_round_trips(tmp_path):
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again("héllo", add_special_tokens=False)["input_ids"] == list("héllo".encode())
     assert again.eos_token_id == 256
+    # saved to pad on the left: a padded batch of prompts ends each row with its own last token
+    batch = again(["ab", "abcd"], padding=True, add_special_tokens=False)
+    assert batch["input_ids"] == [[256, 256, 97, 98], [97, 98, 99, 100]]
+    assert batch["attention_mask"] == [[0, 0, 1, 1], [1, 1, 1, 1]]
 
 
 def test_bpe_trained_on_corpus_round_trips_and_compresses():

@@ -34,6 +34,7 @@ def _wrap(tok, model_max_length: int = 1 << 30):
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=None,
         pad_token=EOS_TOKEN, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        padding_side="left",  # a batch of prompts for generate() continues each row from its last column
     )
 
 

@@ -271,6 +271,9 @@ def test_summary_means_and_spreads_over_seeds():
     # the verdict against the paper's 87.2 under both readings of its accuracy
     assert "Falcon-3A.3 mean exact-match accuracy 85.0 vs the paper's 87.2: short by 2.2 points (-2.2)." in table
     assert "Falcon-3A.3 mean per-digit accuracy 95.0 vs the paper's 87.2: target met (+7.8)." in table
+    # other widths (the tiny preset's 1-5 and 6-8) are not set against the paper's widths 33-48
+    tiny = "\n".join(compare._verdict(rows, "mean_acc_33_48", paper_widths=False))
+    assert "vs the paper's" not in tiny and "this run has other widths" in tiny
 
 
 def test_lineup_names_map_to_the_paper_variants():

@@ -154,6 +154,10 @@ def test_misused_caches_and_empty_inputs_raise_errors_naming_the_argument():
             model.generate(x[:, 4:], past_key_values=cache, max_new_tokens=2, do_sample=False)
         with pytest.raises(ValueError, match="past_key_values holds 2 sequences, but this call continues 3"):
             model(torch.randint(0, 64, (3, 1)), past_key_values=cache)
+        with pytest.raises(ValueError, match=r"input_ids holds token id 64, outside the vocabulary \[0, 64\)"):
+            model(torch.tensor([[1, 64]]), use_cache=False)
+        with pytest.raises(ValueError, match=r"input_ids holds token id -1, outside"):
+            model(torch.tensor([[-1, 3]]), use_cache=False)
         with pytest.raises(ValueError, match="cache and past_key_values are two names of one argument"):
             model(x[:, :1], past_key_values=cache, cache=FalconCache(model.config.num_hidden_layers))
         with pytest.raises(ValueError, match=r"labels must have the shape .* \(2, 6\), got \(2, 5\)"):

@@ -338,6 +338,12 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if input_ids is not None:
             if input_ids.dim() != 2 or input_ids.shape[1] == 0:
                 raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+            if not input_ids.is_cuda:  # the lookup's own error names no argument (on CUDA: a device assert)
+                low, high = torch.aminmax(input_ids)
+                V = self.model.embed_tokens.num_embeddings
+                if low < 0 or high >= V:
+                    raise ValueError(f"input_ids holds token id {int(low) if low < 0 else int(high)}, outside the "
+                                     f"vocabulary [0, {V})")
             return self.model.embed_tokens(input_ids)
         D = self.config.hidden_size
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0 or inputs_embeds.shape[2] != D:

@@ -43,3 +43,17 @@ def test_demo_on_one_token_reports_agreement_not_nan(capsys):
     assert [r[0] for r in rows] == ["1", "2", "3", "1A", "2A", "3A"]
     assert all(float(r[1]) == 0.0 and float(r[2]) == 0.0 for r in rows)
 
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_every_commands_help_shows_its_defaults(name, capsys):
+    """Each command's --help prints (argparse's %-formatting of every help text included) and gives the
+    defaults that say something: demo's shape, not a None or an off switch."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([name, "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: falcon-fwa {name}") and "(default: None)" not in text
+    assert "(default: False)" not in text
+    if name == "demo":
+        assert "sequence length T (default: 256)" in text and "(default: 0)" in text

@@ -33,6 +33,18 @@ COMMANDS = {
 }
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one that says something (not ``None``,
+    not off) and the help does not already give it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS or action.default == [] or "default" in text):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="falcon-fwa", description="Falcon fast-weight attention")
@@ -46,7 +58,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if name not in COMMANDS:
         parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
     module = importlib.import_module(COMMANDS[name][0])
-    cmd = argparse.ArgumentParser(prog=f"falcon-fwa {name}", description=COMMANDS[name][1])
+    cmd = argparse.ArgumentParser(prog=f"falcon-fwa {name}", description=COMMANDS[name][1],
+                                  formatter_class=_HelpFormatter)
     module.add_arguments(cmd)
     args = cmd.parse_args(argv[1:])
     try:

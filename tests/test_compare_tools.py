@@ -203,6 +203,7 @@ def test_throughput_times_after_warmup_and_measures_every_preset_per_length_firs
                                                            ("tiny-falcon", 16), ("tiny-transformer", 16)]
     first = rows[0]
     assert (first["first_step_s"], first["warmup_s"], first["batch_size"]) == (101, 101, 4)
+    assert {r["dtype"] for r in rows} == {"fp32"}  # --fp32: each row says how it was timed
     for r in rows:  # 2.5 s of 1-s steps would stop at 3; the warm-up never counts against it
         assert (r["timed_steps"], r["step_s"], r["tokens_per_s"], r["stopped"], r["steady"]) == (
             3, 1, 32, "max_seconds", True)

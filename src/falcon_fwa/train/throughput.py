@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
     for name, config, seq_len, batch_size in list(_jobs(args)):
-        row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size}
+        row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size, "dtype": "bf16" if bf16 else "fp32"}
         if deadline is not None and _clock() >= deadline:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
             _append_row(args.out, row)

@@ -425,6 +425,11 @@ def test_context_gates_refuse_an_unknown_kind_when_built(kwargs, name):
         ContextGates(16, 2, 8, **args)
 
 
+def test_triton_backend_field_needs_the_chunk_form():
+    with pytest.raises(ValueError, match="config field 'backend' = 'triton' runs the chunk form"):
+        FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, backend="triton", form="parallel")
+
+
 def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
     FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
     # textbook normalized linear attention reads its own first key: eps_attn = 0 is allowed there

@@ -260,3 +260,36 @@ def test_float64_beside_a_float32_query_stays_float64(name, monkeypatch):
     monkeypatch.setattr(api, "_triton_chunk", lambda backend, q, rule: falcon_chunk_triton)  # "auto" on CUDA
     out, state = falcon_attention(**args, rule="1A", chunk_size=16, output_final_state=True)
     assert torch.equal(out, ref) and torch.equal(state.S, ref_state.S)
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
+@pytest.mark.parametrize("rule", ["1A", "3"])
+def test_model_backend_field_forces_the_op_backend(rule, monkeypatch):
+    """``FalconConfig(backend="triton")`` runs the prompt on the chunk kernels and each decoding step on
+    the fused step kernel, ``"torch"`` on the PyTorch forms; the two models agree."""
+    from falcon_fwa.layers import falcon_attention as layer_module
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+
+    seen = []
+    for name in ("falcon_attention", "falcon_step"):
+        real = getattr(layer_module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, kwargs["backend"]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(layer_module, name, spy)
+    ids = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    logits = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        cfg = get_preset("tiny-falcon", rule=rule, window=4, chunk_size=16, backend=backend)
+        model = FalconForCausalLM(cfg).to(DEVICE).eval()
+        seen.clear()
+        with torch.no_grad():
+            out = model(ids[:, :-1], use_cache=True)
+            step = model(ids[:, -1:], past_key_values=out.past_key_values if hasattr(out, "past_key_values")
+                         else out.cache)
+        assert {b for _, b in seen} == {backend} and {n for n, _ in seen} == {"falcon_attention", "falcon_step"}
+        logits[backend] = torch.cat([out.logits, step.logits], 1)
+    assert (logits["triton"] - logits["torch"]).abs().max() <= 1e-4 * logits["torch"].abs().max()

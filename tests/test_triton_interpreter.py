@@ -27,6 +27,7 @@ KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_recurrent.py", "test_triton
                 "test_triton_dispatch.py::test_final_state_is_fp32_on_both_backends",
                 "test_triton_dispatch.py::test_triton_backend_takes_a_hard_reset_gate",
                 "test_triton_dispatch.py::test_triton_backend_matches_the_torch_forms",
+                "test_triton_dispatch.py::test_model_backend_field_forces_the_op_backend",
                 "test_triton_dispatch.py::test_compiled_caller_runs_the_kernels_between_its_graphs",
                 "test_ops_read_norm.py::test_kernels_take_the_normalized_read",
                 "test_ops_read_norm.py::test_kernels_float16_read_does_not_overflow",

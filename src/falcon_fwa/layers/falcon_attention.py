@@ -137,7 +137,7 @@ class FalconAttention(nn.Module):
         """The recurrence; reads and writes ``cache.state`` when a cache is given."""
         opts = dict(rule=self.rule, window=self.window, eps=self.eps, decay_floor=self.decay_floor,
                     shift=self.shift, normalize=self.normalize, read=self.read, scale_ridge=self.normalize,
-                    eps_attn=self.eps_attn)
+                    eps_attn=self.eps_attn, backend=self.backend if self.backend in ("torch", "triton") else "auto")
         state = None if cache is None else cache.state
         want_state = cache is not None
         if packing.packed:

@@ -29,7 +29,7 @@ __all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "chec
 
 RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
 MIXERS = RECURRENT_MIXERS + ("transformer",)
-BACKENDS = ("native", "fla")
+BACKENDS = ("native", "torch", "triton", "fla")
 
 # Switches of the recurrent mixers. ``gate``: how the context sets the write gain
 # (see FalconAttention); ``log_gate``: the extra state decay exp(g_t). The short
@@ -175,8 +175,10 @@ class FalconConfig(PretrainedConfig):
       ``head_k_dim ** -0.5``), ``use_short_conv``, ``conv_size``, ``output_gate`` (SiLU-gated output RMSNorm),
       ``norm_before_gate`` (``True``: ``RMSNorm(o) * SiLU(g)`` as in Gated DeltaNet / RetNet; ``False``:
       ``RMSNorm(o * SiLU(g))``, Mamba-2's default), ``use_d_skip``;
-    * ``backend``: "native" (the library's op) or "fla" (flash-linear-attention
-      kernels for the baselines where installed; CUDA only).
+    * ``backend``: "native" (the library's op, which picks its Triton kernels or PyTorch forms:
+      ``falcon_attention(backend="auto")``), "torch" or "triton" (the op with that backend forced, for
+      every sequence and decoding step), or "fla" (flash-linear-attention kernels for the baselines
+      where installed; CUDA only).
 
     Transformer: ``rope_theta``; attention through ``scaled_dot_product_attention``.
 
@@ -324,6 +326,9 @@ class FalconConfig(PretrainedConfig):
         _choice("feature_map", self.feature_map, FEATURE_MAPS)
         _choice("form", self.form, FORMS)
         _choice("backend", self.backend, BACKENDS)
+        if self.backend == "triton" and self.form == "parallel":
+            raise ValueError("config field 'backend' = 'triton' runs the chunk form (the kernels have no masked-parallel "
+                             "form): set form='chunk' or backend='native'")
         for field in ("lambda_scale", "eps", "initializer_range"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"config field {field!r} must be >= 0, got {getattr(self, field)}")

@@ -338,7 +338,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if input_ids is not None:
             if input_ids.dim() != 2 or input_ids.shape[1] == 0:
                 raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
-            if not input_ids.is_cuda:  # the lookup's own error names no argument (on CUDA: a device assert)
+            # the lookup's own error names no argument (on CUDA: a device assert); not traced, where the
+            # comparison would break the graph at every call
+            if not input_ids.is_cuda and not torch.compiler.is_compiling():
                 low, high = torch.aminmax(input_ids)
                 V = self.model.embed_tokens.num_embeddings
                 if low < 0 or high >= V:

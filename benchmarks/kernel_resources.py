@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         p.error(f"--arch {args.arch}: no known shared-memory limit; give --limit")
 
     from triton.runtime.jit import JITFunction
-    from falcon_fwa.ops.triton import api
+    from falcon_fwa.ops.triton import api, launch
     from falcon_fwa.ops.triton.api import MAX_WY_HEAD_DIM, falcon_chunk_triton
     from falcon_fwa.ops.rules import get_rule
 
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     # Every launch compiles instead of running, for the rest of this process (a command-line tool).
     JITFunction.run = _compile_only(args.arch, limit, rows, context)
     api._interpreting = lambda: True  # let CPU tensors through; no kernel runs
+    launch.COMPILE_FOR_GPU = True  # the GPU's block sizes, not the interpreter's, for the CPU tensors here
     failures = 0
     for rule in args.rules:
         spec = get_rule(rule)

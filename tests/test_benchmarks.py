@@ -384,3 +384,17 @@ def test_sweep_launch_parses_candidates():
     for bad in ("BR=0", "BR=x", "=4", "BR=32,"):
         with pytest.raises(SystemExit, match="KEY=N"):
             sweep_launch.parse_candidate(bad)
+
+
+def test_kernel_resources_sees_the_gpu_block_sizes_of_the_element_wise_kernels(monkeypatch):
+    """The window kernels take the interpreter's large blocks on CPU tensors; compiling for a GPU from
+    CPU tensors (kernel_resources.py) must see the GPU's launches instead."""
+    pytest.importorskip("triton")
+    from falcon_fwa.ops.triton import launch
+
+    x = torch.zeros(1)
+    assert launch.interpreted(x)
+    monkeypatch.setattr(launch, "COMPILE_FOR_GPU", True)
+    assert not launch.interpreted(x)
+    source = open(os.path.join(ROOT, "benchmarks", "kernel_resources.py")).read()
+    assert "launch.COMPILE_FOR_GPU = True" in source

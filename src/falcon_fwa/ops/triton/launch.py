@@ -9,7 +9,7 @@ import torch
 from .chunk_index import ChunkLayout
 
 __all__ = ["SUPPORTED_CHUNK_SIZES", "LAUNCH", "cdiv", "next_power_of_2", "dot_precision", "launch_config", "empty_buffer",
-           "layout_args"]
+           "layout_args", "interpreted"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 
@@ -21,6 +21,17 @@ LAUNCH = {
     "dv_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "dqk_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=2),
 }
+
+
+COMPILE_FOR_GPU = False
+"""Set by ``benchmarks/kernel_resources.py``, which compiles the launches for a GPU from CPU tensors:
+:func:`interpreted` then answers ``False``, so that it sees the GPU's block sizes."""
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """Whether the kernels on ``t`` run through Triton's interpreter (a CPU tensor), whose cost is per
+    program and op rather than per element: the element-wise kernels take their largest blocks there."""
+    return not t.is_cuda and not COMPILE_FOR_GPU
 
 
 def cdiv(a: int, b: int) -> int:

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from . import delta_kernels as wy
 from .delta import SLOT_COUNTS, delta_chunk
-from .launch import cdiv, next_power_of_2
+from .launch import cdiv, interpreted, next_power_of_2
 from .sliding import _ext_rows, window_prefix
 from .step_sizes import window_steps_backward, window_steps_forward
 from .window_sum import axis_concat
@@ -68,7 +68,7 @@ class _WindowWrites(torch.autograd.Function):
         T = L - W + 1
         G = x_ext.new_empty(B, T, H, W, W, dtype=torch.float32)
         BT, BK = max(1, 64 // W), min(64, max(16, next_power_of_2(K)))
-        if not x_ext.is_cuda:  # Triton's interpreter: its cost is per program and op, not per element
+        if interpreted(x_ext):
             BT = min(1024, next_power_of_2(T))
         wy.window_gram_fwd[(cdiv(T, BT), B * H)](x_ext, valid_ext, G, T, L, H=H, K=K, W=W, BT=BT, BK=BK)
         eta, kappa, carry, top, vec = window_steps_forward(G, valid_ext, beta, lam, log_gate, **steps)
@@ -87,7 +87,7 @@ class _WindowWrites(torch.autograd.Function):
         d_pre = x_ext.new_empty(B, n_pre, H, K)
         d_body = x_ext.new_empty(B, n_body, H, K)
         BP, BK = 32, min(64, max(16, next_power_of_2(K)))
-        if not x_ext.is_cuda:  # the interpreter (see forward)
+        if interpreted(x_ext):
             BP = min(1024, next_power_of_2(n_pre + n_body))
         wy.window_gram_bwd[(cdiv(n_pre + n_body, BP), B * H, cdiv(K, BK))](
             x_ext, valid_ext, vec, d_top, d_ext.contiguous(), d_pre if n_pre else d_body, d_body,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, next_power_of_2
+from .launch import cdiv, interpreted, next_power_of_2
 
 __all__ = ["window_sum", "axis_concat", "store_split"]
 
@@ -96,7 +96,7 @@ def window_sum(
     head = torch.empty(B, n_head, H, D, dtype=dtype, device=g.device) if split is not None else body
     BD = min(128, max(16, next_power_of_2(D)))
     BP = max(1, min(64, 4096 // BD))
-    if not g.is_cuda:  # Triton's interpreter: its cost is per program and op, not per element
+    if interpreted(g):
         BP = min(1024, next_power_of_2(max(1, n_head + n_body)))
     if B * H and n_head + n_body:
         window_sum_kernel[(cdiv(n_head + n_body, BP), B * H, cdiv(D, BD))](
@@ -136,7 +136,7 @@ def axis_concat(head: torch.Tensor, body: torch.Tensor, L: int) -> torch.Tensor:
     E = out[0, 0].numel() if L else 0
     BE = min(1024, max(16, next_power_of_2(E)))
     BP = max(1, 4096 // BE)
-    if not body.is_cuda:  # Triton's interpreter: its cost is per program and op, not per element
+    if interpreted(body):
         BP = min(1024, next_power_of_2(max(1, L)))
     if B and L and E:
         axis_concat_kernel[(cdiv(L, BP), B, cdiv(E, BE))](head, body, out, L, n, m, E=E, BP=BP, BE=BE)

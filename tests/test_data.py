@@ -65,7 +65,7 @@ def test_sources_text_jsonl_parquet(tmp_path):
     assert list(iter_documents(str(tmp_path / "a.txt"), text_split="line")) == ["para one", "still one", "para two"]
     got = list(iter_documents(str(tmp_path), text_split="paragraph", text_field="body"))
     assert got == ["para one\nstill one", "para two\n", "j1", "j2", "p1", "p2", "p3"]
-    with pytest.raises(KeyError, match="text_field 'text'"):
+    with pytest.raises(ValueError, match="text_field 'text'"):
         list(iter_documents(str(tmp_path / "b.jsonl")))
     with pytest.raises(ValueError, match="text_split"):
         list(iter_documents(str(tmp_path), text_split="sentence"))
@@ -78,8 +78,26 @@ def test_json_sources_skip_empty_text_and_read_arrays(tmp_path):
     assert list(iter_documents(str(tmp_path / "lines.jsonl"))) == ["a", "b"]
     assert list(iter_documents(str(tmp_path / "array.json"))) == ["a", "b"]
     (tmp_path / "bad.json").write_text(json.dumps([{"text": "a"}, {"body": "b"}]))
-    with pytest.raises(KeyError, match=r"bad.json\[1\]: record has no text_field 'text'"):
+    with pytest.raises(ValueError, match=r"bad.json\[1\]: record has no text_field 'text'"):
         list(iter_documents(str(tmp_path / "bad.json")))
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "a"', r"c.jsonl:2: not a JSON record"),
+    ('"just a string"', r"c.jsonl:2: a record must be a JSON object, got str"),
+    ('{"text": 123}', r"c.jsonl:2: text_field 'text' must hold a string, got int"),
+])
+def test_a_bad_json_record_is_a_value_error_naming_its_line(tmp_path, line, message):
+    """A ValueError (the commands print it as one error line) with the file and line, not a traceback."""
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        list(iter_documents(str(tmp_path / "c.jsonl")))
+
+
+def test_a_lone_surrogate_in_json_text_is_replaced_not_fatal(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "a\\ud800b"}\n')  # valid JSON, no valid UTF-8
+    docs = list(iter_documents(str(tmp_path / "c.jsonl")))
+    assert docs == ["a?b"] and encode_documents(byte_tokenizer(), docs)[0].tolist() == list(b"a?b")
 
 
 def test_shards_keep_documents_and_boundaries(tmp_path):
@@ -276,3 +294,55 @@ def test_a_data_source_that_does_not_exist_is_named_as_such(tmp_path):
         list_files(str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"names no \.txt/"):  # a glob that matches nothing
         list_files(str(tmp_path / "*.txt"))
+
+
+def test_preparation_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus(40)))
+    out = tmp_path / "d"
+    (out / "train").mkdir(parents=True)
+    (out / "train" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"train' exists and is no token shard folder: it is not replaced"):
+        prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=10), str(out))
+    assert (out / "train" / "notes.txt").read_text() == "mine"
+    # a folder of shards it wrote is replaced on a rebuild
+    (out / "train" / "notes.txt").unlink()
+    (out / "train").rmdir()
+    first = prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=10), str(out))
+    again = prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=5), str(out), overwrite=True)
+    assert first["counts"]["val"]["n_docs"] == 4 and again["counts"]["val"]["n_docs"] == 8
+
+
+def test_an_output_inside_the_source_folder_is_not_read_as_corpus(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for n, doc in enumerate(corpus(40)):
+        (src / f"{n:02d}.txt").write_text(doc)
+    rec = prepare_dataset(DataSpec(train_source=str(src), val_every=10), str(src / "tokens"))
+    again = prepare_dataset(DataSpec(train_source=str(src), val_every=10), str(src / "tokens2"))
+    assert rec["counts"] == again["counts"] and rec["counts"]["train"]["n_docs"] == 36  # 40 files, 4 held out
+
+
+def test_a_bpe_tokenizer_learns_from_the_training_documents_only(tmp_path, monkeypatch):
+    from falcon_fwa.data import tokenizer as tokenizer_module
+
+    docs = [f"document number {n} " * 3 for n in range(20)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    seen = []
+    real = tokenizer_module.train_bpe_tokenizer
+
+    def recording(texts, vocab_size):
+        texts = list(texts)
+        seen.extend(texts)
+        return real(texts, vocab_size)
+
+    monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer", recording)
+    prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=5, tokenizer="bpe:300"),
+                    str(tmp_path / "d"))
+    held_out = {docs[i] for i in range(4, 20, 5)}  # every 5th document is validation
+    assert seen == [d for d in docs if d not in held_out]
+
+
+def test_text_split_is_checked_before_any_document_is_read(tmp_path):
+    with pytest.raises(ValueError, match=r"^data\.text_split must be one of .*got 'lines'"):
+        prepare_dataset(DataSpec(train_source=str(tmp_path / "none.txt"), text_split="lines"), str(tmp_path / "d"))
+    assert not (tmp_path / "d").exists()

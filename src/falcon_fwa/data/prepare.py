@@ -8,14 +8,15 @@ started together on one shared folder tokenize it once, the others wait and reus
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 from ..atomic import write_json
-from .shards import TokenShards, write_token_shards
-from .sources import iter_documents
+from .shards import NoDocuments, TokenShards, write_token_shards
+from .sources import TEXT_SPLITS, iter_documents
 from .tokenizer import bpe_vocab_size, load_tokenizer
 
 
@@ -40,6 +41,8 @@ class DataSpec:
         """Raise ``ValueError`` naming the first bad setting, before any document is read.
         ``name`` turns a field name into the name the caller knows it by (default: the recipe's
         ``data.FIELD``; the ``data`` command passes its options, ``--val-every``)."""
+        if self.text_split not in TEXT_SPLITS:
+            raise ValueError(f"{name('text_split')} must be one of {TEXT_SPLITS}, got {self.text_split!r}")
         if self.val_every < 2:
             raise ValueError(f"{name('val_every')} must be >= 2, got {self.val_every}")
         if self.max_documents is not None and self.max_documents < 1:
@@ -53,12 +56,14 @@ class DataSpec:
                 raise ValueError(f"{name('tokenizer')} {err}") from None
 
 
-def _docs(spec: DataSpec, which: str):
+def _docs(spec: DataSpec, which: str, out_dir: str):
+    """The documents of split ``which``; files under ``out_dir`` (the output, should it lie inside a
+    source folder) are no documents."""
     if which == "val" and spec.val_source is not None:
         return iter_documents(spec.val_source, text_split=spec.text_split, text_field=spec.text_field,
-                              split="validation", max_documents=spec.max_documents)
+                              split="validation", max_documents=spec.max_documents, exclude=out_dir)
     docs = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,
-                          split="train", max_documents=spec.max_documents)
+                          split="train", max_documents=spec.max_documents, exclude=out_dir)
     if spec.val_source is not None:
         return docs
     held_out = lambda i: i % spec.val_every == spec.val_every - 1  # noqa: E731
@@ -107,17 +112,16 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool) -> dict:
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)
     texts = None
-    if spec.tokenizer.startswith("bpe:"):
-        texts = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,
-                               max_documents=spec.bpe_documents)
+    if spec.tokenizer.startswith("bpe:"):  # the training documents only: none held out for validation
+        texts = itertools.islice(_docs(spec, "train", out_dir), spec.bpe_documents)
     tokenizer = load_tokenizer(spec.tokenizer, texts=texts)
     tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
     counts = {}
     for which in ("train", "val"):
         try:
-            meta = write_token_shards(_docs(spec, which), tokenizer, os.path.join(out_dir, which),
+            meta = write_token_shards(_docs(spec, which, out_dir), tokenizer, os.path.join(out_dir, which),
                                       desc=f"tokenize {which}")
-        except ValueError as err:
+        except NoDocuments as err:
             raise ValueError(f"{err}: the {which} split is empty; set data.val_source, or a data.text_split "
                              f"that yields more documents than data.val_every") from None
         counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}

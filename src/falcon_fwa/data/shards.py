@@ -61,9 +61,34 @@ class _ShardWriter:
         return self.shards
 
 
+class NoDocuments(ValueError):
+    """The documents to tokenize into a shard folder were none."""
+
+
+FORMAT = "falcon-fwa-tokens-1"
+
+
+def check_replaceable(folder: str) -> None:
+    """``ValueError`` unless ``folder`` is absent or a shard folder (its ``meta.json`` of this format):
+    a rebuild replaces it whole, and must not delete a folder of something else."""
+    if not os.path.exists(folder):
+        return
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            if json.load(f).get("format") == FORMAT:
+                return
+    except (OSError, ValueError, AttributeError):
+        pass
+    raise ValueError(f"{folder!r} exists and is no token shard folder: it is not replaced; choose another output "
+                     "folder, or remove it")
+
+
 def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
                        shard_tokens: int = 1 << 28, batch_documents: int = 64, desc: str = "tokenize") -> dict:
-    """Tokenize ``documents`` once into a shard folder at ``folder``; returns its metadata."""
+    """Tokenize ``documents`` once into a shard folder at ``folder`` (which must be absent or an
+    earlier shard folder, :func:`check_replaceable`); returns its metadata. :class:`NoDocuments` if
+    there are none."""
+    check_replaceable(folder)
     eos = tokenizer.eos_token_id
     vocab_size = len(tokenizer)
     dtype = token_dtype(vocab_size)
@@ -88,12 +113,12 @@ def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
     flush()
     bar.close()
     shards = writer.finish()
-    meta = {"format": "falcon-fwa-tokens-1", "vocab_size": vocab_size, "eos_token_id": eos,
+    meta = {"format": FORMAT, "vocab_size": vocab_size, "eos_token_id": eos,
             "dtype": np.dtype(dtype).name, "n_tokens": sum(s["n_tokens"] for s in shards),
             "n_docs": sum(s["n_docs"] for s in shards), "shards": shards}
     if meta["n_docs"] == 0:
         shutil.rmtree(tmp)
-        raise ValueError(f"no documents to write into {folder!r}")
+        raise NoDocuments(f"no documents to write into {folder!r}")
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     shutil.rmtree(folder, ignore_errors=True)

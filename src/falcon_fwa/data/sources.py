@@ -23,16 +23,26 @@ PARQUET_SUFFIXES = (".parquet",)
 TEXT_SPLITS = ("file", "line", "paragraph")
 
 
-def list_files(source: str) -> List[str]:
-    """The data files a path, folder or glob names, sorted (stable order = stable token stream)."""
+def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
+    """The data files a path, folder or glob names, sorted (stable order = stable token stream).
+    ``exclude``: a folder whose files never count (the tokenized output, when it lies inside the source);
+    below a source folder, a folder of tokenized data (holding ``prepared.json``) does not count either."""
     if os.path.isdir(source):
-        files = [os.path.join(root, f) for root, _, names in os.walk(source) for f in names]
+        files = []
+        for root, dirs, names in os.walk(source):
+            if "prepared.json" in names:
+                dirs[:] = []
+                continue
+            files.extend(os.path.join(root, f) for f in names)
     elif os.path.isfile(source):
         files = [source]
     else:
         files = glob.glob(source, recursive=True)
     suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
     files = sorted(f for f in files if f.endswith(suffixes))
+    if exclude is not None:
+        skip = os.path.realpath(exclude) + os.sep
+        files = [f for f in files if not os.path.realpath(f).startswith(skip)]
     if not files:
         if not glob.has_magic(source) and not os.path.exists(source):
             raise FileNotFoundError(f"data source {source!r} does not exist")
@@ -66,7 +76,30 @@ def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
                 return
         for n, line in enumerate(f, 1):
             if line.strip():
-                yield f"{path}:{n}", json.loads(line)
+                try:
+                    yield f"{path}:{n}", json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{n}: not a JSON record ({err})") from None
+
+
+def _record_text(where: str, record, text_field: str) -> Optional[str]:
+    """The text of a JSON record (``None`` for null or empty text), or a ``ValueError`` naming the record.
+    A lone surrogate (``"\\ud800"``, valid JSON but no Unicode text) becomes ``?``, as a text file's
+    undecodable bytes become U+FFFD."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    if text_field not in record:
+        raise ValueError(f"{where}: record has no text_field {text_field!r} (keys: {sorted(record)})")
+    text = record[text_field]
+    if text is None or text == "":
+        return None
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: text_field {text_field!r} must hold a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
@@ -75,23 +108,23 @@ def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
             yield from _split_text(f.read(), text_split)
     elif path.endswith(JSON_SUFFIXES):
         for where, record in _json_records(path):
-            if text_field not in record:
-                raise KeyError(f"{where}: record has no text_field {text_field!r} (keys: {sorted(record)})")
-            if record[text_field]:  # null or empty text: no document (as in Parquet)
-                yield record[text_field]
+            text = _record_text(where, record, text_field)
+            if text is not None:  # null or empty text: no document (as in Parquet)
+                yield text
     else:
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
-            raise KeyError(f"{path}: no column text_field {text_field!r} (columns: {pf.schema_arrow.names})")
+            raise ValueError(f"{path}: no column text_field {text_field!r} (columns: {pf.schema_arrow.names})")
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             yield from (t for t in batch.column(0).to_pylist() if t)
 
 
 def iter_documents(source: str, *, text_split: str = "file", text_field: str = "text",
-                   split: str = "train", max_documents: Optional[int] = None) -> Iterator[str]:
-    """Yield the documents of ``source`` (see the module docstring)."""
+                   split: str = "train", max_documents: Optional[int] = None,
+                   exclude: Optional[str] = None) -> Iterator[str]:
+    """Yield the documents of ``source`` (see the module docstring); ``exclude`` as in :func:`list_files`."""
     if text_split not in TEXT_SPLITS:
         raise ValueError(f"text_split must be one of {TEXT_SPLITS}, got {text_split!r}")
     if source.startswith("hf:"):
@@ -101,7 +134,7 @@ def iter_documents(source: str, *, text_split: str = "file", text_field: str = "
         stream = (r[text_field] for r in load_dataset(name, config or None, split=split, streaming=True)
                   if r[text_field])
     else:
-        stream = (doc for path in list_files(source) for doc in _iter_file(path, text_split, text_field))
+        stream = (doc for path in list_files(source, exclude) for doc in _iter_file(path, text_split, text_field))
     for n, doc in enumerate(stream):
         if max_documents is not None and n >= max_documents:
             return

@@ -121,6 +121,15 @@ def test_compare_refuses_the_base_recipe_that_a_glob_takes_along(tmp_path):
     assert not (tmp_path / "cmp").exists()  # refused before anything ran
 
 
+def test_run_names_with_yaml_syntax_stay_folder_names(tmp_path):
+    """The run folder reaches each recipe through --set: a name with ' #' (a YAML comment) or ': ' (a
+    mapping) must stay the text it is, or two runs would share one folder."""
+    code, out = run_compare(tmp_path, {"win #4": "tiny-falcon", "win: 8": "tiny-falcon"}, "--steps", "2")
+    assert code == 0
+    assert sorted(p.name for p in (out / "main").iterdir()) == ["win #4", "win: 8"]
+    assert load(out)["status"] == {"win #4": "done", "win: 8": "done"}
+
+
 def test_deadline_stops_the_running_recipe_at_a_step_boundary_then_evaluates_it(tmp_path, clock):
     # falcon: 101 + 1 s for step 1, then 2 s a step: the deadline of 110 s is reached at step 5
     code, out = run_compare(tmp_path, {"falcon": "tiny-falcon", "transformer": "tiny-transformer"},

@@ -363,11 +363,12 @@ def test_model_overrides_are_checked_with_the_recipe(tmp_path, assignment, messa
 
 @pytest.mark.parametrize("section, field, value", [("train", "eval_every", -1), ("train", "eval_batches", 0),
                                                    ("log", "every", 0), ("data", "val_every", 1),
-                                                   ("data", "max_documents", 0), ("data", "bpe_documents", 0)])
+                                                   ("data", "max_documents", 0), ("data", "bpe_documents", 0),
+                                                   ("train", "seed", -1), ("data", "text_split", "lines")])
 def test_recipe_value_errors_name_their_own_field(tmp_path, section, field, value):
     raw = recipe(tmp_path)
     raw[section][field] = value
-    with pytest.raises(ValueError, match=rf"config field {section}\.{field} .*got {value}"):
+    with pytest.raises(ValueError, match=rf"config field {section}\.{field} .*got {value!r}"):
         config_from_dict(raw)
 
 
@@ -546,6 +547,53 @@ def test_resume_refuses_another_data_order(tmp_path, section, key, value):
     raw[section][key] = value
     with pytest.raises(ValueError, match=f"^{section}.{key}: the checkpoint was trained with"):
         Trainer(config_from_dict(raw))
+
+
+def test_resume_refuses_another_model_but_not_another_way_to_compute_it(tmp_path):
+    """A checkpoint's weights belong to its model: another window would mix two models silently (another
+    width, a size mismatch). The chunk size or form only change how the same model computes."""
+    run_trainer(recipe(tmp_path, "run"), stop_at=2)
+    raw = recipe(tmp_path, "run")
+    raw["model"]["overrides"] = {**raw["model"].get("overrides", {}), "window": 16}
+    with pytest.raises(ValueError, match=r"^model: the checkpoint holds another model than this recipe's "
+                                         r"\(overrides\.window None there, 16 here\)"):
+        Trainer(config_from_dict(raw))
+    raw = recipe(tmp_path, "run")
+    raw["model"]["overrides"] = {**raw["model"].get("overrides", {}), "chunk_size": 8, "form": "recurrent"}
+    trainer = Trainer(config_from_dict(raw))
+    try:
+        assert trainer.step == 2
+    finally:
+        trainer.close()
+
+
+def test_a_validation_split_too_small_for_one_evaluation_is_found_before_training(tmp_path, monkeypatch):
+    raw = recipe(tmp_path, "run")
+    write_corpus(tmp_path / "val.jsonl", n=2)  # a few rows of 24 tokens, fewer than global_batch
+    raw["data"]["val_source"] = str(tmp_path / "val.jsonl")
+    raw["train"]["global_batch"] = raw["train"]["micro_batch"] = 64
+    trained = []
+    monkeypatch.setattr(trainer_module.Trainer, "train", lambda self, **kw: trained.append(1))
+    with pytest.raises(ValueError, match=r"^the validation split has \d+ rows of data.seq_len=24: fewer than "
+                                         r"train.global_batch=64"):
+        Trainer(config_from_dict(raw))
+    assert not trained
+
+
+def test_an_export_never_replaces_a_folder_it_did_not_write(tmp_path):
+    raw = recipe(tmp_path, "run", export_model=True)
+    foreign = tmp_path / "run" / "model"
+    foreign.mkdir(parents=True)
+    (foreign / "weights.bin").write_text("someone else's")
+    with pytest.raises(ValueError, match=r"model' exists and is no exported model of this library"):
+        Trainer(config_from_dict(raw))
+    assert (foreign / "weights.bin").read_text() == "someone else's"
+    (foreign / "weights.bin").unlink()
+    foreign.rmdir()
+    run_trainer(raw)  # its own export, then the same run relaunched with a longer schedule exports again
+    assert json.loads((foreign / "config.json").read_text())["model_type"] == "falcon_fwa"
+    run_trainer(recipe(tmp_path, "run", export_model=True, steps=6))
+    assert json.loads((foreign / "config.json").read_text())["model_type"] == "falcon_fwa"
 
 
 def test_a_warmup_longer_than_the_run_is_warned_about(tmp_path):

@@ -47,7 +47,7 @@ import traceback
 from typing import Iterator, List, Optional, Tuple
 
 from ..atomic import write_json
-from .config import load_config, recipe_parent
+from .config import assign_text, load_config, recipe_parent
 from .logger import read_log
 
 _clock = time.monotonic  # every time in this module comes from here
@@ -111,7 +111,7 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
             out[name] = {"stopped": "deadline"}
             continue
         run_dir = _fresh_dir(os.path.join(out_dir, name))
-        cfg = load_config(path, sets + [f"train.out_dir={run_dir}", f"train.steps={warmup + steps}",
+        cfg = load_config(path, sets + [assign_text("train.out_dir", run_dir), f"train.steps={warmup + steps}",
                                         "train.eval_every=0", "train.save_every=0", "train.export_model=false",
                                         "train.resume=none", f"log.every={warmup + steps}", "log.progress=false"])
         print(f"calibrating {name}: {warmup} + {steps} steps", flush=True)
@@ -180,7 +180,7 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
             continue
         yield name, "running", None
         run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
-        cfg = load_config(cfg_path, sets + [f"train.out_dir={run_dir}"])
+        cfg = load_config(cfg_path, sets + [assign_text("train.out_dir", run_dir)])
         t0, trainer, status = _clock(), None, "done"
         try:
             trainer = Trainer(cfg)
@@ -211,7 +211,7 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
 
 
 def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
-    cmd = [sys.executable, "-m", "falcon_fwa.train.cli", "--config", config, "--set", f"train.out_dir={out_dir}",
+    cmd = [sys.executable, "-m", "falcon_fwa.train.cli", "--config", config, "--set", assign_text("train.out_dir", out_dir),
            "--set", "log.progress=false"]
     for s in sets:
         cmd += ["--set", s]
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     data_dir = d.out_dir
     if not data_dir:  # one tokenized copy shared by every recipe
         data_dir = os.path.join(args.out, "data")
-        sets.append(f"data.out_dir={data_dir}")
+        sets.append(assign_text("data.out_dir", data_dir))
     prepare_dataset(d.spec(), data_dir)
     steps = args.steps
     if steps is None and (args.time_budget or args.deadline):

@@ -107,6 +107,7 @@ class RunConfig:
             (0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]"),
             (o.clip_grad_norm >= 0, "optim.clip_grad_norm", "must be >= 0 (0 turns clipping off)"),
             (t.steps >= 1, "train.steps", "must be >= 1"),
+            (0 <= t.seed < 2 ** 32, "train.seed", "must lie in [0, 2**32)"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
             (t.global_batch >= t.micro_batch, "train.global_batch", "must be >= train.micro_batch"),
             (t.dtype in DTYPES, "train.dtype", f"must be one of {DTYPES}"),
@@ -216,6 +217,12 @@ def load_yaml(stream):
 
 def _parse_value(text: str):
     return load_yaml(text)
+
+
+def assign_text(field: str, text: str) -> str:
+    """A ``--set`` assignment of the string ``text`` to ``field``, quoted so that it stays that string (a
+    path or name holding ``#``, ``: `` or one that reads as a number would otherwise be read as YAML)."""
+    return f"{field}={json.dumps(text)}"
 
 
 def apply_overrides(raw: dict, assignments: List[str]) -> dict:

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 
 from ..atomic import write_json, write_text
 from ..provenance import git_commit
-from .config import load_config
+from .config import assign_text, load_config
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STRATEGIES = ("ddp", "fsdp2")
@@ -74,7 +74,7 @@ def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_d
     sets = [f"train.strategy={job['strategy']}", f"train.steps={steps}", f"train.seed={job['seed']}",
             f"train.micro_batch={micro_batch}", f"train.global_batch={global_batch}",
             f"optim.warmup_steps={max(1, steps // 15)}", f"train.eval_every={steps}", f"train.save_every={steps}",
-            "train.resume=none", "train.export_model=false", f"train.out_dir={out_dir}", "log.progress=false",
+            "train.resume=none", "train.export_model=false", assign_text("train.out_dir", out_dir), "log.progress=false",
             f"log.every={max(1, steps // 10)}", *extra_sets]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job['gpus']}",
            "-m", "falcon_fwa.train.cli", "--config", job["config"]]

@@ -33,6 +33,32 @@ from .schedule import lr_at, set_lr
 
 _clock = time.perf_counter  # every time the loop measures comes from here
 
+# model fields that change how a model computes, not what it is: a run may resume under other values
+COMPUTE_FIELDS = ("form", "chunk_size", "segments", "backend")
+
+
+def check_export_folder(folder: str) -> None:
+    """``ValueError`` unless ``folder`` is absent or an earlier export (a ``config.json`` of this
+    library's model type): an export replaces it whole, and must not delete a folder of something else."""
+    if not os.path.exists(folder):
+        return
+    try:
+        if read_json(os.path.join(folder, "config.json")).get("model_type") == "falcon_fwa":
+            return
+    except (OSError, ValueError, AttributeError):
+        pass
+    raise ValueError(f"{folder!r} exists and is no exported model of this library: it is not replaced; choose "
+                     "another train.out_dir, or remove it")
+
+
+def _model_fields(section: dict) -> dict:
+    """A recipe's model section as the fields that define the model: the preset and each override
+    (``overrides.NAME``), without :data:`COMPUTE_FIELDS`."""
+    fields = {"preset": section.get("preset")}
+    fields.update({f"overrides.{k}": v for k, v in (section.get("overrides") or {}).items()
+                   if k not in COMPUTE_FIELDS})
+    return fields
+
 
 class NonFiniteLoss(RuntimeError):
     """Raised when a step's loss or gradient norm is NaN or Inf."""
@@ -123,6 +149,13 @@ class Trainer:
         D.barrier(self.info)
         train_split, self.val_split = open_split(self.data_dir, "train"), open_split(self.data_dir, "val")
         self.train_rows = PackedRows(train_split, d.seq_len)
+        if t.eval_every:  # found now rather than at the first evaluation, after eval_every steps of training
+            val_rows = len(PackedRows(self.val_split, d.seq_len))
+            if val_rows < t.global_batch:
+                raise ValueError(f"the validation split has {val_rows} rows of data.seq_len={d.seq_len}: fewer than "
+                                 f"train.global_batch={t.global_batch}, the rows one evaluation needs")
+        if t.export_model:
+            check_export_folder(os.path.join(t.out_dir, "model"))
 
         # model (identical initialisation on every rank), wrapping, optimizer
         seed_everything(t.seed)
@@ -173,6 +206,12 @@ class Trainer:
                 raise ValueError(f"{section}.{key}: the checkpoint was trained with {was!r}, this recipe has {now!r}, "
                                  "so its data position would point into other samples; use the checkpoint's value, "
                                  "or train.resume=none to start afresh")
+        was, now = _model_fields(saved["model"]), _model_fields(self.cfg.to_dict()["model"])
+        if was != now:
+            differ = ", ".join(f"{k} {was.get(k)!r} there, {now.get(k)!r} here"
+                               for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
+            raise ValueError(f"model: the checkpoint holds another model than this recipe's ({differ}); use the "
+                             "checkpoint's model section, or train.resume=none to start afresh")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
         # The optimizer state dict brings the saved run's hyperparameters back into the param groups;
@@ -355,6 +394,7 @@ class Trainer:
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.info.is_main:
+            check_export_folder(folder)
             tmp = folder.rstrip("/") + ".tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             self.core.save_pretrained(tmp, state_dict=state)

@@ -482,13 +482,17 @@ def test_resume_none_starts_a_fresh_log(tmp_path):
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2]
 
 
-def test_a_finished_run_launched_again_keeps_its_summary(tmp_path):
+def test_a_finished_run_launched_again_keeps_its_summary(tmp_path, capsys):
     raw = recipe(tmp_path, "run")
     run_trainer(raw)
     path = tmp_path / "run" / "summary.json"
     first = json.loads(path.read_text())
     assert first["val_loss"] is not None and first["tokens_per_s"] is not None
     run_trainer(raw)  # resume=auto: already at train.steps, trains nothing
+    assert json.loads(path.read_text()) == first
+    capsys.readouterr()
+    run_trainer({**raw, "train": {**raw["train"], "steps": 3}})  # a shorter schedule: said, not silent
+    assert "the checkpoint is at step 4, train.steps is 3: nothing to train" in capsys.readouterr().out
     assert json.loads(path.read_text()) == first
 
 

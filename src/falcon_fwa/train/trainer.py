@@ -247,6 +247,9 @@ class Trainer:
         self.logger.drop_after(self.step)
         if path is not None and self.info.is_main:
             print(f"resumed from {path} at step {self.step}")
+            if self.step >= self.cfg.train.steps:
+                print(f"the checkpoint is at step {self.step}, train.steps is {self.cfg.train.steps}: nothing to "
+                      "train (a longer train.steps continues the run; train.resume=none starts afresh)")
 
     def save(self) -> str:
         state = self.state_dict()  # collective under FSDP2

@@ -225,6 +225,53 @@ def test_lm_eval_harness_end_to_end_with_local_tasks(saved_model, tmp_path):
         assert gens[d["prompt"]] == tok.decode(new), d["prompt"]
 
 
+def test_lm_eval_runs_no_code_from_the_model_folder(saved_model, tmp_path):
+    """A folder whose config points AutoModel at a module of its own: the harness must not import it."""
+    pytest.importorskip("lm_eval")
+    from falcon_fwa.eval.harness import evaluate
+
+    _write_tasks(tmp_path, saved_model)  # a task the harness finds: the failure must come from the model
+
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "evilmodel", "auto_map": {"AutoConfig": "evilmod.EvilConfig",
+                                                "AutoModelForCausalLM": "evilmod.EvilLM"}}))
+    marker = tmp_path / "imported"
+    (folder / "evilmod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(Exception):
+        evaluate(str(folder), ["local_mc"], include_path=str(tmp_path))
+    assert not marker.exists()
+
+
+def test_ppl_of_a_tokenizer_without_end_of_text(saved_model, tmp_path):
+    """--documents carry needs no end-of-text token: documents then open with nothing; reset names it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from falcon_fwa.eval.ppl_cli import add_arguments, run
+    import argparse
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(saved_model / "run" / "model", folder)
+    _, tok = load_model(str(folder))
+    bare = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer)
+    assert bare.eos_token_id is None
+    for f in folder.glob("*token*"):
+        f.unlink()
+    bare.save_pretrained(folder)
+    text = tmp_path / "doc.txt"
+    text.write_text("the state memory key value " * 8)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--model", str(folder), "--data", str(text), "--seq-len", "16",
+                                  "--documents", "carry", "--device", "cpu"])) == 0
+    tokens = token_stream([str(text)], bare)
+    assert tokens.tolist() == list(text.read_bytes())  # no opening token
+    with pytest.raises(ValueError, match="--documents reset needs a tokenizer with an end-of-text token"):
+        run(parser.parse_args(["--model", str(folder), "--data", str(text), "--seq-len", "16", "--device", "cpu"]))
+
+
 def test_lm_eval_max_length_sets_the_rolling_windows(saved_model, tmp_path, monkeypatch):
     """--max-length reaches the harness: a document longer than it is scored in windows of
     max_length tokens (each with the tokens before it as context), as computed here directly."""

@@ -52,8 +52,9 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     if missing:
         raise ValueError(f"tasks: unknown {', '.join(map(repr, missing))}"
                          + ("" if include_path else " (local task YAML files need include_path)"))
+    # the model type is registered here (register()): no code from the folder runs
     model_args = {"pretrained": model_dir, "dtype": dtype_name(dtype, ("float32", "bfloat16", "float16")),
-                  "trust_remote_code": True}
+                  "trust_remote_code": False}
     if max_length is not None:
         model_args["max_length"] = max_length
     return lm_eval.simple_evaluate(

@@ -75,7 +75,9 @@ def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
 
 def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file", text_field: str = "text",
                  max_tokens: Optional[int] = None) -> np.ndarray:
-    """All held-out tokens in order: text/JSONL/Parquet files, or token shard folders."""
+    """All held-out tokens in order: text/JSONL/Parquet files, or token shard folders. Each text document
+    opens with the end-of-text token, as in training, where the tokenizer has one (else it opens with
+    nothing)."""
     parts: List[np.ndarray] = []
     total = 0
     for source in sources:
@@ -88,7 +90,7 @@ def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file",
                     f"{tokenizer.eos_token_id}); tokenize the held-out text with the model's tokenizer")
             docs = shards.documents()
         else:
-            eos = np.asarray([tokenizer.eos_token_id], dtype=np.int64)
+            eos = np.asarray([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id], dtype=np.int64)
             byte_level = is_byte_tokenizer(tokenizer)
             docs = (np.concatenate([eos, ids]) for text in iter_documents(source, text_split=text_split,
                                                                           text_field=text_field)

@@ -55,12 +55,12 @@ def run(args: argparse.Namespace) -> int:
     edges = _edges(args)
     args.device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, device=args.device)
-    tokens = token_stream(args.data, tokenizer, text_split=args.text_split, text_field=args.text_field,
-                          max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1)
-    rows = windows(tokens, args.seq_len, args.max_windows)
     eos_id = tokenizer.eos_token_id if args.documents == "reset" else None
     if args.documents == "reset" and eos_id is None:
         raise ValueError("--documents reset needs a tokenizer with an end-of-text token (eos_token_id is None)")
+    tokens = token_stream(args.data, tokenizer, text_split=args.text_split, text_field=args.text_field,
+                          max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1)
+    rows = windows(tokens, args.seq_len, args.max_windows)
     total, count = position_nll(model, rows, batch_size=args.batch_size, device=args.device,
                                 bf16=args.dtype == "bf16", eos_id=eos_id)
     report = bucket_report(total, count, edges, train_len=args.train_len, windows=len(rows))

@@ -346,3 +346,19 @@ def test_text_split_is_checked_before_any_document_is_read(tmp_path):
     with pytest.raises(ValueError, match=r"^data\.text_split must be one of .*got 'lines'"):
         prepare_dataset(DataSpec(train_source=str(tmp_path / "none.txt"), text_split="lines"), str(tmp_path / "d"))
     assert not (tmp_path / "d").exists()
+
+
+def test_a_special_tokens_name_in_a_document_is_text_on_every_path(tmp_path):
+    """Shards (the byte fast path), the tokenizer's own call (generate, lm-eval) and the slow path agree:
+    "<|endoftext|>" written in a text is its 13 bytes, never the end-of-text token 256."""
+    from transformers import AutoTokenizer
+
+    text = "a<|endoftext|>b"
+    want = list(text.encode())
+    tok = byte_tokenizer()
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert encode_documents(tok, [text])[0].tolist() == want
+    assert encode_documents(tok, [text], byte_level=False)[0].tolist() == want
+    assert again(text, add_special_tokens=False)["input_ids"] == want
+    assert again.decode([256]) == "<|endoftext|>" and again.eos_token_id == 256

@@ -35,6 +35,7 @@ def _wrap(tok, model_max_length: int = 1 << 30):
         tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=None,
         pad_token=EOS_TOKEN, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
         padding_side="left",  # a batch of prompts for generate() continues each row from its last column
+        split_special_tokens=True,  # the text "<|endoftext|>" is text (its bytes), as in the shards
     )
 
 
@@ -118,7 +119,8 @@ def is_byte_tokenizer(tokenizer) -> bool:
 
 
 def encode_documents(tokenizer, texts: list, *, byte_level: Optional[bool] = None) -> list:
-    """Token ids (numpy int64 arrays) of each text, without special tokens.
+    """Token ids (numpy int64 arrays) of each text, without special tokens: a document's text is text,
+    so a special token's name written in it (``"<|endoftext|>"``) is tokenized as text, not as that token.
 
     The byte tokenizer takes a direct path (UTF-8 bytes), identical to its slow path.
     """
@@ -130,4 +132,5 @@ def encode_documents(tokenizer, texts: list, *, byte_level: Optional[bool] = Non
         byte_level = is_byte_tokenizer(tokenizer)
     if byte_level:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
-    return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    ids = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [np.asarray(i, dtype=np.int64) for i in ids]

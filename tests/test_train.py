@@ -403,7 +403,7 @@ def test_compare_shares_one_data_folder_and_uses_calib_steps(tmp_path, monkeypat
     compare.run(parser.parse_args(["--configs", str(path), "--out", str(out), "--time-budget", "1",
                                    "--calib-steps", "3"]))
     assert seen["steps"] == 3
-    assert f"data.out_dir={out / 'data'}" in seen["sets"]
+    assert f'data.out_dir="{out / "data"}"' in seen["sets"]  # quoted: a path stays the text it is
     assert os.path.isfile(out / "data" / "prepared.json")
 
 

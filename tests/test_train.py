@@ -430,8 +430,18 @@ def test_resume_after_a_log_line_was_cut_short(tmp_path):
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4]
     with open(log, "a") as f:
         f.write('{"step": 5, "lo\n{"step": 6}\n')  # a bad line before the last one is no cut-off write
-    with pytest.raises(ValueError):
+    n_bad = len(log.read_text().splitlines()) - 1
+    with pytest.raises(ValueError, match=rf"log\.jsonl:{n_bad}: not a record of a training log"):
         read_log(str(log))
+
+
+def test_a_log_of_something_else_in_the_run_folder_is_named(tmp_path):
+    raw = recipe(tmp_path, "run")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.jsonl").write_text("step,loss\n1,2.0\n")  # someone's CSV under that name
+    with pytest.raises(ValueError, match=r"log\.jsonl:1: not a record of a training log; choose another "
+                                         r"train\.out_dir"):
+        run_trainer(raw)
 
 
 def test_set_fills_an_empty_section_and_rejects_a_path_through_a_value(tmp_path):

@@ -63,14 +63,21 @@ class MetricLogger:
 
 def read_log(path: str) -> list:
     """The records of a JSONL log. A last line that is cut short (the process died, or the disk
-    filled, while writing it) is left out; a bad line before it is an error."""
+    filled, while writing it) is left out; a bad line before it is an error naming the file and line
+    (a ``log.jsonl`` of something else in ``train.out_dir``, say)."""
     with open(path) as f:
-        lines = [line for line in f if line.strip()]
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     records = []
-    for i, line in enumerate(lines):
+    for i, (n, line) in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             if i < len(lines) - 1 or line.endswith("\n"):
-                raise
+                raise ValueError(f"{path}:{n}: not a record of a training log; choose another train.out_dir "
+                                 "if the file is not this run's") from None
+            continue
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n}: not a record of a training log (a {type(record).__name__}); choose "
+                             "another train.out_dir if the file is not this run's")
+        records.append(record)
     return records

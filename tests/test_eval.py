@@ -199,22 +199,27 @@ def test_lm_eval_harness_end_to_end_with_local_tasks(saved_model, tmp_path):
     out = evaluate(folder, ["local_mc", "local_gen"], include_path=str(tmp_path), batch_size=4, log_samples=True)
     model, tok = load_model(folder)
 
-    # multiple choice: the harness's pick equals argmax of the continuation log-likelihood
+    # multiple choice: the harness's pick equals argmax of the continuation log-likelihood, the
+    # context opened by end-of-text as every training document is
     def loglik(context, cont):
-        ids = tok(context + cont, add_special_tokens=False)["input_ids"]
-        n = len(tok(context, add_special_tokens=False)["input_ids"])
+        ids = [tok.eos_token_id] + tok(context + cont, add_special_tokens=False)["input_ids"]
+        n = 1 + len(tok(context, add_special_tokens=False)["input_ids"])
         with torch.no_grad():
             lp = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].log_softmax(-1)
         return sum(lp[i - 1, ids[i]].item() for i in range(n, len(ids)))
 
     expected = [max(range(3), key=lambda c: loglik(d["context"], d["choices"][c])) == d["label"] for d in mc_docs]
     assert out["results"]["local_mc"]["acc,none"] == pytest.approx(sum(expected) / len(expected))
+    for s in out["samples"]["local_mc"]:  # and each score is that log-likelihood of the request's text
+        got = [float(r[0][0]) for r in s["resps"]]
+        want = [loglik(context, cont) for context, cont in s["arguments"]]
+        assert got == pytest.approx(want, rel=0, abs=1e-4)
 
     # generation: batched, left-padded, with the recurrent cache == greedy decoding by full forwards
     gens = {s["doc"]["prompt"]: s["resps"][0][0] for s in out["samples"]["local_gen"]}
     assert len(gens) == len(gen_docs) and any(gens.values())
     for d in gen_docs:
-        ids = tok(d["prompt"], add_special_tokens=False)["input_ids"]
+        ids = [tok.eos_token_id] + tok(d["prompt"], add_special_tokens=False)["input_ids"]
         new = []
         for _ in range(6):
             with torch.no_grad():
@@ -223,6 +228,33 @@ def test_lm_eval_harness_end_to_end_with_local_tasks(saved_model, tmp_path):
                 break
             new.append(nxt)
         assert gens[d["prompt"]] == tok.decode(new), d["prompt"]
+
+
+def test_lm_eval_requests_open_with_end_of_text(saved_model):
+    """The falcon-fwa harness model puts end-of-text in front of each context and each prompt of a
+    generation batch (left padding before it, left truncation after it), as training does."""
+    pytest.importorskip("lm_eval")
+    from falcon_fwa.eval.harness import lm_class
+
+    folder = str(saved_model / "run" / "model")
+    lm = lm_class()(pretrained=folder, device="cpu", trust_remote_code=False)
+    _, tok = load_model(folder)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+
+    def enc(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    context, cont = lm._encode_pair("the state", " memory")
+    assert context == [eos] + enc("the state") and cont == enc(" memory")
+    # the token's spelling inside a text is text (split_special_tokens): the real token still opens it
+    assert lm._encode_pair(tok.eos_token + "key", " value")[0] == [eos] + enc(tok.eos_token + "key")
+
+    ids, mask = lm.tok_batch_encode(["a", "the gate"])
+    long = [eos] + enc("the gate")
+    assert ids.tolist() == [[pad] * (len(long) - 2) + [eos] + enc("a"), long]
+    assert mask.tolist() == [[0] * (len(long) - 2) + [1, 1], [1] * len(long)]
+    ids, mask = lm.tok_batch_encode(["a", "the gate"], left_truncate_len=4)
+    assert ids.tolist() == [[pad, pad, eos] + enc("a"), long[-4:]] and mask.tolist() == [[0, 0, 1, 1], [1] * 4]
 
 
 def test_lm_eval_runs_no_code_from_the_model_folder(saved_model, tmp_path):

@@ -2,8 +2,10 @@
 
 Importing ``falcon_fwa.models`` registers ``model_type="falcon_fwa"`` with the Hugging Face
 Auto classes, so the harness's ``hf`` model (``HFLM``: loglikelihood, and ``generate`` with
-``use_cache=True`` on left-padded batches) loads the folder directly. ``falcon-fwa`` is also
-registered as a harness model name (the same ``HFLM``, with the registration guaranteed).
+``use_cache=True`` on left-padded batches) loads the folder directly. ``falcon-fwa`` is
+registered as a harness model name too: the same ``HFLM``, except that every request opens
+with the tokenizer's end-of-text token, as every document does in training, ``ppl`` and
+``generate``. :func:`evaluate` uses it.
 """
 from __future__ import annotations
 
@@ -12,16 +14,68 @@ from typing import List, Optional
 
 from ..cli_options import dtype_name
 
+_LM_CLASS = None
+
+
+def lm_class():
+    """The harness model class of ``falcon-fwa``: ``HFLM`` whose contexts open with end-of-text.
+
+    Training stores each document as ``[eos] + tokens`` and the recurrent state starts at that
+    token; the ``hf`` model leaves it out (the byte and ``bpe:N`` tokenizers add no special
+    tokens), so its first prediction would be made from a start the model never saw. Here the
+    context of a ``loglikelihood`` request and each prompt of a ``generate_until`` batch get
+    it in front (left truncation applies after it); ``loglikelihood_rolling`` already opens
+    its first window with it (the harness's ``prefix_token_id``). A tokenizer without an
+    end-of-text token, or a text that already opens with it, is left as it is."""
+    global _LM_CLASS
+    if _LM_CLASS is not None:
+        return _LM_CLASS
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    class FalconFWALM(HFLM):
+        """HFLM for falcon-fwa model folders: requests open with end-of-text, as in training."""
+
+        def _opening(self, ids) -> list:
+            eos = self.tokenizer.eos_token_id
+            return [] if eos is None or (len(ids) and ids[0] == eos) else [eos]
+
+        def _encode_pair(self, context, continuation):
+            context_enc, continuation_enc = super()._encode_pair(context, continuation)
+            return self._opening(context_enc) + list(context_enc), continuation_enc
+
+        def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
+            ids, mask = super().tok_batch_encode(strings, padding_side=padding_side, left_truncate_len=None,
+                                                 truncation=truncation)
+            pad = self.tokenizer.pad_token_id
+            pad = self.tokenizer.eos_token_id if pad is None else pad
+            rows, masks = [], []
+            for row, keep in zip(ids.tolist(), mask.tolist()):
+                real = [t for t, k in zip(row, keep) if k]
+                rows.append(self._opening(real) + real)
+            width = max(len(r) for r in rows)
+            if left_truncate_len:
+                width = min(width, left_truncate_len)
+                rows = [r[-width:] for r in rows]
+            for i, r in enumerate(rows):
+                fill = [pad] * (width - len(r))
+                masks.append([0] * len(fill) + [1] * len(r) if padding_side == "left" else [1] * len(r) + [0] * len(fill))
+                rows[i] = fill + r if padding_side == "left" else r + fill
+            return (torch.tensor(rows, dtype=ids.dtype, device=ids.device),
+                    torch.tensor(masks, dtype=mask.dtype, device=mask.device))
+
+    _LM_CLASS = FalconFWALM
+    return _LM_CLASS
+
 
 def register() -> None:
-    """Register the model type with transformers and ``falcon-fwa`` with the harness."""
+    """Register the model type with transformers and ``falcon-fwa`` (:func:`lm_class`) with the harness."""
     from lm_eval.api.registry import MODEL_REGISTRY, register_model
-    from lm_eval.models.huggingface import HFLM
 
     from .. import models  # noqa: F401
 
     if "falcon-fwa" not in MODEL_REGISTRY:
-        register_model("falcon-fwa")(type("FalconFWALM", (HFLM,), {"__doc__": "HFLM for falcon-fwa model folders."}))
+        register_model("falcon-fwa")(lm_class())
 
 
 def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = None,
@@ -58,6 +112,6 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     if max_length is not None:
         model_args["max_length"] = max_length
     return lm_eval.simple_evaluate(
-        model="hf", model_args=model_args,
+        model="falcon-fwa", model_args=model_args,
         tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, device=device,
         task_manager=manager, log_samples=log_samples)

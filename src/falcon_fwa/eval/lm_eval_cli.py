@@ -1,7 +1,8 @@
 """``falcon-fwa lm-eval --model DIR --tasks piqa,hellaswag [--include-path TASK_DIR] [--num-fewshot 1]``:
 lm-evaluation-harness (its ``hf`` model: loglikelihood and cached, left-padded generation) on a
-saved model folder, with falcon-fwa's model type registered. Local tasks are YAML files in
-``--include-path`` (e.g. ``dataset_path: json`` with local ``data_files``)."""
+saved model folder, with falcon-fwa's model type registered and each request opened by end-of-text, as
+in training. Local tasks are YAML files in ``--include-path`` (e.g. ``dataset_path: json`` with local
+``data_files``)."""
 from __future__ import annotations
 
 import argparse

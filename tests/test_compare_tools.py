@@ -295,3 +295,23 @@ def test_throughput_compiles_each_model_once(tmp_path):
     row = json.loads(out.read_text())
     assert row["compiled"] and row["timed_steps"] == 3 and row["falcon_op"] == "torch"
     torch._dynamo.reset()
+
+
+def test_throughput_activation_checkpointing_replays_every_block(tmp_path, monkeypatch):
+    """--activation-checkpointing times steps whose backward runs each block's mixer again: twice the
+    mixer calls of the plain step, and the row says which it measured."""
+    from falcon_fwa.layers.falcon_attention import FalconAttention
+    from falcon_fwa.layers.attention import CausalSelfAttention
+
+    calls = []
+    for cls in (FalconAttention, CausalSelfAttention):
+        real = cls.forward
+        monkeypatch.setattr(cls, "forward", lambda self, *a, _real=real, **k: calls.append(1) or _real(self, *a, **k))
+    counts = {}
+    for flag in ((), ("--activation-checkpointing",)):
+        calls.clear()
+        (tmp_path / str(bool(flag))).mkdir()
+        rows = run_throughput(tmp_path / str(bool(flag)), "--steps", "1", "--min-steps", "1", "--warmup", "0", *flag)
+        assert [r["activation_checkpointing"] for r in rows] == [bool(flag)] * 4
+        counts[bool(flag)] = len(calls)
+    assert counts[True] == 2 * counts[False] > 0

@@ -265,3 +265,54 @@ def test_segments_must_be_a_positive_integer_in_the_config():
         FalconConfig(segments=0)
     with pytest.raises(ValueError, match="'segments'"):
         FalconConfig(segments=1.5)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")  # the transformers 4 names, kept in 5
+@pytest.mark.parametrize("mixer,overrides", MIXER_CASES, ids=MIXER_IDS)
+def test_activation_checkpointing_gives_the_same_gradients(mixer, overrides):
+    """``gradient_checkpointing_enable()`` (Hugging Face's switch): every block runs again in the backward,
+    and the loss and every gradient are those of the plain backward, on a padded batch and a packed one."""
+    model = _model(mixer, **overrides).train()
+    torch.manual_seed(3)
+    x = torch.randint(0, 64, (2, 10))
+    mask = torch.ones_like(x)
+    mask[0, :4] = 0
+    packed, cu = torch.randint(0, 64, (1, 13)), torch.tensor([0, 5, 13])
+    calls = []
+    for block in model.model.layers:
+        block.mixer.register_forward_hook(lambda *_: calls.append(1))
+
+    def run():
+        model.zero_grad()
+        loss = model(x, attention_mask=mask, labels=x).loss + model(packed, cu_seqlens=cu, labels=packed).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss0, grads0 = run()
+    plain = len(calls)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert all(b.gradient_checkpointing for b in model.model.layers)
+    calls.clear()
+    loss1, grads1 = run()
+    assert len(calls) == 2 * plain  # each block's mixer ran again in the backward
+    assert torch.equal(loss0, loss1)
+    for g0, g1 in zip(grads0, grads1):
+        torch.testing.assert_close(g1, g0, rtol=1e-12, atol=1e-14)
+    model.gradient_checkpointing_disable()
+    calls.clear()
+    run()
+    assert len(calls) == plain
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")
+def test_activation_checkpointing_refuses_a_cache_while_training_but_not_in_generation():
+    model = _model("falcon").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    x = torch.randint(0, 64, (1, 6))
+    with pytest.raises(ValueError, match="write the cache twice: pass use_cache=False"):
+        model(x, use_cache=True)
+    with torch.no_grad():  # no backward, no replay: the cache is written once
+        out = model.generate(x, max_new_tokens=3, do_sample=False)
+    model.gradient_checkpointing_disable()
+    with torch.no_grad():
+        assert torch.equal(out, model.generate(x, max_new_tokens=3, do_sample=False))

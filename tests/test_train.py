@@ -6,7 +6,6 @@ import random
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -643,3 +642,36 @@ def test_model_segments_train_as_the_whole_sequence(tmp_path, monkeypatch):
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
     for (_, x), (_, y) in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(x), (a, b)
+
+
+def test_activation_checkpointing_trains_the_same_model_and_replays_each_block(tmp_path):
+    """``train.activation_checkpointing`` runs every block's forward again in the backward and changes
+    neither the losses nor the weights: four logged steps and the final parameters match."""
+    counts = []
+
+    def counting_model(vocab_size, eos_token_id):
+        from falcon_fwa.train.model_factory import build_model
+
+        model = build_model(config_from_dict(recipe(tmp_path)).model, vocab_size=vocab_size, eos_token_id=eos_token_id)
+        calls = {"n": 0}
+        model.model.layers[0].mixer.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+        counts.append(calls)
+        return model
+
+    trainers = []
+    for out, on in (("plain", False), ("replayed", True)):
+        trainer = Trainer(config_from_dict(recipe(tmp_path, out=out, steps=4, eval_every=0, activation_checkpointing=on)),
+                          model_fn=counting_model)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        trainers.append(trainer)
+    # 4 steps x 2 micro-batches: one forward each, plus one replay each in the backward with checkpointing
+    assert [c["n"] for c in counts] == [8, 16]
+    a, b = losses(tmp_path / "plain"), losses(tmp_path / "replayed")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a, b):
+        assert abs(x - y) <= 1e-6 * abs(x), (a, b)
+    for p, q in zip(trainers[0].core.parameters(), trainers[1].core.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

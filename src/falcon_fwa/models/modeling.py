@@ -59,7 +59,13 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 
 class FalconBlock(nn.Module):
-    """``h + Mixer(RMSNorm(h))`` then ``h + SwiGLU(RMSNorm(h))``."""
+    """``h + Mixer(RMSNorm(h))`` then ``h + SwiGLU(RMSNorm(h))``.
+
+    With ``gradient_checkpointing`` set (``model.gradient_checkpointing_enable()``, or
+    ``activation_checkpointing_enable()`` in transformers 5) the block keeps only its input for the
+    backward and runs its forward again there, when training with gradients."""
+
+    gradient_checkpointing = False
 
     def __init__(self, config: FalconConfig, layer_idx: int):
         super().__init__()
@@ -75,6 +81,15 @@ class FalconBlock(nn.Module):
         self.mlp.down_proj.residual_out = True
 
     def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache]) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if cache is not None:  # the replay in the backward would write the cache a second time
+                raise ValueError("activation checkpointing runs each block again in the backward, which would "
+                                 "write the cache twice: pass use_cache=False (and no past_key_values) when "
+                                 "training with it")
+            return self._gradient_checkpointing_func(self._forward, h, packing, None)
+        return self._forward(h, packing, cache)
+
+    def _forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache]) -> torch.Tensor:
         h = h + self.mixer(self.mixer_norm(h), packing, cache)
         return h + self.mlp(self.mlp_norm(h))
 
@@ -84,7 +99,7 @@ class FalconPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["FalconBlock"]
     _is_stateful = True
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module: nn.Module) -> None:
         """muP-style init: embedding ``N(0, sigma^2)``; hidden matrices
@@ -173,7 +188,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     Returns ``CausalLMOutputWithPast`` (``loss``, ``logits`` ``[B, T, vocab]`` in
     at least float32, the cache, ``hidden_states``), or with ``return_dict=False`` (or
     ``config.return_dict = False``) the tuple of its fields that are not ``None``.
-    ``generate()`` works with the recurrent cache.
+    ``generate()`` works with the recurrent cache. ``gradient_checkpointing_enable()`` (in transformers 5
+    ``activation_checkpointing_enable()``) makes each block run again in the backward instead of keeping its
+    activations; training then takes no cache.
     """
 
     def __init__(self, config: FalconConfig):

@@ -63,6 +63,7 @@ class TrainSection:
     micro_batch: int = 16
     dtype: str = "bf16"
     compile: bool = False
+    activation_checkpointing: bool = False  # run each block again in the backward instead of storing it
     seed: int = 0
     strategy: str = "auto"
     out_dir: str = "runs/run"

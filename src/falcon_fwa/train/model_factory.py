@@ -24,6 +24,20 @@ def build_model(section: ModelSection, *, vocab_size: int, eos_token_id: int) ->
     return FalconForCausalLM(config)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Keep only each block's input for the backward and run the block again there
+    (``train.activation_checkpointing``, ``throughput --activation-checkpointing``): the memory of the
+    blocks' activations for one more forward of them. Non-reentrant ``torch.utils.checkpoint``, inside
+    each block's ``forward`` (FSDP2's hooks on the block stay outside it); gradients are unchanged."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"activation checkpointing: {type(model).__name__} does not support it")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5: the new name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def param_groups(model: nn.Module, *, lr: float, weight_decay: float) -> List[dict]:
     """The model's own (muP) groups when it defines ``param_groups(lr, weight_decay)``, else
     weight decay on matrices only. Each group records ``lr_multiplier`` = its lr / ``lr`` (the key the

@@ -85,7 +85,7 @@ def op_backend(counts: dict, config, device: str) -> str:
 
 def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: int = 2, min_steps: int = 3,
             max_seconds: float = 60.0, deadline: Optional[float] = None, device: str = "cuda", bf16: bool = True,
-            seed: int = 0, compile: bool = False, profile: int = 0) -> dict:
+            seed: int = 0, compile: bool = False, activation_checkpointing: bool = False, profile: int = 0) -> dict:
     """Time optimizer steps of ``FalconForCausalLM(config)`` on ``[batch_size, seq_len]`` random tokens.
 
     ``warmup`` untimed steps, then up to ``steps`` timed ones; timing ends once ``max_seconds``
@@ -97,15 +97,19 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
     ``peak_mem_bytes``, ``params``, ``falcon_op``, ``compiled``. ``compile``: ``torch.compile``
     the model first (as ``train.compile`` does); ``falcon_op`` is then read from one uncompiled
     forward on a short input, since compiled code does not call the Python-level op.
+    ``activation_checkpointing``: each block runs again in the backward (as
+    ``train.activation_checkpointing`` does; the row's ``activation_checkpointing``).
     ``profile`` > 0: one more step under ``torch.profiler`` after the timed ones; the row's
     ``profile`` lists its ``profile`` most expensive kernels (CUDA) or operators (CPU):
     ``name``, ``ms`` (total in that step), ``calls``.
     """
     from ..models import FalconForCausalLM
-    from .model_factory import param_groups
+    from .model_factory import enable_activation_checkpointing, param_groups
 
     torch.manual_seed(seed)
     model = FalconForCausalLM(config).to(device)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
     opt = torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.1), lr=1e-3, betas=(0.9, 0.95),
                             **({"fused": True} if device.startswith("cuda") else {}))
     x = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
@@ -166,6 +170,7 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
             "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             "params": sum(p.numel() for p in model.parameters()),
             "falcon_op": op if compile else op_backend(counts, config, device), "compiled": compile,
+            "activation_checkpointing": activation_checkpointing,
             **({"profile": top} if top is not None else {})}
 
 
@@ -203,6 +208,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs); fp32: no autocast")
     parser.add_argument("--fp32", action="store_true", help="the same as --dtype fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="run each block again in the backward instead of keeping its activations (as "
+                             "train.activation_checkpointing does): peak memory against tokens/s")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step and keep its N most expensive kernels in the row")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) here")
@@ -273,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
                                warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
                                deadline=deadline, device=args.device, bf16=bf16, compile=args.compile,
-                               profile=args.profile))
+                               activation_checkpointing=args.activation_checkpointing, profile=args.profile))
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig
 from .logger import MetricLogger
-from .model_factory import build_model, param_groups
+from .model_factory import build_model, enable_activation_checkpointing, param_groups
 from .schedule import lr_at, set_lr
 
 _clock = time.perf_counter  # every time the loop measures comes from here
@@ -163,6 +163,8 @@ class Trainer:
         model = make(train_split.vocab_size, train_split.eos_token_id).to(self.info.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.core = model
+        if t.activation_checkpointing:
+            enable_activation_checkpointing(model)
         if t.compile:
             model.compile()
         self.model = D.wrap(model, self.info)

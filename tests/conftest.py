@@ -92,8 +92,10 @@ def reference_falcon(
     log_gate: Optional[torch.Tensor] = None,
     read: str = "after",
     scale_ridge: bool = False,
+    initial_S: Optional[torch.Tensor] = None,
 ):
-    """Literal float64 loop of the Falcon rules on a fresh sequence.
+    """Literal float64 loop of the Falcon rules on a fresh sequence (from ``S_0 = 0``, or from
+    ``initial_S`` ``[B, H, K, V]``, the ``S_init`` of Algorithms 1 and 4, still opened by the sentinel).
 
     Returns ``o`` ``[B, T, H, V]``, ``S_T`` ``[B, H, K, V]`` and a dict with the
     fraction of updating steps (per head and, for 2/2A, per column) on which the
@@ -116,7 +118,7 @@ def reference_falcon(
 
     for b in range(Bsz):
         for h in range(H):
-            S = torch.zeros(K, V, dtype=torch.float64)
+            S = torch.zeros(K, V, dtype=torch.float64) if initial_S is None else initial_S[b, h].double().clone()
             # Algorithm 2's FIFO of the last `window` pairs (x_j, y_j): after the push at
             # step t it holds exactly I_t = {j : max(2, t - window + 1) <= j <= t}
             # (from j = 1 with shift=False, where there is no sentinel).

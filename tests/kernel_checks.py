@@ -41,7 +41,7 @@ FINAL_TENSORS = ("S_T", "last_key", "tail_x", "tail_y")
 def kernel_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *, seed: int, rule: str,
                   window: int = 1, gate: bool = True, state: bool = False, N: Optional[int] = None,
                   key_power: float = 0.25, lam_scale: float = 0.5, beta_scale: float = 0.9,
-                  empty_slot: float = 0.0) -> Dict[str, Optional[torch.Tensor]]:
+                  empty_slot: float = 0.0, sentinel: bool = False) -> Dict[str, Optional[torch.Tensor]]:
     """Random leaves ``q, k`` ``[B, T, H, K]`` (scaled by ``K ** -key_power``), ``v``
     ``[B, T, H, V]``, ``beta`` in ``[0.1, 0.1 + beta_scale)`` (``[B, T, H, V]`` for the
     per-column rules 2/2A, else ``[B, T, H]``), ``lam`` in ``[0, lam_scale)``,
@@ -49,7 +49,9 @@ def kernel_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
     initial state of ``N`` rows (default ``B``): ``S0`` ``[N, H, K, V]``, ``last_key``
     ``[N, H, K]`` and for ``window > 1`` the tail ``tail_x`` ``[N, H, W-1, K]``,
     ``tail_y`` ``[N, H, W-1, V]`` with the boolean ``tail_valid`` ``[N, W-1]``, whose
-    oldest slot of row 0 is empty and holds ``empty_slot``. Absent entries are ``None``."""
+    oldest slot of row 0 is empty and holds ``empty_slot``. Absent entries are ``None``.
+    ``sentinel``: the state starts a new sequence from ``S0`` (``FalconState.fresh``): no
+    ``last_key``, and every tail slot empty (holding random values that must not count)."""
     g = torch.Generator().manual_seed(seed)
     N = B if N is None else N
     W = window
@@ -73,6 +75,10 @@ def kernel_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
         tail_valid[0, 0] = False
         t["tail_x"][0, :, 0] = empty_slot
         t["tail_y"][0, :, 0] = empty_slot
+        if sentinel:
+            tail_valid[:] = False
+    if sentinel:
+        t["last_key"] = None
     leaves = {n: None if x is None else x.to(dtype) for n, x in t.items()}
     leaves["tail_valid"] = tail_valid
     return leaves
@@ -98,7 +104,7 @@ def run_op(op, leaves: Dict[str, Optional[torch.Tensor]], *, rule: str, window: 
     state = None
     if "S0" in leaves:
         state = FalconState(rule=rule, window=window, shift=shift, S=leaves["S0"],
-                            last_key=leaves["last_key"] if shift else None, tail_x=leaves.get("tail_x"),
+                            last_key=leaves.get("last_key") if shift else None, tail_x=leaves.get("tail_x"),
                             tail_y=leaves.get("tail_y"), tail_valid=tail_valid)
     o, final = op(*(leaves[n] for n in OP_INPUTS), rule=rule, window=window, log_gate=leaves.get("log_gate"),
                   shift=shift, initial_state=state, output_final_state=output_final_state, **op_switches)
@@ -189,7 +195,8 @@ def check_kernel(rule: str, dims: Sequence[int], dtype: torch.dtype = torch.floa
                  output_final_state: bool = False, cu_seqlens: Optional[Sequence[int]] = None, chunk_size: int = 16,
                  read: str = "after", normalize: bool = True, scale_ridge: bool = False, decay_floor: float = 1e-3,
                  key_power: float = 0.25, lam_scale: float = 0.5, beta_scale: float = 0.9, empty_slot: float = 0.0,
-                 poison=None, tol: Dict[torch.dtype, float] = TOL, reference_rows: bool = False) -> Dict[str, float]:
+                 sentinel: bool = False, poison=None, tol: Dict[torch.dtype, float] = TOL,
+                 reference_rows: bool = False) -> Dict[str, float]:
     """``falcon_chunk_triton`` in ``dtype`` against ``falcon_attention(form="recurrent")``
     in float64 on the same inputs ``kernel_inputs(*dims, dtype, ...)`` (``dims`` =
     ``(B, T, H, K, V)``): the output's dtype and shape, every output and final-state
@@ -198,11 +205,13 @@ def check_kernel(rule: str, dims: Sequence[int], dtype: torch.dtype = torch.floa
     NaN-filled fresh buffers; a non-zero ``empty_slot`` (e.g. NaN) in the empty tail
     slot must act as zero. ``reference_rows`` computes the reference one batch row at a
     time (``reference_by_rows``), for shapes whose float64 recurrence would not fit at
-    once. Returns the relative errors by name."""
+    once. ``sentinel``: the initial state starts a new sequence (``kernel_inputs``). Returns the
+    relative errors by name."""
     B, T, H, K, V = dims
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
     leaves = kernel_inputs(B, T, H, K, V, dtype, seed=seed, rule=rule, window=window, gate=gate, state=state, N=N,
-                           key_power=key_power, lam_scale=lam_scale, beta_scale=beta_scale, empty_slot=empty_slot)
+                           key_power=key_power, lam_scale=lam_scale, beta_scale=beta_scale, empty_slot=empty_slot,
+                           sentinel=sentinel)
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
     switches = dict(rule=rule, window=window, shift=shift, output_final_state=output_final_state, cu_seqlens=cu,
                     read=read, normalize=normalize, scale_ridge=scale_ridge, decay_floor=decay_floor)

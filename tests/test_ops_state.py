@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import FORMS, RULE_NAMES, SLIDING, random_inputs, rel_err
+from conftest import FORMS, RULE_NAMES, SLIDING, random_inputs, reference_falcon, rel_err
 
 from falcon_fwa import FalconState, falcon_attention, falcon_step
 
@@ -165,3 +165,80 @@ def test_detach_cuts_the_graph():
     assert st.S.requires_grad and st.last_key.requires_grad
     d = st.detach()
     assert not d.S.requires_grad and not d.last_key.requires_grad
+
+
+# ----------------------------------------------------------------------------- a new sequence from given fast weights
+def _fresh(rule, S0, window=4, **kw):
+    return FalconState.fresh(S0, rule=rule, window=window, **kw)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_fresh_state_first_step_writes_nothing_and_keeps_S(rule):
+    """The paper's boundary sentinel on a carried S_init (Section 3, Appendix C.5): x_1 = 0 and eta_1 = 0,
+    so the first step neither writes nor shrinks S, however large beta and lam are; only the gate decays it."""
+    inp = random_inputs(rule, B=2, T=1, seed=5, beta_range=(1.0, 1.9), lam_range=(50.0, 90.0), with_gate=True)
+    S0 = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    for form in FORMS:
+        o, state = falcon_attention(**inp, rule=rule, form=form, initial_state=_fresh(rule, S0),
+                                    output_final_state=True)
+        S1 = torch.exp(inp["log_gate"][:, 0])[:, :, None, None] * S0
+        assert rel_err(state.S, S1) <= TOL, form
+        assert rel_err(o[:, 0], torch.einsum("bhkv,bhk->bhv", S1, inp["q"][:, 0])) <= TOL, form
+        assert torch.equal(state.last_key, inp["k"][:, 0])
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_fresh_state_matches_the_papers_loop_from_S_init(rule, form):
+    """Every output and the final state against the float64 loop of conftest started at S_init."""
+    S0 = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    for options, gate in ((dict(), True), (dict(read="before", scale_ridge=True), False)):
+        inp = random_inputs(rule, B=2, T=19, seed=8, lam_range=(0.0, 3.0), with_gate=gate)
+        o, state = falcon_attention(**inp, rule=rule, window=3, form=form, chunk_size=4,
+                                    initial_state=_fresh(rule, S0, window=3), output_final_state=True, **options)
+        ref_o, ref_S, _ = reference_falcon(**inp, rule=rule, window=3, initial_S=S0, **options)
+        assert rel_err(o, ref_o) <= TOL and rel_err(state.S, ref_S) <= TOL, options
+        # the same sequence from S = 0 is the fresh start of initial_state=None
+        o_zero, _ = falcon_attention(**inp, rule=rule, window=3, form=form, chunk_size=4,
+                                     initial_state=_fresh(rule, torch.zeros_like(S0), window=3), **options)
+        assert rel_err(o_zero, falcon_attention(**inp, rule=rule, window=3, form=form, chunk_size=4,
+                                                **options)[0]) <= TOL
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_fresh_state_in_segments_steps_and_packed_rows(rule):
+    """The start from S_init continues like any other: in segments, token by token with falcon_step, and per
+    sequence of a packed batch."""
+    S0 = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    inp = random_inputs(rule, B=2, T=13, seed=10, with_gate=True)
+    full, full_state = falcon_attention(**inp, rule=rule, initial_state=_fresh(rule, S0), output_final_state=True)
+    pieces, _ = falcon_attention(**inp, rule=rule, initial_state=_fresh(rule, S0), segments=3)
+    assert rel_err(pieces, full) <= TOL
+    state, outs = _fresh(rule, S0), []
+    for t in range(13):
+        o, state = falcon_step(*(inp[n][:, t] for n in ("q", "k", "v", "beta", "lam")), state=state, rule=rule,
+                               log_gate=inp["log_gate"][:, t])
+        outs.append(o)
+    assert rel_err(torch.stack(outs, 1), full) <= TOL and rel_err(state.S, full_state.S) <= TOL
+    packed = {n: t.reshape(1, 26, *t.shape[2:]) for n, t in inp.items()}
+    o, _ = falcon_attention(**packed, rule=rule, initial_state=_fresh(rule, S0), cu_seqlens=torch.tensor([0, 13, 26]))
+    assert rel_err(o.reshape(full.shape), full) <= TOL
+
+
+@pytest.mark.parametrize("rule", ["1", "2A", "3"])
+def test_fresh_state_gradient_reaches_S_init(rule):
+    """A learned S_init: the gradient of the outputs with respect to it, by finite differences."""
+    inp = random_inputs(rule, B=1, T=6, H=1, K=3, V=2, seed=11, with_gate=True)
+    S0 = torch.randn(1, 1, 3, 2, dtype=torch.float64, requires_grad=True)
+    for form in ("recurrent", "chunk"):
+        torch.autograd.gradcheck(
+            lambda S: falcon_attention(**inp, rule=rule, window=3, form=form, chunk_size=4,
+                                       initial_state=_fresh(rule, S, window=3))[0], (S0,))
+
+
+def test_fresh_state_checks_its_S():
+    with pytest.raises(ValueError, match=r"S must be a tensor of shape \[B, H, K, V\], got \(2, 5, 4\)"):
+        FalconState.fresh(torch.zeros(2, 5, 4), rule="1A")
+    state = FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="3A", window=4)
+    assert state.window == 4 and state.tail_x.shape == (1, 2, 3, 5) and not state.tail_valid.any()
+    assert FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="1", window=4).window == 1

@@ -164,3 +164,15 @@ def test_cuda_ragged(rule, K, V, read):
 def test_cuda_packed_fp16(rule):
     check_kernel(rule, (1, 1500, 2, 128, 128), torch.float16, chunk_size=64, state=True, output_final_state=True,
                  cu_seqlens=[0, 1, 300, 301, 999, 1500], device="cuda")
+
+
+@pytest.mark.parametrize("rule", ["1", "2", "3", "1A", "2A", "3A"])
+def test_new_sequence_from_given_fast_weights(rule):
+    """``FalconState.fresh``: a state without a last key opens with the sentinel (no write, no shrink of
+    ``S0``), its window tail holds no pair; the outputs, final state and every gradient (``S0``'s included)
+    as the float64 recurrent form, for rows of a batch and for packed sequences."""
+    window = 4 if rule in ("3", "3A") else 1
+    check_kernel(rule, (2, 21, 2, 16, 16), torch.float32, window=window, state=True, sentinel=True,
+                 output_final_state=True, lam_scale=3.0, seed=31)
+    check_kernel(rule, (1, 30, 2, 16, 16), torch.float32, window=window, state=True, sentinel=True,
+                 output_final_state=True, cu_seqlens=[0, 7, 30], seed=32)

@@ -356,3 +356,23 @@ def test_auto_runs_short_prompts_without_gradients_on_the_fused_kernel(monkeypat
     ref, _ = falcon_attention(*(a[:, :8].double() for a in args), rule="3A", log_gate=t["log_gate"][:, :8].double(),
                               form="recurrent", backend="torch")
     assert rel_norm(short, ref) < 1e-5
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_fused_new_sequence_from_given_fast_weights(rule):
+    """``FalconState.fresh`` on the fused kernel and its decoding step: the first step is the sentinel
+    (no write, no shrink of ``S0``), then as the float64 recurrent form and ``falcon_step``."""
+    B, T, H, K, V, W = 2, 6, 2, 20, 24, 3
+    leaves = kernel_inputs(B, T, H, K, V, torch.float64, seed=4, rule=rule, window=W, state=True, sentinel=True)
+    leaves["lam"] = leaves["lam"] * 6.0  # a ridge that would shrink S0 at an ordinary first step
+    o, final = _fused(leaves, rule=rule, window=W, shift=True)
+    ref_o, ref_final = _reference(leaves, rule=rule, window=W, shift=True)
+    assert rel_norm(o.cpu(), ref_o) < 1e-5
+    _assert_states_equal(final, ref_final, 1e-5)
+    state = FalconState.fresh(leaves["S0"].to(DEVICE, torch.float32), rule=rule, window=W)
+    for t in range(T):
+        step = {n: leaves[n][:, t].to(DEVICE, torch.float32) for n in OP}
+        o_t, state = falcon_step_triton(*(step[n] for n in OP), state=state, rule=rule, window=W,
+                                        log_gate=leaves["log_gate"][:, t].to(DEVICE, torch.float32))
+        assert rel_norm(o_t.cpu(), ref_o[:, t]) < 1e-5, t
+    _assert_states_equal(state, ref_final, 1e-5)

@@ -148,7 +148,9 @@ def falcon_attention(
         read: "after" (read-after-write, the paper's convention) or "before".
         scale_ridge: ``lam`` is ``lambda-bar`` and ``lambda_t = lambda-bar * E_t``
             (``E_t`` detached for the sliding rules).
-        initial_state: a state returned by an earlier call, to continue exactly.
+        initial_state: a state returned by an earlier call, to continue exactly; or
+            ``FalconState.fresh(S, ...)``, a new sequence (opened by the sentinel) from the fast
+            weights ``S``.
         output_final_state: also return the state after the last step.
         cu_seqlens: ``[N + 1]`` int offsets of ``N`` sequences packed into one row
             (``B = 1``), as in flash-attention: each sequence starts fresh (its own

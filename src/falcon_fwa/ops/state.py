@@ -18,7 +18,8 @@ class FalconState:
     * ``S`` ``[B, H, K, V]``: the fast-weight matrix ``S_T``.
     * ``last_key`` ``[B, H, K]``: ``phi(k_T)``, the first write feature of the next
       segment (so the next segment has no boundary sentinel). ``None`` when the
-      pairing is unshifted (``shift=False``).
+      pairing is unshifted (``shift=False``), or, with ``shift=True``, when the next call
+      starts a new sequence from ``S`` (:meth:`fresh`): its first step is the sentinel.
     * ``tail_x`` ``[B, H, W-1, K]``, ``tail_y`` ``[B, H, W-1, V]``, ``tail_valid``
       ``[B, W-1]``: the last ``W-1`` causal pairs, oldest first, for the sliding
       rules 3/3A (Appendix C.7); ``None`` otherwise. ``tail_valid`` marks slots that
@@ -39,6 +40,33 @@ class FalconState:
     tail_y: Optional[torch.Tensor] = None
     tail_valid: Optional[torch.Tensor] = None
     z: Optional[torch.Tensor] = None
+
+    @classmethod
+    def fresh(cls, S: torch.Tensor, *, rule: str, window: int = 4, shift: bool = True,
+              z: Optional[torch.Tensor] = None) -> "FalconState":
+        """The state that starts a new sequence from the fast weights ``S`` ``[B, H, K, V]`` (the
+        paper's ``S_init``; ``S = 0`` is the fresh start of ``initial_state=None``).
+
+        The first step is the boundary sentinel, as on any fresh sequence: ``x_1 = 0`` and
+        ``eta_1 = 0``, so nothing is written and the ridge does not shrink ``S``
+        (``gamma_1 = 1``); a ``log_gate`` decays it as at every step (``S'_0 = exp(g_1) S``).
+        The window of the sliding rules holds no earlier pair. ``z``: the normalizer state of
+        the normalized read, for calls with ``eps_attn`` (``[B, H, K]``, ``[B, H, K, V]`` for
+        rule 2A). ``rule``, ``window`` and ``shift`` are those of the call that takes the state."""
+        from .rules import get_rule
+
+        spec = get_rule(rule)
+        if not isinstance(S, torch.Tensor) or S.dim() != 4:
+            raise ValueError(f"S must be a tensor of shape [B, H, K, V], got "
+                             f"{tuple(S.shape) if isinstance(S, torch.Tensor) else type(S).__name__}")
+        W = window if spec.sliding else 1
+        state = cls(rule=spec.name, window=W, shift=shift, S=S, z=z)
+        if W > 1:
+            B, H, K, V = S.shape
+            state.tail_x = S.new_zeros(B, H, W - 1, K)
+            state.tail_y = S.new_zeros(B, H, W - 1, V)
+            state.tail_valid = torch.zeros(B, W - 1, dtype=torch.bool, device=S.device)
+        return state
 
     def detach(self) -> "FalconState":
         """The same state cut from the autograd graph (truncated backpropagation through time)."""

@@ -204,9 +204,7 @@ def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool,
     if state.window != window:
         raise ValueError(f"{name} was made with window={state.window}, not window={window}")
     _shape(f"{name}.S", state.S, (B, H, K, V), "[B, H, K, V]")
-    if shift:
-        if state.last_key is None:
-            raise ValueError(f"{name}.last_key is missing (needed with shift=True)")
+    if shift and state.last_key is not None:  # None: a new sequence from S, opened by the sentinel
         _shape(f"{name}.last_key", state.last_key, (B, H, K), "[B, H, K]")
     if rule.sliding and window > 1:
         if state.tail_x is None or state.tail_y is None or state.tail_valid is None:

@@ -112,7 +112,7 @@ def falcon_recurrent_triton(
     if st is not None and validate:
         check_state(st, spec, window=W, shift=shift, B=N, H=H, K=K, V=V)
     dev = q.device
-    first = None if st is None or not shift else st.last_key.contiguous()
+    first = None if st is None or not shift or st.last_key is None else st.last_key.contiguous()
     tail = None
     if st is not None and W > 1:
         tail = (st.tail_x.contiguous(), st.tail_y.contiguous(), st.tail_valid.to(torch.uint8).contiguous())

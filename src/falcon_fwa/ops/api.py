@@ -142,7 +142,8 @@ def falcon_attention(
         eps: stabilizer in the step-size denominator.
         decay_floor: ``epsilon_gamma`` of the positive-decay clamp, in (0, 1).
         shift: next-latent pair ``(k_{t-1}, v_t)`` (True) or same-step ``(k_t, v_t)``.
-        normalize: NLMS / energy-normalized ``eta`` (True) or ``eta = beta``.
+        normalize: NLMS / energy-normalized ``eta`` (True) or ``eta = beta``: the step size's
+            normalization (the normalized *read*, a denominator on ``o_t``, is ``eps_attn``).
         log_gate: optional extra decay ``exp(g_t)`` applied to the state before
             the rule's update (Gated DeltaNet, Mamba-2); ``g_t = -inf`` resets the state.
         read: "after" (read-after-write, the paper's convention) or "before".

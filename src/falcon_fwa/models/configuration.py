@@ -49,11 +49,13 @@ MIXER_DEFAULTS = {
                            lambda_scale=0.0, qk_norm="l2", feature_map="identity", query_scale=None,
                            use_short_conv=True, output_gate=True, use_d_skip=False, norm_before_gate=True),
     # Mamba-2 SSD: S_t = exp(-dt_t a) S_{t-1} + dt_t B_t x_t^T, read C_t, skip D x_t, z-gated norm
-    # RMSNorm(y * SiLU(z)) (Mamba-2's norm_before_gate=False: the gate comes before the norm).
+    # RMSNorm(y * SiLU(z)) (Mamba-2's norm_before_gate=False: the gate comes before the norm). B and C
+    # are per head (Mamba-2's ngroups = num_heads, not its default of one group), and so is the norm.
     "mamba2": dict(rule="1A", shift=False, normalize=False, read="after", gate="dt", log_gate="dt",
                    lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=1.0,
                    use_short_conv=True, output_gate=True, use_d_skip=True, norm_before_gate=False),
-    # RetNet / Lightning attention: S_t = gamma_h S_{t-1} + k_t v_t^T with a fixed per-head decay.
+    # RetNet / Lightning attention: S_t = gamma_h S_{t-1} + k_t v_t^T with a fixed per-head decay;
+    # no xPos rotation of q and k, a per-head RMSNorm in place of RetNet's GroupNorm.
     "retnet": dict(rule="1A", shift=False, normalize=False, read="after", gate="one", log_gate="fixed",
                    lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=None,
                    use_short_conv=False, output_gate=True, use_d_skip=False, norm_before_gate=True),

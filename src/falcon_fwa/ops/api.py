@@ -72,6 +72,11 @@ def _compute_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
 
+# Left out of ``torch.compile`` graphs, as its Triton kernels always were (``ops.triton.api``): traced by
+# inductor, the PyTorch forms of rules 2, 2A and 3 inside a compiled layer gave wrong gradients or wrote
+# out of bounds on the CPU (torch 2.13: ``free(): invalid next size``), while each piece compiled alone
+# was right. Untraced, the op runs as one eager call between the compiled regions around it.
+@torch.compiler.disable
 def falcon_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -251,3 +251,25 @@ def test_normalized_read_reaches_the_op_and_the_cache():
         assert not torch.allclose(plain(x, use_cache=False).logits, out.logits)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     assert cache[0].state.z.shape == (2, H, K)
+
+
+def test_generate_refuses_what_a_recurrent_cache_cannot_do_by_name():
+    """Assisted and prompt-lookup decoding (they roll the cache back), attention weights (there are none) and a
+    cache of another kind are refused with the option's name, instead of a bare error from inside generate()."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon")).eval()
+    ids = torch.randint(0, 64, (1, 6))
+    for option, value in (("prompt_lookup_num_tokens", 3), ("assistant_model", model)):
+        with pytest.raises(ValueError, match=rf"generate\({option}=\.\.\.\): assisted and prompt-lookup decoding"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, **{option: value})
+    with pytest.raises(ValueError, match="output_attentions=True: the model returns no attention weights"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_attentions=True)
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(ids, output_attentions=True)
+    with pytest.raises(TypeError, match="past_key_values must be a FalconCache .*got DynamicCache"):
+        model(ids, past_key_values=DynamicCache())
+    # what stays allowed: output_attentions off, and plain greedy decoding
+    assert model(ids, output_attentions=False).logits.shape == (1, 6, model.config.vocab_size)
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 8)

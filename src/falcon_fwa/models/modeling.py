@@ -58,6 +58,18 @@ def _copy_init(param: nn.Parameter, value: torch.Tensor) -> None:
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+_NO_ATTENTIONS = ("output_attentions=True: the model returns no attention weights (its recurrent mixers have none, "
+                  "and its attention runs as fused scaled_dot_product_attention); output_hidden_states=True returns "
+                  "every block's input")
+
+
+def _check_cache_type(cache) -> None:
+    """A ``TypeError`` naming ``past_key_values`` unless ``cache`` is ``None`` or a :class:`FalconCache`."""
+    if cache is not None and not isinstance(cache, FalconCache):
+        raise TypeError(f"past_key_values must be a FalconCache (the model makes its own with use_cache=True), "
+                        f"got {type(cache).__name__}")
+
+
 class FalconBlock(nn.Module):
     """``h + Mixer(RMSNorm(h))`` then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -215,6 +227,22 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    # generate() options that roll the cache back to the tokens a draft got accepted for
+    _ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``; assisted and prompt-lookup decoding are refused by name: they roll
+        the cache back to the accepted draft tokens, and a recurrent state cannot be rolled back."""
+        config = kwargs.get("generation_config") or self.generation_config
+        for name in self._ASSISTED_OPTIONS:
+            if kwargs.get(name) is not None or getattr(config, name, None) is not None:
+                raise ValueError(f"generate({name}=...): assisted and prompt-lookup decoding roll the cache back to "
+                                 f"the draft tokens that were accepted, which a recurrent state cannot do; decode "
+                                 f"without them")
+        if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+            raise ValueError(_NO_ATTENTIONS)
+        return super().generate(*args, **kwargs)
+
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
                                       use_cache=None, inputs_embeds=None, is_first_iteration=None, **kwargs):
         """Feed only the columns the cache has not consumed yet. ``attention_mask`` covers the columns the cache
@@ -236,6 +264,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             raise ValueError("generate() does not take cu_seqlens: pass the prompts as a padded batch with "
                              "attention_mask (left padding)")
         cache = cache if cache is not None else past_key_values
+        _check_cache_type(cache)
         fresh = cache is None or cache.empty
         if is_first_iteration is None and inputs_embeds is not None and not fresh:
             is_first_iteration = inputs_embeds.shape[1] > cache.num_positions
@@ -387,7 +416,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         output_hidden_states: Optional[bool] = None,
         logits_to_keep: int = 0,
         inputs_embeds: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
     ) -> CausalLMOutputWithPast:
+        if output_attentions:
+            raise ValueError(_NO_ATTENTIONS)
         h = self._input_embeddings(input_ids, inputs_embeds)
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}")
@@ -397,6 +429,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if cache is not None and past_key_values is not None and cache is not past_key_values:
             raise ValueError("cache and past_key_values are two names of one argument: pass one of them")
         cache = cache if cache is not None else past_key_values
+        _check_cache_type(cache)
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training)
         if use_cache and cache is None:

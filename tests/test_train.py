@@ -675,3 +675,22 @@ def test_activation_checkpointing_trains_the_same_model_and_replays_each_block(t
         assert abs(x - y) <= 1e-6 * abs(x), (a, b)
     for p, q in zip(trainers[0].core.parameters(), trainers[1].core.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_and_fsdp2_with_activation_checkpointing_train_the_same_model(tmp_path):
+    """Two processes (gloo), DDP and FSDP2 (each block sharded, the replay inside its forward): the logged
+    losses with train.activation_checkpointing equal those without it."""
+    runs = []
+    for strategy in ("ddp", "fsdp2"):
+        for on in (False, True):
+            path = tmp_path / f"{strategy}-{on}.json"
+            path.write_text(json.dumps(recipe(tmp_path, f"{strategy}-{on}", strategy=strategy, micro_batch=1,
+                                              eval_every=0, activation_checkpointing=on)))
+            runs.append([str(path), None])
+    _torchrun(tmp_path, runs)
+    for strategy in ("ddp", "fsdp2"):
+        plain, replayed = losses(tmp_path / f"{strategy}-False"), losses(tmp_path / f"{strategy}-True")
+        assert [s for s, _ in plain] == [s for s, _ in replayed] == [1, 2, 3, 4], strategy
+        for (_, x), (_, y) in zip(plain, replayed):
+            assert abs(x - y) <= 1e-6 * abs(x), (strategy, plain, replayed)

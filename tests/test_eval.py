@@ -387,3 +387,41 @@ def test_lm_eval_cli_names_a_missing_model_folder_include_path_or_task(tmp_path,
         assert main(["lm-eval", *args]) == 2
         err = capsys.readouterr().err
         assert "falcon-fwa lm-eval: error:" in err and message in err, err
+
+
+def test_paper_columns_take_each_tasks_metric_and_average_the_eight(tmp_path, monkeypatch, capsys):
+    """Table 2 takes acc, acc_norm for HellaSwag, ARC-c and OpenBookQA, and the unweighted mean of the eight;
+    Table 1 the harness's wikitext word perplexity and lambada_openai perplexity. The CLI prints and saves them."""
+    pytest.importorskip("lm_eval")
+    import lm_eval.utils
+
+    from falcon_fwa.cli import main
+    from falcon_fwa.eval import harness
+
+    accs = {"piqa": (0.60, 0.90), "hellaswag": (0.90, 0.30), "winogrande": (0.50, 0.90), "arc_easy": (0.55, 0.90),
+            "arc_challenge": (0.90, 0.25), "openbookqa": (0.90, 0.30), "social_iqa": (0.40, 0.90), "sciq": (0.80, 0.10)}
+    results = {"results": {t: {"acc,none": a, "acc_norm,none": n} for t, (a, n) in accs.items()}}
+    results["results"]["wikitext"] = {"word_perplexity,none": 33.25, "bits_per_byte,none": 1.0}
+    results["results"]["lambada_openai"] = {"perplexity,none": 47.43, "acc,none": 0.3}
+    want = [60.0, 30.0, 50.0, 55.0, 25.0, 30.0, 40.0, 80.0]  # by hand: acc, acc_norm where the paper marks it
+    cols = harness.paper_columns(results)
+    assert list(cols["table2"]) == ["PIQA", "Hella.", "Wino.", "ARC-e", "ARC-c", "OBQA", "Social IQA", "SciQ", "Avg."]
+    assert list(cols["table2"].values()) == pytest.approx(want + [46.25])
+    assert cols["table1"] == {"Wiki.": 33.25, "LMB.": 47.43}
+    del results["results"]["sciq"], results["results"]["wikitext"]
+    partial = harness.paper_columns(results)
+    assert "Avg." not in partial["table2"] and len(partial["table2"]) == 7 and partial["table1"] == {"LMB.": 47.43}
+    assert harness.paper_columns({"results": {"local_mc": {"acc,none": 0.5}}}) == {}
+
+    results["results"]["sciq"] = {"acc,none": 0.8, "acc_norm,none": 0.1}
+    monkeypatch.setattr(harness, "evaluate", lambda *a, **k: results)
+    monkeypatch.setattr(lm_eval.utils, "make_table", lambda r: "harness table")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    out = tmp_path / "res.json"
+    assert main(["lm-eval", "--model", str(folder), "--tasks", "piqa", "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| 60.00 | 30.00 | 50.00 | 55.00 | 25.00 | 30.00 | 40.00 | 80.00 | 46.25 |" in printed
+    assert "| 47.43 |" in printed
+    assert json.load(open(out))["paper_tables"]["table2"]["Avg."] == pytest.approx(46.25)

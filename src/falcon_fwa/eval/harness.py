@@ -78,6 +78,37 @@ def register() -> None:
         register_model("falcon-fwa")(lm_class())
 
 
+# The paper's tables, as lm-evaluation-harness reports their columns. Table 2: accuracy ("acc"), and the
+# length-normalized accuracy ("acc_norm") where the paper marks the task; "Avg." the unweighted mean of the
+# eight. Table 1's Wiki. and LMB. perplexities: the harness's wikitext (word perplexity) and lambada_openai,
+# the convention of the DeltaNet and Gated DeltaNet papers the baselines come from (the paper does not say).
+PAPER_TABLE2 = (("PIQA", "piqa", "acc"), ("Hella.", "hellaswag", "acc_norm"), ("Wino.", "winogrande", "acc"),
+                ("ARC-e", "arc_easy", "acc"), ("ARC-c", "arc_challenge", "acc_norm"),
+                ("OBQA", "openbookqa", "acc_norm"), ("Social IQA", "social_iqa", "acc"), ("SciQ", "sciq", "acc"))
+PAPER_TABLE1 = (("Wiki.", "wikitext", "word_perplexity"), ("LMB.", "lambada_openai", "perplexity"))
+
+
+def paper_columns(results: dict) -> dict:
+    """The columns of the paper's Tables 1 and 2 found in a harness results dict: ``{"table1": {column:
+    perplexity}, "table2": {column: accuracy in %, "Avg.": mean of the eight}}``, each table only with the
+    tasks that ran (``Avg.`` only when all eight did); ``{}`` when none did."""
+    scores = results.get("results", {})
+
+    def metric(task, name):
+        return scores.get(task, {}).get(f"{name},none")
+
+    out = {}
+    t1 = {col: metric(task, name) for col, task, name in PAPER_TABLE1 if metric(task, name) is not None}
+    if t1:
+        out["table1"] = t1
+    t2 = {col: 100.0 * metric(task, name) for col, task, name in PAPER_TABLE2 if metric(task, name) is not None}
+    if t2:
+        if len(t2) == len(PAPER_TABLE2):
+            t2["Avg."] = sum(t2.values()) / len(PAPER_TABLE2)
+        out["table2"] = t2
+    return out
+
+
 def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = None,
              num_fewshot: Optional[int] = None, batch_size: int = 1, limit: Optional[float] = None,
              device: str = "cpu", dtype: str = "float32", log_samples: bool = False,

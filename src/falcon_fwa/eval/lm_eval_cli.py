@@ -43,14 +43,22 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tasks must name at least one task, got {args.tasks!r}")
     from lm_eval.utils import make_table
 
-    from .harness import evaluate
+    from .harness import evaluate, paper_columns
 
     results = evaluate(args.model, tasks, include_path=args.include_path,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=args.limit, device=device,
                        dtype=args.dtype, max_length=args.max_length)
     print(make_table(results))
+    paper = paper_columns(results)
+    for name, title, fmt in (("table1", "the paper's Table 1 (perplexity)", "{:.2f}"),
+                             ("table2", "the paper's Table 2 (accuracy, %)", "{:.2f}")):
+        if name in paper:
+            cols = paper[name]
+            print(f"\n{title}:\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n"
+                  f"| {' | '.join(fmt.format(v) for v in cols.values())} |")
     if args.out:
         report = {k: results[k] for k in ("results", "versions", "n-shot", "config", "date") if k in results}
+        report["paper_tables"] = paper
         report["provenance"] = command_provenance(args)
         write_json(args.out, report, default=str)
     return 0

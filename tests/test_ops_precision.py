@@ -97,3 +97,20 @@ def test_low_precision_gradients(rule):
     for n in inp:
         assert rel_err(grads[torch.float32][n].grad, grads[torch.float64][n].grad) <= 1e-4
         assert rel_err(grads[torch.bfloat16][n].grad, grads[torch.float64][n].grad) <= 0.1
+
+
+@pytest.mark.parametrize("rule", ["1", "1A", "2A"])
+def test_float32_forms_keep_long_memory_after_many_resets(rule):
+    """Hard resets (``log_gate = -inf``, floored at -104 per step) on the first half, then a long memory
+    (``g = -3e-3``): the log prefix of the decays reaches 5e4, where a float32 prefix rounds the small decays of
+    the second half away (the parallel form was off by 4e-3, one chunk of 256 by 2e-4). In float32, every form
+    and chunk size agrees with the float64 recurrent form to 2e-6."""
+    T = 1024
+    inp = random_inputs(rule, B=1, T=T, H=1, K=8, V=8, seed=21, lam_range=(0.0, 0.0))
+    inp["log_gate"] = torch.full((1, T, 1), -3e-3, dtype=torch.float64)
+    inp["log_gate"][:, : T // 2] = float("-inf")
+    ref, ref_state = falcon_attention(**inp, rule=rule, form="recurrent", output_final_state=True)
+    low = {n: t.float() for n, t in inp.items()}
+    for form, chunk_size in (("parallel", 64), ("chunk", 256), ("chunk", 64)):
+        o, state = falcon_attention(**low, rule=rule, form=form, chunk_size=chunk_size, output_final_state=True)
+        assert rel_err(o, ref) <= 2e-6 and rel_err(state.S, ref_state.S) <= 2e-6, (form, chunk_size)

@@ -77,6 +77,11 @@ def prepare_block(
     X = xs.reshape(N, CW, K)
     Y = ys.reshape(N, CW, Vd, Vg).permute(0, 2, 1, 3)  # [N, Vd, CW, Vg]
     eta = eta.reshape(N, CW, Vd).transpose(1, 2)  # [N, Vd, CW]
+    # The log prefix and every difference of it in float64, each cast to the compute dtype just before its exp:
+    # after hard resets (g floored at -104) or clamped decays, |u| reaches 1e4-1e5 over a long block, where a
+    # float32 prefix would round the small decays of the steps after them away.
+    dt = log_a.dtype
+    log_a = log_a.to(torch.float64)
     u = torch.cumsum(log_a.transpose(1, 2), dim=-1)  # [N, Vd, C]
     w = u - log_a.transpose(1, 2)
     step = torch.arange(CW, device=xs.device) // W  # the step of each slot
@@ -87,17 +92,19 @@ def prepare_block(
     else:
         kappa = kappa.reshape(N, CW, Vd).transpose(1, 2)
         earlier = step[:, None] > step[None, :]
-        L = kappa[..., None] * _masked_exp(w_s[..., :, None] - u_s[..., None, :], earlier) * (X @ X.transpose(1, 2))[:, None]
-        rhs = torch.cat([eta[..., None] * Y, (kappa * torch.exp(w_s))[..., None] * X[:, None].expand(N, Vd, CW, K)], dim=-1)
+        L = kappa[..., None] * _masked_exp((w_s[..., :, None] - u_s[..., None, :]).to(dt), earlier) \
+            * (X @ X.transpose(1, 2))[:, None]
+        rhs = torch.cat([eta[..., None] * Y, (kappa * torch.exp(w_s.to(dt)))[..., None] * X[:, None].expand(N, Vd, CW, K)],
+                        dim=-1)
         Z = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
         U, Wm = Z[..., :Vg], Z[..., Vg:]
 
     t = torch.arange(C, device=xs.device)
     seen = step[None, :] <= t[:, None] if read_after else step[None, :] < t[:, None]
     u_q = u if read_after else w
-    A = _masked_exp(u_q[..., :, None] - u_s[..., None, :], seen) * (q @ X.transpose(1, 2))[:, None]
-    return Block(X=X, U=U, Wm=Wm, A=A, q=q, hist=torch.exp(u_q),
-                 to_end=torch.exp(u[..., -1:] - u_s), decay_end=torch.exp(u[..., -1]))
+    A = _masked_exp((u_q[..., :, None] - u_s[..., None, :]).to(dt), seen) * (q @ X.transpose(1, 2))[:, None]
+    return Block(X=X, U=U, Wm=Wm, A=A, q=q, hist=torch.exp(u_q.to(dt)),
+                 to_end=torch.exp((u[..., -1:] - u_s).to(dt)), decay_end=torch.exp(u[..., -1].to(dt)))
 
 
 def group_state(S: torch.Tensor, Vd: int) -> torch.Tensor:

@@ -96,7 +96,7 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
     (at least ``min_steps`` timed), ``stopped`` (None, ``"max_seconds"`` or ``"deadline"``),
     ``peak_mem_bytes``, ``params``, ``falcon_op``, ``compiled``. ``compile``: ``torch.compile``
     the model first (as ``train.compile`` does); ``falcon_op`` is then read from one uncompiled
-    forward on a short input, since compiled code does not call the Python-level op.
+    forward on a short input, since the counting hooks would change the compiled model's guards.
     ``activation_checkpointing``: each block runs again in the backward (as
     ``train.activation_checkpointing`` does; the row's ``activation_checkpointing``).
     ``profile`` > 0: one more step under ``torch.profiler`` after the timed ones; the row's

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
-__all__ = ["atomic_path", "synced_write", "write_json", "write_text", "save_torch", "read_json"]
+__all__ = ["atomic_path", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable"]
 
 
 def _umask() -> int:
@@ -80,3 +80,14 @@ def save_torch(path: PathLike, obj: Any) -> None:
 def read_json(path: PathLike) -> Any:
     with open(path) as f:
         return json.load(f)
+
+
+def replaceable(folder: PathLike, marker: str, key: str, value: Any) -> bool:
+    """Whether ``folder`` may be replaced whole: it is absent, or its JSON file ``marker`` is an object whose
+    ``key`` is ``value`` (a folder this library wrote), not a folder of something else."""
+    if not os.path.exists(folder):
+        return True
+    try:
+        return read_json(os.path.join(folder, marker)).get(key) == value
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -20,6 +20,7 @@ from typing import Iterable, List
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..atomic import replaceable
 from .tokenizer import encode_documents, is_byte_tokenizer
 
 
@@ -71,14 +72,8 @@ FORMAT = "falcon-fwa-tokens-1"
 def check_replaceable(folder: str) -> None:
     """``ValueError`` unless ``folder`` is absent or a shard folder (its ``meta.json`` of this format):
     a rebuild replaces it whole, and must not delete a folder of something else."""
-    if not os.path.exists(folder):
+    if replaceable(folder, "meta.json", "format", FORMAT):
         return
-    try:
-        with open(os.path.join(folder, "meta.json")) as f:
-            if json.load(f).get("format") == FORMAT:
-                return
-    except (OSError, ValueError, AttributeError):
-        pass
     raise ValueError(f"{folder!r} exists and is no token shard folder: it is not replaced; choose another output "
                      "folder, or remove it")
 

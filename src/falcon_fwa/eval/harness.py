@@ -9,14 +9,14 @@ with the tokenizer's end-of-text token, as every document does in training, ``pp
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import List, Optional
 
 from ..cli_options import dtype_name
 
-_LM_CLASS = None
 
-
+@functools.cache
 def lm_class():
     """The harness model class of ``falcon-fwa``: ``HFLM`` whose contexts open with end-of-text.
 
@@ -27,9 +27,6 @@ def lm_class():
     it in front (left truncation applies after it); ``loglikelihood_rolling`` already opens
     its first window with it (the harness's ``prefix_token_id``). A tokenizer without an
     end-of-text token, or a text that already opens with it, is left as it is."""
-    global _LM_CLASS
-    if _LM_CLASS is not None:
-        return _LM_CLASS
     import torch
     from lm_eval.models.huggingface import HFLM
 
@@ -64,8 +61,7 @@ def lm_class():
             return (torch.tensor(rows, dtype=ids.dtype, device=ids.device),
                     torch.tensor(masks, dtype=mask.dtype, device=mask.device))
 
-    _LM_CLASS = FalconFWALM
-    return _LM_CLASS
+    return FalconFWALM
 
 
 def register() -> None:

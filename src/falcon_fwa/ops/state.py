@@ -53,6 +53,7 @@ class FalconState:
         The window of the sliding rules holds no earlier pair. ``z``: the normalizer state of
         the normalized read, for calls with ``eps_attn`` (``[B, H, K]``, ``[B, H, K, V]`` for
         rule 2A). ``rule``, ``window`` and ``shift`` are those of the call that takes the state."""
+        from .pairs import empty_tail
         from .rules import get_rule
 
         spec = get_rule(rule)
@@ -61,11 +62,8 @@ class FalconState:
                              f"{tuple(S.shape) if isinstance(S, torch.Tensor) else type(S).__name__}")
         W = window if spec.sliding else 1
         state = cls(rule=spec.name, window=W, shift=shift, S=S, z=z)
-        if W > 1:
-            B, H, K, V = S.shape
-            state.tail_x = S.new_zeros(B, H, W - 1, K)
-            state.tail_y = S.new_zeros(B, H, W - 1, V)
-            state.tail_valid = torch.zeros(B, W - 1, dtype=torch.bool, device=S.device)
+        if W > 1:  # W - 1 empty slots shaped like the keys [B, H, K] and values [B, H, V] of S
+            state.tail_x, state.tail_y, state.tail_valid = empty_tail(S[..., 0], S[:, :, 0], W - 1)
         return state
 
     def detach(self) -> "FalconState":

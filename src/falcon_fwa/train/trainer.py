@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..atomic import read_json, write_json
+from ..atomic import read_json, replaceable, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from ..provenance import git_commit
 from . import distributed as D
@@ -40,13 +40,8 @@ COMPUTE_FIELDS = ("form", "chunk_size", "segments", "backend")
 def check_export_folder(folder: str) -> None:
     """``ValueError`` unless ``folder`` is absent or an earlier export (a ``config.json`` of this
     library's model type): an export replaces it whole, and must not delete a folder of something else."""
-    if not os.path.exists(folder):
+    if replaceable(folder, "config.json", "model_type", "falcon_fwa"):
         return
-    try:
-        if read_json(os.path.join(folder, "config.json")).get("model_type") == "falcon_fwa":
-            return
-    except (OSError, ValueError, AttributeError):
-        pass
     raise ValueError(f"{folder!r} exists and is no exported model of this library: it is not replaced; choose "
                      "another train.out_dir, or remove it")
 

@@ -239,6 +239,36 @@ def test_inductor_compiled_model_trains_on_the_kernels(rule):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels under activation checkpointing, on a GPU")
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")
+@pytest.mark.parametrize("rule", ["1", "2A", "3"])
+def test_activation_checkpointing_on_the_kernels_gives_the_plain_gradients(rule):
+    """``gradient_checkpointing_enable()`` with the Falcon layers on the kernels: each block's kernels run
+    again in the backward, and the loss and every gradient equal the plain backward's (padded and packed)."""
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon", rule=rule, hidden_size=64, chunk_size=16)).cuda().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    packed = torch.randint(0, model.config.vocab_size, (1, 37), device="cuda")
+    cu = torch.tensor([0, 20, 37], device="cuda")
+
+    def run():
+        model.zero_grad()
+        loss = model(ids, attention_mask=mask, labels=ids).loss + model(packed, cu_seqlens=cu, labels=packed).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain_loss, plain = run()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss, grads = run()
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+    for (name, _), g, r in zip(model.named_parameters(), grads, plain):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("name", ["k", "beta", "lam", "log_gate"])
 def test_float64_beside_a_float32_query_stays_float64(name, monkeypatch):
     """float64 inputs compute in float64 whichever argument holds them: the kernels (fp32 at

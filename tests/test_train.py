@@ -76,6 +76,30 @@ def test_recipe_errors_name_the_field(tmp_path):
         Trainer(config_from_dict(raw))
 
 
+def test_unreadable_recipes_and_values_are_one_line_errors(tmp_path, capsys):
+    """Through ``falcon-fwa train`` and torchrun's entry (``python -m falcon_fwa.train.cli``) alike: YAML
+    that does not parse, in a file or a ``--set``, a recipe that extends itself and ``--stop-at 0`` end
+    with the message and status 2, not a traceback."""
+    from falcon_fwa.cli import main as falcon_fwa
+    from falcon_fwa.train.cli import main as torchrun_entry
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(recipe(tmp_path)))
+    (tmp_path / "broken.yaml").write_text("train:\n  steps: [1\n")
+    (tmp_path / "loop.yaml").write_text("extends: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("extends: loop.yaml\n")
+    cases = [(["--config", str(tmp_path / "broken.yaml")], "broken.yaml' is not valid YAML"),
+             (["--config", str(good), "--set", "train.steps=[1"], "--set 'train.steps=[1': the value is not valid"),
+             (["--config", str(tmp_path / "loop.yaml")], "loop.yaml' extends itself"),
+             (["--config", str(good), "--stop-at", "0"], "--stop-at must be a step >= 1, got 0")]
+    for args, message in cases:
+        for entry in (lambda a: falcon_fwa(["train", *a]), torchrun_entry):
+            capsys.readouterr()
+            assert entry(args) == 2, args
+            err = capsys.readouterr().err
+            assert err.startswith("falcon-fwa train: error: ") and message in err and "Traceback" not in err, err
+
+
 def test_shipped_recipes_load_and_name_real_presets():
     from falcon_fwa.models import PRESETS, get_preset
 
@@ -505,6 +529,62 @@ def test_a_finished_run_launched_again_keeps_its_summary(tmp_path, capsys):
     assert json.loads(path.read_text()) == first
 
 
+def test_a_relaunch_replaces_the_summary_of_an_earlier_launch(tmp_path):
+    """A launch stopped by a signal wrote its summary; the next trained to the end and died before writing
+    its own: a third launch trains nothing, writes the summary of the finished run and exits 0, not 143."""
+    from falcon_fwa.train.cli import main
+
+    raw = recipe(tmp_path, "run")
+    finished = run_trainer(raw)
+    path = tmp_path / "run" / "summary.json"
+    done = json.loads(path.read_text())
+    path.write_text(json.dumps({**done, "steps": 3, "tokens": 3 * 96, "val_loss": 9.0, "signal": "SIGTERM"}))
+    (tmp_path / "recipe.json").write_text(json.dumps(raw))
+    assert main(["--config", str(tmp_path / "recipe.json")]) == 0
+    summary = json.loads(path.read_text())
+    assert finished.step == 4 and summary["steps"] == 4 and summary["tokens"] == 4 * 96 and "signal" not in summary
+    assert summary["val_loss"] == pytest.approx(done["val_loss"], rel=1e-12)  # evaluated again, not kept
+    assert main(["--config", str(tmp_path / "recipe.json")]) == 0  # and that one stays
+    assert json.loads(path.read_text()) == summary
+
+
+def test_a_signal_that_reached_another_process_is_named_in_this_ones_summary(tmp_path, monkeypatch):
+    """With several processes a signal may reach only some: the all-reduced flags stop every process at
+    the same step, and each (rank 0, which writes summary.json, among them) names the signal."""
+    import signal
+
+    real, calls = trainer_module.D.all_reduce_mean, []
+
+    def other_process_got_sigterm(tensor, info):  # as if one process of two had received SIGTERM in step 3
+        calls.append(1)
+        out = real(tensor, info)
+        if tensor.numel() == 3 and len(calls) == 3:
+            out = out.clone()
+            out[1 + trainer_module._StopSignals.SIGNALS.index(signal.SIGTERM)] = 0.5
+        return out
+
+    monkeypatch.setattr(trainer_module.D, "all_reduce_mean", other_process_got_sigterm)
+    trainer = Trainer(config_from_dict(recipe(tmp_path, "run", save_every=0, eval_every=0)))
+    try:
+        summary = trainer.train(stop_on_signal=True)
+    finally:
+        trainer.close()
+    assert summary["steps"] == 3 and summary["signal"] == "SIGTERM"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["signal"] == "SIGTERM"
+    assert trainer.last_checkpoint.endswith("step-00000003")
+
+
+def test_a_second_launch_into_a_run_folder_in_use_is_refused(tmp_path):
+    raw = recipe(tmp_path, "run")
+    first = Trainer(config_from_dict(raw))
+    try:
+        with pytest.raises(ValueError, match="train.out_dir=.* is in use by another training launch"):
+            Trainer(config_from_dict(raw))
+    finally:
+        first.close()
+    run_trainer(raw)  # closed: free again
+
+
 def test_the_summary_records_the_recipe_and_the_commit(tmp_path):
     from falcon_fwa.provenance import git_commit
     from falcon_fwa.train.config import config_from_dict
@@ -553,11 +633,16 @@ def test_resume_applies_the_recipes_optimizer_hyperparameters(tmp_path):
         trainer.close()
 
 
-@pytest.mark.parametrize("section,key,value", [("train", "seed", 1), ("data", "seq_len", 16)])
+@pytest.mark.parametrize("section,key,value", [("train", "seed", 1), ("data", "seq_len", 16),
+                                               ("data", "tokenizer", "bpe:300"),
+                                               ("data", "val_every", 5), ("data", "max_documents", 60)])
 def test_resume_refuses_another_data_order(tmp_path, section, key, value):
+    """Other samples (another seed, row length, tokenizer or held-out documents) would not be
+    where the checkpoint's data position points: refused by name, before any weight is loaded."""
     run_trainer(recipe(tmp_path, "run"), stop_at=2)
     raw = recipe(tmp_path, "run")
     raw[section][key] = value
+    raw["data"]["out_dir"] = str(tmp_path / "other-data")  # tokenized again with the new settings
     with pytest.raises(ValueError, match=f"^{section}.{key}: the checkpoint was trained with"):
         Trainer(config_from_dict(raw))
 

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
-__all__ = ["atomic_path", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable"]
+__all__ = ["atomic_path", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable",
+           "folder_lock"]
 
 
 def _umask() -> int:
@@ -91,3 +92,23 @@ def replaceable(folder: PathLike, marker: str, key: str, value: Any) -> bool:
         return read_json(os.path.join(folder, marker)).get(key) == value
     except (OSError, ValueError, AttributeError):
         return False
+
+
+@contextlib.contextmanager
+def folder_lock(folder: PathLike, name: str, *, wait: bool = True) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (the lock file ``folder/name``, created with the folder)
+    for the block: another holder makes it wait, or with ``wait=False`` raise ``BlockingIOError``.
+    The lock goes with the process (a killed holder frees it). Without ``flock`` (not POSIX) the
+    block runs unlocked."""
+    os.makedirs(folder, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(os.path.join(folder, name), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -61,14 +61,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = argparse.ArgumentParser(prog=f"falcon-fwa {name}", description=COMMANDS[name][1],
                                   formatter_class=_HelpFormatter)
     module.add_arguments(cmd)
-    args = cmd.parse_args(argv[1:])
+    return run_command(f"falcon-fwa {name}", module.run, cmd.parse_args(argv[1:]))
+
+
+def run_command(prog: str, run, args: argparse.Namespace) -> int:
+    """``run(args)`` as an exit status: a ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError``
+    is printed as ``PROG: error: MESSAGE`` with the place it was raised, status 2."""
     try:
-        return int(module.run(args) or 0)
+        return int(run(args) or 0)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         if os.environ.get("FALCON_FWA_TRACEBACK"):
             raise
         where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"falcon-fwa {name}: error: {e}\n  (raised at {where.filename}:{where.lineno}; "
+        print(f"{prog}: error: {e}\n  (raised at {where.filename}:{where.lineno}; "
               "FALCON_FWA_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 2
 

@@ -7,14 +7,13 @@ started together on one shared folder tokenize it once, the others wait and reus
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from ..atomic import write_json
+from ..atomic import folder_lock, write_json
 from .shards import NoDocuments, TokenShards, write_token_shards
 from .sources import TEXT_SPLITS, iter_documents
 from .tokenizer import bpe_vocab_size, load_tokenizer
@@ -70,27 +69,10 @@ def _docs(spec: DataSpec, which: str, out_dir: str):
     return (d for i, d in enumerate(docs) if held_out(i) == (which == "val"))
 
 
-@contextlib.contextmanager
-def _locked(out_dir: str):
-    """Hold an exclusive lock on ``out_dir`` (blocking) for the block."""
-    os.makedirs(out_dir, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # no flock on this platform: unserialised
-        yield
-        return
-    with open(os.path.join(out_dir, ".prepare.lock"), "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) -> dict:
     """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts."""
     spec.check()  # before the lock, which creates the folder
-    with _locked(out_dir):
+    with folder_lock(out_dir, ".prepare.lock"):
         return _prepare(spec, out_dir, overwrite)
 
 

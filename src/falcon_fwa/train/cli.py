@@ -21,13 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a recipe field, e.g. --set train.steps=100 (repeatable)")
     parser.add_argument("--stop-at", type=int, default=None,
-                        help="stop (with a checkpoint) after this step; the schedule still spans train.steps")
+                        help="stop (with a checkpoint) after this step (>= 1); the schedule still spans train.steps")
 
 
 def run(args: argparse.Namespace) -> int:
     from . import distributed
     from .trainer import NonFiniteLoss, Trainer
 
+    if args.stop_at is not None and args.stop_at < 1:
+        raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg)
     try:
@@ -49,9 +51,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
+    """The entry point of ``python -m falcon_fwa.train.cli`` (torchrun): errors as ``falcon-fwa train``'s."""
+    from ..cli import run_command
+
     parser = argparse.ArgumentParser(prog="falcon-fwa train", description="train a language model from a recipe")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_command("falcon-fwa train", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

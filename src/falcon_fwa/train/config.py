@@ -167,11 +167,14 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 def _read_file(path: str) -> dict:
+    import yaml
+
     with open(path) as f:
-        if path.endswith((".yaml", ".yml")):
-            raw = load_yaml(f) or {}
-        else:
-            raw = json.load(f)
+        try:
+            raw = (load_yaml(f) or {}) if path.endswith((".yaml", ".yml")) else json.load(f)
+        except (yaml.YAMLError, json.JSONDecodeError) as err:
+            raise ValueError(f"recipe {path!r} is not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
+                             f"{' '.join(str(err).split())}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"recipe {path!r} must hold a mapping of sections")
     return raw
@@ -183,12 +186,15 @@ def recipe_parent(path: str) -> Optional[str]:
     return os.path.join(os.path.dirname(path), parent) if parent else None
 
 
-def read_recipe(path: str) -> dict:
-    """The raw dict of a recipe file, with ``extends`` chains resolved."""
+def read_recipe(path: str, _chain: tuple = ()) -> dict:
+    """The raw dict of a recipe file, with ``extends`` chains resolved (a cycle is a ValueError)."""
+    here = os.path.realpath(path)
+    if here in _chain:
+        raise ValueError(f"recipe {path!r} extends itself: {' -> '.join(_chain + (here,))}")
     raw = _read_file(path)
     parent = raw.pop("extends", None)
     if parent:
-        return _deep_merge(read_recipe(os.path.join(os.path.dirname(path), parent)), raw)
+        return _deep_merge(read_recipe(os.path.join(os.path.dirname(path), parent), _chain + (here,)), raw)
     return raw
 
 
@@ -241,7 +247,11 @@ def apply_overrides(raw: dict, assignments: List[str]) -> dict:
             node = node[p]
             if not isinstance(node, dict):
                 raise ValueError(f"--set {item!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
-        node[parts[-1]] = _parse_value(value)
+        try:
+            node[parts[-1]] = _parse_value(value)
+        except Exception as err:  # yaml.YAMLError: the value is not YAML
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(err).split())}); "
+                             "quote a string that holds YAML syntax") from None
     return raw
 
 

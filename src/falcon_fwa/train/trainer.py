@@ -13,7 +13,7 @@ import shutil
 import signal
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Callable, Optional
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..atomic import read_json, replaceable, write_json
+from ..atomic import folder_lock, read_json, replaceable, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from ..provenance import git_commit
 from . import distributed as D
@@ -44,6 +44,12 @@ def check_export_folder(folder: str) -> None:
         return
     raise ValueError(f"{folder!r} exists and is no exported model of this library: it is not replaced; choose "
                      "another train.out_dir, or remove it")
+
+
+# the data fields that decide which token rows the training samples are, in which order
+# (not data.packing: the same rows, only split at the documents' ends or not)
+_SAMPLE_FIELDS = ("train_source", "tokenizer", "text_split", "text_field", "val_every", "max_documents",
+                  "bpe_documents", "seq_len")
 
 
 def _model_fields(section: dict) -> dict:
@@ -172,9 +178,22 @@ class Trainer:
         self.position = 0
         self.last_checkpoint: Optional[str] = None
         self.use_bf16 = t.dtype == "bf16"
+        # one launch at a time in a run folder: two would delete each other's checkpoints in progress
+        self._lock = ExitStack()
+        if self.info.is_main:
+            try:
+                self._lock.enter_context(folder_lock(t.out_dir, ".train.lock", wait=False))
+            except BlockingIOError:
+                raise ValueError(f"train.out_dir={t.out_dir!r} is in use by another training launch (it holds "
+                                 f"{os.path.join(t.out_dir, '.train.lock')}); wait for it to end, or train "
+                                 "into another folder") from None
         self.logger = MetricLogger(t.out_dir, enabled=self.info.is_main, tensorboard=cfg.log.tensorboard,
                                    wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
-        self._maybe_resume()
+        try:
+            self._maybe_resume()
+        except BaseException:
+            self.close()
+            raise
 
     # ----------------------------------------------------------------------------- state
     def autocast(self):
@@ -195,9 +214,11 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        # the data position counts samples of one order: the same shuffle seed and row length
+        # the data position counts samples of one order: the same documents, tokens, rows and shuffle
         saved = state["config"]
-        for section, key in (("train", "seed"), ("data", "seq_len")):
+        for section, key in (("train", "seed"), *(("data", k) for k in _SAMPLE_FIELDS)):
+            if key not in saved[section]:  # a checkpoint older than the field
+                continue
             was, now = saved[section][key], getattr(getattr(self.cfg, section), key)
             if was != now:
                 raise ValueError(f"{section}.{key}: the checkpoint was trained with {was!r}, this recipe has {now!r}, "
@@ -317,6 +338,7 @@ class Trainer:
         skip = self.step + min(10, t.steps // 10)  # the first steps include allocation and warm-up
         last_val = {}
         first_step = self.step
+        stopped_by = None  # the signal that ended this launch early, as every process saw it
         while self.step < end:
             step_start = _clock()
             lr = lr_at(self.step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps,
@@ -330,9 +352,9 @@ class Trainer:
                 loss_sum += loss.detach()
             max_norm = o.clip_grad_norm if o.clip_grad_norm > 0 else float("inf")
             grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
-            # one reduction: the mean loss, and whether a stop signal reached any process
-            flag = torch.full((), float(signals.received > 0), device=info.device)
-            step_loss, signalled = D.all_reduce_mean(torch.stack([loss_sum / self.accum, flag]), info).tolist()
+            # one reduction: the mean loss, and which stop signals reached any process
+            flags = [torch.full((), float(signals.received == s), device=info.device) for s in signals.SIGNALS]
+            step_loss, *reached = D.all_reduce_mean(torch.stack([loss_sum / self.accum, *flags]), info).tolist()
             self._check_finite(step_loss, grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -340,7 +362,8 @@ class Trainer:
             self.position = stream.position
             if should_stop is not None and should_stop(self.step):
                 end = self.step
-            if signalled > 0:
+            if stopped_by is None and max(reached) > 0:  # every process stops here, and names the signal
+                stopped_by = signals.SIGNALS[[r > 0 for r in reached].index(True)]
                 end = self.step
             if self.step > skip:
                 timed_tokens += tokens_per_step
@@ -372,18 +395,23 @@ class Trainer:
         if self.step == t.steps and t.export_model:
             self.export(os.path.join(self.out_dir, "model"))
         summary_path = os.path.join(self.out_dir, "summary.json")
-        if self.step == first_step and os.path.isfile(summary_path):
-            # nothing trained (a finished run launched again): its summary, with the validation
-            # loss and tokens/s of the steps that were trained, stays as it is
-            return read_json(summary_path)
+        if self.step == first_step:  # nothing trained (a finished run launched again)
+            stored = read_json(summary_path) if os.path.isfile(summary_path) else None
+            if stored is not None and stored.get("steps") == self.step:
+                # its summary, with the validation loss and tokens/s of the steps that were trained, stays;
+                # no signal stopped this launch
+                return {k: v for k, v in stored.items() if k != "signal"}
+            # none, or one of an earlier launch (one that trained on died before writing its own)
+            if t.eval_every:
+                last_val = self.evaluate()
         summary = {"params": self.n_params, "steps": self.step, "tokens": self.step * tokens_per_step,
                    "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
                    "peak_mem_bytes": (torch.cuda.max_memory_allocated(info.device)
                                       if info.device.type == "cuda" else None),
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,
                    "commit": git_commit(short=False), "config": cfg.to_dict()}
-        if signals.received and self.step < t.steps:  # in summary.json too: why the run ended early
-            summary["signal"] = signal.Signals(signals.received).name
+        if stopped_by is not None and self.step < t.steps:  # in summary.json too: why the run ended early
+            summary["signal"] = signal.Signals(stopped_by).name
         if info.is_main:
             write_json(summary_path, summary)
         return summary
@@ -404,4 +432,6 @@ class Trainer:
         D.barrier(self.info)
 
     def close(self) -> None:
+        """Close the logs and free the run folder for the next launch."""
         self.logger.close()
+        self._lock.close()

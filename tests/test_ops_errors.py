@@ -241,3 +241,93 @@ def test_non_tensor_arguments_are_named(name, value, form):
     tok = {n: t[:, 0] if torch.is_tensor(t) else t for n, t in inp.items()}
     with pytest.raises(TypeError, match=rf"^{name} must be a torch.Tensor"):
         falcon_step(**tok, state=None, rule="1A")
+
+
+@pytest.mark.parametrize("name", ["v", "beta", "lam", "log_gate"])
+def test_segments_check_the_whole_call_before_cutting_it(name):
+    """With ``segments > 1`` a tensor longer in time than ``q`` is refused, by the whole call's shapes,
+    as without segments (the pieces would cut it to ``q``'s length and drop its last steps)."""
+    inp = _inp("1A", with_gate=True)
+    longer = torch.cat([inp[name], inp[name][:, :2]], dim=1)
+    inp[name] = longer
+    for segments in (1, 2):
+        with pytest.raises(ValueError, match=rf"^{name} must have shape .*\(2, 6, 2"):
+            _call(inp, rule="1A", segments=segments, chunk_size=2)
+
+
+def test_falcon_state_cat_refuses_states_of_another_configuration():
+    from falcon_fwa import FalconState
+
+    inp = _inp("1A")
+    states = {rule: _call(_inp(rule), rule=rule, output_final_state=True)[1] for rule in ("1", "1A", "3")}
+    with pytest.raises(ValueError, match=r"states\[1\]\.rule is '1A', states\[0\]\.rule is '1'"):
+        FalconState.cat([states["1"], states["1A"]])
+    with pytest.raises(ValueError, match=r"states\[1\]\.rule is '1'"):
+        FalconState.cat([states["3"], states["1"]])
+    with pytest.raises(ValueError, match="non-empty list"):
+        FalconState.cat([])
+    _, no_shift = _call(inp, rule="1A", shift=False, output_final_state=True)
+    with pytest.raises(ValueError, match=r"states\[1\]\.shift is False"):
+        FalconState.cat([states["1A"], no_shift])
+    both = FalconState.cat([states["1A"], states["1A"]])
+    assert both.batch_size == 4 and torch.equal(both.S[2:], states["1A"].S)
+
+
+def test_a_state_in_another_dtype_kind_or_on_another_device_is_named():
+    import dataclasses
+
+    inp = _inp("1A")
+    _, state = _call(inp, rule="1A", output_final_state=True)
+    with pytest.raises(TypeError, match=r"initial_state\.S must be a floating-point tensor"):
+        _call(inp, rule="1A", initial_state=dataclasses.replace(state, S=state.S.long()))
+    elsewhere = dataclasses.replace(state, last_key=state.last_key.to("meta"))
+    with pytest.raises(ValueError, match=r"initial_state\.last_key is on meta but the inputs are on cpu"):
+        _call(inp, rule="1A", initial_state=elsewhere)
+    step = {n: t[:, 0] for n, t in inp.items()}
+    with pytest.raises(ValueError, match=r"^state\.last_key is on meta"):
+        falcon_step(**step, rule="1A", state=elsewhere, validate=False)
+
+
+def test_falcon_step_checks_the_state_with_validate_false():
+    """The state's configuration is host-only: ``validate=False`` still refuses a state of another rule
+    (it would continue the wrong recurrence silently) or window."""
+    inp = _inp("1A")
+    step = {n: t[:, 0] for n, t in inp.items()}
+    _, state = _call(inp, rule="1A", output_final_state=True)
+    with pytest.raises(ValueError, match=r"^state comes from rule '1A', not rule '1'"):
+        falcon_step(**step, rule="1", state=state, validate=False)
+    _, state3 = _call(_inp("3"), rule="3", window=4, output_final_state=True)
+    with pytest.raises(ValueError, match=r"^state was made with window=4, not window=2"):
+        falcon_step(**step, rule="3", window=2, state=state3, validate=False)
+
+
+def test_falcon_state_fresh_checks_its_arguments():
+    from falcon_fwa import FalconState
+
+    S = torch.zeros(2, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"^window must be an integer >= 1 for the sliding rule 3, got 2.0"):
+        FalconState.fresh(S, rule="3", window=2.0)
+    with pytest.raises(TypeError, match=r"^shift must be True or False, got 'no'"):
+        FalconState.fresh(S, rule="1", shift="no")
+    with pytest.raises(TypeError, match=r"^S must be a floating-point tensor"):
+        FalconState.fresh(S.long(), rule="1")
+    with pytest.raises(ValueError, match=r"^rule"):
+        FalconState.fresh(S, rule="4")
+
+
+def test_the_recurrent_kernel_path_refuses_a_bad_chunk_size_as_the_torch_path_does():
+    inp = _inp("1A")
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=r"^chunk_size must be an integer >= 1, got 0"):
+            _call(inp, rule="1A", form="recurrent", chunk_size=0, backend=backend)
+
+
+def test_the_falcon_layer_names_a_hidden_state_of_the_wrong_width():
+    from falcon_fwa.layers import FalconAttention
+    from falcon_fwa.layers.packing import Packing
+    from falcon_fwa.models import get_preset
+
+    layer = FalconAttention(get_preset("tiny-falcon", hidden_size=32))
+    for h in (torch.randn(2, 5, 16), torch.randn(5, 32)):
+        with pytest.raises(ValueError, match=r"^h must have shape \[B, T, hidden_size=32\]"):
+            layer(h, Packing.dense(2, 5, None, "cpu"))

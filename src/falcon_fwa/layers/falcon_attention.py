@@ -123,6 +123,8 @@ class FalconAttention(nn.Module):
         return q, k, v
 
     def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
+            raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
         B, T, _ = h.shape
         q, k, v = self._project(h, packing, cache)
         beta, lam, log_gate = self.gates(h)

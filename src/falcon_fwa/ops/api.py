@@ -16,8 +16,8 @@ from .segments import run_segments
 from .seqlens import packed_bounds, padded_rows
 from .state import FalconState
 from .step_sizes import step_sizes
-from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_state,
-                       check_state_type, check_step_shapes, check_switches, check_tensor_types)
+from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_sequence_tensors,
+                       check_state, check_state_type, check_step_shapes, check_switches, check_tensor_types)
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -110,7 +110,9 @@ def falcon_attention(
     the actual ridge coefficient ``lambda_t >= 0`` (the dimensionless
     ``lambda-bar`` with ``scale_ridge=True``); ``log_gate`` ``[B, T, H]``,
     ``g_t <= 0``. Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype and the final
-    :class:`FalconState` (or ``None``).
+    :class:`FalconState` (or ``None``). Mixed input dtypes: the PyTorch forms compute in float64
+    when any input is float64, else float32; the Triton kernels take ``k`` and ``v`` in ``q``'s
+    dtype (``docs/ops.md``, "Precision").
 
     The pair written at step ``t`` is ``(x_t, y_t) = (k_{t-1}, v_t)`` with the
     sentinel ``x_1 = 0, eta_1 = 0`` on a fresh sequence (``shift=False``: ``(k_t, v_t)``).
@@ -199,6 +201,8 @@ def falcon_attention(
     check_positive_int("segments", segments)
     if segments > 1 and q.dim() == 4:  # (a q of another shape goes on, to be refused by the checks below)
         check_chunk_size(chunk_size)
+        # the whole call's tensors, before the pieces cut them (a longer v would be cut silently)
+        check_sequence_tensors(q, k, v, beta, lam, log_gate, get_rule(rule))
         if initial_state is not None:  # the pieces read its fields before any piece checks it
             check_state_type(initial_state)
         options = dict(rule=rule, window=window, form=form, chunk_size=chunk_size, eps=eps, decay_floor=decay_floor,
@@ -240,6 +244,7 @@ def falcon_attention(
                     raise
     if backend == "triton" and form == "recurrent":
         from .triton import falcon_recurrent_triton
+        check_chunk_size(chunk_size)  # unused there, but refused as on the other backend
         return done(falcon_recurrent_triton(q, k, v, beta, lam, **kernel_args))
     options = dict(spec=spec, window=window if spec.sliding else 1, form=form, chunk_size=chunk_size, eps=eps,
                    decay_floor=decay_floor, shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
@@ -317,7 +322,7 @@ def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_
         if initial_state.batch_size != N:
             raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {N} sequences")
         check_state(initial_state, spec, window=options["window"], shift=options["shift"], B=N, H=q.shape[2],
-                    K=q.shape[3], V=v.shape[3])
+                    K=q.shape[3], V=v.shape[3], device=q.device)
     starts = torch.tensor(bounds[:-1], device=q.device)
     lengths = torch.tensor(bounds[1:], device=q.device) - starts
     unpack, real = padded_rows(starts, lengths, max(b1 - b0 for b0, b1 in zip(bounds, bounds[1:])))
@@ -356,11 +361,12 @@ def falcon_step(
     it for any rule.
     The arguments are checked as ``falcon_attention``'s (shapes with a time axis of one
     step; ``lam >= 0``, ``log_gate <= 0``; the state's configuration) on every backend;
-    ``validate=False`` skips that, for callers whose inputs are valid by construction,
-    such as the model's layers, where the checks would add a few small device launches
+    ``validate=False`` skips the tensors' shapes and values, for callers whose inputs are valid by
+    construction, such as the model's layers, where the checks would add a few small device launches
     to every layer of every decoded token (``falcon_attention`` always checks: once per
-    sequence, not per token); the state's type, the on/off switches and the options that are
-    not tensors (``read``, ``window``, ``eps``, ``decay_floor``: host-only) are checked always.
+    sequence, not per token); the state (its type, configuration, shapes and device), the on/off
+    switches and the options that are not tensors (``read``, ``window``, ``eps``, ``decay_floor``),
+    all host-only, are checked always.
     ``eps_attn``: the normalized read, as in ``falcon_attention`` (the state then carries
     ``z``)."""
     if backend not in BACKENDS:
@@ -382,11 +388,11 @@ def falcon_step(
     else:
         q, k, v, beta, state = read_norm.extend(q, k, v, beta, lam, log_gate, state, spec, axes=("B", "H"),
                                                 name="state", window=window, shift=shift)
+    if state is not None:  # host-only: checked with validate=False too
+        check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2], V=v.shape[2],
+                    device=q.device, name="state")
     if validate:
         check_step_shapes(q, k, v, beta, lam, log_gate, spec)
-        if state is not None:
-            check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2],
-                        V=v.shape[2], name="state")
         check_inputs(*(None if t is None else t[:, None] for t in (q, k, v, beta, lam, log_gate)), spec,
                      window=window, form="recurrent", chunk_size=1, eps=eps, decay_floor=decay_floor, read=read,
                      initial_state=None, shift=shift)

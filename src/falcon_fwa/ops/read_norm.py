@@ -104,7 +104,7 @@ def extend(q, k, v, beta, lam, log_gate, state: Optional[FalconState], spec: Rul
         raise ValueError(f"{name}.S has {state.S.shape[-1]} value columns, but v has {V}")
     H, K = q.shape[-2:]
     check_state(state, spec, window=window if spec.sliding else 1, shift=shift,
-                B=state.S.shape[0] if packed else q.shape[0], H=H, K=K, V=V, name=name)
+                B=state.S.shape[0] if packed else q.shape[0], H=H, K=K, V=V, device=q.device, name=name)
     want = (*state.S.shape[:-1], n) if spec.per_column else tuple(state.S.shape[:-1])
     if tuple(state.z.shape) != want:
         raise ValueError(f"{name}.z must have shape {'[B, H, K, V]' if spec.per_column else '[B, H, K]'} = {want}, "

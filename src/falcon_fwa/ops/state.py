@@ -56,10 +56,16 @@ class FalconState:
         from .pairs import empty_tail
         from .rules import get_rule
 
+        from .validate import check_switches, check_window
+
         spec = get_rule(rule)
         if not isinstance(S, torch.Tensor) or S.dim() != 4:
             raise ValueError(f"S must be a tensor of shape [B, H, K, V], got "
                              f"{tuple(S.shape) if isinstance(S, torch.Tensor) else type(S).__name__}")
+        if not S.is_floating_point():
+            raise TypeError(f"S must be a floating-point tensor, got {S.dtype}")
+        check_switches(shift=shift)
+        check_window(spec, window)
         W = window if spec.sliding else 1
         state = cls(rule=spec.name, window=W, shift=shift, S=S, z=z)
         if W > 1:  # W - 1 empty slots shaped like the keys [B, H, K] and values [B, H, V] of S
@@ -84,8 +90,22 @@ class FalconState:
 
     @staticmethod
     def cat(states: "list[FalconState]") -> "FalconState":
-        """Stack states of the same configuration along the batch dimension."""
+        """Stack states of the same configuration (rule, window, shift, and the same fields present)
+        along the batch dimension; another configuration is a ``ValueError`` naming the field."""
+        states = list(states)
+        if not states or not all(isinstance(s, FalconState) for s in states):
+            raise ValueError("FalconState.cat takes a non-empty list of FalconState")
         first = states[0]
+        for i, s in enumerate(states[1:], 1):
+            for field in ("rule", "window", "shift"):
+                if getattr(s, field) != getattr(first, field):
+                    raise ValueError(f"FalconState.cat: states[{i}].{field} is {getattr(s, field)!r}, "
+                                     f"states[0].{field} is {getattr(first, field)!r}")
+            for field in ("last_key", "tail_x", "tail_y", "tail_valid", "z"):
+                if (getattr(s, field) is None) != (getattr(first, field) is None):
+                    raise ValueError(f"FalconState.cat: states[{i}].{field} is "
+                                     f"{'None' if getattr(s, field) is None else 'set'}, states[0].{field} is "
+                                     f"{'None' if getattr(first, field) is None else 'set'}")
 
         def cat(name):
             ts = [getattr(s, name) for s in states]

@@ -114,6 +114,23 @@ def check_inputs(
     """Check the arguments of ``falcon_attention`` (shapes in its docstring), raising
     ``TypeError``/``ValueError`` that names the argument at fault (the first tensor is called
     ``query``: ``falcon_trace`` passes its keys there)."""
+    check_sequence_tensors(q, k, v, beta, lam, log_gate, rule, query=query)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    check_options(rule, window=window, eps=eps, decay_floor=decay_floor, read=read)
+    check_chunk_size(chunk_size)
+    if _values_checked():
+        check_value_ranges(lam, log_gate)
+    if initial_state is not None:
+        check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V,
+                    device=q.device)
+
+
+def check_sequence_tensors(q, k, v, beta, lam, log_gate, rule: RuleSpec, *, query: str = "q") -> None:
+    """The tensors of a sequence (``[B, T, H, *]``, or ``[1, total, H, *]`` packed): tensors, of floating
+    point, on ``q``'s device, ``T >= 1``, and shaped like ``q`` (the argument called ``query``)."""
     check_tensor_types(q, k, v, beta, lam, log_gate, query=query)
     for name, t in ((query, q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
         if t is None:
@@ -125,16 +142,6 @@ def check_inputs(
     if q.dim() == 4 and q.shape[1] < 1:
         raise ValueError(f"{query} must have at least one time step (T >= 1)")
     check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"), query=query)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    check_options(rule, window=window, eps=eps, decay_floor=decay_floor, read=read)
-    check_chunk_size(chunk_size)
-    if _values_checked():
-        check_value_ranges(lam, log_gate)
-    if initial_state is not None:
-        check_state(initial_state, rule, window=window if rule.sliding else 1, shift=shift, B=B, H=H, K=K, V=V)
 
 
 def check_options(rule: RuleSpec, *, window: int, eps: float, decay_floor: float, read: str) -> None:
@@ -143,10 +150,15 @@ def check_options(rule: RuleSpec, *, window: int, eps: float, decay_floor: float
     Host-only, so ``falcon_step`` checks them even with ``validate=False``."""
     if read not in READS:
         raise ValueError(f"read must be one of {READS}, got {read!r}")
-    if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
+    check_window(rule, window)
     check_number("eps", eps, 0, math.inf)
     check_number("decay_floor", decay_floor, 0, 1, open_low=True)
+
+
+def check_window(rule: RuleSpec, window) -> None:
+    """``window`` must be an integer ``>= 1`` for a sliding rule (the others ignore it)."""
+    if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
 
 
 def check_positive_int(name: str, value) -> None:
@@ -194,9 +206,19 @@ def check_state_type(state, name: str = "initial_state") -> None:
 
 
 def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool, B: int, H: int, K: int, V: int,
-                name: str = "initial_state") -> None:
-    """Check that ``state`` (the argument called ``name``) continues this configuration and shape."""
+                device: torch.device, name: str = "initial_state") -> None:
+    """Check that ``state`` (the argument called ``name``) continues this configuration and shape, in
+    floating point on the inputs' ``device``."""
     check_state_type(state, name)
+    for field in ("S", "last_key", "tail_x", "tail_y", "z"):
+        t = getattr(state, field)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}.{field} must be a floating-point tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.device != torch.device(device):
+            raise ValueError(f"{name}.{field} is on {t.device} but the inputs are on {device}")
     if state.rule != rule.name:
         raise ValueError(f"{name} comes from rule {state.rule!r}, not rule {rule.name!r}")
     if state.shift != shift:

@@ -191,7 +191,7 @@ def falcon_chunk_triton(
     N = len(starts) if cu_seqlens is not None else B
     W = window if spec.sliding else 1
     if initial_state is not None and validate:
-        check_state(initial_state, spec, window=W, shift=shift, B=N, H=H, K=K, V=V)
+        check_state(initial_state, spec, window=W, shift=shift, B=N, H=H, K=K, V=V, device=q.device)
     if spec.sliding:
         return _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, ends, rule=spec.name, window=W,
                         eps=eps,

@@ -110,7 +110,7 @@ def falcon_recurrent_triton(
         N = B
     st = initial_state
     if st is not None and validate:
-        check_state(st, spec, window=W, shift=shift, B=N, H=H, K=K, V=V)
+        check_state(st, spec, window=W, shift=shift, B=N, H=H, K=K, V=V, device=q.device)
     dev = q.device
     first = None if st is None or not shift or st.last_key is None else st.last_key.contiguous()
     tail = None
@@ -173,7 +173,7 @@ def falcon_step_triton(
     spec = get_rule(rule)
     if state is not None:
         check_state(state, spec, window=window if spec.sliding else 1, shift=shift, B=q.shape[0], H=q.shape[1],
-                    K=q.shape[2], V=v.shape[2], name="state")
+                    K=q.shape[2], V=v.shape[2], device=q.device, name="state")
     o, final = falcon_recurrent_triton(
         q[:, None], k[:, None], v[:, None], beta[:, None], lam[:, None], rule=rule, window=window, eps=eps,
         decay_floor=decay_floor, shift=shift, normalize=normalize,

@@ -71,6 +71,7 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--max-length", "0"], "--max-length"),
     (["lm-eval", "--model", "no/model", "--tasks", " , "], "--tasks"),
     (["ppl", "--model", "no/model", "--data", "no/data.txt", "--batch-size", "0"], "--batch-size"),
+    (["ppl", "--model", "no/model", "--data", "no/data.txt", "--train-len", "-5"], "--train-len"),
     (["addition", "--window", "0"], "--window"),
     (["params", "--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
     (["addition", "--hidden-size", "0"], "--hidden-size"),

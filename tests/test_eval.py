@@ -230,6 +230,43 @@ def test_lm_eval_harness_end_to_end_with_local_tasks(saved_model, tmp_path):
         assert gens[d["prompt"]] == tok.decode(new), d["prompt"]
 
 
+def test_lm_eval_generation_never_picks_the_padding_ids_of_the_vocabulary(saved_model, tmp_path):
+    """The embedding has more rows than the tokenizer has ids (rounded up to 64). Rows made to win the
+    argmax at the first generated token must not be picked: the harness decodes as ``falcon-fwa generate``
+    does, over the tokenizer's ids."""
+    pytest.importorskip("lm_eval")
+    import shutil
+
+    from falcon_fwa.eval.harness import evaluate
+
+    folder = saved_model / "run" / "model"
+    model, tok = load_model(str(folder))
+    n = len(tok)
+    assert model.config.vocab_size > n
+    _, gen_docs = _write_tasks(tmp_path, saved_model)
+    ids = [tok.eos_token_id] + tok(gen_docs[0]["prompt"], add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1, :n]
+        best = int(first.argmax())
+        assert first[best] > 0  # so that 10x its embedding row gives a padding id the larger logit
+        emb = model.get_input_embeddings().weight
+        emb[n:] = 10 * emb[best]
+        assert int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()) >= n
+    shutil.copytree(folder, tmp_path / "padded")
+    model.save_pretrained(tmp_path / "padded")
+    out = evaluate(str(tmp_path / "padded"), ["local_gen"], include_path=str(tmp_path), batch_size=4,
+                   log_samples=True)
+    got = {s["doc"]["prompt"]: s["resps"][0][0] for s in out["samples"]["local_gen"]}[gen_docs[0]["prompt"]]
+    new = []
+    for _ in range(6):  # greedy over the tokenizer's ids, by full forwards
+        with torch.no_grad():
+            nxt = int(model(input_ids=torch.tensor([ids + new]), use_cache=False).logits[0, -1, :n].argmax())
+        if nxt == tok.eos_token_id:
+            break
+        new.append(nxt)
+    assert new and new[0] == best and got == tok.decode(new)
+
+
 def test_lm_eval_requests_open_with_end_of_text(saved_model):
     """The falcon-fwa harness model puts end-of-text in front of each context and each prompt of a
     generation batch (left padding before it, left truncation after it), as training does."""

@@ -93,6 +93,13 @@ def test_sampling_is_reproducible_by_seed(folders):
     assert first[0] != first[1]
 
 
+def test_a_tiny_temperature_samples_the_greedy_tokens(folders):
+    """``logits / 1e-45`` overflows; taken from the largest logit it leaves the argmax alone."""
+    args = ["--prompt", "the state", "--prompt", "gate", "--max-new-tokens", "16", "--no-stop-at-eos"]
+    greedy = _tokens(_generate(folders, "peaky", *args))
+    assert _tokens(_generate(folders, "peaky", *args, "--temperature", "1e-45", "--seed", "3")) == greedy
+
+
 def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(folders):
     args = ["--prompt", "the state", "--prompt", "gate", "--max-new-tokens", "16", "--no-stop-at-eos"]
     greedy = _tokens(_generate(folders, "peaky", *args))
@@ -110,6 +117,7 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(folders):
     (["--prompt", "a", "--top-p", "0"], "--top-p"),
     (["--prompt", "a", "--top-k", "-1"], "--top-k"),
     (["--prompt", "a", "--temperature", "-0.5"], "--temperature"),
+    (["--prompt", "a", "--temperature", "inf"], "--temperature"),
     (["--prompt", "a", "--batch-size", "0"], "--batch-size"),
     (["--prompts-file", "no/such/file.txt"], "--prompts-file"),
     (["--prompt", "a", "--device", "nope"], "--device"),

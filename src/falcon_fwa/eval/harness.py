@@ -26,7 +26,9 @@ def lm_class():
     context of a ``loglikelihood`` request and each prompt of a ``generate_until`` batch get
     it in front (left truncation applies after it); ``loglikelihood_rolling`` already opens
     its first window with it (the harness's ``prefix_token_id``). A tokenizer without an
-    end-of-text token, or a text that already opens with it, is left as it is."""
+    end-of-text token, or a text that already opens with it, is left as it is. Generation never
+    picks the ids past the tokenizer's vocabulary that the embedding pads to a multiple of 64
+    (as ``falcon-fwa generate``)."""
     import torch
     from lm_eval.models.huggingface import HFLM
 
@@ -40,6 +42,12 @@ def lm_class():
         def _encode_pair(self, context, continuation):
             context_enc, continuation_enc = super()._encode_pair(context, continuation)
             return self._opening(context_enc) + list(context_enc), continuation_enc
+
+        def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            padded = range(len(self.tokenizer), self.model.config.vocab_size)
+            if len(padded) and "suppress_tokens" not in generation_kwargs:
+                generation_kwargs["suppress_tokens"] = list(padded)
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
         def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
             ids, mask = super().tok_batch_encode(strings, padding_side=padding_side, left_truncate_len=None,

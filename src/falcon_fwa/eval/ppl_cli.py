@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _edges(args: argparse.Namespace) -> list:
     """The bucket edges, checked before any work (a bad --buckets would otherwise end a long run)."""
-    for name in ("seq_len", "batch_size", "max_windows"):
+    for name in ("seq_len", "train_len", "batch_size", "max_windows"):
         at_least(f"--{name.replace('_', '-')}", getattr(args, name), 1)
     if not args.buckets:
         return default_edges(args.seq_len)

@@ -23,6 +23,7 @@ clock read on CUDA:
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -86,8 +87,8 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p
     name the caller knows it by, e.g. a command-line option)."""
     if max_new_tokens < 1:
         raise ValueError(f"{name('max_new_tokens')} must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:  # also catches nan
-        raise ValueError(f"{name('temperature')} must be >= 0 (0: greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:  # also catches nan
+        raise ValueError(f"{name('temperature')} must be finite and >= 0 (0: greedy), got {temperature}")
     if top_k < 0:
         raise ValueError(f"{name('top_k')} must be >= 0 (0: off), got {top_k}")
     if not 0 < top_p <= 1:
@@ -103,7 +104,8 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     the smallest set of largest probabilities whose mass reaches ``top_p``."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # from the largest logit, so that a tiny temperature sends the others to -inf, not inf - inf = nan
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

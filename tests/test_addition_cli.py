@@ -570,8 +570,8 @@ def test_fast_weight_options_are_refused_for_the_transformer(tmp_path, option):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "Falcon-1A.3", "--rule", "3"], r"^--rule 3: Falcon-1A\.3 is defined with rule 1A; .*--model falcon"),
     (["--model", "Falcon-3A.3", "--qk-norm", "l2"], r"^--qk-norm l2: Falcon-3A\.3 is defined with qk_norm rmsnorm"),
-    (["--model", "Falcon-1A.3", "--window", "4"], r"^--window 4: rule 1A has no window"),
-    (["--model", "falcon", "--rule", "2", "--window", "4"], r"^--window 4: rule 2 has no window"),
+    (["--model", "Falcon-1A.3", "--window", "4"], r"^--window 4: model 'Falcon-1A\.3' \(rule 1A\) has no window"),
+    (["--model", "falcon", "--rule", "2", "--window", "4"], r"^--window 4: model 'falcon' \(rule 2\) has no window"),
     (["--ood-widths", "3", "8"], r"'ood_widths' \(3, 8\) overlaps the training widths \(1, 3\)"),
 ])
 def test_a_run_is_what_it_is_named(tmp_path, argv, message):
@@ -627,3 +627,62 @@ def test_abacus_offset_reaches_the_model_the_results_and_the_default_names(tmp_p
                   "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL])
     with pytest.raises(ValueError, match="^--abacus-offset must be >= 0, got -1$"):  # named as typed
         cli.main(["--model", "Falcon-1A.3", "--no-progress", *TWO_STEPS, "--abacus-offset", "-1", *SMALL])
+
+
+@pytest.mark.parametrize("argv,message", [
+    # a baseline's paper name is that model: a rule, norm or gate would train another one under its name
+    (["--model", "Mamba-2", "--rule", "2"], r"^--rule 2: Mamba-2 is defined with rule 1A; .*\(--model mamba2 --rule 2\)"),
+    (["--model", "RetNet", "--gate", "ctx-beta"], r"^--gate ctx-beta: RetNet is defined with gate one; .*--model retnet"),
+    (["--model", "Mamba-2", "--qk-norm", "rmsnorm"], r"^--qk-norm rmsnorm: Mamba-2 is defined with qk_norm none"),
+    (["--model", "Falcon-3A.3", "--window", "8"], r"^--window 8: Falcon-3A\.3 is defined with window 4"),
+    # a window on a mixer whose rule has none: the message names the model, not a rule it never chose
+    (["--model", "mamba2", "--window", "4"], r"^--window 4: model 'mamba2' \(rule 1A\) has no window"),
+    (["--model", "RetNet", "--window", "4"], r"^--window 4: model 'RetNet' \(rule 1A\) has no window"),
+])
+def test_a_paper_name_refuses_options_that_change_its_model(tmp_path, argv, message):
+    with pytest.raises(ValueError, match=message):
+        cli.main(["--steps", "1", "--out", str(tmp_path / "run"), "--no-progress", *SMALL, *argv])
+    assert not (tmp_path / "run").exists()
+
+
+def test_options_that_restate_a_paper_model_are_taken():
+    parser = __import__("argparse").ArgumentParser()
+    cli.add_arguments(parser)
+    for argv in (["--model", "Falcon-3A.3", "--window", "4"], ["--model", "Falcon-1A.1", "--gate", "ctx-beta"],
+                 ["--model", "RetNet", "--rule", "1a"], ["--model", "mamba2", "--rule", "2"]):  # a mixer takes any
+        fields = cli.model_fields(parser.parse_args(argv))
+        assert fields["mixer"] == resolve_model(argv[1])["mixer"], argv
+
+
+def test_lr_must_be_finite(tmp_path):
+    for value in ("inf", "nan", "-inf"):
+        with pytest.raises(ValueError, match="^--lr must be a finite number > 0, got "):
+            cli.main([f"--lr={value}", "--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
+        with pytest.raises(ValueError, match="^--lr must be a finite number > 0, got "):
+            compare.main([f"--lr={value}", "--no-train", "--runs", str(tmp_path / "runs"), "--results",
+                          str(tmp_path / "res"), *SMALL])
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="'lr' > 0"):  # the preset itself, for the Python API
+        get_addition_preset("tiny").replace(lr=float("inf"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--jobs", "0"], r"^--jobs must be >= 1, got 0$"),  # nothing would ever start: a hang
+    (["--jobs", "-2"], r"^--jobs must be >= 1, got -2$"),
+    (["--deadline", "-5"], r"^--deadline must be > 0, got -5\.0$"),
+    (["--deadline", "0"], r"^--deadline must be > 0, got 0\.0$"),
+    (["--deadline", "nan"], r"^--deadline must be a finite number > 0, got nan$"),
+    (["--models", "Transformer", "Mamba-2", "Transformer"], r"^--models: Transformer is given more than once"),
+    (["--seeds", "0", "1", "0"], r"^--seeds: 0 is given more than once"),  # one run trained twice, counted twice
+])
+def test_compare_refuses_bad_jobs_deadline_and_repeated_runs(tmp_path, capsys, argv, message):
+    from falcon_fwa import cli as top
+
+    # --no-train on an empty --runs: without the check the command would only find nothing to summarize
+    base = ["--no-train", "--models", "Transformer", "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"),
+            *SMALL]
+    with pytest.raises(ValueError, match=message):
+        compare.main([*base, *argv])
+    assert top.main(["addition-compare", *base, *argv]) == 2  # a one-line error, exit status 2
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-fwa addition-compare: error: " + argv[0]) and not (tmp_path / "res").exists()

@@ -11,19 +11,24 @@ Examples::
 Writes ``results.json``, ``checkpoint.pt``, ``best.pt`` and ``accuracy_vs_width.png``
 to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``, the preset's folder named
 with ``-lsd`` / ``-base<b>`` for another operand order or base); an interrupted
-run resumes from its last evaluation when started again with the same ``--out``.
+run resumes from its last checkpoint when started again with the same ``--out``. A SIGTERM or
+SIGINT ends the run at the end of the step in progress with a checkpoint, exit status 128 + the
+signal number (a second signal interrupts at once); a folder another process is training is refused.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import re
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
 from ...cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
-from ...models.configuration import MIXER_DEFAULTS
+from ...models.configuration import MIXER_DEFAULTS, FalconConfig
 from ...ops.rules import get_rule
 from .data import BASES, OPERAND_ORDERS
 from .lineup import LINEUP, MIXERS, resolve_model
@@ -75,7 +80,8 @@ FAST_WEIGHT_OPTIONS = {"rule": "--rule", "window": "--window", "qk_norm": "--qk-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="Falcon-3A.3",
                    help=f"a paper name ({', '.join(LINEUP)}) or a mixer ({', '.join(MIXERS)})")
-    p.add_argument("--rule", help="falcon update rule (1, 2, 3, 1A, 2A, 3A); overrides the model's")
+    p.add_argument("--rule", help="update rule (1, 2, 3, 1A, 2A, 3A) of a mixer (a paper name is defined with its "
+                                  "own: --rule, --window, --qk-norm and --gate may only restate it)")
     p.add_argument("--window", type=int, help="window B of the sliding rules 3 and 3A")
     p.add_argument("--qk-norm", choices=["rmsnorm", "l2"], help="query/key normalization of the falcon mixer")
     p.add_argument("--gate", choices=["ctx-beta", "ctx-eta"], help="which step-size quantity the context emits")
@@ -86,6 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "and --abacus-offset K)")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     p.add_argument("--no-progress", action="store_true", help="log evaluations as lines instead of a progress bar")
+
+
+def finite_at_least(option: str, value, low, *, strict: bool = False) -> None:
+    """:func:`falcon_fwa.cli_options.at_least` for a number option that must also be finite (``inf``
+    passes a lower bound, and ends in an error far from the option, or in a run of nothing)."""
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"{option} must be a finite number {'>' if strict else '>='} {low}, got {value}")
+    at_least(option, value, low, strict=strict)
 
 
 def slug(name: str) -> str:
@@ -100,7 +114,7 @@ def preset_from_args(args: argparse.Namespace):
         at_least("--" + field.replace("_", "-"), getattr(args, field), 1)
     at_least("--curriculum-steps", args.curriculum_steps, 0)
     at_least("--abacus-offset", args.abacus_offset, 0)
-    at_least("--lr", args.lr, 0, strict=True)
+    finite_at_least("--lr", args.lr, 0, strict=True)
     return get_addition_preset(args.preset).replace(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
@@ -129,28 +143,44 @@ def check_machine_options(args: argparse.Namespace) -> None:
     at_least("--window", getattr(args, "window", None), 1)  # the model config would name its field 'window'
 
 
+def _defined(model: str, field: str):
+    """The value of a fast-weight field that the paper name ``model`` is defined with: its own, else its
+    mixer's default (``window``: the config's)."""
+    if field == "window":
+        return inspect.signature(FalconConfig.__init__).parameters["window"].default
+    return LINEUP[model].get(field, MIXER_DEFAULTS[LINEUP[model]["mixer"]][field])
+
+
+def model_fields(args: argparse.Namespace) -> dict:
+    """The config fields of ``--model`` with the fast-weight options (:data:`FAST_WEIGHT_OPTIONS`), or a
+    ``ValueError`` naming the option and the model for one that changes nothing (any on the Transformer,
+    ``--window`` on a rule without one) or changes a paper name's model (a paper name is that model,
+    baselines included: a variant is trained under its mixer's name)."""
+    given = {field: getattr(args, field) for field in FAST_WEIGHT_OPTIONS if getattr(args, field) is not None}
+    fields = resolve_model(args.model, given)
+    if fields["mixer"] == "transformer" and given:  # softmax attention has no fast-weight update to configure
+        raise ValueError(f"{FAST_WEIGHT_OPTIONS[next(iter(given))]}: model {args.model!r} is a Transformer (softmax "
+                         f"attention), which has no fast-weight update; {', '.join(FAST_WEIGHT_OPTIONS.values())} "
+                         "apply to the recurrent mixers only")
+    rule = get_rule(fields.get("rule", MIXER_DEFAULTS[fields["mixer"]]["rule"]))
+    if args.window is not None and not rule.sliding:
+        raise ValueError(f"--window {args.window}: model {args.model!r} (rule {rule.name}) has no window; only "
+                         "the sliding rules 3 and 3A have one")
+    if args.model in LINEUP:  # a paper name is that model: another rule, norm, gate or window is another model
+        for field, value in given.items():
+            option, defined = FAST_WEIGHT_OPTIONS[field], _defined(args.model, field)
+            if _canonical(field, value) != defined:
+                raise ValueError(f"{option} {value}: {args.model} is defined with {field} {defined}; for another "
+                                 f"variant name the mixer (--model {LINEUP[args.model]['mixer']} {option} {value})")
+    return fields
+
+
 def run(args: argparse.Namespace) -> int:
     from .plot import plot_accuracy_by_position, plot_accuracy_vs_width
     from .train import RunSpec, runs_folder, task_fields, train_run
 
-    if args.model in LINEUP:  # a paper name is that model: another rule, norm or gate is another model
-        for field, option in FAST_WEIGHT_OPTIONS.items():
-            given, defined = getattr(args, field), LINEUP[args.model].get(field)
-            if given is not None and defined is not None and _canonical(field, given) != defined:
-                raise ValueError(f"{option} {given}: {args.model} is defined with {field} {defined}; for another "
-                                 f"variant name the mixer (--model {LINEUP[args.model]['mixer']} {option} {given})")
-    fields = resolve_model(args.model, {"rule": args.rule, "window": args.window,
-                                        "qk_norm": args.qk_norm, "gate": args.gate})
-    rule = fields.get("rule", MIXER_DEFAULTS[fields["mixer"]].get("rule"))
-    if args.window is not None and fields["mixer"] != "transformer" and not get_rule(rule).sliding:
-        raise ValueError(f"--window {args.window}: rule {get_rule(rule).name} has no window (rules 3 and 3A do)")
-    if fields["mixer"] == "transformer":  # softmax attention has no fast-weight update to configure
-        given = [opt for field, opt in FAST_WEIGHT_OPTIONS.items() if getattr(args, field) is not None]
-        if given:
-            raise ValueError(f"{given[0]}: model {args.model!r} is a Transformer (softmax attention), which has no "
-                             f"fast-weight update; {', '.join(FAST_WEIGHT_OPTIONS.values())} apply to the "
-                             "recurrent mixers only")
     check_machine_options(args)
+    fields = model_fields(args)
     preset = preset_from_args(args)
     threads = args.threads or (preset.cpu_threads if args.device == "cpu" else None)
     if threads:
@@ -165,7 +195,11 @@ def run(args: argparse.Namespace) -> int:
           f"{f', base {preset.base}' if preset.base != 10 else ''}"
           f"{f', digit positions (offset <= {preset.abacus_offset})' if preset.abacus_offset is not None else ''}) "
           f"on {args.device} -> {out}")
-    res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume)
+    res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume, stop_on_signal=True)
+    if "signal" in res:  # stopped early, with a checkpoint: the same command resumes it
+        print(f"stopped by {res['signal']} at step {res['steps_done']} of {preset.steps} (checkpoint in {out}); "
+              "the same command resumes it", file=sys.stderr)
+        return 128 + int(getattr(signal, res["signal"]))
     plot = plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",
                                   title=f"addition, preset {args.preset}, best step {res['best']['step']}")
     b = res["best"]
@@ -186,5 +220,9 @@ def main(argv=None) -> int:
     return run(p.parse_args(argv))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as addition-compare starts its runs: errors as falcon-fwa addition's, one line
+    from ...cli import run_command
+
+    parser = argparse.ArgumentParser(prog="falcon-fwa addition", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run_command("falcon-fwa addition", run, parser.parse_args()))

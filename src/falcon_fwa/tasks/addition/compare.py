@@ -11,6 +11,12 @@ device, wall time, command, commit, and the reference scores of :mod:`.reference
 ``<name>.md`` (the table next to the paper's numbers),
 ``<name>.png`` (accuracy against digit width) and ``<name>_positions.png`` (accuracy by answer
 position at the largest training width and the first and last OOD widths).
+
+A SIGTERM or SIGINT is passed on to the runs in progress, which stop at the end of their step with a
+checkpoint; the command waits for them and ends with exit status 128 + the signal number, without a
+summary (the same command resumes the runs). A second signal ends the command at once; its runs,
+told to stop by the first, still stop at their step (after a second SIGINT they are killed; their last
+checkpoints stand).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import argparse
 import math
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -25,12 +32,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ...provenance import git_commit
-from .cli import add_model_arguments, check_machine_options, preset_from_args, slug
+from ...cli_options import at_least
+from .cli import add_model_arguments, check_machine_options, finite_at_least, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
 from .train import (check_same_setup, check_same_task, held_task, runs_folder, sample_fields, task_fields,
                     task_suffixes)
+from ...train.trainer import _StopSignals
 from ...atomic import read_json, write_json, write_text
 
 
@@ -49,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partial", action="store_true",
                    help="also summarize unfinished runs (their best evaluation so far; 'steps_done' says how far)")
     p.add_argument("--deadline", type=float,
-                   help="seconds after which unfinished runs are stopped (their last evaluation is kept); "
+                   help="seconds after which unfinished runs are stopped at a step, with a checkpoint; "
                         "the table then uses the seeds every model finished")
 
 
@@ -128,8 +137,14 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
     return cmd
 
 
-def train_all(args: argparse.Namespace, runs: Path) -> List[str]:
-    """Run every missing (model, seed) with at most ``args.jobs`` processes; return the failures."""
+def train_all(args: argparse.Namespace, runs: Path) -> tuple:
+    """Run every missing (model, seed) with at most ``args.jobs`` processes; return the failures and
+    the signal number that stopped the command (0 if none did).
+
+    A SIGTERM or SIGINT is passed on to the runs in progress (each stops at the end of its step with a
+    checkpoint) and waited for; nothing more is started. The runs are started in sessions of their own,
+    so that a Ctrl-C at a terminal reaches them once, through this command. Should this command end
+    otherwise (a second SIGINT, an error), the runs still going are killed: none trains on unseen."""
     from tqdm.auto import tqdm
 
     # seed-major order: every model's first seed is trained before any second seed
@@ -139,39 +154,68 @@ def train_all(args: argparse.Namespace, runs: Path) -> List[str]:
     running: List[tuple] = []
     bar = tqdm(total=len(todo), desc="addition runs", dynamic_ncols=True)
     t0 = time.perf_counter()
-    while todo or running:
-        if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
-            for proc, model, seed, logf in running:
-                proc.terminate()
+
+    def stop(how, signum, why: str) -> None:
+        for proc, _, _, _ in running:
+            how(proc, signum)
+        for proc, model, seed, logf in running:
+            proc.wait()
+            logf.close()
+            bar.update(1)
+            if proc.returncode != 0:  # (0: it ended its last step meanwhile)
+                failed.append(f"{model} seed {seed} ({why}, exit {proc.returncode})")
+        running.clear()
+
+    stopped_by = 0
+    with _StopSignals(True) as signals:
+        try:
+            while todo or running:
+                if signals.received:
+                    stopped_by = signals.received
+                    name = signal.Signals(stopped_by).name
+                    n = len(running)
+                    stop(lambda proc, sig: proc.send_signal(sig), stopped_by, f"stopped by {name}")
+                    failed += [f"{m} seed {s} (not started: stopped by {name})" for m, s in todo]
+                    bar.write(f"{name}: stopped {n} runs at their checkpoints, {len(todo)} not started")
+                    break
+                if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
+                    n = len(running)
+                    stop(lambda proc, sig: proc.terminate(), None, "stopped at the deadline")
+                    failed += [f"{m} seed {s} (not started before the deadline)" for m, s in todo]
+                    bar.write(f"deadline of {args.deadline:.0f} s reached: stopped {n} runs, {len(todo)} not started")
+                    break
+                while todo and len(running) < args.jobs:
+                    model, seed = todo.pop(0)
+                    out = _run_dir(runs, model, seed)
+                    out.mkdir(parents=True, exist_ok=True)
+                    logf = open(out / "log.txt", "a")
+                    proc = subprocess.Popen(_command(args, model, seed, out), stdout=logf, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                    running.append((proc, model, seed, logf))
+                time.sleep(1.0)
+                for item in list(running):
+                    proc, model, seed, logf = item
+                    if proc.poll() is None:
+                        continue
+                    logf.close()
+                    running.remove(item)
+                    bar.update(1)
+                    if proc.returncode != 0:
+                        failed.append(f"{model} seed {seed} (exit {proc.returncode}, see "
+                                      f"{_run_dir(runs, model, seed)}/log.txt)")
+                        bar.write(f"FAILED: {failed[-1]}")
+                    else:
+                        best = read_json(_run_dir(runs, model, seed) / "results.json")["best"]
+                        bar.write(f"{model} seed {seed}: val {best['val_acc']:.1f}% "
+                                  f"ood mean {best['mean_acc_ood']:.1f}%")
+        finally:
+            for proc, _, _, logf in running:  # ended otherwise: no run goes on training unseen
+                if proc.poll() is None:
+                    proc.kill()
                 proc.wait()
                 logf.close()
-                failed.append(f"{model} seed {seed} (stopped at the deadline)")
-            failed += [f"{m} seed {s} (not started before the deadline)" for m, s in todo]
-            bar.write(f"deadline of {args.deadline:.0f} s reached: stopped {len(running)} runs, {len(todo)} not started")
-            break
-        while todo and len(running) < args.jobs:
-            model, seed = todo.pop(0)
-            out = _run_dir(runs, model, seed)
-            out.mkdir(parents=True, exist_ok=True)
-            logf = open(out / "log.txt", "a")
-            proc = subprocess.Popen(_command(args, model, seed, out), stdout=logf, stderr=subprocess.STDOUT)
-            running.append((proc, model, seed, logf))
-        time.sleep(1.0)
-        for item in list(running):
-            proc, model, seed, logf = item
-            if proc.poll() is None:
-                continue
-            logf.close()
-            running.remove(item)
-            bar.update(1)
-            if proc.returncode != 0:
-                failed.append(f"{model} seed {seed} (exit {proc.returncode}, see {_run_dir(runs, model, seed)}/log.txt)")
-                bar.write(f"FAILED: {failed[-1]}")
-            else:
-                best = read_json(_run_dir(runs, model, seed) / "results.json")["best"]
-                bar.write(f"{model} seed {seed}: val {best['val_acc']:.1f}% ood mean {best['mean_acc_ood']:.1f}%")
-    bar.close()
-    return failed
+            bar.close()
+    return failed, stopped_by
 
 
 def _mean_std(xs: List[float]) -> tuple:
@@ -322,10 +366,23 @@ def _git_commit() -> Optional[str]:
     return git_commit(short=False)
 
 
+def check_compare_options(args: argparse.Namespace) -> None:
+    """A ``ValueError`` naming the option for ``--jobs`` < 1 (nothing would ever start), a ``--deadline``
+    that is not a finite number > 0, or a model or seed given twice in ``--models`` / ``--seeds`` (the
+    same run would be trained by two processes at once, and counted as two seeds)."""
+    at_least("--jobs", args.jobs, 1)
+    finite_at_least("--deadline", args.deadline, 0, strict=True)
+    for option, values in (("--models", args.models), ("--seeds", args.seeds)):
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
+        if twice:
+            raise ValueError(f"{option}: {twice[0]} is given more than once; give each once")
+
+
 def run(args: argparse.Namespace) -> int:
     from .plot import plot_accuracy_vs_width, plot_lineup_positions
 
     check_machine_options(args)
+    check_compare_options(args)
     for m in args.models:
         if m not in LINEUP:
             raise ValueError(f"models: unknown {m!r}; choose from {', '.join(LINEUP)}")
@@ -340,8 +397,12 @@ def run(args: argparse.Namespace) -> int:
     trains = not args.no_train and any(not _finished(_run_dir(runs, m, s), preset.steps)
                                        for s in args.seeds for m in args.models)
     t0 = time.perf_counter()
-    failed = train_all(args, runs) if trains else []
+    failed, stopped_by = train_all(args, runs) if trains else ([], 0)
     wall = time.perf_counter() - t0 if trains else None
+    if stopped_by:  # the runs stopped at their checkpoints: no summary, the same command resumes them
+        print(f"addition-compare: stopped by {signal.Signals(stopped_by).name}; the runs in progress stopped at "
+              f"their checkpoints, and the same command resumes them (no summary written)", file=sys.stderr)
+        return 128 + stopped_by
 
     usable = _started if args.partial else (lambda run_dir: _finished(run_dir, preset.steps))
     # the table uses the seeds that every model finished, so all rows average the same seeds
@@ -413,5 +474,9 @@ def main(argv=None) -> int:
     return run(p.parse_args(argv))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # errors as falcon-fwa addition-compare's, one line
+    from ...cli import run_command
+
+    parser = argparse.ArgumentParser(prog="falcon-fwa addition-compare", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run_command("falcon-fwa addition-compare", run, parser.parse_args()))

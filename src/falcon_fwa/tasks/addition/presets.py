@@ -21,6 +21,7 @@ also need each operand digit found by its distance from the end of its operand
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
@@ -105,8 +106,8 @@ class AdditionPreset:
             check_abacus_offset(self.abacus_offset)
         except ValueError as e:
             raise ValueError(f"preset field {e}") from None
-        if self.lr <= 0 or self.warmup < 0:
-            raise ValueError(f"preset fields 'lr' > 0 and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
+        if not (self.lr > 0 and math.isfinite(self.lr)) or self.warmup < 0:
+            raise ValueError(f"preset fields 'lr' > 0 (finite) and 'warmup' >= 0 required, got {self.lr}, {self.warmup}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"preset field 'matmul_precision' must be 'highest', 'high' or 'medium', "
                              f"got {self.matmul_precision!r}")

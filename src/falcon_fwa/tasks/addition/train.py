@@ -9,18 +9,24 @@ then the suffix loss on the training widths, ``val_loss``), and the OOD figures
 reported are those of that step (their loss is ``ood_loss``: no OOD figure enters the
 choice of the step).
 
-``out_dir`` receives, each written atomically at every evaluation:
-``results.json`` (settings, history, best step; the best step also holds
-``per_position``, the digit accuracy at each answer position of every width),
-``checkpoint.pt`` (model,
-optimizer and step, to resume) and ``best.pt`` (model weights at the best step).
+``out_dir`` receives, each written atomically at every evaluation and in this order:
+``checkpoint.pt`` (model, optimizer and step, to resume, with the whole results dict: it
+is the record a relaunch resumes from), ``best.pt`` (model weights at the best step, when it
+changes) and ``results.json`` (settings, history, best step, written from the same dict; the
+best step also holds ``per_position``, the digit accuracy at each answer position of every
+width). A run killed between two of these writes is put right by its relaunch (:func:`_resume`):
+``results.json`` is rewritten from the checkpoint, and ``best.pt`` from the checkpoint's model
+when the checkpoint's step is the best one. One process at a time trains a folder (the lock
+``.train.lock``, as ``falcon-fwa train`` holds in its run folder).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import platform
+import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -32,9 +38,17 @@ from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
 from .lineup import DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset
-from ...atomic import read_json, save_torch, write_json
+from ...atomic import folder_lock, read_json, save_torch, write_json
 from ...provenance import git_commit
 from ...train import schedule
+from ...train.trainer import _StopSignals
+
+LOCK_NAME = ".train.lock"
+"""The lock file a training process holds in its run folder (the name ``falcon-fwa train`` uses)."""
+
+_TEMPORARIES = (".checkpoint.*.tmp.pt", ".best.*.tmp.pt", ".results.*.tmp.json")
+"""The temporary files of the atomic writes of ``checkpoint.pt``, ``best.pt`` and ``results.json``
+(:func:`falcon_fwa.atomic.atomic_path`): a process killed during a write leaves its own."""
 
 
 def metric_note(ood_widths: Tuple[int, int]) -> str:
@@ -189,12 +203,37 @@ def float32_matmul_precision(value: Optional[str]):
 
 
 def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = True,
-              log: Callable[[str], None] = print) -> Dict[str, Any]:
+              log: Callable[[str], None] = print, stop_on_signal: bool = False) -> Dict[str, Any]:
     """Train ``spec`` and return the results dict (also written to ``out_dir/results.json``). On
-    CUDA the preset's float32 matmul precision holds for the run; the previous one is restored."""
+    CUDA the preset's float32 matmul precision holds for the run; the previous one is restored.
+
+    A folder that another process is training is refused (a ``ValueError`` naming it). With
+    ``stop_on_signal``, a SIGTERM or SIGINT ends the run at the end of the step in progress with a
+    checkpoint (a second one interrupts at once, as in ``falcon-fwa train``); the results of a run so
+    stopped before its last step name the signal (``"signal": "SIGTERM"``), and the same call resumes it."""
+    out_dir = Path(out_dir)
     on_cuda = torch.device(spec.device).type == "cuda"
-    with float32_matmul_precision(spec.preset.matmul_precision if on_cuda else None):
-        return _train(spec, out_dir, progress=progress, resume=resume, log=log)
+    # the handlers before the lock: a process seen holding the lock already stops cleanly on a signal
+    with _StopSignals(stop_on_signal) as signals, run_lock(out_dir), \
+            float32_matmul_precision(spec.preset.matmul_precision if on_cuda else None):
+        return _train(spec, out_dir, progress=progress, resume=resume, log=log, signals=signals)
+
+
+@contextlib.contextmanager
+def run_lock(out_dir: Path):
+    """Hold ``out_dir``'s training lock (:data:`LOCK_NAME`) for the block, or raise a ``ValueError``
+    naming the folder when another live process holds it; the files a killed writer left behind
+    (:data:`_TEMPORARIES`) are removed once the lock is held."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(folder_lock(out_dir, LOCK_NAME, wait=False))
+        except BlockingIOError:
+            raise ValueError(f"{out_dir} is being trained by another process (it holds {out_dir / LOCK_NAME}); "
+                             "wait for it to end, or give another --out") from None
+        for pattern in _TEMPORARIES:  # no other writer is alive: these are stale
+            for stale in out_dir.glob(pattern):
+                stale.unlink(missing_ok=True)
+        yield
 
 
 def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str, Any]:
@@ -302,44 +341,95 @@ def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, 
                          f"{wanted_preset['steps']}; {advice}")
 
 
+RESUME_ADVICE = "give another --out, or --no-resume to start over there"
+
+
 def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, results: Dict[str, Any],
-            device: torch.device) -> Tuple[int, float]:
-    """Load ``out_dir``'s checkpoint into ``model`` / ``optimizer`` and its history into
-    ``results``; returns the step to continue from and the wall time already spent
-    (``(0, 0.0)`` when there is nothing to resume)."""
-    if not ((out_dir / "checkpoint.pt").exists() and (out_dir / "results.json").exists()):
-        return 0, 0.0
-    old = read_json(out_dir / "results.json")
-    check_same_task(held_task(old), held_task(results), out_dir,
-                    "give another --out, or --no-resume to start over there")
-    check_same_setup(old, results, out_dir, "give another --out, or --no-resume to start over there")
+            device: torch.device) -> Optional[Dict[str, Any]]:
+    """Load ``out_dir``'s checkpoint into ``model`` / ``optimizer`` and its history, best step and
+    wall time into ``results``; returns the checkpoint's training state (``step``, ``wall_time_s``,
+    ``loss_sum`` and ``loss_n`` of the steps since the last evaluation, ``run_id``), or ``None``
+    when there is nothing to resume.
+
+    The checkpoint is the record: ``results.json`` is rewritten from it at once (a run killed after
+    writing its checkpoint but before ``results.json`` loses no evaluation), and so is ``best.pt`` when
+    the checkpoint's step is the best one and ``best.pt`` does not hold it (killed before that write).
+    A checkpoint from before the results were kept in it is resumed with ``results.json`` where both
+    are at the same step, and refused where they are not."""
+    if not (out_dir / "checkpoint.pt").exists():
+        return None
     ckpt = torch.load(out_dir / "checkpoint.pt", map_location=device, weights_only=False)
+    held = ckpt.get("results")
+    if held is None:  # written before the checkpoint kept the results: they are in results.json
+        if not (out_dir / "results.json").exists():
+            return None
+        held = read_json(out_dir / "results.json")
+        if held.get("steps_done") != ckpt["step"]:
+            raise ValueError(f"{out_dir}: checkpoint.pt is at step {ckpt['step']} but results.json at step "
+                             f"{held.get('steps_done')} (a run of an earlier version killed between the two "
+                             "writes); give --no-resume to start over there, or another --out")
+    check_same_task(held_task(held), held_task(results), out_dir, RESUME_ADVICE)
+    check_same_setup(held, results, out_dir, RESUME_ADVICE)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
+    state = {"step": ckpt["step"], "wall_time_s": held.get("wall_time_s", 0.0), "loss_sum": ckpt.get("loss_sum", 0.0),
+             "loss_n": ckpt.get("loss_n", 0), "run_id": ckpt.get("run_id")}
     # the wall time too: a finished run launched again writes results.json without training
-    results.update(history=old["history"], best=old["best"], steps_done=ckpt["step"],
-                   wall_time_s=old.get("wall_time_s", 0.0))
-    return ckpt["step"], old.get("wall_time_s", 0.0)
+    results.update(history=held["history"], best=held["best"], steps_done=ckpt["step"],
+                   finished=ckpt["step"] == results["preset"]["steps"], wall_time_s=state["wall_time_s"])
+    best = results["best"]
+    if best is not None and best["step"] == ckpt["step"] and not _holds(out_dir / "best.pt", best["step"],
+                                                                       state["run_id"]):
+        _save_best(out_dir, model, results, state["run_id"])
+    write_json(out_dir / "results.json", results)
+    return state
 
 
-def _record(entry: Dict[str, Any], results: Dict[str, Any], model: torch.nn.Module,
-            optimizer: torch.optim.Optimizer, spec: RunSpec, out_dir: Path, wall_time_s: float) -> None:
-    """Append an evaluation to the history and write, atomically: ``best.pt`` when it is the
-    best step so far, ``checkpoint.pt`` and ``results.json``."""
-    done = entry["step"]
-    results["history"].append({k: v for k, v in entry.items() if k != "per_position"})
-    if _better(entry, results["best"]):
-        results["best"] = entry
-        save_torch(out_dir / "best.pt", {"model": model.state_dict(), "step": done,
-                                         "config_fields": spec.fields, "size": spec.preset.size()})
-    results.update(steps_done=done, finished=done == spec.preset.steps, wall_time_s=wall_time_s)
+def _holds(best_file: Path, step: int, run_id: Optional[str]) -> bool:
+    """Does ``best_file`` hold the weights of step ``step`` of the run ``run_id``?"""
+    if not best_file.exists():
+        return False
+    held = torch.load(best_file, map_location="cpu", weights_only=False)
+    return held.get("step") == step and held.get("run_id") == run_id
+
+
+def _save_best(out_dir: Path, model: torch.nn.Module, results: Dict[str, Any], run_id: Optional[str]) -> None:
+    save_torch(out_dir / "best.pt", {"model": model.state_dict(), "step": results["best"]["step"],
+                                     "config_fields": results["config_fields"], "size": results["size"],
+                                     "run_id": run_id})
+
+
+def _save(results: Dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: Path,
+          run_id: Optional[str], *, loss_sum: float = 0.0, loss_n: int = 0, new_best: bool = False) -> None:
+    """Write, atomically and in this order: ``checkpoint.pt`` (model, optimizer, step, the train loss
+    summed since the last evaluation and the whole ``results``: the record), ``best.pt`` when
+    ``new_best``, and ``results.json``. A kill between two writes leaves a checkpoint that
+    :func:`_resume` puts the others right from."""
     save_torch(out_dir / "checkpoint.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                           "step": done})
+                                           "step": results["steps_done"],
+                                           "results": json.loads(json.dumps(results)),  # as results.json holds it
+                                           "loss_sum": loss_sum, "loss_n": loss_n, "run_id": run_id})
+    if new_best:
+        _save_best(out_dir, model, results, run_id)
     write_json(out_dir / "results.json", results)
 
 
-def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callable[[str], None]) -> Dict[str, Any]:
-    out_dir = Path(out_dir)
+def _record(entry: Dict[str, Any], results: Dict[str, Any], model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, spec: RunSpec, out_dir: Path, wall_time_s: float,
+            run_id: Optional[str] = None) -> None:
+    """Append an evaluation to the history, make it the best step if it is, and write the run's
+    files (:func:`_save`)."""
+    done = entry["step"]
+    results["history"].append({k: v for k, v in entry.items() if k != "per_position"})
+    new_best = _better(entry, results["best"])
+    if new_best:
+        results["best"] = entry
+    results.update(steps_done=done, finished=done == spec.preset.steps, wall_time_s=wall_time_s)
+    _save(results, model, optimizer, out_dir, run_id, new_best=new_best)
+
+
+def _train(spec: RunSpec, out_dir: Path, *, progress: bool, resume: bool, log: Callable[[str], None],
+           signals: _StopSignals) -> Dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     p = spec.preset
     device = torch.device(spec.device)
@@ -358,19 +448,26 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
     batches.update(eval_batches(spec.eval_seed, ood_widths, p.ood_per_width, spec.eval_batch, **samples))
 
     results = _new_results(spec, device, sum(t.numel() for t in model.parameters()))
-    start, elapsed_before = _resume(out_dir, model, optimizer, results, device) if resume else (0, 0.0)
+    state = _resume(out_dir, model, optimizer, results, device) if resume else None
+    # a fresh run gets its own id, kept by its checkpoints and best.pt: a best.pt left by another run
+    # in the folder (--no-resume) is never taken for this run's
+    state = state or {"step": 0, "wall_time_s": 0.0, "loss_sum": 0.0, "loss_n": 0, "run_id": uuid.uuid4().hex}
+    start, elapsed_before, run_id = state["step"], state["wall_time_s"], state["run_id"]
     if start:
         log(f"resuming {spec.model} seed {spec.seed} at step {start}")
 
     t0 = time.perf_counter()
     model.train()
-    loss_sum, loss_n = 0.0, 0
+    loss_sum, loss_n = state["loss_sum"], state["loss_n"]  # the train loss since the last evaluation
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=p.steps, initial=start, desc=f"{spec.model} s{spec.seed}", dynamic_ncols=True)
+    done = start
     for step in range(start, p.steps):
+        if signals.received:  # stop before the next step; the one in progress is done
+            break
         lr = lr_at(step, p)
         schedule.set_lr(optimizer, lr)
         batch = training_batch(spec.seed, step, p.batch_size, p.train_widths[0], p.max_train_width(step),
@@ -389,7 +486,8 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
                      "val_loss": mean_loss(losses, val_widths), "ood_loss": mean_loss(losses, ood_widths),
                      **_summary(tally, val_widths, ood_widths)}
             loss_sum, loss_n = 0.0, 0
-            _record(entry, results, model, optimizer, spec, out_dir, elapsed_before + time.perf_counter() - t0)
+            _record(entry, results, model, optimizer, spec, out_dir, elapsed_before + time.perf_counter() - t0,
+                    run_id)
             msg = (f"step {done}: loss {entry['train_loss']:.3f} val {entry['val_acc']:.1f}% "
                    f"(digits {entry['val_digit_acc']:.1f}%) ood {entry['mean_acc_ood']:.1f}% "
                    f"(digits {entry['digit_mean_acc_ood']:.1f}%)")
@@ -400,6 +498,12 @@ def _train(spec: RunSpec, out_dir, *, progress: bool, resume: bool, log: Callabl
                 log(msg)
     if bar is not None:
         bar.close()
+    if done < p.steps:  # a signal stopped the run: a checkpoint at the step reached (its files name the signal)
+        results["signal"] = signal.Signals(signals.received).name
+        if done > start:
+            results.update(steps_done=done, finished=False, wall_time_s=elapsed_before + time.perf_counter() - t0)
+            _save(results, model, optimizer, out_dir, run_id, loss_sum=loss_sum, loss_n=loss_n)
+        return results
     if results["steps_done"] < p.steps or not results["history"]:
         raise RuntimeError("training ended without an evaluation")
     results["finished"] = True

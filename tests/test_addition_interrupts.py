@@ -1,0 +1,215 @@
+"""Addition task: runs killed between their writes, stopped by signals, or launched twice on one folder."""
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from falcon_fwa.atomic import folder_lock
+from falcon_fwa.tasks.addition import cli, compare, train
+
+SMALL = ["--preset", "tiny", "--device", "cpu", "--batch-size", "4", "--val-per-width", "2", "--ood-per-width", "2",
+         "--train-widths", "1", "3", "--ood-widths", "4", "5", "--threads", "1", "--hidden-size", "16",
+         "--num-hidden-layers", "1", "--num-heads", "2", "--no-progress"]
+
+VAL_ACC = {1: 10.0, 2: 30.0, 3: 40.0, 4: 20.0}
+"""Scripted validation accuracy of each evaluated step: the best step is 3, not the last one."""
+
+
+def _script_accuracy(monkeypatch):
+    """Make the validation accuracy of every evaluation that of :data:`VAL_ACC` at its step (the
+    step is known from the last training batch drawn), however the run is interrupted and resumed."""
+    last = {}
+    original_batch, original_summary = train.training_batch, train._summary
+
+    def drawing(seed, step, *args, **kw):
+        last["step"] = step
+        return original_batch(seed, step, *args, **kw)
+
+    def scripted(*args):
+        return {**original_summary(*args), "val_acc": VAL_ACC[last["step"] + 1]}
+
+    monkeypatch.setattr(train, "training_batch", drawing)
+    monkeypatch.setattr(train, "_summary", scripted)
+
+
+def _run(out, *extra):
+    return cli.main(["--model", "Transformer", "--steps", "4", "--eval-every", "1", "--out", str(out), *SMALL, *extra])
+
+
+def _state(out):
+    res = json.loads((out / "results.json").read_text())
+    best = torch.load(out / "best.pt", weights_only=False)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    return res, best, ckpt
+
+
+@pytest.mark.parametrize("killed_at", ["best.pt", "results.json"])
+def test_a_run_killed_between_its_writes_ends_as_a_straight_run(tmp_path, monkeypatch, killed_at):
+    """Killed at step 3 (the best step) after checkpoint.pt was written but before ``killed_at``, with
+    half-written temporary files left behind: the relaunch loses no evaluation, and its history, best
+    step and best.pt are those of a run never killed."""
+    _script_accuracy(monkeypatch)
+    straight, out = tmp_path / "straight", tmp_path / "killed"
+    assert _run(straight) == 0
+
+    save_torch, write_json = train.save_torch, train.write_json
+    killed = []
+
+    def kill_at(write, step_of):
+        def writing(path, obj, **kw):
+            if not killed and os.path.basename(path) == killed_at and step_of(obj) == 3:
+                killed.append(path)
+                raise KeyboardInterrupt  # like a kill: nothing of the run goes on
+            return write(path, obj, **kw)
+        return writing
+
+    monkeypatch.setattr(train, "save_torch", kill_at(save_torch, lambda obj: obj["step"]))
+    monkeypatch.setattr(train, "write_json", kill_at(write_json, lambda obj: obj["steps_done"]))
+    with pytest.raises(KeyboardInterrupt):
+        _run(out)
+    assert killed and torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    stale = [out / ".checkpoint.k1ll3d.tmp.pt", out / ".best.k1ll3d.tmp.pt", out / ".results.k1ll3d.tmp.json"]
+    for f in stale:  # what a kill during a save leaves
+        f.write_bytes(b"partial")
+    assert _run(out) == 0  # the relaunch (the writes work again)
+
+    (res, best, ckpt), (ref, ref_best, _) = _state(out), _state(straight)
+    assert [h["step"] for h in res["history"]] == [1, 2, 3, 4]
+    assert res["history"] == ref["history"] and res["best"] == ref["best"] and res["best"]["step"] == 3
+    assert best["step"] == 3 and all(torch.equal(best["model"][k], v) for k, v in ref_best["model"].items())
+    assert ckpt["step"] == res["steps_done"] == 4 and ckpt["results"]["history"] == res["history"]
+    assert not any(f.exists() for f in stale)
+
+
+def test_a_kill_before_results_json_is_put_right_by_the_relaunch_even_if_finished(tmp_path, monkeypatch):
+    """Killed at the last step between checkpoint.pt and results.json: the relaunch trains nothing and
+    writes the results the checkpoint holds (results.json said step 3, unfinished)."""
+    out = tmp_path / "run"
+    write_json = train.write_json
+
+    def writing(path, obj, **kw):
+        if os.path.basename(path) == "results.json" and obj["steps_done"] == 4:
+            raise KeyboardInterrupt
+        return write_json(path, obj, **kw)
+
+    monkeypatch.setattr(train, "write_json", writing)
+    with pytest.raises(KeyboardInterrupt):
+        _run(out)
+    assert json.loads((out / "results.json").read_text())["steps_done"] == 3
+    monkeypatch.setattr(train, "write_json", write_json)
+    assert _run(out) == 0
+    res, _, ckpt = _state(out)
+    assert res["finished"] and res["steps_done"] == 4 and [h["step"] for h in res["history"]] == [1, 2, 3, 4]
+
+
+def test_sigterm_stops_a_run_at_the_end_of_its_step_with_a_consistent_checkpoint(tmp_path, monkeypatch, capsys):
+    """A SIGTERM during step 3 of 4 (evaluations at 2 and 4): exit 143 with a checkpoint at step 3 that
+    results.json agrees with; the relaunch trains step 4 only and ends with the straight run's history,
+    train loss of the steps 3-4 included."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    argv = ["--eval-every", "2"]
+    assert _run(straight, *argv) == 0
+    original = train.training_batch
+    drawn = []
+
+    def drawing(seed, step, *args, **kw):
+        drawn.append(step)
+        if step == 2 and len(drawn) == 3:  # the first launch, in its third step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(seed, step, *args, **kw)
+
+    monkeypatch.setattr(train, "training_batch", drawing)
+    fallback = []  # the test's own handler: a signal the run does not catch is seen here
+    previous = signal.signal(signal.SIGTERM, lambda *a: fallback.append(1))
+    try:
+        assert _run(out, *argv) == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not fallback and signal.getsignal(signal.SIGTERM) is previous  # caught by the run, handler given back
+    assert "stopped by SIGTERM at step 3 of 4" in capsys.readouterr().err
+    res, _, ckpt = _state(out)
+    assert ckpt["step"] == res["steps_done"] == 3 and not res["finished"] and res["signal"] == "SIGTERM"
+    assert [h["step"] for h in res["history"]] == [2] and ckpt["loss_n"] == 1
+    drawn.clear()
+    assert _run(out, *argv) == 0
+    assert drawn == [3]  # only the step left
+    res, ref = _state(out)[0], _state(straight)[0]
+    assert res["history"] == ref["history"] and res["finished"] and "signal" not in res
+
+
+def test_a_folder_being_trained_is_refused(tmp_path):
+    out = tmp_path / "run"
+    with folder_lock(out, train.LOCK_NAME, wait=False):  # another process training it
+        with pytest.raises(ValueError, match=f"^{out} is being trained by another process"):
+            _run(out)
+    assert not (out / "results.json").exists() and not (out / "checkpoint.pt").exists()
+
+
+def test_compare_passes_a_sigterm_to_its_runs_and_waits_for_them(tmp_path, monkeypatch):
+    """SIGTERM to addition-compare while its run trains: the run stops at a step with a consistent
+    checkpoint, the command ends with 143 once it has, and no process holds the run folder after."""
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    run_dir = tmp_path / "runs" / "Transformer" / "seed0"
+    fallback = []
+    returned = threading.Event()
+
+    def signal_then_watch():
+        deadline = time.monotonic() + 120
+        while not (run_dir / "results.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the run has evaluated (at step 5) and trains on
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not returned.wait(60):  # the command did not stop its run: end it, so the test ends
+            for proc in started:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+
+    previous = signal.signal(signal.SIGTERM, lambda *a: fallback.append(1))
+    watcher = threading.Thread(target=signal_then_watch, daemon=True)
+    watcher.start()
+    try:
+        rc = compare.main(["--models", "Transformer", "--steps", "1000000", "--eval-every", "5", "--runs",
+                           str(tmp_path / "runs"), "--results", str(tmp_path / "res"), *SMALL[:-1]])
+    finally:
+        returned.set()
+        signal.signal(signal.SIGTERM, previous)
+        watcher.join()
+    children = [p for p in started if "falcon_fwa.tasks.addition.cli" in p.args]
+    assert rc == 128 + signal.SIGTERM and not fallback
+    assert len(children) == 1 and children[0].returncode == 128 + signal.SIGTERM  # it stopped by itself
+    with folder_lock(run_dir, train.LOCK_NAME, wait=False):  # nobody trains the folder any more
+        pass
+    res, _, ckpt = _state(run_dir)
+    assert ckpt["step"] == res["steps_done"] >= 5 and res["signal"] == "SIGTERM"
+    assert "stopped by SIGTERM" in (run_dir / "log.txt").read_text()
+    assert not (tmp_path / "res").exists()  # no summary of a stopped command
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_where_results_json_agrees_and_is_refused_where_not(tmp_path):
+    """Checkpoints written before they kept the results: resumed with results.json where both are at
+    one step; where a kill left them apart, refused with a line naming the folder (nothing to rebuild
+    the lost evaluation from)."""
+    out = tmp_path / "run"
+    assert _run(out, "--steps", "2") == 0
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    old = {k: ckpt[k] for k in ("model", "optimizer", "step")}  # the earlier format
+    torch.save(old, out / "checkpoint.pt")
+    res = json.loads((out / "results.json").read_text())
+    (out / "results.json").write_text(json.dumps({**res, "steps_done": 1, "history": res["history"][:1]}))
+    with pytest.raises(ValueError, match=f"^{out}: checkpoint.pt is at step 2 but results.json at step 1"):
+        _run(out, "--steps", "3")
+    (out / "results.json").write_text(json.dumps(res))
+    assert _run(out, "--steps", "3") == 0
+    assert [h["step"] for h in json.loads((out / "results.json").read_text())["history"]] == [1, 2, 3]

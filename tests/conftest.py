@@ -222,3 +222,12 @@ def tiny_lm_recipe(folder) -> str:
     with open(folder / "recipe.json", "w") as f:
         json.dump(recipe, f)
     return str(folder / "recipe.json")
+
+
+def padded_and_packed_loss(model, x, mask, packed, cu_seqlens):
+    """The loss of ``model`` on a padded batch plus a packed one, back-propagated from zeroed
+    gradients: returns the loss and a copy of every parameter's gradient."""
+    model.zero_grad()
+    loss = model(x, attention_mask=mask, labels=x).loss + model(packed, cu_seqlens=cu_seqlens, labels=packed).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
+from conftest import padded_and_packed_loss
 
 from falcon_fwa.models import PRESETS, FalconConfig, FalconForCausalLM, count_parameters, get_preset
 
@@ -283,10 +284,7 @@ def test_activation_checkpointing_gives_the_same_gradients(mixer, overrides):
         block.mixer.register_forward_hook(lambda *_: calls.append(1))
 
     def run():
-        model.zero_grad()
-        loss = model(x, attention_mask=mask, labels=x).loss + model(packed, cu_seqlens=cu, labels=packed).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+        return padded_and_packed_loss(model, x, mask, packed, cu)
 
     loss0, grads0 = run()
     plain = len(calls)

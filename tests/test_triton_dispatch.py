@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import padded_and_packed_loss
 
 from test_triton_interpreter import FRESH_PROCESS_REASON, prepare_interpreter
 
@@ -255,15 +256,9 @@ def test_activation_checkpointing_on_the_kernels_gives_the_plain_gradients(rule)
     packed = torch.randint(0, model.config.vocab_size, (1, 37), device="cuda")
     cu = torch.tensor([0, 20, 37], device="cuda")
 
-    def run():
-        model.zero_grad()
-        loss = model(ids, attention_mask=mask, labels=ids).loss + model(packed, cu_seqlens=cu, labels=packed).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    plain_loss, plain = run()
+    plain_loss, plain = padded_and_packed_loss(model, ids, mask, packed, cu)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    loss, grads = run()
+    loss, grads = padded_and_packed_loss(model, ids, mask, packed, cu)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
     for (name, _), g, r in zip(model.named_parameters(), grads, plain):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)

@@ -560,7 +560,7 @@ def test_a_signal_that_reached_another_process_is_named_in_this_ones_summary(tmp
         out = real(tensor, info)
         if tensor.numel() == 3 and len(calls) == 3:
             out = out.clone()
-            out[1 + trainer_module._StopSignals.SIGNALS.index(signal.SIGTERM)] = 0.5
+            out[1 + trainer_module.StopSignals.SIGNALS.index(signal.SIGTERM)] = 0.5
         return out
 
     monkeypatch.setattr(trainer_module.D, "all_reduce_mean", other_process_got_sigterm)

@@ -4,6 +4,7 @@ prints it with the place it was raised), argparse's own error for a ``--dtype`` 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Callable, Sequence
 
 DEVICE_HELP = "cpu, cuda, cuda:N or auto (cuda when available)"
@@ -40,6 +41,14 @@ def at_least(option: str, value, low, *, strict: bool = False) -> None:
     values would otherwise end in a traceback or be silently taken as "off"."""
     if value is not None and not (value > low if strict else value >= low):
         raise ValueError(f"{option} must be {'>' if strict else '>='} {low}, got {value}")
+
+
+def finite_at_least(option: str, value, low, *, strict: bool = False) -> None:
+    """:func:`at_least` for a number option that must also be finite (``inf``
+    passes a lower bound, and ends in an error far from the option, or in a run of nothing)."""
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"{option} must be a finite number {'>' if strict else '>='} {low}, got {value}")
+    at_least(option, value, low, strict=strict)
 
 
 def _spellings(choices: Sequence[str]) -> str:

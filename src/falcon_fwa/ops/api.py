@@ -388,9 +388,6 @@ def falcon_step(
     else:
         q, k, v, beta, state = read_norm.extend(q, k, v, beta, lam, log_gate, state, spec, axes=("B", "H"),
                                                 name="state", window=window, shift=shift)
-    if state is not None:  # host-only: checked with validate=False too
-        check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2], V=v.shape[2],
-                    device=q.device, name="state")
     if validate:
         check_step_shapes(q, k, v, beta, lam, log_gate, spec)
         check_inputs(*(None if t is None else t[:, None] for t in (q, k, v, beta, lam, log_gate)), spec,
@@ -407,6 +404,9 @@ def falcon_step(
         except (ImportError, NotImplementedError):
             if backend == "triton":
                 raise
+    if state is not None:  # host-only, so also with validate=False (the fused step checks it on its own)
+        check_state(state, spec, window=W, shift=shift, B=q.shape[0], H=q.shape[1], K=q.shape[2], V=v.shape[2],
+                    device=q.device, name="state")
     return done(_torch_step(q, k, v, beta, lam, log_gate, state, spec=spec, window=W, eps=eps,
                             decay_floor=decay_floor, shift=shift, normalize=normalize, read=read,
                             scale_ridge=scale_ridge))

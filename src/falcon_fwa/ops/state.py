@@ -55,7 +55,6 @@ class FalconState:
         rule 2A). ``rule``, ``window`` and ``shift`` are those of the call that takes the state."""
         from .pairs import empty_tail
         from .rules import get_rule
-
         from .validate import check_switches, check_window
 
         spec = get_rule(rule)

@@ -169,11 +169,12 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def _read_file(path: str) -> dict:
     import yaml
 
+    is_yaml = path.endswith((".yaml", ".yml"))
     with open(path) as f:
         try:
-            raw = (load_yaml(f) or {}) if path.endswith((".yaml", ".yml")) else json.load(f)
+            raw = (load_yaml(f) or {}) if is_yaml else json.load(f)
         except (yaml.YAMLError, json.JSONDecodeError) as err:
-            raise ValueError(f"recipe {path!r} is not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
+            raise ValueError(f"recipe {path!r} is not valid {'YAML' if is_yaml else 'JSON'}: "
                              f"{' '.join(str(err).split())}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"recipe {path!r} must hold a mapping of sections")
@@ -234,6 +235,8 @@ def assign_text(field: str, text: str) -> str:
 
 def apply_overrides(raw: dict, assignments: List[str]) -> dict:
     """``["train.steps=10", "model.overrides.hidden_size=64"]`` applied onto a raw recipe dict."""
+    import yaml
+
     raw = copy.deepcopy(raw)
     for item in assignments:
         key, sep, value = item.partition("=")
@@ -249,7 +252,7 @@ def apply_overrides(raw: dict, assignments: List[str]) -> dict:
                 raise ValueError(f"--set {item!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
         try:
             node[parts[-1]] = _parse_value(value)
-        except Exception as err:  # yaml.YAMLError: the value is not YAML
+        except yaml.YAMLError as err:
             raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(err).split())}); "
                              "quote a string that holds YAML syntax") from None
     return raw

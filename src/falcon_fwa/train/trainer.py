@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 import signal
-import threading
 import time
 from contextlib import ExitStack, nullcontext
 from typing import Callable, Optional
@@ -27,6 +26,7 @@ from ..provenance import git_commit
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig
+from .launch import LOCK_NAME, StopSignals
 from .logger import MetricLogger
 from .model_factory import build_model, enable_activation_checkpointing, param_groups
 from .schedule import lr_at, set_lr
@@ -86,40 +86,6 @@ def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-class _StopSignals:
-    """While active, the first SIGTERM or SIGINT only sets ``received`` (the signal number); a
-    second one gets the handler that was there before (SIGINT: KeyboardInterrupt; SIGTERM: the
-    default, which ends the process). A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
-    background job of a shell script) stays ignored. Inactive off the main thread, where handlers
-    cannot be set."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.received = 0
-        self.previous = {}
-
-    def _handle(self, signum, frame):
-        if self.received:
-            signal.signal(signum, self.previous[signum] or signal.SIG_DFL)
-            signal.raise_signal(signum)
-            return
-        self.received = signum
-
-    def __enter__(self):
-        if self.enabled:
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is not signal.SIG_IGN:
-                    self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler or signal.SIG_DFL)
-        self.previous = {}
 
 
 class Trainer:
@@ -182,10 +148,10 @@ class Trainer:
         self._lock = ExitStack()
         if self.info.is_main:
             try:
-                self._lock.enter_context(folder_lock(t.out_dir, ".train.lock", wait=False))
+                self._lock.enter_context(folder_lock(t.out_dir, LOCK_NAME, wait=False))
             except BlockingIOError:
                 raise ValueError(f"train.out_dir={t.out_dir!r} is in use by another training launch (it holds "
-                                 f"{os.path.join(t.out_dir, '.train.lock')}); wait for it to end, or train "
+                                 f"{os.path.join(t.out_dir, LOCK_NAME)}); wait for it to end, or train "
                                  "into another folder") from None
         self.logger = MetricLogger(t.out_dir, enabled=self.info.is_main, tensorboard=cfg.log.tensorboard,
                                    wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
@@ -320,7 +286,7 @@ class Trainer:
         way at the end of the step in progress, with a checkpoint; the summary of a run so stopped
         before ``train.steps`` names the signal (``"signal": "SIGTERM"``). A second signal interrupts
         at once."""
-        with _StopSignals(stop_on_signal) as signals:
+        with StopSignals(stop_on_signal) as signals:
             return self._train(stop_at, should_stop, signals)
 
     def _train(self, stop_at: Optional[int], should_stop: Optional[Callable[[int], bool]], signals) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import re
 import signal
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ...cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
+from ...cli_options import DEVICE_HELP, at_least, dtype_option, finite_at_least, resolve_device
 from ...models.configuration import MIXER_DEFAULTS, FalconConfig
 from ...ops.rules import get_rule
 from .data import BASES, OPERAND_ORDERS
@@ -92,14 +91,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "and --abacus-offset K)")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     p.add_argument("--no-progress", action="store_true", help="log evaluations as lines instead of a progress bar")
-
-
-def finite_at_least(option: str, value, low, *, strict: bool = False) -> None:
-    """:func:`falcon_fwa.cli_options.at_least` for a number option that must also be finite (``inf``
-    passes a lower bound, and ends in an error far from the option, or in a run of nothing)."""
-    if value is not None and not math.isfinite(value):
-        raise ValueError(f"{option} must be a finite number {'>' if strict else '>='} {low}, got {value}")
-    at_least(option, value, low, strict=strict)
 
 
 def slug(name: str) -> str:

@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ...provenance import git_commit
-from ...cli_options import at_least
-from .cli import add_model_arguments, check_machine_options, finite_at_least, preset_from_args, slug
+from ...cli_options import at_least, finite_at_least
+from .cli import add_model_arguments, check_machine_options, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
 from .train import (check_same_setup, check_same_task, held_task, runs_folder, sample_fields, task_fields,
                     task_suffixes)
-from ...train.trainer import _StopSignals
+from ...train.launch import StopSignals
 from ...atomic import read_json, write_json, write_text
 
 
@@ -167,7 +167,7 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
         running.clear()
 
     stopped_by = 0
-    with _StopSignals(True) as signals:
+    with StopSignals(True) as signals:
         try:
             while todo or running:
                 if signals.received:

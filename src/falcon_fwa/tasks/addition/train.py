@@ -41,10 +41,7 @@ from .presets import AdditionPreset
 from ...atomic import folder_lock, read_json, save_torch, write_json
 from ...provenance import git_commit
 from ...train import schedule
-from ...train.trainer import _StopSignals
-
-LOCK_NAME = ".train.lock"
-"""The lock file a training process holds in its run folder (the name ``falcon-fwa train`` uses)."""
+from ...train.launch import LOCK_NAME, StopSignals
 
 _TEMPORARIES = (".checkpoint.*.tmp.pt", ".best.*.tmp.pt", ".results.*.tmp.json")
 """The temporary files of the atomic writes of ``checkpoint.pt``, ``best.pt`` and ``results.json``
@@ -214,7 +211,7 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
     out_dir = Path(out_dir)
     on_cuda = torch.device(spec.device).type == "cuda"
     # the handlers before the lock: a process seen holding the lock already stops cleanly on a signal
-    with _StopSignals(stop_on_signal) as signals, run_lock(out_dir), \
+    with StopSignals(stop_on_signal) as signals, run_lock(out_dir), \
             float32_matmul_precision(spec.preset.matmul_precision if on_cuda else None):
         return _train(spec, out_dir, progress=progress, resume=resume, log=log, signals=signals)
 
@@ -429,7 +426,7 @@ def _record(entry: Dict[str, Any], results: Dict[str, Any], model: torch.nn.Modu
 
 
 def _train(spec: RunSpec, out_dir: Path, *, progress: bool, resume: bool, log: Callable[[str], None],
-           signals: _StopSignals) -> Dict[str, Any]:
+           signals: StopSignals) -> Dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     p = spec.preset
     device = torch.device(spec.device)

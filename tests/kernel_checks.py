@@ -7,7 +7,9 @@ projection of every output (``o``, and with ``output_final_state`` the final ``S
 last key and window tail) through both, and requires every output and every input
 gradient to agree within the dtype's relative error (``TOL``, in the norm
 ``rel_norm``). ``poison_allocator`` and ``PoisonedEmpty`` make fresh kernel buffers
-start as NaN, so that a value read before it is written shows.
+start as NaN, so that a value read before it is written shows. What only the public op
+does (the normalized read ``eps_attn``, ``segments``, the floor of a hard-reset gate) is
+checked through ``falcon_attention(backend="triton")`` (``check_kernel(through_op=True)``).
 
 Without CUDA the kernels run through Triton's interpreter, which must be switched
 on before ``triton`` is first imported: importing this module does that (or finds
@@ -16,6 +18,7 @@ that it is too late, see ``in_this_process``) before it imports the kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Dict, Optional, Sequence
 
 import pytest
@@ -35,13 +38,14 @@ from falcon_fwa.ops.triton import falcon_chunk_triton  # noqa: E402
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 PER_COLUMN = ("2", "2A")
 OP_INPUTS = ("q", "k", "v", "beta", "lam")
-FINAL_TENSORS = ("S_T", "last_key", "tail_x", "tail_y")
+FINAL_TENSORS = ("S_T", "last_key", "tail_x", "tail_y", "z")
 
 
 def kernel_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *, seed: int, rule: str,
                   window: int = 1, gate: bool = True, state: bool = False, N: Optional[int] = None,
                   key_power: float = 0.25, lam_scale: float = 0.5, beta_scale: float = 0.9,
-                  empty_slot: float = 0.0, sentinel: bool = False) -> Dict[str, Optional[torch.Tensor]]:
+                  empty_slot: float = 0.0, sentinel: bool = False, normalizer: bool = False,
+                  reset_at: Sequence[int] = (), zero_keys_at: Sequence[int] = ()) -> Dict[str, Optional[torch.Tensor]]:
     """Random leaves ``q, k`` ``[B, T, H, K]`` (scaled by ``K ** -key_power``), ``v``
     ``[B, T, H, V]``, ``beta`` in ``[0.1, 0.1 + beta_scale)`` (``[B, T, H, V]`` for the
     per-column rules 2/2A, else ``[B, T, H]``), ``lam`` in ``[0, lam_scale)``,
@@ -51,7 +55,11 @@ def kernel_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
     ``tail_y`` ``[N, H, W-1, V]`` with the boolean ``tail_valid`` ``[N, W-1]``, whose
     oldest slot of row 0 is empty and holds ``empty_slot``. Absent entries are ``None``.
     ``sentinel``: the state starts a new sequence from ``S0`` (``FalconState.fresh``): no
-    ``last_key``, and every tail slot empty (holding random values that must not count)."""
+    ``last_key``, and every tail slot empty (holding random values that must not count).
+    ``normalizer`` (for the normalized read): ``q, k`` made nonnegative (``|q| + 0.05 / scale``,
+    ``|k|``, where ``z^T q`` stays positive) and, with ``state``, a nonnegative ``z0`` ``[N, H, K]``
+    (``[N, H, K, V]`` for 2A). ``reset_at``: steps whose ``log_gate`` is ``-inf`` (a hard reset);
+    ``zero_keys_at``: steps whose key is exactly zero in every row and head."""
     g = torch.Generator().manual_seed(seed)
     N = B if N is None else N
     W = window
@@ -79,6 +87,14 @@ def kernel_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
             tail_valid[:] = False
     if sentinel:
         t["last_key"] = None
+    if normalizer:  # drawn after the rest, so that the other leaves are those of the same seed without it
+        t["q"], t["k"] = t["q"].abs() + 0.05 / scale, t["k"].abs()
+        zshape = (N, H, K, V) if rule in PER_COLUMN else (N, H, K)
+        t["z0"] = torch.rand(*zshape, generator=g) / scale if state else None
+    for step in reset_at:
+        t["log_gate"][:, step] = float("-inf")
+    for step in zero_keys_at:
+        t["k"][:, step] = 0.0
     leaves = {n: None if x is None else x.to(dtype) for n, x in t.items()}
     leaves["tail_valid"] = tail_valid
     return leaves
@@ -94,9 +110,10 @@ def run_op(op, leaves: Dict[str, Optional[torch.Tensor]], *, rule: str, window: 
            output_final_state: bool, probes: Optional[Dict[str, torch.Tensor]] = None, **op_switches):
     """Run ``op`` (``falcon_chunk_triton`` or ``falcon_attention``) on fresh copies of
     the leaves, from the initial state they hold, and backpropagate
-    ``sum_t <P_t, t>`` over the outputs ``t`` (``o``, then the final ``S``, last key and
-    tail where present) with fixed float64 probes ``P_t``: drawn in that order from a
-    generator seeded 123 (``probe_tensors``), or taken from ``probes`` by name. Returns
+    ``sum_t <P_t, t>`` over the outputs ``t`` (``o``, then the final ``S``, last key,
+    tail and read normalizer ``z`` where present) with fixed float64 probes ``P_t``: drawn
+    in that order from a generator seeded 123 (``probe_tensors``), or taken from ``probes``
+    by name. Returns
     the outputs by name and the gradients of the leaves that receive one."""
     tail_valid = leaves.get("tail_valid")
     leaves = {n: x.detach().clone().requires_grad_() for n, x in leaves.items()
@@ -105,13 +122,13 @@ def run_op(op, leaves: Dict[str, Optional[torch.Tensor]], *, rule: str, window: 
     if "S0" in leaves:
         state = FalconState(rule=rule, window=window, shift=shift, S=leaves["S0"],
                             last_key=leaves.get("last_key") if shift else None, tail_x=leaves.get("tail_x"),
-                            tail_y=leaves.get("tail_y"), tail_valid=tail_valid)
+                            tail_y=leaves.get("tail_y"), tail_valid=tail_valid, z=leaves.get("z0"))
     o, final = op(*(leaves[n] for n in OP_INPUTS), rule=rule, window=window, log_gate=leaves.get("log_gate"),
                   shift=shift, initial_state=state, output_final_state=output_final_state, **op_switches)
     outs = {"o": o}
     if output_final_state:
         outs.update(S_T=final.S, last_key=final.last_key, tail_x=final.tail_x, tail_y=final.tail_y,
-                    tail_valid=final.tail_valid)
+                    tail_valid=final.tail_valid, z=final.z)
     probed = {n: t for n, t in outs.items() if n != "tail_valid" and t is not None}
     if probes is None:
         probes = probe_tensors({n: t.shape for n, t in probed.items()})
@@ -124,7 +141,7 @@ def run_op(op, leaves: Dict[str, Optional[torch.Tensor]], *, rule: str, window: 
 def probe_tensors(shapes: Dict[str, Sequence[int]]) -> Dict[str, torch.Tensor]:
     """The float64 probes of ``run_op`` for outputs of the given shapes (CPU tensors): one
     generator seeded 123 draws them in the order ``o``, ``S_T``, ``last_key``, ``tail_x``,
-    ``tail_y`` (those present)."""
+    ``tail_y``, ``z`` (those present)."""
     g = torch.Generator().manual_seed(123)
     return {n: torch.randn(tuple(shapes[n]), generator=g, dtype=torch.float64)
             for n in ("o",) + FINAL_TENSORS if n in shapes}
@@ -196,7 +213,9 @@ def check_kernel(rule: str, dims: Sequence[int], dtype: torch.dtype = torch.floa
                  read: str = "after", normalize: bool = True, scale_ridge: bool = False, decay_floor: float = 1e-3,
                  key_power: float = 0.25, lam_scale: float = 0.5, beta_scale: float = 0.9, empty_slot: float = 0.0,
                  sentinel: bool = False, poison=None, tol: Dict[torch.dtype, float] = TOL,
-                 reference_rows: bool = False) -> Dict[str, float]:
+                 reference_rows: bool = False, through_op: bool = False, eps_attn: Optional[float] = None,
+                 segments: int = 1, reset_at: Sequence[int] = (), zero_keys_at: Sequence[int] = ()
+                 ) -> Dict[str, float]:
     """``falcon_chunk_triton`` in ``dtype`` against ``falcon_attention(form="recurrent")``
     in float64 on the same inputs ``kernel_inputs(*dims, dtype, ...)`` (``dims`` =
     ``(B, T, H, K, V)``): the output's dtype and shape, every output and final-state
@@ -205,18 +224,30 @@ def check_kernel(rule: str, dims: Sequence[int], dtype: torch.dtype = torch.floa
     NaN-filled fresh buffers; a non-zero ``empty_slot`` (e.g. NaN) in the empty tail
     slot must act as zero. ``reference_rows`` computes the reference one batch row at a
     time (``reference_by_rows``), for shapes whose float64 recurrence would not fit at
-    once. ``sentinel``: the initial state starts a new sequence (``kernel_inputs``). Returns the
-    relative errors by name."""
+    once. ``sentinel``: the initial state starts a new sequence (``kernel_inputs``).
+    ``through_op``: the kernels are run through ``falcon_attention(backend="triton",
+    form="chunk")``, with ``eps_attn`` (the normalized read: nonnegative features and, with
+    ``state``, an initial ``z``; the reference takes it too) and ``segments`` (the kernels'
+    side only); ``reset_at`` (hard-reset gates, which the op floors) needs it as well.
+    ``zero_keys_at``: steps with zero keys (``kernel_inputs``). Returns the relative errors
+    by name."""
     B, T, H, K, V = dims
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
     leaves = kernel_inputs(B, T, H, K, V, dtype, seed=seed, rule=rule, window=window, gate=gate, state=state, N=N,
                            key_power=key_power, lam_scale=lam_scale, beta_scale=beta_scale, empty_slot=empty_slot,
-                           sentinel=sentinel)
+                           sentinel=sentinel, normalizer=eps_attn is not None, reset_at=reset_at,
+                           zero_keys_at=zero_keys_at)
+    if not through_op and (eps_attn is not None or segments != 1 or reset_at):
+        raise ValueError("eps_attn, segments and reset_at are checked through the op: pass through_op=True")
+    kernels, op_only = falcon_chunk_triton, {}
+    if through_op:
+        kernels, op_only = functools.partial(falcon_attention, form="chunk", backend="triton", segments=segments), \
+            dict(eps_attn=eps_attn)
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
     switches = dict(rule=rule, window=window, shift=shift, output_final_state=output_final_state, cu_seqlens=cu,
-                    read=read, normalize=normalize, scale_ridge=scale_ridge, decay_floor=decay_floor)
+                    read=read, normalize=normalize, scale_ridge=scale_ridge, decay_floor=decay_floor, **op_only)
     with contextlib.nullcontext() if poison is None else PoisonedEmpty(poison):
-        tri = run_op(falcon_chunk_triton, on_device(leaves, device), chunk_size=chunk_size, **switches)
+        tri = run_op(kernels, on_device(leaves, device), chunk_size=chunk_size, **switches)
     if empty_slot != 0.0:  # what the empty slot held must not matter: compare with it zeroed
         leaves["tail_x"][0, :, 0] = 0.0
         leaves["tail_y"][0, :, 0] = 0.0

@@ -319,6 +319,8 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(gate="ctx-gamma"), "gate"),
     (dict(lambda_scale=-1.0), "lambda_scale"),
     (dict(mixer="transformer", hidden_size=30, num_heads=4, head_k_dim=8, head_v_dim=8), "num_heads"),
+    (dict(mixer="transformer", hidden_size=33, num_heads=3), "num_heads"),  # head dim 11: RoPE rotates pairs
+    (dict(mixer="transformer", head_k_dim=8), "head_k_dim"),  # the Transformer's heads are hidden_size / num_heads
     (dict(rule="1", eps_attn=1e-3), "eps_attn"),
     (dict(mixer="transformer", eps_attn=1e-3), "eps_attn"),
     (dict(rule="1A", eps_attn=-1.0), "eps_attn"),

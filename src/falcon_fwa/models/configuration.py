@@ -182,7 +182,8 @@ class FalconConfig(PretrainedConfig):
       every sequence and decoding step), or "fla" (flash-linear-attention kernels for the baselines
       where installed; CUDA only).
 
-    Transformer: ``rope_theta``; attention through ``scaled_dot_product_attention``.
+    Transformer: heads ``hidden_size / num_heads`` wide (an even number: RoPE rotates pairs; ``head_k_dim``
+    and ``head_v_dim`` left unset), ``rope_theta``; attention through ``scaled_dot_product_attention``.
 
     Scaling (muP): ``initializer_range`` (std at the base width), ``mup_base_width``
     (width of the proxy whose hyperparameters transfer; ``None``: this width), see
@@ -301,6 +302,16 @@ class FalconConfig(PretrainedConfig):
                          tie_word_embeddings=_bool("tie_word_embeddings", tie_word_embeddings), **kwargs)
         self.validate_fields()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """``PretrainedConfig.from_dict``, with the keyword arguments that are fields of this config (as
+        ``from_pretrained(path, window=2)`` passes them) given to the constructor along with the stored ones,
+        so they are converted, canonicalized and checked as in ``FalconConfig(...)`` (Hugging Face sets them
+        on the built config afterwards, unchecked)."""
+        fields = config_fields()
+        own = {name: kwargs.pop(name) for name in list(kwargs) if name in fields}
+        return super().from_dict({**config_dict, **own}, **kwargs)
+
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first inconsistent field (also after fields were
         assigned one by one: the types are checked again, and every range check is written so
@@ -353,9 +364,20 @@ class FalconConfig(PretrainedConfig):
             raise ValueError("config field 'gate' = 'ctx-eta' needs 'normalize' = True (the step is normalized)")
         if self.log_gate == "dt" and self.gate != "dt":
             raise ValueError("config field 'log_gate' = 'dt' needs 'gate' = 'dt' (Mamba-2 shares dt)")
-        if self.mixer == "transformer" and self.hidden_size % self.num_heads:
-            raise ValueError(f"config field 'num_heads' = {self.num_heads} does not divide 'hidden_size' = "
-                             f"{self.hidden_size} (the Transformer's head dim)")
+        if self.mixer == "transformer":
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"config field 'num_heads' = {self.num_heads} does not divide 'hidden_size' = "
+                                 f"{self.hidden_size} (the Transformer's head dim)")
+            per_head = self.hidden_size // self.num_heads
+            if per_head % 2:
+                raise ValueError(f"config field 'num_heads' = {self.num_heads} gives the Transformer the odd head dim "
+                                 f"hidden_size / num_heads = {per_head}; RoPE rotates pairs of dimensions, so it must "
+                                 f"be even")
+            for field in ("head_k_dim", "head_v_dim"):
+                if getattr(self, field) != per_head:
+                    raise ValueError(f"config field {field!r} = {getattr(self, field)} differs from the Transformer's "
+                                     f"head dim hidden_size / num_heads = {per_head} (head_k_dim and head_v_dim size "
+                                     f"the recurrent mixers' heads; leave them unset)")
         if self.mup_base_width is not None and _int("mup_base_width", self.mup_base_width) < 1:
             raise ValueError(f"config field 'mup_base_width' must be >= 1, got {self.mup_base_width}")
 

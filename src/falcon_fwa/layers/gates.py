@@ -82,7 +82,7 @@ class ContextGates(nn.Module):
                 0 <= lambda_scale < math.inf):
             raise ValueError(f"lambda_scale must be a finite number >= 0 (0: no ridge), got {lambda_scale!r}")
         self.gate, self.log_gate_kind, self.lambda_scale = gate, log_gate, lambda_scale
-        self.num_heads = num_heads
+        self.num_heads, self.per_column = num_heads, per_column
         self.columns = head_v_dim if per_column else 1
         width = num_heads * self.columns
         if gate != "one":
@@ -150,5 +150,5 @@ class ContextGates(nn.Module):
         elif self.log_gate_kind == "fixed":
             fixed = torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(H, device=h.device, dtype=torch.float64)))
             log_gate = fixed.to(h.dtype).expand(B, T, H)
-        beta = beta if C > 1 else beta[..., 0]
+        beta = beta if self.per_column else beta[..., 0]  # [B, T, H, V] even for one value column
         return beta, lam, log_gate

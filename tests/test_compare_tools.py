@@ -315,3 +315,125 @@ def test_throughput_activation_checkpointing_replays_every_block(tmp_path, monke
         assert [r["activation_checkpointing"] for r in rows] == [bool(flag)] * 4
         counts[bool(flag)] = len(calls)
     assert counts[True] == 2 * counts[False] > 0
+
+
+@pytest.mark.parametrize("extra, option", [
+    (["--steps", "0"], "--steps"),
+    (["--time-budget", "0"], "--time-budget"), (["--time-budget", "-5"], "--time-budget"),
+    (["--time-budget", "nan"], "--time-budget"), (["--time-budget", "inf"], "--time-budget"),
+    (["--deadline", "0"], "--deadline"), (["--deadline", "nan"], "--deadline"), (["--deadline", "inf"], "--deadline"),
+    (["--time-budget", "10", "--calib-steps", "0"], "--calib-steps"),
+    (["--time-budget", "10", "--max-steps", "0"], "--max-steps"),
+    (["--time-budget", "10", "--calib-warmup", "0"], "--calib-warmup"),
+    (["--steps", "5", "--time-budget", "10"], "--steps and --time-budget"),
+    (["--steps", "5", "--max-steps", "3"], "--max-steps"),  # no calibrated count to cap
+    (["--calib-steps", "3"], "--calib-steps"),  # nothing calibrates
+    (["--names", "a"], "--names"), (["--names", "a", "../b"], "--names"),
+])
+def test_compare_refuses_bad_options_by_name_before_anything_runs(tmp_path, extra, option):
+    with pytest.raises(ValueError, match=option.replace("-", r"\-")):
+        run_compare(tmp_path, {"a": "tiny-falcon", "b": "tiny-transformer"}, *extra)
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_command_prints_a_bad_option_in_one_line(tmp_path, capsys):
+    """``python -m falcon_fwa.train.compare`` (as results/lm/run_small.sh runs it) ends as falcon-fwa compare does."""
+    code = compare.main(["--configs", *recipes(tmp_path, {"a": "tiny-falcon"}), "--out", str(tmp_path / "cmp"),
+                         "--deadline", "nan"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("falcon-fwa compare: error: --deadline must be a finite number")
+    assert "Traceback" not in err
+
+
+def test_a_second_compare_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+    from falcon_fwa.atomic import folder_lock
+
+    with folder_lock(tmp_path / "cmp", ".compare.lock"):
+        with pytest.raises(ValueError, match="is in use by another falcon-fwa compare"):
+            run_compare(tmp_path, {"a": "tiny-falcon"}, "--steps", "2")
+    assert not (tmp_path / "cmp" / "compare.json").exists()
+
+
+def test_relaunch_keeps_the_recipes_finished_with_the_same_settings_and_trains_the_rest(tmp_path, monkeypatch):
+    presets = {"first": "tiny-falcon", "second": "tiny-transformer"}
+    original = trainer_module.Trainer.train
+    trained, kill = [], {"second"}
+
+    def train(self, **kwargs):
+        name = os.path.basename(self.out_dir)
+        trained.append(name)
+        if name in kill:
+            raise KeyboardInterrupt  # the command killed while this recipe trains
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train", train)
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(tmp_path, presets, "--steps", "4")
+    first = load(tmp_path / "cmp")["runs"]["first"]
+    kill.clear(), trained.clear()
+
+    code, out = run_compare(tmp_path, presets, "--steps", "4")  # the same command again
+    report = load(out)
+    assert code == 0 and trained == ["second"] and report["status"] == {"first": "done", "second": "done"}
+    kept = report["runs"]["first"]
+    assert kept.pop("kept") is True and kept == first  # the earlier result, whole: log, losses, timings
+    assert "kept" not in report["runs"]["second"] and report["runs"]["second"]["steps"] == 4
+    assert compare_report.result_rows(report)[0]["val_ppl"] == first["val_ppl"]
+
+    trained.clear()  # other settings: nothing of the earlier launches is taken along
+    code, out = run_compare(tmp_path, presets, "--steps", "6")
+    report = load(out)
+    assert trained == ["first", "second"] and not any(r.get("kept") for r in report["runs"].values())
+    assert {r["steps"] for r in report["runs"].values()} == {6}
+
+
+def test_a_result_is_kept_only_with_its_own_summary_recipe_and_commit(tmp_path):
+    config = {"train": {"steps": 4}, "model": {"preset": "tiny-falcon"}}
+    earlier = {"status": "done", "tokens": 96, "tokens_per_s": 10.0, "val_ppl": 3.0}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert compare.kept_result(earlier, str(run_dir), config, "c0") is None  # no summary in the folder
+    (run_dir / "summary.json").write_text(json.dumps({"config": config, "commit": "c0", "tokens": 96,
+                                                      "tokens_per_s": 10.0}))
+    assert compare.kept_result(earlier, str(run_dir), config, "c0") == earlier
+    assert compare.kept_result(earlier, str(run_dir), config, "c1") is None  # other code
+    assert compare.kept_result(earlier, str(run_dir), config, None) is None  # code of unknown commit
+    assert compare.kept_result(earlier, str(run_dir), {**config, "train": {"steps": 5}}, "c0") is None
+    assert compare.kept_result(dict(earlier, tokens_per_s=11.0), str(run_dir), config, "c0") is None  # another run
+    assert compare.kept_result(dict(earlier, status="partial"), str(run_dir), config, "c0") is None
+    assert compare.kept_result(None, str(run_dir), config, "c0") is None
+
+
+def test_a_launched_run_ends_with_the_command_that_started_it_even_when_that_is_killed(tmp_path):
+    """``end_with_parent``: the child of a process killed by SIGKILL gets SIGTERM (no orphan goes on)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_scaling import _running
+
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from falcon_fwa.train.compare import end_with_parent\n"
+        "child = subprocess.Popen(['sleep', '60'], preexec_fn=end_with_parent())\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")])
+    try:
+        for _ in range(100):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        assert _running(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        for _ in range(50):
+            if not _running(child):
+                break
+            time.sleep(0.1)
+        assert not _running(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -31,6 +31,13 @@ training when it passes stops at its next step boundary, is evaluated and is mar
 ``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
 it ends: ``status`` gives every recipe's state (pending, running, done, partial, failed,
 not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress.
+Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
+finished (``done``) with the very recipe this launch would train (the same step count, overrides and
+recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit: it is not trained
+again and its run says ``"kept": true``. Every other recipe trains afresh, so the results never mix
+runs of other settings. (A calibrated step count is measured anew, so it rarely matches; the
+``--concurrent`` runs always train afresh, their speeds depending on what runs beside them.)
+One command runs in an ``OUT`` folder at a time; a ``--concurrent`` run's processes end with it.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +54,9 @@ import time
 import traceback
 from typing import Iterator, List, Optional, Tuple
 
-from ..atomic import write_json
+from ..atomic import folder_lock, read_json, write_json
+from ..cli_options import at_least, finite_at_least
+from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
 from .logger import read_log
 
@@ -168,19 +178,26 @@ def plan_steps(calibration: dict, budget_s: float) -> Tuple[int, dict]:
 
 # ----------------------------------------------------------------------------- runners
 def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str, *,
-                   deadline_at: Optional[float] = None) -> Iterator[Event]:
+                   deadline_at: Optional[float] = None, earlier: Optional[dict] = None) -> Iterator[Event]:
     """Train every recipe in turn in this process, from scratch in ``out_dir/tag/NAME``. Yields
     ``(name, "running", None)`` before each and ``(name, status, result)`` after it: done,
-    partial (stopped by ``deadline_at``, then evaluated), failed or not_run."""
+    partial (stopped by ``deadline_at``, then evaluated), failed or not_run. A run of ``earlier``
+    (name -> result of an earlier launch) that :func:`kept_result` keeps is yielded as done, untrained."""
     from .trainer import Trainer
 
+    commit = git_commit(short=False)
     for cfg_path, name in zip(configs, names):
+        run_dir = os.path.join(out_dir, tag, name)
+        cfg = load_config(cfg_path, sets + [assign_text("train.out_dir", run_dir)])
+        kept = kept_result((earlier or {}).get(name), run_dir, cfg.to_dict(), commit)
+        if kept is not None:
+            yield name, "done", dict(kept, kept=True)
+            continue
         if deadline_at is not None and _clock() >= deadline_at:
             yield name, "not_run", {"error": "the deadline passed before this recipe started"}
             continue
         yield name, "running", None
-        run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
-        cfg = load_config(cfg_path, sets + [assign_text("train.out_dir", run_dir)])
+        _fresh_dir(run_dir)
         t0, trainer, status = _clock(), None, "done"
         try:
             trainer = Trainer(cfg)
@@ -210,23 +227,73 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
         yield name, status, result
 
 
+def end_with_parent():
+    """A ``preexec_fn`` for a child process: the child is sent SIGTERM when the process that started it
+    ends, also by SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), so that no run outlives the
+    command that launched it."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent ended before the setting took
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def kept_result(earlier: Optional[dict], run_dir: str, config: dict, commit: Optional[str]) -> Optional[dict]:
+    """``earlier`` (a finished run's result, status done) if ``run_dir`` still holds its ``summary.json``,
+    of this ``config`` (``RunConfig.to_dict()`` of the recipe about to train there) at this ``commit``;
+    else None: the run goes again."""
+    if earlier is None or earlier.get("status", "done") != "done" or commit is None:
+        return None
+    try:
+        summary = read_json(os.path.join(run_dir, "summary.json"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("commit") != commit:
+        return None
+    if json.loads(json.dumps(summary.get("config"))) != json.loads(json.dumps(config)):
+        return None
+    if (summary.get("tokens"), summary.get("tokens_per_s")) != (earlier.get("tokens"), earlier.get("tokens_per_s")):
+        return None  # the folder holds another run than the result's
+    return dict(earlier)
+
+
 def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
     cmd = [sys.executable, "-m", "falcon_fwa.train.cli", "--config", config, "--set", assign_text("train.out_dir", out_dir),
            "--set", "log.progress=false"]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=end_with_parent())
 
 
 def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str) -> Iterator[Event]:
     """Run every recipe concurrently, one process each, from scratch in ``out_dir/tag/NAME``;
     yields like ``run_sequential``, each recipe as its process ends."""
     procs = {}
-    for cfg, name in zip(configs, names):
-        run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
-        procs[name] = (_launch(cfg, run_dir, sets, os.path.join(run_dir, "stdout.txt")), run_dir)
-        yield name, "running", None
+    try:
+        for cfg, name in zip(configs, names):
+            run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
+            procs[name] = (_launch(cfg, run_dir, sets, os.path.join(run_dir, "stdout.txt")), run_dir)
+            yield name, "running", None
+        yield from _collect(procs)
+    finally:  # ended otherwise (an error, Ctrl-C, the caller gone): no run goes on unseen
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _collect(procs: dict) -> Iterator[Event]:
+    """Yield each process of ``procs`` (name -> (process, run folder)) as it ends, removing it."""
     while procs:
         ended = [name for name, (proc, _) in procs.items() if proc.poll() is not None]
         if not ended:
@@ -285,18 +352,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on the calibrated step count (which is at least 20 otherwise)")
 
 
-def _check_args(args: argparse.Namespace, names: List[str]) -> None:
-    if len(names) != len(args.configs):
-        raise ValueError("--names needs one name per --configs file")
+def check_run_names(names: List[str], configs: List[str]) -> None:
+    """``ValueError`` naming ``--names`` unless there is one name per ``--configs`` file, each a
+    folder name (the run's folder), all different."""
+    if len(names) != len(configs):
+        raise ValueError(f"--names has {len(names)} entries for {len(configs)} --configs")
     for name in names:
-        if not name or name in (".", "..") or os.sep in name:
+        if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
             raise ValueError(f"--names: {name!r} is not a folder name")
     if len(set(names)) != len(names):
         raise ValueError(f"--names must differ from each other, got {names}")
+
+
+def _check_args(args: argparse.Namespace, names: List[str]) -> None:
+    check_run_names(names, args.configs)
     if args.deadline is not None and args.concurrent:
         raise ValueError("--deadline needs the sequential runs (drop --concurrent)")
-    if args.calib_warmup < 1:
-        raise ValueError(f"--calib-warmup must be >= 1, got {args.calib_warmup}")
+    at_least("--steps", args.steps, 1)
+    finite_at_least("--time-budget", args.time_budget, 0, strict=True)
+    finite_at_least("--deadline", args.deadline, 0, strict=True)
+    at_least("--calib-steps", args.calib_steps, 1)
+    at_least("--calib-warmup", args.calib_warmup, 1)
+    at_least("--max-steps", args.max_steps, 1)
+    if args.steps is not None and args.time_budget is not None:
+        raise ValueError("--steps and --time-budget both set the step count: give one")
+    calibrated = args.steps is None and (args.time_budget is not None or args.deadline is not None)
+    for option, value in (("--calib-steps", args.calib_steps), ("--max-steps", args.max_steps)):
+        if value is not None and not calibrated:
+            raise ValueError(f"{option} applies to a calibrated step count: give --time-budget or --deadline "
+                             "(without --steps)")
     parents = {os.path.realpath(p): c for c in args.configs if (p := recipe_parent(c))}
     for c in args.configs:  # a glob such as configs/small/*.yaml also takes the recipes' shared base
         if os.path.realpath(c) in parents:
@@ -342,12 +426,31 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import prepare_dataset
-
     started = _clock()
     deadline_at = None if args.deadline is None else started + args.deadline
     names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
     _check_args(args, names)
+    try:
+        with folder_lock(args.out, ".compare.lock", wait=False):
+            return _compare(args, names, started, deadline_at)
+    except BlockingIOError:
+        raise ValueError(f"--out {args.out} is in use by another falcon-fwa compare") from None
+
+
+def _earlier_runs(path: str, configs: dict) -> dict:
+    """The finished runs (name -> result) of an earlier launch's results file at ``path``, of the names
+    that stand for the same recipe files now (``configs``: name -> file)."""
+    try:
+        report = read_json(path)
+        return {n: r for n, r in report["runs"].items() if report["status"].get(n) == "done"
+                and report["configs"].get(n) == configs.get(n, "") and isinstance(r, dict)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _compare(args: argparse.Namespace, names: List[str], started: float, deadline_at: Optional[float]) -> int:
+    from ..data import prepare_dataset
+
     first = load_config(args.configs[0], args.overrides)
     d = first.data
     for c in args.configs[1:]:
@@ -358,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
               "time_budget_s": args.time_budget, "tokens_per_step": first.train.global_batch * d.seq_len,
               "status": {n: "pending" for n in names}, "runs": {}, "finished": False}
+    earlier = {} if args.concurrent else _earlier_runs(results_path, report["configs"])
 
     def save() -> None:
         report["wall_s"] = _clock() - started
@@ -395,7 +499,8 @@ def run(args: argparse.Namespace) -> int:
     save()
     t0 = _clock()
     runner = (run_all(args.configs, names, args.out, sets, "main") if args.concurrent else
-              run_sequential(args.configs, names, args.out, sets, "main", deadline_at=deadline_at))
+              run_sequential(args.configs, names, args.out, sets, "main", deadline_at=deadline_at,
+                             earlier=earlier))
     finished = 0
     for name, status, result in runner:
         report["status"][name] = status
@@ -404,7 +509,8 @@ def run(args: argparse.Namespace) -> int:
             result.setdefault("planned_steps", steps)
             report["runs"][name] = result
             finished += 1
-            print(summary_line(name, result, finished, len(names)), flush=True)
+            print(summary_line(name, result, finished, len(names))
+                  + ("  (kept from the earlier launch)" if result.get("kept") else ""), flush=True)
         report["main_wall_s"] = _clock() - t0
         save()
     report["finished"] = True
@@ -415,7 +521,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="falcon-fwa compare", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from ..cli import run_command
+
+    return run_command("falcon-fwa compare", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -46,9 +46,23 @@ def test_bad_arguments_name_themselves(tmp_path):
     for argv, match in ((["--configs", "a", "b", "--names", "A"], "--names"), (["--configs", "a", "--gpus", "0"], "--gpus"),
                         (["--configs", "a", "--steps", "0"], "--steps"),
                         (["--configs", "a", "--warmup-steps", "-1"], "--warmup-steps"),
-                        (["--configs", "a", "--set", "train.global_batch=8"], "train.global_batch")):
+                        (["--configs", "a", "--set", "train.global_batch=8"], "train.global_batch"),
+                        (["--configs", "a", "--deadline", "nan"], "--deadline"),
+                        (["--configs", "a", "--deadline", "0"], "--deadline"),
+                        (["--configs", "a", "--gpus", "1", "1"], "--gpus"),
+                        (["--configs", "a", "--strategies", "ddp", "ddp"], "--strategies"),
+                        (["--configs", "a", "--noise-seeds", "0", "0"], "--noise-seeds"),
+                        (["--configs", "a", "b", "--names", "A", "A"], "--names"),
+                        (["--configs", "a", "--names", "../A"], "--names"),
+                        (["--configs", "a", "b", "--names", "A B", "A_B"], "--names")):
         with pytest.raises(ValueError, match=match):
             scaling.run(parser.parse_args(argv))
+
+
+def test_scaling_command_prints_a_bad_option_in_one_line(capsys):
+    assert scaling.main(["--configs", "a", "--gpus", "2", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-fwa scaling: error: --gpus must differ") and "Traceback" not in err
 
 
 def test_one_global_batch_splits_for_every_process_count():
@@ -64,6 +78,86 @@ def test_a_run_past_its_deadline_is_stopped_with_its_children(tmp_path):
     with open(tmp_path / "log", "w") as log:
         assert scaling._run_group(cmd, dict(os.environ), log, timeout=1.0, grace=5.0) is None
     assert not _running(int(pid_file.read_text()))  # the grandchild is stopped too, not only the launcher
+
+
+def test_a_stop_signal_stops_the_run_in_progress_with_its_children(tmp_path):
+    import threading
+
+    class Signals:
+        received = 0
+
+    signals = Signals()
+    pid_file = tmp_path / "child.pid"
+    cmd = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
+    threading.Timer(1.0, lambda: setattr(signals, "received", 15)).start()
+    with open(tmp_path / "log", "w") as log:
+        assert scaling._run_group(cmd, dict(os.environ), log, timeout=None, grace=5.0, signals=signals) is None
+    assert not _running(int(pid_file.read_text()))
+
+
+def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
+    """``scaling.run`` with every torchrun launch replaced: the run writes the summary a real one would
+    (the recipe it was given, this commit) and exits 0; the ``kill_at``-th launch is interrupted."""
+    from falcon_fwa.provenance import git_commit
+    from falcon_fwa.train.config import load_config
+
+    launched = []
+
+    def fake_run_group(cmd, env, log, timeout, grace=30.0, signals=None):
+        config, sets = cmd[cmd.index("--config") + 1], [cmd[i + 1] for i, c in enumerate(cmd) if c == "--set"]
+        cfg = load_config(config, sets)
+        launched.append(os.path.basename(cfg.train.out_dir))
+        if len(launched) == kill_at:
+            raise KeyboardInterrupt
+        os.makedirs(cfg.train.out_dir, exist_ok=True)
+        summary = dict(tokens=cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len, steps=cfg.train.steps,
+                       tokens_per_s=100.0 * len(launched), val_loss=1.0 + len(launched), peak_mem_bytes=None,
+                       commit=git_commit(short=False), config=cfg.to_dict())
+        with open(os.path.join(cfg.train.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f)
+        return 0
+
+    monkeypatch.setattr(scaling, "_run_group", fake_run_group)
+    parser = __import__("argparse").ArgumentParser()
+    scaling.add_arguments(parser)
+    return scaling.run(parser.parse_args(argv)), launched
+
+
+def test_a_relaunched_sweep_keeps_the_finished_runs_and_only_those_of_the_same_settings(tmp_path, monkeypatch):
+    raw = recipe(tmp_path)
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(raw))
+    results = str(tmp_path / "multigpu")
+    argv = ["--configs", str(path), "--names", "Tiny", "--gpus", "1", "2", "--strategies", "ddp",
+            "--noise-seeds", "0", "1", "--steps", "3", "--warmup-steps", "0", "--out", str(tmp_path / "runs"),
+            "--results", results]
+    with pytest.raises(KeyboardInterrupt):  # killed during its third run
+        _fake_sweep(tmp_path, monkeypatch, argv, kill_at=3)
+    before = json.load(open(results + ".json"))
+    assert [r["status"] for r in before] == ["done", "done"]
+    rc, launched = _fake_sweep(tmp_path, monkeypatch, argv)
+    assert rc == 0 and launched == ["Tiny-ddp-n2-s0"]  # the two finished runs are not run again
+    rows = json.load(open(results + ".json"))
+    assert rows[:2] == before  # the kept rows, as the first launch wrote them
+    assert [r["tokens_per_s"] for r in rows] == [100.0, 200.0, 100.0]  # the first launch's rates, then the new one
+    assert rows[2]["efficiency"] == pytest.approx(100.0 / (2 * 150.0))  # against the kept one-process runs
+    # other settings (more steps): every run goes again, nothing of the earlier sweep is kept
+    rc, launched = _fake_sweep(tmp_path, monkeypatch, [a if a != "3" else "4" for a in argv])
+    assert rc == 0 and len(launched) == 3 and {r["steps"] for r in json.load(open(results + ".json"))} == {4}
+
+
+def test_a_second_sweep_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+    from falcon_fwa.atomic import folder_lock
+
+    parser = __import__("argparse").ArgumentParser()
+    scaling.add_arguments(parser)
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(recipe(tmp_path)))
+    with folder_lock(tmp_path / "runs", ".scaling.lock"):
+        with pytest.raises(ValueError, match="is in use by another falcon-fwa scaling"):
+            scaling.run(parser.parse_args(["--configs", str(path), "--out", str(tmp_path / "runs"),
+                                           "--results", str(tmp_path / "multigpu")]))
+    assert not (tmp_path / "multigpu.json").exists()
 
 
 def _running(pid: int) -> bool:

@@ -26,7 +26,15 @@ After every run, ``RESULTS.json`` (rows: ``model``, ``strategy``, ``gpus``, ``se
 ``tokens_per_s``, ``efficiency``, ``peak_mem_bytes_per_gpu``, ``val_loss``, ``tokens``,
 ``steps``, ``status``, ``command``) and ``RESULTS.md`` are rewritten, so an interrupted sweep
 keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
-progress (the launcher and its workers: the whole process group).
+progress (the launcher and its workers: the whole process group). A SIGTERM or SIGINT stops the run
+in progress the same way (``stopped: SIGTERM``), starts no other and ends the command with status
+128 + signal; a launcher whose sweep is killed outright (SIGKILL) is sent SIGTERM by the system, so no
+run goes on training unseen. One sweep runs in an ``--out`` folder at a time.
+
+Launched again with the same options, a sweep keeps the runs that finished before (``done`` in
+``RESULTS.json``, with the same command, whose ``summary.json`` in the run folder holds the recipe
+that command trains and the current commit) and runs the others afresh: an interrupted sweep goes
+on where it stopped, and no row of other settings or code is taken along.
 """
 from __future__ import annotations
 
@@ -41,9 +49,12 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from ..atomic import write_json, write_text
+from ..atomic import folder_lock, read_json, write_json, write_text
+from ..cli_options import finite_at_least
 from ..provenance import git_commit
+from .compare import check_run_names, end_with_parent, kept_result
 from .config import assign_text, load_config
+from .launch import StopSignals
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STRATEGIES = ("ddp", "fsdp2")
@@ -68,14 +79,21 @@ def shared_global_batch(micro_batch: int, gpus: List[int]) -> int:
     return micro_batch * math.lcm(*gpus)
 
 
-def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_dir: str,
-            extra_sets: List[str]) -> List[str]:
-    """The ``torchrun`` command line of one run."""
-    sets = [f"train.strategy={job['strategy']}", f"train.steps={steps}", f"train.seed={job['seed']}",
+def run_sets(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_dir: str,
+             extra_sets: List[str]) -> List[str]:
+    """The ``--set`` assignments of one run (after the recipe file)."""
+    return [f"train.strategy={job['strategy']}", f"train.steps={steps}", f"train.seed={job['seed']}",
             f"train.micro_batch={micro_batch}", f"train.global_batch={global_batch}",
             f"optim.warmup_steps={max(1, steps // 15)}", f"train.eval_every={steps}", f"train.save_every={steps}",
             "train.resume=none", "train.export_model=false", assign_text("train.out_dir", out_dir), "log.progress=false",
             f"log.every={max(1, steps // 10)}", *extra_sets]
+
+
+def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_dir: str,
+            extra_sets: List[str]) -> List[str]:
+    """The ``torchrun`` command line of one run."""
+    sets = run_sets(job, steps=steps, micro_batch=micro_batch, global_batch=global_batch, out_dir=out_dir,
+                    extra_sets=extra_sets)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job['gpus']}",
            "-m", "falcon_fwa.train.cli", "--config", job["config"]]
     for s in sets:
@@ -191,10 +209,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace, names: List[str]) -> None:
-    if len(names) != len(args.configs):
-        raise ValueError(f"--names has {len(names)} entries for {len(args.configs)} --configs")
+    check_run_names(names, args.configs)
     if any(n < 1 for n in args.gpus):
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    for option, values in (("--gpus", args.gpus), ("--strategies", args.strategies),
+                           ("--noise-seeds", args.noise_seeds)):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{option} must differ from each other, got {values}")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if not args.noise_seeds:
@@ -203,29 +224,68 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
+    finite_at_least("--deadline", args.deadline, 0, strict=True)
+    folders = [_folder_name(n) for n in names]
+    if len(set(folders)) != len(folders):
+        raise ValueError(f"--names {names} give the same run folders {folders} (spaces become '_')")
     for o in args.overrides:
         if o.split("=", 1)[0].strip() in ("train.global_batch", "train.micro_batch", "train.strategy", "train.steps"):
             raise ValueError(f"--set {o}: the sweep sets this field itself (use --micro-batch, --strategies, --steps)")
+    import torch
+
+    if torch.cuda.is_available() and max(args.gpus) > torch.cuda.device_count():
+        raise ValueError(f"--gpus {max(args.gpus)}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
-def _run_group(cmd: List[str], env: dict, log, timeout: Optional[float], grace: float = 30.0) -> Optional[int]:
-    """Run ``cmd`` in a new session; past ``timeout`` seconds, stop its whole process group (torchrun's
-    workers too: TERM, then KILL after ``grace`` seconds). Returns the exit code, or None if stopped."""
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def _folder_name(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+def _stop_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to ``proc``'s process group, SIGKILL after ``grace`` seconds; waits for ``proc``."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+def _run_group(cmd: List[str], env: dict, log, timeout: Optional[float], grace: float = 30.0,
+               signals: Optional[StopSignals] = None) -> Optional[int]:
+    """Run ``cmd`` in a new session; past ``timeout`` seconds, or once ``signals`` has received a stop
+    signal, stop its whole process group (torchrun's workers too: TERM, then KILL after ``grace``
+    seconds). Returns the exit code, or None if stopped. Should this end otherwise (an error, a second
+    signal), the group is killed."""
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=end_with_parent())
+    end = None if timeout is None else time.monotonic() + timeout
     try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        while True:
             try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-                break
+                return proc.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
-                continue
-        return None
+                pass
+            if (signals is not None and signals.received) or (end is not None and time.monotonic() >= end):
+                _stop_group(proc, grace)
+                return None
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc, 0.0)
+
+
+def _earlier_rows(results: str) -> Dict[str, dict]:
+    """The finished rows of an earlier sweep into ``results``, by command."""
+    try:
+        rows = read_json(results + ".json")
+    except (OSError, ValueError):
+        return {}
+    return {r["command"]: r for r in rows if isinstance(r, dict) and r.get("status") == "done" and "command" in r}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -237,61 +297,88 @@ def run(args: argparse.Namespace) -> int:
     meta = dict(machine=args.machine or _machine(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len,
                 warmup_steps=args.warmup_steps, warmup=[])
+    try:
+        with folder_lock(args.out, ".scaling.lock", wait=False):
+            return _sweep(args, names, meta, micro, global_batch)
+    except BlockingIOError:
+        raise ValueError(f"--out {args.out} is in use by another falcon-fwa scaling") from None
+
+
+def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, global_batch: int) -> int:
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
     env = launch_env(os.environ)
     meta["omp_num_threads"] = env["OMP_NUM_THREADS"]
+    earlier, commit = _earlier_rows(args.results), git_commit(short=False)
     rows: List[dict] = []
     jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
-    for i, job in enumerate(jobs):
-        run_dir = os.path.join(args.out, f"{job['model']}-{job['strategy']}-n{job['gpus']}-s{job['seed']}".replace(" ", "_"))
-        cmd = command(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
-                      extra_sets=args.overrides)
-        row = dict(model=job["model"], strategy=job["strategy"], gpus=job["gpus"], seed=job["seed"], tokens_per_s=None,
-                   efficiency=None, peak_mem_bytes_per_gpu=None, val_loss=None, tokens=None, steps=None,
-                   status="not run", command=" ".join(shlex.quote(c) for c in cmd))
-        rows.append(row)
-        left = None if deadline_at is None else deadline_at - time.monotonic()
-        if left is not None and left <= 0:
-            continue
-        if args.warmup_steps and job["model"] not in {w["model"] for w in meta["warmup"]}:
-            meta["warmup"].append(_warm_up(job, args, micro, global_batch, env, left))
-            left = None if deadline_at is None else deadline_at - time.monotonic()
-            if left is not None and left <= 0:
+    stopped_by = 0
+    with StopSignals(True) as signals:
+        for i, job in enumerate(jobs):
+            run_dir = os.path.join(args.out, _folder_name(f"{job['model']}-{job['strategy']}-n{job['gpus']}-s{job['seed']}"))
+            sets = run_sets(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
+                            extra_sets=args.overrides)
+            cmd = command(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
+                          extra_sets=args.overrides)
+            row = dict(model=job["model"], strategy=job["strategy"], gpus=job["gpus"], seed=job["seed"],
+                       tokens_per_s=None, efficiency=None, peak_mem_bytes_per_gpu=None, val_loss=None, tokens=None,
+                       steps=None, status="not run", command=" ".join(shlex.quote(c) for c in cmd))
+            kept = kept_result(earlier.get(row["command"]), run_dir, load_config(job["config"], sets).to_dict(), commit)
+            if kept is not None:
+                rows.append(kept)
+                print(f"[{i + 1}/{len(jobs)}] {job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}: "
+                      f"kept from the earlier sweep", flush=True)
                 continue
-        print(f"[{i + 1}/{len(jobs)}] {job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}", flush=True)
-        log_path = run_dir + ".log"
-        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-        with open(log_path, "w") as log:
-            code = _run_group(cmd, env, log, left)
-        row["status"] = _status(code, log_path)
-        summary = _read_summary(run_dir)
-        if summary is not None and row["status"] == "done":
-            row.update(tokens_per_s=summary.get("tokens_per_s"), peak_mem_bytes_per_gpu=summary.get("peak_mem_bytes"),
-                       val_loss=summary.get("val_loss"), tokens=summary.get("tokens"), steps=summary.get("steps"))
-        efficiencies(rows)
-        _write(args.results, rows, meta)
-        print(f"    {row['status']}: tokens/s {row['tokens_per_s']}, val_loss {row['val_loss']}", flush=True)
+            rows.append(row)
+            left = None if deadline_at is None else deadline_at - time.monotonic()
+            if stopped_by or (left is not None and left <= 0):
+                continue
+            if args.warmup_steps and job["model"] not in {w["model"] for w in meta["warmup"]}:
+                meta["warmup"].append(_warm_up(job, args, micro, global_batch, env, left, signals))
+                left = None if deadline_at is None else deadline_at - time.monotonic()
+                stopped_by = signals.received
+                if stopped_by or (left is not None and left <= 0):
+                    continue
+            print(f"[{i + 1}/{len(jobs)}] {job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}", flush=True)
+            log_path = run_dir + ".log"
+            os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+            with open(log_path, "w") as log:
+                code = _run_group(cmd, env, log, left, signals=signals)
+            stopped_by = signals.received
+            row["status"] = _status(code, log_path, stopped_by)
+            summary = _read_summary(run_dir)
+            if summary is not None and row["status"] == "done":
+                row.update(tokens_per_s=summary.get("tokens_per_s"), peak_mem_bytes_per_gpu=summary.get("peak_mem_bytes"),
+                           val_loss=summary.get("val_loss"), tokens=summary.get("tokens"), steps=summary.get("steps"))
+            efficiencies(rows)
+            _write(args.results, rows, meta)
+            print(f"    {row['status']}: tokens/s {row['tokens_per_s']}, val_loss {row['val_loss']}", flush=True)
     efficiencies(rows)
     _write(args.results, rows, meta)
+    if stopped_by:
+        print(f"stopped by {signal.Signals(stopped_by).name}: the same command goes on from the finished runs",
+              file=sys.stderr, flush=True)
+        return 128 + stopped_by
     return 0 if all(r["status"] == "done" for r in rows) else 1
 
 
 def _warm_up(job: dict, args: argparse.Namespace, micro: int, global_batch: int, env: dict,
-             timeout: Optional[float]) -> dict:
+             timeout: Optional[float], signals: Optional[StopSignals] = None) -> dict:
     """One short untimed run of ``job`` (``--warmup-steps`` steps): fills the kernel caches."""
-    run_dir = os.path.join(args.out, f"{job['model']}-warmup".replace(" ", "_"))
+    run_dir = os.path.join(args.out, _folder_name(f"{job['model']}-warmup"))
     cmd = command(job, steps=args.warmup_steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
                   extra_sets=args.overrides)
     print(f"[warm-up] {job['model']} {job['strategy']} x{job['gpus']}, {args.warmup_steps} steps", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(run_dir + ".log", "w") as log:
-        code = _run_group(cmd, env, log, timeout)
-    return dict(model=job["model"], status=_status(code, run_dir + ".log"))
+        code = _run_group(cmd, env, log, timeout, signals=signals)
+    return dict(model=job["model"], status=_status(code, run_dir + ".log", signals.received if signals else 0))
 
 
-def _status(code: Optional[int], log_path: str) -> str:
-    """A run's status from its exit code (``None``: stopped at the deadline)."""
-    return "stopped: deadline" if code is None else "done" if code == 0 else f"failed (exit {code}, {log_path})"
+def _status(code: Optional[int], log_path: str, stopped_by: int = 0) -> str:
+    """A run's status from its exit code (``None``: stopped, by ``stopped_by`` or else the deadline)."""
+    if code is None:
+        return f"stopped: {signal.Signals(stopped_by).name}" if stopped_by else "stopped: deadline"
+    return "done" if code == 0 else f"failed (exit {code}, {log_path})"
 
 
 def _machine() -> str:
@@ -307,7 +394,9 @@ def _machine() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="falcon-fwa scaling", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from ..cli import run_command
+
+    return run_command("falcon-fwa scaling", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -242,6 +242,20 @@ def test_throughput_rows_are_on_disk_before_a_kill(tmp_path, monkeypatch):
         rows = [json.loads(line) for line in f]
     assert [(r["preset"], r["seq_len"], r["timed_steps"]) for r in rows] == [("tiny-falcon", 8, 3),
                                                                              ("tiny-transformer", 8, 3)]
+    # launched again into the same file: the new rows follow the old ones, and each row names its launch
+    calls.clear()
+    monkeypatch.setattr(throughput, "measure", lambda config, **kwargs: {"timed_steps": 4})
+    rows = run_throughput(tmp_path)
+    assert [r["timed_steps"] for r in rows] == [3, 3, 4, 4, 4, 4]
+    first, second = rows[0]["launch"], rows[2]["launch"]
+    assert first != second and [r["launch"] for r in rows] == [first] * 2 + [second] * 4
+
+
+def test_throughput_command_prints_a_bad_option_in_one_line(capsys):
+    """``python -m falcon_fwa.train.throughput`` (as results/lm/run_small.sh runs it) ends as falcon-fwa throughput."""
+    assert throughput.main(["--preset", "tiny-falcon", "--deadline", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-fwa throughput: error: --deadline must be > 0") and "Traceback" not in err
 
 
 def test_throughput_reports_the_triton_kernels_when_they_serve_the_falcon_layers(monkeypatch):

@@ -13,13 +13,15 @@ than ``--min-steps`` were timed); measurements not started get a row with ``"ski
 
 Measurements go by sequence length first: every preset at the first length, then every preset
 at the next one, so a killed command still leaves one comparable row per preset. Each row is
-appended to ``--out`` (JSON lines) as soon as it is measured. ``falcon_op`` says what computed
+appended to ``--out`` (JSON lines) as soon as it is measured; its ``launch`` (the command's start,
+UTC) sets the rows of one command apart from those an earlier one left in the file. ``falcon_op`` says what computed
 the falcon layers: ``"triton"`` (the chunk kernels), ``"torch"`` (the PyTorch forms), ``"fla"``,
 ``"none"`` (no falcon layers), or ``"mixed"``.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import time
@@ -271,8 +273,10 @@ def run(args: argparse.Namespace) -> int:
     bf16 = not args.fp32 and args.dtype != "fp32"
     args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
+    launch = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
     for name, config, seq_len, batch_size in list(_jobs(args)):
-        row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size, "dtype": "bf16" if bf16 else "fp32"}
+        row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size, "dtype": "bf16" if bf16 else "fp32",
+                     "launch": launch}
         if deadline is not None and _clock() >= deadline:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
             _append_row(args.out, row)
@@ -292,7 +296,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="falcon-fwa throughput", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from ..cli import run_command
+
+    return run_command("falcon-fwa throughput", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

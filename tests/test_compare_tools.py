@@ -451,3 +451,41 @@ def test_a_launched_run_ends_with_the_command_that_started_it_even_when_that_is_
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_report_table_and_json_carry_the_same_numbers(tmp_path, capsys):
+    runs = {"Falcon-A": dict(status="done", steps=8, params=1000, tokens=4096, val_ppl=10.0, tokens_per_s=2000.0,
+                             peak_mem_bytes=2**31, log=[dict(step=4, loss=3.0, tokens=2048), dict(step=4, val_loss=2.5)]),
+            "Base": dict(status="done", steps=8, params=990, tokens=4096, val_ppl=8.0, tokens_per_s=3000.0,
+                         peak_mem_bytes=None),
+            "Falcon-B": dict(status="partial", steps=3, planned_steps=8, params=1000, tokens=1536, val_ppl=30.0),
+            "Broken": dict(status="failed", error="RuntimeError: loss exploded")}
+    report = {"configs": {n: f"{n}.yaml" for n in runs}, "status": {n: r["status"] for n, r in runs.items()},
+              "runs": runs, "steps": 8}
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(report))
+    assert compare_report.main([str(path), str(tmp_path / "out" / "r")]) == 0
+    rows = json.loads((tmp_path / "out" / "r.json").read_text())
+    table = (tmp_path / "out" / "r_table.md").read_text()
+    assert [r["model"] for r in rows] == list(runs) and rows[0]["val_ppl"] == 10.0 and rows[2]["planned_steps"] == 8
+    assert "| Falcon-A | done | 1,000 | 4,096 | 10.000 | 2,000 | 2.00 GiB |" in table
+    assert "| Base | done | 990 | 4,096 | 8.000 | 3,000 | - |" in table
+    assert "| Falcon-B | partial: 3 of 8 steps | 1,000 | 1,536 | 30.000 | - | - |" in table
+    assert "| Broken | failed: RuntimeError: loss exploded |" in table
+    # the verdict sets the best finished Falcon (10.0) against the best baseline (8.0): 10 / 8 - 1 = 25 %
+    assert "Best Falcon (Falcon-A, 10.000) is 25.0% above the best baseline (Base, 8.000)." in table
+    assert "Not in the comparison (fewer or no tokens trained): Falcon-B, Broken." in table
+    assert (tmp_path / "out" / "r_loss.png").stat().st_size > 0
+    assert capsys.readouterr().out.strip() == table.strip()  # what it prints is the file
+
+
+def test_report_command_help_and_bad_input(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        compare_report.main(["--help"])
+    assert exit_.value.code == 0 and "PREFIX_table.md" in capsys.readouterr().out
+    (tmp_path / "other.json").write_text('{"text": "not a comparison"}')
+    assert compare_report.main([str(tmp_path / "other.json"), str(tmp_path / "r")]) == 2
+    assert compare_report.main([str(tmp_path / "missing.json"), str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a compare.json" in err and "missing.json" in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()

@@ -7,9 +7,9 @@ part of the steps (``partial``) are shown with their step count and left out of 
 (they saw fewer tokens); those that did not finish are listed with their status."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 
 from ..atomic import write_json, write_text
 
@@ -96,14 +96,25 @@ def markdown_table(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print(__doc__)
-        return 2
-    with open(argv[0]) as f:
-        report = json.load(f)
+    from ..cli import run_command
+
+    parser = argparse.ArgumentParser(prog="python -m falcon_fwa.train.compare_report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", help="the compare.json of a falcon-fwa compare")
+    parser.add_argument("prefix", help="writes PREFIX.json, PREFIX_table.md and PREFIX_loss.png")
+    return run_command(parser.prog, _report, parser.parse_args(argv))
+
+
+def _report(args: argparse.Namespace) -> int:
+    with open(args.results) as f:
+        try:
+            report = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{args.results} is not a compare.json: {err}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("runs"), dict):
+        raise ValueError(f"{args.results} is not a compare.json (no runs by name)")
     rows = result_rows(report)
-    prefix = argv[1]
+    prefix = args.prefix
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     write_json(prefix + ".json", rows)
     write_text(prefix + "_table.md", markdown_table(rows))

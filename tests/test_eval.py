@@ -73,6 +73,24 @@ def test_perplexity_matches_the_models_own_loss(saved_model):
     assert rep["provenance"]["options"]["seq_len"] == 64 and rep["provenance"]["options"]["buckets"] == "0,16,32,64"
 
 
+def test_ppl_prints_writes_and_plots_the_same_report_into_new_folders(saved_model, tmp_path, capsys):
+    """--out and --plot may name folders that do not exist yet (a plot that failed there would come
+    after the whole evaluation); the printed table holds the figures of the JSON."""
+    from falcon_fwa.cli import main
+
+    out, plot = tmp_path / "new" / "ppl.json", tmp_path / "other" / "deep" / "ppl.png"
+    assert main(["ppl", "--model", str(saved_model / "run" / "model"), "--data", str(saved_model / "corpus.txt"),
+                 "--text-split", "paragraph", "--seq-len", "64", "--train-len", "32", "--buckets", "0,16,32,64",
+                 "--max-windows", "2", "--device", "cpu", "--out", str(out), "--plot", str(plot)]) == 0
+    rep = json.load(open(out))
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(plot.parent.glob(".*"))
+    printed = capsys.readouterr().out
+    assert f"perplexity {rep['ppl']:.4f} (loss {rep['loss']:.4f}) over {rep['tokens']} predictions" in printed
+    for b in rep["buckets"]:
+        mark = "  (beyond training length)" if b["beyond_train_len"] else ""
+        assert f"{b['start']:>11}-{b['end']:<8} {b['tokens']:>10} {b['loss']:>8.4f} {b['ppl']:>10.4f}{mark}" in printed
+
+
 def test_token_shards_of_another_tokenizer_are_refused(saved_model, tmp_path):
     """Shards tokenized with another tokenizer hold other ids (and another end-of-text id, so
     documents="reset" would never reset): scoring them with the model would be silently wrong."""

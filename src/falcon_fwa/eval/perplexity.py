@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_path
 from ..cli_options import dtype_name
 from ..data.shards import TokenShards
 from ..data.sources import iter_documents
@@ -199,6 +200,8 @@ def bucket_report(total: torch.Tensor, count: Union[int, torch.Tensor], edges: S
 
 
 def plot_buckets(report: dict, path: str, label: str = "") -> None:
+    """Perplexity against position (the buckets' midpoints) as a PNG at ``path`` (written atomically,
+    its folder created)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,5 +218,6 @@ def plot_buckets(report: dict, path: str, label: str = "") -> None:
     ax.set_ylabel("perplexity")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)

@@ -454,8 +454,9 @@ def test_a_launched_run_ends_with_the_command_that_started_it_even_when_that_is_
 
 
 def test_report_table_and_json_carry_the_same_numbers(tmp_path, capsys):
+    log = [dict(step=4, loss=3.0, tokens=2048), dict(step=4, val_loss=2.5)]
     runs = {"Falcon-A": dict(status="done", steps=8, params=1000, tokens=4096, val_ppl=10.0, tokens_per_s=2000.0,
-                             peak_mem_bytes=2**31, log=[dict(step=4, loss=3.0, tokens=2048), dict(step=4, val_loss=2.5)]),
+                             peak_mem_bytes=2**31, log=log),
             "Base": dict(status="done", steps=8, params=990, tokens=4096, val_ppl=8.0, tokens_per_s=3000.0,
                          peak_mem_bytes=None),
             "Falcon-B": dict(status="partial", steps=3, planned_steps=8, params=1000, tokens=1536, val_ppl=30.0),

@@ -314,7 +314,9 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
     stopped_by = 0
     with StopSignals(True) as signals:
         for i, job in enumerate(jobs):
-            run_dir = os.path.join(args.out, _folder_name(f"{job['model']}-{job['strategy']}-n{job['gpus']}-s{job['seed']}"))
+            what = f"{job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}"
+            run_dir = os.path.join(args.out, _folder_name(f"{job['model']}-{job['strategy']}-n{job['gpus']}-"
+                                                          f"s{job['seed']}"))
             sets = run_sets(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
                             extra_sets=args.overrides)
             cmd = command(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
@@ -325,8 +327,7 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
             kept = kept_result(earlier.get(row["command"]), run_dir, load_config(job["config"], sets).to_dict(), commit)
             if kept is not None:
                 rows.append(kept)
-                print(f"[{i + 1}/{len(jobs)}] {job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}: "
-                      f"kept from the earlier sweep", flush=True)
+                print(f"[{i + 1}/{len(jobs)}] {what}: kept from the earlier sweep", flush=True)
                 continue
             rows.append(row)
             left = None if deadline_at is None else deadline_at - time.monotonic()
@@ -338,7 +339,7 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
                 stopped_by = signals.received
                 if stopped_by or (left is not None and left <= 0):
                     continue
-            print(f"[{i + 1}/{len(jobs)}] {job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}", flush=True)
+            print(f"[{i + 1}/{len(jobs)}] {what}", flush=True)
             log_path = run_dir + ".log"
             os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
             with open(log_path, "w") as log:
@@ -347,8 +348,9 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
             row["status"] = _status(code, log_path, stopped_by)
             summary = _read_summary(run_dir)
             if summary is not None and row["status"] == "done":
-                row.update(tokens_per_s=summary.get("tokens_per_s"), peak_mem_bytes_per_gpu=summary.get("peak_mem_bytes"),
-                           val_loss=summary.get("val_loss"), tokens=summary.get("tokens"), steps=summary.get("steps"))
+                row.update(tokens_per_s=summary.get("tokens_per_s"), val_loss=summary.get("val_loss"),
+                           peak_mem_bytes_per_gpu=summary.get("peak_mem_bytes"), tokens=summary.get("tokens"),
+                           steps=summary.get("steps"))
             efficiencies(rows)
             _write(args.results, rows, meta)
             print(f"    {row['status']}: tokens/s {row['tokens_per_s']}, val_loss {row['val_loss']}", flush=True)

@@ -90,8 +90,19 @@ def main(argv=None) -> int:
             p.error(f"--{name} must be at least {1 if name == 'steps' else 0}")
     if any(b < 1 for b in args.batch):
         p.error("--batch values must be at least 1")
+    from falcon_fwa.cli_options import resolve_device
+    from falcon_fwa.tasks.addition.lineup import resolve_model
     from falcon_fwa.tasks.addition.presets import get_addition_preset
     from falcon_fwa.tasks.addition.train import float32_matmul_precision
+    checks = (("--device", lambda: resolve_device(args.device)), ("--preset", lambda: get_addition_preset(args.preset)),
+              ("--models", lambda: [resolve_model(m) for m in args.models]))
+    for option, check in checks:
+        try:
+            check()
+        except ValueError as e:
+            p.error(str(e) if str(e).startswith(option) else f"{option}: {e}")
+    if args.profile < 0 or (args.threads is not None and args.threads < 1):
+        p.error(f"--profile must be >= 0 and --threads >= 1, got {args.profile} and {args.threads}")
     preset = get_addition_preset(args.preset)
     if args.threads:
         torch.set_num_threads(args.threads)

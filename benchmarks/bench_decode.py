@@ -84,6 +84,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="decode")
     args = p.parse_args(argv)
+    from falcon_fwa.cli_options import resolve_device
+    from falcon_fwa.models import get_preset
+
+    try:
+        args.device = resolve_device(args.device)
+        for preset in args.presets:
+            get_preset(preset)
+    except ValueError as e:
+        p.error(str(e) if str(e).startswith("--") else f"--presets: {e}")
+    if min(args.batch) < 1:
+        p.error(f"--batch values must be at least 1, got {args.batch}")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         p.error(f"--cuda-graphs needs a CUDA device, got --device {args.device}")
     for name, least in (("prompt", 1), ("new_tokens", 2), ("repeats", 1)):

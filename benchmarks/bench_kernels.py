@@ -543,6 +543,26 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
     return "\n".join(out) + "\n"
 
 
+def timing_row(op: str, shape, mode: str, ms: float, peak: int, commit: str, tag: Optional[str] = None) -> dict:
+    """One row of ``<name>.json``: ``{op, B, T, H, K, V, mode, ms, peak_mem_bytes, commit}``, ``window``
+    for the sliding ops (rules 3, 3A), ``process`` with ``--tag``."""
+    B, T, H, K, V = shape
+    row = dict(op=op, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=int(peak), commit=commit)
+    if op in SLIDING_OPS:
+        row["window"] = WINDOW
+    if tag:
+        row["process"] = tag
+    return row
+
+
+def decode_row(impl: str, rule: str, B: int, ms: float) -> dict:
+    """One ``--decode`` row: one decoding step of one layer's mixer op (``T`` = 1, no peak measured)."""
+    layers = DECODE_PRESET["layers"]
+    return dict(op=f"falcon-step-{impl}-{rule.lower()}", B=B, T=1, H=DECODE_PRESET["H"], K=DECODE_PRESET["K"],
+                V=DECODE_PRESET["V"], mode="decode", ms=round(ms, 4), peak_mem_bytes=0,
+                tokens_per_s_12_layers=round(B / (layers * ms / 1e3)))
+
+
 def _shape(row: dict) -> Tuple[int, int, int, int, int]:
     return row["B"], row["T"], row["H"], row["K"], row["V"]
 
@@ -582,10 +602,19 @@ def main(argv=None) -> None:
                    help="seconds one row may take before it is skipped and reported (checked between calls: "
                         "one call that hangs is not interrupted)")
     args = p.parse_args(argv)
-    if args.row_timeout <= 0:
-        p.error("--row-timeout must be positive")
+    if not args.row_timeout > 0:
+        p.error(f"--row-timeout must be positive, got {args.row_timeout}")
     if args.paired < 0:
         p.error(f"--paired must be >= 0 rounds, got {args.paired}")
+    unknown = [n for n in args.ops + args.profile if n not in OPS]
+    if unknown:
+        p.error(f"--ops/--profile: unknown op(s) {unknown}; choose from {list(OPS)}")
+    if any(not 0 <= i < len(SHAPES) for i in args.shapes):
+        p.error(f"--shapes takes indices 0 to {len(SHAPES) - 1} (into {SHAPES}), got {args.shapes}")
+    if any(n < 1 for s in args.shape or [] for n in s):
+        p.error(f"--shape sizes must be >= 1, got {args.shape}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU")
     notes = []
     if args.allow_fla_gated:
         lift_fla_gated_guard()
@@ -611,11 +640,8 @@ def main(argv=None) -> None:
                     traceback.print_exc()
                     torch.cuda.empty_cache()
                     continue
-                B, T, H, K, V = shape
-                rows.append(dict(op=name, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=peak,
-                                 commit=commit, **({"process": args.tag} if args.tag else {})))
-                if name in SLIDING_OPS:
-                    rows[-1]["window"] = WINDOW
+                B, T = shape[:2]
+                rows.append(timing_row(name, shape, mode, ms, peak, commit, args.tag))
                 graph = ""
                 if args.cudagraph:
                     try:
@@ -678,9 +704,7 @@ def main(argv=None) -> None:
                     except Exception as e:
                         errors.append(f"decode {impl} {rule} B={B}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                         continue
-                    rows.append(dict(op=f"falcon-step-{impl}-{rule.lower()}", B=B, T=1, H=DECODE_PRESET["H"],
-                                     K=DECODE_PRESET["K"], V=DECODE_PRESET["V"], mode="decode", ms=round(ms, 4),
-                                     peak_mem_bytes=0, tokens_per_s_12_layers=round(B / (layers * ms / 1e3))))
+                    rows.append(decode_row(impl, rule, B, ms))
                     print(f"decode {impl:6s} rule {rule:2s} B={B:3d}: {ms * 1e3:8.1f} us/step/layer", flush=True)
         notes.append(f"decode rows: one step of one Falcon layer's mixer op (H={DECODE_PRESET['H']}, K=V=128, "
                      f"the 130M presets), state carried, no gradients; tokens/s counts {layers} such layers and "
@@ -690,7 +714,7 @@ def main(argv=None) -> None:
         _atomic_write(os.path.join(args.out, f"{args.name}-autotune.json"), json.dumps(picks, indent=1) + "\n")
     for e in errors:
         print(f"failed: {e}", file=sys.stderr, flush=True)
-    if (args.ops and args.shapes) or args.decode:
+    if (args.ops and shapes) or args.decode:
         _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
         _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
     # else nothing was timed (e.g. ``--ops --profile OP``): the rows of an earlier run under this name stay

@@ -58,10 +58,24 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=4)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="cuda or cuda:N (triton.testing.do_bench times CUDA devices)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="short-prompts")
     args = p.parse_args(argv)
+    for option, values, least in (("--batch", args.batch, 1), ("--lengths", args.lengths, 1),
+                                  ("--heads", [args.heads], 1), ("--head-dim", [args.head_dim], 1),
+                                  ("--window", [args.window], 1)):
+        if min(values) < least:
+            p.error(f"{option} must be at least {least}, got {values}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_short_prompts.py needs a CUDA GPU")
+    if not args.device.startswith("cuda"):
+        p.error(f"--device must be a CUDA device (cuda or cuda:N), got {args.device!r}")
+    try:
+        from falcon_fwa.cli_options import resolve_device
+        resolve_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     from triton.testing import do_bench
 
     from falcon_fwa import falcon_attention

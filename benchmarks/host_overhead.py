@@ -14,6 +14,7 @@ by the host: its median measures Python and launch overhead, not the kernels.
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -22,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 
 try:  # time fla's gated kernels on this Triton, as bench_kernels.py --allow-fla-gated does
@@ -37,12 +38,14 @@ OPS = {"fla-simple-gla": bk.OPS["fla-simple-gla"], "falcon-1a": bk.falcon_triton
        "falcon-core-1a": bk.falcon_core}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS), help="rows, in this order")
     p.add_argument("--profile", nargs="*", choices=list(OPS), default=["falcon-1a", "fla-simple-gla"],
                    help="rows whose host side is profiled with cProfile")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("host_overhead.py needs a CUDA GPU")
     for name in args.ops:
         fn, leaves = OPS[name](*SHAPE)
         do = torch.randn_like(fn().detach())

@@ -87,7 +87,7 @@ def breakdown(name: str, shape) -> dict:
     return dict(op=name, shape=list(shape), peak_bytes=peak, groups=rows)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", nargs="+", required=True, help=f"ops of bench_kernels ({', '.join(OPS)})")
     p.add_argument("--shape", type=int, default=0, help="index into bench_kernels.SHAPES")
@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--allow-fla-gated", action="store_true",
                    help="lift fla's refusal of its gated backward on Triton 3.4-3.7.0 (as in bench_kernels.py; "
                         "its memory stands, its gradients are not checked)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("memory_breakdown.py needs a CUDA GPU")
     if a.allow_fla_gated:

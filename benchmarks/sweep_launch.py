@@ -118,7 +118,7 @@ def rel(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
     return max(float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(a, b))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", required=True, help=f"one of {', '.join(OPS)}")
     p.add_argument("--table", required=True, help="module.ATTR[.key] under falcon_fwa.ops.triton")
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--shape", nargs=5, type=int, default=list(SHAPES[0]), metavar=("B", "T", "H", "K", "V"),
                    help=f"the op's shape (default: the first benchmark shape, {SHAPES[0]})")
     p.add_argument("--out", default=".")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("sweep_launch.py needs a CUDA GPU")
     if a.op not in OPS:

@@ -145,10 +145,11 @@ def test_decode_benchmark_tiny_model(tmp_path):
     torch_rows = [r for r in rows if r["impl"] == "torch"]
     assert all(r["same_tokens"] and r["max_logit_diff"] < 1e-3 for r in torch_rows)  # fused step == PyTorch step
     assert "| tiny-falcon | torch | 3 |" in (tmp_path / "d.md").read_text()
-    with pytest.raises(SystemExit):
-        bench_decode.main(["--new-tokens", "1"])
-    with pytest.raises(SystemExit):
-        bench_decode.main(["--cuda-graphs", "--device", "cpu"])
+    for bad in (["--new-tokens", "1"], ["--cuda-graphs", "--device", "cpu"], ["--device", "tpu"], ["--batch", "0"],
+                ["--presets", "tiny-nope"]) + ((["--device", "cuda"],) if not torch.cuda.is_available() else ()):
+        with pytest.raises(SystemExit) as exit_:
+            bench_decode.main(bad)
+        assert exit_.value.code == 2, bad  # argparse's one-line error, no traceback
 
 
 def test_decode_matches_generate():
@@ -245,8 +246,23 @@ def test_addition_step_timer_tiny(tmp_path):
     assert [(r["batch"], r["matmul_precision"]) for r in rows] == [(4, "highest"), (4, "high")]  # side by side
     # tiny trains on widths 1-5: a sample is 3n + 4 <= 19 tokens, padded to the batch's longest
     assert all(r["batch"] * 7 <= r["tokens_per_step"] <= r["batch"] * 19 for r in rows)
-    with pytest.raises(SystemExit):
-        bench_addition_step.main(["--batch", "0"])
+    for bad in (["--batch", "0"], ["--device", "tpu"], ["--models", "Nope"], ["--preset", "nope"],
+                ["--profile", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench_addition_step.main(bad)
+        assert exit_.value.code == 2, bad
+
+
+@pytest.mark.parametrize("script", ["bench_short_prompts", "host_overhead", "bench_read_norm", "bench_wy_forward",
+                                    "memory_breakdown", "sweep_launch"])
+def test_gpu_only_scripts_say_so_in_one_line_on_a_cpu_machine(script, monkeypatch, tmp_path):
+    import importlib
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module(script)
+    argv = {"bench_wy_forward": ["--out", str(tmp_path)], "memory_breakdown": ["--ops", "falcon-3"],
+            "sweep_launch": ["--op", "falcon-3", "--table", "delta.SCALAR_LAUNCH.grouped", "--kernels", "dqk_bwd"]}
+    with pytest.raises(SystemExit, match=f"^{script}.py needs a CUDA GPU$"):
+        module.main(argv.get(script, []))
 
 
 def test_autotune_picks_reads_through_heuristics_and_skips_kernels_not_run(monkeypatch):
@@ -320,6 +336,7 @@ def test_profile_only_run_keeps_the_rows_of_an_earlier_run(tmp_path, monkeypatch
     monkeypatch.setattr(bk, "_versions", lambda: dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p"))
     monkeypatch.setattr(bk, "autotune_picks", lambda prefix="fla": {})
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bk, "measure", lambda build, shape, mode: (1.0 if mode == "fwd" else 2.0, 100))
     monkeypatch.setattr(bk, "profile", lambda name, shape, iters=5: [dict(op=name, kernel="k", calls=1, ms=1.0)])
     out = str(tmp_path)
@@ -332,6 +349,62 @@ def test_profile_only_run_keeps_the_rows_of_an_earlier_run(tmp_path, monkeypatch
     assert json.loads((tmp_path / "h200.json").read_text()) == rows
     assert (tmp_path / "h200.md").read_text() == md
     assert json.loads((tmp_path / "h200-profile-falcon-1.json").read_text())[0]["kernel"] == "k"
+
+
+SPEC_KEYS = {"op", "B", "T", "H", "K", "V", "mode", "ms", "peak_mem_bytes"}  # what every row of <name>.json holds
+
+
+def test_kernel_rows_carry_the_keys_of_the_benchmark_spec_and_the_window_of_the_sliding_rules():
+    import re
+
+    import bench_kernels as bk
+    for op in bk.OPS:
+        for mode in ("fwd", "fwdbwd"):
+            row = json.loads(json.dumps(bk.timing_row(op, (2, 64, 3, 16, 32), mode, 1.234567, 4096, "abc")))
+            assert SPEC_KEYS <= set(row) and "process" not in row
+            assert (row["op"], row["B"], row["T"], row["H"], row["K"], row["V"], row["mode"]) == (
+                op, 2, 64, 3, 16, 32, mode)
+            assert row["ms"] == 1.2346 and row["peak_mem_bytes"] == 4096 and row["commit"] == "abc"
+            sliding = re.match(r"(falcon|torch-chunk)-3", op, flags=re.I) is not None  # rules 3 and 3A
+            assert ("window" in row) == sliding and row.get("window", bk.WINDOW) == bk.WINDOW, op
+    assert bk.timing_row("sdpa", bk.SHAPES[0], "fwd", 1.0, 0, "abc", tag="run-1")["process"] == "run-1"
+    # a decoding row: one token of one layer; 12 layers at 0.5 ms a step give B / 6 ms tokens per second
+    row = bk.decode_row("triton", "1A", 64, 0.5)
+    assert SPEC_KEYS <= set(row) and row["op"] == "falcon-step-triton-1a" and row["T"] == 1
+    assert row["mode"] == "decode" and row["tokens_per_s_12_layers"] == round(64 / 0.006)
+
+
+def test_kernel_benchmark_writes_spec_rows(tmp_path, monkeypatch):
+    import bench_kernels as bk
+    monkeypatch.setattr(bk, "_versions", lambda: dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p"))
+    monkeypatch.setattr(bk, "autotune_picks", lambda prefix="fla": {})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bk, "measure", lambda build, shape, mode: (1.5, 2**20))
+    bk.main(["--out", str(tmp_path), "--name", "n", "--shape", "1", "64", "2", "16", "16", "--ops", "falcon-3a",
+             "fla-simple-gla", "--commit", "x"])
+    rows = json.loads((tmp_path / "n.json").read_text())
+    assert [(r["op"], r["mode"]) for r in rows] == [("fla-simple-gla", "fwd"), ("fla-simple-gla", "fwdbwd"),
+                                                    ("falcon-3a", "fwd"), ("falcon-3a", "fwdbwd")]
+    assert all(SPEC_KEYS <= set(r) and (r["B"], r["T"], r["ms"], r["peak_mem_bytes"]) == (1, 64, 1.5, 2**20)
+               for r in rows)
+    assert [r.get("window") for r in rows] == [None, None, bk.WINDOW, bk.WINDOW]
+    md = (tmp_path / "n.md").read_text()
+    assert "| falcon-3a (window 4) | 1 | 64 | 2 | 16 | 16 | fwdbwd | 1.500 | 1 |" in md
+
+
+def test_kernel_benchmark_on_a_cpu_machine_says_it_needs_cuda_in_one_line(tmp_path, monkeypatch, capsys):
+    import bench_kernels as bk
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="^bench_kernels.py needs a CUDA GPU$"):
+        bk.main(["--out", str(tmp_path), "--ops", "falcon-1"])
+    for bad in (["--shapes", "2"], ["--ops", "falcon-9"], ["--profile", "nope"], ["--row-timeout", "nan"],
+                ["--shape", "0", "64", "2", "16", "16"]):
+        with pytest.raises(SystemExit) as exit_:
+            bk.main(["--out", str(tmp_path)] + bad)
+        assert exit_.value.code == 2, bad
+        assert bad[0] in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_short_prompt_crossover_and_report():

@@ -134,7 +134,6 @@ def run(args: argparse.Namespace) -> Dict:
               "limits": {"time_s_per_call": args.time_limit, "memory_gib": args.memory_limit_gib,
                          "repeats": args.repeats},
               "cells": []}
-    json_path = os.path.join(args.out, args.name + ".json")
     cells = [(r, T, f, m) for r in args.rules for T in args.seq_lens for f in FORMS for m in MODES]
     last: Dict[tuple, tuple] = {}  # (rule, form, mode) -> (T, median seconds)
     for rule, T, form, mode in tqdm(cells, desc="cells", unit="cell"):
@@ -156,11 +155,17 @@ def run(args: argparse.Namespace) -> Dict:
             cell["median_s"] = statistics.median(times)
             last[(rule, form, mode)] = (T, cell["median_s"])
         report["cells"].append(cell)
-        _atomic_write(json_path, json.dumps(report, indent=1))
-    report["summary"] = _summary(report, args)
-    _atomic_write(json_path, json.dumps(report, indent=1))
-    _atomic_write(os.path.join(args.out, args.name + ".md"), _markdown(report, args))
+        _write(report, args)
+    _write(report, args)
     return report
+
+
+def _write(report: Dict, args: argparse.Namespace) -> None:
+    """Both files, from the cells timed so far (a killed run leaves a table of what it timed, never
+    the table of an earlier run beside its own cells)."""
+    report["summary"] = _summary(report, args)
+    _atomic_write(os.path.join(args.out, args.name + ".json"), json.dumps(report, indent=1))
+    _atomic_write(os.path.join(args.out, args.name + ".md"), _markdown(report, args))
 
 
 def _median(report, rule, T, form, mode) -> Optional[float]:
@@ -218,7 +223,7 @@ def _markdown(report, args) -> str:
             row = [rule, str(T)]
             for mode in MODES:
                 for form in FORMS:
-                    c = cells[(rule, T, form, mode)]
+                    c = cells.get((rule, T, form, mode), {})
                     row.append(_fmt(c.get("median_s"), c))
             sp = [speed.get(f"{rule}/{mode}/T={T}") for mode in MODES]
             row.append(" / ".join("-" if x is None else f"{x:.1f}x" for x in sp))
@@ -268,6 +273,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default="cpu_forms")
     args = p.parse_args(argv)
+    for option, value, least in (("--seq-lens", min(args.seq_lens), 1), ("--batch", args.batch, 1),
+                                 ("--heads", args.heads, 1), ("--head-dim", args.head_dim, 1),
+                                 ("--window", args.window, 1), ("--chunk-size", args.chunk_size, 1),
+                                 ("--repeats", args.repeats, 1), ("--threads", args.threads, 0)):
+        if value < least:
+            p.error(f"{option} must be at least {least}, got {value}")
+    for option, value in (("--cell-budget", args.cell_budget), ("--time-limit", args.time_limit),
+                          ("--memory-limit-gib", args.memory_limit_gib)):
+        if not value > 0:
+            p.error(f"{option} must be positive, got {value}")
+    args.seq_lens = list(dict.fromkeys(args.seq_lens))
+    args.rules = list(dict.fromkeys(args.rules))
     report = run(args)
     _print_summary(report, args)
     return 0

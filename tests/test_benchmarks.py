@@ -473,3 +473,47 @@ def test_kernel_resources_sees_the_gpu_block_sizes_of_the_element_wise_kernels(m
     assert not launch.interpreted(x)
     source = open(os.path.join(ROOT, "benchmarks", "kernel_resources.py")).read()
     assert "launch.COMPILE_FOR_GPU = True" in source
+
+
+def test_forms_benchmark_on_tiny_shapes_and_a_killed_run_leaves_its_own_table(tmp_path, monkeypatch):
+    import bench_forms_cpu as bf
+    argv = ["--seq-lens", "8", "16", "--rules", "1A", "3A", "--heads", "1", "--head-dim", "4", "--chunk-size", "4",
+            "--repeats", "1", "--out", str(tmp_path), "--name", "f"]
+    assert bf.main(argv) == 0
+    report = json.loads((tmp_path / "f.json").read_text())
+    md = (tmp_path / "f.md").read_text()
+    assert len(report["cells"]) == 2 * 2 * 3 * 2 and all(len(c["times_s"]) == 1 for c in report["cells"])
+    for c in report["cells"]:  # the table shows each cell's median, in ms
+        assert bf._fmt(c["median_s"], c) in md.split(f"| {c['rule']} | {c['T']} |")[1].split("\n")[0]
+    speed = report["summary"]["speedup_chunk_over_recurrent"]["1A/fwdbwd/T=16"]
+    cell = {(c["rule"], c["T"], c["form"], c["mode"]): c["median_s"] for c in report["cells"]}
+    assert speed == cell[("1A", 16, "recurrent", "fwdbwd")] / cell[("1A", 16, "chunk", "fwdbwd")]
+
+    calls = []
+    real = bf._time_cell
+
+    def killed_at_the_third_cell(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bf, "_time_cell", killed_at_the_third_cell)
+    with pytest.raises(KeyboardInterrupt):
+        bf.main(argv)
+    report = json.loads((tmp_path / "f.json").read_text())
+    md = (tmp_path / "f.md").read_text()
+    assert len(report["cells"]) == 2  # the new run's two cells, in both files; none of the earlier run's
+    rec_fwd, rec_fwdbwd = (bf._fmt(c["median_s"], c) for c in report["cells"])  # the recurrent form's cells
+    assert f"| 1A | 8 | {rec_fwd} | - | - | {rec_fwdbwd} | - | - | - / - |" in md
+    assert "| 3A | 16 | - | - | - | - | - | - | - / - |" in md
+
+
+def test_forms_benchmark_refuses_bad_sizes_in_one_line(tmp_path, capsys):
+    import bench_forms_cpu as bf
+    for bad in (["--repeats", "0"], ["--seq-lens", "0"], ["--chunk-size", "0"], ["--head-dim", "0"],
+                ["--threads", "-1"], ["--cell-budget", "0"], ["--time-limit", "nan"]):
+        with pytest.raises(SystemExit) as exit_:
+            bf.main(bad + ["--out", str(tmp_path)])
+        assert exit_.value.code == 2 and bad[0] in capsys.readouterr().err, bad
+    assert not list(tmp_path.iterdir())

@@ -33,13 +33,21 @@ def main(argv=None) -> int:
                         "wy_inverse, whichever the table names)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    try:
+        warps = [tuple(int(w) for w in spec.split(",")) for spec in args.warps]
+    except ValueError:
+        warps = []
+    if not warps or any(len(w) != 2 or min(w) < 1 for w in warps):
+        p.error(f"--warps takes FORWARD,WY_BWD pairs of warp counts such as 4,8, got {args.warps}")
+    for option, value in (("--shape", min(args.shape)), ("--window", args.window), ("--chunk-size", args.chunk_size)):
+        if value < 1:
+            p.error(f"{option} sizes must be at least 1, got {value}")
     import kernel_checks as kc  # switches the interpreter on without CUDA, before triton is imported
     from falcon_fwa.ops.triton import delta
 
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
-    for spec in args.warps:
-        fwd, bwd = (int(w) for w in spec.split(","))
+    for fwd, bwd in warps:
         for entry in delta.WY_FWD_LAUNCH.values():
             entry["wy_fwd" if "wy_fwd" in entry else "wy_inverse"]["num_warps"] = fwd
         delta.WY_WARPS.update(wy_bwd=bwd)  # four-byte inputs; the 16-bit tables name their own warps

@@ -125,6 +125,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         p.error("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")
+    for option, value in (("--dims", min(args.dims)), ("--chunk-sizes", min(args.chunk_sizes)),
+                          ("--window", args.window), ("--limit", 1 if args.limit is None else args.limit)):
+        if value < 1:
+            p.error(f"{option} must be at least 1, got {value}")
     limit = args.limit if args.limit is not None else SHARED_LIMIT.get(args.arch)
     if limit is None:
         p.error(f"--arch {args.arch}: no known shared-memory limit; give --limit")

@@ -517,3 +517,19 @@ def test_forms_benchmark_refuses_bad_sizes_in_one_line(tmp_path, capsys):
             bf.main(bad + ["--out", str(tmp_path)])
         assert exit_.value.code == 2 and bad[0] in capsys.readouterr().err, bad
     assert not list(tmp_path.iterdir())
+
+
+def test_diagnosis_and_resource_scripts_refuse_bad_sizes_before_any_kernel(tmp_path, monkeypatch, capsys):
+    import diagnose_kernels
+    import kernel_resources
+    for bad in (["--warps", "4"], ["--warps", "4,x"], ["--warps", "0,4"], ["--shape", "0", "8", "1", "8", "8"],
+                ["--chunk-size", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            diagnose_kernels.main(bad + ["--out", str(tmp_path / "d.json")])
+        assert exit_.value.code == 2 and bad[0] in capsys.readouterr().err, bad
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (its own refusal comes first)
+    for bad in (["--dims", "0"], ["--chunk-sizes", "0"], ["--window", "0"], ["--limit", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            kernel_resources.main(bad + ["--out", str(tmp_path / "r.json")])
+        assert exit_.value.code == 2 and bad[0] in capsys.readouterr().err, bad
+    assert not list(tmp_path.iterdir())

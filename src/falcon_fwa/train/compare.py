@@ -5,7 +5,7 @@ perplexity, tokens/s and peak memory of each.
 
 The recipes train one after another in this process, each alone on the device (so its
 tokens/s and peak memory are its own), each from scratch in ``OUT/main/NAME`` (an earlier run
-there is replaced). ``--concurrent`` starts them all at once as separate processes instead
+there is replaced, unless this command would train the very same: see the end). ``--concurrent`` starts them all at once as separate processes instead
 (only sensible where one model leaves the device mostly idle).
 
 Step count: every recipe trains for the same number of steps (the same tokens), with learning-

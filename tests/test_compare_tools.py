@@ -394,6 +394,11 @@ def test_relaunch_keeps_the_recipes_finished_with_the_same_settings_and_trains_t
     assert "kept" not in report["runs"]["second"] and report["runs"]["second"]["steps"] == 4
     assert compare_report.result_rows(report)[0]["val_ppl"] == first["val_ppl"]
 
+    trained.clear()  # the same settings on another machine: its speeds are not this one's
+    monkeypatch.setattr(compare, "device_description", lambda: "1 x Other GPU")
+    code, out = run_compare(tmp_path, presets, "--steps", "4")
+    assert trained == ["first", "second"] and load(out)["device"] == "1 x Other GPU"
+
     trained.clear()  # other settings: nothing of the earlier launches is taken along
     code, out = run_compare(tmp_path, presets, "--steps", "6")
     report = load(out)

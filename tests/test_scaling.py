@@ -141,6 +141,11 @@ def test_a_relaunched_sweep_keeps_the_finished_runs_and_only_those_of_the_same_s
     assert rows[:2] == before  # the kept rows, as the first launch wrote them
     assert [r["tokens_per_s"] for r in rows] == [100.0, 200.0, 100.0]  # the first launch's rates, then the new one
     assert rows[2]["efficiency"] == pytest.approx(100.0 / (2 * 150.0))  # against the kept one-process runs
+    assert {r["device"] for r in rows} == {scaling.device_description()}
+    # the same settings on another machine: every run goes again
+    monkeypatch.setattr(scaling, "device_description", lambda: "2 x Other GPU")
+    rc, launched = _fake_sweep(tmp_path, monkeypatch, argv)
+    assert rc == 0 and len(launched) == 3
     # other settings (more steps): every run goes again, nothing of the earlier sweep is kept
     rc, launched = _fake_sweep(tmp_path, monkeypatch, [a if a != "3" else "4" for a in argv])
     assert rc == 0 and len(launched) == 3 and {r["steps"] for r in json.load(open(results + ".json"))} == {4}

@@ -33,7 +33,8 @@ it ends: ``status`` gives every recipe's state (pending, running, done, partial,
 not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress.
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
 finished (``done``) with the very recipe this launch would train (the same step count, overrides and
-recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit: it is not trained
+recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit, on the same kind of
+machine (``device``): it is not trained
 again and its run says ``"kept": true``. Every other recipe trains afresh, so the results never mix
 runs of other settings. (A calibrated step count is measured anew, so it rarely matches; the
 ``--concurrent`` runs always train afresh, their speeds depending on what runs beside them.)
@@ -246,6 +247,17 @@ def end_with_parent():
     return preexec
 
 
+def device_description() -> str:
+    """What trains here: ``"2 x NVIDIA H200"`` (the CUDA devices), else ``"CPU (16 cores, gloo)"``."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    except ImportError:
+        pass
+    return f"CPU ({os.cpu_count()} cores, gloo)"
+
+
 def kept_result(earlier: Optional[dict], run_dir: str, config: dict, commit: Optional[str]) -> Optional[dict]:
     """``earlier`` (a finished run's result, status done) if ``run_dir`` still holds its ``summary.json``,
     of this ``config`` (``RunConfig.to_dict()`` of the recipe about to train there) at this ``commit``;
@@ -437,11 +449,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} is in use by another falcon-fwa compare") from None
 
 
-def _earlier_runs(path: str, configs: dict) -> dict:
-    """The finished runs (name -> result) of an earlier launch's results file at ``path``, of the names
-    that stand for the same recipe files now (``configs``: name -> file)."""
+def _earlier_runs(path: str, configs: dict, device: str) -> dict:
+    """The finished runs (name -> result) of an earlier launch's results file at ``path`` on this ``device``,
+    of the names that stand for the same recipe files now (``configs``: name -> file)."""
     try:
         report = read_json(path)
+        if report.get("device") != device:  # timed on another machine
+            return {}
         return {n: r for n, r in report["runs"].items() if report["status"].get(n) == "done"
                 and report["configs"].get(n) == configs.get(n, "") and isinstance(r, dict)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -460,8 +474,9 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     results_path = args.results or os.path.join(args.out, "compare.json")
     report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
               "time_budget_s": args.time_budget, "tokens_per_step": first.train.global_batch * d.seq_len,
-              "status": {n: "pending" for n in names}, "runs": {}, "finished": False}
-    earlier = {} if args.concurrent else _earlier_runs(results_path, report["configs"])
+              "status": {n: "pending" for n in names}, "runs": {}, "finished": False,
+              "device": device_description()}
+    earlier = {} if args.concurrent else _earlier_runs(results_path, report["configs"], report["device"])
 
     def save() -> None:
         report["wall_s"] = _clock() - started

@@ -24,7 +24,7 @@ falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
 After every run, ``RESULTS.json`` (rows: ``model``, ``strategy``, ``gpus``, ``seed``,
 ``tokens_per_s``, ``efficiency``, ``peak_mem_bytes_per_gpu``, ``val_loss``, ``tokens``,
-``steps``, ``status``, ``command``) and ``RESULTS.md`` are rewritten, so an interrupted sweep
+``steps``, ``status``, ``command``, ``device``) and ``RESULTS.md`` are rewritten, so an interrupted sweep
 keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
 progress (the launcher and its workers: the whole process group). A SIGTERM or SIGINT stops the run
 in progress the same way (``stopped: SIGTERM``), starts no other and ends the command with status
@@ -32,8 +32,8 @@ in progress the same way (``stopped: SIGTERM``), starts no other and ends the co
 run goes on training unseen. One sweep runs in an ``--out`` folder at a time.
 
 Launched again with the same options, a sweep keeps the runs that finished before (``done`` in
-``RESULTS.json``, with the same command, whose ``summary.json`` in the run folder holds the recipe
-that command trains and the current commit) and runs the others afresh: an interrupted sweep goes
+``RESULTS.json``, with the same command, on the same kind of machine (the row's ``device``), whose
+``summary.json`` in the run folder holds the recipe that command trains and the current commit) and runs the others afresh: an interrupted sweep goes
 on where it stopped, and no row of other settings or code is taken along.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Dict, List, Optional
 from ..atomic import folder_lock, read_json, write_json, write_text
 from ..cli_options import finite_at_least
 from ..provenance import git_commit
-from .compare import check_run_names, end_with_parent, kept_result
+from .compare import check_run_names, device_description, end_with_parent, kept_result
 from .config import assign_text, load_config
 from .launch import StopSignals
 
@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     first = load_config(args.configs[0], args.overrides)
     micro = args.micro_batch or first.train.micro_batch
     global_batch = shared_global_batch(micro, args.gpus)
-    meta = dict(machine=args.machine or _machine(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
+    meta = dict(machine=args.machine or device_description(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len,
                 warmup_steps=args.warmup_steps, warmup=[])
     try:
@@ -308,7 +308,7 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
     env = launch_env(os.environ)
     meta["omp_num_threads"] = env["OMP_NUM_THREADS"]
-    earlier, commit = _earlier_rows(args.results), git_commit(short=False)
+    earlier, commit, device = _earlier_rows(args.results), git_commit(short=False), device_description()
     rows: List[dict] = []
     jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
     stopped_by = 0
@@ -323,8 +323,10 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
                           extra_sets=args.overrides)
             row = dict(model=job["model"], strategy=job["strategy"], gpus=job["gpus"], seed=job["seed"],
                        tokens_per_s=None, efficiency=None, peak_mem_bytes_per_gpu=None, val_loss=None, tokens=None,
-                       steps=None, status="not run", command=" ".join(shlex.quote(c) for c in cmd))
-            kept = kept_result(earlier.get(row["command"]), run_dir, load_config(job["config"], sets).to_dict(), commit)
+                       steps=None, status="not run", command=" ".join(shlex.quote(c) for c in cmd), device=device)
+            same = earlier.get(row["command"])
+            same = same if same is not None and same.get("device") == device else None  # timed on this machine
+            kept = kept_result(same, run_dir, load_config(job["config"], sets).to_dict(), commit)
             if kept is not None:
                 rows.append(kept)
                 print(f"[{i + 1}/{len(jobs)}] {what}: kept from the earlier sweep", flush=True)
@@ -381,16 +383,6 @@ def _status(code: Optional[int], log_path: str, stopped_by: int = 0) -> str:
     if code is None:
         return f"stopped: {signal.Signals(stopped_by).name}" if stopped_by else "stopped: deadline"
     return "done" if code == 0 else f"failed (exit {code}, {log_path})"
-
-
-def _machine() -> str:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
-    except ImportError:
-        pass
-    return f"CPU ({os.cpu_count()} cores, gloo)"
 
 
 def main(argv=None) -> int:

@@ -213,3 +213,35 @@ def test_a_checkpoint_of_an_earlier_version_resumes_where_results_json_agrees_an
     (out / "results.json").write_text(json.dumps(res))
     assert _run(out, "--steps", "3") == 0
     assert [h["step"] for h in json.loads((out / "results.json").read_text())["history"]] == [1, 2, 3]
+
+
+def test_a_killed_compare_leaves_no_run_training(tmp_path):
+    """SIGKILL to addition-compare (which can pass nothing on): its run gets a SIGTERM all the same
+    (``end_with_parent``), stops at a step with a consistent checkpoint, and lets go of its folder."""
+    import sys
+
+    run_dir = tmp_path / "runs" / "Transformer" / "seed0"
+    cmd = [sys.executable, "-m", "falcon_fwa.cli", "addition-compare", "--models", "Transformer", "--steps", "1000000",
+           "--eval-every", "5", "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"), *SMALL[:-1]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "results.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)  # the run has evaluated (at step 5) and trains on
+        assert proc.poll() is None and (run_dir / "results.json").exists()
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with folder_lock(run_dir, train.LOCK_NAME, wait=False):
+                    break
+            except BlockingIOError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the run still trains a minute after its command was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    res, _, ckpt = _state(run_dir)
+    assert ckpt["step"] == res["steps_done"] >= 5 and res["signal"] == "SIGTERM"

@@ -435,7 +435,7 @@ def test_a_launched_run_ends_with_the_command_that_started_it_even_when_that_is_
     pid_file = tmp_path / "child.pid"
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from falcon_fwa.train.compare import end_with_parent\n"
+        "from falcon_fwa.train.launch import end_with_parent\n"
         "child = subprocess.Popen(['sleep', '60'], preexec_fn=end_with_parent())\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n")])

@@ -47,7 +47,6 @@ import gc
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from ..atomic import folder_lock, read_json, write_json
 from ..cli_options import at_least, finite_at_least
 from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
+from .launch import device_description, end_with_parent
 from .logger import read_log
 
 _clock = time.monotonic  # every time in this module comes from here
@@ -226,36 +226,6 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
         if os.path.isfile(log_path):
             result["log"] = read_log(log_path)
         yield name, status, result
-
-
-def end_with_parent():
-    """A ``preexec_fn`` for a child process: the child is sent SIGTERM when the process that started it
-    ends, also by SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), so that no run outlives the
-    command that launched it."""
-    parent = os.getpid()
-
-    def preexec() -> None:
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # the parent ended before the setting took
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
-def device_description() -> str:
-    """What trains here: ``"2 x NVIDIA H200"`` (the CUDA devices), else ``"CPU (16 cores, gloo)"``."""
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
-    except ImportError:
-        pass
-    return f"CPU ({os.cpu_count()} cores, gloo)"
 
 
 def kept_result(earlier: Optional[dict], run_dir: str, config: dict, commit: Optional[str]) -> Optional[dict]:

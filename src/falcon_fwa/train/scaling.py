@@ -52,9 +52,9 @@ from typing import Dict, List, Optional
 from ..atomic import folder_lock, read_json, write_json, write_text
 from ..cli_options import finite_at_least
 from ..provenance import git_commit
-from .compare import check_run_names, device_description, end_with_parent, kept_result
+from .compare import check_run_names, kept_result
 from .config import assign_text, load_config
-from .launch import StopSignals
+from .launch import StopSignals, device_description, end_with_parent
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STRATEGIES = ("ddp", "fsdp2")

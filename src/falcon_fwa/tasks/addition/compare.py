@@ -39,7 +39,7 @@ from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
 from .train import (check_same_setup, check_same_task, held_task, runs_folder, sample_fields, task_fields,
                     task_suffixes)
-from ...train.launch import StopSignals
+from ...train.launch import StopSignals, end_with_parent
 from ...atomic import read_json, write_json, write_text
 
 
@@ -144,7 +144,8 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
     A SIGTERM or SIGINT is passed on to the runs in progress (each stops at the end of its step with a
     checkpoint) and waited for; nothing more is started. The runs are started in sessions of their own,
     so that a Ctrl-C at a terminal reaches them once, through this command. Should this command end
-    otherwise (a second SIGINT, an error), the runs still going are killed: none trains on unseen."""
+    otherwise (a second SIGINT, an error), the runs still going are killed; should it be killed itself
+    (SIGKILL), each run gets a SIGTERM and stops at its checkpoint: none trains on unseen."""
     from tqdm.auto import tqdm
 
     # seed-major order: every model's first seed is trained before any second seed
@@ -190,7 +191,7 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
                     out.mkdir(parents=True, exist_ok=True)
                     logf = open(out / "log.txt", "a")
                     proc = subprocess.Popen(_command(args, model, seed, out), stdout=logf, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=end_with_parent())
                     running.append((proc, model, seed, logf))
                 time.sleep(1.0)
                 for item in list(running):

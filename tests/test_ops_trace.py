@@ -114,3 +114,21 @@ def test_trace_on_the_kernels_is_the_float64_trace(rule):
     assert (trace.prediction.cpu().double() - ref.prediction).abs().max() <= 1e-4 * scale
     assert torch.allclose(trace.eta.cpu().double(), ref.eta, rtol=1e-5, atol=1e-7)
     assert torch.equal(trace.valid.cpu(), ref.valid)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rule", ["1", "2A", "3"])
+def test_a_half_precision_trace_is_the_float32_trace(rule, dtype):
+    """bfloat16 and float16 inputs are traced in float32, the compute dtype the trace reports: the
+    predictions (and so the residuals and losses) are not rounded to the inputs' dtype on the way,
+    and equal the float64 trace of the same values within float32 rounding (the inputs' rounding,
+    2^-8 for bfloat16, would be 1e-3 here)."""
+    inp = random_inputs(rule, T=17, with_gate=True, seed=12, dtype=dtype)
+    inp.pop("q")
+    trace = falcon_trace(**inp, rule=rule, window=3)
+    ref = falcon_trace(**{n: t.double() for n, t in inp.items()}, rule=rule, window=3)
+    assert trace.prediction.dtype == trace.loss.dtype == torch.float32
+    scale = ref.prediction.abs().max()
+    assert (trace.prediction.double() - ref.prediction).abs().max() <= 1e-5 * scale
+    valid = ref.valid
+    assert torch.allclose(trace.loss[valid].double(), ref.loss[valid], rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ learner does at every step ``t`` and head:
   from its key before storing it).
 
 The step sizes come from the same code as the op's; the predictions are one more call of the op
-(``read="before"`` at the queries ``x_t``), on the same backend.
+(``read="before"`` at the queries ``x_t``), on the same backend, with the inputs in the compute dtype.
 """
 from __future__ import annotations
 
@@ -104,11 +104,14 @@ def falcon_trace(
     held = log_carry(torch.tensor(1.0 - decay_floor, dtype=dt, device=log_gamma.device), decay_floor)
     clamped = batch_first(log_gamma <= held)
 
-    x = side.x.transpose(1, 2).to(k.dtype)  # the write features as queries, read before the step
-    p, _ = falcon_attention(x, k, v, beta, lam, rule=rule, window=window, chunk_size=chunk_size, eps=eps,
-                            decay_floor=decay_floor, shift=shift, normalize=normalize, log_gate=log_gate,
-                            read="before", scale_ridge=scale_ridge, initial_state=initial_state, backend=backend)
-    prediction = p.to(dt)
+    # the write features as queries, read before the step; every input in the compute dtype, so that the
+    # op's output (in v's dtype) is not rounded to bfloat16 or float16 on the way
+    x = side.x.transpose(1, 2)
+    prediction, _ = falcon_attention(x, *(t.to(dt) for t in (k, v, beta, lam)), rule=rule, window=window,
+                                     chunk_size=chunk_size, eps=eps, decay_floor=decay_floor, shift=shift,
+                                     normalize=normalize, log_gate=None if log_gate is None else log_gate.to(dt),
+                                     read="before", scale_ridge=scale_ridge, initial_state=initial_state,
+                                     backend=backend)
     if log_gate is not None:
         prediction = prediction * torch.exp(log_gate.to(dt))[..., None]
     missing = ~side.valid[:, :, None, None]

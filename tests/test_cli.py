@@ -1,4 +1,6 @@
 """The ``falcon-fwa`` entry point: routing and how a command's errors reach the user."""
+import types
+
 import pytest
 
 from falcon_fwa import cli
@@ -42,6 +44,58 @@ def test_demo_on_one_token_reports_agreement_not_nan(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [r[0] for r in rows] == ["1", "2", "3", "1A", "2A", "3A"]
     assert all(float(r[1]) == 0.0 and float(r[2]) == 0.0 for r in rows)
+
+
+def _fake_forms(monkeypatch, perturb):
+    """demo's op and clock replaced: each call takes 5 ms of a fake clock, and the first call of each form
+    100 ms more (a cold start); ``perturb[(rule, form)]`` is added to that output's largest entry, as a
+    fraction of the recurrent output's largest magnitude."""
+    from falcon_fwa import demo, falcon_attention
+
+    clock, seen = [0.0], set()
+
+    def op(q, k, v, beta, lam, *, rule, window, form):
+        o, state = falcon_attention(q, k, v, beta, lam, rule=rule, window=window, form=form)
+        clock[0] += 0.005 + (0.1 if form not in seen else 0.0)
+        seen.add(form)
+        if (rule, form) in perturb:
+            ref, _ = falcon_attention(q, k, v, beta, lam, rule=rule, window=window, form="recurrent")
+            o = o.contiguous().clone()
+            o.view(-1)[ref.abs().argmax()] += perturb[rule, form] * ref.abs().max()
+        return o, state
+
+    monkeypatch.setattr(demo, "falcon_attention", op)
+    monkeypatch.setattr(demo, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+
+def test_demo_prints_the_forms_differences_and_their_steady_times(capsys, monkeypatch):
+    """The printed differences are max |o_form - o_recurrent| / max |o_recurrent| of the outputs the forms
+    gave (a known error put into two of them is printed as it is; the others agree to float64 rounding),
+    and the printed times are those of a call after the first: a form's cold start is not counted in the
+    first rule's row."""
+    _fake_forms(monkeypatch, {("2", "parallel"): 1e-3, ("3A", "chunk"): 2.5e-2})
+    assert cli.main(["demo", "--seq-len", "12", "--heads", "2", "--head-dim", "3", "--window", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("B=1 T=12 H=2 K=V=3 window=2, float64")
+    rows = {r[0]: [float(x) for x in r[1:]] for r in (line.split() for line in lines[2:])}
+    assert list(rows) == ["1", "2", "3", "1A", "2A", "3A"]
+    for rule, (parallel, chunk, *times) in rows.items():
+        assert parallel == (1e-3 if rule == "2" else pytest.approx(0, abs=1e-12)), rule
+        assert chunk == (2.5e-2 if rule == "3A" else pytest.approx(0, abs=1e-12)), rule
+        assert times == [5.0, 5.0, 5.0], rule
+
+
+@pytest.mark.parametrize("seed", ["-9223372036854775809", "18446744073709551616"])
+def test_a_seed_torch_cannot_take_is_one_error_line_naming_it(capsys, monkeypatch, seed):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    assert cli.main(["demo", "--seq-len", "2", "--seed", seed]) == 2
+    assert capsys.readouterr().err.startswith(f"falcon-fwa demo: error: --seed must lie in [-2^63, 2^64), got {seed}")
+
+
+def test_demo_takes_a_negative_seed_and_the_largest(capsys):
+    for seed in ("-9223372036854775808", "18446744073709551615"):
+        assert cli.main(["demo", "--seq-len", "2", "--heads", "1", "--head-dim", "2", "--seed", seed]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 16
 
 
 

@@ -132,3 +132,77 @@ def test_a_half_precision_trace_is_the_float32_trace(rule, dtype):
     assert (trace.prediction.double() - ref.prediction).abs().max() <= 1e-5 * scale
     valid = ref.valid
     assert torch.allclose(trace.loss[valid].double(), ref.loss[valid], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("shift", [True, False])
+def test_a_trace_from_given_fast_weights_is_the_reference_learner(rule, shift):
+    """From ``FalconState.fresh(S_init)`` (the paper's ``S_init``, a new sequence: still the sentinel
+    with ``shift=True``, an empty window) the trace is the loop reference's from that ``S_0``, gated."""
+    from falcon_fwa import FalconState
+
+    inp = random_inputs(rule, T=9, lam_range=(0.0, 3.0), with_gate=True, seed=13)
+    q = inp.pop("q")
+    S0 = torch.randn(2, 2, 5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _, _, ref = reference_falcon(q, **inp, rule=rule, window=3, shift=shift, initial_S=S0)
+    state = FalconState.fresh(S0, rule=rule, window=3, shift=shift)
+    trace = falcon_trace(**inp, rule=rule, window=3, shift=shift, initial_state=state)
+    assert _close(trace.eta, ref["eta"]) and _close(trace.gamma, ref["gamma"])
+    assert torch.equal(trace.clamped, ref["clamped"]) and torch.equal(trace.valid, ref["valid"])
+    assert _close(trace.prediction, ref["prediction"])
+    fresh = falcon_trace(**inp, rule=rule, window=3, shift=shift)  # from S_0 = 0: S_init shows at step 2
+    assert ((trace.prediction - fresh.prediction)[:, 1].abs().flatten(1).amax(-1) > 1e-2).all()
+
+
+@pytest.mark.parametrize("rule", ["3", "3A"])
+@pytest.mark.parametrize("window", [1, 2, 12])
+def test_a_sliding_trace_at_any_window_is_the_reference_learner(rule, window):
+    """Windows of one pair, two, and longer than the sequence (every pair so far)."""
+    inp = random_inputs(rule, T=10, lam_range=(0.0, 3.0), seed=14)
+    q = inp.pop("q")
+    _, _, ref = reference_falcon(q, **inp, rule=rule, window=window)
+    trace = falcon_trace(**inp, rule=rule, window=window, chunk_size=4)
+    assert _close(trace.eta, ref["eta"]) and _close(trace.gamma, ref["gamma"])
+    assert torch.equal(trace.clamped, ref["clamped"]) and _close(trace.prediction, ref["prediction"])
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_zero_keys_without_a_stabilizer_take_no_step(rule):
+    """``eps=0``, ``lam=0`` and zero key rows: where the denominator is exactly 0, ``eta_t = 0`` (no NaN),
+    as in the reference (Eq. 3.4's convention)."""
+    inp = random_inputs(rule, T=15, lam_range=(0.0, 0.0), zero_key_rows=0.4, seed=15)
+    q = inp.pop("q")
+    _, _, ref = reference_falcon(q, **inp, rule=rule, eps=0.0, window=2)
+    trace = falcon_trace(**inp, rule=rule, eps=0.0, window=2)
+    no_step = ref["eta"] == 0
+    zero = trace.valid[..., None] & (no_step if no_step.dim() == 3 else no_step.all(-1))  # zero features written
+    assert zero.any() and not trace.eta.isnan().any()
+    assert _close(trace.eta, ref["eta"]) and _close(trace.prediction, ref["prediction"])
+
+
+@pytest.mark.parametrize("rule", ["1", "2", "1A", "2A", "3A"])
+@pytest.mark.parametrize("shift", [True, False])
+def test_the_op_reads_the_step_the_trace_reports(rule, shift):
+    """The recurrent form's read-after-write at the queries ``x_t`` is one step of the traced learner:
+    ``S_t^T x_t = gamma_t p_t + eta_t ||x_t||^2 r_t`` for rules 1 and 2 (per column), ``... y_t`` for 1A
+    and 2A, and ``gamma_t p_t + eta_t / B_t sum_{j in I_t} (x_j . x_t) y_j`` for 3A: the trace's eta,
+    gamma and prediction are those of the op's own state, at every step up to the last (S_T)."""
+    W = 3
+    inp = random_inputs(rule, T=12, lam_range=(0.0, 3.0), with_gate=True, seed=16)
+    inp.pop("q")
+    k, v = inp["k"], inp["v"]
+    x = torch.cat([torch.zeros_like(k[:, :1]), k[:, :-1]], 1) if shift else k
+    o, _ = falcon_attention(x, **inp, rule=rule, window=W, shift=shift, form="recurrent")
+    tr = falcon_trace(**inp, rule=rule, window=W, shift=shift)
+    eta, gamma = (t if t.dim() == 4 else t[..., None] for t in (tr.eta, tr.gamma))
+    if rule in ("1", "2"):
+        write = (x * x).sum(-1, keepdim=True) * tr.residual.nan_to_num()
+    elif rule in ("1A", "2A"):
+        write = (x * x).sum(-1, keepdim=True) * v
+    else:
+        write = torch.zeros_like(v)
+        first = 1 if shift else 0  # the sentinel is no pair of any window
+        for t in range(first, k.shape[1]):
+            js = range(max(first, t - W + 1), t + 1)
+            write[:, t] = sum((x[:, j] * x[:, t]).sum(-1, keepdim=True) * v[:, j] for j in js) / len(js)
+    assert _close(o, gamma * tr.prediction + eta * write)

@@ -72,10 +72,12 @@ def test_demo_prints_the_forms_differences_and_their_steady_times(capsys, monkey
     """The printed differences are max |o_form - o_recurrent| / max |o_recurrent| of the outputs the forms
     gave (a known error put into two of them is printed as it is; the others agree to float64 rounding),
     and the printed times are those of a call after the first: a form's cold start is not counted in the
-    first rule's row."""
+    first rule's row. The forms that disagree are named, and the exit status is 1."""
     _fake_forms(monkeypatch, {("2", "parallel"): 1e-3, ("3A", "chunk"): 2.5e-2})
-    assert cli.main(["demo", "--seq-len", "12", "--heads", "2", "--head-dim", "3", "--window", "2"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    assert cli.main(["demo", "--seq-len", "12", "--heads", "2", "--head-dim", "3", "--window", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert err == "falcon-fwa demo: the forms disagree beyond 1e-10: rule 2 parallel 1.0e-03, rule 3A chunk 2.5e-02\n"
+    lines = out.splitlines()
     assert lines[0].startswith("B=1 T=12 H=2 K=V=3 window=2, float64")
     rows = {r[0]: [float(x) for x in r[1:]] for r in (line.split() for line in lines[2:])}
     assert list(rows) == ["1", "2", "3", "1A", "2A", "3A"]
@@ -90,6 +92,14 @@ def test_a_seed_torch_cannot_take_is_one_error_line_naming_it(capsys, monkeypatc
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
     assert cli.main(["demo", "--seq-len", "2", "--seed", seed]) == 2
     assert capsys.readouterr().err.startswith(f"falcon-fwa demo: error: --seed must lie in [-2^63, 2^64), got {seed}")
+
+
+def test_a_form_just_past_the_tolerance_fails_the_demo(capsys, monkeypatch):
+    _fake_forms(monkeypatch, {("1A", "parallel"): 2e-10})
+    assert cli.main(["demo", "--seq-len", "6", "--heads", "1", "--head-dim", "2"]) == 1
+    assert capsys.readouterr().err.endswith(": rule 1A parallel 2.0e-10\n")
+    _fake_forms(monkeypatch, {("1A", "parallel"): 5e-11})
+    assert cli.main(["demo", "--seq-len", "6", "--heads", "1", "--head-dim", "2"]) == 0
 
 
 def test_demo_takes_a_negative_seed_and_the_largest(capsys):

@@ -1,10 +1,12 @@
 """``falcon-fwa demo``: run every rule in its three forms on random inputs,
 show that they agree, and time them (the fastest of ``CALLS`` calls: a form's first call,
-with its one-off costs, is no measure of it)."""
+with its one-off costs, is no measure of it). A form off the recurrent one by more than
+``TOLERANCE`` (float64 rounding gives below 1e-13) ends it with exit status 1."""
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from .ops import RULES, falcon_attention
 
 CALLS = 3  # timed calls of each form and rule
+TOLERANCE = 1e-10  # of max |o - o_recurrent| / max |o_recurrent|
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"B={B} T={T} H={H} K=V={D} window={args.window}, float64; max |o - o_recurrent| / max |o_recurrent|; "
           f"ms: the fastest of {CALLS} calls")
     print(f"{'rule':>5} {'parallel':>10} {'chunk':>10} {'recurrent ms':>13} {'parallel ms':>12} {'chunk ms':>9}")
+    disagree = []
     for rule, spec in RULES.items():
         beta = torch.rand(B, T, H, *((D,) if spec.per_column else ()), dtype=dt) * 1.9 + 0.05
         outs, times = {}, {}
@@ -53,4 +57,8 @@ def run(args: argparse.Namespace) -> int:
         err = {f: ((outs[f] - ref).abs().max() / scale).item() for f in ("parallel", "chunk")}
         print(f"{rule:>5} {err['parallel']:>10.1e} {err['chunk']:>10.1e} {times['recurrent']:>13.1f} "
               f"{times['parallel']:>12.1f} {times['chunk']:>9.1f}")
+        disagree += [f"rule {rule} {form} {e:.1e}" for form, e in err.items() if not e <= TOLERANCE]
+    if disagree:
+        print(f"falcon-fwa demo: the forms disagree beyond {TOLERANCE:.0e}: {', '.join(disagree)}", file=sys.stderr)
+        return 1
     return 0

@@ -28,7 +28,11 @@ def run(args: argparse.Namespace) -> int:
     spec = DataSpec(train_source=args.train, val_source=args.val, tokenizer=args.tokenizer, text_split=args.text_split,
                     text_field=args.text_field, val_every=args.val_every, max_documents=args.max_documents,
                     bpe_documents=args.bpe_documents)
-    spec.check(name=lambda field: "--" + field.replace("_", "-"))  # the options, not the recipe's data.FIELD
-    record = prepare_dataset(spec, args.out, overwrite=args.overwrite)
+    options = {"train_source": "train", "val_source": "val"}
+
+    def option(field: str) -> str:  # the options, not the recipe's data.FIELD
+        return "--" + options.get(field, field).replace("_", "-")
+
+    record = prepare_dataset(spec, args.out, overwrite=args.overwrite, name=option)
     print(json.dumps(record, indent=1))
     return 0

@@ -69,14 +69,28 @@ def _docs(spec: DataSpec, which: str, out_dir: str):
     return (d for i, d in enumerate(docs) if held_out(i) == (which == "val"))
 
 
-def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False) -> dict:
-    """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts."""
-    spec.check()  # before the lock, which creates the folder
+def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
+                    name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
+    """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts.
+    ``name``: as in :meth:`DataSpec.check`, for the settings that errors name."""
+    spec.check(name)  # before the lock, which creates the folder
     with folder_lock(out_dir, ".prepare.lock"):
-        return _prepare(spec, out_dir, overwrite)
+        return _prepare(spec, out_dir, overwrite, name)
 
 
-def _prepare(spec: DataSpec, out_dir: str, overwrite: bool) -> dict:
+def _empty_split(spec: DataSpec, which: str, name: Callable[[str], str]) -> str:
+    """Why split ``which`` got no document, naming the source and the settings that would give it some."""
+    if spec.val_source is not None:
+        source = spec.val_source if which == "val" else spec.train_source
+        return f"the {which} split is empty: {name(which + '_source')} {source!r} holds no document"
+    if which == "train":
+        return f"the train split is empty: {name('train_source')} {spec.train_source!r} holds no document"
+    return (f"the val split is empty: {name('train_source')} {spec.train_source!r} holds fewer than "
+            f"{name('val_every')}={spec.val_every} documents; set {name('val_source')}, or a {name('text_split')} "
+            "that yields more documents")
+
+
+def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str], str]) -> dict:
     record_path = os.path.join(out_dir, "prepared.json")
     wanted = asdict(spec)
     if os.path.isfile(record_path) and not overwrite:
@@ -104,8 +118,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool) -> dict:
             meta = write_token_shards(_docs(spec, which, out_dir), tokenizer, os.path.join(out_dir, which),
                                       desc=f"tokenize {which}")
         except NoDocuments as err:
-            raise ValueError(f"{err}: the {which} split is empty; set data.val_source, or a data.text_split "
-                             f"that yields more documents than data.val_every") from None
+            raise ValueError(f"{err}: {_empty_split(spec, which, name)}") from None
         counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
     record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts}
     write_json(record_path, record)

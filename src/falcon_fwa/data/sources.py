@@ -8,6 +8,9 @@
   (needs internet or a local cache).
 Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
 document), ``"line"`` (one per non-empty line) or ``"paragraph"`` (separated by blank lines).
+Bytes that are no UTF-8 (in a text or JSON file) become U+FFFD. A record without the ``text_field``,
+with a non-string text, a line that is no JSON, or a file that is no Parquet is a ``ValueError``
+naming the file and record; a Parquet ``text_field`` column must hold strings.
 """
 from __future__ import annotations
 
@@ -66,12 +69,16 @@ def _split_text(text: str, text_split: str) -> Iterator[str]:
 
 def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
     """``(where, record)`` of a JSON Lines file, or of a ``.json`` file holding one array of records."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # as a text file: no UTF-8 -> U+FFFD
         if path.endswith(".json"):
             head = f.read(4096).lstrip()
             f.seek(0)
             if head.startswith("["):
-                for n, record in enumerate(json.load(f)):
+                try:
+                    records = json.load(f)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}: not a JSON array of records ({err})") from None
+                for n, record in enumerate(records):
                     yield f"{path}[{n}]", record
                 return
         for n, line in enumerate(f, 1):
@@ -112,13 +119,29 @@ def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
             if text is not None:  # null or empty text: no document (as in Parquet)
                 yield text
     else:
-        import pyarrow.parquet as pq
+        yield from _parquet_texts(path, text_field)
 
+
+def _parquet_texts(path: str, text_field: str) -> Iterator[str]:
+    """The non-empty strings of column ``text_field`` of a Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ValueError(f"{path}: no column text_field {text_field!r} (columns: {pf.schema_arrow.names})")
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a Parquet file ({err})") from None
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise ValueError(f"{path}: no column text_field {text_field!r} (columns: {schema.names})")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise ValueError(f"{path}: column text_field {text_field!r} must hold strings, got {kind}")
+    try:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             yield from (t for t in batch.column(0).to_pylist() if t)
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: unreadable Parquet data ({err})") from None
 
 
 def iter_documents(source: str, *, text_split: str = "file", text_field: str = "text",
@@ -131,8 +154,9 @@ def iter_documents(source: str, *, text_split: str = "file", text_field: str = "
         from datasets import load_dataset
 
         name, _, config = source[3:].partition(":")
-        stream = (r[text_field] for r in load_dataset(name, config or None, split=split, streaming=True)
-                  if r[text_field])
+        records = load_dataset(name, config or None, split=split, streaming=True)
+        texts = (_record_text(f"{source} ({split}) record {n}", r, text_field) for n, r in enumerate(records))
+        stream = (t for t in texts if t is not None)
     else:
         stream = (doc for path in list_files(source, exclude) for doc in _iter_file(path, text_split, text_field))
     for n, doc in enumerate(stream):

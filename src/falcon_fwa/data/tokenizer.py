@@ -107,7 +107,11 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
         raise ValueError(f"tokenizer must be 'byte', 'bpe:<vocab_size>', a local tokenizer folder or a Hub "
                          f"name; loading {spec!r} failed: {err}") from None
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer {spec!r} defines no eos_token")
+        raise ValueError(f"tokenizer {spec!r} defines no eos_token (a folder holding only tokenizer.json needs a "
+                         "tokenizer_config.json naming its \"eos_token\")")
+    top = max(tok.get_vocab().values(), default=-1)
+    if top >= len(tok):  # shards, model and perplexity size the vocabulary by len(tokenizer)
+        raise ValueError(f"tokenizer {spec!r} has ids up to {top} but {len(tok)} tokens: its ids must be 0..N-1")
     return tok
 
 

@@ -121,3 +121,26 @@ def test_every_commands_help_shows_its_defaults(name, capsys):
     assert "(default: False)" not in text
     if name == "demo":
         assert "sequence length T (default: 256)" in text and "(default: 0)" in text
+
+
+@pytest.mark.parametrize("flushed", [True, False])
+def test_a_reader_that_stops_early_ends_the_command_quietly(flushed):
+    """``falcon-fwa ... | head -1``: the writes after the reader has gone end the command with the
+    status of SIGPIPE (141) and no traceback, whether the line was written at once or left in the buffer."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys, time\n"
+              "from falcon_fwa import cli\n"
+              "def run(args):\n"
+              "    print('first', flush=True)\n"
+              "    time.sleep(0.5)\n"
+              f"    for i in range(100000): print('line', i, flush={flushed})\n"
+              "sys.exit(cli.run_command('falcon-fwa test', run, None))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == b"first\n"
+    proc.stdout.close()  # the reader stops, as head does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert err == "", err

@@ -6,13 +6,16 @@ Each command lives in its own module and exposes ``add_arguments(parser)`` and
 A ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError`` that a command raises
 (a bad option value, a missing file, an unsupported combination; the messages name the
 argument) ends it with ``falcon-fwa COMMAND: error: MESSAGE`` and the place it was raised,
-exit status 2, instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it.
+exit status 2, instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it. Output
+piped into a reader that stops early (``falcon-fwa demo | head``) ends the command quietly, with
+the status of a process ended by SIGPIPE (141).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import signal
 import sys
 import traceback
 from typing import List, Optional
@@ -66,9 +69,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run_command(prog: str, run, args: argparse.Namespace) -> int:
     """``run(args)`` as an exit status: a ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError``
-    is printed as ``PROG: error: MESSAGE`` with the place it was raised, status 2."""
+    is printed as ``PROG: error: MESSAGE`` with the place it was raised, status 2; a closed output pipe
+    ends it quietly, status 128 + SIGPIPE."""
     try:
-        return int(run(args) or 0)
+        status = int(run(args) or 0)
+        sys.stdout.flush()  # what is still buffered, while a closed pipe can be caught here
+        return status
+    except BrokenPipeError:
+        # the reader is gone: later writes (and the interpreter's final flush) must not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         if os.environ.get("FALCON_FWA_TRACEBACK"):
             raise

@@ -217,3 +217,27 @@ def test_a_preparation_killed_mid_write_then_relaunched_writes_the_same_bytes(tm
 
     straight, killed = tree(tmp_path / "straight"), tree(tmp_path / "killed")
     assert len([k for k in straight if k.startswith("train/tokens-")]) > 3 and straight == killed
+
+
+def test_an_hf_source_that_cannot_be_opened_is_named(tmp_path, monkeypatch):
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "train.jsonl").write_text('{"text": "a"}\n')
+    source = f"hf:{tmp_path / 'hub'}"
+    assert list(iter_documents(source)) == ["a"]
+    with pytest.raises(ValueError, match=rf"^data source '{re.escape(source)}' \(validation split\): .*validation"):
+        list(iter_documents(source, split="validation"))  # the folder has no validation split
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'corpus' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError, match=r"^data source 'hf:corpus:en' \(train split\): Couldn't reach 'corpus'"):
+        list(iter_documents("hf:corpus:en"))
+
+
+def test_a_tokenizer_file_is_refused_naming_its_folder(tmp_path):
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tokenizer\.json' is a file: give the folder that holds it"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(str(tmp_path)).eos_token_id == 256

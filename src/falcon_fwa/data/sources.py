@@ -144,6 +144,17 @@ def _parquet_texts(path: str, text_field: str) -> Iterator[str]:
         raise ValueError(f"{path}: unreadable Parquet data ({err})") from None
 
 
+def _hf_records(source: str, split: str):
+    """The streamed records of split ``split`` of ``hf:NAME[:CONFIG]``; ``ValueError`` naming the source."""
+    from datasets import load_dataset
+
+    name, _, config = source[3:].partition(":")
+    try:
+        return load_dataset(name, config or None, split=split, streaming=True)
+    except (ValueError, OSError) as err:  # no such dataset, config or split; the Hub out of reach
+        raise ValueError(f"data source {source!r} ({split} split): {err}") from None
+
+
 def iter_documents(source: str, *, text_split: str = "file", text_field: str = "text",
                    split: str = "train", max_documents: Optional[int] = None,
                    exclude: Optional[str] = None) -> Iterator[str]:
@@ -151,10 +162,7 @@ def iter_documents(source: str, *, text_split: str = "file", text_field: str = "
     if text_split not in TEXT_SPLITS:
         raise ValueError(f"text_split must be one of {TEXT_SPLITS}, got {text_split!r}")
     if source.startswith("hf:"):
-        from datasets import load_dataset
-
-        name, _, config = source[3:].partition(":")
-        records = load_dataset(name, config or None, split=split, streaming=True)
+        records = _hf_records(source, split)
         texts = (_record_text(f"{source} ({split}) record {n}", r, text_field) for n, r in enumerate(records))
         stream = (t for t in texts if t is not None)
     else:

@@ -99,6 +99,9 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
                  else "bpe:<vocab_size>" if spec.lower().startswith("bpe") else None)
         if meant is not None:
             raise ValueError(f"tokenizer {spec!r} is no tokenizer (did you mean {meant!r}?)")
+    if os.path.isfile(spec):
+        raise ValueError(f"tokenizer {spec!r} is a file: give the folder that holds it (tokenizer.json and a "
+                         "tokenizer_config.json naming its \"eos_token\")")
     from transformers import AutoTokenizer
 
     try:  # a local folder, or a Hugging Face Hub name when online

@@ -486,9 +486,16 @@ def test_rmsnorm_matches_the_textbook_formula():
     torch.testing.assert_close(normalize_features(x, "rmsnorm", 1e-5), unit, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(normalize_features(x, "l2", 1e-5), x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-5),
                                rtol=1e-12, atol=1e-12)
-    y = norm.float()(x.bfloat16())
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), unit * w, rtol=2e-2, atol=2e-2)
+    # bf16 in and out, float32 inside: the float64 formula on the rounded inputs (w as float32), rounded once to
+    # bf16, is within half a bf16 step (2^-8 relative) plus float32's rounding; norm, weight and gate each rounded
+    # to bf16 on the way would be off by up to several half-steps
+    xb, gb = x.bfloat16(), gate.bfloat16()
+    norm.float()
+    wf = w.float().double()
+    unit_b = xb.double() / torch.sqrt(xb.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    for y, want in ((norm(xb), unit_b * wf), (norm(xb, gb), unit_b * wf * F.silu(gb.double()))):
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.double(), want, rtol=2 ** -8 + 1e-6, atol=0)
 
 
 # ---- the gated output norm: Mamba-2 gates before the norm, the others after

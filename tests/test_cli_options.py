@@ -134,15 +134,18 @@ def test_throughput_dtype_reaches_the_measurement(argv, bf16, monkeypatch):
     assert seen == [bf16]
 
 
-def test_a_dtype_a_command_lacks_is_refused_naming_its_choices():
+def test_a_dtype_a_command_lacks_is_refused_naming_its_choices(capsys):
     parse = dtype_option(["fp32", "bf16"])
     for bad in ("fp16", "half", "int8"):
         with pytest.raises(argparse.ArgumentTypeError) as err:
             parse(bad)
         # the choices and only their spellings: fp16 is not offered where it is refused
         assert str(err.value) == f"must be one of fp32 (float32), bf16 (bfloat16), got {bad!r}"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stop:  # ppl takes fp32 and bf16 only
         _parse("ppl", ["--dtype", "float16"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("falcon-fwa ppl: error: argument --dtype: must be one of "
+                                                         "fp32 (float32), bf16 (bfloat16), got 'float16'")
 
 
 def test_a_bpe_tokenizer_without_an_integer_size_is_named(tmp_path, capsys, monkeypatch):

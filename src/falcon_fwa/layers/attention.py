@@ -54,7 +54,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head RoPE attention; ``forward(h, packing, cache=None)`` like ``FalconAttention``."""
+    """Multi-head RoPE attention; ``forward(h, packing, cache=None)`` like ``FalconAttention``:
+    ``h`` ``[B, T, D]`` (``[1, N_tok, D]`` packed) -> ``[B, T, D]``, ``H = num_heads`` heads of
+    ``D / H`` dims; ``cache`` (a :class:`LayerCache`) holds the keys and values."""
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()

@@ -56,7 +56,10 @@ class FalconAttention(nn.Module):
 
     ``forward(h, packing, cache=None)``: ``h`` ``[B, T, D]`` (dense) or ``[1, N_tok, D]``
     (packed, see :class:`Packing`); ``cache``: this layer's :class:`LayerCache`,
-    updated in place. Returns ``[B, T, D]`` like ``h``.
+    updated in place. Returns ``[B, T, D]`` like ``h``. Inside, per head: ``q``, ``k``
+    ``[B, T, H, K]`` (``K = head_k_dim``), ``v`` ``[B, T, H, V]`` (``V = head_v_dim``) and the
+    gates ``beta``, ``lam``, ``log_gate`` of :class:`ContextGates` go to ``falcon_attention``
+    (``falcon_step`` for one cached token per row) as in the module docstring.
     """
 
     def __init__(self, config, layer_idx: int = 0):
@@ -123,6 +126,8 @@ class FalconAttention(nn.Module):
         return q, k, v
 
     def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """``h`` ``[B, T, D]`` (``D = hidden_size``; ``[1, N_tok, D]`` packed) -> ``[B, T, D]``; reads and
+        writes ``cache`` (the recurrent state and short-convolution buffers) when given."""
         if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
         B, T, _ = h.shape

@@ -123,6 +123,8 @@ class ContextGates(nn.Module):
         return values
 
     def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``h`` ``[B, T, D]`` -> ``(beta, lam, log_gate)``, shaped as in the class docstring, in that
+        order: ``falcon_attention``'s ``beta``, ``lam`` and ``log_gate`` arguments."""
         B, T, _ = h.shape
         H, C = self.num_heads, self.columns
         if self.lambda_scale > 0:

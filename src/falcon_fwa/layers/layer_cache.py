@@ -49,6 +49,8 @@ class LayerCache:
         self.state = replace(self.state, **updates)
 
     def store_conv(self, name: str, new: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
+        """Store the short-convolution buffer ``name`` (``"q"``, ``"k"``, ``"v"``) ``[N, W-1, C]``
+        returned for the cache rows ``rows`` ``[N]`` (``None``: all rows)."""
         self.conv[name] = scatter_rows(self.conv.get(name), rows, new)
 
     def select_rows(self, index: torch.Tensor) -> None:

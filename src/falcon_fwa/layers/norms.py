@@ -16,13 +16,15 @@ QK_NORMS = ("rmsnorm", "l2", "none")
 
 
 def rms_normalize(u: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``RMSNorm(u) = u / sqrt(||u||^2 / d_u + eps)`` over the last dimension, times ``weight``
-    if given (``torch.nn.functional.rms_norm``: one fused kernel on CUDA)."""
+    """``RMSNorm(u) = u / sqrt(||u||^2 / d_u + eps)`` (Section 4.1) over the last dimension of ``u``
+    ``[..., d_u]`` (result the same shape), times ``weight`` ``[d_u]`` if given
+    (``torch.nn.functional.rms_norm``: one fused kernel on CUDA)."""
     return F.rms_norm(u, (u.shape[-1],), weight, eps)
 
 
 def normalize_features(u: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
-    """Query/key normalization of Section 4.1 over the head dimension.
+    """Query/key normalization of Section 4.1 over the head dimension: ``u`` ``[B, T, H, K]``
+    (any ``[..., K]``) -> the same shape.
 
     ``"rmsnorm"``: ``u / sqrt(||u||^2/d + eps)`` (``||.||^2 ~ d``, the paper's default);
     ``"l2"``: ``u / sqrt(||u||^2 + eps)`` (unit norm, as in DeltaNet); ``"none"``.
@@ -40,7 +42,8 @@ class RMSNorm(nn.Module):
     """``y = RMSNorm(x) * w`` over the last dimension, times ``SiLU(gate)`` when a
     gate is given (the output gate of Gated DeltaNet / RetNet); with
     ``norm_before_gate=False`` the gate comes first, ``y = RMSNorm(x * SiLU(gate)) * w``
-    (Mamba-2's gated norm). Computed in at least float32."""
+    (Mamba-2's gated norm). Computed in at least float32. ``x`` and ``gate`` ``[..., dim]`` ->
+    ``[..., dim]`` in ``x``'s dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

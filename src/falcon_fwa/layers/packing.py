@@ -44,10 +44,12 @@ class Packing:
 
     @property
     def packed(self) -> bool:
+        """Whether the layout is one packed row (``cu_seqlens`` given) rather than dense rows."""
         return self.cu_seqlens is not None
 
     @property
     def num_sequences(self) -> int:
+        """``N`` packed sequences, or the ``B`` dense rows."""
         return self.positions.shape[0] if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
 
     @staticmethod

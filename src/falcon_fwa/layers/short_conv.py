@@ -25,7 +25,9 @@ __all__ = ["ShortConv"]
 
 
 class ShortConv(nn.Module):
-    """Depthwise causal convolution of width ``kernel_size`` over ``channels``, then SiLU."""
+    """Depthwise causal convolution of width ``W = kernel_size`` (default 4) over ``C = channels``,
+    then SiLU (module docstring): ``forward(x, packing, buffer=None)`` maps ``x`` ``[B, T, C]`` to
+    ``y`` ``[B, T, C]`` and the new buffer ``[B, W-1, C]``."""
 
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()

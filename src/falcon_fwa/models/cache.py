@@ -42,11 +42,13 @@ class FalconCache:
 
     @property
     def is_linear(self) -> List[bool]:
+        """One ``True`` per layer (``transformers``' flag for caches that need no input slicing)."""
         # Every layer handles its own history: generate() must not slice inputs for it.
         return [True] * len(self.layers)
 
     @property
     def empty(self) -> bool:
+        """Whether no token has been recorded yet (``advance`` not called)."""
         return self.seen is None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -63,15 +65,18 @@ class FalconCache:
         self.num_positions += columns
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep / reorder / repeat the batch rows ``indices`` ``[N]`` in every layer and in ``seen``."""
         for layer in self.layers:
             layer.select_rows(indices)
         if self.seen is not None:
             self.seen = self.seen.index_select(0, indices.to(self.seen.device))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's reordering: ``batch_select_indices(beam_idx)``."""
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place, ``[B] -> [B * repeats]`` (``num_return_sequences``)."""
         if self.seen is not None:
             n = self.seen.shape[0]
             self.batch_select_indices(torch.arange(n, device=self.seen.device).repeat_interleave(repeats))

@@ -107,6 +107,9 @@ class FalconBlock(nn.Module):
 
 
 class FalconPreTrainedModel(PreTrainedModel):
+    """The ``transformers`` base of the models of :class:`FalconConfig`: the config class, the weight
+    initialization (``_init_weights``) and the Hugging Face loading and saving."""
+
     config_class = FalconConfig
     base_model_prefix = "model"
     _no_split_modules = ["FalconBlock"]
@@ -143,7 +146,9 @@ class FalconPreTrainedModel(PreTrainedModel):
 
 
 class FalconModel(FalconPreTrainedModel):
-    """Embedding, blocks and final norm; returns the final hidden states."""
+    """Embedding, blocks and final norm; ``forward(h, packing, cache)`` maps the embeddings ``h``
+    ``[B, T, D]`` (``D = hidden_size``; ``[1, N_tok, D]`` packed) to the final normalized hidden states
+    of the same shape."""
 
     def __init__(self, config: FalconConfig):
         super().__init__(config)

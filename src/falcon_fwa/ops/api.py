@@ -102,52 +102,66 @@ def falcon_attention(
     eps_attn: Optional[float] = None,
     segments: int = 1,
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
-    r"""Falcon fast-weight attention.
+    r"""Falcon fast-weight attention (paper, Section 4, "Naming and formula summary").
 
-    Shapes: ``q``, ``k`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` are features
-    after ``phi`` (apply a feature map before the call); ``beta`` ``[B, T, H]``
-    (``[B, T, H, V]`` for the per-column rules "2" and "2A"); ``lam`` ``[B, T, H]``
-    the actual ridge coefficient ``lambda_t >= 0`` (the dimensionless
-    ``lambda-bar`` with ``scale_ridge=True``); ``log_gate`` ``[B, T, H]``,
-    ``g_t <= 0``. Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype and the final
-    :class:`FalconState` (or ``None``). Mixed input dtypes: the PyTorch forms compute in float64
-    when any input is float64, else float32; the Triton kernels take ``k`` and ``v`` in ``q``'s
-    dtype (``docs/ops.md``, "Precision").
+    Shapes (``B`` batch, ``T`` steps, ``H`` heads, ``K`` key and ``V`` value dims): ``q``,
+    ``k`` ``[B, T, H, K]`` and ``v`` ``[B, T, H, V]`` are features after ``phi`` (apply a
+    feature map before the call); ``beta`` ``[B, T, H]`` (``[B, T, H, V]`` for the
+    per-column rules "2" and "2A"); ``lam`` ``[B, T, H]`` the actual ridge coefficient
+    ``lambda_t >= 0`` (the dimensionless ``lambda-bar_t`` with ``scale_ridge=True``);
+    ``log_gate`` ``[B, T, H]``, ``g_t <= 0``. Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype
+    and the final :class:`FalconState` (or ``None``): ``S`` ``[B, H, K, V]``, one row per
+    sequence (``[N, H, K, V]`` with ``cu_seqlens``). Mixed input dtypes: the PyTorch forms
+    compute in float64 when any input is float64, else float32; the Triton kernels take ``k``
+    and ``v`` in ``q``'s dtype (``docs/ops.md``, "Precision").
 
     The pair written at step ``t`` is ``(x_t, y_t) = (k_{t-1}, v_t)`` with the
-    sentinel ``x_1 = 0, eta_1 = 0`` on a fresh sequence (``shift=False``: ``(k_t, v_t)``).
-    With ``E_t`` the rule's normalization statistic,
-    ``eta_t = beta_t / (E_t + lambda_t + eps)``,
-    ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)`` and
-    ``S'_{t-1} = exp(g_t) S_{t-1}``:
+    sentinel ``x_1 = 0, eta_1 = 0`` on a fresh sequence (Section 3, Appendix C.5;
+    ``shift=False``: ``(k_t, v_t)``). With ``E_t`` the rule's normalization statistic,
+    the step size ``eta_t = beta_t / (E_t + lambda_t + eps)`` (Eqs. 3.4, 4.8, 4.9, 4.18),
+    the clamped carry ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)`` (Eq. 4.20,
+    ``epsilon_gamma = decay_floor``) and ``S' = exp(g_t) S_{t-1}``:
 
     ====  =====================================================================
     1     ``S_t = gamma_t S' + eta_t x_t (y_t - S'^T x_t)^T``, ``E_t = ||x_t||^2``
-    2     column ``c``: ``s_t = gamma_{t,c} s' + eta_{t,c} x_t (y_{t,c} - s'^T x_t)``
+          (Eqs. 3.3, 3.4)
+    2     column ``c``: ``s_t = gamma_{t,c} s' + eta_{t,c} x_t (y_{t,c} - s'^T x_t)``,
+          ``E_t = ||x_t||^2`` shared by the columns (Eq. 4.4, Section 4.2)
     3     ``S_t = gamma_t S' + eta_t/B_t sum_{j in I_t} x_j (y_j - S'^T x_j)^T``,
-          ``E_t = lambda_max(X_t^T X_t)/B_t``
-    1A    ``S_t = gamma_t S' + eta_t x_t y_t^T``, ``E_t = ||x_t||^2``
-    2A    column ``c``: ``s_t = gamma_{t,c} s' + eta_{t,c} y_{t,c} x_t``
+          ``E_t = mu_t = lambda_max(X_t^T X_t)/B_t`` (Eq. 4.14, Section 4.4)
+    1A    ``S_t = gamma_t S' + eta_t x_t y_t^T``, ``E_t = ||x_t||^2`` (Eqs. 4.6, 4.8)
+    2A    column ``c``: ``s_t = gamma_{t,c} s' + eta_{t,c} y_{t,c} x_t``,
+          ``E_t = ||x_t||^2`` (Eqs. 4.7, 4.9)
     3A    ``S_t = gamma_t S' + eta_t/B_t sum_{j in I_t} x_j y_j^T``,
-          ``E_t = sum_{j in I_t} ||x_j||^2 / B_t``
+          ``E_t = Ebar_t = sum_{j in I_t} ||x_j||^2 / B_t`` (Eqs. 4.18, 4.19)
     ====  =====================================================================
 
-    with the window ``I_t = {j : max(2, t-window+1) <= j <= t}`` (from ``j = 1`` with
-    ``shift=False``; pairs of the previous segment count after a continuation),
-    ``B_t = |I_t|``, and the read
-    ``o_t = S_t^T q_t`` (``read="after"``) or ``S_{t-1}^T q_t`` (``"before"``); with
-    ``eps_attn``, the normalized read ``o_t = S_t^T q_t / (z_t^T q_t + eps_attn)`` of the
-    inner-product rules, ``z`` written like ``S`` with values of one (``ops/read_norm.py``).
+    with the window ``I_t = {j : max(2, t-window+1) <= j <= t}`` (Section 4.4; the paper's
+    ``B`` is ``window``, not the batch size; from ``j = 1`` with ``shift=False``; pairs of
+    the previous segment count after a continuation, Appendix C.7), ``B_t = |I_t|``, and the
+    read ``o_t = S_t^T q_t`` (``read="after"``, RAW) or ``S_{t-1}^T q_t`` (``"before"``, RBW;
+    Appendix C.5); with ``eps_attn``, the normalized read
+    ``o_t = S_t^T q_t / (z_t^T q_t + eps_attn)`` of the inner-product rules (Eq. 2.3,
+    Appendix C.1), ``z`` written like ``S`` with values of one (``ops/read_norm.py``). The
+    recurrent form is this scan line by line (``ops/recurrent.py``; Algorithms 2 and 5).
 
     Args:
-        rule: "1", "2", "3", "1A", "2A" or "3A".
-        window: the window ``B`` of the sliding rules 3 and 3A (ignored otherwise).
+        q: read features ``phi(q_t)`` ``[B, T, H, K]``.
+        k: write features ``phi(k_t)`` ``[B, T, H, K]``; step ``t`` writes under ``k_{t-1}``.
+        v: values ``v_t`` (targets ``y_t``) ``[B, T, H, V]``.
+        beta: the dimensionless gain ``beta_t`` (``(0, 2)`` for the descent guarantee,
+            Section 3.2; not checked) ``[B, T, H]``, ``[B, T, H, V]`` for rules 2, 2A.
+        lam: the ridge ``lambda_t >= 0`` (or ``lambda-bar_t``, ``scale_ridge``) ``[B, T, H]``.
+        rule: "1", "2", "3", "1A", "2A" or "3A" (default "1A").
+        window: the window ``B`` of the sliding rules 3 and 3A (default 4; ignored otherwise).
         form: "recurrent" (the scan, the definition), "parallel" (masked
             attention / WY / ParallelFlow over the whole sequence, ``O(T^2)``) or
-            "chunk" (SSD-style chunk-parallel). All three compute the same function.
-        chunk_size: chunk length of the chunk form; ``T`` need not divide by it.
-        eps: stabilizer in the step-size denominator.
-        decay_floor: ``epsilon_gamma`` of the positive-decay clamp, in (0, 1).
+            "chunk" (SSD-style chunk-parallel, the default; Algorithms 1, 3, 4 and 8).
+            All three compute the same function.
+        chunk_size: chunk length of the chunk form (default 64); ``T`` need not divide by it.
+        eps: stabilizer ``epsilon >= 0`` in the step-size denominator (default 1e-6).
+        decay_floor: ``epsilon_gamma`` of the positive-decay clamp, in (0, 1) (default 1e-3;
+            Eq. 4.20).
         shift: next-latent pair ``(k_{t-1}, v_t)`` (True) or same-step ``(k_t, v_t)``.
         normalize: NLMS / energy-normalized ``eta`` (True) or ``eta = beta``: the step size's
             normalization (the normalized *read*, a denominator on ``o_t``, is ``eps_attn``).
@@ -155,7 +169,7 @@ def falcon_attention(
             the rule's update (Gated DeltaNet, Mamba-2); ``g_t = -inf`` resets the state.
         read: "after" (read-after-write, the paper's convention) or "before".
         scale_ridge: ``lam`` is ``lambda-bar`` and ``lambda_t = lambda-bar * E_t``
-            (``E_t`` detached for the sliding rules).
+            (Section 4.1, Appendix C.1; ``E_t`` detached for the sliding rules, Appendix C.6).
         initial_state: a state returned by an earlier call, to continue exactly; or
             ``FalconState.fresh(S, ...)``, a new sequence (opened by the sentinel) from the fast
             weights ``S``.
@@ -354,8 +368,14 @@ def falcon_step(
 ) -> Tuple[torch.Tensor, FalconState]:
     """One decoding step in ``O(1)``: ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``,
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
-    ``state=None`` starts a fresh sequence. Returns ``o`` ``[B, H, V]`` and the new
-    state; identical to ``falcon_attention(form="recurrent")`` token by token.
+    ``state=None`` starts a fresh sequence (the sentinel step ``x_1 = 0, eta_1 = 0``). Returns
+    ``o`` ``[B, H, V]`` (``v``'s dtype) and the new state (``S`` ``[B, H, K, V]``); identical to
+    ``falcon_attention(form="recurrent")`` token by token: one step ``t`` of the table in
+    ``falcon_attention``'s docstring (for rule 1, Algorithm 5, lines 2-7: ``eta_t`` by Eq. 3.4,
+    ``S_t = gamma_t S' + eta_t x_t r_t^T`` by Eq. 3.3 with the clamp of Eq. 4.20), then the read
+    ``o_t = S_t^T q_t`` (``read="before"``: ``S_{t-1}^T q_t``). Keywords, their defaults and meanings as in ``falcon_attention``; the
+    state is passed as ``state`` (``falcon_attention``: ``initial_state``), and the new state
+    is always returned.
     ``backend="auto"`` uses the fused Triton step (``ops.triton.STEP_RULES``: the rules checked on
     a GPU) on CUDA when no gradient is needed, and the PyTorch step otherwise; ``"triton"`` forces
     it for any rule.

@@ -1,10 +1,13 @@
 """The six Falcon update rules, described by three switches.
 
 Every rule updates a matrix state ``S`` (``K x V`` per head) from the causal pair
-``(x_t, y_t) = (phi(k_{t-1}), v_t)``::
+``(x_t, y_t) = (phi(k_{t-1}), v_t)`` (paper, Section 4, "Naming and formula summary")::
 
     regression  (1, 2, 3):   S_t = gamma_t * S_{t-1} + eta_t/B_t * sum_j x_j (y_j - S_{t-1}^T x_j)^T
     inner-prod  (1A,2A,3A):  S_t = gamma_t * S_{t-1} + eta_t/B_t * sum_j x_j y_j^T
+
+(Eqs. 3.3, 4.4, 4.14 and 4.6, 4.7, 4.19; ``B_t = 1`` for the non-sliding rules; a ``log_gate``
+first decays ``S_{t-1}`` by ``exp(g_t)``, see ``falcon_attention``).
 
 The index says how many pairs are averaged (``j`` runs over the current pair for
 the rules 1/2 and 1A/2A, over the sliding window ``I_t`` for 3/3A) and whether the
@@ -30,6 +33,7 @@ class RuleSpec:
 
     @property
     def paper_name(self) -> str:
+        """The paper's name of the rule: ``"Falcon-1"`` ... ``"Falcon-3A"``."""
         return f"Falcon-{self.name}"
 
 
@@ -44,7 +48,9 @@ RULES = {
 
 
 def get_rule(rule: str | RuleSpec) -> RuleSpec:
-    """Look a rule up by name ("1", "2", "3", "1A", "2A", "3A"; case-insensitive)."""
+    """The :class:`RuleSpec` of ``rule``: a name "1", "2", "3", "1A", "2A", "3A" or the paper's
+    "Falcon-1" ... "Falcon-3A" (case-insensitive, surrounding spaces ignored), or a ``RuleSpec``
+    (returned as it is). Another name is a ``ValueError`` naming ``rule``."""
     if isinstance(rule, RuleSpec):
         return rule
     key = str(rule).strip().upper()

@@ -27,8 +27,13 @@ class FalconState:
       hold none).
     * ``z`` ``[B, H, K]`` (``[B, H, K, V]`` for rule 2A): the normalizer state of the
       normalized read (``eps_attn``, Appendix C.1); ``None`` for the denominator-free read.
-    * ``rule``, ``window``, ``shift``: the configuration that produced the state;
-      ``falcon_attention`` refuses a state from another configuration.
+    * ``rule``, ``window``, ``shift``: the configuration that produced the state (``window`` is
+      1 for the non-sliding rules, which ignore the argument); ``falcon_attention`` refuses a
+      state from another configuration.
+
+    ``initial_state=None`` is the paper's fresh start ``S_0 = 0`` with the sentinel ``x_1 = 0``
+    (Section 3, Appendix C.5); a returned state continues the sequence exactly, the sentinel not
+    repeated (Appendix C.5, C.7).
     """
 
     rule: str
@@ -80,7 +85,8 @@ class FalconState:
                        z=None if self.z is None else self.z.detach())
 
     def index_select(self, index: torch.Tensor) -> "FalconState":
-        """Select batch rows (beam search / batched generation reordering)."""
+        """The state of the batch rows ``index`` ``[N]`` (int; ``N`` rows out, in that order, repeats
+        allowed), every field's leading ``B`` axis indexed (beam search / batched generation reordering)."""
         def sel(t):
             return None if t is None else t.index_select(0, index.to(t.device))
 
@@ -121,4 +127,5 @@ class FalconState:
 
     @property
     def batch_size(self) -> int:
+        """The number of rows ``B`` of ``S`` (sequences, one per row)."""
         return self.S.shape[0]

@@ -5,15 +5,17 @@ on the causal pairs ``(x_t, y_t) = (phi(k_{t-1}), v_t)``. For the arguments of
 ``falcon_attention`` (without ``q``: nothing is read), ``falcon_trace`` returns what that
 learner does at every step ``t`` and head:
 
-* ``eta``: the step size ``eta_t = beta_t / (E_t + lambda_t + eps)`` (0 at the sentinel);
-* ``gamma``: the carry ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)``, and ``clamped``,
-  where the positive-decay clamp holds (``gamma_t`` at ``decay_floor``);
+* ``eta``: the step size ``eta_t = beta_t / (E_t + lambda_t + eps)`` (Eqs. 3.4, 4.8, 4.9, 4.18;
+  0 at the sentinel);
+* ``gamma``: the carry ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)`` (Eq. 4.20), and
+  ``clamped``, where the positive-decay clamp holds (``gamma_t`` at ``decay_floor``);
 * ``prediction``: ``p_t = S'^T x_t``, the value the memory gives the newest pair's feature
   before the step writes it, with ``S' = exp(g_t) S_{t-1}`` (the state the regression rules
-  read their residual at);
-* ``residual`` ``r_t = y_t - p_t`` and ``loss`` ``l_t = ||r_t||^2 / 2``: the squared error whose
-  normalized gradient step rules 1-3 take (for rules 1A-3A, how well the memory recalls ``y_t``
-  from its key before storing it).
+  read their residual at): the paper's fast-memory prediction ``yhat_t = S_{t-1}^T x_t``
+  (Section 3, Appendix C.5; Algorithm 5, line 4) when there is no gate;
+* ``residual`` ``r_t = y_t - p_t`` (Eq. 3.3) and ``loss`` ``l_t = ||r_t||^2 / 2``: the squared
+  error of Eq. 3.1 without its ridge term, whose normalized gradient step rules 1-3 take (for
+  rules 1A-3A, how well the memory recalls ``y_t`` from its key before storing it).
 
 The step sizes come from the same code as the op's; the predictions are one more call of the op
 (``read="before"`` at the queries ``x_t``), on the same backend, with the inputs in the compute dtype.
@@ -79,7 +81,13 @@ def falcon_trace(
     ``log_gate`` ``[B, T, H]``; ``initial_state`` continues a segment, also one of a normalized
     read (``eps_attn``): its normalizer ``z`` takes no part in the learner, whose state ``S`` is
     the same with either read. One row per sequence (no ``cu_seqlens``). Returns a
-    :class:`FalconTrace`."""
+    :class:`FalconTrace`: ``eta``, ``gamma``, ``clamped`` ``[B, T, H]`` (``[B, T, H, V]`` for
+    rules "2", "2A"), ``prediction``, ``residual`` ``[B, T, H, V]``, ``loss`` ``[B, T, H]``,
+    ``valid`` ``[B, T]``.
+
+    Positional ``k, v, beta, lam`` are ``falcon_attention``'s without ``q``; its keywords
+    ``form``, ``read``, ``eps_attn``, ``output_final_state``, ``cu_seqlens`` and ``segments``
+    are not taken (the predictions are read before the write, on the chunk form)."""
     spec = get_rule(rule)
     W = window if spec.sliding else 1
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge)

@@ -29,6 +29,8 @@ __all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "chec
 
 RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
 MIXERS = RECURRENT_MIXERS + ("transformer",)
+"""The token mixers a config's ``mixer`` may name: the recurrent ones on ``FalconAttention``, and the
+Transformer baseline on ``CausalSelfAttention``."""
 BACKENDS = ("native", "torch", "triton", "fla")
 
 # Switches of the recurrent mixers. ``gate``: how the context sets the write gain

@@ -43,6 +43,7 @@ PRESETS: Dict[str, dict] = {
     "tiny-mamba2": dict(_TINY, mixer="mamba2"),
     "tiny-retnet": dict(_TINY, mixer="retnet"),
 }
+"""The presets by name: keyword arguments of :class:`FalconConfig` (module docstring)."""
 
 
 def get_preset(name: str, **overrides) -> FalconConfig:

@@ -45,6 +45,7 @@ RULES = {
     "2A": RuleSpec("2A", regression=False, per_column=True, sliding=False),
     "3A": RuleSpec("3A", regression=False, per_column=False, sliding=True),
 }
+"""The six rules by name (the paper's Falcon-1 ... Falcon-3A, Section 4)."""
 
 
 def get_rule(rule: str | RuleSpec) -> RuleSpec:

@@ -125,6 +125,32 @@ def test_prepare_reuses_and_rejects_changed_settings(tmp_path):
         prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=5), str(tmp_path / "d"))
 
 
+def test_prepare_refuses_a_corpus_changed_since_and_reuses_one_removed(tmp_path):
+    """A source file that grew, or a new file in a source folder, is named; the folder is rebuilt only
+    on request. A corpus removed after tokenizing (its tokens are in the folder) is reused."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha beta")
+    (src / "b.txt").write_text("gamma")
+    (tmp_path / "v.txt").write_text("held out")
+    spec = DataSpec(train_source=str(src), val_source=str(tmp_path / "v.txt"))
+    out = str(tmp_path / "d")
+    rec = prepare_dataset(spec, out)
+    assert rec["files"] == {"train": {str(src / "a.txt"): 10, str(src / "b.txt"): 5}, "val": {str(tmp_path / "v.txt"): 8}}
+    (src / "b.txt").write_text("gamma delta")
+    with pytest.raises(ValueError, match=r"other source files \(.*b\.txt held 5 bytes, now 11\): rebuild it"):
+        prepare_dataset(spec, out)
+    (src / "b.txt").write_text("gamma")
+    assert prepare_dataset(spec, out) == rec  # as it was: reused
+    (src / "c.txt").write_text("new")
+    with pytest.raises(ValueError, match=r"c\.txt is new"):
+        prepare_dataset(spec, out)
+    assert prepare_dataset(spec, out, overwrite=True)["counts"]["train"] == {"n_docs": 3, "n_tokens": 10 + 5 + 3 + 3}
+    for f in (src / "a.txt", src / "b.txt", src / "c.txt", tmp_path / "v.txt"):
+        f.unlink()
+    assert prepare_dataset(spec, out)["counts"]["train"]["n_docs"] == 3  # the tokens stay usable
+
+
 def test_preparations_started_together_on_one_folder_tokenize_it_once(tmp_path, monkeypatch):
     import threading
     import time

@@ -1,7 +1,9 @@
 """Tokenize a corpus once: ``{out_dir}/tokenizer/``, ``{out_dir}/train/``, ``{out_dir}/val/``.
 
-``prepared.json`` records the settings; preparing again with the same settings reuses the
-folder, with different settings it is an error (pass ``overwrite=True`` to rebuild).
+``prepared.json`` records the settings and the source files' sizes; preparing again with the same
+settings reuses the folder; with different settings, or once a local source has gained a file or a
+file has changed size, it is an error (pass ``overwrite=True`` to rebuild). A source removed since does
+not matter: its tokens are in the folder.
 Preparations of one folder are serialised by a lock file (``{out_dir}/.prepare.lock``): runs
 started together on one shared folder tokenize it once, the others wait and reuse it.
 """
@@ -15,7 +17,7 @@ from typing import Callable, Optional
 
 from ..atomic import folder_lock, write_json
 from .shards import NoDocuments, TokenShards, write_token_shards
-from .sources import TEXT_SPLITS, iter_documents
+from .sources import TEXT_SPLITS, iter_documents, list_files
 from .tokenizer import bpe_vocab_size, load_tokenizer
 
 
@@ -69,6 +71,32 @@ def _docs(spec: DataSpec, which: str, out_dir: str):
     return (d for i, d in enumerate(docs) if held_out(i) == (which == "val"))
 
 
+def source_files(spec: DataSpec, out_dir: str) -> dict:
+    """``{"train": {path: bytes}, "val": ...}``: the files each local source names now (``hf:`` sources
+    and an unset ``val_source`` give ``None``), so that a reuse can tell a corpus that has changed."""
+    def sizes(source: Optional[str]) -> Optional[dict]:
+        if source is None or source.startswith("hf:"):
+            return None
+        return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
+
+    return {"train": sizes(spec.train_source), "val": sizes(spec.val_source)}
+
+
+def _changed_files(held: dict, now: dict) -> str:
+    """What differs between two :func:`source_files` records, in words ('' if nothing)."""
+    changes = []
+    for which in ("train", "val"):
+        before, after = held.get(which) or {}, now.get(which) or {}
+        for path in sorted(after):  # (files gone since are not asked for: their tokens are here)
+            if path not in before:
+                changes.append(f"{path} is new")
+            elif before[path] != after[path]:
+                changes.append(f"{path} held {before[path]:,} bytes, now {after[path]:,}")
+    if len(changes) > 3:
+        changes = changes[:3] + [f"{len(changes) - 3} more"]
+    return "; ".join(changes)
+
+
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
                     name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
     """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts.
@@ -103,10 +131,20 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             raise ValueError(f"data folder {out_dir!r} was prepared with other settings ({differ}): choose another "
                              "folder (falcon-fwa data --out, or a recipe's data.out_dir) or rebuild this one "
                              "(falcon-fwa data --overwrite)")
+        if "files" in record:  # (folders prepared before the files were recorded are reused as they are)
+            try:
+                now = source_files(spec, out_dir)
+            except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
+                now = {}
+            changed = _changed_files(record["files"], now)
+            if changed:
+                raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
+                                 "rebuild it (falcon-fwa data --overwrite) or choose another folder")
         return record
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)
+    files = source_files(spec, out_dir)
     texts = None
     if spec.tokenizer.startswith("bpe:"):  # the training documents only: none held out for validation
         texts = itertools.islice(_docs(spec, "train", out_dir), spec.bpe_documents)
@@ -120,7 +158,8 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         except NoDocuments as err:
             raise ValueError(f"{err}: {_empty_split(spec, which, name)}") from None
         counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
-    record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts}
+    record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts,
+              "files": files}
     write_json(record_path, record)
     return record
 

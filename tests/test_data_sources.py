@@ -128,6 +128,16 @@ def test_bytes_that_are_no_utf8_become_replacement_characters_in_text_and_json(t
     assert list(iter_documents(str(tmp_path / "b.jsonl"))) == ["ok \ufffd end"]
 
 
+def test_a_byte_order_mark_opening_a_file_is_no_text(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + b"first\n\nsecond \xef\xbb\xbf kept inside")
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "x"}\n{"text": "y"}\n')
+    (tmp_path / "c.json").write_bytes(bom + b'[{"text": "z"}]')
+    assert list(iter_documents(str(tmp_path / "a.txt"), text_split="paragraph")) == ["first", "second \ufeff kept inside"]
+    assert list(iter_documents(str(tmp_path / "b.jsonl"))) == ["x", "y"]
+    assert list(iter_documents(str(tmp_path / "c.json"))) == ["z"]
+
+
 def test_the_byte_tokenizer_is_utf8_for_any_text_and_decodes_any_bytes():
     tok = byte_tokenizer()
     rng = random.Random(0)

@@ -8,9 +8,10 @@
   (needs internet or a local cache).
 Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
 document), ``"line"`` (one per non-empty line) or ``"paragraph"`` (separated by blank lines).
-Bytes that are no UTF-8 (in a text or JSON file) become U+FFFD. A record without the ``text_field``,
-with a non-string text, a line that is no JSON, or a file that is no Parquet is a ``ValueError``
-naming the file and record; a Parquet ``text_field`` column must hold strings.
+Bytes that are no UTF-8 (in a text or JSON file) become U+FFFD; a leading byte-order mark is
+dropped. A record without the ``text_field``, with a non-string text, a line that is no JSON, or a
+file that is no Parquet is a ``ValueError`` naming the file and record; a Parquet ``text_field``
+column must hold strings.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _split_text(text: str, text_split: str) -> Iterator[str]:
 
 def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
     """``(where, record)`` of a JSON Lines file, or of a ``.json`` file holding one array of records."""
-    with open(path, encoding="utf-8", errors="replace") as f:  # as a text file: no UTF-8 -> U+FFFD
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # as a text file: no UTF-8 -> U+FFFD, no BOM
         if path.endswith(".json"):
             head = f.read(4096).lstrip()
             f.seek(0)
@@ -111,7 +112,7 @@ def _record_text(where: str, record, text_field: str) -> Optional[str]:
 
 def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
     if path.endswith(TEXT_SUFFIXES):
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:
             yield from _split_text(f.read(), text_split)
     elif path.endswith(JSON_SUFFIXES):
         for where, record in _json_records(path):

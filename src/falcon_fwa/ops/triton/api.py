@@ -148,8 +148,10 @@ def falcon_chunk_triton(
     cu_seqlens: Optional[torch.Tensor] = None,
     validate: bool = True,
 ) -> Tuple[torch.Tensor, Optional[FalconState]]:
-    """``falcon_attention(..., form="chunk")`` on the Triton kernels; same arguments,
-    shapes and result (``o`` ``[B, T, H, V]`` in ``v``'s dtype, the final state in fp32).
+    """``falcon_attention(..., form="chunk")`` on the Triton kernels: the same arguments, less
+    those that choose the path or run around it (``form``, ``backend``; ``eps_attn``, the normalized
+    read, and ``segments`` are applied by ``falcon_attention`` around this call), plus ``validate``;
+    the same shapes and result (``o`` ``[B, T, H, V]`` in ``v``'s dtype, the final state in fp32).
 
     Supported: rules "1A" (scalar-decay masked attention, any head dims), "2A" (one
     decay per value column, any head dims; ``ops.triton.column_decay``), "1" (WY

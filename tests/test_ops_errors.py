@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_inputs
+from conftest import random_inputs, rel_err
 
 from falcon_fwa import falcon_attention, falcon_step
 
@@ -103,7 +103,7 @@ def test_log_gate_minus_infinity_is_a_reset():
     empty = FalconState(rule="1A", window=1, shift=True, S=torch.zeros(B, H, K, V, dtype=inp["v"].dtype),
                         last_key=inp["k"][:, 2])
     o_rest, _ = _call(rest, rule="1A", initial_state=empty)
-    torch.testing.assert_close(o[:, 3:], o_rest)
+    assert rel_err(o[:, 3:], o_rest) <= 1e-13  # float64: nothing of steps 1-2 leaks through (was atol 1e-5)
 
 
 @pytest.mark.parametrize("switch", ["shift", "normalize", "scale_ridge", "output_final_state"])

@@ -319,6 +319,15 @@ def test_lm_eval_runs_no_code_from_the_model_folder(saved_model, tmp_path):
 
     _write_tasks(tmp_path, saved_model)  # a task the harness finds: the failure must come from the model
 
+    folder, marker = _folder_with_its_own_code(tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code"):  # transformers' refusal, not any failure
+        evaluate(str(folder), ["local_mc"], include_path=str(tmp_path))
+    assert not marker.exists()
+
+
+def _folder_with_its_own_code(tmp_path):
+    """A model folder whose config points AutoConfig / AutoModelForCausalLM at a module of its own, which
+    leaves a marker file when imported; returns (folder, marker)."""
     folder = tmp_path / "evil"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
@@ -326,8 +335,19 @@ def test_lm_eval_runs_no_code_from_the_model_folder(saved_model, tmp_path):
                                                 "AutoModelForCausalLM": "evilmod.EvilLM"}}))
     marker = tmp_path / "imported"
     (folder / "evilmod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    with pytest.raises(Exception):
-        evaluate(str(folder), ["local_mc"], include_path=str(tmp_path))
+    return folder, marker
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,  # raised from the folder's module, once imported
+                   reason="load_model (ppl, generate) leaves trust_remote_code unset: transformers asks whether "
+                          "to run the folder's own code, and on 'y' imports it")
+def test_load_model_runs_no_code_from_the_model_folder(tmp_path, monkeypatch):
+    """ppl and generate load through load_model: a folder's own code must not run, even where transformers would
+    ask at a terminal and the answer is yes."""
+    folder, marker = _folder_with_its_own_code(tmp_path)
+    monkeypatch.setattr("builtins.input", lambda *args, **kwargs: "y")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_model(str(folder))
     assert not marker.exists()
 
 

@@ -186,6 +186,8 @@ def test_triton_backend_raises_the_torch_backends_argument_errors(case):
             falcon_attention(q, k, v, beta, lam, backend=backend, **options)
         errors[backend] = (type(info.value), str(info.value))
     assert errors["triton"] == errors["torch"]
+    named = next(iter(_BAD_ARGUMENTS[case]))  # the argument at fault, first in the message
+    assert errors["torch"][0] in (TypeError, ValueError) and errors["torch"][1].startswith(f"{named} must "), errors
 
 
 @pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)

@@ -26,7 +26,6 @@ ms_per_step}``, plus ``same_tokens`` and ``max_logit_diff`` on a preset's second
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
                 first = {}
                 for impl in impls:
                     if impl != "-":
-                        layer_module.falcon_step = functools.partial(falcon_step, backend=impl)
+                        layer_module.falcon_step = _on_backend(falcon_step, impl)
                     try:
                         row, tokens, logits = _measure(model, prompt, args, preset, impl)
                     except Exception as e:  # one failing row must not lose the others
@@ -147,6 +146,12 @@ def main(argv=None) -> int:
         layer_module.falcon_step = falcon_step
         _write(rows, errors, args)
     return 0
+
+
+def _on_backend(step, backend):
+    """``step`` on ``backend`` whatever the caller asks for: the layer passes its config's backend ("auto"),
+    which would override a ``functools.partial`` keyword and run every row on the same one."""
+    return lambda *args, **kwargs: step(*args, **{**kwargs, "backend": backend})
 
 
 def _measure(model, prompt, args, preset, impl):

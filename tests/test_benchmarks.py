@@ -138,11 +138,26 @@ def _refused_naming(exit_, capsys, option):
     assert option in message and "unrecognized arguments" not in message, (option, err)
 
 
-def test_decode_benchmark_tiny_model(tmp_path, capsys):
+def test_decode_benchmark_tiny_model(tmp_path, capsys, monkeypatch):
     import bench_decode
+
+    import falcon_fwa.ops.triton as kernels
+    from falcon_fwa.models import get_preset
     # the fused step on the GPU where there is one; on the CPU through Triton's interpreter (conftest sets
     # TRITON_INTERPRET there, and only there)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # each row's decoding steps on the fused step kernel: all of the triton rows', none of the torch rows'
+    kernel_steps, per_row = [], {}
+    real_step, real_measure = kernels.falcon_step_triton, bench_decode._measure
+    monkeypatch.setattr(kernels, "falcon_step_triton", lambda *a, **kw: kernel_steps.append(1) or real_step(*a, **kw))
+
+    def measure(model, prompt, args, preset, impl):
+        before = len(kernel_steps)
+        out = real_measure(model, prompt, args, preset, impl)
+        per_row[(impl, prompt.shape[0])] = len(kernel_steps) - before
+        return out
+
+    monkeypatch.setattr(bench_decode, "_measure", measure)
     assert bench_decode.main(["--presets", "tiny-falcon", "tiny-transformer", "--batch", "1", "3", "--prompt", "5",
                               "--new-tokens", "4", "--repeats", "1", "--device", device,
                               "--dtype", "float32", "--out", str(tmp_path), "--name", "d"]) == 0
@@ -151,6 +166,10 @@ def test_decode_benchmark_tiny_model(tmp_path, capsys):
         ("tiny-falcon", "triton", 1), ("tiny-falcon", "torch", 1), ("tiny-falcon", "triton", 3),
         ("tiny-falcon", "torch", 3), ("tiny-transformer", "-", 1), ("tiny-transformer", "-", 3)]
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 4 for r in rows)
+    layers = get_preset("tiny-falcon").num_hidden_layers
+    # 3 warm-up and 3 timed steps after the prompt's pass, each through every layer
+    assert per_row == {("triton", 1): 6 * layers, ("torch", 1): 0, ("triton", 3): 6 * layers, ("torch", 3): 0,
+                       ("-", 1): 0, ("-", 3): 0}, per_row
     torch_rows = [r for r in rows if r["impl"] == "torch"]
     assert all(r["same_tokens"] and r["max_logit_diff"] < 1e-3 for r in torch_rows)  # fused step == PyTorch step
     assert "| tiny-falcon | torch | 3 |" in (tmp_path / "d.md").read_text()

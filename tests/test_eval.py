@@ -338,9 +338,6 @@ def _folder_with_its_own_code(tmp_path):
     return folder, marker
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,  # raised from the folder's module, once imported
-                   reason="load_model (ppl, generate) leaves trust_remote_code unset: transformers asks whether "
-                          "to run the folder's own code, and on 'y' imports it")
 def test_load_model_runs_no_code_from_the_model_folder(tmp_path, monkeypatch):
     """ppl and generate load through load_model: a folder's own code must not run, even where transformers would
     ask at a terminal and the answer is yes."""

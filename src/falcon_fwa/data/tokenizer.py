@@ -105,7 +105,7 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
     from transformers import AutoTokenizer
 
     try:  # a local folder, or a Hugging Face Hub name when online
-        tok = AutoTokenizer.from_pretrained(spec, local_files_only=os.path.isdir(spec))
+        tok = AutoTokenizer.from_pretrained(spec, local_files_only=os.path.isdir(spec), trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ValueError(f"tokenizer must be 'byte', 'bpe:<vocab_size>', a local tokenizer folder or a Hub "
                          f"name; loading {spec!r} failed: {err}") from None

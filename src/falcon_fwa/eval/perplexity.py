@@ -56,7 +56,8 @@ def check_model_folder(folder: str) -> None:
 
 def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
     """A saved model folder (or a Hugging Face hub id ``owner/name``) -> (model in eval mode, tokenizer).
-    ``dtype``: the weights', ``"fp32"`` or ``"bf16"`` (``"float32"``, ``"bfloat16"`` are taken too)."""
+    ``dtype``: the weights', ``"fp32"`` or ``"bf16"`` (``"float32"``, ``"bfloat16"`` are taken too). Code that a
+    folder brings (``auto_map``) is never run: such a folder is a ``ValueError`` naming ``trust_remote_code``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(folder)
@@ -64,13 +65,15 @@ def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
 
     torch_dtype = getattr(torch, dtype_name(dtype, ("fp32", "bf16")))
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
+        # a folder's own code (config.json's auto_map) never runs: transformers would ask at a terminal
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=False)
+        model = model.to(device).eval()
     except OSError as err:
         if os.path.isdir(folder):
             raise
         raise FileNotFoundError(f"model folder {folder!r} does not exist, and loading it as a hub id "
                                 f"failed: {err}") from None
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=os.path.isdir(folder))
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=os.path.isdir(folder), trust_remote_code=False)
     return model, tokenizer
 
 

@@ -138,6 +138,20 @@ def test_a_byte_order_mark_opening_a_file_is_no_text(tmp_path):
     assert list(iter_documents(str(tmp_path / "c.json"))) == ["z"]
 
 
+def test_blank_texts_are_no_documents_in_any_format_and_suffixes_count_in_any_case(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "A.TXT").write_text("upper case text\n\n   \n\nmore")
+    (folder / "b.JsonL").write_text('{"text": " \\n\\t "}\n{"text": "json"}\n{"text": ""}\n{"text": null}\n')
+    pq.write_table(pa.table({"text": ["  ", "parquet", None, "\n"]}), folder / "c.Parquet")
+    (folder / "d.csv").write_text("not a source")
+    docs = list(iter_documents(str(folder), text_split="paragraph"))
+    assert docs == ["upper case text", "more", "json", "parquet"]
+
+
 def test_the_byte_tokenizer_is_utf8_for_any_text_and_decodes_any_bytes():
     tok = byte_tokenizer()
     rng = random.Random(0)

@@ -2,8 +2,8 @@
 
 ``iter_documents(source)`` yields one string per document. ``source`` is
 - a file or a folder (searched recursively) of ``.txt``/``.md``/``.rst``, ``.jsonl``/``.json`` (JSON
-  Lines, or one array of records) and ``.parquet`` files, or a glob pattern of such files; records
-  whose text is null or empty yield no document;
+  Lines, or one array of records) and ``.parquet`` files (suffixes in any case), or a glob pattern of
+  such files; records whose text is null, empty or blank yield no document;
 - ``hf:NAME`` or ``hf:NAME:CONFIG`` for ``datasets.load_dataset(NAME, CONFIG, split=..., streaming=True)``
   (needs internet or a local cache).
 Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
@@ -43,7 +43,7 @@ def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
     else:
         files = glob.glob(source, recursive=True)
     suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
-    files = sorted(f for f in files if f.endswith(suffixes))
+    files = sorted(f for f in files if f.lower().endswith(suffixes))  # (A.TXT is a text file too)
     if exclude is not None:
         skip = os.path.realpath(exclude) + os.sep
         files = [f for f in files if not os.path.realpath(f).startswith(skip)]
@@ -71,7 +71,7 @@ def _split_text(text: str, text_split: str) -> Iterator[str]:
 def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
     """``(where, record)`` of a JSON Lines file, or of a ``.json`` file holding one array of records."""
     with open(path, encoding="utf-8-sig", errors="replace") as f:  # as a text file: no UTF-8 -> U+FFFD, no BOM
-        if path.endswith(".json"):
+        if path.lower().endswith(".json"):
             head = f.read(4096).lstrip()
             f.seek(0)
             if head.startswith("["):
@@ -91,7 +91,8 @@ def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
 
 
 def _record_text(where: str, record, text_field: str) -> Optional[str]:
-    """The text of a JSON record (``None`` for null or empty text), or a ``ValueError`` naming the record.
+    """The text of a JSON record (``None`` for null, empty or blank text, as a text file's blank parts
+    give no document), or a ``ValueError`` naming the record.
     A lone surrogate (``"\\ud800"``, valid JSON but no Unicode text) becomes ``?``, as a text file's
     undecodable bytes become U+FFFD."""
     if not isinstance(record, dict):
@@ -99,10 +100,12 @@ def _record_text(where: str, record, text_field: str) -> Optional[str]:
     if text_field not in record:
         raise ValueError(f"{where}: record has no text_field {text_field!r} (keys: {sorted(record)})")
     text = record[text_field]
-    if text is None or text == "":
+    if text is None:
         return None
     if not isinstance(text, str):
         raise ValueError(f"{where}: text_field {text_field!r} must hold a string, got {type(text).__name__}")
+    if not text.strip():
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -111,20 +114,21 @@ def _record_text(where: str, record, text_field: str) -> Optional[str]:
 
 
 def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
-    if path.endswith(TEXT_SUFFIXES):
+    suffix = path.lower()
+    if suffix.endswith(TEXT_SUFFIXES):
         with open(path, encoding="utf-8-sig", errors="replace") as f:
             yield from _split_text(f.read(), text_split)
-    elif path.endswith(JSON_SUFFIXES):
+    elif suffix.endswith(JSON_SUFFIXES):
         for where, record in _json_records(path):
             text = _record_text(where, record, text_field)
-            if text is not None:  # null or empty text: no document (as in Parquet)
+            if text is not None:  # null, empty or blank text: no document (as in Parquet and text files)
                 yield text
     else:
         yield from _parquet_texts(path, text_field)
 
 
 def _parquet_texts(path: str, text_field: str) -> Iterator[str]:
-    """The non-empty strings of column ``text_field`` of a Parquet file."""
+    """The strings of column ``text_field`` of a Parquet file that are not null, empty or blank."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -140,7 +144,7 @@ def _parquet_texts(path: str, text_field: str) -> Iterator[str]:
         raise ValueError(f"{path}: column text_field {text_field!r} must hold strings, got {kind}")
     try:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            yield from (t for t in batch.column(0).to_pylist() if t)
+            yield from (t for t in batch.column(0).to_pylist() if t and t.strip())
     except (pa.ArrowException, OSError) as err:
         raise ValueError(f"{path}: unreadable Parquet data ({err})") from None
 

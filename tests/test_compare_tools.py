@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from falcon_fwa.train import compare, compare_report, throughput
+from falcon_fwa.train import latest_checkpoint, load_checkpoint
 from falcon_fwa.train import trainer as trainer_module
 from falcon_fwa.train.logger import read_log
 from test_train import recipe
@@ -105,6 +106,42 @@ def test_compare_writes_results_after_every_recipe_and_a_kill_loses_only_the_one
     rows = compare_report.result_rows(report)
     assert [(r["model"], r["status"]) for r in rows] == list(report["status"].items())
     assert "| killed | running |" in compare_report.markdown_table(rows)
+
+
+def test_a_sigterm_stops_the_recipe_in_progress_with_a_checkpoint_and_the_command(tmp_path, monkeypatch, capsys):
+    """SIGTERM during the second recipe's third step: it ends that step with a checkpoint (status stopped), the
+    third recipe is not run, the command returns 143 and the first recipe's result stands."""
+    import signal
+
+    presets = {"first": "tiny-falcon", "second": "tiny-transformer", "third": "tiny-falcon"}
+    original, steps = trainer_module.causal_lm_loss, []
+
+    def loss(model, batch, device, autocast):
+        if torch.is_grad_enabled() and model.config.mixer == "transformer":
+            steps.append(1)
+            if len(steps) == 5:  # the first micro-step of step 3 (2 micro-steps per step)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return original(model, batch, device, autocast)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", loss)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        code, out = run_compare(tmp_path, presets, "--steps", "6")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + signal.SIGTERM
+    report = load(out)
+    assert report["status"] == {"first": "done", "second": "stopped", "third": "not_run"}
+    assert report["finished"] is False
+    second = report["runs"]["second"]
+    assert second["steps"] == 3 and second["signal"] == "SIGTERM"
+    checkpoints = out / "main" / "second" / "checkpoints"
+    assert load_checkpoint(latest_checkpoint(str(checkpoints)))["step"] == 3
+    assert report["runs"]["third"]["error"] == "stopped by SIGTERM before this recipe started"
+    assert report["runs"]["first"]["steps"] == 6
+    rows = compare_report.result_rows(report)
+    assert "| second | stopped: 3 of 6 steps |" in compare_report.markdown_table(rows)
+    assert "stopped by SIGTERM" in capsys.readouterr().err
 
 
 def test_compare_refuses_the_base_recipe_that_a_glob_takes_along(tmp_path):

@@ -26,10 +26,12 @@ but not charged again. (With ``--concurrent``, calibration runs all recipes at o
 
 ``--deadline`` (wall-clock seconds for the whole command) is enforced as well: the recipe
 training when it passes stops at its next step boundary, is evaluated and is marked
-``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``.
+``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``. A SIGTERM
+or SIGINT stops the sequential recipe in progress the same way, with a checkpoint but no evaluation
+(``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal.
 
 ``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
-it ends: ``status`` gives every recipe's state (pending, running, done, partial, failed,
+it ends: ``status`` gives every recipe's state (pending, running, done, partial, stopped, failed,
 not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress.
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
 finished (``done``) with the very recipe this launch would train (the same step count, overrides and
@@ -47,6 +49,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -182,17 +185,21 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
                    deadline_at: Optional[float] = None, earlier: Optional[dict] = None) -> Iterator[Event]:
     """Train every recipe in turn in this process, from scratch in ``out_dir/tag/NAME``. Yields
     ``(name, "running", None)`` before each and ``(name, status, result)`` after it: done,
-    partial (stopped by ``deadline_at``, then evaluated), failed or not_run. A run of ``earlier``
+    partial (stopped by ``deadline_at``, then evaluated), stopped (by a SIGTERM or SIGINT, at the end of
+    its step, with a checkpoint; the recipes after it are not_run), failed or not_run. A run of ``earlier``
     (name -> result of an earlier launch) that :func:`kept_result` keeps is yielded as done, untrained."""
     from .trainer import Trainer
 
-    commit = git_commit(short=False)
+    commit, stopped_by = git_commit(short=False), None
     for cfg_path, name in zip(configs, names):
         run_dir = os.path.join(out_dir, tag, name)
         cfg = load_config(cfg_path, sets + [assign_text("train.out_dir", run_dir)])
         kept = kept_result((earlier or {}).get(name), run_dir, cfg.to_dict(), commit)
         if kept is not None:
             yield name, "done", dict(kept, kept=True)
+            continue
+        if stopped_by is not None:
+            yield name, "not_run", {"error": f"stopped by {stopped_by} before this recipe started"}
             continue
         if deadline_at is not None and _clock() >= deadline_at:
             yield name, "not_run", {"error": "the deadline passed before this recipe started"}
@@ -203,9 +210,11 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
         try:
             trainer = Trainer(cfg)
             clock = StepClock(deadline_at)
-            result = trainer.train(should_stop=clock)
+            result = trainer.train(should_stop=clock, stop_on_signal=True)
             result["first_step_s"] = clock.durations()[0]
-            if result["steps"] < cfg.train.steps:
+            if result.get("signal"):  # not evaluated: the command is asked to end
+                status, stopped_by = "stopped", result["signal"]
+            elif result["steps"] < cfg.train.steps:
                 status = "partial"
                 every = cfg.train.eval_every
                 if not (every and result["steps"] % every == 0):  # not evaluated at this step yet
@@ -498,6 +507,10 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
                   + ("  (kept from the earlier launch)" if result.get("kept") else ""), flush=True)
         report["main_wall_s"] = _clock() - t0
         save()
+    stopped = [r["signal"] for r in report["runs"].values() if r.get("status") == "stopped"]
+    if stopped:
+        print(f"stopped by {stopped[0]}: the same command goes on from the recipes done", file=sys.stderr, flush=True)
+        return 128 + signal.Signals[stopped[0]]
     report["finished"] = True
     save()
     return 0

@@ -68,8 +68,8 @@ def markdown_table(rows: list) -> str:
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         status = r["status"]
-        if status == "partial":
-            status = f"partial: {r['steps']:,} of {r['planned_steps']:,} steps"
+        if status in ("partial", "stopped"):
+            status = f"{status}: {r['steps']:,} of {r['planned_steps']:,} steps"
         if r.get("error"):
             lines.append(f"| {r['model']} | {status}: {r['error'][:80]} | | | | | |")
             continue

@@ -114,11 +114,11 @@ def _record_text(where: str, record, text_field: str) -> Optional[str]:
 
 
 def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
-    suffix = path.lower()
-    if suffix.endswith(TEXT_SUFFIXES):
+    lowered = path.lower()  # suffixes in any case
+    if lowered.endswith(TEXT_SUFFIXES):
         with open(path, encoding="utf-8-sig", errors="replace") as f:
             yield from _split_text(f.read(), text_split)
-    elif suffix.endswith(JSON_SUFFIXES):
+    elif lowered.endswith(JSON_SUFFIXES):
         for where, record in _json_records(path):
             text = _record_text(where, record, text_field)
             if text is not None:  # null, empty or blank text: no document (as in Parquet and text files)

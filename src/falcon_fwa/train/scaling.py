@@ -89,11 +89,8 @@ def run_sets(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_
             f"log.every={max(1, steps // 10)}", *extra_sets]
 
 
-def command(job: dict, *, steps: int, micro_batch: int, global_batch: int, out_dir: str,
-            extra_sets: List[str]) -> List[str]:
-    """The ``torchrun`` command line of one run."""
-    sets = run_sets(job, steps=steps, micro_batch=micro_batch, global_batch=global_batch, out_dir=out_dir,
-                    extra_sets=extra_sets)
+def command(job: dict, sets: List[str]) -> List[str]:
+    """The ``torchrun`` command line of one run, its recipe given the assignments ``sets`` (:func:`run_sets`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job['gpus']}",
            "-m", "falcon_fwa.train.cli", "--config", job["config"]]
     for s in sets:
@@ -319,8 +316,7 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
                                                           f"s{job['seed']}"))
             sets = run_sets(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
                             extra_sets=args.overrides)
-            cmd = command(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
-                          extra_sets=args.overrides)
+            cmd = command(job, sets)
             row = dict(model=job["model"], strategy=job["strategy"], gpus=job["gpus"], seed=job["seed"],
                        tokens_per_s=None, efficiency=None, peak_mem_bytes_per_gpu=None, val_loss=None, tokens=None,
                        steps=None, status="not run", command=" ".join(shlex.quote(c) for c in cmd), device=device)
@@ -369,8 +365,8 @@ def _warm_up(job: dict, args: argparse.Namespace, micro: int, global_batch: int,
              timeout: Optional[float], signals: Optional[StopSignals] = None) -> dict:
     """One short untimed run of ``job`` (``--warmup-steps`` steps): fills the kernel caches."""
     run_dir = os.path.join(args.out, _folder_name(f"{job['model']}-warmup"))
-    cmd = command(job, steps=args.warmup_steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
-                  extra_sets=args.overrides)
+    cmd = command(job, run_sets(job, steps=args.warmup_steps, micro_batch=micro, global_batch=global_batch,
+                                out_dir=run_dir, extra_sets=args.overrides))
     print(f"[warm-up] {job['model']} {job['strategy']} x{job['gpus']}, {args.warmup_steps} steps", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(run_dir + ".log", "w") as log:

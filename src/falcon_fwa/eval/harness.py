@@ -5,7 +5,8 @@ Auto classes, so the harness's ``hf`` model (``HFLM``: loglikelihood, and ``gene
 ``use_cache=True`` on left-padded batches) loads the folder directly. ``falcon-fwa`` is
 registered as a harness model name too: the same ``HFLM``, except that every request opens
 with the tokenizer's end-of-text token, as every document does in training, ``ppl`` and
-``generate``. :func:`evaluate` uses it.
+``generate``, and that no forward pass is shared among requests (``logits_cache``, see
+:func:`lm_class`). :func:`evaluate` uses it.
 """
 from __future__ import annotations
 
@@ -28,12 +29,23 @@ def lm_class():
     its first window with it (the harness's ``prefix_token_id``). A tokenizer without an
     end-of-text token, or a text that already opens with it, is left as it is. Generation never
     picks the ids past the tokenizer's vocabulary that the embedding pads to a multiple of 64
-    (as ``falcon-fwa generate``)."""
+    (as ``falcon-fwa generate``), and a row of a batch ends at the tokenizer's end-of-text token
+    also where the model's config names none.
+
+    ``logits_cache`` is off unless asked for: the harness's sharing of one forward pass among
+    requests whose ``context + continuation[:-1]`` agree takes, for a shorter continuation,
+    the log-probabilities of the leading positions of the longest one's instead of the trailing
+    ones, so two requests that split the same text differently (``"the state" + " memory key"``
+    and ``"the state memory" + " key"``, or equal windows of ``loglikelihood_rolling`` in a batch)
+    would get wrong scores."""
     import torch
     from lm_eval.models.huggingface import HFLM
 
     class FalconFWALM(HFLM):
         """HFLM for falcon-fwa model folders: requests open with end-of-text, as in training."""
+
+        def __init__(self, *args, logits_cache: bool = False, **kwargs):
+            super().__init__(*args, logits_cache=logits_cache, **kwargs)
 
         def _opening(self, ids) -> list:
             eos = self.tokenizer.eos_token_id
@@ -47,6 +59,10 @@ def lm_class():
             padded = range(len(self.tokenizer), self.model.config.vocab_size)
             if len(padded) and "suppress_tokens" not in generation_kwargs:
                 generation_kwargs["suppress_tokens"] = list(padded)
+            # a config without eos_token_id leaves rows that ended running on, and the text after the
+            # end-of-text token (which decoding drops, so no stop string finds it) in their completion
+            if self.tokenizer.eos_token_id is not None and "eos_token_id" not in generation_kwargs:
+                generation_kwargs["eos_token_id"] = self.tokenizer.eos_token_id
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
         def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):

@@ -1,0 +1,134 @@
+"""The harness model ``falcon-fwa`` against direct computations on a tiny random model: log-likelihoods of
+requests that split one text differently, rolling windows in batches, and batched generation in which
+one row ends at end-of-text before the others (a model folder whose config names no end-of-text id)."""
+import pytest
+import torch
+
+from falcon_fwa import FalconForCausalLM, get_preset
+from falcon_fwa.data.tokenizer import byte_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+lm_eval = pytest.importorskip("lm_eval")
+
+
+def _model(**overrides):
+    """A tiny Falcon (initializer_range 0.5: varied greedy tokens) with the byte tokenizer; its
+    config names no end-of-text id, as that of a model built by hand from a preset. Returns (model, tokenizer)."""
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon", vocab_size=320, initializer_range=0.5, **overrides)).eval()
+    tok = byte_tokenizer()
+    assert model.config.eos_token_id is None
+    return model, tok
+
+
+def _save(model, tok, path):
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _log_probs(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double().log_softmax(-1)
+
+
+def _lm(folder, **kwargs):
+    from falcon_fwa.eval.harness import lm_class
+
+    return lm_class()(pretrained=folder, device="cpu", trust_remote_code=False, **kwargs)
+
+
+def _requests(kind, args):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+def test_loglikelihood_of_one_text_split_two_ways_is_each_requests_own(tmp_path):
+    """``"the state" + " memory key"`` and ``"the state memory" + " key"`` feed the model the same tokens
+    (``context + continuation[:-1]``); each continuation's score is still the sum of its own tokens'
+    log-probabilities at their own positions (the harness's shared pass took the leading positions)."""
+    model, tok = _model()
+    folder = _save(model, tok, tmp_path / "m")
+    eos = tok.eos_token_id
+    pairs = [("the state", " memory key"), ("the state memory", " key"), ("the state memory ke", "y")]
+
+    def direct(context, continuation):
+        ids, cont = [eos, *context.encode()], list(continuation.encode())
+        lp = _log_probs(model, ids + cont[:-1])
+        return sum(float(lp[len(ids) - 1 + j, t]) for j, t in enumerate(cont))
+
+    want = [direct(*p) for p in pairs]
+    assert abs(want[0] - want[1]) > 1  # the three differ: a shared score would show
+    for batch_size in (1, 3):
+        got = _lm(folder, batch_size=batch_size).loglikelihood(_requests("loglikelihood", pairs), disable_tqdm=True)
+        assert [g[0] for g in got] == pytest.approx(want, abs=1e-4)
+
+
+def test_rolling_windows_score_alike_in_any_batch(tmp_path):
+    """A repetitive document has equal rolling windows cut at different places; in a batch they share a
+    key, and each document's log-likelihood must still be the sum over its windows, each token predicted
+    from the (at most max_length) tokens before it, as computed here directly."""
+    model, tok = _model()
+    folder = _save(model, tok, tmp_path / "m")
+    eos, L = tok.eos_token_id, 16
+    docs = ["the state memory key value " * k for k in (1, 3, 7)] + ["x"]
+
+    def direct(doc):
+        full = [eos, *doc.encode()]
+        total = 0.0
+        for a in range(1, len(full), L):  # predict full[a:b] from at most the L tokens before each
+            b = min(a + L, len(full))
+            lo = max(0, b - 1 - L)
+            lp = _log_probs(model, full[lo:b - 1])
+            total += sum(float(lp[i - 1 - lo, full[i]]) for i in range(a, b))
+        return total
+
+    want = [direct(d) for d in docs]
+    for batch_size in (1, 8):
+        got = _lm(folder, batch_size=batch_size, max_length=L).loglikelihood_rolling(
+            _requests("loglikelihood_rolling", [(d,) for d in docs]), disable_tqdm=True)
+        assert got == pytest.approx(want, abs=1e-3), batch_size
+
+
+def test_a_row_that_ends_at_end_of_text_gets_no_more_text_in_a_batch(tmp_path):
+    """generate_until on a batch where one prompt's greedy continuation is end-of-text at once: its
+    completion is empty and every completion equals greedy decoding by full forwards over the tokenizer's
+    ids, cut at end-of-text, at a stop string or after max_gen_toks, whatever the batch size. The model's
+    config names no end-of-text id: the tokenizer's ends the rows."""
+    model, tok = _model(tie_word_embeddings=False)
+    eos, n = tok.eos_token_id, len(tok)
+    prompts = ["fast weight memory", "the state", "a", "gate decay token value read write"]
+    # end-of-text's output row: 1.5 x that of the first prompt's greedy token, so it wins there
+    ids = [eos, *prompts[0].encode()]
+    first = _log_probs(model, ids)[-1, :n]
+    best = int(first.argmax())
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+        assert logits[best] > 0
+        model.lm_head.weight[eos] = 1.5 * model.lm_head.weight[best]
+    folder = _save(model, tok, tmp_path / "m")
+
+    def greedy(prompt, max_new, until):
+        ids, new = [eos, *prompt.encode()], []
+        for _ in range(max_new):
+            t = int(_log_probs(model, ids + new)[-1, :n].argmax())
+            if t == eos:
+                break
+            new.append(t)
+            if any(u in tok.decode(new) for u in until):
+                break
+        text = tok.decode(new)
+        for u in until:
+            text = text.split(u)[0]
+        return text
+
+    for until, max_new in (([], 10), (["e"], 12)):
+        want = [greedy(p, max_new, until) for p in prompts]
+        if not until:  # one row ends at once, the others go on
+            assert want[0] == "" and any(len(w) >= 2 for w in want[1:]), want
+        for batch_size in (1, 4):
+            args = [(p, {"until": until, "max_gen_toks": max_new, "do_sample": False}) for p in prompts]
+            got = _lm(folder, batch_size=batch_size).generate_until(_requests("generate_until", args),
+                                                                    disable_tqdm=True)
+            assert got == want, (until, batch_size)

@@ -132,3 +132,30 @@ def test_a_row_that_ends_at_end_of_text_gets_no_more_text_in_a_batch(tmp_path):
             got = _lm(folder, batch_size=batch_size).generate_until(_requests("generate_until", args),
                                                                     disable_tqdm=True)
             assert got == want, (until, batch_size)
+
+
+def test_is_greedy_is_greedy_decoding_over_the_tokenizers_ids(tmp_path):
+    """The embedding pads the vocabulary past the tokenizer's ids, and generation never picks those. A
+    continuation that is the argmax over the tokenizer's ids is greedy even where a padding id (made so
+    here) has the larger logit; its log-probability stays the one over all ids."""
+    model, tok = _model()
+    eos, n = tok.eos_token_id, len(tok)
+    assert model.config.vocab_size > n
+    for context in ("the state", "a", "fast weight", "gate", "key value", "memory"):
+        lp = _log_probs(model, [eos, *context.encode()])[-1]
+        best = int(lp[:n].argmax())
+        if best < 128:  # an ASCII byte: a one-character continuation
+            break
+    assert best < 128, "no context with an ASCII greedy byte"
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight  # tied: the output rows of the padding ids
+        assert float(model(input_ids=torch.tensor([[eos, *context.encode()]])).logits[0, -1, best]) > 0
+        emb[n:] = 3 * emb[best]
+    lp = _log_probs(model, [eos, *context.encode()])[-1]
+    assert int(lp.argmax()) >= n and int(lp[:n].argmax()) == best  # a padding id wins over all ids
+    other = next(t for t in range(97, 123) if t != best)
+    folder = _save(model, tok, tmp_path / "m")
+    got = _lm(folder, batch_size=2).loglikelihood(
+        _requests("loglikelihood", [(context, chr(best)), (context, chr(other))]), disable_tqdm=True)
+    assert [g[1] for g in got] == [True, False]
+    assert [g[0] for g in got] == pytest.approx([float(lp[best]), float(lp[other])], abs=1e-4)

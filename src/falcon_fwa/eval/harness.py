@@ -30,7 +30,9 @@ def lm_class():
     end-of-text token, or a text that already opens with it, is left as it is. Generation never
     picks the ids past the tokenizer's vocabulary that the embedding pads to a multiple of 64
     (as ``falcon-fwa generate``), and a row of a batch ends at the tokenizer's end-of-text token
-    also where the model's config names none.
+    also where the model's config names none; a ``loglikelihood`` request's ``is_greedy`` is
+    greedy decoding over the tokenizer's ids too (its log-probability is over all ids, as in
+    training and ``ppl``).
 
     ``logits_cache`` is off unless asked for: the harness's sharing of one forward pass among
     requests whose ``context + continuation[:-1]`` agree takes, for a shorter continuation,
@@ -54,6 +56,15 @@ def lm_class():
         def _encode_pair(self, context, continuation):
             context_enc, continuation_enc = super()._encode_pair(context, continuation)
             return self._opening(context_enc) + list(context_enc), continuation_enc
+
+        def _select_cont_toks(self, logits, contlen=None, inplen=None):
+            # the continuation's log-probabilities (taken over all ids): is_greedy is their argmax, which
+            # is to be over the tokenizer's ids, the ones generation picks from
+            logits = super()._select_cont_toks(logits, contlen=contlen, inplen=inplen)
+            if logits.shape[-1] > len(self.tokenizer):
+                logits = logits.clone()
+                logits[..., len(self.tokenizer):] = float("-inf")
+            return logits
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             padded = range(len(self.tokenizer), self.model.config.vocab_size)

@@ -29,13 +29,19 @@ class MetricLogger:
 
             self.wandb = wandb.init(project=wandb_project, config=config, dir=out_dir, resume="allow")
 
-    def drop_after(self, step: int) -> None:
-        """Forget the records of steps after ``step`` (a resumed run logs them again)."""
+    def drop_after(self, step: int, *, off_cadence: bool = False) -> None:
+        """Forget the records of steps after ``step`` (a resumed run logs them again). With
+        ``off_cadence``, also the training record of ``step`` itself: one that only a launch stopped
+        at ``step`` wrote, where ``log.every`` writes none (the uninterrupted run has no such record)."""
         if not self.enabled:
             return
         path = self.file.name
         self.file.close()
-        kept = [r for r in read_log(path) if r.get("step", 0) <= step]
+
+        def stop_record(r: dict) -> bool:
+            return off_cadence and r.get("step") == step and "loss" in r and "event" not in r
+
+        kept = [r for r in read_log(path) if r.get("step", 0) <= step and not stop_record(r)]
         write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         self.file = open(path, "a")
 

@@ -48,8 +48,19 @@ def check_export_folder(folder: str) -> None:
 
 # the data fields that decide which token rows the training samples are, in which order
 # (not data.packing: the same rows, only split at the documents' ends or not)
-_SAMPLE_FIELDS = ("train_source", "tokenizer", "text_split", "text_field", "val_every", "max_documents",
-                  "bpe_documents", "seq_len")
+_SAMPLE_FIELDS = ("train_source", "val_source", "tokenizer", "text_split", "text_field", "val_every",
+                  "max_documents", "bpe_documents", "seq_len")
+
+
+def _same_samples(key: str, was, now, saved_data: dict, data) -> bool:
+    """Whether the data field ``key`` at ``was`` (the checkpoint's) and ``now`` gives the same training rows.
+    Without a ``val_source`` every ``val_every``-th training document is held out; with one none is: which
+    validation file it is, or ``val_every`` beside it, changes no training row."""
+    if key == "val_source":
+        return (was is None) == (now is None)
+    if key == "val_every" and saved_data.get("val_source") is not None and data.val_source is not None:
+        return True
+    return was == now
 
 
 def _model_fields(section: dict) -> dict:
@@ -186,7 +197,7 @@ class Trainer:
             if key not in saved[section]:  # a checkpoint older than the field
                 continue
             was, now = saved[section][key], getattr(getattr(self.cfg, section), key)
-            if was != now:
+            if not _same_samples(key, was, now, saved["data"], self.cfg.data):
                 raise ValueError(f"{section}.{key}: the checkpoint was trained with {was!r}, this recipe has {now!r}, "
                                  "so its data position would point into other samples; use the checkpoint's value, "
                                  "or train.resume=none to start afresh")
@@ -224,16 +235,28 @@ class Trainer:
         if resume != "none":
             path = latest_checkpoint(self.ckpt_dir) if resume == "auto" else resume
         if path is not None:
-            self.load_state_dict(load_checkpoint(path))
+            try:
+                state = load_checkpoint(path)
+            except FileNotFoundError:
+                raise ValueError(f"train.resume={path!r} is no complete checkpoint (a checkpoints/step-* folder "
+                                 "of a run); 'auto' resumes this run's latest, 'none' starts afresh") from None
+            self.load_state_dict(state)
             self.last_checkpoint = path
         # steps after the starting point (the checkpoint, or step 0 when there is none: a run that
-        # died before its first save, or a fresh run in an old run's folder) are trained and logged again
-        self.logger.drop_after(self.step)
+        # died before its first save, or a fresh run in an old run's folder) are trained and logged again;
+        # a record of the starting step that the log.every cadence would not have written (the one a
+        # launch stopped there by a signal or --stop-at writes) goes too, as the uninterrupted run has none
+        self.logger.drop_after(self.step, off_cadence=not self._logs_step(self.step))
         if path is not None and self.info.is_main:
             print(f"resumed from {path} at step {self.step}")
             if self.step >= self.cfg.train.steps:
                 print(f"the checkpoint is at step {self.step}, train.steps is {self.cfg.train.steps}: nothing to "
                       "train (a longer train.steps continues the run; train.resume=none starts afresh)")
+
+    def _logs_step(self, step: int) -> bool:
+        """Whether an uninterrupted run writes a training record at ``step``: every ``log.every``
+        steps and at ``train.steps``."""
+        return step % self.cfg.log.every == 0 or step == self.cfg.train.steps
 
     def save(self) -> str:
         state = self.state_dict()  # collective under FSDP2
@@ -336,7 +359,7 @@ class Trainer:
                 timed_seconds += _clock() - step_start
             window_steps += 1
             bar.update(1)
-            if self.step % cfg.log.every == 0 or self.step == end:
+            if self._logs_step(self.step) or self.step == end:
                 if info.device.type == "cuda":
                     torch.cuda.synchronize(info.device)
                 seconds = _clock() - window_start

@@ -170,6 +170,25 @@ def test_misused_caches_and_empty_inputs_raise_errors_naming_the_argument():
         assert float((step - model(torch.cat([x, nxt], 1), use_cache=False).logits[:, -1]).abs().max()) <= 1e-10
 
 
+@pytest.mark.parametrize("filled_by,used_by", [("transformer", "falcon"), ("falcon", "transformer"),
+                                               ("retnet", "deltanet")])
+def test_a_cache_of_another_model_is_refused_by_name(filled_by, used_by):
+    """A cache filled by a model of another mixer (keys and values for a recurrent layer, a state for an
+    attention layer, no convolution buffers for a layer that convolves) or of another depth is an error
+    naming past_key_values; taken, it would continue every row from nothing at shifted positions."""
+    x = torch.randint(0, 64, (2, 5))
+    model = _model(used_by, {})
+    with torch.no_grad():
+        out = _model(filled_by, {})(x, use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        with pytest.raises(ValueError, match=r"past_key_values was filled by another model: layer 0 holds "):
+            model(x[:, :1], past_key_values=cache)
+        with pytest.raises(ValueError, match="past_key_values has 3 layers, the model 2"):
+            model(x, past_key_values=FalconCache(3))
+        with pytest.raises(ValueError, match="past_key_values has 1 layers, the model 2"):
+            model.generate(x, past_key_values=FalconCache(1), max_new_tokens=2, do_sample=False)
+
+
 @pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {})],
                          ids=["falcon-3A", "transformer"])
 def test_beams_and_return_sequences_continue_a_prefilled_cache(mixer, overrides):

@@ -381,6 +381,30 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         real = torch.full((B,), T, dtype=torch.int64, device=x.device)
         return Packing.dense(B, T, offsets, x.device), None, real
 
+    def _check_cache_fits(self, cache: FalconCache) -> None:
+        """A ``ValueError`` naming ``past_key_values`` unless ``cache`` has one layer per block and, once filled,
+        holds in each what the block's mixer stores there: keys and values for attention, a recurrent state and
+        the short-convolution buffers (``q``, ``k``, ``v`` when it convolves) for the recurrent mixers. A cache of
+        another model would otherwise start those layers from nothing at the positions it has counted."""
+        blocks = self.model.layers
+        if len(cache) != len(blocks):
+            raise ValueError(f"past_key_values has {len(cache)} layers, the model {len(blocks)}: pass the cache this "
+                             f"model returned (or a fresh FalconCache({len(blocks)}))")
+        if cache.empty:
+            return
+        for i, (block, layer) in enumerate(zip(blocks, cache.layers)):
+            if isinstance(block.mixer, CausalSelfAttention):
+                missing = "no keys and values" if layer.keys is None else None
+            elif layer.state is None:
+                missing = "no recurrent state"
+            else:
+                convs = set(block.mixer.convs)
+                missing = None if set(layer.conv) == convs else \
+                    f"short-convolution buffers {sorted(layer.conv)}, not {sorted(convs)}"
+            if missing is not None:
+                raise ValueError(f"past_key_values was filled by another model: layer {i} holds {missing} "
+                                 f"({self.config.mixer} mixer); pass the cache this model returned")
+
     def _input_embeddings(self, input_ids, inputs_embeds):
         """``embed_tokens(input_ids)`` or ``inputs_embeds`` (exactly one given), checked: ``[B, T, D]``, ``T >= 1``."""
         if (input_ids is None) == (inputs_embeds is None):
@@ -441,6 +465,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             cache = FalconCache(self.config.num_hidden_layers)
         if not use_cache:
             cache = None
+        if cache is not None:
+            self._check_cache_fits(cache)
         B, T = h.shape[:2]
         x, name = (input_ids, "input_ids") if input_ids is not None else (inputs_embeds, "inputs_embeds")
         if labels is not None and tuple(labels.shape) != (B, T):

@@ -174,3 +174,28 @@ def test_one_prompt_streams_exactly_its_completion_and_several_print_after_their
     expected = "".join(f"=== completion {i}/3 (prompt: {c['prompt']!r}) ===\n{c['text']}\n"
                        for i, c in enumerate(rep["completions"], 1))
     assert out == expected
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, kept", [
+    (1.0, 0, 1.0, [0, 1, 2, 3, 4, 5]),
+    (0.7, 0, 1.0, [0, 1, 2, 3, 4, 5]),
+    (2.0, 3, 1.0, [1, 3, 5]),        # the three largest logits
+    (1.0, 0, 0.6, [1, 5]),           # 0.452 < 0.6 <= 0.452 + 0.274
+    (1.3, 4, 0.75, [1, 3, 5]),       # top 4 at T=1.3: 0.424, 0.289, 0.196, 0.091: 0.713 < 0.75
+    (1.0, 2, 0.3, [1]),              # the largest alone holds 0.62 of the top two
+])
+def test_sampling_draws_from_the_hand_computed_distribution(temperature, top_k, top_p, kept):
+    """softmax(logits / T) over the top_k largest, then over the fewest largest whose mass reaches top_p,
+    renormalized: the frequencies of 100k draws are within 6 standard errors of it, and no other token comes."""
+    import math
+
+    from falcon_fwa.serve.generation import _choose
+
+    logits = [1.0, 3.0, 0.5, 2.0, -1.0, 2.5]
+    weights = {i: math.exp(logits[i] / temperature) for i in kept}
+    want = torch.tensor([weights.get(i, 0.0) / sum(weights.values()) for i in range(6)], dtype=torch.float64)
+    n = 100_000
+    draws = _choose(torch.tensor([logits]).expand(n, -1), temperature, top_k, top_p, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=6).double() / n
+    assert set(draws.unique().tolist()) == set(kept)
+    assert (freq - want).abs().max() <= 6 * math.sqrt(0.25 / n)

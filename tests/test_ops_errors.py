@@ -331,3 +331,63 @@ def test_the_falcon_layer_names_a_hidden_state_of_the_wrong_width():
     for h in (torch.randn(2, 5, 16), torch.randn(5, 32)):
         with pytest.raises(ValueError, match=r"^h must have shape \[B, T, hidden_size=32\]"):
             layer(h, Packing.dense(2, 5, None, "cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("how", ["plain", "eps_attn", "cu_seqlens"])
+def test_a_log_gate_not_in_floating_point_is_named(dtype, how):
+    """An integer log_gate is refused as falcon_step and falcon_trace refuse it (the gate's floor,
+    a clamp, turned it into a float and the call ran), and a boolean one is named for its dtype
+    (it was refused as a gate above 0)."""
+    inp = _inp(with_gate=True)
+    gate = inp["log_gate"] < -0.25
+    inp["log_gate"] = gate if dtype == torch.bool else -gate.long()  # 0 or -1, a gate of exp(-1) as an integer
+    options = dict(rule="1A")
+    if how == "eps_attn":
+        options["eps_attn"] = 0.5
+    if how == "cu_seqlens":
+        inp = {n: t[:1] for n, t in inp.items()}
+        options["cu_seqlens"] = torch.tensor([0, 2, 6])
+    with pytest.raises(TypeError, match=rf"^log_gate must be a floating-point tensor, got {dtype}"):
+        _call(inp, **options)
+
+
+@pytest.mark.parametrize("bad", ["int", "float", "meta"])
+def test_a_sliding_tail_mask_of_another_dtype_or_device_is_named(bad):
+    """tail_valid selects the window's carried pairs: a non-boolean mask or one on another device is
+    named (masked_fill raised a RuntimeError naming no argument), by falcon_attention and by
+    falcon_step, also with validate=False."""
+    import dataclasses
+
+    inp = _inp("3")
+    _, state = _call(inp, rule="3", window=3, output_final_state=True)
+    mask = {"int": state.tail_valid.long(), "float": state.tail_valid.double(),
+            "meta": state.tail_valid.to("meta")}[bad]
+    state = dataclasses.replace(state, tail_valid=mask)
+    error, message = ((ValueError, r"tail_valid is on meta but the inputs are on cpu") if bad == "meta" else
+                      (TypeError, rf"tail_valid must be a bool tensor, got {mask.dtype}"))
+    with pytest.raises(error, match=rf"^initial_state\.{message}"):
+        _call(inp, rule="3", window=3, initial_state=state)
+    step = {n: t[:, 0] for n, t in inp.items()}
+    for validate in (True, False):
+        with pytest.raises(error, match=rf"^state\.{message}"):
+            falcon_step(**step, rule="3", window=3, state=state, validate=validate)
+
+
+@pytest.mark.parametrize("rule", ["1", "2", "3", "1A", "2A", "3A"])
+def test_an_empty_key_or_value_axis_is_named(rule):
+    """K = 0 or V = 0 is refused naming q or v on every form, the step and the trace (the chunk form
+    of rules 1 and 3 failed on K = 0 and the parallel and chunk forms of rules 2 and 2A on V = 0
+    with errors naming no argument, while the other forms returned zeros)."""
+    from falcon_fwa import falcon_trace
+
+    for name, K, V, message in (("q", 0, 2, r"^q must have at least one feature \(K >= 1\)"),
+                                ("v", 2, 0, r"^v must have at least one value column \(V >= 1\)")):
+        inp = random_inputs(rule, B=1, T=3, H=1, K=K, V=V, seed=84)
+        for form in ("recurrent", "parallel", "chunk"):
+            with pytest.raises(ValueError, match=message):
+                _call(inp, rule=rule, form=form, output_final_state=True)
+        with pytest.raises(ValueError, match=message):
+            falcon_step(**{n: t[:, 0] for n, t in inp.items()}, rule=rule)
+        with pytest.raises(ValueError, match=message.replace("^q", "^k")):  # falcon_trace's first tensor is k
+            falcon_trace(inp["k"], inp["v"], inp["beta"], inp["lam"], rule=rule)

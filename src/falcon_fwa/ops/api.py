@@ -61,9 +61,10 @@ def _floor_gate(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     take ``exp`` of differences of prefix sums of the log decays: a gate of ``-inf`` (a hard
     reset, ``exp(g) = 0``) would give ``-inf - (-inf) = NaN`` there, and a huge finite one would
     cancel the precision of every later difference in its chunk. The floor changes no value of
-    the recurrence; positive and NaN gates pass through to the checks."""
-    if log_gate is None:
-        return None
+    the recurrence; positive and NaN gates pass through to the checks, and so does a gate that
+    is not a floating-point tensor (``clamp`` would turn an integer one into a float silently)."""
+    if log_gate is None or not log_gate.is_floating_point():
+        return log_gate
     info = torch.finfo(torch.float64 if log_gate.dtype == torch.float64 else torch.float32)
     return log_gate.clamp(min=math.log(info.smallest_normal * info.eps) - 1.0)
 

@@ -178,10 +178,14 @@ def check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, 
     lead = ", ".join(axes)
     if q.dim() != len(axes) + 1:
         raise ValueError(f"{query} must have shape [{lead}, K], got {tuple(q.shape)}")
+    if q.shape[-1] < 1:  # an empty feature axis (e.g. a head width rounded down to 0) holds no state
+        raise ValueError(f"{query} must have at least one feature (K >= 1), got shape {tuple(q.shape)}")
     dims = tuple(q.shape[:-1])
     _shape("k", k, tuple(q.shape), f"[{lead}, K] like {query}")
     if v.dim() != len(axes) + 1 or tuple(v.shape[:-1]) != dims:
         raise ValueError(f"v must have shape [{lead}, V] with {lead} = {dims} from {query}, got {tuple(v.shape)}")
+    if v.shape[-1] < 1:
+        raise ValueError(f"v must have at least one value column (V >= 1), got shape {tuple(v.shape)}")
     if rule.per_column:
         _shape("beta", beta, dims + (v.shape[-1],), f"[{lead}, V] for the per-column rule {rule.name}")
     else:
@@ -219,6 +223,13 @@ def check_state(state: FalconState, rule: RuleSpec, *, window: int, shift: bool,
                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         if t.device != torch.device(device):
             raise ValueError(f"{name}.{field} is on {t.device} but the inputs are on {device}")
+    valid = state.tail_valid
+    if valid is not None:  # a mask: the window's slots are selected by it, so it must be boolean
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
+            raise TypeError(f"{name}.tail_valid must be a bool tensor, got "
+                            f"{valid.dtype if isinstance(valid, torch.Tensor) else type(valid).__name__}")
+        if valid.device != torch.device(device):
+            raise ValueError(f"{name}.tail_valid is on {valid.device} but the inputs are on {device}")
     if state.rule != rule.name:
         raise ValueError(f"{name} comes from rule {state.rule!r}, not rule {rule.name!r}")
     if state.shift != shift:

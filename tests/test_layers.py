@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from falcon_fwa.layers import (CausalSelfAttention, FalconAttention, LayerCache, Packing, ShortConv, apply_rope,
                                cu_seqlens_from_lengths, repad, unpad)
-from falcon_fwa.models import FalconConfig, get_preset
+from falcon_fwa.models import FalconConfig, FalconForCausalLM, get_preset
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -535,3 +535,84 @@ def test_mamba2_gates_before_the_output_norm():
 def test_other_gated_mixers_normalize_before_the_gate(name):
     y, ref = _layer_and_reference(name)
     torch.testing.assert_close(y, ref["norm_first"])
+
+
+# ---- the feature path and the gates' starting values, as the docstrings state them
+def test_projection_is_the_documented_feature_path():
+    """``q = query_scale * N(phi(SiLU(conv(W_q h))))``, ``k = N(phi(SiLU(conv(W_k h))))``, ``v = RMSNorm(SiLU(conv(
+    W_v h)))`` with ``v_norm`` (no gain): here ``phi = elu + 1``, ``N`` the l2 norm ``u / sqrt(||u||^2 + eps)``."""
+    torch.manual_seed(0)
+    cfg = get_preset("tiny-falcon", feature_map="elu1", qk_norm="l2", query_scale=0.7, v_norm=True, conv_size=3)
+    layer = FalconAttention(cfg).double()
+    h = torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        q, k, v = layer._project(h, _dense(h), None)
+        eps = cfg.rms_norm_eps
+
+        def conv(name, proj):
+            x, w = proj(h), layer.convs[name].weight[:, 0]
+            return torch.stack([_conv_reference(x[b], w) for b in range(2)]).view(2, 7, 2, 16)
+
+        def l2(u):
+            return u / torch.sqrt((u * u).sum(-1, keepdim=True) + eps)
+
+        phi = lambda u: F.elu(u) + 1  # noqa: E731
+        vc = conv("v", layer.v_proj)
+        close = dict(rtol=1e-12, atol=1e-15)  # float64 rounding
+        torch.testing.assert_close(q, 0.7 * l2(phi(conv("q", layer.q_proj))), **close)
+        torch.testing.assert_close(k, l2(phi(conv("k", layer.k_proj))), **close)
+        torch.testing.assert_close(v, vc / torch.sqrt(vc.pow(2).mean(-1, keepdim=True) + eps), **close)
+    # query_scale left unset: 1 for Falcon and Mamba-2, head_k_dim ** -0.5 for the others
+    for mixer, scale in [("falcon", 1.0), ("mamba2", 1.0), ("deltanet", 12 ** -0.5), ("gated_deltanet", 12 ** -0.5),
+                         ("retnet", 12 ** -0.5)]:
+        assert get_preset(f"tiny-{mixer}", head_k_dim=12).query_scale == pytest.approx(scale, rel=1e-15), mixer
+
+
+@pytest.mark.parametrize("heads", [4, 1])
+def test_gates_start_at_their_documented_values(heads):
+    """In a built model: the ridge ``lambda-bar = lambda_scale sigmoid(b)`` log-uniform in ``[1e-3, 1e-1] *
+    lambda_scale`` over the heads, Mamba-2's ``dt = softplus(b)`` and Gated DeltaNet's decay step log-uniform in
+    ``[1e-3, 1e-1]``, ``exp(A_log)`` from 1 to 16, the other gain offsets 0, ``D`` 1 (one head: the geometric
+    middle, 1e-2, and ``A = 1``)."""
+    f64 = dict(dtype=torch.float64)
+    spread = torch.logspace(-3, -1, heads, **f64) if heads > 1 else torch.tensor([1e-2], **f64)
+    decay = torch.linspace(1, 16, heads, dtype=torch.float64)
+    hidden = dict(hidden_size=8 * heads, num_heads=heads)
+
+    def gates(name, **fields):
+        torch.manual_seed(0)
+        return FalconForCausalLM(get_preset(name, **hidden, **fields)).double().model.layers[1].mixer
+
+    def close(a, b):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=0)  # the offsets are stored in float32
+
+    falcon = gates("tiny-falcon", lambda_scale=2.0).gates
+    close(2.0 * torch.sigmoid(falcon.lam_bias), 2.0 * spread)
+    close(falcon.gain_bias, torch.zeros(heads, dtype=torch.float64))
+    mamba = gates("tiny-mamba2")
+    close(F.softplus(mamba.gates.gain_bias), spread)
+    close(mamba.gates.A_log.exp(), decay)
+    close(mamba.D, torch.ones(heads, dtype=torch.float64))
+    gdn = gates("tiny-gated_deltanet").gates
+    close(F.softplus(gdn.decay_bias), spread)
+    close(gdn.A_log.exp(), decay)
+    close(gdn.gain_bias, torch.zeros(heads, dtype=torch.float64))
+
+
+def test_gated_deltanet_decay_and_the_constant_gain():
+    """``log_gate="data"``: ``g_t = -exp(A_log) softplus(w^T h_t + b)`` per head; ``gate="one"``: ``beta = 1``."""
+    torch.manual_seed(0)
+    layer = FalconAttention(get_preset("tiny-gated_deltanet")).double()
+    gates = layer.gates
+    with torch.no_grad():
+        gates.A_log.uniform_(-1.0, 2.0)
+        h = torch.randn(2, 5, 32, dtype=torch.float64)
+        beta, lam, log_gate = gates(h)
+        pre = h @ gates.decay_proj.weight.T + gates.decay_bias
+        torch.testing.assert_close(log_gate, -gates.A_log.exp() * torch.log1p(pre.exp()), rtol=1e-13, atol=0)
+        torch.testing.assert_close(beta, torch.sigmoid(h @ gates.gain_proj.weight.T + gates.gain_bias),
+                                   rtol=1e-13, atol=0)
+        assert not lam.any()
+        one = FalconAttention(get_preset("tiny-falcon", gate="one", normalize=False)).double().gates
+        beta, _, _ = one(h)
+        assert beta.shape == (2, 5, 2) and bool((beta == 1).all())

@@ -170,6 +170,38 @@ def test_misused_caches_and_empty_inputs_raise_errors_naming_the_argument():
         assert float((step - model(torch.cat([x, nxt], 1), use_cache=False).logits[:, -1]).abs().max()) <= 1e-10
 
 
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {}),
+                                             ("mamba2", {})], ids=["falcon-3A", "transformer", "mamba2"])
+def test_prefill_chunk_size_fills_the_cache_in_chunks(mixer, overrides):
+    """``generate(prefill_chunk_size=3)`` (or set in the generation config) feeds the prompt 3 columns at a time,
+    the first call reaching every row's first real token under left padding, and generates what one prefill
+    does, greedy and with beams."""
+    model = _model(mixer, overrides)
+    widths = []
+    model.register_forward_pre_hook(lambda _, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    x = torch.randint(1, 64, (2, 10))
+    left = torch.ones_like(x)
+    left[1, :6] = 0
+    with torch.no_grad():
+        for mask, first in ((None, [3, 3, 3, 1]), (left, [7, 3])):  # left: one call to column 7, one of 3 real
+            for kw in (dict(do_sample=False), dict(num_beams=3, do_sample=False)):
+                want = model.generate(x, attention_mask=mask, max_new_tokens=6, **kw)
+                widths.clear()
+                got = model.generate(x, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=3, **kw)
+                assert torch.equal(got, want), (mask is None, kw)
+                assert widths[:len(first)] == first and set(widths[len(first):]) == {1}, widths
+        model.generation_config.prefill_chunk_size = 4
+        widths.clear()
+        assert torch.equal(model.generate(x, attention_mask=left, max_new_tokens=6, do_sample=False),
+                           model.generate(x, attention_mask=left, max_new_tokens=6, do_sample=False,
+                                          prefill_chunk_size=None))
+        assert widths[:2] == [7, 3]
+        model.generation_config.prefill_chunk_size = None
+        for bad in (0, 2.0):
+            with pytest.raises(ValueError, match=f"prefill_chunk_size must be an integer >= 1, got {bad}"):
+                model.generate(x, max_new_tokens=2, prefill_chunk_size=bad)
+
+
 @pytest.mark.parametrize("filled_by,used_by", [("transformer", "falcon"), ("falcon", "transformer"),
                                                ("retnet", "deltanet")])
 def test_a_cache_of_another_model_is_refused_by_name(filled_by, used_by):

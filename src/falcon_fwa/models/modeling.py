@@ -237,7 +237,13 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
 
     def generate(self, *args, **kwargs):
         """``GenerationMixin.generate``; assisted and prompt-lookup decoding are refused by name: they roll
-        the cache back to the accepted draft tokens, and a recurrent state cannot be rolled back."""
+        the cache back to the accepted draft tokens, and a recurrent state cannot be rolled back.
+
+        ``prefill_chunk_size=n`` (or the generation config's): the prompt's columns the cache has not consumed go
+        through the model ``n`` at a time (the first call reaches every row's first real token under left
+        padding), the last ``n`` or fewer in ``generate()``'s first step, which continues that cache. Hugging
+        Face's own chunked prefill needs a cache before the first step and, without padding, gives the chunks
+        no mask that says which columns they are."""
         config = kwargs.get("generation_config") or self.generation_config
         for name in self._ASSISTED_OPTIONS:
             if kwargs.get(name) is not None or getattr(config, name, None) is not None:
@@ -246,7 +252,41 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                                  f"without them")
         if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
             raise ValueError(_NO_ATTENTIONS)
+        chunk = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
+        if chunk is not None:
+            args, kwargs = self._prefill_in_chunks(chunk, args, kwargs)
         return super().generate(*args, **kwargs)
+
+    def _prefill_in_chunks(self, chunk, args, kwargs):
+        """``generate()``'s arguments after the prompt's columns but the last went through the cache ``chunk`` at
+        a time (see :meth:`generate`): the same, with that cache and ``prefill_chunk_size=None``."""
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"prefill_chunk_size must be an integer >= 1, got {chunk!r}")
+        if kwargs.get("use_cache") is False:
+            raise ValueError("prefill_chunk_size fills the cache in chunks: it needs use_cache=True")
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if ids is None or kwargs.get("inputs_embeds") is not None:
+            raise ValueError("prefill_chunk_size prefills the prompt's input_ids in chunks; generate from "
+                             "inputs_embeds without it")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        _check_cache_type(cache)
+        if cache is None:
+            cache = FalconCache(self.config.num_hidden_layers)
+            kwargs = {**kwargs, _CACHE_FIELD: cache}
+        # the mask covers the consumed columns and the new ones; the ids are all of them or the new ones only
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        lead = mask.shape[1] - ids.shape[1]
+        start = cache.num_positions
+        end = start + chunk
+        if cache.empty:  # the first call needs a real token in every row: its first under left padding
+            end = max(end, int(mask.bool().float().argmax(1).max()) + 1)
+        with torch.no_grad():
+            while 0 <= lead <= start and end < mask.shape[1]:
+                self(input_ids=ids[:, start - lead:end - lead], attention_mask=mask[:, :end], cache=cache,
+                     use_cache=True, logits_to_keep=1)
+                start, end = end, end + chunk
+        return args, {**kwargs, "prefill_chunk_size": None}
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
                                       use_cache=None, inputs_embeds=None, is_first_iteration=None, **kwargs):

@@ -217,6 +217,20 @@ def test_param_groups_partition_parameters_with_mup_multipliers():
     assert float(e.std()) == pytest.approx(0.02, rel=0.15)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_logits_are_the_final_norm_times_the_output_embedding_over_the_width_multiplier(tied):
+    """``logits = RMSNorm(h_L) E^T / m`` with ``m = hidden_size / mup_base_width`` (here 32 / 8 = 4), ``E`` the
+    input embedding when tied, else the output head."""
+    model = _model("falcon", mup_base_width=8, tie_word_embeddings=tied)
+    assert model.config.width_multiplier == 4.0
+    x = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        out = model(x, use_cache=False, output_hidden_states=True)
+    E = model.model.embed_tokens.weight if tied else model.lm_head.weight
+    assert tied == (model.lm_head is None)
+    torch.testing.assert_close(out.logits, out.hidden_states[-1] @ E.T / 4, rtol=1e-12, atol=1e-15)
+
+
 def test_paper_presets_have_124m_to_131m_parameters():
     big = [n for n in PRESETS if not n.startswith("tiny")]
     assert {get_preset(n).mixer for n in big} == {"falcon", *BASELINES}

@@ -330,6 +330,12 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(rule="1A", eps_attn="0.1"), "eps_attn"),
     (dict(rule="1A", eps_attn=0.0), "eps_attn"),  # shift=True: the first token reads 0 / (0 + eps_attn)
     (dict(rule="1A", shift=False, read="before", eps_attn=0.0), "eps_attn"),
+    # relu features: 0 / 0 where a query shares no positive feature with z (5 in 256 sequences of 8 tokens of a
+    # tiny layer); signed features: denominators of either sign
+    (dict(rule="1A", shift=False, eps_attn=0.0, feature_map="relu"), "eps_attn"),
+    (dict(rule="3A", shift=False, eps_attn=0.0, feature_map="identity"), "eps_attn"),
+    (dict(rule="2A", shift=False, eps_attn=0.0, feature_map="silu"), "eps_attn"),
+    (dict(rule="1A", shift=False, eps_attn=0.0, feature_map="elu1", query_scale=-1.0), "eps_attn"),
     # types: a fraction for an integer, text for a bool or a number, a bool for the window
     (dict(hidden_size=64.5), "hidden_size"),
     (dict(chunk_size=2.5), "chunk_size"),
@@ -436,8 +442,8 @@ def test_triton_backend_field_needs_the_chunk_form():
 
 def test_window_is_free_for_non_sliding_rules_and_fla_refuses_falcon():
     FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", window=0)
-    # textbook normalized linear attention reads its own first key: eps_attn = 0 is allowed there
-    FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", shift=False, eps_attn=0.0)
+    # textbook normalized linear attention (positive features) reads its own first key: eps_attn = 0 is allowed
+    FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, rule="1A", shift=False, eps_attn=0.0, feature_map="elu1")
     with pytest.raises(ValueError, match="backend"):
         FalconAttention(get_preset("tiny-falcon", backend="fla"))
     with pytest.raises(ValueError, match="backend"):  # RetNet's recurrence, but with the normalized read

@@ -168,8 +168,9 @@ class FalconConfig(PretrainedConfig):
       batches are cut between documents),
       ``eps``, ``decay_floor``, ``eps_attn`` (``None``: the denominator-free read; a number
       ``>= 0``, ``> 0`` with ``shift`` or ``read="before"``, whose first token reads the empty
-      memory: the normalized read ``S^T q / (z^T q + eps_attn)`` of the inner-product rules,
-      Appendix C.1, safe with nonnegative features such as ``feature_map="elu1"``);
+      memory, and with any feature map but the positive ``"elu1"`` or ``query_scale <= 0``: the normalized read
+      ``S^T q / (z^T q + eps_attn)`` of the inner-product rules, Appendix C.1, safe with positive
+      features);
     * ``gate``: "ctx-beta" (context emits ``beta in (0, 2)``), "ctx-eta" (context emits
       the normalized step), "sigmoid" (DeltaNet's ``beta in (0, 1)``), "dt" (Mamba-2's
       ``dt = softplus(.)``), "one" (constant 1); ``lambda_scale`` (ridge
@@ -362,6 +363,11 @@ class FalconConfig(PretrainedConfig):
             if self.eps_attn == 0 and (self.shift or self.read == "before"):
                 raise ValueError("config field 'eps_attn' must be > 0 with shift=True or read='before': the first "
                                  "token of every sequence reads the empty memory, 0 / (0 + eps_attn), NaN at 0")
+            if self.eps_attn == 0 and (self.feature_map != "elu1" or not self.query_scale > 0):
+                raise ValueError(f"config field 'eps_attn' must be > 0 with feature_map={self.feature_map!r} and "
+                                 f"query_scale={self.query_scale}: only 'elu1' and a positive query_scale keep every "
+                                 f"z^T q > 0 (relu gives 0 / 0 where a query shares no positive feature with the "
+                                 f"memory, signed features denominators of either sign)")
         if self.gate == "ctx-eta" and not self.normalize:
             raise ValueError("config field 'gate' = 'ctx-eta' needs 'normalize' = True (the step is normalized)")
         if self.log_gate == "dt" and self.gate != "dt":

@@ -85,6 +85,20 @@ def test_a_resume_at_a_logged_step_keeps_its_record(tmp_path):
     assert [s for s, _ in losses(tmp_path / "run")] == [2, 4, 6]
 
 
+def test_tokens_count_each_step_at_its_own_batch_after_a_resume(tmp_path):
+    """Two steps of global batch 4, then a resume at global batch 8 for two more: the log's and the summary's
+    ``tokens`` are the input tokens trained on, 4 x 24 per step then 8 x 24 (not step x the final batch)."""
+    raw = recipe(tmp_path, "run", steps=4, save_every=2, eval_every=0)
+    run_trainer(raw, stop_at=2)
+    raw["train"]["global_batch"] = 8
+    trainer = run_trainer(raw)
+    seq_len = raw["data"]["seq_len"]
+    want = {1: 4 * seq_len, 2: 8 * seq_len, 3: 16 * seq_len, 4: 24 * seq_len}
+    assert dict(losses(tmp_path / "run", "tokens")) == want
+    with open(tmp_path / "run" / "summary.json") as f:
+        assert json.load(f)["tokens"] == want[4] and trainer.step == 4
+
+
 def _whole_batch_reference(trainer, model, packing):
     """Loss and gradients of the first step's ``global_batch`` rows in float64: each row (``eos``) or each
     document piece of a row (``cu_seqlens``) run as a sequence of its own, the cross-entropy summed over

@@ -300,6 +300,12 @@ class Trainer:
         self.logger.log(self.step + 1, event="non_finite", loss=loss, grad_norm=grad_norm)
         raise NonFiniteLoss(msg)
 
+    def _tokens_seen(self) -> int:
+        """Input tokens trained on so far: the samples the data position has consumed (``micro_batch`` x
+        processes per micro-step, so a resume with another ``global_batch`` counts each step at its own
+        batch) times ``seq_len``."""
+        return self.position * self.cfg.train.micro_batch * self.info.world_size * self.cfg.data.seq_len
+
     def train(self, *, stop_at: Optional[int] = None, should_stop: Optional[Callable[[int], bool]] = None,
               stop_on_signal: bool = False) -> dict:
         """Run to ``train.steps`` (or stop after step ``stop_at`` with a checkpoint); returns a summary.
@@ -365,7 +371,7 @@ class Trainer:
                 seconds = _clock() - window_start
                 tok_s = window_steps * tokens_per_step / max(seconds, 1e-9)
                 self.logger.log(self.step, loss=step_loss, lr=lr, grad_norm=grad_norm,
-                                tokens=self.step * tokens_per_step, tokens_per_s=tok_s)
+                                tokens=self._tokens_seen(), tokens_per_s=tok_s)
                 bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
                 window_start, window_steps = _clock(), 0
             # evaluation and checkpoint time is left out of the window's tokens/s (not its steps)
@@ -393,7 +399,7 @@ class Trainer:
             # none, or one of an earlier launch (one that trained on died before writing its own)
             if t.eval_every:
                 last_val = self.evaluate()
-        summary = {"params": self.n_params, "steps": self.step, "tokens": self.step * tokens_per_step,
+        summary = {"params": self.n_params, "steps": self.step, "tokens": self._tokens_seen(),
                    "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
                    "peak_mem_bytes": (torch.cuda.max_memory_allocated(info.device)
                                       if info.device.type == "cuda" else None),

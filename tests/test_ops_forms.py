@@ -261,3 +261,19 @@ def test_empty_batch_or_heads(rule):
     for form in FORMS:
         o, st = falcon_attention(**inp, rule=rule, window=3, form=form, chunk_size=4, output_final_state=True)
         assert rel_err(o, ref_o) <= TOL and rel_err(st.S, ref_S) <= TOL
+
+
+@pytest.mark.parametrize("rule", ["1", "1A", "2", "2A"])
+def test_a_float32_reset_gate_clears_a_float64_state_exactly(rule):
+    """A float32 ``log_gate`` of ``-inf`` with float64 inputs: the op computes in float64, where the
+    reset leaves exactly nothing of the state before it (``exp`` of the floor is 0 in float64, not
+    the 6e-46 of float32's floor). With zero values from the reset on, every later output is 0."""
+    inp = random_inputs(rule, B=1, T=12, H=1, K=3, V=2, seed=17, with_gate=True)
+    inp["log_gate"] = inp["log_gate"].float()
+    inp["log_gate"][:, 5] = float("-inf")
+    inp["v"][:, 5:] = 0.0
+    assert inp["q"].dtype == torch.float64
+    for form in FORMS:
+        o, _ = falcon_attention(**inp, rule=rule, form=form, chunk_size=4, backend="torch")
+        assert o.dtype == torch.float64 and o[:, :5].abs().max() > 0, form
+        assert torch.equal(o[:, 5:], torch.zeros_like(o[:, 5:])), (form, o[:, 5:].abs().max())

@@ -55,8 +55,8 @@ def _short_prompt(spec, initial_state: Optional[FalconState], q, *tensors) -> bo
     return not wants_gradient((q, *tensors), initial_state)
 
 
-def _floor_gate(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``log_gate`` floored where ``exp`` is exactly 0 in its compute dtype (one below the log of
+def _floor_gate(log_gate: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``log_gate`` floored where ``exp`` is exactly 0 in the compute dtype ``dtype`` (one below the log of
     the smallest subnormal: -104.28 in float32, -745.44 in float64). The parallel and chunk forms
     take ``exp`` of differences of prefix sums of the log decays: a gate of ``-inf`` (a hard
     reset, ``exp(g) = 0``) would give ``-inf - (-inf) = NaN`` there, and a huge finite one would
@@ -65,7 +65,7 @@ def _floor_gate(log_gate: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     is not a floating-point tensor (``clamp`` would turn an integer one into a float silently)."""
     if log_gate is None or not log_gate.is_floating_point():
         return log_gate
-    info = torch.finfo(torch.float64 if log_gate.dtype == torch.float64 else torch.float32)
+    info = torch.finfo(dtype)
     return log_gate.clamp(min=math.log(info.smallest_normal * info.eps) - 1.0)
 
 
@@ -237,7 +237,7 @@ def falcon_attention(
         q, k, v, beta, initial_state = read_norm.extend(q, k, v, beta, lam, log_gate, initial_state, spec,
                                                         axes=("B", "T", "H"), name="initial_state", window=window,
                                                         shift=shift, packed=cu_seqlens is not None)
-    log_gate = _floor_gate(log_gate)
+    log_gate = _floor_gate(log_gate, _compute_dtype(q, k, v, beta, lam, log_gate))
     kernel_args = dict(rule=rule, window=window, eps=eps, decay_floor=decay_floor, shift=shift, normalize=normalize,
                        log_gate=log_gate, read=read, scale_ridge=scale_ridge, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True)

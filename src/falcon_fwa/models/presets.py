@@ -7,7 +7,46 @@ The 130M presets share the GPT-2-small scaffold (12 layers, width 768, vocabular
 50304 = GPT-2's 50257 rounded up to a multiple of 64, tied embeddings); each mixer's
 SwiGLU width is chosen so that the models land at 124M (Transformer) and ~130M
 (recurrent mixers), as in the paper's Table 1. ``falcon-fwa params`` prints the
-counts (recorded in benchmarks/results/params.md).
+counts (recorded in benchmarks/results/params.md): 124,029,696 for the Transformer
+(embedding 38,633,472; per layer 4 x 768^2 attention + 3 x 768 x 2064 MLP + 2 norms);
+129.8M-130.0M for the recurrent models (per Falcon layer 5 x 768^2 for q, k, v, output gate
+and output, 3 x 3,072 convolution taps, 2 x 4,614 gate weights and offsets, 128 norm gains,
+3 x 768 x 2016 MLP). The paper gives neither the tokenizer nor the layer shapes; these are
+this library's choices.
+
+The paper's Falcon variants (Table 1; Falcon-1.3 from the earlier version's tables) are
+named ``Falcon-<rule>.<n>`` with ``n`` the feature/gate recipe:
+
+================  ====  =======  ================  =================================
+preset            rule  QK norm  gates             paper label
+================  ====  =======  ================  =================================
+falcon-1a.1-130m  1A    l2       ctx-beta, ridge   QK-l2-norm, ctx-beta-ctx-lambda
+falcon-1a.2-130m  1A    l2       ctx-eta, ridge    QK-l2-norm, ctx-eta-ctx-lambda
+falcon-1a.3-130m  1A    rmsnorm  ctx-eta, ridge    QK-RMSNorm, ctx-eta-ctx-lambda
+falcon-3a.3-130m  3A    rmsnorm  ctx-eta, ridge    QK-RMSNorm, ctx-eta-ctx-lambda
+falcon-1.3-130m   1     rmsnorm  ctx-eta, ridge    QK-RMSNorm (the regression rule)
+================  ====  =======  ================  =================================
+
+All of them: the shifted pair ``(k_{t-1}, v_t)`` with the sentinel ``x_1 = 0, eta_1 = 0``,
+read after write, the normalized step, the scale-coupled ridge ``lambda_t = lambda-bar_t E_t``
+(Appendix C.1), the clamp ``alpha_t = min(eta_t lambda_t, 1 - decay_floor)``, the
+denominator-free read, no value norm, and the short convolution on q, k, v (Section 5.1).
+Where the paper gives no value, the presets choose (see ``layers/gates.py`` for the gates):
+ctx-beta is ``2 sigmoid(.)`` and ctx-eta ``eta_t = eta-bar_t / E_t`` with ``eta-bar_t =
+sigmoid(.)`` (the paper names the gates without defining them); ``lambda_scale = 1``
+(``lambda-bar in (0, 1)``); window ``B = 4`` for 3A (the window of the paper's figures; its
+runs' window is not stated); ``decay_floor = 1e-3``, ``eps = 1e-6``; a convolution of 4 taps
+ending in SiLU (as in DeltaNet); 6 heads of 128; a SiLU output gate and a per-head output
+RMSNorm (as in Gated DeltaNet; the paper mentions neither).
+
+The baselines run their recurrence in the same block (Pre-Norm, SwiGLU MLP, no biases), so
+they differ from the reference configurations at their layer widths: RetNet has no xPos/RoPE
+on q and k and no value expansion (fla: ``expand_v=2``); Mamba-2 has expansion 1, 6 heads of
+128 (Mamba-2 130M: 24 layers without an MLP, expansion 2, heads of 64) and one B, C per head
+(``ngroups`` = heads, where Mamba-2 has one group); Gated DeltaNet has keys of 128 per head
+and no value expansion (fla: ``head_dim=256``, ``expand_v=2``); DeltaNet matches fla's layer
+(heads of 128, SiLU + l2 keys, sigmoid beta, no output gate). The MLP widths make up the
+difference in parameters.
 """
 from __future__ import annotations
 
@@ -35,6 +74,9 @@ PRESETS: Dict[str, dict] = {
                              intermediate_size=2016),
     "falcon-3a.3-130m": dict(_SCAFFOLD, mixer="falcon", rule="3A", window=4, num_heads=6, qk_norm="rmsnorm",
                              gate="ctx-eta", intermediate_size=2016),
+    # The regression rule with the .3 recipe (reported in the paper's earlier Tables 1-3).
+    "falcon-1.3-130m": dict(_SCAFFOLD, mixer="falcon", rule="1", num_heads=6, qk_norm="rmsnorm", gate="ctx-eta",
+                            intermediate_size=2016),
     # Tiny models for tests and quick experiments (vocab 64, width 32, 2 layers).
     "tiny-transformer": dict(_TINY, mixer="transformer"),
     "tiny-falcon": dict(_TINY, mixer="falcon"),

@@ -25,7 +25,11 @@ For the per-column rules 2 / 2A the gain has one value per head and value column
 
 ridge: ``lambda-bar_t = lambda_scale * sigmoid(w^T h_t + b)`` per head (0 without a
 ridge). The offsets start log-uniform in ``[1e-3, 1e-1] * lambda_scale`` so that the
-heads begin with memory horizons from about 10 to 1000 tokens.
+heads begin with memory horizons ``1 / alpha_t`` spread over two decades: the gain offsets
+start at 0, so ``alpha_t = eta_t lambda_t`` starts at ``lambda-bar / (1 + lambda-bar)`` under
+ctx-beta (``beta = 1``: about 11 to 1000 tokens at ``lambda_scale = 1``) and at
+``c lambda-bar / 2`` under ctx-eta (``eta-bar = c / 2``: about 20 to 2000 tokens). The paper
+states no initialization; these are this library's choices.
 
 state decay (``log_gate``), ``g_t <= 0``:
 

@@ -37,7 +37,10 @@ sigmoid(.)`` (the paper names the gates without defining them); ``lambda_scale =
 (``lambda-bar in (0, 1)``); window ``B = 4`` for 3A (the window of the paper's figures; its
 runs' window is not stated); ``decay_floor = 1e-3``, ``eps = 1e-6``; a convolution of 4 taps
 ending in SiLU (as in DeltaNet); 6 heads of 128; a SiLU output gate and a per-head output
-RMSNorm (as in Gated DeltaNet; the paper mentions neither).
+RMSNorm (as in Gated DeltaNet; the paper mentions neither). Appendix B's "no bias terms" holds
+for every linear layer, but each gate has a learned per-head offset, as Mamba-2's and Gated
+DeltaNet's ``dt_bias``: without one the ridge would start at ``lambda-bar = 1/2``, a memory of
+3-4 tokens in every head.
 
 The baselines run their recurrence in the same block (Pre-Norm, SwiGLU MLP, no biases), so
 they differ from the reference configurations at their layer widths: RetNet has no xPos/RoPE

@@ -42,14 +42,16 @@ for every linear layer, but each gate has a learned per-head offset, as Mamba-2'
 DeltaNet's ``dt_bias``: without one the ridge would start at ``lambda-bar = 1/2``, a memory of
 3-4 tokens in every head.
 
-The baselines run their recurrence in the same block (Pre-Norm, SwiGLU MLP, no biases), so
-they differ from the reference configurations at their layer widths: RetNet has no xPos/RoPE
-on q and k and no value expansion (fla: ``expand_v=2``); Mamba-2 has expansion 1, 6 heads of
-128 (Mamba-2 130M: 24 layers without an MLP, expansion 2, heads of 64) and one B, C per head
-(``ngroups`` = heads, where Mamba-2 has one group); Gated DeltaNet has keys of 128 per head
-and no value expansion (fla: ``head_dim=256``, ``expand_v=2``); DeltaNet matches fla's layer
-(heads of 128, SiLU + l2 keys, sigmoid beta, no output gate). The MLP widths make up the
-difference in parameters.
+The baselines run their recurrence in the same block (Pre-Norm, SwiGLU MLP, no biases: nor
+in the convolution, which Mamba-2 gives one), so they differ from the reference configurations
+at their layer widths: RetNet has no xPos/RoPE on q and k, a per-head RMSNorm with a gain in
+place of its GroupNorm and no value expansion (fla: ``expand_v=2``); Mamba-2 has expansion 1,
+6 heads of 128 (Mamba-2 130M: 24 layers without an MLP, expansion 2, heads of 64) and one B, C
+and norm group per head (``ngroups`` = heads, where Mamba-2 has one group); Gated DeltaNet has
+keys of 128 per head and no value expansion (fla: ``head_dim=256``, ``expand_v=2``); DeltaNet
+matches fla's layer (heads of 128, SiLU + l2 keys, sigmoid beta, no output gate). The sigmoid
+beta of DeltaNet and Gated DeltaNet has the per-head offset of every gate (starting at 0),
+which fla's ``b_proj`` lacks. The MLP widths make up the difference in parameters.
 """
 from __future__ import annotations
 

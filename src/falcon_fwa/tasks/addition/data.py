@@ -96,8 +96,9 @@ def decode(ids: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class AdditionSample:
-    """``a + b`` at digit width ``width`` (``0 <= a, b < base**width``), written in ``base``
-    (:data:`BASES`), operands in ``operand_order`` (:data:`OPERAND_ORDERS`)."""
+    """``a + b`` at digit width ``width`` (an integer ``>= 1``; ``0 <= a, b < base**width``, else a
+    ``ValueError`` naming the field), written in ``base`` (:data:`BASES`), operands in
+    ``operand_order`` (:data:`OPERAND_ORDERS`)."""
 
     a: int
     b: int
@@ -108,6 +109,13 @@ class AdditionSample:
     def __post_init__(self) -> None:
         check_operand_order(self.operand_order)
         check_base(self.base)
+        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
+            raise ValueError(f"width must be an integer >= 1, got {self.width!r}")
+        for name in ("a", "b"):  # an operand of n digits: a wider one has no n-digit text, a negative one none
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < self.base ** self.width:
+                raise ValueError(f"{name} must be an integer that fits in {self.width} base-{self.base} digits "
+                                 f"(0 <= {name} < {self.base}**{self.width}), got {x!r}")
 
     @property
     def prompt(self) -> str:

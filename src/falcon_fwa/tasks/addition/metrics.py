@@ -32,17 +32,19 @@ def _digit_hits(pred_ids: torch.Tensor, batch: AdditionBatch) -> Tuple[torch.Ten
     where the sum digits are (token ``t + 1`` of the text)."""
     target = batch.input_ids[:, 1:]
     mask = batch.digit_mask[:, 1:]
-    pred = pred_ids[:, : target.shape[1]]
-    if pred.shape != target.shape:
-        raise ValueError(f"pred_ids: shape {tuple(pred_ids.shape)} does not fit input_ids {tuple(batch.input_ids.shape)}")
-    return (pred == target) & mask, mask
+    B, T = batch.input_ids.shape
+    # [B, T - 1], or [B, T] with the prediction after the last token: any other width is misaligned
+    if pred_ids.dim() != 2 or pred_ids.shape[0] != B or pred_ids.shape[1] not in (T - 1, T):
+        raise ValueError(f"pred_ids: shape {tuple(pred_ids.shape)} does not fit input_ids {(B, T)}: "
+                         f"give [{B}, {T - 1}] or [{B}, {T}]")
+    return (pred_ids[:, : T - 1] == target) & mask, mask
 
 
 def score_predictions(pred_ids: torch.Tensor, batch: AdditionBatch) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-sample hits from predicted next tokens.
 
     ``pred_ids[b, t]`` is the model's prediction for token ``t + 1`` (``[B, T - 1]``
-    or ``[B, T]``; a trailing column is ignored). Returns ``(correct, total)``, both
+    or ``[B, T]``; a trailing column is ignored, any other shape refused). Returns ``(correct, total)``, both
     ``[B]`` long: the number of correctly predicted sum digits and the number of sum
     digits (``width + 1``).
     """

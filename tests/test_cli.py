@@ -144,3 +144,86 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(flushed):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 128 + signal.SIGPIPE
     assert err == "", err
+
+
+def test_a_keyboard_interrupt_is_one_line_and_the_status_of_sigint(capsys, monkeypatch):
+    """Ctrl-C in a command with no clean stop of its own (tokenizing, say), or a second one during a
+    training's clean stop: ``PROG: interrupted`` and 128 + SIGINT, no traceback; the traceback on request."""
+    import signal
+
+    def run(args):
+        print("working", flush=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    assert cli.run_command("falcon-fwa test", run, None) == 128 + signal.SIGINT
+    out, err = capsys.readouterr()
+    assert out == "working\n" and err == "falcon-fwa test: interrupted\n"
+    monkeypatch.setenv("FALCON_FWA_TRACEBACK", "1")
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_command("falcon-fwa test", run, None)
+
+
+def test_a_real_ctrl_c_ends_with_the_line_after_the_progress_bar():
+    """SIGINT to a command in a progress-bar loop: exit status 130, no traceback, and the progress bar
+    closed before the line that says so (the line is the last thing on stderr)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys, time\n"
+              "from tqdm import tqdm\n"
+              "from falcon_fwa import cli\n"
+              "def run(args):\n"
+              "    for i in tqdm(range(10 ** 9), desc='work', mininterval=0):\n"
+              "        if i == 1: print('ready', flush=True)\n"
+              "        time.sleep(0.01)\n"
+              "sys.exit(cli.run_command('falcon-fwa test', run, None))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "FALCON_FWA_TRACEBACK"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.readline() == b"ready\n"
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    assert "Traceback" not in err and "work:" in err, err
+    assert err.endswith("\nfalcon-fwa test: interrupted\n"), err
+
+
+def _parsers():
+    import argparse
+    import importlib
+
+    for name, (module, _) in cli.COMMANDS.items():
+        parser = argparse.ArgumentParser(prog=f"falcon-fwa {name}")
+        importlib.import_module(module).add_arguments(parser)
+        yield name, parser
+
+
+def test_every_option_says_what_it_does_and_a_shared_option_reads_the_same_everywhere():
+    """Each option of each command has a help text; an option that several commands take has one
+    metavar and one type in all of them (``--set SECTION.FIELD=VALUE`` in train, compare and scaling)."""
+    shared = {}
+    for name, parser in _parsers():
+        for action in parser._actions:
+            if not action.option_strings or action.option_strings[0] == "-h":
+                continue
+            assert action.help, f"falcon-fwa {name} {action.option_strings[0]} has no help"
+            for option in action.option_strings:
+                shared.setdefault(option, {})[name] = (action.metavar, getattr(action.type, "__name__", None))
+    for option, seen in shared.items():
+        assert len(set(seen.values())) == 1, (option, seen)
+    assert set(shared["--set"]) == {"train", "compare", "scaling"}
+    assert set(shared["--set"].values()) == {("SECTION.FIELD=VALUE", None)}
+
+
+def test_params_writes_the_table_it_prints_to_out(tmp_path, capsys):
+    """``params --out FILE`` (as every command that writes a file spells it; ``--output`` is still taken)
+    writes the printed table under a heading that gives the command."""
+    for option in ("--out", "--output"):
+        path = tmp_path / f"params{option}.md"
+        assert cli.main(["params", "tiny-falcon", "tiny-transformer", option, str(path)]) == 0
+        table = capsys.readouterr().out
+        text = path.read_text()
+        assert text.startswith("# Parameter counts of the presets\n\nProduced by `falcon-fwa params tiny-falcon "
+                               "tiny-transformer`.")
+        assert text.endswith("\n" + table) and table.count("\n| tiny-") == 2

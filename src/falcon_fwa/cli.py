@@ -6,9 +6,11 @@ Each command lives in its own module and exposes ``add_arguments(parser)`` and
 A ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError`` that a command raises
 (a bad option value, a missing file, an unsupported combination; the messages name the
 argument) ends it with ``falcon-fwa COMMAND: error: MESSAGE`` and the place it was raised,
-exit status 2, instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it. Output
-piped into a reader that stops early (``falcon-fwa demo | head``) ends the command quietly, with
-the status of a process ended by SIGPIPE (141).
+exit status 2, instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it. A Ctrl-C that
+reaches a command as ``KeyboardInterrupt`` (one with no clean stop of its own, such as ``data``, or a
+second Ctrl-C during a training's clean stop) ends it with ``falcon-fwa COMMAND: interrupted`` and the
+status of SIGINT (130). Output piped into a reader that stops early (``falcon-fwa demo | head``) ends
+the command quietly, with the status of a process ended by SIGPIPE (141).
 """
 from __future__ import annotations
 
@@ -69,8 +71,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run_command(prog: str, run, args: argparse.Namespace) -> int:
     """``run(args)`` as an exit status: a ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError``
-    is printed as ``PROG: error: MESSAGE`` with the place it was raised, status 2; a closed output pipe
-    ends it quietly, status 128 + SIGPIPE."""
+    is printed as ``PROG: error: MESSAGE`` with the place it was raised, status 2; a ``KeyboardInterrupt``
+    as ``PROG: interrupted``, status 128 + SIGINT; a closed output pipe ends it quietly, status 128 + SIGPIPE."""
     try:
         status = int(run(args) or 0)
         sys.stdout.flush()  # what is still buffered, while a closed pipe can be caught here
@@ -79,6 +81,9 @@ def run_command(prog: str, run, args: argparse.Namespace) -> int:
         # the reader is gone: later writes (and the interpreter's final flush) must not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        if os.environ.get("FALCON_FWA_TRACEBACK"):
+            raise
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         if os.environ.get("FALCON_FWA_TRACEBACK"):
             raise
@@ -86,6 +91,9 @@ def run_command(prog: str, run, args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e}\n  (raised at {where.filename}:{where.lineno}; "
               "FALCON_FWA_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 2
+    # interrupted: said once the exception is gone, with the frames that held progress bars open
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

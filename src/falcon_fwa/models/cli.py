@@ -13,7 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("presets", nargs="*", metavar="PRESET",
                         help=f"presets to count (default: all). Choose from: {', '.join(PRESETS)}")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
-    parser.add_argument("--output", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--out", "--output", default=None,
+                        help="also write the table to this markdown file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,10 +23,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     table = parameter_table(names, [get_preset(n, **overrides) for n in names])
     print(table)
-    if args.output:
+    if args.out:
         text = "# Parameter counts of the presets\n\nProduced by `falcon-fwa params" + \
                (" " + " ".join(args.presets) if args.presets else "") + \
                (f" --vocab-size {args.vocab_size}" if args.vocab_size else "") + \
                "`. Tied input/output embeddings are counted once.\n\n" + table + "\n"
-        write_text(args.output, text)
+        write_text(args.out, text)
     return 0

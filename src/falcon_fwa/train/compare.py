@@ -328,9 +328,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--names", nargs="+", default=None, help="display names (default: file names)")
     parser.add_argument("--out", required=True, help="folder for the runs (and compare.json)")
     parser.add_argument("--results", default=None, help="the results file (default: OUT/compare.json)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], help="applied to every recipe")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a recipe field in every recipe (repeatable)")
     parser.add_argument("--concurrent", action="store_true", help="all recipes at once, one process each")
-    parser.add_argument("--steps", type=int, default=None, help="train steps of every recipe (no calibration)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train steps of every recipe, no calibration (default: each recipe's train.steps, "
+                             "unless --time-budget or --deadline calibrates a count)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for all the runs together after calibration (sets the step count)")
     parser.add_argument("--deadline", type=float, default=None,

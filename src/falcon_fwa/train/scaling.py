@@ -188,7 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="+", required=True, help="recipe files, one per model")
     parser.add_argument("--names", nargs="+", default=None, help="model names for the table (default: file names)")
     parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2], help="process counts (GPUs) to run")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                        help="the train.strategy values to run, each at every --gpus count")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of every run")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per process (default: the recipe's)")
     parser.add_argument("--warmup-steps", type=int, default=20,

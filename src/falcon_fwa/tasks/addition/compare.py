@@ -50,10 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (processes)")
     p.add_argument("--runs", help="folder of the individual runs (default runs/addition/<preset>, with "
-                                  "-lsd and -base<b> appended for --operand-order lsd and --base b)")
+                                  "-lsd, -base<b> and -abacus<K> appended for --operand-order lsd, --base b "
+                                  "and --abacus-offset K)")
     p.add_argument("--results", default="results/addition", help="folder of the summary files")
-    p.add_argument("--name", help="summary file stem (default: the preset name, with _lsd and _base<b> appended "
-                                  "for --operand-order lsd and --base b)")
+    p.add_argument("--name", help="summary file stem (default: the preset name, with _lsd, _base<b> and "
+                                  "_abacus<K> appended for --operand-order lsd, --base b and --abacus-offset K)")
     p.add_argument("--no-train", action="store_true", help="only summarize the runs already in --runs")
     p.add_argument("--partial", action="store_true",
                    help="also summarize unfinished runs (their best evaluation so far; 'steps_done' says how far)")

@@ -81,6 +81,13 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["data", "--train", "no/such.txt", "--out", "no/out", "--val-every", "1"], "--val-every"),
     (["data", "--train", "no/such.txt", "--out", "no/out", "--max-documents", "0"], "--max-documents"),
     (["data", "--train", "no/such.txt", "--out", "no/out", "--bpe-documents", "0"], "--bpe-documents"),
+    (["addition", "--rule", "4"], "--rule: rule must be one of ['1', '1A', '2', '2A', '3', '3A'], got '4'"),
+    (["throughput", "--preset", "tiny-falcon", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["throughput", "--preset", "tiny-falcon", "--steps", "2", "--min-steps", "3"], "--steps (2) must be >= --min-steps"),
+    # a model folder that is not there is named before the data are read or lm-eval is imported
+    (["ppl", "--model", "./no/model", "--data", "no/data.txt"], "--model: model folder './no/model' does not exist"),
+    (["lm-eval", "--model", "./no/model", "--tasks", "piqa"], "--model: model folder './no/model' does not exist"),
+    (["generate", "--model", "./no/model", "--prompt", "a"], "--model: model folder './no/model' does not exist"),
 ])
 def test_integer_options_out_of_range_are_named(argv, named, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
@@ -154,3 +161,33 @@ def test_a_bpe_tokenizer_without_an_integer_size_is_named(tmp_path, capsys, monk
     argv = ["data", "--train", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--tokenizer", "bpe:abc"]
     _fails_naming(capsys, argv, "--tokenizer bpe:N needs an integer N (the vocabulary size), got 'bpe:abc'")
     assert not (tmp_path / "out").exists()  # refused before the folder is made
+
+
+def test_ppl_names_missing_data_before_it_loads_the_model(capsys, monkeypatch, tmp_path):
+    """--data that names no file is refused naming the option, before the (slow) model load: the model
+    folder here holds only an empty config.json, which loading would refuse."""
+    from falcon_fwa.eval import ppl_cli
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setattr(ppl_cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    missing = str(tmp_path / "held-out.txt")
+    _fails_naming(capsys, ["ppl", "--model", str(tmp_path / "model"), "--data", missing, "--device", "cpu"],
+                  f"--data: data source {missing!r} does not exist")
+    (tmp_path / "empty").mkdir()
+    _fails_naming(capsys, ["ppl", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "empty"),
+                           "--device", "cpu"], f"--data: data source {str(tmp_path / 'empty')!r} names no")
+
+
+@pytest.mark.parametrize("argv,min_steps", [(["--steps", "1"], 1), (["--steps", "2"], 2), ([], 3),
+                                            (["--steps", "8"], 3), (["--steps", "8", "--min-steps", "5"], 5)])
+def test_throughput_min_steps_defaults_to_three_or_the_steps_asked(argv, min_steps, monkeypatch):
+    """--min-steps left out is 3, or --steps where that is fewer (--steps 1 is a quick check, not an error)."""
+    from falcon_fwa.train import throughput
+    seen = []
+    monkeypatch.setattr(throughput, "measure", lambda config, **kw: seen.append((kw["steps"], kw["min_steps"])) or {})
+    monkeypatch.setattr(throughput, "_append_row", lambda path, row: None)
+    assert throughput.run(_parse("throughput", ["--device", "cpu", *argv])) == 0
+    steps = int(argv[argv.index("--steps") + 1]) if argv else 5
+    assert seen == [(steps, min_steps)]

@@ -1,6 +1,7 @@
 """Options shared by the commands. A bad value ends the command with one line naming the
-option (exit status 2): a ``ValueError`` from ``resolve_device`` or ``at_least`` (the CLI
-prints it with the place it was raised), argparse's own error for a ``--dtype`` it cannot read."""
+option (exit status 2): a ``ValueError`` from ``resolve_device`` or ``at_least``, a
+``FileNotFoundError`` from ``check_model_option`` (the CLI prints it with the place it was raised),
+argparse's own error for a ``--dtype`` it cannot read."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,17 @@ def resolve_device(name: str) -> str:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return name
+
+
+def check_model_option(folder: str) -> None:
+    """``FileNotFoundError`` naming ``--model`` unless ``folder`` is a saved model folder or (by its form)
+    a hub id ``owner/name``: the commands that load a model check it before their slower imports."""
+    from .eval.perplexity import check_model_folder
+
+    try:
+        check_model_folder(folder)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--model: {err}") from None
 
 
 def at_least(option: str, value, low, *, strict: bool = False) -> None:

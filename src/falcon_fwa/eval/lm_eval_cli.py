@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_json
-from ..cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
+from ..cli_options import DEVICE_HELP, at_least, check_model_option, dtype_option, resolve_device
 from ..provenance import command_provenance
 
 
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError(f"--tasks must name at least one task, got {args.tasks!r}")
+    check_model_option(args.model)
     from lm_eval.utils import make_table
 
     from .harness import evaluate, paper_columns

@@ -6,8 +6,8 @@ import argparse
 import os
 
 from ..atomic import write_json
-from ..cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
-from ..data.sources import TEXT_SPLITS
+from ..cli_options import DEVICE_HELP, at_least, check_model_option, dtype_option, resolve_device
+from ..data.sources import TEXT_SPLITS, list_files
 from ..provenance import command_provenance
 from .perplexity import (bucket_report, check_edges, default_edges, load_model, plot_buckets, position_nll,
                          token_stream, windows)
@@ -51,9 +51,22 @@ def _edges(args: argparse.Namespace) -> list:
     return edges
 
 
+def _check_data(sources: list) -> None:
+    """Every ``--data`` source names files or is a token shard folder, checked before the model loads."""
+    for source in sources:
+        if source.startswith("hf:") or os.path.isfile(os.path.join(source, "meta.json")):
+            continue
+        try:
+            list_files(source)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"--data: {err}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     edges = _edges(args)
     args.device = resolve_device(args.device)
+    check_model_option(args.model)
+    _check_data(args.data)
     model, tokenizer = load_model(args.model, device=args.device)
     eos_id = tokenizer.eos_token_id if args.documents == "reset" else None
     if args.documents == "reset" and eos_id is None:

@@ -17,9 +17,9 @@ import os
 import sys
 from typing import List
 
-from ..cli_options import DEVICE_HELP, dtype_option, resolve_device
+from ..cli_options import DEVICE_HELP, check_model_option, dtype_option, resolve_device
 from ..atomic import read_json, write_json
-from ..eval.perplexity import check_model_folder, load_model
+from ..eval.perplexity import load_model
 from ..provenance import command_provenance
 from .generation import check_settings, generate_text
 from .graphs import graphable
@@ -84,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
     check_settings(**settings, name=lambda n: "--" + n.replace("_", "-"))
     prompts = _prompts(args)
     device = resolve_device(args.device)
-    try:
-        check_model_folder(args.model)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"--model: {err}") from None
+    check_model_option(args.model)
     if args.cuda_graphs == "on" and not device.startswith("cuda"):
         raise ValueError(f"--cuda-graphs on needs a CUDA device, got --device {args.device}")
     config = os.path.join(args.model, "config.json")

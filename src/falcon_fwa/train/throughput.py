@@ -198,7 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048], help="sequence lengths to measure")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per step (batch = this / seq-len)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (at most)")
-    parser.add_argument("--min-steps", type=int, default=3, help="timed steps that --max-seconds never cuts")
+    parser.add_argument("--min-steps", type=int, default=None,
+                        help="timed steps that --max-seconds never cuts (default: 3, or --steps where fewer)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation)")
     parser.add_argument("--max-seconds", type=float, default=60.0,
                         help="per measurement: seconds of timed steps (warm-up not counted)")
@@ -260,6 +261,9 @@ def _append_row(path: Optional[str], row: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.preset and not args.config:
         raise ValueError("give --preset and/or --config")
+    at_least("--steps", args.steps, 1)
+    if args.min_steps is None:
+        args.min_steps = min(3, args.steps)
     if args.min_steps < 1 or args.steps < args.min_steps:
         raise ValueError(f"--steps ({args.steps}) must be >= --min-steps ({args.min_steps}) >= 1")
     at_least("--seq-len", min(args.seq_len), 1)

@@ -8,9 +8,10 @@ Examples::
     falcon-fwa addition --operand-order lsd              # operands least significant digit first
     falcon-fwa addition --base 2                          # numbers in binary
 
-Writes ``results.json``, ``checkpoint.pt``, ``best.pt`` and ``accuracy_vs_width.png``
-to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``, the preset's folder named
-with ``-lsd`` / ``-base<b>`` for another operand order or base); an interrupted
+Writes ``results.json``, ``checkpoint.pt``, ``best.pt``, ``accuracy_vs_width.png`` and
+``accuracy_by_position.png`` to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``, the
+preset's folder named with ``-lsd`` / ``-base<b>`` / ``-abacus<K>`` for another operand order, base or
+digit places); an interrupted
 run resumes from its last checkpoint when started again with the same ``--out``. A SIGTERM or
 SIGINT ends the run at the end of the step in progress with a checkpoint, exit status 128 + the
 signal number (a second signal interrupts at once); a folder another process is training is refused.
@@ -148,6 +149,11 @@ def model_fields(args: argparse.Namespace) -> dict:
     ``--window`` on a rule without one) or changes a paper name's model (a paper name is that model,
     baselines included: a variant is trained under its mixer's name)."""
     given = {field: getattr(args, field) for field in FAST_WEIGHT_OPTIONS if getattr(args, field) is not None}
+    if args.rule is not None:
+        try:
+            get_rule(args.rule)
+        except ValueError as err:  # named as typed (the op names its argument 'rule')
+            raise ValueError(f"--rule: {err}") from None
     fields = resolve_model(args.model, given)
     if fields["mixer"] == "transformer" and given:  # softmax attention has no fast-weight update to configure
         raise ValueError(f"{FAST_WEIGHT_OPTIONS[next(iter(given))]}: model {args.model!r} is a Transformer (softmax "

@@ -572,7 +572,8 @@ def test_fast_weight_options_are_refused_for_the_transformer(tmp_path, option):
     (["--model", "Falcon-3A.3", "--qk-norm", "l2"], r"^--qk-norm l2: Falcon-3A\.3 is defined with qk_norm rmsnorm"),
     (["--model", "Falcon-1A.3", "--window", "4"], r"^--window 4: model 'Falcon-1A\.3' \(rule 1A\) has no window"),
     (["--model", "falcon", "--rule", "2", "--window", "4"], r"^--window 4: model 'falcon' \(rule 2\) has no window"),
-    (["--ood-widths", "3", "8"], r"'ood_widths' \(3, 8\) overlaps the training widths \(1, 3\)"),
+    (["--ood-widths", "3", "8"], r"^--train-widths 1 3 and --ood-widths 3 8: the training widths 1-3 and the "
+                                 r"out-of-distribution widths 3-8 overlap"),
 ])
 def test_a_run_is_what_it_is_named(tmp_path, argv, message):
     """A paper name trained with another rule would be recorded and plotted under that name; a window
@@ -686,3 +687,35 @@ def test_compare_refuses_bad_jobs_deadline_and_repeated_runs(tmp_path, capsys, a
     assert top.main(["addition-compare", *base, *argv]) == 2  # a one-line error, exit status 2
     err = capsys.readouterr().err
     assert err.startswith("falcon-fwa addition-compare: error: " + argv[0]) and not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train-widths", "5", "1"], r"^--train-widths 5 1: give LO HI with 1 <= LO <= HI$"),
+    (["--train-widths", "0", "3"], r"^--train-widths 0 3: give LO HI with 1 <= LO <= HI$"),
+    (["--ood-widths", "9", "7"], r"^--ood-widths 9 7: give LO HI with 1 <= LO <= HI$"),
+    # against the tiny preset's training widths 1-5 and out-of-distribution widths 6-8
+    (["--ood-widths", "3", "9"], r"^--ood-widths 3 9: the training widths 1-5 and the out-of-distribution widths "
+                                 r"3-9 overlap"),
+    (["--train-widths", "1", "7"], r"^--train-widths 1 7: the training widths 1-7 and the out-of-distribution "
+                                   r"widths 6-8 overlap"),
+    (["--train-widths", "2", "4", "--ood-widths", "1", "2"], r"^--train-widths 2 4 and --ood-widths 1 2: "),
+    (["--num-heads", "3"], r"^--num-heads 3: the width 64 is not a multiple of the number of heads 3$"),
+    (["--hidden-size", "65"], r"^--hidden-size 65: the width 65 is not a multiple of the number of heads 2$"),
+    (["--hidden-size", "30", "--num-heads", "4"], r"^--hidden-size 30 and --num-heads 4: the width 30 "),
+])
+def test_widths_and_heads_at_odds_are_refused_naming_the_options(tmp_path, argv, message):
+    """Ranges and sizes that only the preset could check were refused naming its fields ('preset field
+    train_widths', 'hidden_size'); both commands name the options given, the preset's value standing in
+    for one left out, before anything is written."""
+    base = ["--preset", "tiny", "--device", "cpu", "--steps", "1"]
+    with pytest.raises(ValueError, match=message):
+        cli.main([*base, "--out", str(tmp_path / "run"), *argv])
+    with pytest.raises(ValueError, match=message):
+        compare.main([*base, "--no-train", "--models", "Transformer", "--runs", str(tmp_path / "runs"),
+                      "--results", str(tmp_path / "res"), *argv])
+    assert not any(tmp_path.iterdir())
+    ok = ["--train-widths", "2", "4", "--ood-widths", "5", "5", "--hidden-size", "48", "--num-heads", "3"]
+    parser = __import__("argparse").ArgumentParser()
+    cli.add_arguments(parser)
+    preset = cli.preset_from_args(parser.parse_args(["--preset", "tiny", *ok]))
+    assert (preset.train_widths, preset.ood_widths, preset.hidden_size, preset.num_heads) == ((2, 4), (5, 5), 48, 3)

@@ -99,15 +99,18 @@ def slug(name: str) -> str:
 
 
 def preset_from_args(args: argparse.Namespace):
-    """The ``--preset`` with the options given replacing its fields; an option out of range is
-    named as typed (the preset would name its field, ``hidden_size``)."""
+    """The ``--preset`` with the options given replacing its fields; an option out of range, or at odds
+    with another option or the preset's value (:func:`check_shape_options`), is named as typed (the
+    preset would name its field, ``hidden_size``)."""
     for field in ("steps", "batch_size", "eval_every", "hidden_size", "num_hidden_layers", "num_heads",
                   "val_per_width", "ood_per_width"):
         at_least("--" + field.replace("_", "-"), getattr(args, field), 1)
     at_least("--curriculum-steps", args.curriculum_steps, 0)
     at_least("--abacus-offset", args.abacus_offset, 0)
     finite_at_least("--lr", args.lr, 0, strict=True)
-    return get_addition_preset(args.preset).replace(
+    preset = get_addition_preset(args.preset)
+    check_shape_options(args, preset)
+    return preset.replace(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
         matmul_precision=args.matmul_precision, curriculum_steps=args.curriculum_steps,
@@ -115,6 +118,28 @@ def preset_from_args(args: argparse.Namespace):
         val_per_width=args.val_per_width, ood_per_width=args.ood_per_width,
         train_widths=tuple(args.train_widths) if args.train_widths else None,
         ood_widths=tuple(args.ood_widths) if args.ood_widths else None)
+
+
+def check_shape_options(args: argparse.Namespace, preset) -> None:
+    """``--train-widths`` and ``--ood-widths`` ranges ``1 <= LO <= HI`` that do not overlap, and a
+    ``--hidden-size`` that ``--num-heads`` divides, the preset's value standing for an option left out;
+    else a ``ValueError`` naming the options given."""
+    ranges = {}
+    for option, field in (("--train-widths", "train_widths"), ("--ood-widths", "ood_widths")):
+        given = getattr(args, field)
+        if given is not None and not 1 <= given[0] <= given[1]:
+            raise ValueError(f"{option} {given[0]} {given[1]}: give LO HI with 1 <= LO <= HI")
+        ranges[option] = (tuple(given) if given is not None else tuple(getattr(preset, field)), given is not None)
+    (t_lo, t_hi), (o_lo, o_hi) = (r for r, _ in ranges.values())
+    if o_lo <= t_hi and t_lo <= o_hi:  # the preset's own ranges never overlap: an option was given
+        named = " and ".join(f"{option} {lo} {hi}" for option, ((lo, hi), given) in ranges.items() if given)
+        raise ValueError(f"{named}: the training widths {t_lo}-{t_hi} and the out-of-distribution widths "
+                         f"{o_lo}-{o_hi} overlap; the out-of-distribution widths must lie outside the training ones")
+    hidden, heads = args.hidden_size or preset.hidden_size, args.num_heads or preset.num_heads
+    if hidden % heads:
+        named = " and ".join(f"{option} {value}" for option, value in
+                             (("--hidden-size", args.hidden_size), ("--num-heads", args.num_heads)) if value)
+        raise ValueError(f"{named}: the width {hidden} is not a multiple of the number of heads {heads}")
 
 
 def _canonical(field: str, value: str) -> str:

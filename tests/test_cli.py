@@ -146,6 +146,19 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(flushed):
     assert err == "", err
 
 
+def test_an_os_error_is_one_error_line_naming_the_path(capsys, monkeypatch):
+    """A file the command cannot write (no permission, a full disk) ends it as a bad option does: one line
+    with the path and the place, status 2, no traceback."""
+    def run(args):
+        raise PermissionError(13, "Permission denied", "/read-only/out.json")
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    assert cli.run_command("falcon-fwa test", run, None) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-fwa test: error: [Errno 13] Permission denied: '/read-only/out.json'\n"
+                          "  (raised at ") and "test_cli.py:" in err and "Traceback" not in err
+
+
 def test_a_keyboard_interrupt_is_one_line_and_the_status_of_sigint(capsys, monkeypatch):
     """Ctrl-C in a command with no clean stop of its own (tokenizing, say), or a second one during a
     training's clean stop: ``PROG: interrupted`` and 128 + SIGINT, no traceback; the traceback on request."""

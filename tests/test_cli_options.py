@@ -191,3 +191,47 @@ def test_throughput_min_steps_defaults_to_three_or_the_steps_asked(argv, min_ste
     assert throughput.run(_parse("throughput", ["--device", "cpu", *argv])) == 0
     steps = int(argv[argv.index("--steps") + 1]) if argv else 5
     assert seen == [(steps, min_steps)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["data", "--train", "{data}", "--out", "{file}"], "--out '{file}' is a file, not a folder"),
+    (["data", "--train", "{data}", "--out", "{file}/sub"], "--out '{file}/sub' lies under '{file}', which is a file"),
+    (["train", "--config", "{recipe}", "--set", "train.out_dir={file}"], "train.out_dir '{file}' is a file"),
+    (["train", "--config", "{recipe}", "--set", "train.out_dir={dir}/run", "--set", "data.out_dir={file}/data"],
+     "data.out_dir '{file}/data' lies under '{file}', which is a file"),
+    (["addition", "--out", "{file}"], "--out '{file}' is a file"),
+    (["addition-compare", "--runs", "{file}"], "--runs '{file}' is a file"),
+    (["addition-compare", "--runs", "{dir}/runs", "--results", "{file}"], "--results '{file}' is a file"),
+    (["compare", "--configs", "{recipe}", "--out", "{file}", "--steps", "2"], "--out '{file}' is a file"),
+    (["compare", "--configs", "{recipe}", "--out", "{dir}/cmp", "--results", "{dir}", "--steps", "2"],
+     "--results '{dir}' is a folder: give the path of a file"),
+    (["scaling", "--configs", "{recipe}", "--out", "{file}"], "--out '{file}' is a file"),
+    (["scaling", "--configs", "{recipe}", "--out", "{dir}/s", "--results", "{file}/multigpu"],
+     "--results '{file}/multigpu.json' lies under '{file}'"),
+    (["ppl", "--model", "{model}", "--data", "{data}", "--out", "{dir}"], "--out '{dir}' is a folder"),
+    (["ppl", "--model", "{model}", "--data", "{data}", "--plot", "{file}/p.png"], "--plot '{file}/p.png' lies under"),
+    (["lm-eval", "--model", "{model}", "--tasks", "piqa", "--out", "{dir}"], "--out '{dir}' is a folder"),
+    (["generate", "--model", "{model}", "--prompt", "a", "--json", "{dir}"], "--json '{dir}' is a folder"),
+    (["params", "tiny-falcon", "--out", "{dir}"], "--out '{dir}' is a folder"),
+    (["throughput", "--preset", "tiny-falcon", "--out", "{file}/rows.jsonl"], "--out '{file}/rows.jsonl' lies under"),
+])
+def test_an_output_path_of_the_wrong_kind_is_named_before_any_work(argv, message, capsys, monkeypatch, tmp_path):
+    """A folder a command fills given as a file (or under one), a file it writes given as a folder: one line
+    naming the option, before anything is read, loaded or written (it was a traceback, for ppl after the whole
+    evaluation). The model folder holds only an empty config.json, which loading would refuse."""
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    places = {"file": tmp_path / "taken.txt", "dir": tmp_path / "folder", "model": tmp_path / "model",
+              "data": tmp_path / "held.txt", "recipe": tmp_path / "recipe.yaml"}
+    places["file"].write_text("not a folder\n")
+    places["dir"].mkdir()
+    places["model"].mkdir()
+    (places["model"] / "config.json").write_text("{}")
+    places["data"].write_text("some text\n")
+    places["recipe"].write_text(f"model: {{preset: tiny-falcon}}\ndata: {{train_source: {places['data']}}}\n"
+                                f"train: {{out_dir: {tmp_path / 'run'}}}\n")
+    fill = lambda text: text.format(**{k: str(v) for k, v in places.items()})  # noqa: E731
+    before = sorted(p.name for p in tmp_path.iterdir())
+    _fails_naming(capsys, [fill(a) for a in argv], fill(message))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not any(places["dir"].iterdir())
+    assert places["file"].read_text() == "not a folder\n"

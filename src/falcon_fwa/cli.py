@@ -3,9 +3,9 @@
 Each command lives in its own module and exposes ``add_arguments(parser)`` and
 ``run(args)``; this file only routes to them, importing a module when it is used.
 
-A ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError`` that a command raises
-(a bad option value, a missing file, an unsupported combination; the messages name the
-argument) ends it with ``falcon-fwa COMMAND: error: MESSAGE`` and the place it was raised,
+A ``ValueError``, ``OSError`` or ``NotImplementedError`` that a command raises (a bad option
+value, a missing file or one it cannot write, an unsupported combination; the messages name the
+argument or the path) ends it with ``falcon-fwa COMMAND: error: MESSAGE`` and the place it was raised,
 exit status 2, instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it. A Ctrl-C that
 reaches a command as ``KeyboardInterrupt`` (one with no clean stop of its own, such as ``data``, or a
 second Ctrl-C during a training's clean stop) ends it with ``falcon-fwa COMMAND: interrupted`` and the
@@ -70,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run_command(prog: str, run, args: argparse.Namespace) -> int:
-    """``run(args)`` as an exit status: a ``ValueError``, ``FileNotFoundError`` or ``NotImplementedError``
+    """``run(args)`` as an exit status: a ``ValueError``, ``OSError`` or ``NotImplementedError``
     is printed as ``PROG: error: MESSAGE`` with the place it was raised, status 2; a ``KeyboardInterrupt``
     as ``PROG: interrupted``, status 128 + SIGINT; a closed output pipe ends it quietly, status 128 + SIGPIPE."""
     try:
@@ -84,7 +84,7 @@ def run_command(prog: str, run, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if os.environ.get("FALCON_FWA_TRACEBACK"):
             raise
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, OSError, NotImplementedError) as e:
         if os.environ.get("FALCON_FWA_TRACEBACK"):
             raise
         where = traceback.extract_tb(e.__traceback__)[-1]

@@ -1,12 +1,14 @@
 """Options shared by the commands. A bad value ends the command with one line naming the
 option (exit status 2): a ``ValueError`` from ``resolve_device`` or ``at_least``, a
-``FileNotFoundError`` from ``check_model_option`` (the CLI prints it with the place it was raised),
-argparse's own error for a ``--dtype`` it cannot read."""
+``FileNotFoundError`` from ``check_model_option``, a ``ValueError`` from ``check_output_file`` or
+``check_output_folder`` (the CLI prints it with the place it was raised), argparse's own error for a
+``--dtype`` it cannot read."""
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, Sequence
+import os
+from typing import Callable, Optional, Sequence
 
 DEVICE_HELP = "cpu, cuda, cuda:N or auto (cuda when available)"
 
@@ -45,6 +47,37 @@ def check_model_option(folder: str) -> None:
         check_model_folder(folder)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"--model: {err}") from None
+
+
+def _existing_ancestor(path: str) -> str:
+    """``path`` itself where it exists, else the nearest folder (or file) above it that does."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def check_output_folder(option: str, path: Optional[str]) -> None:
+    """``ValueError`` naming ``option`` where ``path``, a folder the command creates or fills, is a file or
+    lies under one: refused before any work (it would end the command at its first write)."""
+    if not path:
+        return
+    existing = _existing_ancestor(path)
+    if not os.path.isdir(existing):
+        where = "" if existing == os.path.abspath(path) else f" lies under {existing!r}, which"
+        raise ValueError(f"{option} {path!r}{where} is a file, not a folder")
+
+
+def check_output_file(option: str, path: Optional[str]) -> None:
+    """``ValueError`` naming ``option`` where ``path``, a file the command writes, is a folder or lies
+    under a file: refused before any work (a finished evaluation would otherwise be lost at its write)."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path!r} is a folder: give the path of a file")
+    existing = _existing_ancestor(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isdir(existing):
+        raise ValueError(f"{option} {path!r} lies under {existing!r}, which is a file, not a folder")
 
 
 def at_least(option: str, value, low, *, strict: bool = False) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..cli_options import check_output_folder
 from .prepare import DataSpec, prepare_dataset
 from .sources import TEXT_SPLITS
 
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     def option(field: str) -> str:  # the options, not the recipe's data.FIELD
         return "--" + options.get(field, field).replace("_", "-")
 
+    check_output_folder("--out", args.out)
     record = prepare_dataset(spec, args.out, overwrite=args.overwrite, name=option)
     print(json.dumps(record, indent=1))
     return 0

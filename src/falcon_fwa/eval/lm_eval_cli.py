@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_json
-from ..cli_options import DEVICE_HELP, at_least, check_model_option, dtype_option, resolve_device
+from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file, dtype_option,
+                           resolve_device)
 from ..provenance import command_provenance
 
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if not tasks:
         raise ValueError(f"--tasks must name at least one task, got {args.tasks!r}")
     check_model_option(args.model)
+    check_output_file("--out", args.out)
     from lm_eval.utils import make_table
 
     from .harness import evaluate, paper_columns

@@ -6,7 +6,8 @@ import argparse
 import os
 
 from ..atomic import write_json
-from ..cli_options import DEVICE_HELP, at_least, check_model_option, dtype_option, resolve_device
+from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file, dtype_option,
+                           resolve_device)
 from ..data.sources import TEXT_SPLITS, list_files
 from ..provenance import command_provenance
 from .perplexity import (bucket_report, check_edges, default_edges, load_model, plot_buckets, position_nll,
@@ -67,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device)
     check_model_option(args.model)
     _check_data(args.data)
+    check_output_file("--out", args.out)
+    check_output_file("--plot", args.plot)
     model, tokenizer = load_model(args.model, device=args.device)
     eos_id = tokenizer.eos_token_id if args.documents == "reset" else None
     if args.documents == "reset" and eos_id is None:

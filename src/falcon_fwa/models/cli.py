@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_text
-from ..cli_options import at_least
+from ..cli_options import at_least, check_output_file
 from .params import parameter_table
 from .presets import PRESETS, get_preset
 
@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     at_least("--vocab-size", args.vocab_size, 1)
+    check_output_file("--out", args.out)
     names = args.presets or list(PRESETS)
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     table = parameter_table(names, [get_preset(n, **overrides) for n in names])

@@ -13,6 +13,7 @@ import argparse
 import signal
 import sys
 
+from ..cli_options import check_output_folder
 from .config import load_config
 
 
@@ -31,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     if args.stop_at is not None and args.stop_at < 1:
         raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
     cfg = load_config(args.config, args.overrides)
+    check_output_folder("train.out_dir", cfg.train.out_dir)
+    check_output_folder("data.out_dir", cfg.data.out_dir)
     trainer = Trainer(cfg)
     try:
         summary = trainer.train(stop_at=args.stop_at, stop_on_signal=True)

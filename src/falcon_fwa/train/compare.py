@@ -58,7 +58,7 @@ import traceback
 from typing import Iterator, List, Optional, Tuple
 
 from ..atomic import folder_lock, read_json, write_json
-from ..cli_options import at_least, finite_at_least
+from ..cli_options import at_least, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
 from .launch import device_description, end_with_parent
@@ -424,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
     deadline_at = None if args.deadline is None else started + args.deadline
     names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
     _check_args(args, names)
+    check_output_folder("--out", args.out)
+    check_output_file("--results", args.results)
     try:
         with folder_lock(args.out, ".compare.lock", wait=False):
             return _compare(args, names, started, deadline_at)

@@ -50,7 +50,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..atomic import folder_lock, read_json, write_json, write_text
-from ..cli_options import finite_at_least
+from ..cli_options import check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit
 from .compare import check_run_names, kept_result
 from .config import assign_text, load_config
@@ -223,6 +223,9 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     finite_at_least("--deadline", args.deadline, 0, strict=True)
+    check_output_folder("--out", args.out)
+    for suffix in (".json", ".md"):
+        check_output_file("--results", args.results + suffix)
     folders = [_folder_name(n) for n in names]
     if len(set(folders)) != len(folders):
         raise ValueError(f"--names {names} give the same run folders {folders} (spaces become '_')")

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..cli_options import DEVICE_HELP, at_least, dtype_option, resolve_device
+from ..cli_options import DEVICE_HELP, at_least, check_output_file, dtype_option, resolve_device
 
 _clock = time.perf_counter  # every time in this module comes from here
 
@@ -262,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.preset and not args.config:
         raise ValueError("give --preset and/or --config")
     at_least("--steps", args.steps, 1)
+    check_output_file("--out", args.out)
     if args.min_steps is None:
         args.min_steps = min(3, args.steps)
     if args.min_steps < 1 or args.steps < args.min_steps:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ...cli_options import DEVICE_HELP, at_least, dtype_option, finite_at_least, resolve_device
+from ...cli_options import (DEVICE_HELP, at_least, check_output_folder, dtype_option, finite_at_least,
+                            resolve_device)
 from ...models.configuration import MIXER_DEFAULTS, FalconConfig
 from ...ops.rules import get_rule
 from .data import BASES, OPERAND_ORDERS
@@ -208,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     if threads:
         torch.set_num_threads(threads)
     out = Path(args.out or runs_folder(args.preset, task_fields(preset)) / slug(args.model) / f"seed{args.seed}")
+    check_output_folder("--out", str(out))
     spec = RunSpec(model=args.model, fields=fields, preset_name=args.preset, preset=preset, seed=args.seed,
                    eval_seed=args.eval_seed, device=args.device, dtype=args.dtype,
                    extra={"argv": list(sys.argv)})

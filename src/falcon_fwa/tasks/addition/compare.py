@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ...provenance import git_commit
-from ...cli_options import at_least, finite_at_least
+from ...cli_options import at_least, check_output_folder, finite_at_least
 from .cli import add_model_arguments, check_machine_options, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
@@ -392,6 +392,8 @@ def run(args: argparse.Namespace) -> int:
     preset = preset_from_args(args)
     task = task_fields(preset)  # runs and summaries of another task get their own default names
     runs = Path(args.runs or runs_folder(args.preset, task))
+    check_output_folder("--runs", str(runs))
+    check_output_folder("--results", args.results)
     name = args.name or "_".join([args.preset, *task_suffixes(task)])
     check_runs_task(runs, args.models, args.seeds, task)
     check_runs_setup(runs, args.models, args.seeds, preset, args.eval_seed, args.dtype)

@@ -235,3 +235,15 @@ def test_an_output_path_of_the_wrong_kind_is_named_before_any_work(argv, message
     _fails_naming(capsys, [fill(a) for a in argv], fill(message))
     assert sorted(p.name for p in tmp_path.iterdir()) == before and not any(places["dir"].iterdir())
     assert places["file"].read_text() == "not a folder\n"
+
+
+def test_a_restated_rule_in_any_case_is_the_same_model(monkeypatch):
+    """``--model Falcon-3A.3 --rule 3a`` (docs/addition.md) is Falcon-3A.3 itself: its fields, which a resumed
+    run is checked against, equal those of ``--model Falcon-3A.3`` (the run of rule '3a' was refused as
+    another model's); a mixer's rule is kept by its canonical name too."""
+    from falcon_fwa.tasks.addition.cli import model_fields
+
+    plain = model_fields(_parse("addition", ["--model", "Falcon-3A.3"]))
+    assert plain["rule"] == "3A"
+    assert model_fields(_parse("addition", ["--model", "Falcon-3A.3", "--rule", "3a"])) == plain
+    assert model_fields(_parse("addition", ["--model", "falcon", "--rule", "2a"]))["rule"] == "2A"

@@ -143,16 +143,6 @@ def check_shape_options(args: argparse.Namespace, preset) -> None:
         raise ValueError(f"{named}: the width {hidden} is not a multiple of the number of heads {heads}")
 
 
-def _canonical(field: str, value: str) -> str:
-    """A ``--rule`` by its canonical name (``3a`` -> ``3A``); other options as given."""
-    if field == "rule":
-        try:
-            return get_rule(value).name
-        except ValueError:
-            return value
-    return value
-
-
 def check_machine_options(args: argparse.Namespace) -> None:
     """``--device`` resolved (``auto``: cuda where available), ``--threads`` and ``--window``
     >= 1, or a ``ValueError`` naming the option."""
@@ -176,8 +166,8 @@ def model_fields(args: argparse.Namespace) -> dict:
     baselines included: a variant is trained under its mixer's name)."""
     given = {field: getattr(args, field) for field in FAST_WEIGHT_OPTIONS if getattr(args, field) is not None}
     if args.rule is not None:
-        try:
-            get_rule(args.rule)
+        try:  # by its canonical name: --rule 3a trains (and resumes) the run of rule 3A
+            given["rule"] = get_rule(args.rule).name
         except ValueError as err:  # named as typed (the op names its argument 'rule')
             raise ValueError(f"--rule: {err}") from None
     fields = resolve_model(args.model, given)
@@ -192,7 +182,7 @@ def model_fields(args: argparse.Namespace) -> dict:
     if args.model in LINEUP:  # a paper name is that model: another rule, norm, gate or window is another model
         for field, value in given.items():
             option, defined = FAST_WEIGHT_OPTIONS[field], _defined(args.model, field)
-            if _canonical(field, value) != defined:
+            if value != defined:
                 raise ValueError(f"{option} {value}: {args.model} is defined with {field} {defined}; for another "
                                  f"variant name the mixer (--model {LINEUP[args.model]['mixer']} {option} {value})")
     return fields

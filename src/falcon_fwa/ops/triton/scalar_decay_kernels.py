@@ -150,7 +150,12 @@ def _log_prefixes(log_a, eta, bos, i_t, i_h, T_n, H: tl.constexpr, BT: tl.conste
     else:
         et = tl.where(m_t, 1.0, 0.0)
     u = tl.cumsum(la, axis=0)
-    u_last = tl.sum(la, axis=0)
+    # u at the chunk's last step, taken from the prefix itself: exp(u_last - u_s) is then exactly 1
+    # at that step (tl.sum adds in another order than tl.cumsum, and under strong decays the two
+    # round apart by the spacing of floats near u_last, a relative error of that size on the
+    # chunk's last write)
+    last = tl.minimum(BT, T_n - i_t * BT) - 1
+    u_last = tl.sum(tl.where(tl.arange(0, BT) == last, u, 0.0), axis=0)
     if READ_AFTER:
         uq = u
     else:

@@ -654,8 +654,19 @@ def test_resume_refuses_another_model_but_not_another_way_to_compute_it(tmp_path
     raw = recipe(tmp_path, "run")
     raw["model"]["overrides"] = {**raw["model"].get("overrides", {}), "window": 16}
     with pytest.raises(ValueError, match=r"^model: the checkpoint holds another model than this recipe's "
-                                         r"\(overrides\.window None there, 16 here\)"):
+                                         r"\(window 4 there, 16 here\)"):
         Trainer(config_from_dict(raw))
+    # the same model written otherwise: the rule's other spelling, a field at the preset's own value
+    raw = recipe(tmp_path, "sliding")
+    raw["model"] = {"preset": "tiny-falcon", "overrides": {"rule": "3A"}}
+    run_trainer(raw, stop_at=2)
+    raw = recipe(tmp_path, "sliding")
+    raw["model"] = {"preset": "tiny-falcon", "overrides": {"rule": "3a", "window": 4}}
+    trainer = Trainer(config_from_dict(raw))
+    try:
+        assert trainer.step == 2
+    finally:
+        trainer.close()
     raw = recipe(tmp_path, "run")
     raw["model"]["overrides"] = {**raw["model"].get("overrides", {}), "chunk_size": 8, "form": "recurrent"}
     trainer = Trainer(config_from_dict(raw))

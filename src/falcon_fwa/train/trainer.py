@@ -63,13 +63,24 @@ def _same_samples(key: str, was, now, saved_data: dict, data) -> bool:
     return was == now
 
 
+# config fields that do not define the model's weights or what they compute
+_NOT_MODEL_FIELDS = frozenset(COMPUTE_FIELDS) | {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id"}
+
+
 def _model_fields(section: dict) -> dict:
-    """A recipe's model section as the fields that define the model: the preset and each override
-    (``overrides.NAME``), without :data:`COMPUTE_FIELDS`."""
-    fields = {"preset": section.get("preset")}
-    fields.update({f"overrides.{k}": v for k, v in (section.get("overrides") or {}).items()
-                   if k not in COMPUTE_FIELDS})
-    return fields
+    """A recipe's model section as the fields that define the model: the preset's config with the
+    overrides applied, without :data:`COMPUTE_FIELDS` (so ``rule: 3a`` and ``3A``, or an override equal
+    to the preset's value, are the same model). A section that does not resolve (a preset this version
+    does not have) is compared as written: the preset and each override (``overrides.NAME``)."""
+    from ..models import get_preset
+    from ..models.configuration import config_fields
+
+    overrides = {k: v for k, v in (section.get("overrides") or {}).items() if k not in COMPUTE_FIELDS}
+    try:
+        config = get_preset(section.get("preset"), **overrides)
+    except (ValueError, TypeError, KeyError):
+        return {"preset": section.get("preset"), **{f"overrides.{k}": v for k, v in overrides.items()}}
+    return {k: getattr(config, k) for k in sorted(config_fields() - _NOT_MODEL_FIELDS)}
 
 
 class NonFiniteLoss(RuntimeError):

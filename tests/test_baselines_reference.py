@@ -35,6 +35,7 @@ from falcon_fwa.models import get_preset
 H, DK, DV = 3, 8, 6  # heads, key and value widths per head (d_k != d_v: a swapped head split fails)
 B, T, PREFILL = 2, 11, 5
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64 rounding over 11 steps
+TRITON_TOL = 1e-4  # float32 kernels with exact products (about 1e-6 seen on the CPU's float32 path)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -223,22 +224,39 @@ def test_recurrent_baseline_decodes_its_published_definition(mixer, prefill):
     torch.testing.assert_close(_decode(layer, u, prefill, _dense), _REFERENCES[mixer][0](layer, u), **TOL)
 
 
-@pytest.mark.skipif(not fla_backend.available(), reason="needs CUDA and flash-linear-attention")
-@pytest.mark.parametrize("mixer", sorted(_REFERENCES))
-def test_fla_backend_layer_is_its_published_definition(mixer):
-    """``backend="fla"`` in bfloat16 (fla's chunk kernels, then ``falcon_step`` from the state they return)
-    against the float64 reference on the same rounded weights and inputs: relative error below 3e-2, as
-    ``test_models_fla``'s bf16 tolerance; a wrong scale, decay sign or layout is off by order one."""
-    layer = _recurrent_layer(mixer, heads=2, dk=32, dv=64, backend="fla", hidden_size=64, chunk_size=64)
-    reference = copy.deepcopy(layer.bfloat16()).double()
+def _cuda_errors(mixer, dtype, **fields):
+    """The layer on the GPU in ``dtype`` (150 tokens whole; 140, then 10 decoded one at a time) against the
+    float64 reference on the same rounded weights and inputs: the two errors relative to the largest output."""
+    layer = _recurrent_layer(mixer, heads=2, dk=32, dv=64, hidden_size=64, chunk_size=64, **fields)
+    reference = copy.deepcopy(layer.to(dtype)).double()
     layer.cuda()
-    u = torch.randn(B, 150, 64, dtype=torch.float64).bfloat16()
+    u = torch.randn(B, 150, 64, dtype=torch.float64).to(dtype)
     want = _REFERENCES[mixer][0](reference, u.double())
     with torch.no_grad():
         whole = layer(u.cuda(), _dense(150, 0, device="cuda"))
     decoded = _decode(layer, u.cuda(), 140, lambda n, t: _dense(n, t, device="cuda"))
-    for got in (whole, decoded):
-        assert float((got.double().cpu() - want).abs().amax() / want.abs().amax()) < 3e-2
+    return [float((got.double().cpu() - want).abs().amax() / want.abs().amax()) for got in (whole, decoded)]
+
+
+@pytest.mark.skipif(not fla_backend.available(), reason="needs CUDA and flash-linear-attention")
+@pytest.mark.parametrize("mixer", sorted(_REFERENCES))
+def test_fla_backend_layer_is_its_published_definition(mixer):
+    """``backend="fla"`` in bfloat16 (fla's chunk kernels, then ``falcon_step`` from the state they return):
+    below 3e-2, ``test_models_fla``'s bf16 tolerance; a wrong scale, decay sign or layout is off by order one."""
+    assert max(_cuda_errors(mixer, torch.bfloat16, backend="fla")) < 3e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mixer", sorted(_REFERENCES))
+def test_triton_backend_layer_is_its_published_definition(mixer):
+    """``backend="triton"`` in float32: the library's kernels for the chunks and the decoding steps, their dots
+    in exact float32 (``torch.get_float32_matmul_precision() == "highest"``, not TF32)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        assert max(_cuda_errors(mixer, torch.float32, backend="triton")) < TRITON_TOL
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 # ----------------------------------------------------------------------------- the Transformer

@@ -245,3 +245,24 @@ def test_a_killed_compare_leaves_no_run_training(tmp_path):
             proc.kill()
     res, _, ckpt = _state(run_dir)
     assert ckpt["step"] == res["steps_done"] >= 5 and res["signal"] == "SIGTERM"
+
+
+def test_sigterm_before_the_first_step_says_no_checkpoint_was_written(tmp_path, monkeypatch, capsys):
+    """A SIGTERM while the evaluation sets are drawn, before the first step: the run ends with 143, writes
+    no checkpoint and says so (it named a checkpoint that was not there)."""
+    out = tmp_path / "run"
+    original = train.eval_batches
+
+    def drawing(*args, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(train, "eval_batches", drawing)
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        code = _run(out)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and "before its first step (no checkpoint)" in err and "checkpoint in" not in err
+    assert not (out / "checkpoint.pt").exists()

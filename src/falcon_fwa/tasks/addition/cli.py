@@ -211,8 +211,12 @@ def run(args: argparse.Namespace) -> int:
           f"on {args.device} -> {out}")
     res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume, stop_on_signal=True)
     if "signal" in res:  # stopped early, with a checkpoint: the same command resumes it
-        print(f"stopped by {res['signal']} at step {res['steps_done']} of {preset.steps} (checkpoint in {out}); "
-              "the same command resumes it", file=sys.stderr)
+        if res["steps_done"]:
+            print(f"stopped by {res['signal']} at step {res['steps_done']} of {preset.steps} (checkpoint in {out}); "
+                  "the same command resumes it", file=sys.stderr)
+        else:  # no step was trained, so no checkpoint was written
+            print(f"stopped by {res['signal']} before its first step (no checkpoint); the same command starts it",
+                  file=sys.stderr)
         return 128 + int(getattr(signal, res["signal"]))
     plot = plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",
                                   title=f"addition, preset {args.preset}, best step {res['best']['step']}")

@@ -247,3 +247,25 @@ def test_a_restated_rule_in_any_case_is_the_same_model(monkeypatch):
     assert plain["rule"] == "3A"
     assert model_fields(_parse("addition", ["--model", "Falcon-3A.3", "--rule", "3a"])) == plain
     assert model_fields(_parse("addition", ["--model", "falcon", "--rule", "2a"]))["rule"] == "2A"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--config", "{missing}"], "--config '{missing}': no such file"),
+    (["train", "--config", "{dir}"], "--config '{dir}': a folder, not a file"),
+    (["compare", "--configs", "{recipe}", "{missing}", "--out", "{dir}/cmp", "--steps", "2"],
+     "--configs '{missing}': no such file"),
+    (["scaling", "--configs", "{missing}", "--out", "{dir}/s"], "--configs '{missing}': no such file"),
+    (["throughput", "--config", "{missing}"], "--config '{missing}': no such file"),
+])
+def test_a_recipe_that_is_not_a_file_is_named_by_its_option(argv, message, capsys, monkeypatch, tmp_path):
+    """A recipe path that names nothing (or a folder): one line naming the option and the path (it was
+    Python's '[Errno 2] No such file or directory', naming no option), before any folder is made."""
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    places = {"missing": tmp_path / "nope.yaml", "dir": tmp_path / "folder", "recipe": tmp_path / "recipe.yaml"}
+    places["dir"].mkdir()
+    places["recipe"].write_text("model: {preset: tiny-falcon}\n")
+    fill = lambda text: text.format(**{k: str(v) for k, v in places.items()})  # noqa: E731
+    before = sorted(p.name for p in tmp_path.iterdir())
+    _fails_naming(capsys, [fill(a) for a in argv], fill(message))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not any(places["dir"].iterdir())

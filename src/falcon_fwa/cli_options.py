@@ -57,6 +57,15 @@ def _existing_ancestor(path: str) -> str:
     return path
 
 
+def check_input_files(option: str, paths) -> None:
+    """``FileNotFoundError`` naming ``option`` for the first of ``paths`` (a path or a list of them, files
+    the command reads, such as recipes) that is not a file: refused before any work."""
+    for path in [paths] if isinstance(paths, str) else list(paths or []):
+        if not os.path.isfile(path):
+            what = "a folder, not a file" if os.path.isdir(path) else "no such file"
+            raise FileNotFoundError(f"{option} {path!r}: {what}")
+
+
 def check_output_folder(option: str, path: Optional[str]) -> None:
     """``ValueError`` naming ``option`` where ``path``, a folder the command creates or fills, is a file or
     lies under one: refused before any work (it would end the command at its first write)."""

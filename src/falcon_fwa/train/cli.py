@@ -13,7 +13,7 @@ import argparse
 import signal
 import sys
 
-from ..cli_options import check_output_folder
+from ..cli_options import check_input_files, check_output_folder
 from .config import load_config
 
 
@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.stop_at is not None and args.stop_at < 1:
         raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
+    check_input_files("--config", args.config)
     cfg = load_config(args.config, args.overrides)
     check_output_folder("train.out_dir", cfg.train.out_dir)
     check_output_folder("data.out_dir", cfg.data.out_dir)

@@ -58,7 +58,7 @@ import traceback
 from typing import Iterator, List, Optional, Tuple
 
 from ..atomic import folder_lock, read_json, write_json
-from ..cli_options import at_least, check_output_file, check_output_folder, finite_at_least
+from ..cli_options import at_least, check_input_files, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
 from .launch import device_description, end_with_parent
@@ -375,6 +375,7 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
         if value is not None and not calibrated:
             raise ValueError(f"{option} applies to a calibrated step count: give --time-budget or --deadline "
                              "(without --steps)")
+    check_input_files("--configs", args.configs)
     parents = {os.path.realpath(p): c for c in args.configs if (p := recipe_parent(c))}
     for c in args.configs:  # a glob such as configs/small/*.yaml also takes the recipes' shared base
         if os.path.realpath(c) in parents:

@@ -50,7 +50,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..atomic import folder_lock, read_json, write_json, write_text
-from ..cli_options import check_output_file, check_output_folder, finite_at_least
+from ..cli_options import check_input_files, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit
 from .compare import check_run_names, kept_result
 from .config import assign_text, load_config
@@ -232,6 +232,7 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
     for o in args.overrides:
         if o.split("=", 1)[0].strip() in ("train.global_batch", "train.micro_batch", "train.strategy", "train.steps"):
             raise ValueError(f"--set {o}: the sweep sets this field itself (use --micro-batch, --strategies, --steps)")
+    check_input_files("--configs", args.configs)
     import torch
 
     if torch.cuda.is_available() and max(args.gpus) > torch.cuda.device_count():

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..cli_options import DEVICE_HELP, at_least, check_output_file, dtype_option, resolve_device
+from ..cli_options import DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_option, resolve_device
 
 _clock = time.perf_counter  # every time in this module comes from here
 
@@ -241,6 +241,7 @@ def _jobs(args):
     from ..models import get_preset
     from .config import load_config
 
+    check_input_files("--config", args.config)
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
         yield path, get_preset(cfg.model.preset, **cfg.model.overrides), cfg.data.seq_len, cfg.train.micro_batch

@@ -54,6 +54,21 @@ def run_trainer(raw, stop_at=None):
     return trainer
 
 
+def signal_during_step_3(monkeypatch, signum):
+    """``signum`` sent to this process during step 3 (the fifth micro-step's loss, two micro-batches a step);
+    returns the list that counts the loss calls."""
+    real, calls = trainer_module.causal_lm_loss, []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signum)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", signalled)
+    return calls
+
+
 def test_warmup_cosine_schedule_by_hand():
     kw = dict(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
     assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -198,15 +213,7 @@ def test_a_stop_signal_ends_the_run_at_the_step_in_progress_with_a_checkpoint(tm
     import signal
 
     signum = getattr(signal, signum)
-    real, calls = trainer_module.causal_lm_loss, []
-
-    def signalled(*args, **kwargs):  # the signal arrives during step 3 (micro-steps 4 and 5)
-        calls.append(1)
-        if len(calls) == 5:
-            os.kill(os.getpid(), signum)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "causal_lm_loss", signalled)
+    signal_during_step_3(monkeypatch, signum)
     # a suite launched as a shell's background job inherits SIGINT ignored, which the run leaves ignored
     # (the next test): give the signal its interactive handler for this test
     before = signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
@@ -234,15 +241,7 @@ def test_a_signal_the_process_ignores_stays_ignored(tmp_path, monkeypatch):
     """SIGINT ignored by the launching shell (a background job of a script) does not stop the run."""
     import signal
 
-    real, calls = trainer_module.causal_lm_loss, []
-
-    def signalled(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "causal_lm_loss", signalled)
+    calls = signal_during_step_3(monkeypatch, signal.SIGINT)
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         trainer = Trainer(config_from_dict(recipe(tmp_path, "run", save_every=0, eval_every=0)))

@@ -9,11 +9,10 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import _torchrun, losses, recipe, run_trainer
+from test_train import _torchrun, losses, recipe, run_trainer, signal_during_step_3
 
 from falcon_fwa.data import PackedRows, RowOrder
 from falcon_fwa.train import Trainer, config_from_dict, latest_checkpoint, load_checkpoint
-from falcon_fwa.train import trainer as trainer_module
 from falcon_fwa.train.logger import read_log
 
 
@@ -40,15 +39,7 @@ def test_a_run_stopped_off_the_log_cadence_and_resumed_logs_the_uninterrupted_ru
     run_trainer(raw("full"))
     stop_at = None
     if stop == "SIGTERM":
-        real, calls = trainer_module.causal_lm_loss, []
-
-        def signalled(*args, **kwargs):  # the signal arrives during step 3 (micro-steps 4 and 5)
-            calls.append(1)
-            if len(calls) == 5:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(trainer_module, "causal_lm_loss", signalled)
+        signal_during_step_3(monkeypatch, signal.SIGTERM)
         before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     else:
         stop_at = 3

@@ -184,7 +184,9 @@ def test_a_real_ctrl_c_ends_with_the_line_after_the_progress_bar():
     import subprocess
     import sys
 
-    script = ("import sys, time\n"
+    # a suite started as a background job inherits SIGINT ignored: the command gets Ctrl-C's own handler
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "from tqdm import tqdm\n"
               "from falcon_fwa import cli\n"
               "def run(args):\n"
@@ -196,8 +198,11 @@ def test_a_real_ctrl_c_ends_with_the_line_after_the_progress_bar():
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout.readline() == b"ready\n"
     proc.send_signal(signal.SIGINT)
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    try:
+        err = proc.communicate(timeout=60)[1].decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
     assert "Traceback" not in err and "work:" in err, err
     assert err.endswith("\nfalcon-fwa test: interrupted\n"), err
 

@@ -33,6 +33,9 @@ class FalconCache:
         self.layers: List[LayerCache] = [LayerCache() for _ in range(num_layers)]
         self.seen: Optional[torch.Tensor] = None  # [B] real tokens per row
         self.num_positions = 0
+        # the model whose layers this filled cache was last checked against (a weak reference; see
+        # FalconForCausalLM._check_cache_fits): a decoding loop checks it once, not at every step
+        self.checked_for = None
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -16,6 +16,7 @@ packed (``cu_seqlens`` with ``B = 1``) keep their document boundaries the same w
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -430,7 +431,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if len(cache) != len(blocks):
             raise ValueError(f"past_key_values has {len(cache)} layers, the model {len(blocks)}: pass the cache this "
                              f"model returned (or a fresh FalconCache({len(blocks)}))")
-        if cache.empty:
+        if cache.empty or (cache.checked_for is not None and cache.checked_for() is self):
             return
         for i, (block, layer) in enumerate(zip(blocks, cache.layers)):
             if isinstance(block.mixer, CausalSelfAttention):
@@ -444,6 +445,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             if missing is not None:
                 raise ValueError(f"past_key_values was filled by another model: layer {i} holds {missing} "
                                  f"({self.config.mixer} mixer); pass the cache this model returned")
+        cache.checked_for = weakref.ref(self)
 
     def _input_embeddings(self, input_ids, inputs_embeds):
         """``embed_tokens(input_ids)`` or ``inputs_embeds`` (exactly one given), checked: ``[B, T, D]``, ``T >= 1``."""

@@ -241,7 +241,6 @@ def _jobs(args):
     from ..models import get_preset
     from .config import load_config
 
-    check_input_files("--config", args.config)
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
         yield path, get_preset(cfg.model.preset, **cfg.model.overrides), cfg.data.seq_len, cfg.train.micro_batch
@@ -263,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.preset and not args.config:
         raise ValueError("give --preset and/or --config")
     at_least("--steps", args.steps, 1)
+    check_input_files("--config", args.config)
     check_output_file("--out", args.out)
     if args.min_steps is None:
         args.min_steps = min(3, args.steps)

@@ -120,6 +120,7 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(folders):
     (["--prompt", "a", "--temperature", "inf"], "--temperature"),
     (["--prompt", "a", "--batch-size", "0"], "--batch-size"),
     (["--prompts-file", "no/such/file.txt"], "--prompts-file"),
+    (["--prompts-file", "."], "--prompts-file '.' is a folder"),
     (["--prompt", "a", "--device", "nope"], "--device"),
     (["--prompt", "a", "--device", "meta"], "--device"),
 ])
@@ -146,6 +147,62 @@ def test_a_cuda_device_the_machine_lacks_is_named_before_the_model_loads(folders
     monkeypatch.setattr("falcon_fwa.serve.generate_cli.load_model", no_load)
     assert cli.main(["generate", "--model", folders["trained"], "--prompt", "a", "--device", "cuda:1"]) == 2
     assert capsys.readouterr().err.startswith("falcon-fwa generate: error: --device cuda:1: this machine has 1")
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named(folders, capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    (tmp_path / "p.txt").write_bytes(b"the state\n\xff\xfe key\n")
+    assert cli.main(["generate", "--model", folders["trained"], "--prompts-file", str(tmp_path / "p.txt")]) == 2
+    assert capsys.readouterr().err.startswith(f"falcon-fwa generate: error: --prompts-file {str(tmp_path / 'p.txt')!r} "
+                                              "is not UTF-8 text")
+
+
+def _interrupted(folders, monkeypatch, capsys, calls, *options):
+    """The command on the peaky model with a Ctrl-C (``KeyboardInterrupt``) in its ``calls``-th forward pass:
+    its exit status, stdout and stderr."""
+    from falcon_fwa.serve import generate_cli
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    load = generate_cli.load_model
+
+    def load_and_count(*args, **kwargs):
+        model, tok = load(*args, **kwargs)
+        n = []
+
+        def ctrl_c(module, args, kwargs):
+            n.append(1)
+            if len(n) == calls:
+                raise KeyboardInterrupt
+
+        model.register_forward_pre_hook(ctrl_c, with_kwargs=True)
+        return model, tok
+
+    monkeypatch.setattr(generate_cli, "load_model", load_and_count)
+    capsys.readouterr()
+    status = cli.main(["generate", "--model", folders["peaky"], "--device", "cpu", "--no-stop-at-eos", *options])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_a_ctrl_c_keeps_the_completions_of_the_finished_batches(folders, monkeypatch, capsys):
+    """Batches of one prompt and 6 new tokens (6 forward passes each): a Ctrl-C in the second batch's decoding
+    leaves the first batch's completion printed, as the uninterrupted run prints it."""
+    args = ["--prompt", "the state", "--prompt", "gate", "--max-new-tokens", "6"]
+    full = _generate(folders, "peaky", *args)["completions"][0]
+    status, out, err = _interrupted(folders, monkeypatch, capsys, 9, *args)
+    assert status == 130 and err.splitlines()[-1] == "falcon-fwa generate: interrupted"
+    assert out == f"=== completion 1/2 (prompt: 'the state') ===\n{full['text']}\n"
+
+
+def test_a_ctrl_c_while_streaming_shows_the_tokens_chosen_so_far(folders, monkeypatch, capsys):
+    """The streamer holds back text until a word ends; a Ctrl-C in the 7th forward pass still shows the 6 tokens
+    chosen before it (the prompt pass's and 5 steps'), then a newline."""
+    full = _generate(folders, "peaky", "--prompt", "the state", "--max-new-tokens", "12", "--no-stop-at-eos")
+    ids = full["completions"][0]["token_ids"]
+    _, tok = load_model(folders["peaky"])
+    status, out, err = _interrupted(folders, monkeypatch, capsys, 7, "--prompt", "the state", "--max-new-tokens", "12")
+    assert status == 130 and err.splitlines()[-1] == "falcon-fwa generate: interrupted"
+    assert out == tok.decode(ids[:6], skip_special_tokens=True) + "\n"
 
 
 def test_a_missing_model_folder_is_named(folders, capsys, monkeypatch):

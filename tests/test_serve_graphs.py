@@ -35,6 +35,12 @@ def test_on_a_cpu_steps_are_eager_and_the_reason_is_recorded():
     assert out.timing.graph_capture_s == 0  # nothing was recorded
     with pytest.raises(ValueError, match="cuda_graphs=True is not possible"):
         generate_text(model, byte_tokenizer(), ["state"], max_new_tokens=4, cuda_graphs=True)
+    with torch.inference_mode():  # recording itself: refused before the cache is touched
+        cache = model(input_ids=torch.tensor([[3, 4]]), use_cache=True, logits_to_keep=1).past_key_values
+        seen = cache.seen
+        with pytest.raises(NotImplementedError, match="CUDA graphs need a CUDA device"):
+            GraphedDecoder(model, cache, 1)
+    assert cache.seen is seen and cache.num_positions == 2
 
 
 def test_command_refuses_cuda_graphs_on_a_cpu(tmp_path, capsys):

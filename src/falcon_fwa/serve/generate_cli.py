@@ -2,11 +2,12 @@
 continue prompts with a saved model folder, greedily or by sampling.
 
 With one prompt the text is streamed to stdout as it is produced; otherwise each completion is printed
-after its batch under a ``=== completion i/n ===`` header. One summary line goes to stderr: the prompt
-forward passes (prefill: prompt step and first new token), the decoding speed (new tokens after the
-first, summed over each batch's rows, per second of the decoding loop), whether the decoding steps were
-replayed from a CUDA graph (``--cuda-graphs``; recording is timed apart), and on CUDA the peak GPU memory
-(weights included); clocks are read after ``torch.cuda.synchronize`` on CUDA (see
+as its batch ends, under a ``=== completion i/n ===`` header (a Ctrl-C keeps what was printed, the text
+streamed so far included, and ends the command with status 130, writing no ``--json``). One summary
+line goes to stderr: the prompt forward passes (prefill: prompt step and first new token), the decoding
+speed (new tokens after the first, summed over each batch's rows, per second of the decoding loop), whether
+the decoding steps were replayed from a CUDA graph (``--cuda-graphs``; recording is timed apart), and on
+CUDA the peak GPU memory (weights included); clocks are read after ``torch.cuda.synchronize`` on CUDA (see
 :mod:`falcon_fwa.serve.generation`). ``--json`` writes prompts, completions (text and token ids), the
 settings, the timings and the provenance, atomically.
 """
@@ -52,10 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _prompts(args: argparse.Namespace) -> List[str]:
     prompts = list(args.prompt)
     if args.prompts_file is not None:
+        if os.path.isdir(args.prompts_file):
+            raise ValueError(f"--prompts-file {args.prompts_file!r} is a folder: give a file of prompts, one per line")
         if not os.path.isfile(args.prompts_file):
             raise FileNotFoundError(f"--prompts-file {args.prompts_file!r} does not exist")
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\r\n") for line in f if line.strip()]
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\r\n") for line in f if line.strip()]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {args.prompts_file!r} is not UTF-8 text ({e})") from None
     if not prompts:
         raise ValueError("--prompt/--prompts-file: no prompt given; give at least one with --prompt TEXT or in "
                          "--prompts-file FILE")
@@ -104,11 +110,15 @@ def run(args: argparse.Namespace) -> int:
 
         stream = TextStreamer(tokenizer, skip_special_tokens=True)
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    shown = []
+
+    def show(batch):  # each batch's completions as it ends (a Ctrl-C keeps what was printed)
+        for c in batch:
+            shown.append(c)
+            print(f"=== completion {len(shown)}/{len(prompts)} (prompt: {c.prompt!r}) ===\n{c.text}", flush=True)
+
     out = generate_text(model, tokenizer, prompts, seed=args.seed, stop_at_eos=args.stop_at_eos, stream=stream,
-                        cuda_graphs=graphs, **settings)
-    if stream is None:
-        for i, c in enumerate(out.completions, 1):
-            print(f"=== completion {i}/{len(prompts)} (prompt: {c.prompt!r}) ===\n{c.text}", flush=True)
+                        cuda_graphs=graphs, on_batch=None if stream is not None else show, **settings)
     print(_summary(out.timing, len(prompts), device, args.dtype), file=sys.stderr)
     if args.json:
         write_json(args.json, {

@@ -125,14 +125,19 @@ def _cache_of(out):
 @torch.inference_mode()
 def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = 0, batch_size: int = 1,
-                  stop_at_eos: bool = True, stream=None, cuda_graphs: Optional[bool] = None) -> Generation:
+                  stop_at_eos: bool = True, stream=None, cuda_graphs: Optional[bool] = None,
+                  on_batch: Optional[Callable[[List[Completion]], None]] = None) -> Generation:
     """Continue each of ``prompts`` by up to ``max_new_tokens`` tokens, ``batch_size`` prompts per
     left-padded batch. ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` unused);
     above 0 it samples, reproducibly for a given ``seed`` (and batch size and device). With
     ``stop_at_eos`` a row ends at its first end-of-text token and a batch when all its rows have.
 
     ``stream``: an object with ``put(ids)`` and ``end()`` (``transformers.TextStreamer``) that gets each
-    new token as it is chosen; only with one prompt per batch.
+    new token as it is chosen; only with one prompt per batch. ``end()`` is called as each batch ends, and
+    also when an exception (a Ctrl-C) stops it, so that the tokens already chosen are shown.
+
+    ``on_batch``: called with each batch's completions as the batch ends, before the next prompt pass and
+    outside the timings (``falcon-fwa generate`` prints them so).
 
     ``cuda_graphs``: replay each decoding step from a CUDA graph (``serve.graphs.GraphedDecoder``; the
     same tokens as eager steps, with a fraction of the host's launch work). ``None``: where possible
@@ -142,6 +147,8 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     """
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    batch_size=batch_size)
+    if isinstance(prompts, str):  # its characters would be taken as prompts
+        raise TypeError(f"prompts must be a sequence of strings, got one str ({prompts[:40]!r}); pass [prompt]")
     if stream is not None and min(batch_size, len(prompts)) > 1:
         raise ValueError(f"stream needs one prompt per batch, got batch_size={batch_size}")
     device = next(model.parameters()).device
@@ -210,23 +217,26 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         timing.graphed_batches += decoder is not None
         done = torch.zeros_like(token, dtype=torch.bool)
         steps = []
-        while True:
-            steps.append(token)
-            if stopping:
-                done = done | (token == eos)
-            if stream is not None and not bool(done[0]):
-                stream.put(token.cpu())
-            if len(steps) == max_new_tokens or (stopping and bool(done.all())):
-                break
-            if decoder is None:
-                logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            else:
-                logits = decoder.step(token)[:, None]
-            token = torch.where(done, torch.full_like(token, pad), choose(logits))
-        sync()
-        t2 = time.perf_counter()
-        if stream is not None:
-            stream.end()
+        try:
+            while True:
+                steps.append(token)
+                if stopping:
+                    done = done | (token == eos)
+                if stream is not None and not bool(done[0]):
+                    stream.put(token.cpu())
+                if len(steps) == max_new_tokens or (stopping and bool(done.all())):
+                    break
+                if decoder is None:
+                    logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1).logits
+                else:
+                    logits = decoder.step(token)[:, None]
+                token = torch.where(done, torch.full_like(token, pad), choose(logits))
+            sync()
+            t2 = time.perf_counter()
+        finally:  # also on a Ctrl-C: the streamer shows the text it still holds
+            if stream is not None:
+                stream.end()
         out = cache = decoder = logits = None  # this batch's cache and graph, freed before the next prompt pass
 
         table = torch.stack(steps, 1).cpu().tolist()
@@ -242,6 +252,8 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         timing.batches += 1
         timing.prefill_s += t1 - t0
         timing.decode_s += t2 - t_graph
+        if on_batch is not None:
+            on_batch(result.completions[-len(rows):])
     if cuda:
         timing.peak_gpu_memory_bytes = torch.cuda.max_memory_allocated(device)
     return result

@@ -119,6 +119,8 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(folders):
     (["--prompt", "a", "--temperature", "-0.5"], "--temperature"),
     (["--prompt", "a", "--temperature", "inf"], "--temperature"),
     (["--prompt", "a", "--batch-size", "0"], "--batch-size"),
+    (["--prompt", "a", "--seed", str(2 ** 64)], "--seed"),
+    (["--prompt", "a", "--seed", str(-2 ** 63 - 1)], "--seed"),
     (["--prompts-file", "no/such/file.txt"], "--prompts-file"),
     (["--prompts-file", "."], "--prompts-file '.' is a folder"),
     (["--prompt", "a", "--device", "nope"], "--device"),

@@ -87,7 +87,7 @@ def _summary(timing, n_prompts: int, device: str, dtype: str) -> str:
 def run(args: argparse.Namespace) -> int:
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, batch_size=args.batch_size)
-    check_settings(**settings, name=lambda n: "--" + n.replace("_", "-"))
+    check_settings(**settings, seed=args.seed, name=lambda n: "--" + n.replace("_", "-"))
     prompts = _prompts(args)
     device = resolve_device(args.device)
     check_model_option(args.model)

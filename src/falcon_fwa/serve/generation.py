@@ -82,7 +82,7 @@ class Generation:
 
 
 def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, batch_size: int,
-                   name: Callable[[str], str] = str) -> None:
+                   seed: Optional[int] = None, name: Callable[[str], str] = str) -> None:
     """Raise ``ValueError`` naming the first bad setting (``name`` turns a parameter name into the
     name the caller knows it by, e.g. a command-line option)."""
     if max_new_tokens < 1:
@@ -95,6 +95,8 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p
         raise ValueError(f"{name('top_p')} must be in (0, 1], got {top_p}")
     if batch_size < 1:
         raise ValueError(f"{name('batch_size')} must be >= 1, got {batch_size}")
+    if seed is not None and not -2 ** 63 <= seed < 2 ** 64:  # what torch.Generator.manual_seed takes
+        raise ValueError(f"{name('seed')} must lie in [-2^63, 2^64), got {seed}")
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -146,7 +148,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     Returns a :class:`Generation`: one :class:`Completion` per prompt, in order, and its :class:`Timing`.
     """
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   batch_size=batch_size)
+                   batch_size=batch_size, seed=seed)
     if isinstance(prompts, str):  # its characters would be taken as prompts
         raise TypeError(f"prompts must be a sequence of strings, got one str ({prompts[:40]!r}); pass [prompt]")
     if stream is not None and min(batch_size, len(prompts)) > 1:

@@ -6,8 +6,9 @@ in that shard). Every document is stored as ``[eos] + tokens``: the end-of-text 
 document, so the last position of a document predicts end-of-text and no target ever crosses a
 document boundary once sequences are cut there (``cu_seqlens`` packing).
 
-The folder is written under a temporary name and renamed when complete: an interrupted
-preparation never leaves a folder that looks finished.
+The folder is written (and synced to disk) under a temporary name and renamed when complete; a
+folder it replaces is first renamed aside, then removed: an interrupted preparation never leaves a
+folder that looks finished, nor a half-removed one.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Iterable, List
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..atomic import replaceable
+from ..atomic import replaceable, synced_write
 from .tokenizer import encode_documents, is_byte_tokenizer
 
 
@@ -46,7 +47,8 @@ class _ShardWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         docs = f"docs-{len(self.shards):05d}.npy"
-        np.save(os.path.join(self.folder, docs), np.asarray(self.starts, dtype=np.int64))
+        starts = np.asarray(self.starts, dtype=np.int64)
+        synced_write(os.path.join(self.folder, docs), lambda f: np.save(f, starts), "wb")
         self.shards.append({"tokens": self.name, "docs": docs, "n_tokens": self.n_tokens, "n_docs": len(self.starts)})
 
     def add(self, ids: np.ndarray):
@@ -86,9 +88,13 @@ def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
     check_replaceable(folder)
     eos = tokenizer.eos_token_id
     vocab_size = len(tokenizer)
+    if eos is None or not 0 <= eos < vocab_size:
+        raise ValueError(f"tokenizer eos_token_id {eos} is no token id of 0..{vocab_size - 1}: every document "
+                         "opens with it")
     dtype = token_dtype(vocab_size)
-    tmp = folder.rstrip("/") + ".tmp"
+    tmp, old = folder.rstrip("/") + ".tmp", folder.rstrip("/") + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)  # an earlier run stopped while removing it
     os.makedirs(tmp)
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     byte_level = is_byte_tokenizer(tokenizer)
@@ -97,6 +103,10 @@ def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
 
     def flush():
         for ids in encode_documents(tokenizer, batch, byte_level=byte_level):
+            if len(ids) and not 0 <= ids.min() <= ids.max() < vocab_size:  # else cut to the shard's dtype
+                bad = int(ids.max() if ids.max() >= vocab_size else ids.min())
+                raise ValueError(f"tokenizer gave token id {bad}, outside 0..{vocab_size - 1} (its len(tokenizer) "
+                                 f"= {vocab_size}, which sizes the shards' {np.dtype(dtype).name} and the model)")
             writer.add(np.concatenate([np.asarray([eos], dtype=np.int64), ids]))
         bar.update(len(batch))
         batch.clear()
@@ -114,10 +124,11 @@ def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
     if meta["n_docs"] == 0:
         shutil.rmtree(tmp)
         raise NoDocuments(f"no documents to write into {folder!r}")
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    shutil.rmtree(folder, ignore_errors=True)
+    synced_write(os.path.join(tmp, "meta.json"), lambda f: json.dump(meta, f, indent=1))
+    if os.path.exists(folder):  # set aside whole first: a stop while removing it leaves no half folder here
+        os.replace(folder, old)
     os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
     return meta
 
 

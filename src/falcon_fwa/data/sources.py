@@ -9,13 +9,15 @@
 Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
 document), ``"line"`` (one per non-empty line) or ``"paragraph"`` (separated by blank lines).
 Bytes that are no UTF-8 (in a text or JSON file) become U+FFFD; a leading byte-order mark is
-dropped. A record without the ``text_field``, with a non-string text, a line that is no JSON, or a
-file that is no Parquet is a ``ValueError`` naming the file and record; a Parquet ``text_field``
-column must hold strings.
+dropped; a text file's line ends ``\r\n`` and ``\r`` become ``\n`` (Python's text mode). A record
+without the ``text_field``, with a non-string text, a line that is no JSON, or a file that is no
+Parquet is a ``ValueError`` naming the file and record; a Parquet ``text_field`` column must hold
+strings.
 """
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import re
@@ -160,6 +162,25 @@ def _hf_records(source: str, split: str):
         raise ValueError(f"data source {source!r} ({split} split): {err}") from None
 
 
+def _hf_texts(source: str, split: str, text_field: str) -> Iterator[str]:
+    """The texts of the records of ``hf:NAME[:CONFIG]`` that are not null, empty or blank. A streamed
+    dataset reads its files as it goes: one that cannot be read (bad JSON, no Parquet) is a ``ValueError``
+    naming the source, as one that cannot be opened is."""
+    import pyarrow as pa
+
+    records = iter(_hf_records(source, split))
+    for n in itertools.count():
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except (ValueError, OSError, pa.ArrowException) as err:
+            raise ValueError(f"data source {source!r} ({split} split), after {n} records: {err}") from None
+        text = _record_text(f"{source} ({split}) record {n}", record, text_field)
+        if text is not None:
+            yield text
+
+
 def iter_documents(source: str, *, text_split: str = "file", text_field: str = "text",
                    split: str = "train", max_documents: Optional[int] = None,
                    exclude: Optional[str] = None) -> Iterator[str]:
@@ -167,9 +188,7 @@ def iter_documents(source: str, *, text_split: str = "file", text_field: str = "
     if text_split not in TEXT_SPLITS:
         raise ValueError(f"text_split must be one of {TEXT_SPLITS}, got {text_split!r}")
     if source.startswith("hf:"):
-        records = _hf_records(source, split)
-        texts = (_record_text(f"{source} ({split}) record {n}", r, text_field) for n, r in enumerate(records))
-        stream = (t for t in texts if t is not None)
+        stream = _hf_texts(source, split, text_field)
     else:
         stream = (doc for path in list_files(source, exclude) for doc in _iter_file(path, text_split, text_field))
     for n, doc in enumerate(stream):

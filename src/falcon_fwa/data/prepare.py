@@ -25,8 +25,8 @@ from .tokenizer import bpe_vocab_size, load_tokenizer
 class DataSpec:
     """Where the documents come from and how they become tokens.
 
-    train_source / val_source: see ``sources.iter_documents``. Without ``val_source`` every
-    ``val_every``-th training document is held out. tokenizer: ``"byte"``, ``"bpe:<vocab>"``
+    train_source / val_source: see ``sources.iter_documents``; a file that both read is refused. Without
+    ``val_source`` every ``val_every``-th training document is held out. tokenizer: ``"byte"``, ``"bpe:<vocab>"``
     or a tokenizer folder. bpe_documents: how many training documents train the BPE.
     """
     train_source: str
@@ -80,6 +80,19 @@ def source_files(spec: DataSpec, out_dir: str) -> dict:
         return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
 
     return {"train": sizes(spec.train_source), "val": sizes(spec.val_source)}
+
+
+def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> None:
+    """``ValueError`` when a file of the val source is also one of the train source (the same file, or
+    a folder of training data that holds the validation file): its documents would be in both splits."""
+    train, val = files["train"] or {}, files["val"] or {}
+    real = {os.path.realpath(path) for path in train}
+    shared = [path for path in sorted(val) if os.path.realpath(path) in real]
+    if shared:
+        more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+        raise ValueError(f"{name('val_source')} file {shared[0]!r}{more} is also read by {name('train_source')} "
+                         f"{spec.train_source!r}: its documents would be in both splits; give "
+                         f"{name('train_source')} files, a folder or a glob without the validation files")
 
 
 def _changed_files(held: dict, now: dict) -> str:
@@ -141,10 +154,11 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
         return record
+    files = source_files(spec, out_dir)
+    _check_disjoint(files, spec, name)
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)
-    files = source_files(spec, out_dir)
     texts = None
     if spec.tokenizer.startswith("bpe:"):  # the training documents only: none held out for validation
         texts = itertools.islice(_docs(spec, "train", out_dir), spec.bpe_documents)

@@ -99,6 +99,8 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
                  else "bpe:<vocab_size>" if spec.lower().startswith("bpe") else None)
         if meant is not None:
             raise ValueError(f"tokenizer {spec!r} is no tokenizer (did you mean {meant!r}?)")
+    if not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1):
+        raise ValueError(f"tokenizer folder {spec!r} does not exist (a Hub name is NAME or OWNER/NAME)")
     if os.path.isfile(spec):
         raise ValueError(f"tokenizer {spec!r} is a file: give the folder that holds it (tokenizer.json and a "
                          "tokenizer_config.json naming its \"eos_token\")")

@@ -131,6 +131,15 @@ class FalconAttention(nn.Module):
         if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
         B, T, _ = h.shape
+        if packing.packed and (B != 1 or (packing.bounds is not None and T != packing.bounds[-1])):
+            total = "N_tok" if packing.bounds is None else packing.bounds[-1]
+            raise ValueError(f"h must have shape [1, {total}, hidden_size] for packed sequences (packing.cu_seqlens), "
+                             f"got {tuple(h.shape)}")
+        if cache is not None and not packing.packed:
+            held = cache.state.S.shape[0] if cache.state is not None else next(
+                (buf.shape[0] for buf in cache.conv.values()), B)
+            if held != B:
+                raise ValueError(f"cache holds {held} rows, h has {B}: dense rows continue the cache row by row")
         q, k, v = self._project(h, packing, cache)
         beta, lam, log_gate = self.gates(h)
         o = self._core(q, k, v, beta, lam, log_gate, packing, cache)

@@ -37,6 +37,10 @@ state decay (``log_gate``), ``g_t <= 0``:
 * ``"dt"``: ``g_t = -exp(A_log) * dt_t`` (Mamba-2, sharing ``dt`` with the write gain);
 * ``"fixed"``: ``g = log(1 - 2^{-5-h})`` for head ``h`` (RetNet's multi-scale decay);
 * ``"none"``.
+
+Precision: every gate is computed in its inputs' dtype. Under bf16 autocast the projections run in bf16 and
+their float32 offsets (``gain_bias``, ``lam_bias``, ``decay_bias``) lift what follows them to float32: the gates
+reach the op in float32.
 """
 from __future__ import annotations
 
@@ -78,6 +82,9 @@ class ContextGates(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_v_dim: int, *, gate: str, log_gate: str,
                  lambda_scale: float, per_column: bool):
         super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_v_dim", head_v_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if log_gate not in LOG_GATES:

@@ -18,9 +18,13 @@ __all__ = ["LayerCache", "scatter_rows"]
 
 
 def scatter_rows(old: Optional[torch.Tensor], rows: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
-    """``old`` with rows ``rows`` replaced by ``new`` (``rows=None``: ``new`` replaces everything)."""
-    if rows is None or old is None:
+    """``old`` with rows ``rows`` replaced by ``new`` (``rows=None``: ``new`` replaces everything). With no
+    ``old`` (the first call), ``new[n]`` goes to row ``rows[n]`` of a new tensor of ``new``'s rows: ``rows`` is
+    then an ordering of ``0 .. N-1`` (a packed first call may hold its sequences in any order of the rows)."""
+    if rows is None:
         return new
+    if old is None:
+        return torch.zeros_like(new).index_copy_(0, rows.to(new.device), new)
     return old.index_copy(0, rows.to(old.device), new.to(old.dtype))
 
 
@@ -38,15 +42,16 @@ class LayerCache:
 
     def store_state(self, new: FalconState, rows: Optional[torch.Tensor]) -> None:
         """Store a state returned for the cache rows ``rows`` (``None``: all rows)."""
-        if rows is None or self.state is None:
+        if rows is None:
             self.state = new
             return
+        base = new if self.state is None else self.state
         updates = {}
         for f in fields(FalconState):
-            old_t, new_t = getattr(self.state, f.name), getattr(new, f.name)
-            if isinstance(old_t, torch.Tensor):
+            old_t, new_t = getattr(self.state, f.name, None), getattr(new, f.name)
+            if isinstance(getattr(base, f.name), torch.Tensor):
                 updates[f.name] = scatter_rows(old_t, rows, new_t)
-        self.state = replace(self.state, **updates)
+        self.state = replace(base, **updates)
 
     def store_conv(self, name: str, new: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
         """Store the short-convolution buffer ``name`` (``"q"``, ``"k"``, ``"v"``) ``[N, W-1, C]``

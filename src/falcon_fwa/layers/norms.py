@@ -1,6 +1,7 @@
 """RMSNorm (optionally SiLU-gated) and the query/key feature normalizations."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -47,6 +48,10 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 

@@ -89,6 +89,8 @@ def unpad(x: torch.Tensor, mask: torch.Tensor):
     Returns the packed tensor, the flat token indices ``[N_tok]`` (into ``B*T``),
     ``cu_seqlens`` over the rows that hold at least one real token, and those rows.
     """
+    if mask.dim() != 2 or tuple(mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"mask must have shape [B, T] = {list(x.shape[:2])} (x's first two), got {tuple(mask.shape)}")
     mask = mask.to(torch.bool)
     lengths = mask.sum(1)
     rows = torch.nonzero(lengths > 0).flatten()

@@ -31,6 +31,9 @@ class ShortConv(nn.Module):
 
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
+        for name, value in (("channels", channels), ("kernel_size", kernel_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.reset_parameters()
@@ -53,8 +56,15 @@ class ShortConv(nn.Module):
         """
         W1 = self.kernel_size - 1
         C = x.shape[-1]
+        if x.dim() != 3 or C != self.weight.shape[0]:
+            raise ValueError(f"x must have shape [B, T, channels={self.weight.shape[0]}], got {tuple(x.shape)}")
+        if buffer is not None and (buffer.dim() != 3 or tuple(buffer.shape[1:]) != (W1, C)):
+            raise ValueError(f"buffer must have shape [rows, kernel_size - 1 = {W1}, channels = {C}], "
+                             f"got {tuple(buffer.shape)}")
         if not packing.packed:
             B = x.shape[0]
+            if buffer is not None and buffer.shape[0] != B:
+                raise ValueError(f"buffer must have one row per row of x ({B}), got {tuple(buffer.shape)}")
             buf = x.new_zeros(B, W1, C) if buffer is None else cast_to(buffer, x.dtype)
             ext = torch.cat([buf, x], dim=1)
             if x.shape[1] == 1:  # one token (decoding): the window's dot product with the kernel

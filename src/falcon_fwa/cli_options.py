@@ -105,6 +105,13 @@ def finite_at_least(option: str, value, low, *, strict: bool = False) -> None:
     at_least(option, value, low, strict=strict)
 
 
+def check_seed(option: str, value: Optional[int]) -> None:
+    """``ValueError`` naming ``option`` unless ``value`` is a seed torch takes, in ``[-2^63, 2^64)``
+    (torch's own overflow error names nothing); ``None`` passes."""
+    if value is not None and not -2 ** 63 <= value < 2 ** 64:
+        raise ValueError(f"{option} must lie in [-2^63, 2^64), got {value}")
+
+
 def _spellings(choices: Sequence[str]) -> str:
     """``choices`` with their other spellings, for an error message: ``fp32 (float32), bf16 (bfloat16)``."""
     return ", ".join(f"{c} ({'/'.join(a for a, t in _DTYPE_ALIASES.items() if t == _DTYPE_ALIASES[c] and a != c)})"

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from .cli_options import check_seed
 from .ops import RULES, falcon_attention
 
 CALLS = 3  # timed calls of each form and rule
@@ -30,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
                           ("--window", args.window)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
-    if not -2 ** 63 <= args.seed < 2 ** 64:  # what torch.manual_seed takes
-        raise ValueError(f"--seed must lie in [-2^63, 2^64), got {args.seed}")
+    check_seed("--seed", args.seed)
     torch.manual_seed(args.seed)
     B, T, H, D = 1, args.seq_len, args.heads, args.head_dim
     dt = torch.float64

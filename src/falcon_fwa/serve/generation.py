@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from ..cli_options import check_seed
 from .graphs import GraphedDecoder, graphable
 
 __all__ = ["Completion", "Timing", "Generation", "check_settings", "generate_text"]
@@ -95,8 +96,7 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p
         raise ValueError(f"{name('top_p')} must be in (0, 1], got {top_p}")
     if batch_size < 1:
         raise ValueError(f"{name('batch_size')} must be >= 1, got {batch_size}")
-    if seed is not None and not -2 ** 63 <= seed < 2 ** 64:  # what torch.Generator.manual_seed takes
-        raise ValueError(f"{name('seed')} must lie in [-2^63, 2^64), got {seed}")
+    check_seed(name("seed"), seed)
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -28,7 +28,9 @@ but not charged again. (With ``--concurrent``, calibration runs all recipes at o
 training when it passes stops at its next step boundary, is evaluated and is marked
 ``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``. A SIGTERM
 or SIGINT stops the sequential recipe in progress the same way, with a checkpoint but no evaluation
-(``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal.
+(``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal. A recipe that
+fails is marked ``failed`` (with its error) and the others go on; the command then ends with status 1.
+Without ``--steps``, ``--time-budget`` or ``--deadline`` the recipes must share ``train.steps``.
 
 ``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
 it ends: ``status`` gives every recipe's state (pending, running, done, partial, stopped, failed,
@@ -452,10 +454,14 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
 
     first = load_config(args.configs[0], args.overrides)
     d = first.data
+    sets_steps = args.steps is not None or args.time_budget is not None or args.deadline is not None
     for c in args.configs[1:]:
         other = load_config(c, args.overrides)
         if (other.data, other.optim, other.train.global_batch) != (d, first.optim, first.train.global_batch):
             raise ValueError(f"{c}: data, optim and train.global_batch must equal {args.configs[0]}'s")
+        if not sets_steps and other.train.steps != first.train.steps:  # the table would set unequal tokens side by side
+            raise ValueError(f"{c}: train.steps = {other.train.steps}, {args.configs[0]} has {first.train.steps}: "
+                             "the recipes must train the same tokens; give --steps (or --time-budget / --deadline)")
     results_path = args.results or os.path.join(args.out, "compare.json")
     report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
               "time_budget_s": args.time_budget, "tokens_per_step": first.train.global_batch * d.seq_len,
@@ -519,6 +525,10 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
         return 128 + signal.Signals[stopped[0]]
     report["finished"] = True
     save()
+    failed = [n for n in names if report["status"][n] == "failed"]
+    if failed:  # the others' results are in the report; a script sees that some recipe is missing
+        print(f"failed: {', '.join(failed)} (the error is in {results_path})", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

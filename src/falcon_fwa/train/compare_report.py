@@ -63,22 +63,28 @@ def result_rows(report: dict) -> list:
     return rows
 
 
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell: a ``|`` escaped, line ends as spaces (an error's traceback
+    line or a name's ``|`` would otherwise cut the row)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def markdown_table(rows: list) -> str:
     lines = ["| model | status | params | tokens | val ppl | tokens/s | peak memory |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        status = r["status"]
+        status, model = r["status"], _cell(r["model"])
         if status in ("partial", "stopped"):
             status = f"{status}: {r['steps']:,} of {r['planned_steps']:,} steps"
         if r.get("error"):
-            lines.append(f"| {r['model']} | {status}: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {model} | {status}: {_cell(r['error'][:80])} | | | | | |")
             continue
         if r.get("val_ppl") is None:
-            lines.append(f"| {r['model']} | {status} | | | | | |")
+            lines.append(f"| {model} | {status} | | | | | |")
             continue
         mem = f"{r['peak_mem_bytes'] / 2**30:.2f} GiB" if r.get("peak_mem_bytes") else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
-        lines.append(f"| {r['model']} | {status} | {r['params']:,} | {r['tokens']:,} | {r['val_ppl']:.3f} | {tps} "
+        lines.append(f"| {model} | {status} | {r['params']:,} | {r['tokens']:,} | {r['val_ppl']:.3f} | {tps} "
                      f"| {mem} |")
     done = [r for r in rows if r["status"] == "done" and r.get("val_ppl")]
     falcon = [r for r in done if r["model"].startswith("Falcon")]

@@ -58,6 +58,13 @@ from .launch import StopSignals, device_description, end_with_parent
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STRATEGIES = ("ddp", "fsdp2")
+# the fields every run sets for itself (a --set of them would come after, and win), and why
+SWEEP_FIELDS = {"train.global_batch": "use --micro-batch", "train.micro_batch": "use --micro-batch",
+                "train.strategy": "use --strategies", "train.steps": "use --steps",
+                "train.seed": "use --noise-seeds: each row's seed is the one it trained with",
+                "train.out_dir": "use --out: every run has its own folder",
+                "train.resume": "every run trains from scratch",
+                "train.eval_every": "every run is evaluated once, at its end"}
 
 
 def plan(configs: List[str], names: List[str], gpus: List[int], strategies: List[str],
@@ -203,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--machine", default=None, help="machine description for the table")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override a recipe field in every run (repeatable)")
+                        help="override a recipe field in every run (repeatable; not one the sweep sets: "
+                             + ", ".join(SWEEP_FIELDS) + ")")
 
 
 def _check(args: argparse.Namespace, names: List[str]) -> None:
@@ -230,8 +238,9 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
     if len(set(folders)) != len(folders):
         raise ValueError(f"--names {names} give the same run folders {folders} (spaces become '_')")
     for o in args.overrides:
-        if o.split("=", 1)[0].strip() in ("train.global_batch", "train.micro_batch", "train.strategy", "train.steps"):
-            raise ValueError(f"--set {o}: the sweep sets this field itself (use --micro-batch, --strategies, --steps)")
+        field = o.split("=", 1)[0].strip()
+        if field in SWEEP_FIELDS:
+            raise ValueError(f"--set {o}: the sweep sets {field} itself ({SWEEP_FIELDS[field]})")
     check_input_files("--configs", args.configs)
     import torch
 

@@ -35,7 +35,7 @@ from typing import Dict, List
 
 import torch
 
-from bench_kernels import _atomic_write
+from bench_kernels import _atomic_write, failure
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int, cuda_graphs: bool = False):
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                     try:
                         row, tokens, logits = _measure(model, prompt, args, preset, impl)
                     except Exception as e:  # one failing row must not lose the others
-                        errors.append(f"{preset} {impl} batch {B}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                        errors.append(f"{preset} {impl} batch {B}: {failure(e)}")
                         print(errors[-1], flush=True)
                         continue
                     if first:

@@ -12,6 +12,10 @@ above what was allocated before it (inputs excluded). ``fwd`` runs under
 ``torch.no_grad()``; ``fwdbwd`` is the forward plus ``backward`` of the output with
 a fixed upstream gradient.
 
+A row that fails (fla not installed, out of memory, past ``--row-timeout``) is listed in the table as
+``failed: <error type>``, with the message under "Failures", and the run goes on; it has no row in
+``<name>.json``. Both files are rewritten after every row, timed or failed: a run cut off keeps them.
+
 ``--paired ROUNDS`` also times each Falcon op against its fla counterpart in alternation
 (:func:`paired_ratio`) and writes ``<out>/<name>-paired.json``: rows ``{op, fla_op, B, T, H, K, V,
 mode: "fwdbwd-paired", ms, fla_ms, ratio, ratio_min, ratio_max, rounds, target, commit}``.
@@ -478,6 +482,8 @@ def _versions() -> Dict[str, str]:
         v["fla"] = getattr(fla, "__version__", "?")
     except ImportError:
         v["fla"] = "not installed"
+    except Exception as e:  # fla there but failing at import (its rows fail, reported, and the others are timed)
+        v["fla"] = f"not importable ({failure(e)})"
     return v
 
 
@@ -487,6 +493,8 @@ def _commit(given: Optional[str]) -> str:
 
 
 def _markdown(rows, versions, commit, notes, errors) -> str:
+    """The report of ``rows``: timing, paired and decode rows, and the rows that failed (:func:`failed_row`),
+    listed in the table in the order they ran."""
     out = [f"# Kernel benchmark: {versions['gpu']}", "",
            f"commit `{commit}`; torch {versions['torch']}, triton {versions['triton']}, "
            f"flash-linear-attention {versions['fla']}, CUDA {versions['cuda']}, python {versions['python']}.", "",
@@ -499,15 +507,20 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
                 "graph (the device's work, without the host's enqueue).", ""]
     g_head, g_rule = (" graph ms |", "---|") if graphs else ("", "")
     out += [f"| op | B | T | H | K | V | mode | ms |{g_head} peak MiB |", f"|---|---|---|---|---|---|---|---|{g_rule}---|"]
-    for r in rows:
-        if r["mode"] in ("decode", "fwdbwd-paired"):
-            continue
+    table = [r for r in rows if r["mode"] not in ("decode", "fwdbwd-paired")]
+    for r in table:
         op = r["op"] if "window" not in r else f"{r['op']} (window {r['window']})"
+        if "error" in r:
+            g = " - |" if graphs else ""
+            out.append(f"| {op} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
+                       f"failed: {r['error'].split(':')[0]} |{g} - |")
+            continue
         g = f" {_graph_cell(r)} |" if graphs else ""
         out.append(f"| {op} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
                    f"{r['ms']:.3f} |{g} {r['peak_mem_bytes'] / 2**20:.0f} |")
-    index = {(r["op"], _shape(r), r["mode"]): r for r in rows}
-    shapes = list(dict.fromkeys(_shape(r) for r in rows))  # in the order they ran
+    index = {(r["op"], _shape(r), r["mode"]): r for r in table if "error" not in r}
+    lost = {(r["op"], _shape(r), r["mode"]) for r in table if "error" in r}
+    shapes = list(dict.fromkeys(_shape(r) for r in table))  # in the order they ran
     g_head, g_rule = (" graph time ratio |", "---|") if graphs else ("", "")
     out += ["", "## Ratios against the fla counterparts (fwd+bwd, time and peak memory)", "",
             f"| Falcon op | fla op | B | T | H | K | V | time ratio |{g_head} target | peak-memory ratio |",
@@ -515,7 +528,12 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
     for ours, theirs, target in TARGETS:
         for shape in shapes:
             a, b = index.get((ours, shape, "fwdbwd")), index.get((theirs, shape, "fwdbwd"))
-            if a and b:
+            gone = [op for op in (ours, theirs) if (op, shape, "fwdbwd") in lost]
+            if gone and (a or b or len(gone) == 2):  # a side failed: the pair is listed, without a ratio
+                g = " - |" if graphs else ""
+                out.append(f"| {ours} | {theirs} | {' | '.join(map(str, shape))} | failed ({', '.join(gone)}) |{g} "
+                           f"{f'<= {target}' if shape == SHAPES[0] else '-'} | - |")
+            elif a and b:
                 tgt = f"<= {target}" if shape == SHAPES[0] else "-"
                 g = ""
                 if graphs:
@@ -553,6 +571,28 @@ def timing_row(op: str, shape, mode: str, ms: float, peak: int, commit: str, tag
     if tag:
         row["process"] = tag
     return row
+
+
+def failure(e: BaseException) -> str:
+    """``Type: first line of the message`` (200 characters at most; the type alone for an empty message,
+    as a bare ``assert`` gives)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
+def failed_row(op: str, shape, mode: str, error: str) -> dict:
+    """A timing row that did not come: listed in the table of ``<name>.md`` (``failed: <type>``), left out of
+    ``<name>.json`` (:func:`timed`), whose rows all carry a time."""
+    B, T, H, K, V = shape
+    row = dict(op=op, B=B, T=T, H=H, K=K, V=V, mode=mode, error=error)
+    if op in SLIDING_OPS:
+        row["window"] = WINDOW
+    return row
+
+
+def timed(rows: List[dict]) -> List[dict]:
+    """The rows of ``<name>.json``: those with a time, the failed ones left out."""
+    return [r for r in rows if "error" not in r]
 
 
 def decode_row(impl: str, rule: str, B: int, ms: float) -> dict:
@@ -615,20 +655,36 @@ def main(argv=None) -> None:
         p.error(f"--shape sizes must be >= 1, got {args.shape}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
-    notes = []
+    notes, errors = [], []
     if args.allow_fla_gated:
-        lift_fla_gated_guard()
-        notes.append("fla's gated kernels (simple_gla, gla, gated_delta_rule) were timed with "
-                     "`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`, lifting fla's refusal of its gated "
-                     "backward on this Triton (known Hopper miscompile): their timings stand, their gradients "
-                     "were not checked.")
+        try:
+            lift_fla_gated_guard()
+        except Exception as e:  # fla missing or broken: its rows then fail one by one, reported; the others run
+            errors.append(f"--allow-fla-gated: fla not importable: {failure(e)}")
+        else:
+            notes.append("fla's gated kernels (simple_gla, gla, gated_delta_rule) were timed with "
+                         "`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`, lifting fla's refusal of its gated "
+                         "backward on this Triton (known Hopper miscompile): their timings stand, their gradients "
+                         "were not checked.")
     shapes = [tuple(s) for s in args.shape] if args.shape else [SHAPES[i] for i in args.shapes]
     os.makedirs(args.out, exist_ok=True)
     versions, commit = _versions(), _commit(args.commit)
     if args.sweep:
         found = sweep(SHAPES[0])
         _atomic_write(os.path.join(args.out, f"{args.name}-sweep.json"), json.dumps(found, indent=1) + "\n")
-    rows, errors = [], []
+    rows, paired = [], []  # rows: timed and failed, in the order they ran; paired: to <name>-paired.json
+
+    def save():
+        """Both files as they stand, after every row and every failure: a run cut off keeps what it found."""
+        _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(timed(rows), indent=1) + "\n")
+        _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
+
+    def fail(what: str, e: BaseException) -> str:
+        errors.append(f"{what}: {failure(e)}")
+        with contextlib.suppress(Exception):  # after a CUDA error, freeing the cache raises too
+            torch.cuda.empty_cache()
+        return failure(e)
+
     for shape in shapes:
         for name in timing_order(args.ops):
             for mode in ("fwd", "fwdbwd"):
@@ -636,9 +692,9 @@ def main(argv=None) -> None:
                     with _time_limit(args.row_timeout):
                         ms, peak = measure(OPS[name], shape, mode)
                 except Exception as e:  # one failing or stalled op must not lose the others
-                    errors.append(f"{name} {shape} {mode}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     traceback.print_exc()
-                    torch.cuda.empty_cache()
+                    rows.append(failed_row(name, shape, mode, fail(f"{name} {shape} {mode}", e)))
+                    save()
                     continue
                 B, T = shape[:2]
                 rows.append(timing_row(name, shape, mode, ms, peak, commit, args.tag))
@@ -649,18 +705,14 @@ def main(argv=None) -> None:
                             rows[-1]["graph_ms"] = round(measure_graph(OPS[name], shape, mode), 4)
                         graph = f"  graph {rows[-1]['graph_ms']:9.3f} ms"
                     except Exception as e:  # an op that cannot be captured keeps its eager row
-                        rows[-1]["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                        graph = "  graph: not captured"
-                        errors.append(f"{name} {shape} {mode} (CUDA graph): {rows[-1]['graph_error']}")
                         with contextlib.suppress(Exception):  # a broken capture must not end the run
                             torch.cuda.synchronize()
-                            torch.cuda.empty_cache()
+                        rows[-1]["graph_error"] = fail(f"{name} {shape} {mode} (CUDA graph)", e)
+                        graph = "  graph: not captured"
                 print(f"{name:24s} B={B} T={T} {mode:7s} {ms:9.3f} ms  peak {peak / 2**20:8.0f} MiB{graph}",
                       flush=True)
-                _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
-                _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows, versions, commit, notes, errors))
-    paired = []  # rows of --paired: written to <name>-paired.json, beside the plain rows
-    if args.paired:
+                save()
+    if args.paired and shapes:
         shape = shapes[0]
         for ours, theirs, target in TARGETS:
             if ours not in args.ops or theirs not in args.ops:
@@ -669,54 +721,53 @@ def main(argv=None) -> None:
                 with _time_limit(args.row_timeout):
                     found = measure_paired(ours, theirs, shape, args.paired)
             except Exception as e:
-                errors.append(f"paired {ours} / {theirs}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                torch.cuda.empty_cache()
+                fail(f"paired {ours} / {theirs}", e)
+                save()
                 continue
             B, T, H, K, V = shape
             paired.append(dict(op=ours, fla_op=theirs, B=B, T=T, H=H, K=K, V=V, mode="fwdbwd-paired",
-                             ms=round(found["ms"], 4), fla_ms=round(found["fla_ms"], 4),
-                             ratio=round(found["ratio"], 4), ratio_min=round(found["ratio_min"], 4),
-                             ratio_max=round(found["ratio_max"], 4), rounds=found["rounds"], target=target,
-                             commit=commit, **({"process": args.tag} if args.tag else {})))
+                               ms=round(found["ms"], 4), fla_ms=round(found["fla_ms"], 4),
+                               ratio=round(found["ratio"], 4), ratio_min=round(found["ratio_min"], 4),
+                               ratio_max=round(found["ratio_max"], 4), rounds=found["rounds"], target=target,
+                               commit=commit, **({"process": args.tag} if args.tag else {})))
             print(f"paired {ours} / {theirs}: ratio {found['ratio']:.3f} ({found['ratio_min']:.3f}-"
                   f"{found['ratio_max']:.3f}) over {found['rounds']} rounds", flush=True)
-            drift = paired_drift(paired[-1], rows)
+            drift = paired_drift(paired[-1], timed(rows))
             if drift:
                 paired[-1]["unreliable"] = drift
                 notes.append(drift)
                 print(drift, flush=True)
             _atomic_write(os.path.join(args.out, f"{args.name}-paired.json"), json.dumps(paired, indent=1) + "\n")
-            _atomic_write(os.path.join(args.out, f"{args.name}.md"),
-                          _markdown(rows + paired, versions, commit, notes, errors))
+            save()
     for name in args.profile:
         try:
             found = profile(name, shapes[0])
             _atomic_write(os.path.join(args.out, f"{args.name}-profile-{name}.json"), json.dumps(found, indent=1) + "\n")
         except Exception as e:
-            errors.append(f"profile {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            fail(f"profile {name}", e)
     if args.decode:
         layers = DECODE_PRESET["layers"]
+        notes.append(f"decode rows: one step of one Falcon layer's mixer op (H={DECODE_PRESET['H']}, K=V=128, "
+                     f"the 130M presets), state carried, no gradients; tokens/s counts {layers} such layers and "
+                     "nothing else of the model.")
         for rule in ("1A", "1"):
             for B in (1, 64):
                 for impl in ("triton", "torch"):
                     try:
                         ms = measure_decode(impl, rule, B)
                     except Exception as e:
-                        errors.append(f"decode {impl} {rule} B={B}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                        continue
-                    rows.append(decode_row(impl, rule, B, ms))
-                    print(f"decode {impl:6s} rule {rule:2s} B={B:3d}: {ms * 1e3:8.1f} us/step/layer", flush=True)
-        notes.append(f"decode rows: one step of one Falcon layer's mixer op (H={DECODE_PRESET['H']}, K=V=128, "
-                     f"the 130M presets), state carried, no gradients; tokens/s counts {layers} such layers and "
-                     "nothing else of the model.")
+                        fail(f"decode {impl} {rule} B={B}", e)
+                    else:
+                        rows.append(decode_row(impl, rule, B, ms))
+                        print(f"decode {impl:6s} rule {rule:2s} B={B:3d}: {ms * 1e3:8.1f} us/step/layer", flush=True)
+                    save()
     picks = autotune_picks("fla")
     if picks:
         _atomic_write(os.path.join(args.out, f"{args.name}-autotune.json"), json.dumps(picks, indent=1) + "\n")
     for e in errors:
         print(f"failed: {e}", file=sys.stderr, flush=True)
     if (args.ops and shapes) or args.decode:
-        _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(rows, indent=1) + "\n")
-        _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
+        save()
     # else nothing was timed (e.g. ``--ops --profile OP``): the rows of an earlier run under this name stay
 
 

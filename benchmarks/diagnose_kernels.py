@@ -43,6 +43,7 @@ def main(argv=None) -> int:
         if value < 1:
             p.error(f"{option} sizes must be at least 1, got {value}")
     import kernel_checks as kc  # switches the interpreter on without CUDA, before triton is imported
+    from bench_kernels import failure
     from falcon_fwa.ops.triton import delta
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
                                      chunk_size=args.chunk_size, state=True, output_final_state=True,
                                      device=kc.DEVICE, tol={DTYPES[args.dtype]: float("inf")})
         except Exception as e:  # e.g. a launch out of shared memory: report it and try the next setting
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            row["error"] = failure(e)
             print(f"warps {fwd},{bwd}: {row['error']}", flush=True)
             continue
         row["errors"] = errors

@@ -560,3 +560,121 @@ def test_diagnosis_and_resource_scripts_refuse_bad_sizes_before_any_kernel(tmp_p
             kernel_resources.main(bad + ["--out", str(tmp_path / "r.json")])
         _refused_naming(exit_, capsys, bad[0])
     assert not list(tmp_path.iterdir())
+
+
+def _fake_kernel_run(monkeypatch, timings):
+    """bench_kernels.main without a GPU: ``timings[(op, mode)]`` is the ``(ms, peak)`` that ``measure``
+    returns for that row, or an exception it raises."""
+    import bench_kernels as bk
+    monkeypatch.setattr(bk, "_versions", lambda: dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p"))
+    monkeypatch.setattr(bk, "autotune_picks", lambda prefix="fla": {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    names = {id(build): name for name, build in bk.OPS.items()}
+
+    def measure(build, shape, mode):
+        found = timings[(names[id(build)], mode)]
+        if isinstance(found, BaseException):
+            raise found
+        return found
+    monkeypatch.setattr(bk, "measure", measure)
+    return bk
+
+
+def test_kernel_benchmark_reports_failing_ops_in_its_tables_and_times_the_others(tmp_path, monkeypatch):
+    # fla not importable (so --allow-fla-gated cannot lift its guard), an out-of-memory row, a bare assert
+    # (no message), and a CUDA context that raises on every later call, as after an illegal memory access
+    def sticky():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def no_fla():
+        raise ModuleNotFoundError("No module named 'fla'")
+    MiB = 2**20
+    bk = _fake_kernel_run(monkeypatch, {
+        ("falcon-1", "fwd"): (1.0, MiB), ("falcon-1", "fwdbwd"): (2.0, 3 * MiB),
+        ("fla-gated-delta-rule", "fwd"): (1.5, MiB),
+        ("fla-gated-delta-rule", "fwdbwd"): torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"),
+        ("falcon-1a", "fwd"): (0.5, MiB), ("falcon-1a", "fwdbwd"): (3.0, 2 * MiB),
+        ("fla-simple-gla", "fwd"): (0.5, MiB), ("fla-simple-gla", "fwdbwd"): (4.0, 4 * MiB),
+        ("falcon-2", "fwd"): AssertionError(), ("falcon-2", "fwdbwd"): (9.0, 5 * MiB)})
+    monkeypatch.setattr(torch.cuda, "empty_cache", sticky)
+    monkeypatch.setattr(bk, "lift_fla_gated_guard", no_fla)
+    bk.main(["--out", str(tmp_path), "--name", "n", "--shapes", "0", "--allow-fla-gated", "--commit", "x", "--ops",
+             "falcon-1", "fla-gated-delta-rule", "falcon-1a", "fla-simple-gla", "falcon-2"])
+    rows = json.loads((tmp_path / "n.json").read_text())
+    # the rows that came, each with its time; the failed ones are not rows
+    assert sorted((r["op"], r["mode"], r["ms"]) for r in rows) == [
+        ("falcon-1", "fwd", 1.0), ("falcon-1", "fwdbwd", 2.0), ("falcon-1a", "fwd", 0.5), ("falcon-1a", "fwdbwd", 3.0),
+        ("falcon-2", "fwdbwd", 9.0), ("fla-gated-delta-rule", "fwd", 1.5), ("fla-simple-gla", "fwd", 0.5),
+        ("fla-simple-gla", "fwdbwd", 4.0)]
+    md = (tmp_path / "n.md").read_text()
+    shape = "| 8 | 2048 | 16 | 128 | 128 |"
+    assert f"| fla-gated-delta-rule {shape} fwdbwd | failed: OutOfMemoryError | - |" in md
+    assert f"| falcon-2 {shape} fwd | failed: AssertionError | - |" in md
+    # the pairs whose fla side failed say so; 1A against simple_gla: 3.0 / 4.0 ms and 2 / 4 MiB
+    assert f"| falcon-1 | fla-gated-delta-rule {shape} failed (fla-gated-delta-rule) | <= 0.8 | - |" in md
+    assert f"| falcon-2 | fla-gated-delta-rule {shape} failed (fla-gated-delta-rule) | <= 1.5 | - |" in md
+    assert f"| falcon-1a | fla-simple-gla {shape} 0.75 | <= 1.0 | 0.50 |" in md
+    failures = md.split("## Failures")[1]
+    assert "- --allow-fla-gated: fla not importable: ModuleNotFoundError: No module named 'fla'" in failures
+    assert "- fla-gated-delta-rule (8, 2048, 16, 128, 128) fwdbwd: OutOfMemoryError: CUDA out of memory." in failures
+    assert "- falcon-2 (8, 2048, 16, 128, 128) fwd: AssertionError\n" in failures
+    assert "TRITON_ABOVE_3_7_1" not in md  # the guard was not lifted: no note says it was
+
+
+class _Killed(BaseException):
+    """The process stopped mid-run (``timeout``'s SIGTERM): nothing after it runs."""
+
+
+def test_kernel_benchmark_cut_off_keeps_the_failures_and_decode_rows_found_so_far(tmp_path, monkeypatch):
+    bk = _fake_kernel_run(monkeypatch, {
+        ("fla-gated-delta-rule", "fwd"): (1.5, 2**20),
+        ("fla-gated-delta-rule", "fwdbwd"): torch.cuda.OutOfMemoryError("CUDA out of memory"),
+        ("falcon-1", "fwd"): _Killed()})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with pytest.raises(_Killed):
+        bk.main(["--out", str(tmp_path), "--name", "n", "--shapes", "0", "--commit", "x", "--ops", "falcon-1",
+                 "fla-gated-delta-rule"])
+    md = (tmp_path / "n.md").read_text()  # the failed row is on disk before the next row starts
+    assert "| fla-gated-delta-rule | 8 | 2048 | 16 | 128 | 128 | fwdbwd | failed: OutOfMemoryError | - |" in md
+    assert [r["mode"] for r in json.loads((tmp_path / "n.json").read_text())] == ["fwd"]
+    # decoding rows: on disk one by one; one step of one layer in 0.5 ms gives B / (12 x 0.5 ms) tokens/s
+    steps = iter([0.5, 0.25, _Killed()])
+
+    def measure_decode(impl, rule, B):
+        found = next(steps)
+        if isinstance(found, BaseException):
+            raise found
+        return found
+    monkeypatch.setattr(bk, "measure_decode", measure_decode)
+    with pytest.raises(_Killed):
+        bk.main(["--out", str(tmp_path), "--name", "d", "--ops", "--decode", "--commit", "x"])
+    rows = json.loads((tmp_path / "d.json").read_text())
+    assert [(r["op"], r["B"], r["tokens_per_s_12_layers"]) for r in rows] == [
+        ("falcon-step-triton-1a", 1, round(1 / 0.006)), ("falcon-step-torch-1a", 1, round(1 / 0.003))]
+    assert "| falcon-step-torch-1a | 1 | 250.0 | 333 |" in (tmp_path / "d.md").read_text()
+
+
+def test_failure_text_names_the_type_even_without_a_message():
+    from bench_kernels import failure
+    assert failure(AssertionError()) == "AssertionError"
+    assert failure(RuntimeError("\n  first line\nsecond")) == "RuntimeError: first line"
+    assert failure(ValueError("x" * 300)) == "ValueError: " + "x" * 200
+
+
+def test_decode_benchmark_reports_a_row_that_fails_without_a_message(tmp_path, monkeypatch):
+    import bench_decode
+
+    def measure(model, prompt, args, preset, impl):
+        if impl == "triton":
+            raise AssertionError()  # a bare assert: no message to quote
+        B = prompt.shape[0]
+        return dict(preset=preset, impl=impl, batch=B, tokens_per_s=10.0 * B, ms_per_step=1.0), None, None
+
+    monkeypatch.setattr(bench_decode, "_measure", measure)
+    assert bench_decode.main(["--presets", "tiny-falcon", "--batch", "1", "2", "--device", "cpu", "--dtype", "float32",
+                              "--out", str(tmp_path), "--name", "d"]) == 0
+    rows = json.loads((tmp_path / "d.json").read_text())
+    assert [(r["impl"], r["batch"]) for r in rows] == [("torch", 1), ("torch", 2)]
+    md = (tmp_path / "d.md").read_text()
+    assert "- failed: tiny-falcon triton batch 1: AssertionError\n" in md
+    assert "- failed: tiny-falcon triton batch 2: AssertionError\n" in md

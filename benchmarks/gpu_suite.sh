@@ -120,7 +120,7 @@ case "$STAGE" in
           --tag gpu1 $KOPTS --ops fla-gated-delta-rule falcon-2 falcon-3 fla-delta-rule torch-chunk-1A torch-chunk-1 \
           torch-chunk-3A torch-chunk-2A torch-chunk-2 torch-chunk-3 > "$OUT/bench_kernels_gpu1.log" 2>&1 &
       wait
-      grep -h " ms  peak" "$OUT"/bench_kernels_gpu*.log
+      grep -h " ms  peak\|^failed: " "$OUT"/bench_kernels_gpu*.log
     else
       timeout ${BENCH_TIMEOUT:-480} $PY benchmarks/bench_kernels.py --out "$OUT" --name h200 --decode $KOPTS $PROFILE_OPTS \
           --ops ${BENCH_OPS:-falcon-2a fla-gla falcon-2 fla-gated-delta-rule falcon-3 falcon-1 falcon-1a fla-simple-gla \
@@ -166,7 +166,7 @@ case "$STAGE" in
   host)
     # fla's rows first: each row compiles (and fla autotunes) on first use
     timeout ${HOST_TIMEOUT:-300} $PY benchmarks/host_overhead.py > "$OUT/host_overhead.txt" 2>&1
-    grep "do_bench" "$OUT/host_overhead.txt"
+    grep "do_bench\| failed: " "$OUT/host_overhead.txt"
     ;;
   decode)
     timeout ${DECODE_TIMEOUT:-240} $PY benchmarks/bench_decode.py --presets falcon-1a.3-130m falcon-3a.3-130m transformer-124m \
@@ -214,5 +214,5 @@ case "$STAGE" in
     tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
     ;;
   *)
-    echo "unknown stage $STAGE: choose tests, tests-full, fla, diagnose, profile, kernels, kernels-long, ab, host, decode, short-prompts, lm, multigpu, addition or addition-step" >&2; exit 2;;
+    echo "unknown stage $STAGE: choose tests, tests-full, fla, diagnose, profile, kernels, kernels-long, warm, ab, host, decode, short-prompts, lm, multigpu, addition or addition-step" >&2; exit 2;;
 esac

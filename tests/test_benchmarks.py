@@ -678,3 +678,135 @@ def test_decode_benchmark_reports_a_row_that_fails_without_a_message(tmp_path, m
     md = (tmp_path / "d.md").read_text()
     assert "- failed: tiny-falcon triton batch 1: AssertionError\n" in md
     assert "- failed: tiny-falcon triton batch 2: AssertionError\n" in md
+
+
+def test_host_overhead_reports_a_failing_op_and_times_the_next(monkeypatch, capsys):
+    import contextlib
+    import types
+
+    import host_overhead as ho
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def missing(*shape):
+        raise ModuleNotFoundError("No module named 'fla'")
+
+    def oom(*shape):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    calls = []
+
+    def cpu_op(*shape):  # stands in for a kernel op: counts its fwd+bwd calls
+        x = torch.ones(3, requires_grad=True)
+        return (lambda: calls.append(1) or x * 2), [x]
+
+    @contextlib.contextmanager
+    def profile(activities):  # the profiler's device time of 5 calls: 2,000 us, so 0.4 ms a call
+        yield types.SimpleNamespace(key_averages=lambda: [types.SimpleNamespace(device_time_total=2000.0)])
+
+    monkeypatch.setattr(ho, "do_bench", lambda fn, warmup, rep, return_mode: fn() or 0.5)
+    monkeypatch.setattr(ho, "profile", profile)
+    monkeypatch.setattr(ho, "OPS", {"a": missing, "b": oom, "c": cpu_op})
+    ho.main(["--ops", "a", "b", "c", "--profile"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{'a':22s} failed: ModuleNotFoundError: No module named 'fla'"
+    assert lines[1] == f"{'b':22s} failed: OutOfMemoryError: CUDA out of memory"
+    assert lines[2].startswith(f"{'c':22s} do_bench  0.500 ms | host enqueue") and lines[2].endswith(
+        "| device busy  0.400 ms")
+    assert len(calls) == 1 + 3 + 1 + 10 + 5  # the upstream gradient's, warm-up, do_bench, enqueue, profiler
+
+
+class _Parsed(BaseException):
+    """Raised by a patched ``ArgumentParser.parse_args`` once the arguments parsed: nothing runs."""
+
+
+def test_gpu_suite_stages_are_documented_and_their_commands_parse(tmp_path, monkeypatch):
+    import argparse
+    import re
+    import shlex
+    import stat
+
+    script = os.path.join(ROOT, "benchmarks", "gpu_suite.sh")
+    text = open(script).read()
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    stages = re.findall(r"^  ([a-z-]+)\)$", text[text.index('case "$STAGE" in'):], flags=re.M)
+    assert len(stages) == 16
+    # every stage in the usage lines, the unknown-stage message and the README's command
+    assert set(re.findall(r"gpu_suite\.sh OUT_DIR ([a-z-]+)", text)) == set(stages)
+    message = re.search(r'unknown stage \$STAGE: choose (.*)" >&2', text).group(1)
+    assert set(re.split(r", | or ", message)) == set(stages)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert set(re.search(r"gpu_suite\.sh OUT \{([^}]*)\}", readme).group(1).split(",")) == set(stages)
+
+    # each stage run with its Python and nvidia-smi stubbed: the stubs record the command lines
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    stubs = {"python": 'line=$(printf "%q " "$@"); echo "$line" >> "$CALLS"',  # one write: stages run some at once
+             "nvidia-smi": 'for _ in $(seq 1 "$FAKE_GPUS"); do echo "GPU: stub"; done'}
+    for name, body in stubs.items():
+        (bin_ / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_ / name).chmod(stat.S_IRWXU)
+    calls = tmp_path / "calls.txt"
+    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", PYTHON=str(bin_ / "python"),
+               CALLS=str(calls), TRITON_CACHE_DIR=str(tmp_path / "cache"), BASE_SRC=str(tmp_path), AB_ROUNDS="1",
+               ADDITION_RUNS=str(tmp_path / "runs"), PAIRED="3", CUDAGRAPH="1", BENCH_PROFILE="falcon-2")
+    runs = [(stage, "1") for stage in stages if stage != "lm"] + [("kernels", "2")]  # lm: results/lm/run_small.sh
+    for stage, gpus in runs:
+        r = subprocess.run(["bash", script, str(tmp_path / "out"), stage], cwd=ROOT, capture_output=True,
+                           text=True, env=dict(env, FAKE_GPUS=gpus), timeout=60)
+        assert "unknown stage" not in r.stderr, (stage, r.stderr)
+    lines = [shlex.split(line) for line in calls.read_text().splitlines()]
+    commands = [argv for argv in lines if argv[:1] != ["-c"]]  # less the version line of every stage
+    assert len(commands) >= len(runs)
+
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        raise _Parsed(real_parse(self, args, namespace))
+
+    from falcon_fwa import cli
+    from falcon_fwa.models import get_preset
+    seen = set()
+    for argv in commands:
+        if argv[:2] == ["-m", "pytest"]:  # the test files it names exist
+            files = [a for a in argv if a.endswith(".py")]
+            assert files and all(os.path.isfile(os.path.join(ROOT, f)) for f in files), argv
+            continue
+        if argv[0].startswith("tests/"):
+            assert os.path.isfile(os.path.join(ROOT, argv[0])), argv
+            continue
+        if argv[:2] == ["-m", "falcon_fwa.cli"]:
+            main, args, name = cli.main, argv[2:], "cli " + argv[2]
+        else:
+            assert argv[0].startswith("benchmarks/") and os.path.isfile(os.path.join(ROOT, argv[0])), argv
+            name = os.path.basename(argv[0])[:-3]
+            main, args = __import__(name).main, argv[1:]
+        seen.add(name)
+        if name in ("bench_kernels", "bench_short_prompts", "host_overhead"):
+            # every check of the arguments, op names included, runs before the refusal without a GPU
+            with monkeypatch.context() as m:
+                m.setattr(torch.cuda, "is_available", lambda: False)
+                with pytest.raises(SystemExit, match=f"^{name}.py needs a CUDA GPU$"):
+                    main(args)
+            continue
+        with monkeypatch.context() as m:
+            m.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+            with pytest.raises(_Parsed) as parsed:
+                main(args)
+        if name == "bench_decode":
+            for preset in parsed.value.args[0].presets:
+                get_preset(preset)
+    assert seen == {"bench_kernels", "bench_short_prompts", "host_overhead", "bench_decode", "diagnose_kernels",
+                    "bench_addition_step", "cli addition-compare", "cli scaling"}
+
+
+@pytest.mark.parametrize("script", sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "benchmarks"))
+                                          if f.endswith(".py")))
+def test_every_benchmark_script_prints_its_help(script, monkeypatch, capsys):
+    import importlib
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (kernel_resources.py refuses to compile under it)
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(script).main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "usage:" in out and "options:" in out, out

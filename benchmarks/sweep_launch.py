@@ -12,8 +12,8 @@ calls under ``torch.profiler``), the op's total device time, and ``err``, the la
         --kernels output_fwd dqk_bwd --out OUT
     python benchmarks/sweep_launch.py --op falcon-1 --table delta.FULL_K_16BIT --kernels state_fwd state_bwd \\
         --candidates 128,64,4,2 128,32,4,2 --out OUT      # the full-key kernels: BK is ignored
-    python benchmarks/sweep_launch.py --op falcon-1 --table delta.WY_FWD_LAUNCH.16bit --kernels wy_fwd \\
-        --candidates 64,64,4,2 128,64,4,3 64,128,4,3 --out OUT
+    python benchmarks/sweep_launch.py --op falcon-1 --table delta.WY_FWD_LAUNCH.16bit --kernels wy_apply \\
+        --candidates 64,64,4,2 128,64,4,3 64,128,4,3 --out OUT   # bf16: the inverse and its product, two launches
     python benchmarks/sweep_launch.py --op falcon-1 --table step_sizes.LAUNCH --kernels step_fwd step_bwd \\
         --candidates BR=32 BR=128,num_warps=8 BK=64 --out OUT   # named keys of the kernel's own entry
 

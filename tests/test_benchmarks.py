@@ -810,3 +810,36 @@ def test_every_benchmark_script_prints_its_help(script, monkeypatch, capsys):
         importlib.import_module(script).main(["--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "usage:" in out and "options:" in out, out
+
+
+def test_decode_tokens_per_second_by_hand(monkeypatch):
+    # a warm-up loop, then --repeats timed loops of new_tokens - 1 steps each (the first new token comes from the
+    # prompt's pass): batch 8, 61 new tokens, loops of 2, 4 and 3 s -> median 3 s for 60 steps of 8 tokens
+    import argparse
+
+    import bench_decode
+    seconds = iter([9.0, 2.0, 4.0, 3.0])
+    monkeypatch.setattr(bench_decode, "decode", lambda model, prompt, n, graphs: (None, None, next(seconds)))
+    args = argparse.Namespace(new_tokens=61, repeats=3, prompt=5, compile="none", cuda_graphs=False)
+    row, _, _ = bench_decode._measure(None, torch.zeros(8, 5, dtype=torch.long), args, "p", "torch")
+    assert row["tokens_per_s"] == 8 * 60 / 3.0 and row["ms_per_step"] == 3000.0 / 60
+
+
+def test_sweep_launch_examples_name_kernels_and_keys_of_their_tables():
+    import itertools
+    import shlex
+
+    import sweep_launch
+    text = sweep_launch.__doc__.replace("\\\n", " ")
+    examples = [shlex.split(line.split("#")[0])[2:] for line in text.splitlines()
+                if line.strip().startswith("python benchmarks/sweep_launch.py")]
+    assert len(examples) == 4
+    for argv in examples:
+        def values(option):
+            i = argv.index(option) + 1
+            return list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i:]))
+        table = sweep_launch.resolve(values("--table")[0])
+        for kernel in values("--kernels"):
+            assert kernel in table, (argv, sorted(table))
+            for candidate in values("--candidates") if "--candidates" in argv else []:
+                sweep_launch.setting_of(sweep_launch.parse_candidate(candidate), dict(table[kernel]))

@@ -10,11 +10,13 @@ the upstream gradient are allocated before the recording and are not counted, as
     python benchmarks/memory_breakdown.py --ops falcon-2 fla-gated-delta-rule --allow-fla-gated --out OUT
 
 Writes ``OUT/memory_breakdown.json`` (a list of ``{op, shape, peak_bytes, groups: [{where,
-bytes, blocks}]}``) and prints the groups of each op, largest first.
+bytes, blocks}]}``, or ``{op, shape, error}`` for an op that failed: the others still run) and prints the
+groups of each op, largest first.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,7 +26,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import OPS, SHAPES, lift_fla_gated_guard  # noqa: E402
+from bench_kernels import OPS, SHAPES, _atomic_write, failure, lift_fla_gated_guard  # noqa: E402
 
 _OURS = (os.sep + "falcon_fwa" + os.sep, os.sep + "fla" + os.sep)
 
@@ -99,20 +101,30 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         sys.exit("memory_breakdown.py needs a CUDA GPU")
     if a.allow_fla_gated:
-        lift_fla_gated_guard()
+        try:
+            lift_fla_gated_guard()
+        except Exception as e:  # fla missing or broken: its ops fail below, reported, and the others run
+            print(f"--allow-fla-gated: fla not importable: {failure(e)}", flush=True)
     for name in a.ops:
         if name not in OPS:
             sys.exit(f"--ops: unknown op {name!r}; choose from {', '.join(OPS)}")
     os.makedirs(a.out, exist_ok=True)
     results = []
     for name in a.ops:
-        r = breakdown(name, SHAPES[a.shape])
+        try:
+            r = breakdown(name, SHAPES[a.shape])
+        except Exception as e:  # one failing op (fla missing, out of memory) must not lose the others
+            with contextlib.suppress(Exception):
+                torch.cuda.memory._record_memory_history(enabled=None)
+                torch.cuda.empty_cache()
+            r = dict(op=name, shape=list(SHAPES[a.shape]), error=failure(e))
+            print(f"{name}: failed: {r['error']}", flush=True)
+        else:
+            print(f"{name}: peak {r['peak_bytes'] / 2**20:.0f} MiB above the inputs", flush=True)
+            for g in r["groups"]:
+                print(f"  {g['bytes'] / 2**20:8.1f} MiB  x{g['blocks']:<3d} {g['where']}", flush=True)
         results.append(r)
-        print(f"{name}: peak {r['peak_bytes'] / 2**20:.0f} MiB above the inputs", flush=True)
-        for g in r["groups"]:
-            print(f"  {g['bytes'] / 2**20:8.1f} MiB  x{g['blocks']:<3d} {g['where']}", flush=True)
-        with open(os.path.join(a.out, "memory_breakdown.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        _atomic_write(os.path.join(a.out, "memory_breakdown.json"), json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

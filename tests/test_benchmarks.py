@@ -843,3 +843,27 @@ def test_sweep_launch_examples_name_kernels_and_keys_of_their_tables():
             assert kernel in table, (argv, sorted(table))
             for candidate in values("--candidates") if "--candidates" in argv else []:
                 sweep_launch.setting_of(sweep_launch.parse_candidate(candidate), dict(table[kernel]))
+
+
+def test_memory_breakdown_reports_a_failing_op_and_breaks_down_the_next(tmp_path, monkeypatch, capsys):
+    import memory_breakdown as mb
+
+    def no_fla():
+        raise ModuleNotFoundError("No module named 'fla'")
+
+    def breakdown(name, shape):
+        if name.startswith("fla-"):
+            raise ModuleNotFoundError("No module named 'fla'")
+        return dict(op=name, shape=list(shape), peak_bytes=3 * 2**20, groups=[dict(where="w", bytes=3 * 2**20, blocks=2)])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(mb, "lift_fla_gated_guard", no_fla)
+    monkeypatch.setattr(mb, "breakdown", breakdown)
+    mb.main(["--ops", "fla-gated-delta-rule", "falcon-3", "--allow-fla-gated", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "memory_breakdown.json").read_text())
+    assert found[0] == dict(op="fla-gated-delta-rule", shape=list(mb.SHAPES[0]),
+                            error="ModuleNotFoundError: No module named 'fla'")
+    assert found[1]["op"] == "falcon-3" and found[1]["peak_bytes"] == 3 * 2**20
+    out = capsys.readouterr().out
+    assert "fla-gated-delta-rule: failed: ModuleNotFoundError" in out and "falcon-3: peak 3 MiB above the inputs" in out

@@ -1,17 +1,18 @@
 """Masked-parallel form of a block of steps, and the whole-sequence parallel form.
 
 Unrolling the recurrence over a block of ``C`` steps that starts from ``S_0``.
-Every step writes its window slots ``p = (t, m)`` (pair ``t - m``), so a block has
+Every step writes its window slots ``p = (t, m)`` (pair ``t - m``, step ``s_p = t``), so a block has
 ``C*W`` write slots. With the carry ``a_t = gamma_t * exp(g_t)`` and the block-local
 log-prefixes ``u_t = sum_{r<=t} log a_r``, ``w_t = u_{t-1}`` (restarted at 0 in
 every block)::
 
     S_t = exp(u_t) S_0 + sum_{p: s_p <= t} exp(u_t - u_{s_p}) x_p d_p^T
 
-with write vectors ``d_p = eta_p y_p - kappa_p S'^T x_p`` (``kappa_p = eta_p
-exp(g_t)`` for the regression rules, 0 for the inner-product rules). Substituting
-``S'`` gives a unit lower-triangular system (the WY / Gram form; block-strictly
-lower for the sliding rule 3, the ParallelFlow solve)::
+with write vectors ``d_p = eta_p y_p - kappa_p S_{s_p-1}^T x_p`` (``kappa_p = eta_p
+exp(g_{s_p})`` for the regression rules, so that ``kappa_p S_{s_p-1}^T x_p = eta_p S'^T x_p``
+with the gated ``S' = exp(g_{s_p}) S_{s_p-1}`` of ``recurrent.py``; 0 for the inner-product
+rules). Substituting ``S_{s_p-1}`` gives a unit lower-triangular system (the WY / Gram form;
+block-strictly lower for the sliding rule 3, the ParallelFlow solve)::
 
     d_p + kappa_p sum_{r: s_r < s_p} exp(w_{s_p} - u_{s_r}) (x_p . x_r) d_r
         = eta_p y_p - kappa_p exp(w_{s_p}) S_0^T x_p

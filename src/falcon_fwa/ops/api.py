@@ -40,7 +40,7 @@ def _triton_chunk(backend: str, q: torch.Tensor, rule: str):
     return falcon_chunk_triton
 
 
-def _short_prompt(spec, initial_state: Optional[FalconState], q, *tensors) -> bool:
+def _short_prompt(q, k, v, beta, lam, log_gate, initial_state: Optional[FalconState], spec) -> bool:
     """Whether ``backend="auto"`` runs a chunk-form call on the fused recurrent kernel instead of
     the chunk kernels: no gradient is needed (of the inputs or of ``initial_state``) and the call
     is within ``ops.triton.SHORT_PROMPT_LIMITS[rule]`` (steps, and steps times rows times heads),
@@ -52,7 +52,7 @@ def _short_prompt(spec, initial_state: Optional[FalconState], q, *tensors) -> bo
     B, T, H = q.shape[:3]
     if T > limits[0] or B * T * H > limits[1]:
         return False
-    return not wants_gradient((q, *tensors), initial_state)
+    return not wants_gradient((q, k, v, beta, lam, log_gate), initial_state)
 
 
 def _floor_gate(log_gate: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -111,15 +111,17 @@ def falcon_attention(
     per-column rules "2" and "2A"); ``lam`` ``[B, T, H]`` the actual ridge coefficient
     ``lambda_t >= 0`` (the dimensionless ``lambda-bar_t`` with ``scale_ridge=True``);
     ``log_gate`` ``[B, T, H]``, ``g_t <= 0``. Returns ``o`` ``[B, T, H, V]`` in ``v``'s dtype
-    and the final :class:`FalconState` (or ``None``): ``S`` ``[B, H, K, V]``, one row per
-    sequence (``[N, H, K, V]`` with ``cu_seqlens``). Mixed input dtypes: the PyTorch forms
+    and the final :class:`FalconState` (or ``None``; its fields and their shapes are listed
+    there) in the compute dtype: ``S`` ``[B, H, K, V]``, one row per sequence
+    (``[N, H, K, V]`` with ``cu_seqlens``). Mixed input dtypes: the PyTorch forms
     compute in float64 when any input is float64, else float32; the Triton kernels take ``k``
     and ``v`` in ``q``'s dtype (``docs/ops.md``, "Precision").
 
     The pair written at step ``t`` is ``(x_t, y_t) = (k_{t-1}, v_t)`` with the
     sentinel ``x_1 = 0, eta_1 = 0`` on a fresh sequence (Section 3, Appendix C.5;
     ``shift=False``: ``(k_t, v_t)``). With ``E_t`` the rule's normalization statistic,
-    the step size ``eta_t = beta_t / (E_t + lambda_t + eps)`` (Eqs. 3.4, 4.8, 4.9, 4.18),
+    the step size ``eta_t = beta_t / (E_t + lambda_t + eps)`` (Eqs. 3.4, 4.8, 4.9, 4.18; for
+    rules 2 and 3 the unnumbered equations of Sections 4.2 and 4.4),
     the clamped carry ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)`` (Eq. 4.20,
     ``epsilon_gamma = decay_floor``) and ``S' = exp(g_t) S_{t-1}``:
 
@@ -243,8 +245,8 @@ def falcon_attention(
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
-        if kernels is not None and backend == "auto" and _short_prompt(spec, initial_state, q, k, v, beta, lam,
-                                                                       log_gate):
+        if kernels is not None and backend == "auto" and _short_prompt(q, k, v, beta, lam, log_gate, initial_state,
+                                                                       spec):
             from .triton import falcon_recurrent_triton
             check_chunk_size(chunk_size)  # what the chunk form would have refused (the fused kernel has no chunks)
             try:
@@ -453,8 +455,8 @@ def _torch_step(q, k, v, beta, lam, log_gate, state, *, spec, window, eps, decay
     xh, valid, xs, ys, slot_valid, tail = write_side(k[:, :, None], vh, state, W, shift)  # [B, H, 1, ...]
     eta_slots, log_gamma = step_sizes(spec, xs, slot_valid, beta[:, :, None], lam[:, :, None], eps=eps,
                                       decay_floor=decay_floor, normalize=normalize, scale_ridge=scale_ridge)
-    o, S = recurrent_step(S, q, xs[:, :, 0], ys[:, :, 0], eta_slots[:, :, 0], torch.exp(log_gamma[:, :, 0]),
-                          None if log_gate is None else torch.exp(log_gate), regression=spec.regression,
+    o, S = recurrent_step(q, xs[:, :, 0], ys[:, :, 0], eta_slots[:, :, 0], torch.exp(log_gamma[:, :, 0]),
+                          None if log_gate is None else torch.exp(log_gate), S, regression=spec.regression,
                           read_after=read == "after")
     new_state = FalconState(rule=spec.name, window=W, shift=shift, S=S, last_key=k if shift else None)
     if W > 1:

@@ -120,12 +120,14 @@ def step_sizes(
                                 normalize=normalize, scale_ridge=scale_ridge)
 
 
-def log_carry(alpha: torch.Tensor, decay_floor: float) -> torch.Tensor:
-    """``log gamma_t = log1p(-alpha_t)`` of the clamped decay fraction ``alpha_t <= 1 - decay_floor``.
+def log_carry(alpha_raw: torch.Tensor, decay_floor: float) -> torch.Tensor:
+    """The positive-decay clamp of Eq. 4.20 in log space: from the raw decay fraction
+    ``alpha_raw = eta_t lambda_t``, ``alpha_t = min(alpha_raw, 1 - decay_floor)`` and
+    ``log gamma_t = log1p(-alpha_t)`` (``gamma_t = 1 - alpha_t``), same shape.
     ``1 - decay_floor`` rounds to 1 in float32 for ``decay_floor < 2**-25`` (float64: ``< 2**-54``),
     which would leave ``gamma = 0`` and ``log gamma = -inf``: the clamp holds in log space too, so
     ``gamma_t >= decay_floor``."""
-    return torch.log1p(-alpha).clamp(min=math.log(decay_floor))
+    return torch.log1p(-alpha_raw.clamp(max=1.0 - decay_floor)).clamp(min=math.log(decay_floor))
 
 
 def gains_from_statistic(
@@ -154,7 +156,7 @@ def gains_from_statistic(
         eta = torch.where(ok, gain / torch.where(ok, denom, 1.0), 0.0)
     else:
         eta = torch.where(mask, gain, 0.0)
-    log_gamma = log_carry((eta * lam_c).clamp(max=1.0 - decay_floor), decay_floor)
+    log_gamma = log_carry(eta * lam_c, decay_floor)
     if slot_valid.shape[-1] == 1:  # one slot (rules 1, 2, 1A, 2A): its weight [j in I_t] / B_t is 1 wherever eta_t != 0
         return eta[:, :, :, None, :], log_gamma
     weight = slot_valid.to(stat.dtype) / count.clamp(min=1).to(stat.dtype)[..., None]  # [B, T, W]

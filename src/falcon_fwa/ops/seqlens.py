@@ -101,7 +101,8 @@ def packed_bounds(q: torch.Tensor, cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
     """:func:`sequence_bounds` of the sequences packed in ``q``, which must be ``[1, total, H, K]``
     (``ValueError`` naming ``q`` otherwise)."""
     if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens, q must have shape [1, total, H, K], got {tuple(q.shape)}")
+        raise ValueError(f"q must have shape [1, total, H, K] with cu_seqlens (the sequences packed into one row), "
+                         f"got {tuple(q.shape)}")
     return sequence_bounds(cu_seqlens, q.shape[1])
 
 

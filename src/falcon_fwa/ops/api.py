@@ -266,7 +266,8 @@ def falcon_attention(
     options = dict(spec=spec, window=window if spec.sliding else 1, form=form, chunk_size=chunk_size, eps=eps,
                    decay_floor=decay_floor, shift=shift, normalize=normalize, read=read, scale_ridge=scale_ridge)
     if cu_seqlens is not None:
-        return done(_varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens, options))
+        return done(_varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens=cu_seqlens,
+                            **options))
     check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form=form, chunk_size=chunk_size, eps=eps,
                  decay_floor=decay_floor, read=read, initial_state=initial_state, shift=shift)
     return done(_torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state, **options))
@@ -325,26 +326,27 @@ def _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state
     return o.transpose(1, 2).to(v.dtype), final
 
 
-def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, cu_seqlens, options):
+def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, *, cu_seqlens, spec, window, form,
+            chunk_size, eps, decay_floor, shift, normalize, read, scale_ridge):
     """Packed sequences: unpacked into right-padded rows (padding steps are no-ops),
-    run as one batch, and packed back."""
-    spec = options["spec"]
+    run as one batch, and packed back. Options as ``_torch_forms``'s."""
     bounds = packed_bounds(q, cu_seqlens)
     N = len(bounds) - 1
-    check_inputs(q, k, v, beta, lam, log_gate, spec, window=options["window"] if spec.sliding else 1,
-                 form=options["form"], chunk_size=options["chunk_size"], eps=options["eps"],
-                 decay_floor=options["decay_floor"], read=options["read"], initial_state=None, shift=options["shift"])
+    check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form=form, chunk_size=chunk_size, eps=eps,
+                 decay_floor=decay_floor, read=read, initial_state=None, shift=shift)
     if initial_state is not None:
         check_state_type(initial_state)
         if initial_state.batch_size != N:
             raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds {N} sequences")
-        check_state(initial_state, spec, window=options["window"], shift=options["shift"], B=N, H=q.shape[2],
-                    K=q.shape[3], V=v.shape[3], device=q.device)
+        check_state(initial_state, spec, window=window, shift=shift, B=N, H=q.shape[2], K=q.shape[3], V=v.shape[3],
+                    device=q.device)
     starts = torch.tensor(bounds[:-1], device=q.device)
     lengths = torch.tensor(bounds[1:], device=q.device) - starts
     unpack, real = padded_rows(starts, lengths, max(b1 - b0 for b0, b1 in zip(bounds, bounds[1:])))
     o, final = _torch_forms(*map(unpack, (q, k, v, beta, lam, log_gate)), initial_state, output_final_state,
-                            lengths=lengths, **options)
+                            spec=spec, window=window, form=form, chunk_size=chunk_size, eps=eps,
+                            decay_floor=decay_floor, shift=shift, normalize=normalize, read=read,
+                            scale_ridge=scale_ridge, lengths=lengths)
     return o[real][None], final
 
 

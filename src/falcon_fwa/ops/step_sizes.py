@@ -146,17 +146,17 @@ def gains_from_statistic(
     (``normalization_statistic``); same arguments and results."""
     count = slot_valid.sum(-1)  # B_t, [B, T]
     has_pair = (count > 0)[:, None, :]  # [B, 1, T]
-    if scale_ridge:
+    if scale_ridge:  # lambda_t = lambda-bar_t E_t (Section 4.1; E_t detached for the sliding rules, Appendix C.6)
         lam = lam * (stat.detach() if rule.sliding else stat)
     stat_c, lam_c, mask = stat[..., None], lam[..., None], has_pair[..., None]
     gain = beta if rule.per_column else beta[..., None]  # [B, H, T, Vd]
-    if normalize:
+    if normalize:  # eta_t = beta_t / (E_t + lambda_t + eps), 0 at the sentinel and a zero denominator (Eqs. 3.4, 4.18)
         denom = stat_c + lam_c + eps
         ok = mask & (denom > 0)
         eta = torch.where(ok, gain / torch.where(ok, denom, 1.0), 0.0)
     else:
         eta = torch.where(mask, gain, 0.0)
-    log_gamma = log_carry(eta * lam_c, decay_floor)
+    log_gamma = log_carry(eta * lam_c, decay_floor)  # log(1 - min(eta_t lambda_t, 1 - decay_floor)), Eq. 4.20
     if slot_valid.shape[-1] == 1:  # one slot (rules 1, 2, 1A, 2A): its weight [j in I_t] / B_t is 1 wherever eta_t != 0
         return eta[:, :, :, None, :], log_gamma
     weight = slot_valid.to(stat.dtype) / count.clamp(min=1).to(stat.dtype)[..., None]  # [B, T, W]

@@ -374,16 +374,19 @@ def falcon_step(
     """One decoding step in ``O(1)``: ``q``, ``k`` ``[B, H, K]``, ``v`` ``[B, H, V]``,
     ``beta`` ``[B, H]`` (``[B, H, V]`` for 2/2A), ``lam`` and ``log_gate`` ``[B, H]``.
     ``state=None`` starts a fresh sequence (the sentinel step ``x_1 = 0, eta_1 = 0``). Returns
-    ``o`` ``[B, H, V]`` (``v``'s dtype) and the new state (``S`` ``[B, H, K, V]``); identical to
-    ``falcon_attention(form="recurrent")`` token by token: one step ``t`` of the table in
-    ``falcon_attention``'s docstring (for rule 1, Algorithm 5, lines 2-7: ``eta_t`` by Eq. 3.4,
-    ``S_t = gamma_t S' + eta_t x_t r_t^T`` by Eq. 3.3 with the clamp of Eq. 4.20), then the read
-    ``o_t = S_t^T q_t`` (``read="before"``: ``S_{t-1}^T q_t``). Keywords, their defaults and meanings as in ``falcon_attention``; the
-    state is passed as ``state`` (``falcon_attention``: ``initial_state``), and the new state
-    is always returned.
+    ``o`` ``[B, H, V]`` (``v``'s dtype) and the new state (``S`` ``[B, H, K, V]``, in the compute
+    dtype); identical to ``falcon_attention(form="recurrent")`` token by token: one step ``t`` of
+    the table in ``falcon_attention``'s docstring (for rule 1, Algorithm 5, lines 2-7: ``eta_t``
+    by Eq. 3.4, ``S_t = gamma_t S' + eta_t x_t r_t^T`` by Eq. 3.3 with the clamp of Eq. 4.20),
+    then the read ``o_t = S_t^T q_t`` (``read="before"``: ``S_{t-1}^T q_t``).
+
+    Keywords, their defaults and meanings as in ``falcon_attention``; the state is passed as
+    ``state`` (``falcon_attention``: ``initial_state``), and the new state is always returned.
+    ``eps_attn``: the normalized read, as in ``falcon_attention`` (the state then carries ``z``).
     ``backend="auto"`` uses the fused Triton step (``ops.triton.STEP_RULES``: the rules checked on
     a GPU) on CUDA when no gradient is needed, and the PyTorch step otherwise; ``"triton"`` forces
     it for any rule.
+
     The arguments are checked as ``falcon_attention``'s (shapes with a time axis of one
     step; ``lam >= 0``, ``log_gate <= 0``; the state's configuration) on every backend;
     ``validate=False`` skips the tensors' shapes and values, for callers whose inputs are valid by
@@ -391,9 +394,7 @@ def falcon_step(
     to every layer of every decoded token (``falcon_attention`` always checks: once per
     sequence, not per token); the state (its type, configuration, shapes and device), the on/off
     switches and the options that are not tensors (``read``, ``window``, ``eps``, ``decay_floor``),
-    all host-only, are checked always.
-    ``eps_attn``: the normalized read, as in ``falcon_attention`` (the state then carries
-    ``z``)."""
+    all host-only, are checked always."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_tensor_types(q, k, v, beta, lam, log_gate)

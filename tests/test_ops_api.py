@@ -64,6 +64,7 @@ def test_entries_share_falcon_attentions_arguments(name):
         assert ps[n].default == ref[n].default, f"{name}: {n} defaults to {ps[n].default!r}"
     if "state" in ps:  # the one-step entries take the state as `state`, where the sequence entries take initial_state
         assert list(ps).index("state") == len(POSITIONAL)
+        assert ps["state"].default is None, f"{name}: state=None starts a fresh sequence, as in falcon_step"
 
 
 def _inputs(rule, dtype=torch.float32, **kw):

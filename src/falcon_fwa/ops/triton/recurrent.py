@@ -153,7 +153,7 @@ def falcon_step_triton(
     beta: torch.Tensor,
     lam: torch.Tensor,
     *,
-    state: Optional[FalconState],
+    state: Optional[FalconState] = None,
     rule: str = "1A",
     window: int = 4,
     eps: float = 1e-6,

@@ -13,7 +13,7 @@ from .parallel import parallel_form
 from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
 from .segments import run_segments
-from .seqlens import packed_bounds, padded_rows
+from .seqlens import last_steps, packed_bounds, padded_rows
 from .state import FalconState
 from .step_sizes import step_sizes
 from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_sequence_tensors,
@@ -319,8 +319,8 @@ def _torch_forms(q, k, v, beta, lam, log_gate, initial_state, output_final_state
 
     final = None
     if output_final_state:
-        last = kh[:, :, -1] if lengths is None else kh[torch.arange(B, device=q.device), :, lengths - 1]
-        final = FalconState(rule=spec.name, window=W, shift=shift, S=S_T, last_key=last if shift else None)
+        last = last_steps(kh.transpose(1, 2), lengths=lengths) if shift else None  # kh is [B, H, T, K]
+        final = FalconState(rule=spec.name, window=W, shift=shift, S=S_T, last_key=last)
         if W > 1:
             final.tail_x, final.tail_y, final.tail_valid = next_tail(x, vh, valid, W, tail, lengths)
     return o.transpose(1, 2).to(v.dtype), final

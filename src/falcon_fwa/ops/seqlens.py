@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["sequence_bounds", "known_sequence_bounds", "memo", "packed_bounds", "padded_rows"]
+__all__ = ["sequence_bounds", "known_sequence_bounds", "memo", "packed_bounds", "padded_rows", "last_steps"]
 
 _LOCAL = threading.local()
 
@@ -125,3 +125,16 @@ def padded_rows(starts: torch.Tensor, lengths: torch.Tensor, L: int
         return rows.masked_fill(~real.view(*real.shape, *([1] * (rows.dim() - 2))), 0.0)
 
     return unpack, real
+
+
+def last_steps(x: torch.Tensor, *, cu_seqlens: Optional[torch.Tensor] = None,
+               lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each sequence's last step of ``x`` ``[B, T, ...]``: ``x[:, -1]`` ``[B, ...]``; with ``cu_seqlens``
+    (``x`` packed ``[1, total, ...]``) the step before each end, ``[N, ...]``; with ``lengths`` ``[B]``
+    (right-padded rows) step ``lengths[b] - 1`` of row ``b``. The shifted key a state carries
+    (``FalconState.last_key``) is this step of the keys."""
+    if cu_seqlens is not None:
+        return x[0, cu_seqlens[1:].long() - 1]
+    if lengths is not None:
+        return x[torch.arange(x.shape[0], device=x.device), lengths - 1]
+    return x[:, -1]

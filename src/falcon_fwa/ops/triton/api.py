@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..rules import get_rule
-from ..seqlens import packed_bounds, padded_rows
+from ..seqlens import last_steps, packed_bounds, padded_rows
 from ..state import FalconState
 from ..validate import check_inputs, check_state, check_state_type
 from .column_decay import column_decay_chunk
@@ -236,9 +236,7 @@ def _finish(o, S_T, out_dtype, spec, shift, k, cu_seqlens, output_final_state):
     """The outputs in ``out_dtype`` and the final :class:`FalconState` of a non-sliding rule (or ``None``)."""
     final = None
     if output_final_state:
-        last = None
-        if shift:
-            last = (k[0, cu_seqlens[1:].long() - 1] if cu_seqlens is not None else k[:, -1]).float()
+        last = last_steps(k, cu_seqlens=cu_seqlens).float() if shift else None
         final = FalconState(rule=spec.name, window=1, shift=shift, S=S_T, last_key=last)
     return o.to(out_dtype), final
 
@@ -270,9 +268,7 @@ def _sliding(q, k, v, beta, lam, log_gate, initial_state, cu_seqlens, starts, en
     state = None
     if output_final_state:
         S_T, tx, ty, tv = final
-        last = None
-        if shift:
-            last = (k[:, -1] if lengths is None else k[torch.arange(len(starts), device=k.device), lengths - 1]).float()
+        last = last_steps(k, lengths=lengths).float() if shift else None
         state = FalconState(rule=rule, window=window, shift=shift, S=S_T, last_key=last, tail_x=tx, tail_y=ty,
                             tail_valid=tv)
     return o.to(out_dtype), state

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..rules import get_rule
-from ..seqlens import packed_bounds
+from ..seqlens import last_steps, packed_bounds
 from ..state import FalconState
 from ..validate import check_inputs, check_options, check_state, check_state_type
 from . import recurrent_kernels as kern
@@ -137,9 +137,7 @@ def falcon_recurrent_triton(
         num_warps=4)
     if not output_final_state:
         return o, None
-    last = None
-    if shift:
-        last = (k[0, cu_seqlens[1:].long() - 1] if cu_seqlens is not None else k[:, -1]).float()
+    last = last_steps(k, cu_seqlens=cu_seqlens).float() if shift else None
     final = FalconState(rule=spec.name, window=W, shift=shift, S=S_T, last_key=last)
     if W > 1:
         final.tail_x, final.tail_y, final.tail_valid = tail_out[0], tail_out[1], tail_out[2].bool()

@@ -6,7 +6,10 @@ projections without bias plus a learned per-head (per-column) offset:
 write gain (``gate``), handed to the op as ``beta``:
 
 * ``"ctx-beta"``: ``beta_t = 2 sigmoid(w^T h_t + b)`` in ``(0, 2)``, the dimensionless
-  NLMS gain; the op forms ``eta_t = beta_t / (E_t + lambda_t + eps)``.
+  NLMS gain; the op forms ``eta_t = beta_t / (E_t + lambda_t + eps)``. (In floating point
+  the sigmoid rounds to 1 at saturation, from about 17 in float32 and 6 in bf16, so
+  ``beta_t = 2`` exactly; ``eps > 0`` still keeps the write direction's eigenvalue
+  ``1 - eta_t (E_t + lambda_t) > -1``.)
 * ``"ctx-eta"``: the context emits the *normalized step size*
   ``eta-bar_t = c * sigmoid(w^T h_t + b)``, read as ``eta_t = eta-bar_t / E_t``: a
   step measured in units of the inverse write energy, which the ridge does not
@@ -15,7 +18,7 @@ write gain (``gate``), handed to the op as ``beta``:
   lambda-bar_t)``, so that with the scale-coupled ridge ``lambda_t = lambda-bar_t E_t``
   the op's ``beta_t / (E_t + lambda_t + eps)`` equals ``eta-bar_t / E_t`` up to
   ``eps``. Admissibility: the write direction's eigenvalue is ``1 - beta_t``;
-  ``c = min(1, 2 / (1 + lambda_scale))`` keeps ``beta_t < 2`` (and the op's clamp
+  ``c = min(1, 2 / (1 + lambda_scale))`` keeps ``beta_t <= 2`` (and the op's clamp
   keeps ``gamma_t >= decay_floor``).
 * ``"sigmoid"``: ``beta_t = sigmoid(.)`` in ``(0, 1)`` (DeltaNet, Gated DeltaNet).
 * ``"dt"``: ``beta_t = dt_t = softplus(. + dt_bias)`` (Mamba-2's step).

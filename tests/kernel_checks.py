@@ -170,8 +170,8 @@ def reference_by_rows(leaves: Dict[str, Optional[torch.Tensor]], shapes: Dict[st
 
 
 def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` (Frobenius, float64)."""
-    a, b = a.double(), b.double()
+    """``||a - b|| / ||b||`` (Frobenius, float64, on ``a``'s device)."""
+    a, b = a.double(), b.double().to(a.device)
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 

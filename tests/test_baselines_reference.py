@@ -38,12 +38,7 @@ TOL = dict(rtol=1e-10, atol=1e-12)  # float64 rounding over 11 steps
 TRITON_TOL = 1e-4  # float32 kernels with exact products (about 1e-6 seen on the CPU's float32 path)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, one torch thread
 
 
 # ----------------------------------------------------------------------------- shared pieces of the references

@@ -12,12 +12,7 @@ from falcon_fwa.layers import (CausalSelfAttention, FalconAttention, LayerCache,
 from falcon_fwa.models import FalconConfig, FalconForCausalLM, get_preset
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add contention
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, one torch thread
 
 
 def _dense(x):

@@ -15,12 +15,7 @@ from falcon_fwa.models import get_preset
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, one torch thread
 
 
 def _dense(x, offsets=None):

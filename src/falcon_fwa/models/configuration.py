@@ -313,6 +313,7 @@ class FalconConfig(PretrainedConfig):
         on the built config afterwards, unchecked)."""
         fields = config_fields()
         own = {name: kwargs.pop(name) for name in list(kwargs) if name in fields}
+        _refuse_misspelt(kwargs)  # a keyword one letter off a field would be dropped, leaving the field as stored
         return super().from_dict({**config_dict, **own}, **kwargs)
 
     def validate_fields(self) -> None:

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -75,8 +76,9 @@ class FalconBlock(nn.Module):
     """``h + Mixer(RMSNorm(h))`` then ``h + SwiGLU(RMSNorm(h))``.
 
     With ``gradient_checkpointing`` set (``model.gradient_checkpointing_enable()``, or
-    ``activation_checkpointing_enable()`` in transformers 5) the block keeps only its input for the
-    backward and runs its forward again there, when training with gradients."""
+    ``activation_checkpointing_enable()`` in transformers 5; with ``every_n_layers=n`` blocks ``0, n, 2n, ...``)
+    the block keeps only its input for the backward and runs its forward again there, when training with
+    gradients."""
 
     gradient_checkpointing = False
 
@@ -116,6 +118,23 @@ class FalconPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FalconBlock"]
     _is_stateful = True
     supports_gradient_checkpointing = True
+
+    def __init__(self, config: FalconConfig, *inputs, **kwargs):
+        if isinstance(config, FalconConfig):  # fields set on the config after it was built are checked here
+            config.validate_fields()
+        super().__init__(config, *inputs, **kwargs)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint,
+                                    every_n_layers: int = 1) -> None:
+        """Hugging Face's switch, with ``every_n_layers`` (``activation_checkpointing_enable(every_n_layers=n)``,
+        transformers 5) applied to the blocks: blocks ``0, n, 2n, ...`` run again in the backward, the others keep
+        their activations (transformers counts only its own layer class, so it would checkpoint every block)."""
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be an integer >= 1, got {every_n_layers!r}")
+        super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func)
+        blocks = [m for m in self.modules() if isinstance(m, FalconBlock)]
+        for i, block in enumerate(blocks):
+            block.gradient_checkpointing = enable and i % every_n_layers == 0
 
     def _init_weights(self, module: nn.Module) -> None:
         """muP-style init: embedding ``N(0, sigma^2)``; hidden matrices
@@ -193,7 +212,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     * ``cu_seqlens`` ``[N + 1]``: ``input_ids`` ``[1, total]`` holds ``N`` packed
       documents; each starts fresh (sentinel, conv, positions); logits keep the
       packed shape and the loss skips the boundary targets;
-    * ``labels`` ``[B, T]`` (``-100`` ignored; pads are ignored anyway): mean
+    * ``labels`` ``[B, T]`` integer ids (``-100`` ignored; pads are ignored anyway): mean
       next-token cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``;
     * ``past_key_values`` (or ``cache``): a :class:`FalconCache` to continue;
       ``use_cache=True`` returns it (a fresh one when none is given);
@@ -514,6 +533,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if labels is not None and tuple(labels.shape) != (B, T):
             raise ValueError(f"labels must have the shape of {name}'s first two axes, {(B, T)}, got "
                              f"{tuple(labels.shape)}")
+        if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
+            raise ValueError(f"labels must hold integer token ids (-100: not scored), got {labels.dtype}")
         packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]
@@ -547,7 +568,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def _loss(logits, labels, attention_mask, cu_seqlens, T):
-        targets = labels.to(logits.device).clone()
+        targets = labels.to(logits.device, torch.int64, copy=True)  # int32 ids score as int64 ones
         if attention_mask is not None:
             real = attention_mask[:, -T:].to(targets.device).bool()
             targets = targets.masked_fill(~real, -100)

@@ -120,6 +120,11 @@ def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None)
     return torch.from_numpy(tokens[idx])
 
 
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits to score: bf16/fp16 ones in float32, float32/float64 ones as they are."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 @torch.no_grad()
 def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu", bf16: bool = False,
                  progress: bool = True, eos_id: Optional[int] = None):
@@ -131,6 +136,8 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
     positions count from the document start, and predictions of an end-of-text token
     (the boundary into the next document) are not counted.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     seq_len = rows.shape[1] - 1
     total = torch.zeros(seq_len, dtype=torch.float64)
     count = torch.zeros(seq_len, dtype=torch.float64)
@@ -141,7 +148,7 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
         if eos_id is None:
             with autocast:
                 logits = model(input_ids=inputs, use_cache=False).logits
-            nll = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+            nll = F.cross_entropy(_at_least_float32(logits).transpose(1, 2), targets, reduction="none")
             total += nll.double().sum(0).cpu()
             count += len(batch)
             continue
@@ -151,7 +158,7 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
         cu = torch.cat([flat_starts, flat_starts.new_tensor([inputs.numel()])])
         with autocast:
             logits = model(input_ids=inputs.reshape(1, -1), cu_seqlens=cu, use_cache=False).logits
-        nll = F.cross_entropy(logits[0].float(), targets.reshape(-1), reduction="none").view_as(targets)
+        nll = F.cross_entropy(_at_least_float32(logits[0]), targets.reshape(-1), reduction="none").view_as(targets)
         keep = targets != eos_id
         step = torch.arange(seq_len, device=inputs.device).expand_as(inputs)
         last_start = torch.cummax(torch.where(starts, step, torch.zeros_like(step)), dim=1).values

@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.validate import check_positive_int
+
 __all__ = ["ContextGates", "GATES", "LOG_GATES"]
 
 GATES = ("ctx-beta", "ctx-eta", "sigmoid", "dt", "one")
@@ -86,8 +88,7 @@ class ContextGates(nn.Module):
                  lambda_scale: float, per_column: bool):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_v_dim", head_v_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive_int(name, value)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if log_gate not in LOG_GATES:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.api import cast_to
+from ..ops.validate import check_positive_int
 
 __all__ = ["QK_NORMS", "RMSNorm", "rms_normalize", "normalize_features"]
 
@@ -48,8 +49,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        check_positive_int("dim", dim)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
             raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         self.eps = eps

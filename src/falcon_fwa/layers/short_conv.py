@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.api import cast_to
+from ..ops.validate import check_positive_int
 from .packing import Packing
 
 __all__ = ["ShortConv"]
@@ -32,8 +33,7 @@ class ShortConv(nn.Module):
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
         for name, value in (("channels", channels), ("kernel_size", kernel_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive_int(name, value)
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.reset_parameters()

@@ -36,6 +36,7 @@ from ..layers.packing import Packing, repad, unpad
 from ..layers.short_conv import ShortConv
 from ..ops.api import cast_to
 from ..ops.seqlens import check_cu_seqlens, known_sequence_bounds, sequence_bounds
+from ..ops.validate import check_positive_int
 from .cache import FalconCache
 from .configuration import FalconConfig
 
@@ -129,8 +130,7 @@ class FalconPreTrainedModel(PreTrainedModel):
         """Hugging Face's switch, with ``every_n_layers`` (``activation_checkpointing_enable(every_n_layers=n)``,
         transformers 5) applied to the blocks: blocks ``0, n, 2n, ...`` run again in the backward, the others keep
         their activations (transformers counts only its own layer class, so it would checkpoint every block)."""
-        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
-            raise ValueError(f"every_n_layers must be an integer >= 1, got {every_n_layers!r}")
+        check_positive_int("every_n_layers", every_n_layers)
         super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func)
         blocks = [m for m in self.modules() if isinstance(m, FalconBlock)]
         for i, block in enumerate(blocks):
@@ -280,8 +280,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     def _prefill_in_chunks(self, chunk, args, kwargs):
         """``generate()``'s arguments after the prompt's columns but the last went through the cache ``chunk`` at
         a time (see :meth:`generate`): the same, with that cache and ``prefill_chunk_size=None``."""
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"prefill_chunk_size must be an integer >= 1, got {chunk!r}")
+        check_positive_int("prefill_chunk_size", chunk)
         if kwargs.get("use_cache") is False:
             raise ValueError("prefill_chunk_size fills the cache in chunks: it needs use_cache=True")
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))

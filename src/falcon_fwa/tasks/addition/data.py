@@ -44,6 +44,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ...ops.validate import check_positive_int
+
 PAD, END, PLUS, EQUALS = "_", "$", "+", "="
 VOCAB = PAD + END + "0123456789" + PLUS + EQUALS
 """Token ``i`` is the character ``VOCAB[i]``; the pad token is id 0."""
@@ -109,8 +111,7 @@ class AdditionSample:
     def __post_init__(self) -> None:
         check_operand_order(self.operand_order)
         check_base(self.base)
-        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
-            raise ValueError(f"width must be an integer >= 1, got {self.width!r}")
+        check_positive_int("width", self.width)
         for name in ("a", "b"):  # an operand of n digits: a wider one has no n-digit text, a negative one none
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < self.base ** self.width:

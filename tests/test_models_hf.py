@@ -142,6 +142,28 @@ def test_save_pretrained_round_trips_every_family_bit_for_bit(mixer, overrides, 
             assert logits.dtype == torch.float32 and bool(logits.isfinite().all())
 
 
+def test_other_auto_classes_refuse_the_config_instead_of_building_another_falcon(tmp_path):
+    """transformers' auto classes find a model by the config's class name, and transformers has a Falcon of its
+    own whose config is called ``FalconConfig``: a saved folder loaded through ``AutoModel`` (or any auto class
+    but the causal LM) must be refused as an unknown config, not handed to that model; the causal LM auto class
+    and pickling, through either name of the config, still give this library's classes."""
+    import pickle
+
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    from falcon_fwa.models import FalconFWAConfig
+
+    assert FalconConfig is FalconFWAConfig
+    model = _model("falcon")
+    model.save_pretrained(tmp_path)
+    for auto in (AutoModel, AutoModelForSequenceClassification):
+        with pytest.raises(ValueError, match="Unrecognized configuration class .*FalconFWAConfig"):
+            auto.from_pretrained(tmp_path)
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is FalconForCausalLM
+    copy = pickle.loads(pickle.dumps(model.config))
+    assert type(copy) is FalconConfig and copy.to_dict() == model.config.to_dict()
+
+
 # --- resize_token_embeddings -----------------------------------------------------------------------------
 
 

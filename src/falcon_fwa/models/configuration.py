@@ -25,7 +25,7 @@ from ..layers.norms import QK_NORMS
 from ..ops.rules import RULES, get_rule
 from ..ops.validate import FORMS
 
-__all__ = ["FalconConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "check_field_names", "config_fields"]
+__all__ = ["FalconConfig", "FalconFWAConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "check_field_names", "config_fields"]
 
 RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
 MIXERS = RECURRENT_MIXERS + ("transformer",)
@@ -147,8 +147,14 @@ def _refuse_misspelt(extra: Iterable[str]) -> None:
             raise ValueError(f"unknown config field {name!r} (did you mean {hint!r}?)")
 
 
-class FalconConfig(PretrainedConfig):
-    r"""Configuration of :class:`~falcon_fwa.models.FalconForCausalLM`.
+class FalconFWAConfig(PretrainedConfig):
+    r"""Configuration of :class:`~falcon_fwa.models.FalconForCausalLM`, also importable as ``FalconConfig``.
+
+    The class is named ``FalconFWAConfig`` because transformers' auto classes find a model for a config by
+    the config's class name, and ``FalconConfig`` is the name of transformers' own (unrelated) Falcon
+    config: under that name ``AutoModel.from_pretrained`` of a saved Falcon-FWA folder built transformers'
+    Falcon model. The auto classes now say that they do not know this config, except
+    ``AutoModelForCausalLM``, which builds :class:`~falcon_fwa.models.FalconForCausalLM`.
 
     Model shape: ``vocab_size``, ``hidden_size`` (d), ``num_hidden_layers``,
     ``num_heads`` (H), ``head_k_dim`` / ``head_v_dim`` (default ``d / H``; the
@@ -394,3 +400,7 @@ class FalconConfig(PretrainedConfig):
     def width_multiplier(self) -> float:
         """muP width multiplier ``m = hidden_size / mup_base_width`` (1 without a base width)."""
         return 1.0 if self.mup_base_width is None else self.hidden_size / self.mup_base_width
+
+
+FalconConfig = FalconFWAConfig
+"""The name this library uses for :class:`FalconFWAConfig` (the same class)."""

@@ -12,12 +12,14 @@ kernels), median ms of ``triton.testing.do_bench``, one after the other in the s
 ``T``; the limits of ``ops.triton.recurrent.SHORT_PROMPT_LIMITS`` (steps, and steps x rows x heads)
 are set below the crossovers of every batch size measured. The two outputs are also compared (max relative difference).
 
-Writes ``<out>/<name>.json`` (rows ``{rule, B, T, fused_ms, chunk_ms, ratio, rel_diff}``) and
-``<out>/<name>.md``.
+Writes ``<out>/<name>.json`` (rows ``{rule, B, T, fused_ms, chunk_ms, ratio, rel_diff}``, or ``{rule, B, T,
+error}`` for a shape that failed, out of memory say: the others still run) and ``<out>/<name>.md``, both
+rewritten after every row.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +27,7 @@ from typing import Dict, List
 
 import torch
 
-from bench_kernels import _atomic_write
+from bench_kernels import _atomic_write, failure
 
 RULES = ("1", "1A", "2", "2A", "3", "3A")
 
@@ -41,10 +43,11 @@ def _inputs(rule: str, B: int, T: int, H: int, K: int, V: int, device: str):
 
 
 def crossover(rows: List[Dict], rule: str, B: int) -> int:
-    """The longest ``T`` up to which the fused kernel beat the chunk kernels at every measured ``T``."""
+    """The longest ``T`` up to which the fused kernel beat the chunk kernels at every measured ``T`` (a failed
+    row ends it)."""
     best = 0
     for r in sorted((r for r in rows if r["rule"] == rule and r["B"] == B), key=lambda r: r["T"]):
-        if r["fused_ms"] >= r["chunk_ms"]:
+        if "error" in r or r["fused_ms"] >= r["chunk_ms"]:
             break
         best = r["T"]
     return best
@@ -91,13 +94,20 @@ def main(argv=None) -> int:
                                             rule=rule, window=args.window, form=form, backend="triton",
                                             output_final_state=True)
 
-                with torch.no_grad():
-                    o_f, o_c = run("recurrent")[0], run("chunk")[0]
-                    rel = ((o_f.float() - o_c.float()).abs().max() / o_c.float().abs().max().clamp(min=1e-30)).item()
-                    fused = do_bench(lambda: run("recurrent"), warmup=10, rep=50, return_mode="median")
-                    chunk = do_bench(lambda: run("chunk"), warmup=10, rep=50, return_mode="median")
-                row = dict(rule=rule, B=B, T=T, H=H, K=D, V=D, fused_ms=round(fused, 4), chunk_ms=round(chunk, 4),
-                           ratio=round(fused / chunk, 3), rel_diff=float(f"{rel:.3g}"))
+                try:
+                    with torch.no_grad():
+                        o_f, o_c = run("recurrent")[0], run("chunk")[0]
+                        rel = ((o_f.float() - o_c.float()).abs().max()
+                               / o_c.float().abs().max().clamp(min=1e-30)).item()
+                        fused = do_bench(lambda: run("recurrent"), warmup=10, rep=50, return_mode="median")
+                        chunk = do_bench(lambda: run("chunk"), warmup=10, rep=50, return_mode="median")
+                except Exception as e:  # one failing shape (out of memory, a compile error) must not lose the others
+                    with contextlib.suppress(Exception):
+                        torch.cuda.empty_cache()
+                    row = dict(rule=rule, B=B, T=T, H=H, K=D, V=D, error=failure(e))
+                else:
+                    row = dict(rule=rule, B=B, T=T, H=H, K=D, V=D, fused_ms=round(fused, 4), chunk_ms=round(chunk, 4),
+                               ratio=round(fused / chunk, 3), rel_diff=float(f"{rel:.3g}"))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 _write(rows, args)
@@ -123,12 +133,18 @@ def report(rows: List[Dict], args) -> str:
            "`triton.testing.do_bench`, both forms one after the other in the same process.", "",
            "| rule | B | T | fused ms | chunk ms | fused / chunk | max rel. diff |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            out.append(f"| {r['rule']} | {r['B']} | {r['T']} | failed: {r['error'].split(':')[0]} | - | - | - |")
+            continue
         out.append(f"| {r['rule']} | {r['B']} | {r['T']} | {r['fused_ms']} | {r['chunk_ms']} | {r['ratio']} | "
                    f"{r['rel_diff']} |")
     out += ["", "Longest prompt up to which the fused kernel is faster at every shorter measured length:", "",
             "| rule | " + " | ".join(f"B={B}" for B in args.batch) + " |", "|---|" + "---|" * len(args.batch)]
     for rule in dict.fromkeys(r["rule"] for r in rows):
         out.append(f"| {rule} | " + " | ".join(str(crossover(rows, rule, B)) for B in args.batch) + " |")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        out += ["", "Failures:", ""] + [f"- rule {r['rule']}, B={r['B']}, T={r['T']}: {r['error']}" for r in failed]
     return "\n".join(out) + "\n"
 
 

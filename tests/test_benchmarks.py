@@ -449,6 +449,44 @@ def test_short_prompt_crossover_and_report():
     assert "| 3A | 2 | 0 |" in bsp.report(rows, args)
 
 
+def test_short_prompts_lists_a_failing_shape_and_measures_the_next(monkeypatch, tmp_path):
+    """An out-of-memory shape is a row with its error in both files (and ends the crossover there); the shapes
+    after it are still measured, and both files are written after every row."""
+    import json
+
+    import bench_short_prompts as bsp
+
+    import falcon_fwa
+    import falcon_fwa.cli_options
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test device")
+    monkeypatch.setattr(falcon_fwa.cli_options, "resolve_device", lambda d: torch.device("cpu"))
+    monkeypatch.setattr(bsp, "_inputs", lambda rule, B, T, H, K, V, device: dict(
+        q=torch.full((B, T, H, K), float(T)), k=None, v=None, beta=None, lam=None, log_gate=None))
+
+    def op(q, k, v, beta, lam, *, form, **kw):
+        if q.shape[1] == 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return q, None
+
+    monkeypatch.setattr(falcon_fwa, "falcon_attention", op)
+    import triton.testing
+    calls = []  # fused (first) 0.5 ms, chunk 1.0 ms at every length: the crossover would be 8 without the failure
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, **kw: calls.append(fn()) or 0.5 * (1 + (len(calls) + 1) % 2))
+    assert bsp.main(["--rules", "1A", "--batch", "1", "--lengths", "2", "4", "8", "--heads", "1", "--head-dim", "2",
+                     "--out", str(tmp_path), "--name", "sp"]) == 0
+    rows = json.loads((tmp_path / "sp.json").read_text())
+    assert [r["T"] for r in rows] == [2, 4, 8]
+    assert rows[1]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert "error" not in rows[0] and "error" not in rows[2] and rows[2]["ratio"] == 0.5
+    md = (tmp_path / "sp.md").read_text()
+    assert "| 1A | 1 | 4 | failed: OutOfMemoryError | - | - | - |" in md
+    assert "| 1A | 2 |" in md  # crossover: 2, the failed length ends it
+    assert "- rule 1A, B=1, T=4: OutOfMemoryError: CUDA out of memory" in md
+
+
 def test_memory_breakdown_replays_the_allocator_trace_to_its_peak():
     import memory_breakdown
     trace = [dict(action="alloc", addr=1, size=100), dict(action="alloc", addr=2, size=50),

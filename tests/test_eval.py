@@ -312,6 +312,21 @@ def test_lm_eval_requests_open_with_end_of_text(saved_model):
     assert ids.tolist() == [[pad, pad, eos] + enc("a"), long[-4:]] and mask.tolist() == [[0, 0, 1, 1], [1] * 4]
 
 
+def test_lm_eval_model_is_causal_without_the_harness_guessing(saved_model, caplog):
+    """The harness finds ``falcon_fwa`` in none of transformers' model tables: left to guess, it warns that
+    the type is neither causal nor seq2seq. The falcon-fwa harness model says causal itself."""
+    pytest.importorskip("lm_eval")
+    import logging
+
+    from falcon_fwa.eval.harness import lm_class
+
+    with caplog.at_level(logging.INFO, logger="lm_eval"):
+        lm = lm_class()(pretrained=str(saved_model / "run" / "model"), device="cpu", trust_remote_code=False)
+    assert lm.backend == "causal" and lm.AUTO_MODEL_CLASS.__name__ == "AutoModelForCausalLM"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "CausalLM" in r.getMessage()]
+    assert any("Overrode HF model backend type" in r.getMessage() for r in caplog.records)
+
+
 def test_lm_eval_runs_no_code_from_the_model_folder(saved_model, tmp_path):
     """A folder whose config points AutoModel at a module of its own: the harness must not import it."""
     pytest.importorskip("lm_eval")

@@ -46,8 +46,10 @@ def lm_class():
     class FalconFWALM(HFLM):
         """HFLM for falcon-fwa model folders: requests open with end-of-text, as in training."""
 
-        def __init__(self, *args, logits_cache: bool = False, **kwargs):
-            super().__init__(*args, logits_cache=logits_cache, **kwargs)
+        def __init__(self, *args, logits_cache: bool = False, backend: str = "causal", **kwargs):
+            # the folders are decoder-only; left to find out, the harness looks the registered model type up
+            # in transformers' own tables, misses it and warns that the type is neither causal nor seq2seq
+            super().__init__(*args, logits_cache=logits_cache, backend=backend, **kwargs)
 
         def _opening(self, ids) -> list:
             eos = self.tokenizer.eos_token_id

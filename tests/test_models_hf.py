@@ -208,8 +208,11 @@ def test_resize_token_embeddings_keeps_the_old_rows_and_the_tie(tied, tmp_path):
 def test_activation_checkpointing_gives_the_plain_gradients_with_a_frozen_embedding(switch):
     """A frozen embedding (adapter fine-tuning): the blocks' gradients are those of the plain backward for
     Hugging Face's default switch, the reentrant checkpoint, and ``every_n_layers=2``, which runs again only
-    blocks 0 and 2 of 3 in the backward."""
+    blocks 0 and 2 of 3 in the backward (``activation_checkpointing_enable``, transformers 5)."""
     model = _model("falcon", num_hidden_layers=3, initializer_range=0.3).train()
+    every_n = getattr(model, "activation_checkpointing_enable", None)
+    if switch == "every_n_layers=2" and every_n is None:
+        pytest.skip("activation_checkpointing_enable(every_n_layers=) comes with transformers 5")
     model.model.embed_tokens.weight.requires_grad_(False)
     ids, mask = _padded(11, [11, 7], "left", seed=5)
 
@@ -227,15 +230,16 @@ def test_activation_checkpointing_gives_the_plain_gradients_with_a_frozen_embedd
     elif switch == "reentrant":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     else:
-        model.activation_checkpointing_enable(every_n_layers=2)
+        every_n(every_n_layers=2)
     again = grads()
     assert sorted(calls) == ([0, 0, 1, 2, 2] if switch == "every_n_layers=2" else [0, 0, 1, 1, 2, 2])
     assert plain.keys() == again.keys()
     for name in plain:
         assert again[name] is not None, name
         torch.testing.assert_close(again[name], plain[name], rtol=1e-12, atol=1e-14)
-    with pytest.raises(ValueError, match="every_n_layers"):
-        model.activation_checkpointing_enable(every_n_layers=0)
+    if every_n is not None:
+        with pytest.raises(ValueError, match="every_n_layers"):
+            every_n(every_n_layers=0)
 
 
 # --- generate --------------------------------------------------------------------------------------------

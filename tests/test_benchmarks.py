@@ -282,7 +282,7 @@ def test_addition_step_timer_tiny(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", ["bench_short_prompts", "host_overhead", "bench_read_norm", "bench_wy_forward",
-                                    "memory_breakdown", "sweep_launch"])
+                                    "memory_breakdown", "sweep_launch", "check_fla_delta"])
 def test_gpu_only_scripts_say_so_in_one_line_on_a_cpu_machine(script, monkeypatch, tmp_path):
     import importlib
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -905,3 +905,45 @@ def test_memory_breakdown_reports_a_failing_op_and_breaks_down_the_next(tmp_path
     assert found[1]["op"] == "falcon-3" and found[1]["peak_bytes"] == 3 * 2**20
     out = capsys.readouterr().out
     assert "fla-gated-delta-rule: failed: ModuleNotFoundError" in out and "falcon-3: peak 3 MiB above the inputs" in out
+
+
+def test_check_fla_delta_reference_is_the_ops_plain_rule_1():
+    """The script's textbook (gated) delta rule equals the op's rule 1 with no shift, no normalization and no
+    ridge (the recurrence the fla backend of the DeltaNet baselines stands for), in float64; and one step by
+    hand: ``S_1 = beta k v^T``, ``o_1 = beta (q . k) v``."""
+    import check_fla_delta as cfd
+
+    from falcon_fwa import falcon_attention
+    x = cfd.inputs(2, 37, 3, 8, 5, seed=1)
+    for g in (None, x["g"]):
+        ref = cfd.reference(x["q"], x["k"], x["v"], x["beta"], g)
+        op, _ = falcon_attention(x["q"], x["k"], x["v"], x["beta"], torch.zeros_like(x["beta"]), rule="1",
+                                 shift=False, normalize=False, log_gate=g, form="recurrent", backend="torch")
+        torch.testing.assert_close(ref, op, rtol=0, atol=1e-12)
+    q, k, v, beta = x["q"][:, :1], x["k"][:, :1], x["v"][:, :1], x["beta"][:, :1]
+    by_hand = beta[..., None] * (q * k).sum(-1, keepdim=True) * v
+    torch.testing.assert_close(cfd.reference(q, k, v, beta), by_hand, rtol=0, atol=1e-15)
+
+
+def test_check_fla_delta_keeps_the_forward_of_a_configuration_whose_backward_faults(monkeypatch, tmp_path, capsys):
+    import check_fla_delta as cfd
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    outputs = iter([
+        subprocess.CompletedProcess(
+            [], 1, stdout='{"forward": {"o": 0.28}}\n',
+            stderr="Traceback ...\ntorch.AcceleratorError: CUDA error: an illegal memory access was encountered\n"
+                   "Search for `cudaErrorIllegalAddress'\n"),
+        subprocess.CompletedProcess(
+            [], 0, stdout='{"forward": {"o": 0.005}}\n{"result": {"o": 0.005, "dq": 0.006}}\n', stderr=""),
+    ])
+    seen = []
+    monkeypatch.setattr(cfd.subprocess, "run", lambda argv, **kw: seen.append(argv[3:]) or next(outputs))
+    out = str(tmp_path / "r.json")
+    assert cfd.main(["--ops", "delta", "--keys", "32", "64", "--lengths", "100", "--out", out]) == 0
+    assert seen == [["delta", "2", "100", "2", "32", "64", "bf16"], ["delta", "2", "100", "2", "64", "64", "bf16"]]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert rows[0]["o"] == 0.28 and rows[0]["error"].startswith("torch.AcceleratorError: CUDA error: an illegal")
+    assert rows[1] == dict(op="delta", dtype="bf16", B=2, T=100, H=2, K=64, V=64, o=0.005, dq=0.006)
+    with pytest.raises(SystemExit):
+        cfd.main(["--keys", "0"])
+    assert "--keys must be at least 1" in capsys.readouterr().err

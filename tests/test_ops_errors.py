@@ -88,6 +88,27 @@ def test_log_gate_positive_or_nan(bad):
         _call(inp)
 
 
+def test_trusted_values_skip_only_the_value_checks_and_only_inside():
+    """Inside ``ops.validate.trusted_values()`` a NaN ``lam`` and a NaN ``log_gate`` are not refused: the NaN
+    reaches the output of the rows it is in (row 1), the other row equals the run without it; the shapes
+    are still checked; after the block (also one left by an exception) the values are checked again."""
+    from falcon_fwa.ops.validate import trusted_values
+    inp = _inp(with_gate=True)
+    clean, _ = _call(inp)
+    inp["lam"][1, 3, 0] = float("nan")
+    inp["log_gate"][1, 5, 1] = float("nan")
+    with trusted_values():
+        o, _ = _call(inp)
+        with pytest.raises(ValueError, match=r"\bbeta\b"):
+            _call(dict(inp, beta=inp["beta"][:, :-1]))
+    assert bool(o[1].isnan().any()) and torch.equal(o[0], clean[0])
+    with pytest.raises(RuntimeError, match="stop"):
+        with trusted_values():
+            raise RuntimeError("stop")
+    with pytest.raises(ValueError, match=r"\blam\b"):
+        _call(inp)
+
+
 def test_log_gate_minus_infinity_is_a_reset():
     """g_t = -inf (exp(g_t) = 0) empties the state before step t: the output equals a fresh run
     on steps t.. whose first pair is still the carried key x_t = k_{t-1}."""

@@ -196,11 +196,16 @@ def test_resaving_a_step_replaces_it_and_leaves_nothing_behind(tmp_path, monkeyp
     assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("where", ["logits", "embeddings"])
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, where):
+    """NaN logits, or NaN embeddings, which reach every layer's gates (lam and log_gate NaN): the op does not
+    stop the run (it would, on a GPU, by a device-side assertion); the loss is non-finite and reported."""
     raw = recipe(tmp_path, "run")
     run_trainer(raw, stop_at=2)
     trainer = Trainer(config_from_dict(raw))
-    trainer.core.model.register_forward_hook(lambda module, args, out: out * float("nan"))
+    model = trainer.core.model
+    module = model if where == "logits" else model.get_input_embeddings()
+    module.register_forward_hook(lambda module, args, out: out * float("nan"))
     with pytest.raises(NonFiniteLoss, match=r"step 3.*step-00000002"):
         trainer.train()
     trainer.close()

@@ -32,6 +32,7 @@ from torch import nn
 from ..ops import falcon_attention, falcon_step
 from ..ops.api import cast_to
 from ..ops.rules import get_rule
+from ..ops.validate import trusted_values
 from . import fla_backend
 from .gates import ContextGates
 from .layer_cache import LayerCache
@@ -170,9 +171,10 @@ class FalconAttention(nn.Module):
                                        output_final_state=want_state, cu_seqlens=packing.cu_seqlens,
                                        rule=self.rule, shift=self.shift)
         else:
-            o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
-                                        log_gate=log_gate, initial_state=init, output_final_state=want_state,
-                                        cu_seqlens=packing.cu_seqlens, segments=self.segments, **opts)
+            with trusted_values():  # the gates' ranges hold by construction; a NaN goes on to the loss
+                o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
+                                            log_gate=log_gate, initial_state=init, output_final_state=want_state,
+                                            cu_seqlens=packing.cu_seqlens, segments=self.segments, **opts)
         if cache is not None:
             cache.store_state(final, packing.rows)
         return o

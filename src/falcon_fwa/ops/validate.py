@@ -1,8 +1,10 @@
 """Argument checks for the public ops: every error names the argument at fault."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -18,9 +20,27 @@ def _shape(name: str, t: torch.Tensor, want: tuple, hint: str) -> None:
         raise ValueError(f"{name} must have shape {hint} = {tuple(want)}, got {tuple(t.shape)}")
 
 
+_VALUES_CHECKED = contextvars.ContextVar("falcon_fwa_values_checked", default=True)
+
+
+@contextlib.contextmanager
+def trusted_values() -> Iterator[None]:
+    """Within it, the ops skip the checks of ``lam``'s and ``log_gate``'s values (``lam`` finite and
+    ``>= 0``, ``log_gate <= 0``; a reduction each on the device), as they do under ``torch.compile``.
+    For callers whose values are in range by construction, such as the layers' gates: there a NaN
+    can only come from a model that has diverged, and it then reaches the loss, which the trainer
+    reports as non-finite, instead of stopping the run in the op (on a GPU, by a device-side assertion
+    that leaves the process unable to save or log)."""
+    token = _VALUES_CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _VALUES_CHECKED.reset(token)
+
+
 def _values_checked() -> bool:
     # Value checks need a host sync; skip them while tracing for torch.compile.
-    return not torch.compiler.is_compiling()
+    return _VALUES_CHECKED.get() and not torch.compiler.is_compiling()
 
 
 def _check_values(ok: torch.Tensor, message: str) -> None:

@@ -138,12 +138,17 @@ class Shard:
     doc_starts: np.ndarray  # int64 [n_docs], ascending, doc_starts[0] == 0
 
 
+def is_shard_folder(path: str) -> bool:
+    """Whether ``path`` is a token shard folder (it holds ``meta.json``), rather than text files."""
+    return os.path.isfile(os.path.join(path, "meta.json"))
+
+
 class TokenShards:
     """Read-only view of a shard folder: ``shards[i].tokens`` (memmap) and ``.doc_starts``."""
 
     def __init__(self, folder: str):
         path = os.path.join(folder, "meta.json")
-        if not os.path.isfile(path):
+        if not is_shard_folder(folder):
             raise FileNotFoundError(f"{folder!r} is no token shard folder (no meta.json)")
         with open(path) as f:
             self.meta = json.load(f)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_path
 from ..cli_options import dtype_name
-from ..data.shards import TokenShards
+from ..data.shards import TokenShards, is_shard_folder
 from ..data.sources import iter_documents
 from ..data.tokenizer import encode_documents, is_byte_tokenizer
 
@@ -85,7 +85,7 @@ def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file",
     parts: List[np.ndarray] = []
     total = 0
     for source in sources:
-        if os.path.isfile(os.path.join(source, "meta.json")):
+        if is_shard_folder(source):
             shards = TokenShards(source)
             if shards.eos_token_id != tokenizer.eos_token_id or shards.vocab_size != len(tokenizer):
                 raise ValueError(

@@ -8,6 +8,7 @@ import os
 from ..atomic import write_json
 from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file, dtype_option,
                            resolve_device)
+from ..data.shards import is_shard_folder
 from ..data.sources import TEXT_SPLITS, list_files
 from ..provenance import command_provenance
 from .perplexity import (bucket_report, check_edges, default_edges, load_model, plot_buckets, position_nll,
@@ -55,7 +56,7 @@ def _edges(args: argparse.Namespace) -> list:
 def _check_data(sources: list) -> None:
     """Every ``--data`` source names files or is a token shard folder, checked before the model loads."""
     for source in sources:
-        if source.startswith("hf:") or os.path.isfile(os.path.join(source, "meta.json")):
+        if source.startswith("hf:") or is_shard_folder(source):
             continue
         try:
             list_files(source)

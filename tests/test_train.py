@@ -213,6 +213,23 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, wher
     assert read_log(str(tmp_path / "run" / "log.jsonl"))[-1]["event"] == "non_finite"
 
 
+def test_a_diverging_run_ends_with_exit_status_3_naming_the_command(tmp_path, capsys):
+    """At a learning rate of 1e6 the activations overflow in the second step, before any loss: the NaN goes
+    through the layers' gates to the loss (no 'lam must be finite' from the op, exit status 2), and the
+    command reports the non-finite loss with its own name, exit status 3."""
+    import yaml
+
+    from falcon_fwa.train.cli import main
+    raw = recipe(tmp_path, "run", steps=6)
+    raw["optim"] = {"lr": 1e6, "warmup_steps": 1, "clip_grad_norm": 0}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(path)]) == 3
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "falcon-fwa train: error: non-finite training loss")
+    assert read_log(str(tmp_path / "run" / "log.jsonl"))[-1]["event"] == "non_finite"
+
+
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_the_run_at_the_step_in_progress_with_a_checkpoint(tmp_path, monkeypatch, signum):
     import signal

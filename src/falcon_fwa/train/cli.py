@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = trainer.train(stop_at=args.stop_at, stop_on_signal=True)
     except NonFiniteLoss as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"falcon-fwa train: error: {err}", file=sys.stderr)
         return 3
     finally:
         trainer.close()

@@ -81,6 +81,18 @@ def check(gated: bool, B: int, T: int, H: int, K: int, V: int, dtype: str) -> Di
     return row
 
 
+def child_result(stdout: str, stderr: str, failed: str) -> Dict:
+    """A child's row: its result line, or else its forward line (if it got that far) with the last exception
+    line of ``stderr``, or ``failed`` where there is none."""
+    lines = [json.loads(s) for s in stdout.splitlines() if s.startswith("{")]
+    result = next((x["result"] for x in lines if "result" in x), None)
+    if result is None:
+        forward = next((x["forward"] for x in lines if "forward" in x), {})
+        err = [s for s in stderr.splitlines() if EXCEPTION_LINE.match(s)]
+        result = dict(forward, error=(err[-1] if err else failed)[:300])
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", nargs="+", default=["delta", "gated"], choices=["delta", "gated"])
@@ -110,14 +122,9 @@ def main(argv=None) -> int:
         argv1 = [sys.executable, __file__, "--one", op, str(a.batch), str(T), str(a.heads), str(K), str(V), dtype]
         try:
             done = subprocess.run(argv1, capture_output=True, text=True, timeout=a.timeout)
-            lines = [json.loads(s) for s in done.stdout.splitlines() if s.startswith("{")]
-            result = next((x["result"] for x in lines if "result" in x), None)
-            if result is None:
-                forward = next((x["forward"] for x in lines if "forward" in x), {})
-                err = [s for s in done.stderr.splitlines() if EXCEPTION_LINE.match(s)]
-                result = dict(forward, error=(err[-1] if err else f"exit status {done.returncode}")[:300])
-        except subprocess.TimeoutExpired:
-            result = dict(error=f"no result in {a.timeout:g} s")
+            result = child_result(done.stdout, done.stderr, f"exit status {done.returncode}")
+        except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= said
+            result = child_result((e.stdout or b"").decode(errors="replace"), "", f"no result in {a.timeout:g} s")
         rows.append(dict(cfg, **result))
         errs = " ".join(f"{k} {v:.2e}" for k, v in result.items() if k != "error")
         print(f"{op:5s} {dtype} B={a.batch} T={T} H={a.heads} K={K} V={V}: {errs}"

@@ -947,3 +947,20 @@ def test_check_fla_delta_keeps_the_forward_of_a_configuration_whose_backward_fau
     with pytest.raises(SystemExit):
         cfd.main(["--keys", "0"])
     assert "--keys must be at least 1" in capsys.readouterr().err
+
+
+def test_check_fla_delta_keeps_the_forward_of_a_configuration_that_runs_out_of_time(monkeypatch, tmp_path):
+    """A child killed at ``--timeout`` after its forward line (fla autotuning the backward on a fresh machine,
+    say): the row keeps the forward's error beside the timeout, as for a backward that faults (the
+    ``TimeoutExpired`` carries the child's output as bytes, even with ``text=True``)."""
+    import check_fla_delta as cfd
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def run(argv, **kw):
+        raise subprocess.TimeoutExpired(argv, kw["timeout"], output=b'{"forward": {"o": 0.28}}\n', stderr=b"")
+
+    monkeypatch.setattr(cfd.subprocess, "run", run)
+    out = str(tmp_path / "r.json")
+    assert cfd.main(["--ops", "delta", "--keys", "32", "--lengths", "100", "--timeout", "5", "--out", out]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert rows == [dict(op="delta", dtype="bf16", B=2, T=100, H=2, K=32, V=64, o=0.28, error="no result in 5 s")]

@@ -26,7 +26,8 @@ _VALUES_CHECKED = contextvars.ContextVar("falcon_fwa_values_checked", default=Tr
 @contextlib.contextmanager
 def trusted_values() -> Iterator[None]:
     """Within it, the ops skip the checks of ``lam``'s and ``log_gate``'s values (``lam`` finite and
-    ``>= 0``, ``log_gate <= 0``; a reduction each on the device), as they do under ``torch.compile``.
+    ``>= 0``, ``log_gate <= 0``; a reduction each on the device). ``torch.compile`` is no substitute: it
+    skips them only in what it traces (``falcon_step``), and ``falcon_attention`` runs outside its graphs.
     For callers whose values are in range by construction, such as the layers' gates: there a NaN
     can only come from a model that has diverged, and it then reaches the loss, which the trainer
     reports as non-finite, instead of stopping the run in the op (on a GPU, by a device-side assertion

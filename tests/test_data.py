@@ -115,6 +115,23 @@ def test_shards_keep_documents_and_boundaries(tmp_path):
     assert not (tmp_path / "s.tmp").exists()
 
 
+def test_a_shard_folder_is_one_whose_meta_names_the_format(tmp_path):
+    """A folder written by write_token_shards is a shard folder; one whose meta.json is a training checkpoint's,
+    not JSON, or absent is not, and TokenShards refuses it by name (a checkpoint's meta.json was read as a
+    shard folder's and failed on a missing key)."""
+    from falcon_fwa.data.shards import is_shard_folder
+    write_token_shards(corpus(5), byte_tokenizer(), str(tmp_path / "s"))
+    assert is_shard_folder(str(tmp_path / "s"))
+    for name, text in (("ckpt", json.dumps({"step": 4, "complete": True})), ("bad", "{not json"), ("list", "[]"),
+                       ("none", None)):
+        (tmp_path / name).mkdir()
+        if text is not None:
+            (tmp_path / name / "meta.json").write_text(text)
+        assert not is_shard_folder(str(tmp_path / name)), name
+        with pytest.raises(FileNotFoundError, match=f"{name}' is no token shard folder"):
+            TokenShards(str(tmp_path / name))
+
+
 def test_prepare_reuses_and_rejects_changed_settings(tmp_path):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus(40)))
     spec = DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=10)

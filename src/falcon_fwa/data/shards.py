@@ -139,8 +139,13 @@ class Shard:
 
 
 def is_shard_folder(path: str) -> bool:
-    """Whether ``path`` is a token shard folder (it holds ``meta.json``), rather than text files."""
-    return os.path.isfile(os.path.join(path, "meta.json"))
+    """Whether ``path`` is a token shard folder: its ``meta.json`` names this format (a training
+    checkpoint's ``meta.json`` does not), rather than text files."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object
+        return False
 
 
 class TokenShards:
@@ -149,7 +154,7 @@ class TokenShards:
     def __init__(self, folder: str):
         path = os.path.join(folder, "meta.json")
         if not is_shard_folder(folder):
-            raise FileNotFoundError(f"{folder!r} is no token shard folder (no meta.json)")
+            raise FileNotFoundError(f"{folder!r} is no token shard folder (no meta.json of format {FORMAT!r})")
         with open(path) as f:
             self.meta = json.load(f)
         self.folder = folder

@@ -2,7 +2,8 @@
 # Everything that needs a CUDA GPU, in stages that each fit in about 8 minutes:
 #   bash benchmarks/gpu_suite.sh OUT_DIR tests     # kernel and layer tests on the GPU (CUDA-only tests included)
 #   bash benchmarks/gpu_suite.sh OUT_DIR tests-full  # every rule at the full benchmark shape, bf16 and fp32
-#   bash benchmarks/gpu_suite.sh OUT_DIR fla       # fla 0.6.0 against the native op (baselines, fwd and grads)
+#   bash benchmarks/gpu_suite.sh OUT_DIR fla       # fla 0.6.0 against the native op (baselines, fwd and grads), and its
+#       delta-rule calls against the textbook recurrence (benchmarks/check_fla_delta.py)
 #   bash benchmarks/gpu_suite.sh OUT_DIR diagnose  # per-quantity errors of rule 1 (fp32/bf16) under several WY warp counts
 #   bash benchmarks/gpu_suite.sh OUT_DIR profile   # per-kernel device time of each Falcon kernel op
 #   bash benchmarks/gpu_suite.sh OUT_DIR kernels   # kernel timings against flash-linear-attention at B=8 T=2048 (split over 2 GPUs)
@@ -87,6 +88,10 @@ case "$STAGE" in
     # that its gradient rows are reached (beside the kernel tests it was cut off before them twice).
     timeout ${FLA_TIMEOUT:-300} $PY tests/test_models_fla.py "$OUT/fla_compare.md" > "$OUT/fla_compare.log" 2>&1
     tail -n 30 "$OUT/fla_compare.md"
+    # fla's two delta-rule calls against the textbook recurrence at the baselines' head dims (keys of 32 were
+    # wrong on Hopper: thirty-eighth and thirty-ninth runs), one process per shape
+    timeout ${FLA_DELTA_TIMEOUT:-240} $PY benchmarks/check_fla_delta.py --keys 32 64 128 --values 64 128 --lengths 256 \
+        --out "$OUT/fla_delta.json" 2>&1 | tee "$OUT/fla_delta.log"
     ;;
   diagnose)
     # Rule 1 in fp32 and bf16 at the benchmark shape: every quantity's error, under three warp settings of

@@ -836,7 +836,7 @@ def test_gpu_suite_stages_are_documented_and_their_commands_parse(tmp_path, monk
             for preset in parsed.value.args[0].presets:
                 get_preset(preset)
     assert seen == {"bench_kernels", "bench_short_prompts", "host_overhead", "bench_decode", "diagnose_kernels",
-                    "bench_addition_step", "cli addition-compare", "cli scaling"}
+                    "check_fla_delta", "bench_addition_step", "cli addition-compare", "cli scaling"}
 
 
 @pytest.mark.parametrize("script", sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "benchmarks"))

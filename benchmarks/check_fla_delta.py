@@ -29,6 +29,8 @@ from typing import Dict, Optional
 
 import torch
 
+from falcon_fwa.atomic import write_json
+
 EXCEPTION_LINE = re.compile(r"[\w.]*(Error|Exception)\b[^ ]*: ")  # a traceback's last line: "Type: message"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -129,9 +131,8 @@ def main(argv=None) -> int:
         errs = " ".join(f"{k} {v:.2e}" for k, v in result.items() if k != "error")
         print(f"{op:5s} {dtype} B={a.batch} T={T} H={a.heads} K={K} V={V}: {errs}"
               + (f"  [{result['error']}]" if "error" in result else ""), flush=True)
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump(rows, f, indent=1)
+        if a.out:  # after every row: a run cut off keeps the rows it had
+            write_json(a.out, rows)
     return 0
 
 

@@ -10,5 +10,5 @@ from .presets import PRESETS, get_preset
 AutoConfig.register(FalconConfig.model_type, FalconConfig, exist_ok=True)
 AutoModelForCausalLM.register(FalconConfig, FalconForCausalLM, exist_ok=True)
 
-__all__ = ["FalconConfig", "FalconFWAConfig", "FalconForCausalLM", "FalconModel", "FalconPreTrainedModel", "FalconCache",
-           "MIXERS", "PRESETS", "get_preset", "count_parameters", "parameter_table"]
+__all__ = ["FalconConfig", "FalconFWAConfig", "FalconForCausalLM", "FalconModel", "FalconPreTrainedModel",
+           "FalconCache", "MIXERS", "PRESETS", "get_preset", "count_parameters", "parameter_table"]

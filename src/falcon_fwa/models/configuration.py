@@ -25,7 +25,8 @@ from ..layers.norms import QK_NORMS
 from ..ops.rules import RULES, get_rule
 from ..ops.validate import FORMS
 
-__all__ = ["FalconConfig", "FalconFWAConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "check_field_names", "config_fields"]
+__all__ = ["FalconConfig", "FalconFWAConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "check_field_names",
+           "config_fields"]
 
 RECURRENT_MIXERS = ("falcon", "deltanet", "gated_deltanet", "mamba2", "retnet")
 MIXERS = RECURRENT_MIXERS + ("transformer",)
@@ -152,9 +153,9 @@ class FalconFWAConfig(PretrainedConfig):
 
     The class is named ``FalconFWAConfig`` because transformers' auto classes find a model for a config by
     the config's class name, and ``FalconConfig`` is the name of transformers' own (unrelated) Falcon
-    config: under that name ``AutoModel.from_pretrained`` of a saved Falcon-FWA folder built transformers'
-    Falcon model. The auto classes now say that they do not know this config, except
-    ``AutoModelForCausalLM``, which builds :class:`~falcon_fwa.models.FalconForCausalLM`.
+    config: under that name, ``AutoModel.from_pretrained`` of a saved folder would build transformers'
+    Falcon model. ``AutoModelForCausalLM`` builds :class:`~falcon_fwa.models.FalconForCausalLM`; the other
+    auto classes refuse the config by name.
 
     Model shape: ``vocab_size``, ``hidden_size`` (d), ``num_hidden_layers``,
     ``num_heads`` (H), ``head_k_dim`` / ``head_v_dim`` (default ``d / H``; the

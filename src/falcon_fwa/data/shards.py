@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -138,25 +138,30 @@ class Shard:
     doc_starts: np.ndarray  # int64 [n_docs], ascending, doc_starts[0] == 0
 
 
-def is_shard_folder(path: str) -> bool:
-    """Whether ``path`` is a token shard folder: its ``meta.json`` names this format (a training
-    checkpoint's ``meta.json`` does not), rather than text files."""
+def _shard_meta(path: str) -> Optional[dict]:
+    """The ``meta.json`` of a token shard folder at ``path`` (one that names this format: a training
+    checkpoint's ``meta.json`` does not), else ``None``."""
     try:
         with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object
-        return False
+            meta = json.load(f)
+    except (OSError, ValueError):  # no file, not JSON
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def is_shard_folder(path: str) -> bool:
+    """Whether ``path`` is a token shard folder (its ``meta.json`` names this format), rather than text files."""
+    return _shard_meta(path) is not None
 
 
 class TokenShards:
     """Read-only view of a shard folder: ``shards[i].tokens`` (memmap) and ``.doc_starts``."""
 
     def __init__(self, folder: str):
-        path = os.path.join(folder, "meta.json")
-        if not is_shard_folder(folder):
+        meta = _shard_meta(folder)
+        if meta is None:
             raise FileNotFoundError(f"{folder!r} is no token shard folder (no meta.json of format {FORMAT!r})")
-        with open(path) as f:
-            self.meta = json.load(f)
+        self.meta = meta
         self.folder = folder
         self.vocab_size = int(self.meta["vocab_size"])
         self.eos_token_id = int(self.meta["eos_token_id"])

@@ -580,6 +580,14 @@ def failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
+def recovered(e: BaseException) -> str:
+    """:func:`failure` of ``e`` once the CUDA memory the failed row held is freed, so that the next row runs
+    (after a CUDA error freeing raises too, and is let go)."""
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()
+    return failure(e)
+
+
 def failed_row(op: str, shape, mode: str, error: str) -> dict:
     """A timing row that did not come: listed in the table of ``<name>.md`` (``failed: <type>``), left out of
     ``<name>.json`` (:func:`timed`), whose rows all carry a time."""
@@ -680,10 +688,9 @@ def main(argv=None) -> None:
         _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
 
     def fail(what: str, e: BaseException) -> str:
-        errors.append(f"{what}: {failure(e)}")
-        with contextlib.suppress(Exception):  # after a CUDA error, freeing the cache raises too
-            torch.cuda.empty_cache()
-        return failure(e)
+        message = recovered(e)
+        errors.append(f"{what}: {message}")
+        return message
 
     for shape in shapes:
         for name in timing_order(args.ops):

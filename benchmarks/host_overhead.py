@@ -12,7 +12,6 @@ by the host: its median measures Python and launch overhead, not the kernels.
     python benchmarks/host_overhead.py --ops falcon-1 fla-gated-delta-rule --profile falcon-1
 """
 import argparse
-import contextlib
 import cProfile
 import io
 import os
@@ -51,9 +50,7 @@ def main(argv=None) -> None:
         try:
             row(name, args.profile)
         except Exception as e:  # one failing op (fla missing, out of memory) must not lose the others
-            print(f"{name:22s} failed: {bk.failure(e)}", flush=True)
-            with contextlib.suppress(Exception):  # after a CUDA error, freeing the cache raises too
-                torch.cuda.empty_cache()
+            print(f"{name:22s} failed: {bk.recovered(e)}", flush=True)
 
 
 def row(name: str, profiled) -> None:

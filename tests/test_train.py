@@ -211,6 +211,14 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, wher
     trainer.close()
     assert os.path.basename(latest_checkpoint(str(tmp_path / "run" / "checkpoints"))) == "step-00000002"
     assert read_log(str(tmp_path / "run" / "log.jsonl"))[-1]["event"] == "non_finite"
+    # the log stays strict JSON: the NaN loss is written as null (a strict parser refuses NaN/Infinity)
+    lines = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert records[-1]["loss"] is None and records[-1]["event"] == "non_finite"
 
 
 def test_a_diverging_run_ends_with_exit_status_3_naming_the_command(tmp_path, capsys):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
@@ -46,9 +47,13 @@ class MetricLogger:
         self.file = open(path, "a")
 
     def log(self, step: int, **metrics) -> None:
+        """One record ``{"step": step, **metrics}``, strict JSON: a non-finite float (the loss of a
+        diverged step) is written as ``null``, which every JSON reader takes (``NaN`` is Python's own
+        extension, refused by jq and by strict parsers)."""
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
@@ -65,6 +70,11 @@ class MetricLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _finite_or_none(value):
+    """``value``, or ``None`` for a float that is NaN or infinite."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read_log(path: str) -> list:

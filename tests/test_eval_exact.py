@@ -159,3 +159,54 @@ def test_is_greedy_is_greedy_decoding_over_the_tokenizers_ids(tmp_path):
         _requests("loglikelihood", [(context, chr(best)), (context, chr(other))]), disable_tqdm=True)
     assert [g[1] for g in got] == [True, False]
     assert [g[0] for g in got] == pytest.approx([float(lp[best]), float(lp[other])], abs=1e-4)
+
+
+def _bos_adding_tokenizer():
+    """The byte tokenizer plus a beginning-of-sequence token ``<s>`` (id 257) that its post-processor puts in
+    front of every encoded text, as many Hub tokenizers do; training's documents (``encode_documents``,
+    without special tokens) are ``[end-of-text] + bytes`` all the same."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = byte_tokenizer().backend_tokenizer
+    backend.add_special_tokens(["<s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 257)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<s>",
+                                  pad_token="<|endoftext|>", model_max_length=1 << 30, padding_side="left",
+                                  clean_up_tokenization_spaces=False, split_special_tokens=True)
+    assert (tok.eos_token_id, tok.bos_token_id, tok("ab")["input_ids"]) == (256, 257, [257, 97, 98])
+    return tok
+
+
+def test_requests_are_tokenized_as_training_documents_with_a_bos_adding_tokenizer(tmp_path):
+    """A tokenizer whose encoding adds a beginning-of-sequence token: every request is still end-of-text
+    followed by the text's own tokens, as the training documents were. Log-likelihoods (an empty context
+    too), rolling log-likelihoods and generation prompts against direct computations on those tokens."""
+    from falcon_fwa.data.tokenizer import encode_documents
+
+    model, _ = _model()
+    tok = _bos_adding_tokenizer()
+    folder = _save(model, tok, tmp_path / "m")
+    eos = tok.eos_token_id
+    assert encode_documents(tok, ["ab"])[0].tolist() == [97, 98]  # what training puts after end-of-text
+
+    def cont_ll(context_ids, cont_ids):
+        lp = _log_probs(model, context_ids + cont_ids[:-1])
+        return sum(float(lp[len(context_ids) - 1 + j, t]) for j, t in enumerate(cont_ids))
+
+    pairs = [("the state", " memory"), ("", "gate"), ("a", " b")]
+    want = [cont_ll([eos, *c.encode()], list(k.encode())) for c, k in pairs]
+    lm = _lm(folder, batch_size=2, max_length=16)
+    assert lm.prefix_token_id == eos
+    got = lm.loglikelihood(_requests("loglikelihood", pairs), disable_tqdm=True)
+    assert [g[0] for g in got] == pytest.approx(want, abs=1e-4)
+
+    doc = "fast weight attention"  # 21 bytes: windows of 16 and 5 predictions, the second from 16 inputs
+    full = [eos, *doc.encode()]
+    want_roll = cont_ll(full[:1], full[1:17]) + cont_ll(full[5:17], full[17:])
+    assert lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(doc,)]), disable_tqdm=True) \
+        == pytest.approx([want_roll], abs=1e-4)
+
+    ids, mask = lm.tok_batch_encode(["ab", "abc"])
+    assert ids.tolist() == [[eos, eos, 97, 98], [eos, 97, 98, 99]] and mask.tolist() == [[0, 1, 1, 1], [1] * 4]

@@ -25,9 +25,13 @@ def lm_class():
     token; the ``hf`` model leaves it out (the byte and ``bpe:N`` tokenizers add no special
     tokens), so its first prediction would be made from a start the model never saw. Here the
     context of a ``loglikelihood`` request and each prompt of a ``generate_until`` batch get
-    it in front (left truncation applies after it); ``loglikelihood_rolling`` already opens
-    its first window with it (the harness's ``prefix_token_id``). A tokenizer without an
-    end-of-text token, or a text that already opens with it, is left as it is. Generation never
+    it in front (left truncation applies after it); ``loglikelihood_rolling`` opens its first
+    window with it, as does a ``loglikelihood`` request with an empty context (the harness's
+    ``prefix_token_id``, which would be a beginning-of-sequence token where the tokenizer has a
+    distinct one). Texts are encoded without special tokens, as training's documents
+    (``add_bos_token=False``): a tokenizer that adds a beginning-of-sequence token does not
+    add it here. A tokenizer without an end-of-text token, or a text that already opens with
+    it, is left as it is. Generation never
     picks the ids past the tokenizer's vocabulary that the embedding pads to a multiple of 64
     (as ``falcon-fwa generate``), and a row of a batch ends at the tokenizer's end-of-text token
     also where the model's config names none; a ``loglikelihood`` request's ``is_greedy`` is
@@ -46,10 +50,22 @@ def lm_class():
     class FalconFWALM(HFLM):
         """HFLM for falcon-fwa model folders: requests open with end-of-text, as in training."""
 
-        def __init__(self, *args, logits_cache: bool = False, backend: str = "causal", **kwargs):
+        def __init__(self, *args, logits_cache: bool = False, backend: str = "causal",
+                     add_bos_token: bool = False, **kwargs):
             # the folders are decoder-only; left to find out, the harness looks the registered model type up
-            # in transformers' own tables, misses it and warns that the type is neither causal nor seq2seq
-            super().__init__(*args, logits_cache=logits_cache, backend=backend, **kwargs)
+            # in transformers' own tables, misses it and warns that the type is neither causal nor seq2seq.
+            # Texts are encoded without special tokens, as training's documents are: a tokenizer that adds a
+            # beginning-of-sequence token would otherwise put it after the end-of-text opening
+            super().__init__(*args, logits_cache=logits_cache, backend=backend, add_bos_token=add_bos_token,
+                             **kwargs)
+
+        @property
+        def prefix_token_id(self) -> int:
+            # what an empty context and the first rolling window open with: end-of-text, as documents do in
+            # training (the harness takes the tokenizer's beginning-of-sequence token where it has one)
+            if self.custom_prefix_token_id is None and self.tokenizer.eos_token_id is not None:
+                return self.tokenizer.eos_token_id
+            return super().prefix_token_id
 
         def _opening(self, ids) -> list:
             eos = self.tokenizer.eos_token_id

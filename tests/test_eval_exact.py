@@ -210,3 +210,28 @@ def test_requests_are_tokenized_as_training_documents_with_a_bos_adding_tokenize
 
     ids, mask = lm.tok_batch_encode(["ab", "abc"])
     assert ids.tolist() == [[eos, eos, 97, 98], [eos, 97, 98, 99]] and mask.tolist() == [[0, 1, 1, 1], [1] * 4]
+
+
+def test_rolling_log_likelihood_is_the_perplexity_commands_sum_on_whole_windows(tmp_path):
+    """A document of 3 x 16 tokens after its end-of-text: the harness's rolling windows of max_length 16 are
+    the ``ppl`` windows of seq_len 16 (each from an empty state, the first opened by end-of-text), so its
+    log-likelihood is minus the summed NLL of ``position_nll`` over them, in either treatment of documents
+    and at any batch size (float64, to 1e-9)."""
+    from falcon_fwa.eval import position_nll, windows
+
+    model, tok = _model()
+    folder = _save(model.double(), tok, tmp_path / "m")
+    doc = "the state memory key value write read gate decay"[:48]
+    full = torch.tensor([tok.eos_token_id, *doc.encode()])
+    rows = windows(full.numpy(), 16)
+    assert rows.shape == (3, 17)
+    for eos_id in (None, tok.eos_token_id):
+        total, count = position_nll(model, rows, batch_size=2, progress=False, eos_id=eos_id)
+        assert int(count.sum()) == 48
+        for batch_size in (1, 3):
+            got = _lm(folder, batch_size=batch_size, max_length=16, dtype="float64").loglikelihood_rolling(
+                _requests("loglikelihood_rolling", [(doc,), (doc[:12],)]), disable_tqdm=True)
+            assert got[0] == pytest.approx(-float(total.sum()), rel=0, abs=1e-9)
+    # a document shorter than a window: one window of its 12 predictions
+    total12, _ = position_nll(model, windows(full[:13].numpy(), 12), progress=False)
+    assert got[1] == pytest.approx(-float(total12.sum()), rel=0, abs=1e-9)

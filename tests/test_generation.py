@@ -324,3 +324,32 @@ def test_generate_refuses_what_a_recurrent_cache_cannot_do_by_name():
     # what stays allowed: output_attentions off, and plain greedy decoding
     assert model(ids, output_attentions=False).logits.shape == (1, 6, model.config.vocab_size)
     assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 8)
+
+
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {})],
+                         ids=["falcon-3A", "transformer"])
+def test_a_continued_cache_saves_and_loads_and_goes_on_as_one_pass(mixer, overrides):
+    """A cache that has been continued (and so checked against its model) goes through ``torch.save`` and
+    ``pickle``; the loaded copy continues as one pass over the whole sequence would, and is checked again
+    where it is given: to a model of another mixer it is refused by name."""
+    import io
+    import pickle
+
+    model = _model(mixer, overrides)
+    x = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        want = model(x, use_cache=False).logits[:, 8:]
+        out = model(x[:, :6], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        for t in (6, 7):
+            model(x[:, t:t + 1], past_key_values=cache)
+        buf = io.BytesIO()
+        torch.save(cache, buf)
+        copies = [torch.load(io.BytesIO(buf.getvalue()), weights_only=False), pickle.loads(pickle.dumps(cache))]
+        for copy in copies:
+            assert copy.num_positions == 8 and copy.seen.tolist() == [8, 8]
+            got = model(x[:, 8:], past_key_values=copy).logits
+            assert float((got - want).abs().max()) <= 1e-10
+        other = _model("retnet" if mixer == "transformer" else "transformer", {})
+        with pytest.raises(ValueError, match="past_key_values was filled by another model"):
+            other(x[:, 8:], past_key_values=pickle.loads(pickle.dumps(cache)))

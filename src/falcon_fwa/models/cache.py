@@ -37,6 +37,11 @@ class FalconCache:
         # FalconForCausalLM._check_cache_fits): a decoding loop checks it once, not at every step
         self.checked_for = None
 
+    def __getstate__(self) -> dict:
+        """What ``pickle`` and ``torch.save`` store: everything but ``checked_for`` (a weak reference, which
+        cannot be pickled; a loaded or copied cache is checked again against the model it is given to)."""
+        return {**self.__dict__, "checked_for": None}
+
     def __len__(self) -> int:
         return len(self.layers)
 

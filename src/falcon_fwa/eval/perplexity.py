@@ -1,8 +1,9 @@
 """Perplexity over held-out text, overall and by position bucket.
 
 The held-out documents are tokenized (end-of-text opening each document, as in training),
-concatenated and cut into windows of ``seq_len + 1`` tokens; every window starts from an
-empty state. Two ways to treat the documents inside a window:
+concatenated and cut into windows of ``seq_len + 1`` tokens, each window's last token the
+next one's first (the ``(len - 1) % seq_len`` predictions after the last whole window are not
+scored); every window starts from an empty state. Two ways to treat the documents inside a window:
 
 * ``documents="reset"`` (``eos_id`` given; the default of ``falcon-fwa ppl``, and what
   training with ``packing: cu_seqlens`` does): every document starts from an empty state
@@ -110,7 +111,8 @@ def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file",
 
 
 def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None) -> torch.Tensor:
-    """Non-overlapping windows [N, seq_len + 1] (inputs + next-token targets)."""
+    """Windows [N, seq_len + 1] (inputs + next-token targets), N = (len(tokens) - 1) // seq_len: each token
+    is predicted in at most one of them, and the predictions after the last whole window are in none."""
     n = (len(tokens) - 1) // seq_len
     if max_windows is not None:
         n = min(n, max_windows)

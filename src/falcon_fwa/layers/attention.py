@@ -127,6 +127,9 @@ class CausalSelfAttention(nn.Module):
         and values are written into the cache's buffers (grown by doubling when full), in place
         unless autograd may still need them."""
         L = q.shape[2]
+        # the buffers keep the dtype of the call that filled them (a prefill under autocast, steps without it,
+        # or the reverse): the new keys and values are stored in it, and read back in the queries' dtype
+        k, v = k.to(cache.keys.dtype), v.to(cache.values.dtype)
         if torch.is_grad_enabled() and (k.requires_grad or cache.keys.requires_grad):
             # earlier calls' attention may still need the buffers for backward: write into copies
             cache.keys, cache.values = cache.keys.clone(), cache.values.clone()
@@ -143,7 +146,8 @@ class CausalSelfAttention(nn.Module):
             allowed = None  # one new token per row, every row equally long: every key is visible
             if L > 1 or len(set(cache.lengths)) > 1:
                 allowed = (torch.arange(end, device=q.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,L,end]
-            return _cached_attention(q, cache.keys[:, :, :end], cache.values[:, :, :end], attn_mask=allowed)
+            return _cached_attention(q, cache.keys[:, :, :end].to(q.dtype), cache.values[:, :, :end].to(q.dtype),
+                                     attn_mask=allowed)
         segments = self._segments(q, packing)
         cache.grow(max(cache.lengths[r] + e - a for _, a, e, r in segments))
         outs = []
@@ -152,8 +156,8 @@ class CausalSelfAttention(nn.Module):
             cache.keys[r, :, P:P + n], cache.values[r, :, P:P + n] = k[b, :, a:e], v[b, :, a:e]
             cache.lengths[r] = P + n
             allowed = torch.arange(P + n, device=q.device)[None, :] <= (P + torch.arange(n, device=q.device))[:, None]
-            outs.append(_cached_attention(q[b:b + 1, :, a:e], cache.keys[r:r + 1, :, :P + n],
-                                          cache.values[r:r + 1, :, :P + n], attn_mask=allowed))
+            outs.append(_cached_attention(q[b:b + 1, :, a:e], cache.keys[r:r + 1, :, :P + n].to(q.dtype),
+                                          cache.values[r:r + 1, :, :P + n].to(q.dtype), attn_mask=allowed))
         if packing.packed:
             return torch.cat(outs, dim=2)
         return torch.cat(outs, dim=0)

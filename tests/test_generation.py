@@ -385,3 +385,33 @@ def test_a_cache_filled_under_autocast_continues_without_it_and_the_reverse(mixe
         assert cache[0].keys.dtype == (torch.bfloat16 if prefill_autocast else torch.float32)
     got = torch.cat(parts, 1).double() * mask[..., None]
     assert float((got - want * mask[..., None]).abs().max()) <= 0.03 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {}),
+                                             ("retnet", {})], ids=["falcon-3A", "transformer", "retnet"])
+def test_a_call_whose_columns_are_all_pads_leaves_the_cache_and_gives_zero_logits(mixer, overrides):
+    """An attention_mask with no real token in any row (a batch of empty rows, or a cached call in which every
+    row gets none) gives the zero logits and hidden states of pads, as a pad column of any batch does; the cache
+    counts the columns but no token, and continuing it equals one pass over the real tokens."""
+    model = _model(mixer, overrides)
+    x = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        empty = model(x[:, :4], attention_mask=torch.zeros(2, 4, dtype=torch.long), use_cache=False,
+                      output_hidden_states=True)
+        assert empty.logits.shape == (2, 4, 64) and not empty.logits.any()
+        assert len(empty.hidden_states) == 3 and not any(h.any() for h in empty.hidden_states)
+        out = model(x[:, :5], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        mask = torch.cat([torch.ones(2, 5, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)], 1)
+        pads = model(x[:, 5:7], attention_mask=mask, past_key_values=cache)
+        assert not pads.logits.any() and cache.seen.tolist() == [5, 5] and cache.get_seq_length() == 7
+        mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], 1)
+        got = model(x[:, 7:], attention_mask=mask, past_key_values=cache).logits
+        want = model(torch.cat([x[:, :5], x[:, 7:]], 1), use_cache=False).logits[:, 5:]
+        assert float((got - want).abs().max()) <= 1e-10
+        # an empty row among others: a pad row without a cache; refused, naming the row, in a cache's first call
+        one_empty = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]])
+        assert not model(x[:, :4], attention_mask=one_empty, use_cache=False).logits[1].any()
+        with pytest.raises(ValueError, match=r"every row needs at least one real token in the first call with a "
+                                             r"cache, rows \[1\] have none .*use_cache=False"):
+            model(x[:, :4], attention_mask=one_empty)  # in eval mode a cache by default

@@ -434,8 +434,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             if not bool(mask.all()):
                 _, index, cu, rows = unpad(mask[..., None], mask)
                 if cache is not None and cache.empty and rows.numel() != B:
-                    raise ValueError("attention_mask: every row needs at least one real token in the first call "
-                                     "with a cache")
+                    empty = sorted(set(range(B)) - set(rows.tolist()))
+                    raise ValueError(f"attention_mask: every row needs at least one real token in the first call "
+                                     f"with a cache, rows {empty} have none (a model in eval mode makes a cache "
+                                     f"unless given use_cache=False, which takes empty rows)")
                 return Packing.from_cu_seqlens(cu, rows, offsets), index, mask.sum(1)
         real = torch.full((B,), T, dtype=torch.int64, device=x.device)
         return Packing.dense(B, T, offsets, x.device), None, real
@@ -540,8 +542,11 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if output_hidden_states is None:
             output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         hidden = [] if output_hidden_states else None
-        with known_sequence_bounds(packing.cu_seqlens, packing.bounds):  # one device read per batch
-            h = self.model(h, packing, cache, hidden)
+        if index is not None and index.numel() == 0:  # every column a pad: no block has a token to see
+            hidden = None if hidden is None else [h] * (len(self.model.layers) + 1)
+        else:
+            with known_sequence_bounds(packing.cu_seqlens, packing.bounds):  # one device read per batch
+                h = self.model(h, packing, cache, hidden)
         if index is not None:
             hidden = None if hidden is None else [repad(x, index, B, T) for x in hidden]
             if logits_to_keep:  # the last columns of the padded layout

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -101,9 +103,10 @@ class RunConfig:
             (bool(d.train_source), "data.train_source", "must name the training documents"),
             (d.seq_len >= 1, "data.seq_len", "must be >= 1"),
             (d.packing in PACKINGS, "data.packing", f"must be one of {PACKINGS}"),
-            (o.lr > 0, "optim.lr", "must be > 0"),
+            (0 < o.lr < math.inf, "optim.lr", "must be a finite number > 0"),
             (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)"),
-            (o.weight_decay >= 0, "optim.weight_decay", "must be >= 0"),
+            (0 < o.eps < math.inf, "optim.eps", "must be a finite number > 0 (AdamW divides by sqrt(v) + eps)"),
+            (0 <= o.weight_decay < math.inf, "optim.weight_decay", "must be a finite number >= 0"),
             (o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0"),
             (0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]"),
             (o.clip_grad_norm >= 0, "optim.clip_grad_norm", "must be >= 0 (0 turns clipping off)"),
@@ -306,6 +309,12 @@ def _typed_model_overrides(overrides: dict) -> dict:
     return {k: _typed(f"model.overrides.{k}", hints[k], v) if k in floats else v for k, v in overrides.items()}
 
 
+def _did_you_mean(name, known) -> str:
+    """`` (did you mean 'steps'?)`` for the known name closest to a misspelt ``name``, else ``""``."""
+    close = difflib.get_close_matches(str(name), sorted(known), 1, 0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def config_from_dict(raw: dict) -> RunConfig:
     """A validated :class:`RunConfig` from a recipe's raw mapping ``{section: {field: value}}``
     (what ``read_recipe`` and ``apply_overrides`` give). Unknown sections or fields and values
@@ -315,7 +324,8 @@ def config_from_dict(raw: dict) -> RunConfig:
     kwargs = {}
     for name, value in raw.items():
         if name not in sections:
-            raise ValueError(f"unknown config section {name!r}; sections are {sorted(sections)}")
+            raise ValueError(f"unknown config section {name!r}{_did_you_mean(name, sections)}; "
+                             f"sections are {sorted(sections)}")
         cls = {"model": ModelSection, "data": DataSection, "optim": OptimSection, "train": TrainSection,
                "log": LogSection}[name]
         if value is not None and not isinstance(value, dict):
@@ -323,7 +333,8 @@ def config_from_dict(raw: dict) -> RunConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in value or {}:
             if key not in known:
-                raise ValueError(f"unknown config field {name}.{key}; fields of {name!r} are {sorted(known)}")
+                raise ValueError(f"unknown config field {name}.{key}{_did_you_mean(key, known)}; "
+                                 f"fields of {name!r} are {sorted(known)}")
         types = get_type_hints(cls)
         kwargs[name] = cls(**{k: _typed(f"{name}.{k}", types[k], v) for k, v in (value or {}).items()})
     if "model" in kwargs:

@@ -325,7 +325,10 @@ def _torchrun(tmp_path, runs):
 
 @pytest.mark.slow
 def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path):
-    """Launch 1: uninterrupted runs and runs stopped at step 2; launch 2 (new processes): resume."""
+    """Launch 1: uninterrupted runs and runs stopped at step 2; launch 2 (new processes): resume. The
+    uninterrupted runs log the one-process run's losses (the same global batches, gradients averaged over
+    the two processes) to float32 rounding."""
+    run_trainer(recipe(tmp_path, "single", micro_batch=1))
     paths = {}
     for strategy in ("ddp", "fsdp2"):
         for name in ("full", "split"):
@@ -339,6 +342,11 @@ def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path):
     for strategy in ("ddp", "fsdp2"):
         full = losses(tmp_path / f"{strategy}-full")
         assert len(full) == 4 and all(math.isfinite(l) for _, l in full)
+        for key in ("loss", "val_loss"):
+            one = losses(tmp_path / "single", key)
+            assert [s for s, _ in one] == [s for s, _ in losses(tmp_path / f"{strategy}-full", key)]
+            for (_, a), (_, b) in zip(one, losses(tmp_path / f"{strategy}-full", key)):
+                assert abs(a - b) <= 1e-6 * abs(a), (strategy, key, a, b)
         assert losses(tmp_path / f"{strategy}-split") == full, strategy
         assert losses(tmp_path / f"{strategy}-split", "val_loss") == losses(tmp_path / f"{strategy}-full", "val_loss")
         state = load_checkpoint(latest_checkpoint(str(tmp_path / f"{strategy}-split" / "checkpoints")))

@@ -1,15 +1,15 @@
 """Document sources: plain text, JSONL and Parquet files, or a Hugging Face dataset.
 
 ``iter_documents(source)`` yields one string per document. ``source`` is
-- a file or a folder (searched recursively) of ``.txt``/``.md``/``.rst``, ``.jsonl``/``.json`` (JSON
-  Lines, or one array of records) and ``.parquet`` files (suffixes in any case), or a glob pattern of
-  such files; records whose text is null, empty or blank yield no document;
+- a file or a folder (searched recursively, into linked folders too) of ``.txt``/``.md``/``.rst``,
+  ``.jsonl``/``.json`` (JSON Lines, or one array of records) and ``.parquet`` files (suffixes in any
+  case), or a glob pattern of such files; records whose text is null, empty or blank yield no document;
 - ``hf:NAME`` or ``hf:NAME:CONFIG`` for ``datasets.load_dataset(NAME, CONFIG, split=..., streaming=True)``
   (needs internet or a local cache).
 Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
 document), ``"line"`` (one per non-empty line) or ``"paragraph"`` (separated by blank lines).
-Bytes that are no UTF-8 (in a text or JSON file) become U+FFFD; a leading byte-order mark is
-dropped; a text file's line ends ``\r\n`` and ``\r`` become ``\n`` (Python's text mode). A record
+Bytes that are no UTF-8 (in a text or JSON file, or a Parquet string) become U+FFFD; a leading
+byte-order mark is dropped; a text file's line ends ``\r\n`` and ``\r`` become ``\n`` (Python's text mode). A record
 without the ``text_field``, with a non-string text, a line that is no JSON, or a file that is no
 Parquet is a ``ValueError`` naming the file and record; a Parquet ``text_field`` column must hold
 strings.
@@ -34,11 +34,12 @@ def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
     ``exclude``: a folder whose files never count (the tokenized output, when it lies inside the source);
     below a source folder, a folder of tokenized data (holding ``prepared.json``) does not count either."""
     if os.path.isdir(source):
-        files = []
-        for root, dirs, names in os.walk(source):
-            if "prepared.json" in names:
+        files, seen = [], set()
+        for root, dirs, names in os.walk(source, followlinks=True):  # a linked folder is searched too, once
+            if "prepared.json" in names or os.path.realpath(root) in seen:
                 dirs[:] = []
                 continue
+            seen.add(os.path.realpath(root))
             files.extend(os.path.join(root, f) for f in names)
     elif os.path.isfile(source):
         files = [source]
@@ -52,6 +53,9 @@ def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
     if not files:
         if not glob.has_magic(source) and not os.path.exists(source):
             raise FileNotFoundError(f"data source {source!r} does not exist")
+        if os.path.isfile(source):
+            raise FileNotFoundError(f"data source {source!r} is no {'/'.join(suffixes)} file (files are read by "
+                                    "their suffix)")
         raise FileNotFoundError(f"data source {source!r} names no {'/'.join(suffixes)} files")
     return files
 
@@ -146,7 +150,13 @@ def _parquet_texts(path: str, text_field: str) -> Iterator[str]:
         raise ValueError(f"{path}: column text_field {text_field!r} must hold strings, got {kind}")
     try:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            yield from (t for t in batch.column(0).to_pylist() if t and t.strip())
+            values = batch.column(0)
+            try:
+                texts = values.to_pylist()
+            except UnicodeDecodeError:  # strings of bytes that are no UTF-8 (unchecked on read): U+FFFD
+                texts = [None if b is None else b.decode("utf-8", "replace")
+                         for b in values.cast(pa.large_binary()).to_pylist()]
+            yield from (t for t in texts if t and t.strip())
     except (pa.ArrowException, OSError) as err:
         raise ValueError(f"{path}: unreadable Parquet data ({err})") from None
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 from ..atomic import folder_lock, write_json
-from .shards import NoDocuments, TokenShards, write_token_shards
+from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, iter_documents, list_files
 from .tokenizer import bpe_vocab_size, load_tokenizer
 
@@ -71,15 +71,20 @@ def _docs(spec: DataSpec, which: str, out_dir: str):
     return (d for i, d in enumerate(docs) if held_out(i) == (which == "val"))
 
 
-def source_files(spec: DataSpec, out_dir: str) -> dict:
+def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
     """``{"train": {path: bytes}, "val": ...}``: the files each local source names now (``hf:`` sources
-    and an unset ``val_source`` give ``None``), so that a reuse can tell a corpus that has changed."""
-    def sizes(source: Optional[str]) -> Optional[dict]:
+    and an unset ``val_source`` give ``None``), so that a reuse can tell a corpus that has changed.
+    ``FileNotFoundError`` naming the setting (``name``) of a source that names no file."""
+    def sizes(field: str) -> Optional[dict]:
+        source = getattr(spec, field)
         if source is None or source.startswith("hf:"):
             return None
-        return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
+        try:
+            return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{name(field)}: {err}") from None
 
-    return {"train": sizes(spec.train_source), "val": sizes(spec.val_source)}
+    return {"train": sizes("train_source"), "val": sizes("val_source")}
 
 
 def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> None:
@@ -135,8 +140,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     record_path = os.path.join(out_dir, "prepared.json")
     wanted = asdict(spec)
     if os.path.isfile(record_path) and not overwrite:
-        with open(record_path) as f:
-            record = json.load(f)
+        record = _read_record(record_path)
         if record["spec"] != wanted:
             held = record["spec"]
             differ = ", ".join(f"{k} {held.get(k)!r} there, {wanted.get(k)!r} here"
@@ -153,8 +157,12 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
+        for which in ("train", "val"):  # removed by hand since: the folder is no longer what it records
+            if not is_shard_folder(os.path.join(out_dir, which)):
+                raise ValueError(f"data folder {out_dir!r} has lost its {which} split ({os.path.join(out_dir, which)!r}"
+                                 " is no token shard folder): rebuild it (falcon-fwa data --overwrite)")
         return record
-    files = source_files(spec, out_dir)
+    files = source_files(spec, out_dir, name)
     _check_disjoint(files, spec, name)
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
@@ -175,6 +183,21 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts,
               "files": files}
     write_json(record_path, record)
+    return record
+
+
+def _read_record(path: str) -> dict:
+    """The ``prepared.json`` at ``path``; ``ValueError`` naming it if it is no record this module wrote."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except ValueError as err:  # not JSON (edited or damaged by hand: the module writes it atomically)
+        record, why = None, str(err)
+    else:
+        why = "no \"spec\" of settings"
+    if not isinstance(record, dict) or not isinstance(record.get("spec"), dict):
+        raise ValueError(f"{path!r} is no record of a preparation ({why}): rebuild the folder "
+                         "(falcon-fwa data --overwrite) or choose another folder")
     return record
 
 

@@ -1,5 +1,5 @@
-"""Edges of the data pipeline: Parquet strings that are no UTF-8, folders reached through links, sources
-named by the setting that gives them, and a prepared folder damaged by hand."""
+"""Edges of the data pipeline: Parquet strings that are no UTF-8, folders reached through links, a saved
+``DatasetDict``, sources named by the setting that gives them, and a prepared folder damaged by hand."""
 import json
 import os
 import re
@@ -38,6 +38,18 @@ def test_a_folder_reached_through_a_link_is_read_once(tmp_path):
     os.symlink(elsewhere, src / "linked")
     os.symlink(src, src / "sub" / "loop")  # back to the top
     assert list(iter_documents(str(src))) == ["first", "linked in", "nested"]
+
+
+def test_a_saved_dataset_dict_is_an_hf_source_of_its_splits(tmp_path):
+    """``hf:FOLDER`` of ``DatasetDict.save_to_disk`` (arrow shards): each split's records in order."""
+    from datasets import Dataset, DatasetDict
+
+    train = [f"record {n} " + "é" * (n % 3) for n in range(40)]
+    DatasetDict({"train": Dataset.from_dict({"text": train, "n": list(range(40))}),
+                 "validation": Dataset.from_dict({"text": ["held", None, "out"]})}).save_to_disk(
+        str(tmp_path / "saved"), num_shards={"train": 3, "validation": 1})
+    assert list(iter_documents(f"hf:{tmp_path / 'saved'}")) == train
+    assert list(iter_documents(f"hf:{tmp_path / 'saved'}", split="validation")) == ["held", "out"]
 
 
 def bad_sources(tmp_path):

@@ -143,6 +143,21 @@ def test_recipes_of_other_step_counts_are_refused_without_a_common_count(tmp_pat
     assert not (tmp_path / "cmp" / "main").exists()
 
 
+def test_recipes_that_train_otherwise_are_refused_naming_the_fields_that_differ(tmp_path):
+    """The recipes of a comparison share data, optim and train.global_batch: one with another learning rate
+    and row length is refused naming both fields and both values, before anything is tokenized."""
+    paths = recipes(tmp_path, {"a": "tiny-falcon", "b": "tiny-transformer"})
+    raw = __import__("yaml").safe_load(open(paths[1]))
+    raw["optim"]["lr"], raw["data"]["seq_len"] = 1e-3, 16
+    (tmp_path / "b.yaml").write_text(__import__("yaml").safe_dump(raw))
+    parser = __import__("argparse").ArgumentParser()
+    compare.add_arguments(parser)
+    with pytest.raises(ValueError, match=r"b\.yaml: data\.seq_len = 16, optim\.lr = 0\.001, .*a\.yaml has 24, 0\.003: "
+                                         r"data, optim and train\.global_batch must be the same in every recipe$"):
+        compare.run(parser.parse_args(["--configs", *paths, "--out", str(tmp_path / "cmp"), "--steps", "4"]))
+    assert not (tmp_path / "cmp" / "main").exists()
+
+
 def test_a_failed_recipe_ends_the_command_with_status_1_after_the_others(tmp_path, monkeypatch, capsys):
     original = trainer_module.Trainer.train
 

@@ -449,6 +449,14 @@ def _earlier_runs(path: str, configs: dict, device: str) -> dict:
         return {}
 
 
+def _shared_fields_that_differ(first, other) -> List[Tuple[str, object, object]]:
+    """``(field, other's value, first's value)`` for each field the recipes of one comparison must share
+    (``data``, ``optim``, ``train.global_batch``) where ``other`` differs from ``first``."""
+    a, b = first.to_dict(), other.to_dict()
+    shared = [("data", k) for k in a["data"]] + [("optim", k) for k in a["optim"]] + [("train", "global_batch")]
+    return [(f"{s}.{k}", b[s][k], a[s][k]) for s, k in shared if a[s][k] != b[s][k]]
+
+
 def _compare(args: argparse.Namespace, names: List[str], started: float, deadline_at: Optional[float]) -> int:
     from ..data import prepare_dataset
 
@@ -457,8 +465,11 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     sets_steps = args.steps is not None or args.time_budget is not None or args.deadline is not None
     for c in args.configs[1:]:
         other = load_config(c, args.overrides)
-        if (other.data, other.optim, other.train.global_batch) != (d, first.optim, first.train.global_batch):
-            raise ValueError(f"{c}: data, optim and train.global_batch must equal {args.configs[0]}'s")
+        differ = _shared_fields_that_differ(first, other)
+        if differ:
+            raise ValueError(f"{c}: {', '.join(f'{k} = {v!r}' for k, v, _ in differ)}, {args.configs[0]} has "
+                             f"{', '.join(repr(v) for _, _, v in differ)}: data, optim and train.global_batch "
+                             "must be the same in every recipe")
         if not sets_steps and other.train.steps != first.train.steps:  # the table would set unequal tokens side by side
             raise ValueError(f"{c}: train.steps = {other.train.steps}, {args.configs[0]} has {first.train.steps}: "
                              "the recipes must train the same tokens; give --steps (or --time-budget / --deadline)")

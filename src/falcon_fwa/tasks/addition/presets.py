@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .data import OPERAND_ORDERS, check_abacus_offset, check_base
 
@@ -121,9 +121,7 @@ class AdditionPreset:
 
     def size(self) -> Dict[str, Any]:
         """The model config fields of the preset: width, depth, heads, the initialization scale and ``model``."""
-        init = {"initializer_range": self.hidden_size ** -0.5} if self.fan_in_init else {}
-        return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
-                "num_heads": self.num_heads, **init, **self.model}
+        return preset_size(vars(self))
 
     def num_digit_indices(self) -> int:
         """Rows of the digit-index table under ``abacus_offset``: index 0 (the non-digits) and the
@@ -144,6 +142,15 @@ class AdditionPreset:
 
     def replace(self, **changes: Any) -> "AdditionPreset":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def preset_size(preset: Mapping[str, Any]) -> Dict[str, Any]:
+    """The model config fields of a preset's fields (an :class:`AdditionPreset`'s, or its ``preset`` dict in
+    a run's results): width, depth, heads, the fan-in scale where ``fan_in_init`` is set, and ``model``. A
+    results dict from before ``fan_in_init`` existed lacks it; such runs held their scale in ``model``."""
+    init = {"initializer_range": preset["hidden_size"] ** -0.5} if preset.get("fan_in_init") else {}
+    return {"hidden_size": preset["hidden_size"], "num_hidden_layers": preset["num_hidden_layers"],
+            "num_heads": preset["num_heads"], **init, **(preset.get("model") or {})}
 
 
 PRESETS: Dict[str, AdditionPreset] = {

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
 from .lineup import DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
-from .presets import AdditionPreset
+from .presets import AdditionPreset, preset_size
 from ...atomic import folder_lock, read_json, save_torch, write_json
 from ...provenance import git_commit
 from ...train import schedule
@@ -315,13 +315,18 @@ RESUMABLE_FIELDS = ("steps", "eval_every", "cpu_threads", "matmul_precision")
 interval, thread count or matmul precision); the other fields decide what the steps so far trained on and
 what the evaluations measured."""
 
+INIT_FIELDS = ("model", "fan_in_init")
+"""Preset fields compared through the model config they give (:func:`.presets.preset_size`), not one by one: runs
+from before ``fan_in_init`` existed held the same fan-in scale in ``model`` as ``initializer_range``."""
+
 
 def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, advice: str) -> None:
     """A ``ValueError`` naming the first setting where the run in ``where`` (its results dict ``held``)
     differs from the one asked for (``wanted``: ``config_fields``, ``eval_seed``, ``preset`` and, where
     given, the training ``seed`` and ``dtype``): the model's config fields, the evaluation seed, the
     training seed, the dtype, a preset field outside :data:`RESUMABLE_FIELDS` (fields
-    the run predates are not compared), or a budget shorter than the steps the run has done."""
+    the run predates are not compared; ``model`` and ``fan_in_init`` through the model config they give,
+    :func:`.presets.preset_size`), or a budget shorter than the steps the run has done."""
     held_preset = held.get("preset") or {}
     wanted_preset = json.loads(json.dumps(wanted["preset"]))  # tuples as lists, as results.json holds them
     fields = json.loads(json.dumps(wanted["config_fields"]))
@@ -331,8 +336,11 @@ def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, 
         if k in held and k in wanted and held[k] != wanted[k]:
             raise ValueError(f"{k}: {where} holds a run with {k} {held[k]!r}, not {wanted[k]!r}; {advice}")
     for k, v in wanted_preset.items():
-        if k in held_preset and k not in RESUMABLE_FIELDS and held_preset[k] != v:
+        if k in held_preset and k not in RESUMABLE_FIELDS + INIT_FIELDS and held_preset[k] != v:
             raise ValueError(f"{k}: {where} holds a run with {k} {held_preset[k]!r}, not {v!r}; {advice}")
+    if "model" in held_preset and preset_size(held_preset) != preset_size(wanted_preset):
+        raise ValueError(f"model: {where} holds a run of {preset_size(held_preset)!r}, not "
+                         f"{preset_size(wanted_preset)!r}; {advice}")
     if held.get("steps_done", 0) > wanted_preset["steps"]:
         raise ValueError(f"steps: {where} holds a run of {held['steps_done']} steps, more than "
                          f"{wanted_preset['steps']}; {advice}")

@@ -1,0 +1,52 @@
+"""Addition task: the recorded runs and summaries under results/addition stay readable by the commands."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from falcon_fwa.tasks.addition.compare import check_runs_setup
+from falcon_fwa.tasks.addition.lineup import resolve_model
+from falcon_fwa.tasks.addition.presets import get_addition_preset, preset_size
+from falcon_fwa.tasks.addition.train import check_same_setup
+
+RECORD = Path(__file__).resolve().parents[1] / "results" / "addition" / "paper_runs"
+"""The runs of the table of record (results/addition/paper.md), from before the preset field ``fan_in_init``."""
+
+
+def _wanted(preset, model="Falcon-3A.3"):
+    return {"config_fields": resolve_model(model), "eval_seed": 1234, "preset": preset.to_dict(), "seed": 0,
+            "dtype": "float32"}
+
+
+def test_runs_from_before_fan_in_init_match_the_preset_of_the_same_model():
+    # the record held its fan-in scale 1/sqrt(256) = 0.0625 in the preset's 'model'; today's preset has
+    # fan_in_init and no 'model': the same model config, so the record can be summarized (--no-train) again
+    held = json.loads((RECORD / "Falcon-3A.3" / "seed0" / "results.json").read_text())
+    assert "fan_in_init" not in held["preset"] and held["preset"]["model"] == {"initializer_range": 0.0625}
+    paper = get_addition_preset("paper")
+    assert preset_size(held["preset"]) == paper.size() == {"hidden_size": 256, "num_hidden_layers": 4,
+                                                           "num_heads": 4, "initializer_range": 0.0625}
+    check_same_setup(held, _wanted(paper), RECORD, "advice")
+    check_runs_setup(RECORD, ["Falcon-3A.3", "Falcon-1A.3", "Falcon-1.3", "Transformer", "Mamba-2"], [0], paper,
+                     1234, "float32")
+
+
+def test_runs_of_another_initialization_are_still_refused():
+    paper = get_addition_preset("paper")
+    held = {"config_fields": resolve_model("Falcon-3A.3"), "eval_seed": 1234, "seed": 0, "dtype": "float32",
+            "preset": json.loads(json.dumps(paper.to_dict()))}
+    old = copy.deepcopy(held)  # the first GPU run: no fan-in scale (the config default 0.02)
+    del old["preset"]["fan_in_init"]
+    old["preset"]["model"] = {}
+    with pytest.raises(ValueError, match=r"^model: .*'initializer_range': 0\.0625"):
+        check_same_setup(old, _wanted(paper), Path("run"), "advice")
+    other = copy.deepcopy(held)  # an explicit scale other than the fan-in one
+    other["preset"]["model"] = {"initializer_range": 0.02}
+    with pytest.raises(ValueError, match=r"^model: .*'initializer_range': 0\.02"):
+        check_same_setup(other, _wanted(paper), Path("run"), "advice")
+    check_same_setup(held, _wanted(paper), Path("run"), "advice")  # the same preset passes
+    wider = _wanted(paper.replace(hidden_size=512))  # a width is named as its own field
+    with pytest.raises(ValueError, match=r"^hidden_size: "):
+        check_same_setup(held, wider, Path("run"), "advice")
+

@@ -50,3 +50,31 @@ def test_runs_of_another_initialization_are_still_refused():
     with pytest.raises(ValueError, match=r"^hidden_size: "):
         check_same_setup(held, wider, Path("run"), "advice")
 
+
+def test_the_table_of_record_is_rewritten_from_its_runs_keeping_its_notes(tmp_path, monkeypatch, capsys):
+    # --no-train on the record's runs gives back paper.json row for row, and paper.md keeps the notes that
+    # were written into it by hand (its meta has none): every section from "## Notes" on
+    from falcon_fwa.tasks.addition import compare
+
+    results = RECORD.parent
+    for name in ("paper.json", "paper.md", "paper_meta.json"):
+        (tmp_path / name).write_text((results / name).read_text())
+    assert json.loads((results / "paper_meta.json").read_text())["notes"] == ""
+    written = compare.written_notes(results / "paper.md")
+    assert written.startswith("**Outcome: the paper's Table 3 is not reproduced") and "## The Mamba-2" in written
+    monkeypatch.setattr(compare, "_ood_reference", lambda *a: {})  # the scale is tested elsewhere
+    argv = ["--preset", "paper", "--device", "cpu", "--models", "Falcon-3A.3", "Falcon-1A.3", "Falcon-1.3",
+            "Transformer", "Mamba-2", "--seeds", "0", "--no-train", "--partial", "--runs", str(RECORD),
+            "--results", str(tmp_path), "--name", "paper"]
+    assert compare.main(argv) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "paper.json").read_text()) == json.loads((results / "paper.json").read_text())
+    md = (tmp_path / "paper.md").read_text()
+    assert md.endswith("\n## Notes\n\n" + written + "\n") and md.count("\n## Notes\n") == 1
+    meta = json.loads((tmp_path / "paper_meta.json").read_text())
+    assert meta["notes"] == written and meta["trained_by"].startswith("falcon-fwa addition-compare --preset paper")
+    assert compare.main(argv) == 0  # a second rewrite: the notes, now in the meta, once
+    assert (tmp_path / "paper.md").read_text() == md
+    # a summary without a notes section, or none at all, has no notes
+    (tmp_path / "paper.md").write_text("# a summary\n")
+    assert compare.written_notes(tmp_path / "paper.md") == "" and compare.written_notes(tmp_path / "none.md") == ""

@@ -294,6 +294,10 @@ def _verdict(rows: List[Dict[str, Any]], mean_key: str, paper_widths: bool = Tru
     return lines
 
 
+NOTES_HEADING = "\n## Notes\n\n"
+"""Where :func:`markdown` puts the notes: the summary's last section."""
+
+
 def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     lo, hi = meta["ood_widths"]
     mean_key = f"mean_acc_{lo}_{hi}"
@@ -347,8 +351,17 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     if meta.get("failed"):
         lines.append(f"- failed runs: {meta['failed']}")
     if meta.get("notes"):
-        lines += ["", "## Notes", "", meta["notes"]]
+        lines += [NOTES_HEADING.rstrip("\n"), "", meta["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def written_notes(md_file: Path) -> str:
+    """The notes section of a summary ``md_file`` (what follows :data:`NOTES_HEADING`, where
+    :func:`markdown` put ``meta["notes"]`` or where they were written into the file by hand), or ``""``."""
+    if not md_file.exists():
+        return ""
+    _, found, notes = md_file.read_text().partition(NOTES_HEADING)
+    return notes.strip("\n") if found else ""
 
 
 def _ood_reference(eval_seed: int, preset) -> Dict[str, Dict[str, float]]:
@@ -426,8 +439,10 @@ def run(args: argparse.Namespace) -> int:
     summary_file = Path(args.results) / f"{name}.json"
     meta_file = Path(args.results) / f"{name}_meta.json"
     # a rewrite from finished runs (--no-train) records its own command and commit, and keeps the
-    # command that trained the runs, if an earlier summary of this name recorded one
+    # command that trained the runs, if an earlier summary of this name recorded one, and its notes (those
+    # of its meta, else those written into its .md by hand)
     previous = read_json(meta_file) if meta_file.exists() and not trains else {}
+    notes = "" if trains else previous.get("notes") or written_notes(summary_file.with_suffix(".md"))
     trained_by = previous.get("trained_by") or (
         previous["command"] if "--no-train" not in previous.get("command", "--no-train") else None)
     meta = {
@@ -453,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
         "platform": platform.platform(),
         # what this command's training left undone, or, with nothing trained, the runs' own state
         "failed": failed if trains else unfinished_runs(runs, args.models, args.seeds, preset.steps),
-        "notes": previous.get("notes", ""),
+        "notes": notes,
         "eval_seed": args.eval_seed,
         "reference": _ood_reference(args.eval_seed, preset),
     }

@@ -61,6 +61,10 @@ def test_two_step_run_writes_results_and_resumes(tmp_path, monkeypatch, capsys):
 
 
 def test_compare_trains_and_writes_the_table(tmp_path):
+    # a summary of that name with notes written into it: the lineup replaces it, keeping it whole beside it
+    (tmp_path / "res").mkdir()
+    earlier = "# an earlier table\n\n## Notes\n\nWhat was tried before, written by hand.\n"
+    (tmp_path / "res" / "t.md").write_text(earlier)
     assert compare.main(["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2",
                          "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "res"), "--name", "t",
                          "--hidden-size", "32", "--num-hidden-layers", "1", "--num-heads", "2",
@@ -78,6 +82,7 @@ def test_compare_trains_and_writes_the_table(tmp_path):
     assert "| Transformer |" in (tmp_path / "res" / "t.md").read_text()
     assert "widths growing from 1 to 3 over the first 2 steps" in (tmp_path / "res" / "t.md").read_text()
     assert (tmp_path / "res" / "t.png").exists() and (tmp_path / "res" / "t_meta.json").exists()
+    assert (tmp_path / "res" / "t.before.md").read_text() == earlier
 
 
 def _record_samples(monkeypatch):

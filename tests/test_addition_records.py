@@ -78,3 +78,19 @@ def test_the_table_of_record_is_rewritten_from_its_runs_keeping_its_notes(tmp_pa
     # a summary without a notes section, or none at all, has no notes
     (tmp_path / "paper.md").write_text("# a summary\n")
     assert compare.written_notes(tmp_path / "paper.md") == "" and compare.written_notes(tmp_path / "none.md") == ""
+
+
+def test_a_replaced_summary_with_notes_is_kept_under_the_first_free_name(tmp_path):
+    from falcon_fwa.tasks.addition.compare import keep_replaced_notes
+
+    md = tmp_path / "paper.md"
+    assert keep_replaced_notes(md) is None  # no summary yet
+    md.write_text("| table |\n")
+    assert keep_replaced_notes(md) is None  # a summary without notes: nothing to keep
+    first = "| table |\n\n## Notes\n\nfirst attempt\n"
+    md.write_text(first)
+    assert keep_replaced_notes(md) == tmp_path / "paper.before.md"
+    md.write_text(first.replace("first", "second"))
+    assert keep_replaced_notes(md) == tmp_path / "paper.before-2.md"
+    assert (tmp_path / "paper.before.md").read_text() == first  # the earlier copy is not overwritten
+    assert "second attempt" in (tmp_path / "paper.before-2.md").read_text()

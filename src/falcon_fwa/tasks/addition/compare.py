@@ -364,6 +364,22 @@ def written_notes(md_file: Path) -> str:
     return notes.strip("\n") if found else ""
 
 
+def keep_replaced_notes(md_file: Path) -> Optional[Path]:
+    """Before a trained lineup replaces the summary ``md_file``: where that summary has notes (a record
+    of earlier attempts, often written by hand), copy the whole file to the first free
+    ``{name}.before.md``, ``{name}.before-2.md``, ... beside it and return that path; else ``None``.
+    (A rewrite from finished runs, ``--no-train``, carries the notes over instead.)"""
+    if not written_notes(md_file):
+        return None
+    stem, n = md_file.name[: -len(".md")], 1
+    while True:
+        kept = md_file.with_name(f"{stem}.before{'' if n == 1 else f'-{n}'}.md")
+        if not kept.exists():
+            write_text(kept, md_file.read_text())
+            return kept
+        n += 1
+
+
 def _ood_reference(eval_seed: int, preset) -> Dict[str, Dict[str, float]]:
     """:func:`.reference.reference_scores` on the OOD samples the runs were tested on."""
     lo, hi = preset.ood_widths
@@ -472,6 +488,10 @@ def run(args: argparse.Namespace) -> int:
         "eval_seed": args.eval_seed,
         "reference": _ood_reference(args.eval_seed, preset),
     }
+    kept = keep_replaced_notes(summary_file.with_suffix(".md")) if trains else None
+    if kept is not None:
+        print(f"addition-compare: the notes of {summary_file.with_suffix('.md')}, which this lineup replaces, "
+              f"are kept with that summary in {kept}")
     write_json(summary_file, rows)
     write_json(meta_file, meta)
     write_text(summary_file.with_suffix(".md"), markdown(rows, meta))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_train import losses, recipe, run_trainer
-from test_train_exact import _whole_batch_reference
+from test_train_exact import _whole_batch_reference, gradients_at_step
 
 from falcon_fwa.data import PackedRows
 from falcon_fwa.train import Trainer, config_from_dict, load_checkpoint
@@ -65,13 +65,7 @@ def test_clipping_scales_the_whole_batchs_gradient_to_the_clip_norm(tmp_path, cl
     try:
         _, reference = _whole_batch_reference(trainer, trainer.core, "cu_seqlens")
         norm = math.sqrt(sum((g ** 2).sum().item() for g in reference.values()))
-        seen, step = {}, trainer.optimizer.step
-
-        def capture(*args, **kwargs):
-            seen.update({n: p.grad.double() for n, p in trainer.core.named_parameters()})
-            return step(*args, **kwargs)
-
-        trainer.optimizer.step = capture
+        seen = gradients_at_step(trainer)
         trainer.train()
     finally:
         trainer.close()

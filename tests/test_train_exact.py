@@ -90,6 +90,19 @@ def test_tokens_count_each_step_at_its_own_batch_after_a_resume(tmp_path):
         assert json.load(f)["tokens"] == want[4] and trainer.step == 4
 
 
+def gradients_at_step(trainer) -> dict:
+    """A dict that the trainer's optimizer steps fill with each parameter's gradient as it steps with it
+    (after accumulation and clipping), by name."""
+    seen, step = {}, trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        seen.update({n: p.grad.clone() for n, p in trainer.core.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    return seen
+
+
 def _whole_batch_reference(trainer, model, packing):
     """Loss and gradients of the first step's ``global_batch`` rows in float64: each row (``eos``) or each
     document piece of a row (``cu_seqlens``) run as a sequence of its own, the cross-entropy summed over
@@ -125,14 +138,7 @@ def test_accumulated_micro_batches_are_the_whole_batchs_token_mean(tmp_path, pac
         try:
             assert trainer.accum == 4 // micro_batch
             ref_loss, ref_grads = _whole_batch_reference(trainer, trainer.core, packing)
-            seen = {}
-            step = trainer.optimizer.step
-
-            def capture(*args, **kwargs):
-                seen.update({n: p.grad.clone() for n, p in trainer.core.named_parameters()})
-                return step(*args, **kwargs)
-
-            trainer.optimizer.step = capture
+            seen = gradients_at_step(trainer)
             trainer.train()
         finally:
             trainer.close()

@@ -20,7 +20,8 @@ from a publication (no convolution bias, a per-head offset on the sigmoid gains,
 in place of its GroupNorm, no xPos) are the references' too; each layer's parameter names are checked to
 be exactly those the reference uses, so no weight goes unread. Each layer is compared on a whole sequence
 (the chunk form, crossing chunk boundaries; the recurrent and parallel forms) and decoded with a cache:
-a prefill, then one token at a time.
+a prefill, then one token at a time; its backward, in dense rows and packed sequences, is autograd through the
+reference, for every weight and the input.
 """
 import copy
 import math
@@ -43,7 +44,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, on
 
 # ----------------------------------------------------------------------------- shared pieces of the references
 def _w(layer, name):
-    return dict(layer.named_parameters())[name].detach()
+    """The layer's weight ``name`` itself: autograd through a reference reaches the layer's parameters."""
+    return dict(layer.named_parameters())[name]
 
 
 def _lin(u, w):
@@ -203,8 +205,8 @@ def test_recurrent_baseline_layer_is_its_published_definition(mixer, form):
     reference, weights = _REFERENCES[mixer]
     assert {n.rsplit(".", 1)[0] if n.endswith(".weight") else n for n, _ in layer.named_parameters()} == weights
     u = torch.randn(B, T, layer.q_proj.in_features, dtype=torch.float64)
-    want = reference(layer, u)
     with torch.no_grad():
+        want = reference(layer, u)
         got = layer(u, _dense(T, 0))
     torch.testing.assert_close(got, want, **TOL)
     assert float(want.abs().amax()) > 0.1  # the comparison is not between two near-zero outputs
@@ -216,7 +218,45 @@ def test_recurrent_baseline_decodes_its_published_definition(mixer, prefill):
     """A prefill, then ``falcon_step`` one token at a time (state and convolution buffers carried)."""
     layer = _recurrent_layer(mixer)
     u = torch.randn(B, T, layer.q_proj.in_features, dtype=torch.float64)
-    torch.testing.assert_close(_decode(layer, u, prefill, _dense), _REFERENCES[mixer][0](layer, u), **TOL)
+    with torch.no_grad():
+        want = _REFERENCES[mixer][0](layer, u)
+    torch.testing.assert_close(_decode(layer, u, prefill, _dense), want, **TOL)
+
+
+def _gradients(run, layer, u):
+    """Autograd of ``<run(layer, u), w>`` (``w`` a fixed random cotangent) with respect to every weight of the
+    layer and to ``u``, by name (``"input"``); each gradient is required to exist."""
+    layer.zero_grad()
+    u = u.clone().requires_grad_(True)
+    out = run(layer, u)
+    w = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(7))
+    (out * w).sum().backward()
+    missing = [n for n, p in layer.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient reaches {missing}"
+    return {**{n: p.grad.clone() for n, p in layer.named_parameters()}, "input": u.grad}
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
+@pytest.mark.parametrize("mixer", sorted(_REFERENCES))
+def test_recurrent_baseline_gradients_are_those_of_its_published_definition(mixer, form):
+    """The backward of the layer, dense rows and two sequences of 11 and 6 tokens packed in one row (each crossing
+    chunk boundaries), equals autograd through the reference run on each sequence alone, for every weight (the
+    convolution kernels, gate offsets, ``A_log``, ``D``, the norm's gains) and the input."""
+    layer = _recurrent_layer(mixer, form=form)
+    reference = _REFERENCES[mixer][0]
+    u = torch.randn(B, T, layer.q_proj.in_features, dtype=torch.float64)
+    got = _gradients(lambda m, x: m(x, _dense(T, 0)), layer, u)
+    want = _gradients(reference, layer, u)
+    assert set(got) == set(want) and all(float(g.abs().amax()) > 1e-3 for g in want.values())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+    n = 6
+    seqs = torch.cat([u[0], u[1, :n]])[None]
+    packing = Packing.from_cu_seqlens(torch.tensor([0, T, T + n]), torch.arange(2), None)
+    got = _gradients(lambda m, x: m(x, packing), layer, seqs)
+    want = _gradients(lambda m, x: torch.cat([reference(m, x[:, :T]), reference(m, x[:, T:])], 1), layer, seqs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
 
 
 def _cuda_errors(mixer, dtype, **fields):
@@ -226,8 +266,8 @@ def _cuda_errors(mixer, dtype, **fields):
     reference = copy.deepcopy(layer.to(dtype)).double()
     layer.cuda()
     u = torch.randn(B, 150, 64, dtype=torch.float64).to(dtype)
-    want = _REFERENCES[mixer][0](reference, u.double())
     with torch.no_grad():
+        want = _REFERENCES[mixer][0](reference, u.double())
         whole = layer(u.cuda(), _dense(150, 0, device="cuda"))
     decoded = _decode(layer, u.cuda(), 140, lambda n, t: _dense(n, t, device="cuda"))
     return [float((got.double().cpu() - want).abs().amax() / want.abs().amax()) for got in (whole, decoded)]
@@ -283,7 +323,23 @@ def test_transformer_layer_is_rope_softmax_attention_whole_and_decoded():
                                            rope_theta=theta)).double()
     assert {n for n, _ in layer.named_parameters()} == {f"{p}_proj.weight" for p in "qkvo"}
     u = torch.randn(B, T, H * DK, dtype=torch.float64)
-    want = _transformer(layer, u, theta)
     with torch.no_grad():
+        want = _transformer(layer, u, theta)
         torch.testing.assert_close(layer(u, _dense(T, 0)), want, **TOL)
     torch.testing.assert_close(_decode(layer, u, PREFILL, _dense), want, **TOL)
+
+
+def test_transformer_gradients_are_those_of_rope_softmax_attention():
+    """The backward of the attention layer equals autograd through the written-out reference, for the four
+    projections and the input."""
+    torch.manual_seed(0)
+    theta = 500.0
+    layer = CausalSelfAttention(get_preset("tiny-transformer", hidden_size=H * DK, num_heads=H,
+                                           rope_theta=theta)).double()
+    u = torch.randn(B, T, H * DK, dtype=torch.float64)
+    got = _gradients(lambda m, x: m(x, _dense(T, 0)), layer, u)
+    want = _gradients(lambda m, x: _transformer(m, x, theta), layer, u)
+    assert set(got) == {"input", *(f"{p}_proj.weight" for p in "qkvo")} == set(want)
+    for name in want:
+        assert float(want[name].abs().amax()) > 1e-3
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)

@@ -259,3 +259,18 @@ def test_gpu_bf16_chunk_and_fused_step(rule):
         o_t, state = falcon_step(*(dev[n][:, t].float() for n in ("q", "k", "v", "beta", "lam")), state=state, **kw)
         outs.append(o_t)
     assert rel_err(torch.stack(outs, 1).cpu(), ref) < 1e-4 and rel_err(state.z.cpu(), st_ref.z) < 1e-4
+
+
+@pytest.mark.parametrize("rule", INNER)
+def test_the_empty_memory_is_read_at_the_steps_the_docs_name(rule):
+    """docs/ops.md: a fresh sequence reads the empty memory, ``0 / (0 + eps_attn)``, at its first step with
+    ``shift=True`` (the sentinel writes nothing) or ``read="before"``, and at its first two with both (step 2
+    reads ``S_1``): NaN at ``eps_attn = 0``, exactly 0 above it, and finite from the first written state on."""
+    inp = _positive(random_inputs(rule, T=6, seed=91))
+    for shift, read, empty in ((False, "after", 0), (True, "after", 1), (False, "before", 1), (True, "before", 2)):
+        for form in FORMS:
+            kw = dict(rule=rule, shift=shift, read=read, form=form, chunk_size=4)
+            o, _ = falcon_attention(**inp, eps_attn=0.0, **kw)
+            assert o[:, :empty].isnan().all() and o[:, empty:].isfinite().all(), (shift, read, form)
+            o, _ = falcon_attention(**inp, eps_attn=0.1, **kw)
+            assert torch.equal(o[:, :empty], torch.zeros_like(o[:, :empty])) and o[:, empty:].abs().amin() > 0

@@ -18,7 +18,8 @@ The denominator is safe only where ``z_t^T q_t`` stays positive, as with element
 nonnegative features (Appendix C.2); ``eps_attn`` adds to it as written, and a zero
 denominator gives ``inf`` or NaN as any division does. The first step of a fresh sequence with
 ``shift=True`` (the sentinel ``x_1 = 0``) or ``read="before"`` reads the empty memory,
-``0 / (0 + eps_attn)``: NaN with ``eps_attn = 0``.
+``0 / (0 + eps_attn)``: NaN with ``eps_attn = 0``; with both, the first two steps do (step 2 reads
+``S_1``, which the sentinel left empty).
 
 Numerator and denominator are the extended op's output columns, so they are formed in the
 output's dtype before the division. float16 inputs are therefore widened to float32 first

@@ -242,3 +242,21 @@ def test_fresh_state_checks_its_S():
     state = FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="3A", window=4)
     assert state.window == 4 and state.tail_x.shape == (1, 2, 3, 5) and not state.tail_valid.any()
     assert FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="1", window=4).window == 1
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_an_unshifted_fresh_state_writes_its_first_pair(rule):
+    """``FalconState.fresh(S, shift=False)``: an unshifted sequence has no sentinel, so step 1 writes
+    ``(k_1, v_1)`` into ``S_init`` and its ridge shrinks it, as the float64 loop started at ``S_init`` does."""
+    S0 = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+    inp = random_inputs(rule, B=2, T=7, seed=14, lam_range=(0.5, 2.0))
+    ref_o, ref_S, _ = reference_falcon(**inp, rule=rule, window=3, shift=False, initial_S=S0)
+    for form in FORMS:
+        o, state = falcon_attention(**inp, rule=rule, window=3, shift=False, form=form, chunk_size=4,
+                                    initial_state=_fresh(rule, S0, window=3, shift=False), output_final_state=True)
+        assert rel_err(o, ref_o) <= TOL and rel_err(state.S, ref_S) <= TOL, form
+    _, first = falcon_attention(**_segment(inp, 0, 1), rule=rule, window=3, shift=False, output_final_state=True,
+                                initial_state=_fresh(rule, S0, window=3, shift=False))
+    assert rel_err(first.S, reference_falcon(**_segment(inp, 0, 1), rule=rule, window=3, shift=False,
+                                             initial_S=S0)[1]) <= TOL
+    assert rel_err(first.S, S0) > 0.01  # written and shrunk, unlike the shifted start's sentinel

@@ -174,7 +174,7 @@ def falcon_attention(
         scale_ridge: ``lam`` is ``lambda-bar`` and ``lambda_t = lambda-bar * E_t``
             (Section 4.1, Appendix C.1; ``E_t`` detached for the sliding rules, Appendix C.6).
         initial_state: a state returned by an earlier call, to continue exactly; or
-            ``FalconState.fresh(S, ...)``, a new sequence (opened by the sentinel) from the fast
+            ``FalconState.fresh(S, ...)``, a new sequence (opened by the sentinel with ``shift=True``) from the fast
             weights ``S``.
         output_final_state: also return the state after the last step.
         cu_seqlens: ``[N + 1]`` int offsets of ``N`` sequences packed into one row

@@ -52,9 +52,10 @@ class FalconState:
         """The state that starts a new sequence from the fast weights ``S`` ``[B, H, K, V]`` (the
         paper's ``S_init``; ``S = 0`` is the fresh start of ``initial_state=None``).
 
-        The first step is the boundary sentinel, as on any fresh sequence: ``x_1 = 0`` and
-        ``eta_1 = 0``, so nothing is written and the ridge does not shrink ``S``
-        (``gamma_1 = 1``); a ``log_gate`` decays it as at every step (``S'_0 = exp(g_1) S``).
+        With ``shift=True`` the first step is the boundary sentinel, as on any fresh sequence:
+        ``x_1 = 0`` and ``eta_1 = 0``, so nothing is written and the ridge does not shrink ``S``
+        (``gamma_1 = 1``); a ``log_gate`` decays it as at every step (``S' = exp(g_1) S``). With
+        ``shift=False`` there is no sentinel: step 1 writes ``(k_1, v_1)`` and its ridge shrinks ``S``.
         The window of the sliding rules holds no earlier pair. ``z``: the normalizer state of
         the normalized read, for calls with ``eps_attn`` (``[B, H, K]``, ``[B, H, K, V]`` for
         rule 2A). ``rule``, ``window`` and ``shift`` are those of the call that takes the state."""

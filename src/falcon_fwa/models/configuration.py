@@ -370,7 +370,8 @@ class FalconFWAConfig(PretrainedConfig):
                                  f"3A) of a recurrent mixer, got mixer={self.mixer!r}, rule={self.rule!r}")
             if self.eps_attn == 0 and (self.shift or self.read == "before"):
                 raise ValueError("config field 'eps_attn' must be > 0 with shift=True or read='before': the first "
-                                 "token of every sequence reads the empty memory, 0 / (0 + eps_attn), NaN at 0")
+                                 "token of every sequence (the first two with both) reads the empty memory, "
+                                 "0 / (0 + eps_attn), NaN at 0")
             if self.eps_attn == 0 and (self.feature_map != "elu1" or not self.query_scale > 0):
                 raise ValueError(f"config field 'eps_attn' must be > 0 with feature_map={self.feature_map!r} and "
                                  f"query_scale={self.query_scale}: only 'elu1' and a positive query_scale keep every "

@@ -1,14 +1,15 @@
 """The paper's named models as the presets build them: each Falcon variant of Tables 1-3 is the rule, QK
 normalization and context gates its label names and computes the paper's recurrence (the float64 loop of
-``conftest.reference_falcon``); the 124M / 130M presets hold the parameters their layer formulas count; the
-gates start at the memory horizons ``layers/gates.py`` states; the recipe spends the paper's token budget."""
+``conftest.reference_falcon``), and its whole layer, decoded and differentiated, is ``_paper_layer``; the
+124M / 130M presets hold the parameters their layer formulas count; the gates start at the memory horizons
+``layers/gates.py`` states; the recipe spends the paper's token budget."""
 import os
 
 import pytest
 import torch
 
 from conftest import reference_falcon
-from falcon_fwa.layers import FalconAttention, Packing
+from falcon_fwa.layers import FalconAttention, LayerCache, Packing
 from falcon_fwa.models import count_parameters, get_preset
 from falcon_fwa.train.config import load_config
 from falcon_fwa.train.schedule import lr_at
@@ -56,7 +57,10 @@ def test_each_paper_variant_computes_the_papers_recurrence(name, saturated):
     ``2 sigmoid``, ctx-eta ``sigmoid (1 + lambda-bar)``, the ridge ``lambda_scale sigmoid``), q and k carry the
     named normalization, and the output is the paper's recurrence with ``lambda_t = lambda-bar_t E_t``
     (Appendix C.1), Eq. (3.3)-(3.4) for rule 1, Section 4.3 for 1A and Eq. (4.18)-(4.20) for 3A, with the
-    sentinel and the clamp; ``saturated`` drives the ridge and the gain so that the clamp holds every step."""
+    sentinel and the clamp; ``saturated`` drives the ridge and the gain so that the clamp holds every step. The
+    gates mean what ``layers/gates.py`` says: under ctx-eta ``eta_t = eta-bar_t / E_t`` (``E_t`` the window's mean
+    energy for 3A) and ``gamma_t = 1 - eta-bar_t lambda-bar_t``, under ctx-beta ``gamma_t = 1 - beta_t
+    lambda-bar_t / (1 + lambda-bar_t)`` (both up to ``eps``, and at least ``decay_floor``)."""
     floor = 0.05 if saturated else 1e-3
     cfg, layer = _layer_inputs(name, 1, decay_floor=floor)
     gates = layer.gates
@@ -88,9 +92,102 @@ def test_each_paper_variant_computes_the_papers_recurrence(name, saturated):
                                     decay_floor=floor, shift=True, normalize=True, scale_ridge=True)
     torch.testing.assert_close(o, ref, rtol=0, atol=1e-12)
     assert info["clamped_fraction"] == (1.0 if saturated else 0.0)
-    if cfg.gate == "ctx-eta" and cfg.rule != "3A":  # the step in units of the inverse write energy (up to eps)
-        E = k[:, :-1].pow(2).sum(-1)  # E_t = ||x_t||^2, x_t = k_{t-1}
+    # E_t = ||x_t||^2 with x_t = k_{t-1}, or for 3A its mean over the window I_t of Algorithm 4
+    energy = k.pow(2).sum(-1)
+    W = cfg.window if cfg.rule == "3A" else 1
+    E = torch.stack([energy[:, max(0, t - W):t].mean(1) for t in range(1, 11)], 1)
+    if cfg.gate == "ctx-eta":  # the step in units of the inverse write energy, alpha = eta-bar lambda-bar (up to eps)
         torch.testing.assert_close(info["eta"][:, 1:] * E, gain[:, 1:], rtol=1e-4, atol=0)
+        alpha = gain * lam_bar
+    else:  # ctx-beta: alpha = beta lambda-bar E / (E (1 + lambda-bar) + eps)
+        alpha = 2.0 * gain * lam_bar / (1.0 + lam_bar)
+    want_gamma = torch.clamp(1.0 - alpha[:, 1:], min=floor)
+    torch.testing.assert_close(info["gamma"][:, 1:], want_gamma, rtol=1e-4, atol=0)
+
+
+def _paper_layer(layer, cfg, h):
+    """One fresh sequence ``h`` ``[T, D]`` through the Falcon layer as the paper and the library's documented
+    choices define it, float64 and differentiable, sharing no code with the library: ``SiLU`` of a causal
+    depthwise convolution of each projection; QK-RMSNorm ``u / sqrt(||u||^2 / d + eps)`` or QK-l2
+    ``u / sqrt(||u||^2 + eps)`` on q and k (Section 4.1); the gates ``beta = 2 sigmoid`` (ctx-beta) or the step
+    ``eta = eta-bar / E`` with ``eta-bar = c sigmoid``, ``c = min(1, 2 / (1 + lambda_scale))`` (ctx-eta), and
+    ``lambda-bar = lambda_scale sigmoid`` scaled to ``lambda = lambda-bar E`` (ctx-lambda, Appendix C.1; ``E``
+    stop-gradient for the sliding rule, Appendix C.6); the pair ``(k_{t-1}, v_t)`` with the sentinel, the window
+    ``I_t`` of Algorithm 4, ``eta = beta / (E + lambda + eps)``, ``alpha = min(eta lambda, 1 - decay_floor)``
+    and the write of rule 1 (Eq. 3.3), 1A (Section 4.3) or 3A (Eq. 4.18-4.20), read after the write; then the
+    per-head RMSNorm with its gain times ``SiLU(W_g h)`` and ``W_o``. Returns the output ``[T, D]`` and the
+    fraction of writes the clamp bounds."""
+    T, H, e = h.shape[0], cfg.num_heads, cfg.rms_norm_eps
+
+    def conv_silu(x, w):  # y_t = sum_i w[:, W-1-i] x_{t-i}, zeros before the start
+        W = w.shape[1]
+        y = sum(w[:, W - 1 - i] * torch.cat([x.new_zeros(i, x.shape[1]), x])[:T] for i in range(W))
+        return y * torch.sigmoid(y)
+
+    q, k, v = (conv_silu(h @ getattr(layer, f"{n}_proj").weight.T, layer.convs[n].weight[:, 0]).view(T, H, -1)
+               for n in "qkv")
+    div = 1.0 if cfg.qk_norm == "l2" else q.shape[-1]
+    q, k = (u / torch.sqrt((u * u).sum(-1, keepdim=True) / div + e) for u in (q, k))
+    g = layer.gates
+    s = torch.sigmoid(h @ g.gain_proj.weight.T + g.gain_bias)
+    lam_bar = cfg.lambda_scale * torch.sigmoid(h @ g.lam_proj.weight.T + g.lam_bias)
+    W = cfg.window if cfg.rule == "3A" else 1
+    out, clamped, writes = [], 0, 0
+    for hd in range(H):
+        S, o = torch.zeros(k.shape[-1], v.shape[-1], dtype=h.dtype), []
+        for t in range(T):
+            if t > 0:  # t = 0 is the sentinel x_1 = 0, eta_1 = 0
+                X = torch.stack([k[j - 1, hd] for j in range(max(1, t - W + 1), t + 1)])
+                Y = torch.stack([v[j, hd] for j in range(max(1, t - W + 1), t + 1)])
+                E = (X * X).sum(-1).mean()
+                lam = lam_bar[t, hd] * (E.detach() if cfg.rule == "3A" else E)
+                if cfg.gate == "ctx-beta":
+                    eta = 2 * s[t, hd] / (E + lam + cfg.eps)
+                else:  # eta-bar / E, up to eps: beta = eta-bar (1 + lambda-bar) over E + lambda + eps
+                    eta = min(1.0, 2.0 / (1.0 + cfg.lambda_scale)) * s[t, hd] * (1 + lam_bar[t, hd]) / (
+                        E + lam + cfg.eps)
+                alpha = torch.clamp(eta * lam, max=1 - cfg.decay_floor)
+                clamped, writes = clamped + int(eta * lam > 1 - cfg.decay_floor), writes + 1
+                D = Y - X @ S if cfg.rule == "1" else Y
+                S = (1 - alpha) * S + eta * X.T @ D / X.shape[0]
+            o.append(S.T @ q[t, hd])
+        out.append(torch.stack(o))
+    o = torch.stack(out, 1)
+    z = (h @ layer.g_proj.weight.T).view_as(o)
+    o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + e) * layer.o_norm.weight * z * torch.sigmoid(z)
+    return o.reshape(T, -1) @ layer.o_proj.weight.T, clamped / writes
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_each_paper_variant_is_the_papers_layer_decoded_and_differentiated(name):
+    """The whole layer of each paper variant (from its own weights, in two rows over chunks of 4) equals
+    ``_paper_layer``, also as a prefill of 6 tokens then one token at a time, and its gradients in every weight
+    and in ``h`` are those of autograd through ``_paper_layer`` (the clamp bounds some of the writes)."""
+    cfg, layer = _layer_inputs(name, 7, decay_floor=0.5)
+    with torch.no_grad():  # head 0 asks for alpha near 0.9 (clamped), head 1 for 0.1-0.2; gates vary by token
+        layer.gates.lam_bias.copy_(torch.tensor([3.0, -1.0]))
+        layer.gates.gain_bias.copy_(torch.tensor([3.0, 0.0]))
+        layer.gates.lam_proj.weight.normal_(0.0, 0.2)
+        layer.gates.gain_proj.weight.normal_(0.0, 0.2)
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    h = torch.randn(2, 10, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    refs = [_paper_layer(layer, cfg, h[b]) for b in range(2)]
+    assert all(0.3 < frac < 0.7 for _, frac in refs)
+    ref = torch.stack([r for r, _ in refs])
+    y = layer(h, Packing.dense(2, 10, None, h.device))
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-13)
+    cot = torch.randn_like(y)
+    params = dict(layer.named_parameters(), h=h)
+    got = torch.autograd.grad((y * cot).sum(), list(params.values()))
+    want = torch.autograd.grad((ref * cot).sum(), list(params.values()))
+    for pname, a, b in zip(params, got, want):
+        assert float(b.abs().max()) > 0, pname
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12 * float(b.abs().max()), msg=pname)
+    with torch.no_grad():
+        cache = LayerCache()
+        outs = [layer(h[:, :6], Packing.dense(2, 6, None, h.device), cache)]
+        outs += [layer(h[:, t:t + 1], Packing.dense(2, 1, torch.tensor([t, t]), h.device), cache) for t in range(6, 10)]
+    torch.testing.assert_close(torch.cat(outs, 1), ref.detach(), rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("gate,lo,hi", [("ctx-beta", 11.0, 1000.0), ("ctx-eta", 20.0, 2000.0)])

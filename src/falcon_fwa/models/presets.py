@@ -29,7 +29,9 @@ falcon-1.3-130m   1     rmsnorm  ctx-eta, ridge    QK-RMSNorm (the regression ru
 
 All of them: the shifted pair ``(k_{t-1}, v_t)`` with the sentinel ``x_1 = 0, eta_1 = 0``,
 read after write, the normalized step, the scale-coupled ridge ``lambda_t = lambda-bar_t E_t``
-(Appendix C.1), the clamp ``alpha_t = min(eta_t lambda_t, 1 - decay_floor)``, the
+(Appendix C.1; Appendix G.1 instead bounds an unscaled ``lambda_t`` in ``[0, 1]``, whose decay
+fraction under QK-RMSNorm, ``E_t ~ d``, is about ``d`` times smaller; under QK-l2 ``E_t = 1`` and
+the two readings agree), the clamp ``alpha_t = min(eta_t lambda_t, 1 - decay_floor)``, the
 denominator-free read, no value norm, and the short convolution on q, k, v (Section 5.1).
 Where the paper gives no value, the presets choose (see ``layers/gates.py`` for the gates):
 ctx-beta is ``2 sigmoid(.)`` and ctx-eta ``eta_t = eta-bar_t / E_t`` with ``eta-bar_t =

@@ -36,8 +36,9 @@ denominator-free read, no value norm, and the short convolution on q, k, v (Sect
 Where the paper gives no value, the presets choose (see ``layers/gates.py`` for the gates):
 ctx-beta is ``2 sigmoid(.)`` and ctx-eta ``eta_t = eta-bar_t / E_t`` with ``eta-bar_t =
 sigmoid(.)`` (the paper names the gates without defining them); ``lambda_scale = 1``
-(``lambda-bar in (0, 1)``); window ``B = 4`` for 3A (the window of the paper's figures; its
-runs' window is not stated); ``decay_floor = 1e-3``, ``eps = 1e-6``; a convolution of 4 taps
+(``lambda-bar in (0, 1)``); window ``B = 4`` for 3A (the window of the paper's figures, and
+Appendix H.3's example of "the small sliding windows used in our experiments (e.g., B = 4)";
+Section 5 and Appendix B give none); ``decay_floor = 1e-3``, ``eps = 1e-6``; a convolution of 4 taps
 ending in SiLU (as in DeltaNet); 6 heads of 128; a SiLU output gate and a per-head output
 RMSNorm (as in Gated DeltaNet; the paper mentions neither). Appendix B's "no bias terms" holds
 for every linear layer, but each gate has a learned per-head offset, as Mamba-2's and Gated

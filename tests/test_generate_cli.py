@@ -258,3 +258,29 @@ def test_sampling_draws_from_the_hand_computed_distribution(temperature, top_k, 
     freq = torch.bincount(draws, minlength=6).double() / n
     assert set(draws.unique().tolist()) == set(kept)
     assert (freq - want).abs().max() <= 6 * math.sqrt(0.25 / n)
+
+
+def test_prompts_come_from_stdin_and_from_a_pipe_as_from_the_command_line(folders, monkeypatch):
+    """``--prompts-file -`` reads stdin, and a pipe (``/dev/stdin``, a shell's ``<(...)``) is read like a file
+    although it is no regular file: the prompts (a byte-order mark dropped, ``\\r\\n`` line ends) and the tokens
+    are those of the same prompts given with ``--prompt``."""
+    import io
+    import os
+
+    args = ["--max-new-tokens", "6", "--no-stop-at-eos", "--batch-size", "2"]
+    given = _generate(folders, "peaky", "--prompt", "the state", "--prompt", "gate", *args)
+    text = "\ufeffthe state\r\n\r\ngate\r\n".encode()
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text)))
+    from_stdin = _generate(folders, "peaky", "--prompts-file", "-", *args)
+
+    read, write = os.pipe()
+    os.write(write, text)
+    os.close(write)
+    try:
+        from_pipe = _generate(folders, "peaky", "--prompts-file", f"/dev/fd/{read}", *args)
+    finally:
+        os.close(read)
+    for rep in (from_stdin, from_pipe):
+        assert [c["prompt"] for c in rep["completions"]] == ["the state", "gate"]
+        assert _tokens(rep) == _tokens(given)

@@ -1,5 +1,6 @@
 """``falcon-fwa generate --model DIR --prompt TEXT [--prompt ...] [--prompts-file FILE] [...]``:
-continue prompts with a saved model folder, greedily or by sampling.
+continue prompts with a saved model folder, greedily or by sampling. ``--prompts-file`` holds one prompt a
+line (UTF-8; a pipe such as ``/dev/stdin`` is read too, and ``-`` reads stdin).
 
 With one prompt the text is streamed to stdout as it is produced; otherwise each completion is printed
 as its batch ends, under a ``=== completion i/n ===`` header (a Ctrl-C keeps what was printed, the text
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
     parser.add_argument("--prompt", action="append", default=[],
                         help="a prompt (repeatable; these come before the lines of --prompts-file)")
-    parser.add_argument("--prompts-file", default=None, help="a file of prompts, one per line (blank lines skipped)")
+    parser.add_argument("--prompts-file", default=None,
+                        help="a file of prompts, one per line (blank lines skipped); - reads them from stdin")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (>= 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
@@ -52,16 +54,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _prompts(args: argparse.Namespace) -> List[str]:
     prompts = list(args.prompt)
-    if args.prompts_file is not None:
-        if os.path.isdir(args.prompts_file):
-            raise ValueError(f"--prompts-file {args.prompts_file!r} is a folder: give a file of prompts, one per line")
-        if not os.path.isfile(args.prompts_file):
-            raise FileNotFoundError(f"--prompts-file {args.prompts_file!r} does not exist")
+    path = args.prompts_file
+    if path is not None:
+        if os.path.isdir(path):
+            raise ValueError(f"--prompts-file {path!r} is a folder: give a file of prompts, one per line")
+        if path != "-" and not os.path.exists(path):  # a pipe (/dev/stdin, <(...)) is no regular file, but is read
+            raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
         try:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                prompts += [line.rstrip("\r\n") for line in f if line.strip()]
+            if path == "-":
+                text = sys.stdin.buffer.read().decode("utf-8-sig")
+            else:
+                with open(path, "rb") as f:
+                    text = f.read().decode("utf-8-sig")  # a byte-order mark is no part of the first prompt
         except UnicodeDecodeError as e:
-            raise ValueError(f"--prompts-file {args.prompts_file!r} is not UTF-8 text ({e})") from None
+            raise ValueError(f"--prompts-file {path!r} is not UTF-8 text ({e})") from None
+        lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # \n, \r\n or \r ends a line
+        prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise ValueError("--prompt/--prompts-file: no prompt given; give at least one with --prompt TEXT or in "
                          "--prompts-file FILE")

@@ -284,3 +284,23 @@ def test_prompts_come_from_stdin_and_from_a_pipe_as_from_the_command_line(folder
     for rep in (from_stdin, from_pipe):
         assert [c["prompt"] for c in rep["completions"]] == ["the state", "gate"]
         assert _tokens(rep) == _tokens(given)
+
+
+def test_a_model_folder_without_a_tokenizer_is_named_before_the_model_loads(folders, capsys, monkeypatch, tmp_path):
+    """``model.save_pretrained`` alone writes no tokenizer; transformers' error came after the model had loaded
+    and named neither the folder nor the tokenizer."""
+    import shutil
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    folder = tmp_path / "weights_only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{folders['peaky']}/{name}", folder / name)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the folder was checked")
+
+    monkeypatch.setattr("falcon_fwa.serve.generate_cli.load_model", no_load)
+    assert cli.main(["generate", "--model", str(folder), "--prompt", "a", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa generate: error: --model: model folder {str(folder)!r} holds no tokenizer")

@@ -49,6 +49,20 @@ def check_model_option(folder: str) -> None:
         raise FileNotFoundError(f"--model: {err}") from None
 
 
+# the files a saved tokenizer leaves in its folder (a fast tokenizer's, or a slow one's vocabulary)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_tokenizer_in(option: str, folder: str) -> None:
+    """``FileNotFoundError`` naming ``option`` where ``folder``, a local model folder, holds no saved tokenizer
+    (``model.save_pretrained`` alone writes none): transformers' own error, after the model has loaded, names
+    neither the folder nor the tokenizer. A hub id passes."""
+    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"{option}: model folder {folder!r} holds no tokenizer (no tokenizer.json or "
+                                "tokenizer_config.json): save one there with tokenizer.save_pretrained(folder)")
+
+
 def _existing_ancestor(path: str) -> str:
     """``path`` itself where it exists, else the nearest folder (or file) above it that does."""
     path = os.path.abspath(path)

@@ -19,7 +19,8 @@ import os
 import sys
 from typing import List
 
-from ..cli_options import DEVICE_HELP, check_model_option, check_output_file, dtype_option, resolve_device
+from ..cli_options import (DEVICE_HELP, check_model_option, check_output_file, check_tokenizer_in, dtype_option,
+                           resolve_device)
 from ..atomic import read_json, write_json
 from ..eval.perplexity import load_model
 from ..provenance import command_provenance
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     device = resolve_device(args.device)
     check_model_option(args.model)
+    check_tokenizer_in("--model", args.model)
     check_output_file("--json", args.json)
     if args.cuda_graphs == "on" and not device.startswith("cuda"):
         raise ValueError(f"--cuda-graphs on needs a CUDA device, got --device {args.device}")

@@ -100,7 +100,6 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     device = resolve_device(args.device)
     check_model_option(args.model)
-    check_tokenizer_in("--model", args.model)
     check_output_file("--json", args.json)
     if args.cuda_graphs == "on" and not device.startswith("cuda"):
         raise ValueError(f"--cuda-graphs on needs a CUDA device, got --device {args.device}")
@@ -108,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cuda_graphs == "on" and os.path.isfile(config) and read_json(config).get("mixer") == "transformer":
         raise ValueError("--cuda-graphs on: the Transformer's key/value cache grows with the context; "
                          "use --cuda-graphs auto or off")
+    check_tokenizer_in("--model", args.model)
     model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
     if args.cuda_graphs == "on":
         ok, why = graphable(model, next(model.parameters()).device)

@@ -31,7 +31,8 @@ from .graphs import graphable
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
     parser.add_argument("--prompt", action="append", default=[],
-                        help="a prompt (repeatable; these come before the lines of --prompts-file)")
+                        help="a prompt (repeatable; these come before the lines of --prompts-file); every prompt "
+                             "opens with the end-of-text token, so an empty one continues that token alone")
     parser.add_argument("--prompts-file", default=None,
                         help="a file of prompts, one per line (blank lines skipped); - reads them from stdin")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (>= 1)")

@@ -32,6 +32,34 @@ def test_efficiency_is_tokens_per_s_over_n_times_the_mean_one_process_rate():
     assert rows[5]["efficiency"] is None
 
 
+def test_no_efficiency_without_a_rate_at_the_smallest_count_run():
+    """A failed one-process run leaves the larger counts without their reference: no efficiency, not the
+    two-process rate as its own 100 %."""
+    rows = [dict(model="A", strategy="fsdp2", gpus=1, tokens_per_s=None),  # failed (e.g. out of memory)
+            dict(model="A", strategy="fsdp2", gpus=2, tokens_per_s=150.0),
+            dict(model="A", strategy="fsdp2", gpus=4, tokens_per_s=280.0),
+            dict(model="A", strategy="ddp", gpus=1, tokens_per_s=100.0),
+            dict(model="A", strategy="ddp", gpus=2, tokens_per_s=180.0)]
+    scaling.efficiencies(rows)
+    assert [r["efficiency"] for r in rows[:3]] == [None, None, None]
+    assert [r["efficiency"] for r in rows[3:]] == pytest.approx([1.0, 0.9])
+
+
+def test_more_gpus_than_the_machine_has_are_refused_by_name(tmp_path, monkeypatch):
+    import torch
+
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(recipe(tmp_path)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    parser = __import__("argparse").ArgumentParser()
+    scaling.add_arguments(parser)
+    argv = ["--configs", str(path), "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "multigpu")]
+    with pytest.raises(ValueError, match="--gpus 4: this machine has 2 CUDA device"):
+        scaling.run(parser.parse_args(argv + ["--gpus", "1", "2", "4"]))
+    assert not (tmp_path / "multigpu.json").exists() and not (tmp_path / "runs").exists()
+
+
 def test_every_run_gets_one_thread_setting_and_multicast_off():
     env = scaling.launch_env({"PATH": "/bin", "NCCL_NVLS_ENABLE": "1"})
     assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"

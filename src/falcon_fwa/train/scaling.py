@@ -114,17 +114,19 @@ def launch_env(base) -> Dict[str, str]:
 def efficiencies(rows: List[dict]) -> None:
     """Fill ``efficiency`` in place: tokens/s at N / (N x the reference rate), per model and
     strategy; the reference is the mean tokens/s of that model and strategy's rows at the
-    smallest process count run (every seed there), scaled by that count."""
+    smallest process count of its rows (every seed there), scaled by that count. Where no row
+    there has a rate (failed, stopped), that model and strategy get no efficiency: a larger
+    count is not made its own reference."""
     low: Dict[tuple, int] = {}
     for r in rows:
-        if r.get("tokens_per_s") is not None:
-            key = (r["model"], r["strategy"])
-            low[key] = min(low.get(key, r["gpus"]), r["gpus"])
+        key = (r["model"], r["strategy"])
+        low[key] = min(low.get(key, r["gpus"]), r["gpus"])
     ref: Dict[tuple, float] = {}
     for key, n in low.items():
         rates = [r["tokens_per_s"] for r in rows if (r["model"], r["strategy"]) == key and r["gpus"] == n
                  and r.get("tokens_per_s") is not None]
-        ref[key] = sum(rates) / len(rates) / n
+        if rates:
+            ref[key] = sum(rates) / len(rates) / n
     for r in rows:
         per_gpu = ref.get((r["model"], r["strategy"]))
         ok = per_gpu is not None and r.get("tokens_per_s") is not None

@@ -210,15 +210,19 @@ case "$STAGE" in
     ;;
   multigpu)
     # DDP and FSDP2 at 1 and every larger GPU count of the machine (up to 4), Falcon-1A.3 and the Transformer,
-    # small recipe at its per-GPU batch; rows into OUT/multigpu.{json,md} after every run.
+    # small recipe at its per-GPU batch; rows into MULTIGPU_RUNS/multigpu.{json,md} after every run, copied to
+    # OUT at the end. The rows stay beside the run folders (default runs/scaling), so the same stage launched
+    # again on the same machine, with a fresh OUT, goes on from the finished runs (a sweep past the deadline).
     NGPU=$(nvidia-smi -L | wc -l)
     COUNTS="1"; for n in 2 4; do [ "$n" -le "$NGPU" ] && COUNTS="$COUNTS $n"; done
+    RUNS=${MULTIGPU_RUNS:-runs/scaling}
     timeout ${MULTIGPU_TIMEOUT:-560} $PY -m falcon_fwa.cli scaling \
         --configs configs/small/falcon-1a.3.yaml configs/small/transformer.yaml --names Falcon-1A.3 Transformer \
         --gpus $COUNTS --strategies ddp fsdp2 --noise-seeds 0 1 --steps ${MULTIGPU_STEPS:-120} \
-        --deadline ${MULTIGPU_DEADLINE:-520} --out runs/scaling --results "$OUT/multigpu" \
+        --deadline ${MULTIGPU_DEADLINE:-520} --out "$RUNS" --results "$RUNS/multigpu" \
         --set train.eval_batches=16 ${COMMIT:+--commit $COMMIT} 2>&1 | tee "$OUT/multigpu.log"
-    tar czf "$OUT/multigpu_logs.tgz" runs/scaling/*.log 2>/dev/null
+    cp "$RUNS/multigpu.json" "$RUNS/multigpu.md" "$OUT/" 2>/dev/null
+    tar czf "$OUT/multigpu_logs.tgz" "$RUNS"/*.log 2>/dev/null
     ;;
   *)
     echo "unknown stage $STAGE: choose tests, tests-full, fla, diagnose, profile, kernels, kernels-long, warm, ab, host, decode, short-prompts, lm, multigpu, addition or addition-step" >&2; exit 2;;

@@ -234,3 +234,37 @@ def test_sweep_on_cpu_processes_matches_the_one_process_loss(tmp_path, monkeypat
     text = open(results + ".md").read()
     assert "| Tiny | fsdp2 | 2 |" in text and "torch.distributed.run" in text
     assert "warm-up run of 2 steps per model" in text and "Tiny: done" in text
+
+
+def test_the_suite_stage_keeps_its_rows_beside_the_runs_so_a_second_launch_goes_on(tmp_path):
+    """``gpu_suite.sh OUT multigpu`` launched twice, each time into a fresh OUT (as a lent machine's calls
+    are): the second sweep is given the rows the first wrote, and each OUT gets the rows."""
+    import shlex
+    import stat
+    import subprocess
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    # the python stub: for the scaling command, records its argv and whether its --results rows already
+    # exist, then writes them as a sweep would
+    stub = ('[ "$1 $2 $3" = "-m falcon_fwa.cli scaling" ] || exit 0\n'
+            'args=("$@"); for i in "${!args[@]}"; do [ "${args[$i]}" = --results ] && res=${args[$((i+1))]}; done\n'
+            'echo "$([ -f "$res.json" ] && echo kept || echo fresh) $(printf "%q " "$@")" >> "$CALLS"\n'
+            'mkdir -p "$(dirname "$res")"; echo "[]" > "$res.json"; echo "# rows" > "$res.md"\n')
+    for name, body in (("python", stub), ("nvidia-smi", 'echo "GPU 0: stub"; echo "GPU 1: stub"')):
+        (bin_ / name).write_text(f"#!/usr/bin/env bash\n{body}")
+        (bin_ / name).chmod(stat.S_IRWXU)
+    calls = tmp_path / "calls.txt"
+    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", PYTHON=str(bin_ / "python"),
+               CALLS=str(calls), TRITON_CACHE_DIR=str(tmp_path / "cache"), MULTIGPU_RUNS=str(tmp_path / "runs"))
+    for out in ("out1", "out2"):
+        subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(tmp_path / out), "multigpu"],
+                       cwd=ROOT, env=env, capture_output=True, timeout=60)
+        assert json.loads((tmp_path / out / "multigpu.json").read_text()) == []
+    lines = calls.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["fresh", "kept"]
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        assert argv[argv.index("--results") + 1] == str(tmp_path / "runs" / "multigpu")
+        assert argv[argv.index("--out") + 1] == str(tmp_path / "runs")
+        assert argv[argv.index("--gpus") + 1:argv.index("--strategies")] == ["1", "2"]

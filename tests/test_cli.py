@@ -245,3 +245,23 @@ def test_params_writes_the_table_it_prints_to_out(tmp_path, capsys):
         assert text.startswith("# Parameter counts of the presets\n\nProduced by `falcon-fwa params tiny-falcon "
                                "tiny-transformer`.")
         assert text.endswith("\n" + table) and table.count("\n| tiny-") == 2
+
+
+def test_a_model_folder_without_a_tokenizer_is_named_before_ppl_loads_it(capsys, monkeypatch, tmp_path):
+    """``model.save_pretrained`` alone writes no tokenizer: ``ppl`` names the folder (``--model``) before loading
+    it, as ``generate`` does, rather than transformers' error after the load (``lm-eval``: test_eval)."""
+    from falcon_fwa import FalconForCausalLM, get_preset
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    folder = tmp_path / "weights_only"
+    FalconForCausalLM(get_preset("tiny-transformer", vocab_size=320)).save_pretrained(folder)
+    (tmp_path / "d.txt").write_text("some held-out text\n")
+    capsys.readouterr()  # the save's progress bar
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the folder was checked")
+
+    monkeypatch.setattr("falcon_fwa.eval.ppl_cli.load_model", no_load)
+    assert cli.main(["ppl", "--model", str(folder), "--data", str(tmp_path / "d.txt"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa ppl: error: --model: model folder {str(folder)!r} holds no tokenizer")

@@ -2,6 +2,7 @@
 import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -335,6 +336,8 @@ def test_lm_eval_runs_no_code_from_the_model_folder(saved_model, tmp_path):
     _write_tasks(tmp_path, saved_model)  # a task the harness finds: the failure must come from the model
 
     folder, marker = _folder_with_its_own_code(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer, so that the model is what is loaded
+        shutil.copy(saved_model / "run" / "model" / name, folder / name)
     with pytest.raises(ValueError, match="trust_remote_code"):  # transformers' refusal, not any failure
         evaluate(str(folder), ["local_mc"], include_path=str(tmp_path))
     assert not marker.exists()
@@ -454,7 +457,8 @@ def test_load_model_takes_either_spelling_of_its_dtype(saved_model):
 
 
 def test_lm_eval_cli_names_a_missing_model_folder_include_path_or_task(tmp_path, capsys):
-    # before: a transformers "Repo id must be in the form ..." OSError, or a KeyError traceback from the harness
+    # before: a transformers "Repo id must be in the form ..." OSError, or a KeyError traceback from the harness;
+    # a folder without a tokenizer is named after the options, before the harness loads the model
     pytest.importorskip("lm_eval")
     from falcon_fwa.cli import main
 
@@ -469,7 +473,9 @@ def test_lm_eval_cli_names_a_missing_model_folder_include_path_or_task(tmp_path,
              (["--model", str(folder), "--tasks", "local_mc", "--include-path", str(tmp_path / "nope")],
               "include_path"),
              (["--model", str(folder), "--tasks", "local_mc,nope_task", "--include-path", str(tasks)],
-              "tasks: unknown 'nope_task'")]
+              "tasks: unknown 'nope_task'"),
+             (["--model", str(folder), "--tasks", "local_mc", "--include-path", str(tasks)],  # the model's turn
+              f"model_dir: model folder {str(folder)!r} holds no tokenizer")]
     for args, message in cases:
         assert main(["lm-eval", *args]) == 2
         err = capsys.readouterr().err

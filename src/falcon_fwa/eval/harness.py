@@ -14,7 +14,7 @@ import functools
 import os
 from typing import List, Optional
 
-from ..cli_options import dtype_name
+from ..cli_options import check_tokenizer_in, dtype_name
 
 
 @functools.cache
@@ -186,6 +186,7 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     if missing:
         raise ValueError(f"tasks: unknown {', '.join(map(repr, missing))}"
                          + ("" if include_path else " (local task YAML files need include_path)"))
+    check_tokenizer_in("model_dir", model_dir)  # the harness would load the model first, then fail naming neither
     # the model type is registered here (register()): no code from the folder runs
     model_args = {"pretrained": model_dir, "dtype": dtype_name(dtype, ("float32", "bfloat16", "float16")),
                   "trust_remote_code": False}

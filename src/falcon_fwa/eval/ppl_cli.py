@@ -6,8 +6,8 @@ import argparse
 import os
 
 from ..atomic import write_json
-from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file, dtype_option,
-                           resolve_device)
+from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file,
+                           check_tokenizer_in, dtype_option, resolve_device)
 from ..data.shards import is_shard_folder
 from ..data.sources import TEXT_SPLITS, list_files
 from ..provenance import command_provenance
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     _check_data(args.data)
     check_output_file("--out", args.out)
     check_output_file("--plot", args.plot)
+    check_tokenizer_in("--model", args.model)
     model, tokenizer = load_model(args.model, device=args.device)
     eos_id = tokenizer.eos_token_id if args.documents == "reset" else None
     if args.documents == "reset" and eos_id is None:

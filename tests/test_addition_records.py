@@ -75,6 +75,11 @@ def test_the_table_of_record_is_rewritten_from_its_runs_keeping_its_notes(tmp_pa
     assert meta["notes"] == written and meta["trained_by"].startswith("falcon-fwa addition-compare --preset paper")
     assert compare.main(argv) == 0  # a second rewrite: the notes, now in the meta, once
     assert (tmp_path / "paper.md").read_text() == md
+    (tmp_path / "paper.md").write_text(md + "\nA later attempt, added by hand.\n")  # the meta's notes and more
+    assert compare.main(argv) == 0
+    added = written + "\n\nA later attempt, added by hand."
+    assert (tmp_path / "paper.md").read_text().endswith("\n## Notes\n\n" + added + "\n")
+    assert json.loads((tmp_path / "paper_meta.json").read_text())["notes"] == added
     # a summary without a notes section, or none at all, has no notes
     (tmp_path / "paper.md").write_text("# a summary\n")
     assert compare.written_notes(tmp_path / "paper.md") == "" and compare.written_notes(tmp_path / "none.md") == ""

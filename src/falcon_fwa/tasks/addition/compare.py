@@ -455,10 +455,11 @@ def run(args: argparse.Namespace) -> int:
     summary_file = Path(args.results) / f"{name}.json"
     meta_file = Path(args.results) / f"{name}_meta.json"
     # a rewrite from finished runs (--no-train) records its own command and commit, and keeps the
-    # command that trained the runs, if an earlier summary of this name recorded one, and its notes (those
-    # of its meta, else those written into its .md by hand)
+    # command that trained the runs, if an earlier summary of this name recorded one, and its notes (the
+    # notes section of its .md, which holds its meta's notes and what was written there by hand since, else
+    # those of its meta)
     previous = read_json(meta_file) if meta_file.exists() and not trains else {}
-    notes = "" if trains else previous.get("notes") or written_notes(summary_file.with_suffix(".md"))
+    notes = "" if trains else written_notes(summary_file.with_suffix(".md")) or previous.get("notes", "")
     trained_by = previous.get("trained_by") or (
         previous["command"] if "--no-train" not in previous.get("command", "--no-train") else None)
     meta = {

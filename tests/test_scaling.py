@@ -268,3 +268,45 @@ def test_the_suite_stage_keeps_its_rows_beside_the_runs_so_a_second_launch_goes_
         assert argv[argv.index("--results") + 1] == str(tmp_path / "runs" / "multigpu")
         assert argv[argv.index("--out") + 1] == str(tmp_path / "runs")
         assert argv[argv.index("--gpus") + 1:argv.index("--strategies")] == ["1", "2"]
+
+
+def _max_over_ranks(rank, world, init_file, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    from falcon_fwa.train import distributed as D
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        info = D.DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), strategy="ddp")
+        value = torch.tensor([[10, -3], [7, 100]], dtype=torch.int64) * (rank + 1) - 50 * rank
+        got = D.all_reduce_max(value, info)
+        torch.save({"got": got, "value": value}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_reduce_max_gives_every_process_the_elementwise_largest_value(tmp_path):
+    # what the trainer's peak memory per GPU takes over the processes (an FSDP2 shard can be larger on one rank)
+    import torch
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_max_over_ranks, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    expected = torch.stack([r["value"] for r in results]).amax(0)
+    # by hand: rank r holds v * (r + 1) - 50 r; the maxima come from rank 0 (three entries) and rank 1 (one)
+    assert expected.tolist() == [[10, -3], [7, 150]]
+    base = torch.tensor([[10, -3], [7, 100]], dtype=torch.int64)
+    for rank, r in enumerate(results):
+        assert torch.equal(r["got"], expected)
+        assert torch.equal(r["value"], base * (rank + 1) - 50 * rank)  # its input is left as it was
+
+
+def test_peak_memory_is_none_on_the_cpu():
+    import torch
+
+    from falcon_fwa.train import distributed as D
+
+    info = D.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), strategy="single")
+    assert D.peak_memory_bytes(info) is None

@@ -98,6 +98,23 @@ def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return value
 
 
+def all_reduce_max(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The largest of every process's ``value`` (elementwise), on every process."""
+    if info.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
+def peak_memory_bytes(info: DistInfo) -> "int | None":
+    """The largest peak of allocated CUDA memory over the processes (an FSDP2 shard can hold more on one
+    rank than another), ``None`` on the CPU. A collective: every process calls it."""
+    if info.device.type != "cuda":
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_allocated(info.device)], dtype=torch.int64, device=info.device)
+    return int(all_reduce_max(peak, info).item())
+
+
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()

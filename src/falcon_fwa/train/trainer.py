@@ -412,8 +412,7 @@ class Trainer:
                 last_val = self.evaluate()
         summary = {"params": self.n_params, "steps": self.step, "tokens": self._tokens_seen(),
                    "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
-                   "peak_mem_bytes": (torch.cuda.max_memory_allocated(info.device)
-                                      if info.device.type == "cuda" else None),
+                   "peak_mem_bytes": D.peak_memory_bytes(info),
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,
                    "commit": git_commit(short=False), "config": cfg.to_dict()}
         if stopped_by is not None and self.step < t.steps:  # in summary.json too: why the run ended early

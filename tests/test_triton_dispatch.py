@@ -33,6 +33,45 @@ def test_backend_is_checked():
         falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state=None, backend="gpu")
 
 
+_CPU_SCRIPT = """
+import os, sys, torch
+os.environ.pop("TRITON_INTERPRET", None)
+from falcon_fwa import falcon_attention, falcon_step
+if sys.argv[1] == "late":  # set after the import, as the message once advised without saying when
+    os.environ["TRITON_INTERPRET"] = "1"
+x = torch.rand(1, 4, 1, 16)
+calls = dict(chunk=lambda: falcon_attention(x, x, x, x[..., 0], x[..., 0], chunk_size=16, backend="triton"),
+             recurrent=lambda: falcon_attention(x, x, x, x[..., 0], x[..., 0], form="recurrent", backend="triton"),
+             step=lambda: falcon_step(x[:, 0], x[:, 0], x[:, 0], x[:, 0, :, 0], x[:, 0, :, 0], state=None,
+                                      backend="triton"))
+for name, call in calls.items():
+    try:
+        call()
+    except Exception as e:
+        print(name, type(e).__name__, e)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run on CUDA tensors here")
+@pytest.mark.parametrize("when", ["unset", "late"])
+def test_triton_backend_on_cpu_without_the_interpreter_names_the_backend(when):
+    """``backend="triton"`` on CPU tensors in a process whose kernels were not built for Triton's interpreter:
+    ``NotImplementedError`` naming the backend and the way out, for the chunk kernels, the fused recurrent
+    kernel and the step; also where TRITON_INTERPRET=1 is set after the import (then the kernels, built for a
+    GPU, ended in Triton's 'Cannot call @triton.jit'd outside of the scope of a kernel')."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CPU_SCRIPT, when], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [[name, "NotImplementedError"]
+                                                   for name in ("chunk", "recurrent", "step")], done.stdout + done.stderr
+    for line in lines:
+        assert "backend='triton': CUDA tensors are needed by the " in line and "q is on cpu" in line, line
+        assert "set TRITON_INTERPRET=1 before importing falcon_fwa or triton" in line, line
+        assert ("it was set after that import" in line) == (when == "late"), line
+
+
 def test_triton_backend_refuses_what_the_kernels_do_not_cover():
     q, k, v, beta, lam = _inputs(T=4)
     with pytest.raises(NotImplementedError, match="chunk_size=24"):

@@ -44,7 +44,17 @@ MAX_WY_HEAD_DIM = 256  # the regression kernels (rules 1, 2, 3) keep the whole k
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` now (the interpreter reads
+    it at each launch) and when the kernels and Triton's own helpers (``tl.zeros``) were defined, at import
+    (``triton.jit`` reads it there; ``import falcon_fwa`` imports triton). Set only later, they stay built for
+    a GPU, and a CPU tensor ended in Triton's 'Cannot call @triton.jit'd outside of the scope of a kernel'."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .step_size_kernels import _log1p
+    return isinstance(_log1p, InterpretedFunction) and isinstance(tl.zeros, InterpretedFunction)
 
 
 # The kernels form gamma = 1 - min(eta lam, 1 - decay_floor) in float32, where 1 - decay_floor is
@@ -73,8 +83,11 @@ def check_kernel_support(what: str, q, k, v, beta, lam, log_gate, initial_state,
                                   f"rounds to 1 in the float32 of {what} (the PyTorch forms support it)")
     check_kernel_dtypes(what, q, k, v, beta, lam, log_gate)
     if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
-        raise NotImplementedError(f"CUDA tensors are needed by {what} (q is on {q.device}; "
-                                  "on CPU set TRITON_INTERPRET=1 before importing triton)")
+        late = ("; it was set after that import" if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+                else "")
+        raise NotImplementedError(f"backend='triton': CUDA tensors are needed by {what}, and q is on {q.device} "
+                                  f"(on CPU, set TRITON_INTERPRET=1 before importing falcon_fwa or triton{late}); "
+                                  "backend='auto' or 'torch' runs the PyTorch forms there")
     if initial_state is not None and initial_state.S.dtype == torch.float64:
         raise NotImplementedError(f"initial_state.S.dtype=float64 is not supported by {what}")
 

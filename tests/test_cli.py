@@ -20,6 +20,13 @@ def test_the_traceback_on_request(monkeypatch):
         cli.main(["addition", "--preset", "tiny", "--steps", "-3"])
 
 
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"falcon-fwa {version('falcon-fwa')}\n"
+
+
 def test_an_unknown_command_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main(["nope"])

@@ -63,6 +63,14 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["throughput", "--preset", "tiny-falcon:chunk_size=2.5"],
      "--preset 'tiny-falcon:chunk_size=2.5': config field 'chunk_size' must be an integer, got 2.5"),
     (["throughput", "--preset", "tiny-falcon", "--max-seconds", "nan"], "--max-seconds"),
+    # inf, as compare's and scaling's --deadline (it passed a lower bound alone)
+    (["throughput", "--preset", "tiny-falcon", "--max-seconds", "inf"], "--max-seconds must be a finite number >= 0"),
+    (["throughput", "--preset", "tiny-falcon", "--deadline", "inf"], "--deadline must be a finite number > 0, got inf"),
+    (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--limit", "inf"], "--limit must be a finite number > 0"),
+    # a seed torch.manual_seed cannot take, named as demo and generate name theirs (it was torch's
+    # 'Overflow when unpacking long long'; addition-compare started its runs)
+    (["addition", "--seed", "18446744073709551616"], "--seed must lie in [-2^63, 2^64), got 18446744073709551616"),
+    (["addition-compare", "--seeds", "0", "-9223372036854775809"], "--seeds must lie in [-2^63, 2^64)"),
     (["throughput", "--preset", "tiny-falcon", "--deadline", "0"], "--deadline"),
     (["throughput", "--preset", "tiny-falcon", "--fp32", "--dtype", "bfloat16"], "--fp32 and --dtype bf16"),
     (["lm-eval", "--model", "no/model", "--tasks", "piqa", "--batch-size", "0"], "--batch-size"),
@@ -88,10 +96,15 @@ def test_auto_and_the_devices_this_machine_has(monkeypatch):
     (["ppl", "--model", "./no/model", "--data", "no/data.txt"], "--model: model folder './no/model' does not exist"),
     (["lm-eval", "--model", "./no/model", "--tasks", "piqa"], "--model: model folder './no/model' does not exist"),
     (["generate", "--model", "./no/model", "--prompt", "a"], "--model: model folder './no/model' does not exist"),
+    # a file is no model folder (it was taken for a hub id, then read by transformers as a config.json)
+    (["ppl", "--model", "model.bin", "--data", "no/data.txt"], "--model 'model.bin' is a file, not a model folder"),
+    (["lm-eval", "--model", "model.bin", "--tasks", "piqa"], "--model 'model.bin' is a file, not a model folder"),
+    (["generate", "--model", "model.bin", "--prompt", "a"], "--model 'model.bin' is a file, not a model folder"),
 ])
 def test_integer_options_out_of_range_are_named(argv, named, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
     monkeypatch.chdir(tmp_path)  # the relative paths above: nothing lands in the checkout if a check is missed
+    (tmp_path / "model.bin").write_bytes(b"weights")
     _fails_naming(capsys, argv, named)
 
 

@@ -64,8 +64,8 @@ def test_triton_backend_on_cpu_without_the_interpreter_names_the_backend(when):
 
     done = subprocess.run([sys.executable, "-c", _CPU_SCRIPT, when], capture_output=True, text=True, timeout=120)
     lines = done.stdout.splitlines()
-    assert [line.split()[:2] for line in lines] == [[name, "NotImplementedError"]
-                                                   for name in ("chunk", "recurrent", "step")], done.stdout + done.stderr
+    expected = [[name, "NotImplementedError"] for name in ("chunk", "recurrent", "step")]
+    assert [line.split()[:2] for line in lines] == expected, done.stdout + done.stderr
     for line in lines:
         assert "backend='triton': CUDA tensors are needed by the " in line and "q is on cpu" in line, line
         assert "set TRITON_INTERPRET=1 before importing falcon_fwa or triton" in line, line

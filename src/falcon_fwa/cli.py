@@ -50,14 +50,29 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+def _version() -> str:
+    """The installed distribution's version (the package's own where it runs from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("falcon-fwa")
+    except PackageNotFoundError:
+        from . import __version__
+        return __version__
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="falcon-fwa", description="Falcon fast-weight attention")
+    parser.add_argument("--version", action="store_true", help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
+        return 0
+    if argv[0] == "--version":
+        print(f"falcon-fwa {_version()}")
         return 0
     name = argv[0]
     if name not in COMMANDS:

@@ -40,9 +40,12 @@ def resolve_device(name: str) -> str:
 
 def check_model_option(folder: str) -> None:
     """``FileNotFoundError`` naming ``--model`` unless ``folder`` is a saved model folder or (by its form)
-    a hub id ``owner/name``: the commands that load a model check it before their slower imports."""
+    a hub id ``owner/name``: the commands that load a model check it before their slower imports. A file
+    is refused by name too (it was taken for a hub id, then read by transformers as a config.json)."""
     from .eval.perplexity import check_model_folder
 
+    if os.path.isfile(folder):
+        raise FileNotFoundError(f"--model {folder!r} is a file, not a model folder (config.json and the weights)")
     try:
         check_model_folder(folder)
     except FileNotFoundError as err:

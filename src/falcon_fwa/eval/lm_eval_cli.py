@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import write_json
-from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file, dtype_option,
+from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file, dtype_option, finite_at_least,
                            resolve_device)
 from ..provenance import command_provenance
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     # the options first: a bad value is named before lm-eval is imported or the model loaded
     at_least("--batch-size", args.batch_size, 1)
     at_least("--num-fewshot", args.num_fewshot, 0)
-    at_least("--limit", args.limit, 0, strict=True)
+    finite_at_least("--limit", args.limit, 0, strict=True)
     at_least("--max-length", args.max_length, 1)
     device = resolve_device(args.device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..cli_options import DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_option, resolve_device
+from ..cli_options import (DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_option, finite_at_least,
+                           resolve_device)
 
 _clock = time.perf_counter  # every time in this module comes from here
 
@@ -272,8 +273,8 @@ def run(args: argparse.Namespace) -> int:
     at_least("--batch-tokens", args.batch_tokens, 1)
     at_least("--warmup", args.warmup, 0)
     at_least("--profile", args.profile, 0)
-    at_least("--max-seconds", args.max_seconds, 0)
-    at_least("--deadline", args.deadline, 0, strict=True)
+    finite_at_least("--max-seconds", args.max_seconds, 0)
+    finite_at_least("--deadline", args.deadline, 0, strict=True)
     if args.fp32 and args.dtype == "bf16":
         raise ValueError("--fp32 and --dtype bf16 contradict each other: give one")
     bf16 = not args.fp32 and args.dtype != "fp32"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ...cli_options import (DEVICE_HELP, at_least, check_output_folder, dtype_option, finite_at_least,
+from ...cli_options import (DEVICE_HELP, at_least, check_output_folder, check_seed, dtype_option, finite_at_least,
                             resolve_device)
 from ...models.configuration import MIXER_DEFAULTS, FalconConfig
 from ...ops.rules import get_rule
@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from .train import RunSpec, runs_folder, task_fields, train_run
 
     check_machine_options(args)
+    check_seed("--seed", args.seed)  # torch.manual_seed's range
     fields = model_fields(args)
     preset = preset_from_args(args)
     threads = args.threads or (preset.cpu_threads if args.device == "cpu" else None)

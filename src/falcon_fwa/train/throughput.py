@@ -203,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps that --max-seconds never cuts (default: 3, or --steps where fewer)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation)")
     parser.add_argument("--max-seconds", type=float, default=60.0,
-                        help="per measurement: seconds of timed steps (warm-up not counted)")
+                        help="per measurement: seconds of timed steps (warm-up not counted); a finite number: "
+                             "--min-steps equal to --steps times every step")
     parser.add_argument("--deadline", type=float, default=None,
                         help="wall-clock seconds for the whole command (the only hard cap)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)

@@ -355,35 +355,41 @@ def test_a_continued_cache_saves_and_loads_and_goes_on_as_one_pass(mixer, overri
             other(x[:, 8:], past_key_values=pickle.loads(pickle.dumps(cache)))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("prefill_autocast", [True, False], ids=["autocast-prefill", "autocast-steps"])
 @pytest.mark.parametrize("mixer", ["transformer", "falcon"])
-def test_a_cache_filled_under_autocast_continues_without_it_and_the_reverse(mixer, prefill_autocast):
+def test_a_cache_filled_under_autocast_continues_without_it_and_the_reverse(mixer, prefill_autocast, device):
     """A float32 model's cache filled under bfloat16 autocast and continued without it (or the reverse), one
     token and several at a time, follows the float64 model within bfloat16's rounding: the Transformer's key
-    and value buffers keep the dtype they were filled in (bfloat16 or float32) and take the new keys in it."""
+    and value buffers keep the dtype they were filled in (bfloat16 or float32) and take the new keys in it.
+    On CUDA the Falcon model runs its Triton kernels (bfloat16 inputs under autocast) and the fused step."""
     import contextlib
     import copy
 
     torch.manual_seed(0)
     model = FalconForCausalLM(get_preset(f"tiny-{mixer}")).eval()
     exact = copy.deepcopy(model).double()
+    model = model.to(device)
     x = torch.randint(0, 64, (2, 12))
     mask = torch.ones_like(x)
     mask[0, :3] = 0
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    autocast = lambda: torch.autocast(device, dtype=torch.bfloat16)  # noqa: E731
     prefill, steps = (autocast, contextlib.nullcontext) if prefill_autocast else (contextlib.nullcontext, autocast)
     with torch.no_grad():
         want = exact(x, attention_mask=mask, use_cache=False).logits
+        xd, md = x.to(device), mask.to(device)
         with prefill():
-            out = model(x[:, :6], attention_mask=mask[:, :6], use_cache=True)
+            out = model(xd[:, :6], attention_mask=md[:, :6], use_cache=True)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         parts = [out.logits]
         for a, b in ((6, 7), (7, 8), (8, 12)):
             with steps():
-                parts.append(model(x[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits)
+                parts.append(model(xd[:, a:b], attention_mask=md[:, :b], past_key_values=cache).logits)
     if mixer == "transformer":
         assert cache[0].keys.dtype == (torch.bfloat16 if prefill_autocast else torch.float32)
-    got = torch.cat(parts, 1).double() * mask[..., None]
+        assert cache[0].keys.device.type == device
+    got = torch.cat(parts, 1).double().cpu() * mask[..., None]
     assert float((got - want * mask[..., None]).abs().max()) <= 0.03 * float(want.abs().max())
 
 

@@ -827,3 +827,16 @@ def test_torchrun_ddp_and_fsdp2_with_activation_checkpointing_train_the_same_mod
         assert [s for s, _ in plain] == [s for s, _ in replayed] == [1, 2, 3, 4], strategy
         for (_, x), (_, y) in zip(plain, replayed):
             assert abs(x - y) <= 1e-6 * abs(x), (strategy, plain, replayed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_summary_peak_memory_on_cuda_holds_the_weights_their_gradients_and_adam_states(tmp_path):
+    """On a GPU the trainer records the peak of allocated CUDA memory (``distributed.peak_memory_bytes``):
+    at least the float32 parameters, their gradients and AdamW's two moments (16 bytes a parameter), and
+    no more than the card has. On the CPU it is null (``test_scaling``)."""
+    trainer = run_trainer(recipe(tmp_path, "run", steps=2))
+    n = sum(p.numel() for p in trainer.model.parameters())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    peak = summary["peak_mem_bytes"]
+    assert isinstance(peak, int)
+    assert 16 * n <= peak <= torch.cuda.get_device_properties(0).total_memory

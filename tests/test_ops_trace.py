@@ -97,6 +97,22 @@ def test_trace_names_a_bad_argument():
         falcon_trace(k, **inp, shift="False")
 
 
+def test_a_refusal_of_the_kernels_names_the_traced_argument(monkeypatch):
+    """With ``backend="triton"`` the trace calls the op with ``q`` = the write features and every input in
+    the compute dtype; the kernels' refusals of a dtype or a device name the trace's own argument (``lam``
+    in float64, ``k`` off CUDA), not a ``q`` it does not take."""
+    pytest.importorskip("triton")
+    from falcon_fwa.ops.triton import api as triton_api
+
+    inp = random_inputs("1A", T=6, K=16, V=16, dtype=torch.float32)
+    inp.pop("q")
+    with pytest.raises(NotImplementedError, match=r"^lam\.dtype=torch\.float64 is not supported"):
+        falcon_trace(**dict(inp, lam=inp["lam"].double()), backend="triton")
+    monkeypatch.setattr(triton_api, "_interpreting", lambda: False)  # kernels built for a GPU: CPU tensors refused
+    with pytest.raises(NotImplementedError, match=r"CUDA tensors are needed by the Triton kernels, and k is on cpu"):
+        falcon_trace(**inp, backend="triton")
+
+
 @pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
 @pytest.mark.parametrize("rule", RULE_NAMES)
 def test_trace_on_the_kernels_is_the_float64_trace(rule):

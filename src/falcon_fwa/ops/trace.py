@@ -93,6 +93,12 @@ def falcon_trace(
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge)
     check_inputs(k, k, v, beta, lam, log_gate, spec, window=W, form="chunk", chunk_size=chunk_size, eps=eps,
                  decay_floor=decay_floor, read="before", initial_state=initial_state, shift=shift, query="k")
+    if backend == "triton":
+        # the kernels' refusals of a dtype or a device, named for these arguments: the op is called below with
+        # q = the write features and every input cast to the compute dtype, which its own checks would name
+        from .triton.api import check_kernel_support  # an ImportError without Triton, as from falcon_attention
+        check_kernel_support("the Triton kernels", k, k, v, beta, lam, log_gate, initial_state, decay_floor,
+                             query="k")
     if initial_state is not None and initial_state.z is not None:
         initial_state = replace(initial_state, z=None)
     dt = _compute_dtype(k, v, beta, lam, log_gate)

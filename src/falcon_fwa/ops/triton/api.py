@@ -63,29 +63,30 @@ def _interpreting() -> bool:
 MIN_DECAY_FLOOR = 2.0 ** -24
 
 
-def check_kernel_dtypes(what: str, q, k, v, beta, lam, log_gate) -> None:
+def check_kernel_dtypes(what: str, q, k, v, beta, lam, log_gate, *, query: str = "q") -> None:
     """``NotImplementedError`` naming the first of the op's tensors whose dtype ``what`` (the chunk
     kernels or the step kernel) does not take. float64 anywhere is refused, not cast down: float64
     inputs compute in float64, so ``backend="auto"`` falls back to the PyTorch forms for them
-    whichever argument holds it."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
+    whichever argument holds it. The first tensor is called ``query`` (``falcon_trace``: its keys)."""
+    for name, t in ((query, q), ("k", k), ("v", v), ("beta", beta), ("lam", lam), ("log_gate", log_gate)):
         if t is not None and t.dtype not in TRITON_DTYPES:
             raise NotImplementedError(f"{name}.dtype={t.dtype} is not supported by {what} "
                                       f"(supported: bf16, fp16, fp32)")
 
 
-def check_kernel_support(what: str, q, k, v, beta, lam, log_gate, initial_state, decay_floor) -> None:
+def check_kernel_support(what: str, q, k, v, beta, lam, log_gate, initial_state, decay_floor, *,
+                         query: str = "q") -> None:
     """``NotImplementedError`` for what no kernel of ``what`` (the chunk kernels or the fused recurrent
     kernel) covers, naming it, so callers can fall back: a decay floor the float32 clamp cannot hold,
-    a dtype, a device, a float64 state."""
+    a dtype, a device, a float64 state. The first tensor is called ``query``, as in ``check_inputs``."""
     if decay_floor < MIN_DECAY_FLOOR:
         raise NotImplementedError(f"decay_floor={decay_floor!r} is below {MIN_DECAY_FLOOR:.3g}, where 1 - decay_floor "
                                   f"rounds to 1 in the float32 of {what} (the PyTorch forms support it)")
-    check_kernel_dtypes(what, q, k, v, beta, lam, log_gate)
+    check_kernel_dtypes(what, q, k, v, beta, lam, log_gate, query=query)
     if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
         late = ("; it was set after that import" if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
                 else "")
-        raise NotImplementedError(f"backend='triton': CUDA tensors are needed by {what}, and q is on {q.device} "
+        raise NotImplementedError(f"backend='triton': CUDA tensors are needed by {what}, and {query} is on {q.device} "
                                   f"(on CPU, set TRITON_INTERPRET=1 before importing falcon_fwa or triton{late}); "
                                   "backend='auto' or 'torch' runs the PyTorch forms there")
     if initial_state is not None and initial_state.S.dtype == torch.float64:

@@ -61,22 +61,28 @@ def test_a_carry_just_above_the_floor_is_not_clamped():
     assert torch.equal(trace.clamped, ref["clamped"])
 
 
-@pytest.mark.parametrize("rule", ["1", "3A", "2"])
-def test_a_continued_trace_equals_one_trace(rule):
+@pytest.mark.parametrize("rule", ["1", "3", "3A", "2"])
+@pytest.mark.parametrize("options", [dict(), dict(shift=False, scale_ridge=True, decay_floor=0.2)],
+                         ids=["shifted", "unshifted"])
+def test_a_continued_trace_equals_one_trace(rule, options):
     """Tracing a sequence in two segments, the second from the first one's state (its last key and
-    window tail), gives the trace of the whole sequence."""
-    inp = random_inputs(rule, T=23, with_gate=True, seed=7)
+    window tail: with ``shift=False`` the tail alone, whose pairs enter the window statistic), gives
+    the trace of the whole sequence."""
+    inp = random_inputs(rule, T=23, lam_range=(0.0, 3.0), with_gate=True, seed=7)
     q = inp.pop("q")
-    whole = falcon_trace(**inp, rule=rule, window=3)
+    whole = falcon_trace(**inp, rule=rule, window=3, **options)
     first = {name: t[:, :10] for name, t in inp.items()}
     rest = {name: t[:, 10:] for name, t in inp.items()}
-    _, state = falcon_attention(q[:, :10], **first, rule=rule, window=3, output_final_state=True)
-    parts = [falcon_trace(**first, rule=rule, window=3), falcon_trace(**rest, rule=rule, window=3, initial_state=state)]
-    for name in ("eta", "gamma", "prediction", "loss"):
+    _, state = falcon_attention(q[:, :10], **first, rule=rule, window=3, output_final_state=True, **options)
+    parts = [falcon_trace(**first, rule=rule, window=3, **options),
+             falcon_trace(**rest, rule=rule, window=3, initial_state=state, **options)]
+    for name in ("eta", "gamma", "prediction", "residual", "loss"):
         joined = torch.cat([getattr(p, name) for p in parts], dim=1)
         assert torch.allclose(joined, getattr(whole, name), rtol=1e-9, atol=1e-12, equal_nan=True), name
-    assert torch.equal(torch.cat([p.valid for p in parts], 1), whole.valid)
-    assert parts[1].valid.all()  # the continued segment's first pair is the carried key's
+    for name in ("clamped", "valid"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in parts], 1), getattr(whole, name)), name
+    assert whole.clamped[:, 10:].any()  # the clamp holds on some continued steps
+    assert parts[1].valid.all()  # the continued segment's first pair is the carried key's (or, unshifted, its own)
 
 
 def test_trace_names_a_bad_argument():

@@ -6,7 +6,7 @@ on the causal pairs ``(x_t, y_t) = (phi(k_{t-1}), v_t)``. For the arguments of
 learner does at every step ``t`` and head:
 
 * ``eta``: the step size ``eta_t = beta_t / (E_t + lambda_t + eps)`` (Eqs. 3.4, 4.8, 4.9, 4.18;
-  0 at the sentinel);
+  ``beta_t`` itself with ``normalize=False``; 0 at the sentinel and where the denominator is 0);
 * ``gamma``: the carry ``gamma_t = 1 - min(eta_t lambda_t, 1 - decay_floor)`` (Eq. 4.20), and
   ``clamped``, where the positive-decay clamp holds (``gamma_t`` at ``decay_floor``);
 * ``prediction``: ``p_t = S'^T x_t``, the value the memory gives the newest pair's feature

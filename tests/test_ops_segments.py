@@ -168,3 +168,128 @@ def test_segments_second_backward_and_state_only_gradient():
     assert got[0] is None or got[0].abs().sum() == 0
     assert all(rel_err(a, b) <= TOL for a, b in zip(got[1:], want))
     assert got[1][:, :8].abs().sum() > 0  # the first piece's keys reach the last state
+
+
+def test_segments_gradients_reach_every_tensor_of_the_initial_state():
+    """The shifted key's carry, the sliding tail and the normalizer ``z`` of an initial state get the
+    gradients one call gives them, as ``S`` does, with ``read="before"``, with and without the shift."""
+    for rule, shift, read, fields in (("3A", True, "before", 5), ("3", False, "after", 3), ("1A", True, "after", 3)):
+        inp = random_inputs(rule, B=2, T=41, seed=21, with_gate=True)
+        inp["q"], inp["k"] = inp["q"].abs(), inp["k"].abs()  # (z^T q stays positive)
+        eps_attn = 1e-3 if rule.endswith("A") else None  # (the normalized read of the inner-product rules)
+        options = dict(rule=rule, window=3, shift=shift, read=read, eps_attn=eps_attn)
+        first = {n: t[:, :9] for n, t in inp.items()}
+        rest = {n: t[:, 9:].clone().requires_grad_() for n, t in inp.items()}
+        _, start = falcon_attention(**first, output_final_state=True, **options)
+        names = [f for f in ("S", "last_key", "tail_x", "tail_y", "z") if getattr(start, f) is not None]
+        for f in names:
+            setattr(start, f, getattr(start, f).detach().clone().requires_grad_())
+        assert len(names) == fields
+        leaves = [*rest.values(), *(getattr(start, f) for f in names)]
+        _same_as_one_call(rest, leaves, 5, chunk_size=4, initial_state=start, **options)
+
+
+def test_segments_with_only_some_inputs_asking_for_gradients():
+    inp = random_inputs("2", B=1, T=30, seed=6, with_gate=True)
+    for name in ("k", "lam", "log_gate"):
+        x = {n: t.clone() for n, t in inp.items()}
+        x[name].requires_grad_()
+        want = torch.autograd.grad(falcon_attention(**x, rule="2", chunk_size=4)[0].square().sum(), x[name])[0]
+        o, _ = falcon_attention(**x, rule="2", chunk_size=4, segments=3)
+        assert rel_err(torch.autograd.grad(o.square().sum(), x[name])[0], want) <= TOL, name
+
+
+class _SavedBytes:
+    """``saved_tensors_hooks`` that count the bytes autograd keeps for the backward: live now and at most."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        self.live += t.numel() * t.element_size()
+        self.peak = max(self.peak, self.live)
+        return _Released(self, t)
+
+    @staticmethod
+    def unpack(box):
+        return box.t
+
+
+class _Released:
+    def __init__(self, tally, t):
+        self.tally, self.t, self.nbytes = tally, t, t.numel() * t.element_size()
+
+    def __del__(self):
+        self.tally.live -= self.nbytes
+
+
+@pytest.mark.parametrize("rule", ["3", "2"])
+def test_segments_lower_what_autograd_keeps(rule):
+    """What the graph holds between the forward and the backward is the inputs alone, and during the
+    backward about one piece's share of what one call keeps (the chunk form's intermediates)."""
+    inp = random_inputs(rule, B=1, T=512, H=2, K=16, V=16, seed=1, with_gate=True, dtype=torch.float32)
+    leaves = [t.requires_grad_() for t in inp.values()]
+    inputs = sum(t.numel() * t.element_size() for t in leaves)
+    kept = {}
+    for segments in (1, 4, 8):
+        tally = _SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
+            o, _ = falcon_attention(**inp, rule=rule, window=4, chunk_size=32, segments=segments)
+            between = tally.live
+            o.sum().backward()
+        kept[segments] = between, tally.peak
+    assert kept[1][0] > 20 * inputs  # one call keeps the intermediates of the whole sequence
+    for n in (4, 8):
+        between, peak = kept[n]
+        assert between == inputs
+        assert peak <= inputs + 1.1 * kept[1][1] / n, (n, kept)
+
+
+def test_segments_recompute_under_the_forwards_autocast():
+    """Each piece's forward runs again in the backward under the autocast the forward ran under (bf16
+    matmuls here, as in training), so the gradients are those of the function the forward computed."""
+    from falcon_fwa.ops.segments import run_segments
+
+    inp = random_inputs("1", B=2, T=48, seed=1, with_gate=True, dtype=torch.float32)
+    leaves = [t.requires_grad_() for t in inp.values()]
+    seen = []
+
+    def call(q, k, v, beta, lam, log_gate, *, initial_state, output_final_state):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        return falcon_attention(q, k, v, beta, lam, log_gate=log_gate, rule="1", chunk_size=8,
+                                initial_state=initial_state, output_final_state=output_final_state)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = run_segments(call, tuple(inp.values()), None, False, segments=3, chunk_size=8)
+        o1, _ = falcon_attention(**inp, rule="1", chunk_size=8)
+    got, want = (torch.autograd.grad(x.square().sum(), leaves) for x in (o, o1))
+    assert seen == [torch.bfloat16] * 6  # three pieces forward, three again in the backward
+    assert torch.equal(o, o1)
+    # d o_t / d q_t = S_t, the forward's state: q's gradient is one call's (off by 8e-3 when the pieces ran
+    # again in float32); the others' paths through the states at the cuts round in bf16 otherwise than one call's
+    assert rel_err(got[0], want[0]) <= 1e-6
+    assert all(rel_err(a, b) <= 3e-2 for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("rule,packed", [("1", False), ("3", False), ("3", True)])
+def test_segments_second_order_gradients(rule, packed):
+    """``create_graph=True``: the gradients are differentiable again, and their own gradients are one
+    call's (a gradient penalty, a Hessian-vector product), an initial state's included."""
+    inp = random_inputs(rule, B=1, T=22, seed=9, with_gate=True)
+    rows = 3 if packed else 1
+    _, start = falcon_attention(**random_inputs(rule, B=rows, T=5, seed=10), rule=rule, window=2,
+                                output_final_state=True)
+    start.S.requires_grad_()
+    start.tail_x = start.tail_x.detach().requires_grad_() if rule == "3" else None
+    leaves = [*(t.requires_grad_() for t in inp.values()), start.S, *([start.tail_x] if rule == "3" else [])]
+    options = dict(rule=rule, window=2, chunk_size=4, initial_state=start, output_final_state=True,
+                   cu_seqlens=torch.tensor([0, 6, 13, 22]) if packed else None)
+    got = []
+    for segments in (1, 3):
+        o, st = falcon_attention(**inp, segments=segments, **options)
+        grads = torch.autograd.grad(_loss(o, st), leaves, create_graph=True)
+        assert all(g.requires_grad for g in grads)
+        penalty = sum(g.square().sum() for g in grads)
+        got.append((grads, torch.autograd.grad(penalty, leaves)))
+    for (g3, h3), (g1, h1) in zip(zip(*got[1]), zip(*got[0])):
+        assert rel_err(g3, g1) <= TOL and rel_err(h3, h1) <= 1e-9

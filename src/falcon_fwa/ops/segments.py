@@ -17,7 +17,10 @@ the gradient of the piece's inputs and of its entry state, which goes on to piec
 The chunk form's intermediates (per-chunk states, WY terms, write values) are then alive for
 one piece at a time, about ``1/n`` of what one call holds, for one more forward of the op.
 Whatever the op keeps for its backward, and however its own nodes free it, lives and dies
-inside one piece's graph.
+inside one piece's graph. The pieces run again under the autocast the forward ran under, so the
+gradients are those of the function the forward computed. A second-order gradient
+(``create_graph=True``: the backward itself recorded) runs the pieces again as one graph from the
+node's inputs, whose gradients are then functions of them: the memory of one whole call.
 
 Cuts fall on whole chunks (``segment_bounds``), so that only the last piece may end in a
 partial chunk, as the whole sequence would.
@@ -28,6 +31,7 @@ nothing passes from one piece to the next. A sequence longer than a piece stays 
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -105,6 +109,7 @@ class _Pieces(torch.autograd.Function):
         with torch.no_grad():
             o, cuts, state = _run_pieces(call, bounds, state, want_final, inputs)
         ctx.call, ctx.bounds, ctx.want_final, ctx.cuts = call, bounds, want_final, cuts
+        ctx.autocast = _autocast_now(inputs[0].device.type)
         ctx.save_for_backward(*inputs)
         holder["template"] = state
         # the final state's tensors may be views of the inputs (the last key): the node returns copies
@@ -115,17 +120,25 @@ class _Pieces(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, *d_final):
-        inputs = ctx.saved_tensors
-        wants = ctx.needs_input_grad[N_OPTIONS:N_OPTIONS + N_INPUTS]
-        pieces: List[List[torch.Tensor]] = [[] for _ in inputs]  # the inputs' gradients, last piece first
-        d_state = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
-        for i in reversed(range(len(ctx.bounds) - 1)):
-            # one piece per call: its output, graph and gradients are gone before the next piece runs
-            d_state = _piece_backward(ctx, i, inputs, wants, do, d_state, pieces)
-        # concatenated once every piece is done: buffers of the whole length taken at the start would add a
-        # piece's worth of gradients to the peak, which lies inside a piece's backward
-        grads = [torch.cat(p[::-1], dim=1) if p else None for p in pieces]
-        return (*(None,) * N_OPTIONS, *grads, *d_state)
+        with _autocast_as(ctx.autocast):
+            if torch.is_grad_enabled():  # create_graph=True: gradients that are functions of the inputs
+                return _backward_with_graph(ctx, do, d_final)
+            return _backward_by_pieces(ctx, do, d_final)
+
+
+def _backward_by_pieces(ctx, do, d_final):
+    """``_Pieces.backward``: the pieces last to first, each run again from the state at its entry."""
+    inputs = ctx.saved_tensors
+    wants = ctx.needs_input_grad[N_OPTIONS:N_OPTIONS + N_INPUTS]
+    pieces: List[List[torch.Tensor]] = [[] for _ in inputs]  # the inputs' gradients, last piece first
+    d_state = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
+    for i in reversed(range(len(ctx.bounds) - 1)):
+        # one piece per call: its output, graph and gradients are gone before the next piece runs
+        d_state = _piece_backward(ctx, i, inputs, wants, do, d_state, pieces)
+    # concatenated once every piece is done: buffers of the whole length taken at the start would add a
+    # piece's worth of gradients to the peak, which lies inside a piece's backward
+    grads = [torch.cat(p[::-1], dim=1) if p else None for p in pieces]
+    return (*(None,) * N_OPTIONS, *grads, *d_state)
 
 
 def _piece_backward(ctx, i: int, inputs, wants, do, d_state, pieces) -> List[Optional[torch.Tensor]]:
@@ -155,6 +168,42 @@ def _piece_backward(ctx, i: int, inputs, wants, do, d_state, pieces) -> List[Opt
             g = found.pop()
             pieces[n].append(torch.zeros_like(t) if g is None else g)
     return [found.pop() if t is not None and t.requires_grad else None for t in entry_leaves]
+
+
+def _backward_with_graph(ctx, do, d_final):
+    """``_Pieces.backward`` under ``create_graph=True``: the pieces again, one after the other from the
+    node's own inputs and initial state with a graph through them all, and the gradients taken with a
+    graph, so that they can be differentiated again."""
+    inputs, start = ctx.saved_tensors, ctx.cuts[0]
+    o, _, final = _run_pieces(ctx.call, ctx.bounds, start, ctx.want_final, inputs)
+    outputs, upstream = [o], [do]
+    if ctx.want_final:
+        for t, g in zip(_state_tensors(final), d_final):
+            if t is not None and g is not None and t.requires_grad:
+                outputs.append(t)
+                upstream.append(g)
+    tensors = [*inputs, *_state_tensors(start)]
+    wrt = [n for n, t in enumerate(tensors) if t is not None and ctx.needs_input_grad[N_OPTIONS + n]]
+    found = torch.autograd.grad(outputs, [tensors[n] for n in wrt], upstream, allow_unused=True, create_graph=True)
+    grads: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    for n, g in zip(wrt, found):
+        grads[n] = torch.zeros_like(tensors[n]) if g is None else g
+    return (*(None,) * N_OPTIONS, *grads)
+
+
+def _autocast_now(device_type: str) -> List[Tuple[str, bool, torch.dtype]]:
+    """The autocast state (enabled, dtype) of the inputs' device type and of the CPU, to run the pieces
+    again under in the backward (which runs outside the forward's ``torch.autocast``)."""
+    kinds = dict.fromkeys((device_type, "cpu"))
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in kinds
+            if torch.amp.is_autocast_available(d)]
+
+
+def _autocast_as(state: List[Tuple[str, bool, torch.dtype]]) -> ExitStack:
+    stack = ExitStack()
+    for device_type, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+    return stack
 
 
 def _wants_state(ctx, j: int) -> bool:

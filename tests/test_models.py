@@ -275,11 +275,19 @@ def test_segments_change_neither_the_loss_nor_the_gradients(rule):
         assert torch.allclose(g3[name], g1[name], rtol=1e-9, atol=1e-12), name
 
 
-def test_segments_must_be_a_positive_integer_in_the_config():
+def test_segments_must_be_a_positive_integer_in_the_config(tmp_path):
+    for bad in (0, -2, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match="'segments'"):
+            FalconConfig(segments=bad)
+    config = FalconConfig(segments=4.0)  # (an integral float, as JSON may write it)
+    assert config.segments == 4 and type(config.segments) is int
+    config.save_pretrained(tmp_path)
+    assert FalconConfig.from_pretrained(tmp_path).segments == 4
+    assert FalconConfig.from_dict(config.to_dict()).segments == 4
+    assert FalconConfig.from_pretrained(tmp_path, segments=2).segments == 2
+    config.segments = False  # assigned after construction: refused by the check
     with pytest.raises(ValueError, match="'segments'"):
-        FalconConfig(segments=0)
-    with pytest.raises(ValueError, match="'segments'"):
-        FalconConfig(segments=1.5)
+        config.validate_fields()
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")  # the transformers 4 names, kept in 5

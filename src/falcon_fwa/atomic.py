@@ -4,6 +4,9 @@ version of a file or the complete new one, never a partial write.
 Each write goes to a uniquely named temporary file in the target's folder (two writers
 never share it), is flushed to disk, then renamed over the target. The file gets the
 permissions a plain ``open(path, "w")`` would give it (``0o666`` less the umask).
+
+A write that fails (a full disk, a folder one may not write to) raises an ``OSError`` naming the
+file it was writing (:func:`naming`), not its temporary file, and leaves the previous version.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
-__all__ = ["atomic_path", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable",
+__all__ = ["atomic_path", "naming", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable",
            "folder_lock"]
 
 
@@ -27,18 +30,49 @@ def _umask() -> int:
     return mask
 
 
+def _written_error(err: BaseException) -> Optional[OSError]:
+    """The ``OSError`` behind a failed write: ``err`` itself, or the one ``torch.save`` met (it reports a
+    write the disk refused as a ``RuntimeError``, "unexpected pos ...", raised while handling it)."""
+    if isinstance(err, OSError):
+        return err
+    if isinstance(err, RuntimeError) and isinstance(err.__context__, OSError):
+        return err.__context__
+    return None
+
+
+@contextlib.contextmanager
+def naming(path: PathLike, *stand_ins: PathLike) -> Iterator[None]:
+    """Re-raise an ``OSError`` of the block (or ``torch.save``'s ``RuntimeError`` over one) that names no
+    file, or names one of ``stand_ins`` (the temporary files behind ``path``), as the same error naming
+    ``path``: ``[Errno 28] No space left on device: 'run/summary.json'``. Other errors pass unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        cause = _written_error(err)
+        if cause is None or cause.errno is None or (
+                cause.filename is not None and os.fspath(cause.filename) not in {os.fspath(p) for p in stand_ins}):
+            raise
+        # with the original traceback: the error is reported where the write failed
+        raise OSError(cause.errno, cause.strerror, os.fspath(path)).with_traceback(err.__traceback__) from err
+
+
 @contextlib.contextmanager
 def atomic_path(path: PathLike) -> Iterator[str]:
     """A temporary path next to ``path`` (same suffix, so writers that infer the format from it
-    still work); renamed over ``path`` when the block ends without an exception, removed if not."""
+    still work); renamed over ``path`` when the block ends without an exception, removed if not.
+    An ``OSError`` of the writes names ``path`` (:func:`naming`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # an error here names the folder
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    except OSError as err:  # named after a temporary file of a random name: name the file being written
+        raise OSError(err.errno, err.strerror, os.fspath(path)) from err
     os.close(fd)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0o600, readable by its owner only
-        yield tmp
-        os.replace(tmp, path)
+        with naming(path, tmp):
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0o600, readable by its owner only
+            yield tmp
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -47,8 +81,9 @@ def atomic_path(path: PathLike) -> Iterator[str]:
 
 def synced_write(path: PathLike, write: Callable[[Any], None], mode: str = "w") -> None:
     """``write(f)`` on ``path`` opened in ``mode``, then flushed to disk (not atomic by itself: the
-    callers write into a temporary path, :func:`atomic_path`, or a temporary folder)."""
-    with open(path, mode) as f:
+    callers write into a temporary path, :func:`atomic_path`, or a temporary folder). An ``OSError``
+    of the write names ``path`` (:func:`naming`)."""
+    with naming(path), open(path, mode) as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())

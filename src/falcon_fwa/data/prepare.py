@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from ..atomic import folder_lock, write_json
+from ..atomic import folder_lock, naming, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, iter_documents, list_files
 from .tokenizer import bpe_vocab_size, load_tokenizer
@@ -171,7 +171,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     if spec.tokenizer.startswith("bpe:"):  # the training documents only: none held out for validation
         texts = itertools.islice(_docs(spec, "train", out_dir), spec.bpe_documents)
     tokenizer = load_tokenizer(spec.tokenizer, texts=texts)
-    tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
+    save_tokenizer(tokenizer, os.path.join(out_dir, "tokenizer"))
     counts = {}
     for which in ("train", "val"):
         try:
@@ -184,6 +184,18 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
               "files": files}
     write_json(record_path, record)
     return record
+
+
+def save_tokenizer(tokenizer, folder: str) -> None:
+    """``tokenizer.save_pretrained(folder)``; a write the disk refuses is an ``OSError`` naming ``folder``
+    (the fast tokenizers report it as a plain ``Exception``, "No space left on device (os error 28)")."""
+    try:
+        with naming(folder):
+            tokenizer.save_pretrained(folder)
+    except Exception as err:
+        if type(err) is not Exception or "os error" not in str(err):
+            raise
+        raise OSError(f"cannot write the tokenizer into {folder!r}: {err}") from err
 
 
 def _read_record(path: str) -> dict:

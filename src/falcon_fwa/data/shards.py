@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..atomic import replaceable, synced_write
+from ..atomic import naming, replaceable, synced_write
 from .tokenizer import encode_documents, is_byte_tokenizer
 
 
@@ -39,13 +39,15 @@ class _ShardWriter:
     def _open(self):
         i = len(self.shards)
         self.name = f"tokens-{i:05d}.bin"
-        self.file = open(os.path.join(self.folder, self.name), "wb")
+        self.path = os.path.join(self.folder, self.name)
+        self.file = open(self.path, "wb")
         self.n_tokens, self.starts = 0, []
 
     def _close(self):
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        with naming(self.path):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
         docs = f"docs-{len(self.shards):05d}.npy"
         starts = np.asarray(self.starts, dtype=np.int64)
         synced_write(os.path.join(self.folder, docs), lambda f: np.save(f, starts), "wb")
@@ -56,7 +58,8 @@ class _ShardWriter:
             self._close()
             self._open()
         self.starts.append(self.n_tokens)
-        self.file.write(ids.astype(self.dtype).tobytes())
+        with naming(self.path):  # a full disk: the error names the shard
+            self.file.write(ids.astype(self.dtype).tobytes())
         self.n_tokens += len(ids)
 
     def finish(self) -> List[dict]:

@@ -4,7 +4,8 @@
 step, data position, RNG states, config) and ``meta.json``. A checkpoint is written into
 ``.tmp-step-*`` and renamed once every file is flushed to disk; ``LATEST`` is then replaced
 atomically. A save killed at any point therefore leaves the previous checkpoint (and
-``LATEST`` pointing at it) intact; the stale temporary folder is removed by the next save.
+``LATEST`` pointing at it) intact; the stale temporary folder is removed by the next save. A save
+that fails (a full disk) removes its temporary folder and raises an ``OSError`` naming the checkpoint.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..atomic import synced_write
+from ..atomic import naming, synced_write
 
 LATEST = "LATEST"
 PREFIX = "step-"
@@ -56,10 +57,15 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 
     name = f"{PREFIX}{step:08d}"
     final = os.path.join(checkpoint_dir, name)
     tmp = os.path.join(checkpoint_dir, f".tmp-{name}")
-    os.makedirs(tmp)
-    synced_write(os.path.join(tmp, "state.pt"), lambda f: torch.save(state, f), "wb")
-    meta = json.dumps({"step": step, "complete": True}).encode()
-    synced_write(os.path.join(tmp, "meta.json"), lambda f: f.write(meta), "wb")
+    try:
+        with naming(final, tmp, *(os.path.join(tmp, n) for n in ("state.pt", "meta.json"))):
+            os.makedirs(tmp)
+            synced_write(os.path.join(tmp, "state.pt"), lambda f: torch.save(state, f), "wb")
+            meta = json.dumps({"step": step, "complete": True}).encode()
+            synced_write(os.path.join(tmp, "meta.json"), lambda f: f.write(meta), "wb")
+    except Exception:  # a full disk, say: its space is given back, the previous checkpoints stay
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     stale = None
     if os.path.exists(final):  # a re-save of this step: move the old one aside (one rename), delete it last
         stale = os.path.join(checkpoint_dir, f".tmp-old-{name}")

@@ -6,7 +6,7 @@ import math
 import os
 from typing import Optional
 
-from ..atomic import write_text
+from ..atomic import naming, write_text
 
 
 class MetricLogger:
@@ -17,7 +17,8 @@ class MetricLogger:
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.file = open(os.path.join(out_dir, "log.jsonl"), "a")
+        self.path = os.path.join(out_dir, "log.jsonl")
+        self.file = open(self.path, "a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -36,7 +37,7 @@ class MetricLogger:
         at ``step`` wrote, where ``log.every`` writes none (the uninterrupted run has no such record)."""
         if not self.enabled:
             return
-        path = self.file.name
+        path = self.path
         self.file.close()
 
         def stop_record(r: dict) -> bool:
@@ -53,8 +54,9 @@ class MetricLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record, allow_nan=False) + "\n")
-        self.file.flush()
+        with naming(self.path):  # a full disk: the error names log.jsonl
+            self.file.write(json.dumps(record, allow_nan=False) + "\n")
+            self.file.flush()
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 if self.tb is not None:
@@ -65,11 +67,14 @@ class MetricLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        try:
+            with naming(self.path):  # what a failed write left in the buffer is written again
+                self.file.close()
+        finally:
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def _finite_or_none(value):

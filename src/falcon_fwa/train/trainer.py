@@ -438,5 +438,7 @@ class Trainer:
 
     def close(self) -> None:
         """Close the logs and free the run folder for the next launch."""
-        self.logger.close()
-        self._lock.close()
+        try:
+            self.logger.close()
+        finally:
+            self._lock.close()

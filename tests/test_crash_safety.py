@@ -146,3 +146,20 @@ def test_a_tokenizer_that_meets_a_full_disk_is_named(tmp_path):
 
     with pytest.raises(TypeError, match="a bug"):
         save_tokenizer(Broken(), str(tmp_path / "tok"))
+
+
+def test_a_relaunch_removes_the_temporary_files_a_killed_launch_left(tmp_path):
+    # what a SIGKILL during the atomic writes of summary.json, log.jsonl and prepared.json leaves behind
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw, stop_at=2)
+    run, data = tmp_path / "run", tmp_path / "data"
+    stale = [run / ".summary.k1ll3d.tmp.json", run / ".log.k1ll3d.tmp.jsonl", data / ".prepared.k1ll3d.tmp.json"]
+    others = [run / ".summary.json.bak", run / "notes.tmp.json", data / ".prepared.tmp"]  # no temporaries of ours
+    for path in stale:
+        path.write_text('{"half": ')
+    for path in others:
+        path.write_text("kept")
+    run_trainer(raw)
+    assert not any(p.exists() for p in stale)
+    assert all(p.read_text() == "kept" for p in others)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4

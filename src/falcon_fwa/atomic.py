@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 PathLike = Union[str, os.PathLike]
 
 __all__ = ["atomic_path", "naming", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable",
-           "folder_lock"]
+           "folder_lock", "remove_temporaries"]
 
 
 def _umask() -> int:
@@ -77,6 +77,16 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def remove_temporaries(folder: PathLike, *names: str) -> None:
+    """Remove the temporary files that :func:`atomic_path` writes of ``folder/name`` for each of ``names``:
+    those a process killed during the write left behind. Only for the one writer of the folder (its lock
+    held): another's write in progress would lose its file."""
+    for name in names:
+        path = Path(name)
+        for stale in Path(folder).glob(f".{path.stem}.*.tmp{path.suffix}"):
+            stale.unlink(missing_ok=True)
 
 
 def synced_write(path: PathLike, write: Callable[[Any], None], mode: str = "w") -> None:

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from ..atomic import folder_lock, naming, write_json
+from ..atomic import folder_lock, naming, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, iter_documents, list_files
 from .tokenizer import bpe_vocab_size, load_tokenizer
@@ -121,6 +121,7 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
     ``name``: as in :meth:`DataSpec.check`, for the settings that errors name."""
     spec.check(name)  # before the lock, which creates the folder
     with folder_lock(out_dir, ".prepare.lock"):
+        remove_temporaries(out_dir, "prepared.json")  # a preparation killed while writing it left its own
         return _prepare(spec, out_dir, overwrite, name)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..atomic import folder_lock, read_json, replaceable, write_json
+from ..atomic import folder_lock, read_json, remove_temporaries, replaceable, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from ..provenance import git_commit
 from . import distributed as D
@@ -175,6 +175,7 @@ class Trainer:
                 raise ValueError(f"train.out_dir={t.out_dir!r} is in use by another training launch (it holds "
                                  f"{os.path.join(t.out_dir, LOCK_NAME)}); wait for it to end, or train "
                                  "into another folder") from None
+            remove_temporaries(t.out_dir, "log.jsonl", "summary.json")  # left by a launch killed writing them
         self.logger = MetricLogger(t.out_dir, enabled=self.info.is_main, tensorboard=cfg.log.tensorboard,
                                    wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
         try:

@@ -38,14 +38,14 @@ from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
 from .lineup import DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset, preset_size
-from ...atomic import folder_lock, read_json, save_torch, write_json
+from ...atomic import folder_lock, read_json, remove_temporaries, save_torch, write_json
 from ...provenance import git_commit
 from ...train import schedule
 from ...train.launch import LOCK_NAME, StopSignals
 
-_TEMPORARIES = (".checkpoint.*.tmp.pt", ".best.*.tmp.pt", ".results.*.tmp.json")
-"""The temporary files of the atomic writes of ``checkpoint.pt``, ``best.pt`` and ``results.json``
-(:func:`falcon_fwa.atomic.atomic_path`): a process killed during a write leaves its own."""
+_TEMPORARIES = ("checkpoint.pt", "best.pt", "results.json")
+"""The files the training writes under its lock whose atomic writes' temporary files
+(:func:`falcon_fwa.atomic.atomic_path`) a process killed during a write leaves behind."""
 
 
 def metric_note(ood_widths: Tuple[int, int]) -> str:
@@ -227,9 +227,7 @@ def run_lock(out_dir: Path):
         except BlockingIOError:
             raise ValueError(f"{out_dir} is being trained by another process (it holds {out_dir / LOCK_NAME}); "
                              "wait for it to end, or give another --out") from None
-        for pattern in _TEMPORARIES:  # no other writer is alive: these are stale
-            for stale in out_dir.glob(pattern):
-                stale.unlink(missing_ok=True)
+        remove_temporaries(out_dir, *_TEMPORARIES)  # no other writer is alive: these are stale
         yield
 
 

@@ -260,3 +260,209 @@ def test_an_unshifted_fresh_state_writes_its_first_pair(rule):
     assert rel_err(first.S, reference_falcon(**_segment(inp, 0, 1), rule=rule, window=3, shift=False,
                                              initial_S=S0)[1]) <= TOL
     assert rel_err(first.S, S0) > 0.01  # written and shrunk, unlike the shifted start's sentinel
+
+
+# ----------------------------------------------------------------------------- what a decoder does with the state
+def _steps(inp, state, a, b, **options):
+    """Tokens ``a .. b-1`` of ``inp`` through ``falcon_step`` from ``state``: the outputs ``[B, b-a, H, V]`` and
+    the last state."""
+    outs = []
+    for t in range(a, b):
+        o, state = falcon_step(**{n: x[:, t] for n, x in inp.items()}, state=state, **options)
+        outs.append(o)
+    return torch.stack(outs, 1), state
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_steps_from_any_cut_equal_the_float64_loop_under_every_switch(rule):
+    """falcon_step continuing a state cut by falcon_attention at any step (1, inside the window, the last) gives
+    the float64 loop's outputs and final state, with zero keys, windows of 1 to 5 and the options not covered
+    above (eps=0, a high decay_floor, a gate with scale_ridge)."""
+    inp = random_inputs(rule, B=2, T=9, seed=71, lam_range=(0.0, 3.0), zero_key_rows=0.2, with_gate=True)
+    for window, options in ((1, dict(eps=0.0)), (2, dict(decay_floor=0.4)), (5, dict(scale_ridge=True)),
+                            (3, dict(shift=False, normalize=False, eps=0.0))):
+        opts = dict(rule=rule, window=window, **options)
+        ref_o, ref_S, _ = reference_falcon(**inp, **opts)
+        for cut in (1, 3, 8):
+            _, state = falcon_attention(**_segment(inp, 0, cut), form="chunk", chunk_size=2, output_final_state=True,
+                                        **opts)
+            o, state = _steps(inp, state, cut, 9, **opts)
+            assert rel_err(o, ref_o[:, cut:]) <= TOL and rel_err(state.S, ref_S) <= TOL, (opts, cut)
+
+
+def test_the_state_owns_its_last_key_when_the_caller_reuses_its_buffers():
+    """A decoder that copies each token into the same input tensors (static buffers, as for CUDA graphs) gets the
+    sequence's outputs: the state keeps k_t, not a view of the k buffer that the next token overwrites (x_{t+1}
+    would silently be k_{t+1}). The same for a segment's last key when the caller refills its k."""
+    inp = random_inputs("3", B=2, T=7, seed=72, with_gate=True)
+    full, _ = falcon_attention(**inp, rule="3", window=3, form="recurrent")
+    buffers = {n: torch.empty_like(x[:, 0]) for n, x in inp.items()}
+    state, outs = None, []
+    for t in range(7):
+        for n, buf in buffers.items():
+            buf.copy_(inp[n][:, t])
+        o, state = falcon_step(**buffers, state=state, rule="3", window=3)
+        outs.append(o.clone())
+    assert rel_err(torch.stack(outs, 1), full) <= TOL
+    for form in FORMS:
+        segment = {n: x[:, :4].clone() for n, x in inp.items()}
+        o1, state = falcon_attention(**segment, rule="3", window=3, form=form, output_final_state=True)
+        for n, x in segment.items():  # the caller's buffers take the next segment
+            x[:, :3].copy_(inp[n][:, 4:])
+        o2, _ = falcon_attention(**{n: x[:, :3] for n, x in segment.items()}, rule="3", window=3, form=form,
+                                 initial_state=state)
+        assert rel_err(torch.cat([o1, o2], 1), full) <= TOL, form
+
+
+def _state_fields(state):
+    return {f: getattr(state, f) for f in ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z")}
+
+
+def _assert_same_state(a, b, tol=TOL):
+    for name, x in _state_fields(a).items():
+        y = getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+            assert torch.equal(x, y) if x.dtype == torch.bool else rel_err(x, y) <= tol, name
+
+
+@pytest.mark.parametrize("rule", ["1", "2A", "3", "3A"])
+def test_packed_states_are_the_per_sequence_states_field_by_field(rule):
+    """The state of a packed call (fresh, then continued) is FalconState.cat of the separate calls' states in
+    every field (S, last key, window tail, z of the normalized read); its rows continue by falcon_step as the
+    separate states do, and index_select of a row is that row's state."""
+    cu = torch.tensor([0, 4, 5, 11, 13])
+    spans = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    for eps_attn in (None, 0.5) if rule.endswith("A") else (None,):
+        inp = random_inputs(rule, B=1, T=13, seed=73, with_gate=True)
+        inp["q"], inp["k"] = inp["q"].abs(), inp["k"].abs()
+        options = dict(rule=rule, window=3, eps_attn=eps_attn)
+        _, packed = falcon_attention(**inp, cu_seqlens=cu, output_final_state=True, **options)
+        states = [falcon_attention(**_segment(inp, a, b), output_final_state=True, **options)[1] for a, b in spans]
+        _assert_same_state(packed, FalconState.cat(states))
+        more = random_inputs(rule, B=1, T=13, seed=74, with_gate=True)
+        more["q"], more["k"] = more["q"].abs(), more["k"].abs()
+        _, packed2 = falcon_attention(**more, cu_seqlens=cu, initial_state=packed, output_final_state=True, **options)
+        states2 = [falcon_attention(**_segment(more, a, b), initial_state=st, output_final_state=True, **options)[1]
+                   for (a, b), st in zip(spans, states)]
+        _assert_same_state(packed2, FalconState.cat(states2))
+        token = random_inputs(rule, B=4, T=2, seed=75, with_gate=True)
+        token["q"], token["k"] = token["q"].abs(), token["k"].abs()
+        o, after = _steps(token, packed2, 0, 2, **options)
+        for n, st in enumerate(states2):
+            _assert_same_state(packed2.index_select(torch.tensor([n])), st)
+            o_n, after_n = _steps({name: x[n:n + 1] for name, x in token.items()}, st, 0, 2, **options)
+            assert rel_err(o[n:n + 1], o_n) <= TOL
+            _assert_same_state(after.index_select(torch.tensor([n])), after_n)
+
+
+def test_cat_and_index_select_name_what_they_refuse():
+    """FalconState.cat refuses states of another head count, key or value width, or window tail naming the
+    field and the state (torch.cat's 'Sizes of tensors must match' named neither); index_select takes a list of
+    rows as a tensor of them and refuses a mask or float rows naming index."""
+    def fresh(H=2, K=5, V=4, rule="3A", window=3):
+        return FalconState.fresh(torch.zeros(1, H, K, V), rule=rule, window=window)
+
+    for other, field in ((fresh(H=3), "S"), (fresh(K=6), "S"), (fresh(V=3), "S")):
+        with pytest.raises(ValueError, match=rf"states\[1\]\.{field} has shape .* states\[0\]\.{field} has shape"):
+            FalconState.cat([fresh(), other])
+    odd = fresh()
+    odd.tail_x = torch.zeros(1, 2, 3, 5)  # a tail of another window than the state says
+    with pytest.raises(ValueError, match=r"states\[2\]\.tail_x has shape \(1, 2, 3, 5\), states\[0\]\.tail_x has "
+                                         r"shape \(1, 2, 2, 5\)"):
+        FalconState.cat([fresh(), fresh(), odd])
+    with pytest.raises(ValueError, match=r"states\[1\]\.window is 4, states\[0\]\.window is 3"):
+        FalconState.cat([fresh(), fresh(window=4)])
+    _, st = falcon_attention(**random_inputs("3A", B=3, T=5, seed=76), rule="3A", window=3, output_final_state=True)
+    _assert_same_state(st.index_select([2, 0, 2]), st.index_select(torch.tensor([2, 0, 2])))
+    assert torch.equal(st.index_select((1,)).S, st.S[1:2])
+    for bad in (torch.tensor([True, False, True]), torch.tensor([0.0, 1.0]), "01", [0.5]):
+        with pytest.raises(TypeError, match="index must be"):
+            st.index_select(bad)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_gradients_through_the_state_across_segments(rule):
+    """Truncated backpropagation through time: a state passed on undetached (to falcon_attention or to
+    falcon_step) gives every input, S_init and z_init the gradients of one call over the whole sequence; a
+    detached one gives the first segment's inputs (and S_init, z_init) the gradients of that segment's own
+    outputs, and the second's those of a call from a constant state."""
+    base = random_inputs(rule, B=1, T=8, K=3, V=2, seed=77, with_gate=True, lam_range=(0.1, 1.0))
+    base["q"], base["k"] = base["q"].abs(), base["k"].abs()
+    eps_attn = 0.3 if rule.endswith("A") else None
+    g = torch.Generator().manual_seed(78)
+    cot = torch.randn(base["v"].shape, generator=g, dtype=torch.float64)
+    S0 = torch.randn(1, 2, 3, 2, generator=g, dtype=torch.float64)
+    z0 = torch.rand(1, 2, 3, *((2,) if rule == "2A" else ()), generator=g, dtype=torch.float64)
+    options = dict(rule=rule, window=3, eps_attn=eps_attn)
+
+    def grads(a, b, state, *, cut=None, detach=False, step=False):
+        """d/d(inputs a..b-1, then the leaves of ``state``) of the outputs' loss plus sum(S_T), the sequence cut
+        once at ``cut``."""
+        leaves = {n: t[:, a:b].clone().requires_grad_() for n, t in base.items()}
+        init = [t.clone().requires_grad_() for t in state]
+        st = None if not init else FalconState.fresh(init[0], rule=rule, window=3, z=init[1] if eps_attn else None)
+        cut = b - a if cut is None else cut
+        o, st = falcon_attention(**_segment(leaves, 0, cut), initial_state=st, output_final_state=True,
+                                 form="chunk", chunk_size=3, **options)
+        if detach:
+            st = st.detach()
+        if cut < b - a:
+            o2, st = (_steps(leaves, st, cut, b - a, **options) if step else
+                      falcon_attention(**_segment(leaves, cut, b - a), initial_state=st, output_final_state=True,
+                                       **options))
+            o = torch.cat([o, o2], 1)
+        loss = (o * cot[:, a:b]).sum() + st.S.sum()
+        return torch.autograd.grad(loss, [*leaves.values(), *init])
+
+    inits = (S0, z0) if eps_attn else (S0,)
+    whole = grads(0, 8, inits)
+    assert all(x.abs().max() > 0 for x in whole)
+    for cut, step in ((3, False), (1, True), (5, True)):
+        for got, want in zip(grads(0, 8, inits, cut=cut, step=step), whole):
+            assert rel_err(got, want) <= TOL, (cut, step)
+    # detached at step 3: the first segment's own loss (its outputs), and the rest from the state as a constant
+    first = grads(0, 3, inits)
+    _, mid = falcon_attention(**_segment(base, 0, 3), initial_state=FalconState.fresh(S0, rule=rule, window=3,
+                              z=z0 if eps_attn else None), output_final_state=True, **options)
+    leaves = {n: t[:, 3:].clone().requires_grad_() for n, t in base.items()}
+    o, st = falcon_attention(**leaves, initial_state=mid, output_final_state=True, **options)
+    second = torch.autograd.grad((o * cot[:, 3:]).sum() + st.S.sum(), list(leaves.values()))
+    detached = grads(0, 8, inits, cut=3, detach=True)
+    for i, name in enumerate(base):
+        assert rel_err(detached[i][:, 3:], second[i]) <= TOL, name
+    # the first segment: its own outputs (its loss without sum(S_3), which the detach cut off)
+    leaves = {n: t[:, :3].clone().requires_grad_() for n, t in base.items()}
+    init = [t.clone().requires_grad_() for t in inits]
+    o, _ = falcon_attention(**leaves, initial_state=FalconState.fresh(init[0], rule=rule, window=3,
+                            z=init[1] if eps_attn else None), **options)
+    own = torch.autograd.grad((o * cot[:, :3]).sum(), [*leaves.values(), *init])
+    for i, name in enumerate([*base, "S_init", "z_init"][:len(own)]):
+        got = detached[i][:, :3] if name in base else detached[i]
+        assert rel_err(got, own[i]) <= TOL, name
+    assert rel_err(detached[len(base)], first[len(base)]) > 1e-3  # without the detach, S_init's gradient differs
+
+
+@pytest.mark.parametrize("rule", ["2", "3", "2A", "3A"])
+def test_a_step_keeps_the_state_in_the_compute_dtype(rule):
+    """As docs/ops.md says: bfloat16 and float16 steps keep every float field of the state (S, the last key, the
+    window tail, z) in float32 and return v's dtype; float64 stays float64; a float64 state continued with
+    float32 inputs goes on in float32, equal to the float32 run from that state rounded."""
+    base = random_inputs(rule, B=2, T=3, seed=79, with_gate=True)
+    base["q"], base["k"] = base["q"].abs(), base["k"].abs()
+    for eps_attn in (None, 0.5) if rule.endswith("A") else (None,):
+        options = dict(rule=rule, window=3, eps_attn=eps_attn, backend="torch")
+        for dtype, state_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                   (torch.float32, torch.float32), (torch.float64, torch.float64)):
+            o, state = _steps({n: x.to(dtype) for n, x in base.items()}, None, 0, 3, **options)
+            assert o.dtype == dtype
+            for name, x in _state_fields(state).items():
+                if x is not None and name != "tail_valid":
+                    assert x.dtype == state_dtype, (dtype, name)
+        _, wide = _steps(base, None, 0, 2, **options)
+        o, narrow = _steps({n: x.float() for n, x in base.items()}, wide, 2, 3, **options)
+        rounded = FalconState(**{n: x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+                                 for n, x in vars(wide).items()})
+        o_ref, ref = _steps({n: x.float() for n, x in base.items()}, rounded, 2, 3, **options)
+        assert narrow.S.dtype == torch.float32 and torch.equal(o, o_ref) and torch.equal(narrow.S, ref.S)

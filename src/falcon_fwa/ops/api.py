@@ -451,6 +451,7 @@ def _torch_step(q, k, v, beta, lam, log_gate, state, *, spec, window, eps, decay
     added only for the window and step-size helpers shared with the other forms."""
     W = window
     dt = _compute_dtype(q, k, v, beta, lam, log_gate)
+    k_in = k
     q, k, v_c, beta, lam, log_gate = (cast_to(t, dt) for t in (q, k, v, beta, lam, log_gate))
     B, H, K = q.shape
     S = q.new_zeros(B, H, K, v.shape[-1]) if state is None else cast_to(state.S, dt)
@@ -461,7 +462,9 @@ def _torch_step(q, k, v, beta, lam, log_gate, state, *, spec, window, eps, decay
     o, S = recurrent_step(q, xs[:, :, 0], ys[:, :, 0], eta_slots[:, :, 0], torch.exp(log_gamma[:, :, 0]),
                           None if log_gate is None else torch.exp(log_gate), S, regression=spec.regression,
                           read_after=read == "after")
-    new_state = FalconState(rule=spec.name, window=W, shift=shift, S=S, last_key=k if shift else None)
+    # the state keeps k_t in a tensor of its own: the caller's k may be a buffer it refills with the next token
+    last_key = None if not shift else k.clone() if k is k_in else k
+    new_state = FalconState(rule=spec.name, window=W, shift=shift, S=S, last_key=last_key)
     if W > 1:
         new_state.tail_x, new_state.tail_y, new_state.tail_valid = next_tail(xh, vh, valid, W, tail)
     return cast_to(o, v.dtype), new_state

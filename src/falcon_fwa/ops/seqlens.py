@@ -132,9 +132,10 @@ def last_steps(x: torch.Tensor, *, cu_seqlens: Optional[torch.Tensor] = None,
     """Each sequence's last step of ``x`` ``[B, T, ...]``: ``x[:, -1]`` ``[B, ...]``; with ``cu_seqlens``
     (``x`` packed ``[1, total, ...]``) the step before each end, ``[N, ...]``; with ``lengths`` ``[B]``
     (right-padded rows) step ``lengths[b] - 1`` of row ``b``. The shifted key a state carries
-    (``FalconState.last_key``) is this step of the keys."""
+    (``FalconState.last_key``) is this step of the keys, in a tensor of its own: a view of ``x`` would
+    change with it when the caller refills its key buffer for the next segment."""
     if cu_seqlens is not None:
         return x[0, cu_seqlens[1:].long() - 1]
     if lengths is not None:
         return x[torch.arange(x.shape[0], device=x.device), lengths - 1]
-    return x[:, -1]
+    return x[:, -1].clone()

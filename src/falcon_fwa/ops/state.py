@@ -85,9 +85,18 @@ class FalconState:
                        tail_y=None if self.tail_y is None else self.tail_y.detach(),
                        z=None if self.z is None else self.z.detach())
 
-    def index_select(self, index: torch.Tensor) -> "FalconState":
-        """The state of the batch rows ``index`` ``[N]`` (int; ``N`` rows out, in that order, repeats
-        allowed), every field's leading ``B`` axis indexed (beam search / batched generation reordering)."""
+    def index_select(self, index) -> "FalconState":
+        """The state of the batch rows ``index`` ``[N]`` (an integer tensor, or a sequence of ints; ``N`` rows
+        out, in that order, repeats allowed), every field's leading ``B`` axis indexed (beam search / batched
+        generation reordering). A boolean mask or float rows are a ``TypeError`` naming ``index``."""
+        if not isinstance(index, torch.Tensor):
+            if isinstance(index, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                          for i in index):
+                raise TypeError(f"index must be an integer tensor or a sequence of ints, got {index!r}")
+            index = torch.tensor(list(index), dtype=torch.long)
+        if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+            raise TypeError(f"index must be an integer tensor of rows, got dtype {index.dtype}")
+
         def sel(t):
             return None if t is None else t.index_select(0, index.to(t.device))
 
@@ -96,8 +105,9 @@ class FalconState:
 
     @staticmethod
     def cat(states: "list[FalconState]") -> "FalconState":
-        """Stack states of the same configuration (rule, window, shift, and the same fields present)
-        along the batch dimension; another configuration is a ``ValueError`` naming the field."""
+        """Stack states of the same configuration (rule, window, shift, the same fields present, each of the
+        same shape after its batch axis) along the batch dimension; another configuration or shape is a
+        ``ValueError`` naming the field."""
         states = list(states)
         if not states or not all(isinstance(s, FalconState) for s in states):
             raise ValueError("FalconState.cat takes a non-empty list of FalconState")
@@ -112,6 +122,11 @@ class FalconState:
                     raise ValueError(f"FalconState.cat: states[{i}].{field} is "
                                      f"{'None' if getattr(s, field) is None else 'set'}, states[0].{field} is "
                                      f"{'None' if getattr(first, field) is None else 'set'}")
+            for field in ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z"):
+                t, t0 = getattr(s, field), getattr(first, field)
+                if t is not None and tuple(t.shape[1:]) != tuple(t0.shape[1:]):
+                    raise ValueError(f"FalconState.cat: states[{i}].{field} has shape {tuple(t.shape)}, "
+                                     f"states[0].{field} has shape {tuple(t0.shape)} (only the batch axis may differ)")
 
         def cat(name):
             ts = [getattr(s, name) for s in states]

@@ -242,6 +242,10 @@ def test_fresh_state_checks_its_S():
     state = FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="3A", window=4)
     assert state.window == 4 and state.tail_x.shape == (1, 2, 3, 5) and not state.tail_valid.any()
     assert FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="1", window=4).window == 1
+    # z, the normalized read's state, exists for the inner-product rules only (a call would name eps_attn)
+    with pytest.raises(ValueError, match="z is the read normalizer of the inner-product rules.*rule '3' is a regr"):
+        FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="3", z=torch.zeros(1, 2, 5))
+    assert FalconState.fresh(torch.zeros(1, 2, 5, 4), rule="3A", z=torch.zeros(1, 2, 5)).z.shape == (1, 2, 5)
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)

@@ -58,7 +58,7 @@ class FalconState:
         ``shift=False`` there is no sentinel: step 1 writes ``(k_1, v_1)`` and its ridge shrinks ``S``.
         The window of the sliding rules holds no earlier pair. ``z``: the normalizer state of
         the normalized read, for calls with ``eps_attn`` (``[B, H, K]``, ``[B, H, K, V]`` for
-        rule 2A). ``rule``, ``window`` and ``shift`` are those of the call that takes the state."""
+        rule 2A; a regression rule has none: ``ValueError``). ``rule``, ``window`` and ``shift`` are those of the call that takes the state."""
         from .pairs import empty_tail
         from .rules import get_rule
         from .validate import check_switches, check_window
@@ -71,6 +71,9 @@ class FalconState:
             raise TypeError(f"S must be a floating-point tensor, got {S.dtype}")
         check_switches(shift=shift)
         check_window(spec, window)
+        if z is not None and spec.regression:
+            raise ValueError(f"z is the read normalizer of the inner-product rules 1A, 2A and 3A (eps_attn); rule "
+                             f"{spec.name!r} is a regression rule, which has none")
         W = window if spec.sliding else 1
         state = cls(rule=spec.name, window=W, shift=shift, S=S, z=z)
         if W > 1:  # W - 1 empty slots shaped like the keys [B, H, K] and values [B, H, V] of S

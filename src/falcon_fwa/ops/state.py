@@ -58,7 +58,8 @@ class FalconState:
         ``shift=False`` there is no sentinel: step 1 writes ``(k_1, v_1)`` and its ridge shrinks ``S``.
         The window of the sliding rules holds no earlier pair. ``z``: the normalizer state of
         the normalized read, for calls with ``eps_attn`` (``[B, H, K]``, ``[B, H, K, V]`` for
-        rule 2A; a regression rule has none: ``ValueError``). ``rule``, ``window`` and ``shift`` are those of the call that takes the state."""
+        rule 2A; a regression rule has none: ``ValueError``). ``rule``, ``window`` and ``shift`` are those
+        of the call that takes the state."""
         from .pairs import empty_tail
         from .rules import get_rule
         from .validate import check_switches, check_window

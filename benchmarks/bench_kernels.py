@@ -5,8 +5,9 @@ attention, bf16, forward and forward+backward, with peak memory.
     python benchmarks/bench_kernels.py --out benchmarks/results --name h200
 
 Writes ``<out>/<name>.json`` (a list of rows ``{op, B, T, H, K, V, mode, ms,
-peak_mem_bytes, commit}``, plus ``window`` for the sliding rules and ``process`` with ``--tag``) and ``<out>/<name>.md`` (the table, GPU, versions, commit and the
-ratios against the fla counterparts). ``ms`` is the median of
+peak_mem_bytes, commit}``, ``mode`` ``"fwd"`` or ``"fwdbwd"``, plus ``window`` for the sliding rules,
+``process`` with ``--tag`` and ``graph_ms`` with ``--cudagraph``) and ``<out>/<name>.md`` (the table, GPU,
+versions, commit and the ratios against the fla counterparts). ``ms`` is the median of
 ``triton.testing.do_bench``; ``peak_mem_bytes`` is the peak allocated during one call
 above what was allocated before it (inputs excluded). ``fwd`` runs under
 ``torch.no_grad()``; ``fwdbwd`` is the forward plus ``backward`` of the output with
@@ -19,6 +20,10 @@ A row that fails (fla not installed, out of memory, past ``--row-timeout``) is l
 ``--paired ROUNDS`` also times each Falcon op against its fla counterpart in alternation
 (:func:`paired_ratio`) and writes ``<out>/<name>-paired.json``: rows ``{op, fla_op, B, T, H, K, V,
 mode: "fwdbwd-paired", ms, fla_ms, ratio, ratio_min, ratio_max, rounds, target, commit}``.
+
+``--decode`` also times one decoding step of one layer's mixer op, the fused step kernel against the
+PyTorch step (rules 1A and 1, batch 1 and 64), into ``<out>/<name>-decode.json``: rows ``{op, B, T: 1, H, K, V,
+mode: "decode", ms, tokens_per_s_12_layers}``.
 
 ``--cudagraph`` also times every row from a CUDA graph (``triton.testing.do_bench_cudagraph``:
 the calls replayed from one captured graph) and adds ``graph_ms`` to the row (``graph_error`` where
@@ -72,7 +77,12 @@ TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=204
 ]
 WINDOW = 4  # the window B of the sliding rules' rows
 
-Builder = Callable[[int, int, int, int, int], Tuple[Callable[[], torch.Tensor], List[torch.Tensor]]]
+# build(B, T, H, K, V) -> (call, leaves): the call returns the output whose backward is timed, the leaves are
+# every tensor input of the call, each requiring its gradient. The benchmark builds on CUDA in bf16; the
+# keywords ``device`` and ``dtype`` (the inputs' dtype; fla's log decays stay as its layers form them) let the
+# registry be checked on the CPU in float32 (Triton's interpreter runs no bf16).
+Builder = Callable[..., Tuple[Callable[[], torch.Tensor], List[torch.Tensor]]]
+BF16 = torch.bfloat16
 
 
 def lift_fla_gated_guard() -> None:
@@ -82,30 +92,30 @@ def lift_fla_gated_guard() -> None:
     chunk_o.TRITON_ABOVE_3_7_1 = True
 
 
-def _randn(*shape, scale=1.0, device="cuda"):
-    return (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)
+def _randn(*shape, scale=1.0, device="cuda", dtype=BF16):
+    return (torch.randn(*shape, device=device) * scale).to(dtype)
 
 
 def _leaves(*ts):
     return [t.requires_grad_() for t in ts]
 
 
-def _falcon_inputs(B, T, H, K, V, per_column=False):
+def _falcon_inputs(B, T, H, K, V, per_column=False, device="cuda", dtype=BF16):
     """``beta`` is ``[B, T, H, V]`` for the per-column rules (2, 2A), ``[B, T, H]`` otherwise."""
-    q, k = _randn(B, T, H, K, scale=K ** -0.5), _randn(B, T, H, K, scale=K ** -0.5)
-    v = _randn(B, T, H, V)
-    beta = torch.rand(B, T, H, *((V,) if per_column else ()), device="cuda").to(torch.bfloat16)
-    lam = (0.1 * torch.rand(B, T, H, device="cuda")).to(torch.bfloat16)
+    q, k = (_randn(B, T, H, K, scale=K ** -0.5, device=device, dtype=dtype) for _ in range(2))
+    v = _randn(B, T, H, V, device=device, dtype=dtype)
+    beta = torch.rand(B, T, H, *((V,) if per_column else ()), device=device).to(dtype)
+    lam = (0.1 * torch.rand(B, T, H, device=device)).to(dtype)
     return _leaves(q, k, v, beta, lam)
 
 
 def falcon_triton(rule: str, validate: bool = True) -> Builder:
     """The whole op: pairs, step sizes and the chunk kernels (``validate=False``
-    skips the argument checks, whose value checks synchronize with the GPU); the
-    sliding rules run with ``window=WINDOW``."""
-    def build(B, T, H, K, V):
+    skips the argument checks, whose value checks are device-side assertions: launches
+    of their own, no synchronization); the sliding rules run with ``window=WINDOW``."""
+    def build(B, T, H, K, V, device="cuda", dtype=BF16):
         from falcon_fwa.ops.triton import falcon_chunk_triton
-        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"))
+        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"), device=device, dtype=dtype)
         return (lambda: falcon_chunk_triton(*leaves, rule=rule, window=WINDOW, chunk_size=64,
                                             validate=validate)[0]), leaves
     return build
@@ -114,70 +124,73 @@ def falcon_triton(rule: str, validate: bool = True) -> Builder:
 def falcon_segmented(rule: str, segments: int) -> Builder:
     """The public op on the kernels with ``segments=n``: the sequence in ``n`` pieces, each piece's
     forward run again in the backward (``ops/segments.py``): peak memory for time."""
-    def build(B, T, H, K, V):
+    def build(B, T, H, K, V, device="cuda", dtype=BF16):
         from falcon_fwa import falcon_attention
-        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"))
+        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"), device=device, dtype=dtype)
         return (lambda: falcon_attention(*leaves, rule=rule, window=WINDOW, chunk_size=64, backend="triton",
                                          segments=segments)[0]), leaves
     return build
 
 
-def falcon_core(B, T, H, K, V):
+def falcon_core(B, T, H, K, V, device="cuda", dtype=BF16):
     """The 1A kernels alone, on precomputed write keys, step sizes and log carries."""
     from falcon_fwa.ops.triton.scalar_decay import scalar_decay_chunk
-    q, x, v = _leaves(_randn(B, T, H, K, scale=K ** -0.5), _randn(B, T, H, K, scale=K ** -0.5), _randn(B, T, H, V))
-    eta = (0.5 * torch.rand(B, T, H, device="cuda")).requires_grad_()
-    log_a = (-0.05 * torch.rand(B, T, H, device="cuda")).requires_grad_()
+    q, x = (_randn(B, T, H, K, scale=K ** -0.5, device=device, dtype=dtype) for _ in range(2))
+    q, x, v = _leaves(q, x, _randn(B, T, H, V, device=device, dtype=dtype))
+    eta = (0.5 * torch.rand(B, T, H, device=device)).requires_grad_()
+    log_a = (-0.05 * torch.rand(B, T, H, device=device)).requires_grad_()
     leaves = [q, x, v, eta, log_a]
     return (lambda: scalar_decay_chunk(q, x, v, eta, log_a, None, read_after=True, chunk_size=64)[0]), leaves
 
 
 def torch_chunk(rule: str) -> Builder:
-    def build(B, T, H, K, V):
+    def build(B, T, H, K, V, device="cuda", dtype=BF16):
         from falcon_fwa import falcon_attention
-        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"))
+        leaves = _falcon_inputs(B, T, H, K, V, per_column=rule in ("2", "2A"), device=device, dtype=dtype)
         return (lambda: falcon_attention(*leaves, rule=rule, window=WINDOW, form="chunk", chunk_size=64,
                                          backend="torch")[0]), leaves
     return build
 
 
-def fla_simple_gla(B, T, H, K, V):
+def fla_simple_gla(B, T, H, K, V, device="cuda", dtype=BF16):
     from fla.ops.simple_gla import chunk_simple_gla
-    q, k, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, K), _randn(B, T, H, V))
-    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 4).requires_grad_()
+    q, k, v = _leaves(*(_randn(B, T, H, D, device=device, dtype=dtype) for D in (K, K, V)))
+    g = F.logsigmoid(torch.randn(B, T, H, device=device) + 4).requires_grad_()
     return (lambda: chunk_simple_gla(q, k, v, g=g)[0]), [q, k, v, g]
 
 
-def fla_gla(B, T, H, K, V):
+def fla_gla(B, T, H, K, V, device="cuda", dtype=BF16):
     from fla.ops.gla import chunk_gla
-    q, k, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, K), _randn(B, T, H, V))
-    g = (F.logsigmoid(torch.randn(B, T, H, K, device="cuda") + 4) / 16).to(torch.bfloat16).requires_grad_()
+    q, k, v = _leaves(*(_randn(B, T, H, D, device=device, dtype=dtype) for D in (K, K, V)))
+    g = (F.logsigmoid(torch.randn(B, T, H, K, device=device) + 4) / 16).to(dtype).requires_grad_()
     return (lambda: chunk_gla(q, k, v, g=g)[0]), [q, k, v, g]
 
 
-def fla_delta_rule(B, T, H, K, V):
+def fla_delta_rule(B, T, H, K, V, device="cuda", dtype=BF16):
     from fla.ops.delta_rule import chunk_delta_rule
-    q, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, V))
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(torch.bfloat16).requires_grad_()
-    beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16).requires_grad_()
+    q, v = _leaves(_randn(B, T, H, K, device=device, dtype=dtype), _randn(B, T, H, V, device=device, dtype=dtype))
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype).requires_grad_()
+    beta = torch.rand(B, T, H, device=device).to(dtype).requires_grad_()
     return (lambda: chunk_delta_rule(q, k, v, beta)[0]), [q, k, v, beta]
 
 
-def fla_gated_delta_rule(B, T, H, K, V):
+def fla_gated_delta_rule(B, T, H, K, V, device="cuda", dtype=BF16):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    q, v = _leaves(_randn(B, T, H, K), _randn(B, T, H, V))
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(torch.bfloat16).requires_grad_()
-    beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16).requires_grad_()
-    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 4).requires_grad_()
+    q, v = _leaves(_randn(B, T, H, K, device=device, dtype=dtype), _randn(B, T, H, V, device=device, dtype=dtype))
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype).requires_grad_()
+    beta = torch.rand(B, T, H, device=device).to(dtype).requires_grad_()
+    g = F.logsigmoid(torch.randn(B, T, H, device=device) + 4).requires_grad_()
     return (lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0]), [q, k, v, g, beta]
 
 
-def sdpa(B, T, H, K, V):
+def sdpa(B, T, H, K, V, device="cuda", dtype=BF16):
+    """torch's flash attention, causal (on the CPU, where there is none, its math backend)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q, k, v = _leaves(_randn(B, H, T, K), _randn(B, H, T, K), _randn(B, H, T, V))
+    q, k, v = _leaves(*(_randn(B, H, T, D, device=device, dtype=dtype) for D in (K, K, V)))
+    backend = SDPBackend.FLASH_ATTENTION if torch.device(device).type == "cuda" else SDPBackend.MATH
 
     def run():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return run, [q, k, v]
 
@@ -259,8 +272,8 @@ def _time_limit(seconds: float):
     def _raise(signum, frame):
         raise RowTimeout(f"row took more than {seconds:g} s (--row-timeout); skipped")
     previous = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
+    try:  # a limit past the timer's range (time_t) is no limit: a year
+        signal.setitimer(signal.ITIMER_REAL, min(seconds, 365 * 86400.0))
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -342,19 +355,20 @@ PAIRED_DRIFT = 0.25  # a paired median this far (relative) from its op's own row
 
 def paired_drift(pair: dict, rows: List[dict], limit: float = PAIRED_DRIFT) -> Optional[str]:
     """Compare the two medians of a paired row with the ops' own ``fwdbwd`` rows at its
-    shape in the same process. The paired rounds are meant to cancel a slow spell that
+    shape ``(B, T, H, K, V)`` in the same process. The paired rounds are meant to cancel a slow spell that
     falls on both sides; when one side's paired median is more than ``limit`` off its own
     row, the spell fell on one side only and the ratio is not to be trusted. Returns a
     sentence saying so, or ``None`` (also when a row is missing)."""
-    index = {(r["op"], r["B"], r["T"]): r["ms"] for r in rows if r["mode"] == "fwdbwd"}
+    index = {(r["op"], _shape(r)): r["ms"] for r in rows if r["mode"] == "fwdbwd"}
+    shape = _shape(pair)
     found = []
     for op, ms in ((pair["op"], pair["ms"]), (pair["fla_op"], pair["fla_ms"])):
-        row = index.get((op, pair["B"], pair["T"]))
+        row = index.get((op, shape))
         if row is not None and abs(ms / row - 1.0) > limit:
             found.append(f"{op} {ms:.3f} ms paired against {row:.3f} ms in its row ({ms / row - 1.0:+.0%})")
     if not found:
         return None
-    a, b = index.get((pair["op"], pair["B"], pair["T"])), index.get((pair["fla_op"], pair["B"], pair["T"]))
+    a, b = index.get((pair["op"], shape)), index.get((pair["fla_op"], shape))
     rows_ratio = f" (the rows' ratio: {a / b:.2f})" if a and b else ""
     return (f"paired {pair['op']} / {pair['fla_op']}: " + "; ".join(found)
             + f": the paired ratio {pair['ratio']:.2f} is not reliable{rows_ratio}")
@@ -604,10 +618,11 @@ def timed(rows: List[dict]) -> List[dict]:
 
 
 def decode_row(impl: str, rule: str, B: int, ms: float) -> dict:
-    """One ``--decode`` row: one decoding step of one layer's mixer op (``T`` = 1, no peak measured)."""
+    """One row of ``<name>-decode.json``: one decoding step of one layer's mixer op (``T`` = 1; no peak
+    memory is measured, and none is written)."""
     layers = DECODE_PRESET["layers"]
     return dict(op=f"falcon-step-{impl}-{rule.lower()}", B=B, T=1, H=DECODE_PRESET["H"], K=DECODE_PRESET["K"],
-                V=DECODE_PRESET["V"], mode="decode", ms=round(ms, 4), peak_mem_bytes=0,
+                V=DECODE_PRESET["V"], mode="decode", ms=round(ms, 4),
                 tokens_per_s_12_layers=round(B / (layers * ms / 1e3)))
 
 
@@ -637,7 +652,8 @@ def main(argv=None) -> None:
     p.add_argument("--shape", nargs=5, type=int, action="append", default=None, metavar=("B", "T", "H", "K", "V"),
                    help="a shape of one's own, in place of --shapes (repeat for several)")
     p.add_argument("--profile", nargs="*", default=[], help="ops whose fwd+bwd is profiled per kernel (first shape)")
-    p.add_argument("--decode", action="store_true", help="also time the fused decoding step against the PyTorch step")
+    p.add_argument("--decode", action="store_true",
+                   help="also time one layer's fused decoding step against the PyTorch step (<name>-decode.json)")
     p.add_argument("--tag", default=None,
                    help="recorded as 'process' on every row: ratios are only taken between rows of one process")
     p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
@@ -650,8 +666,8 @@ def main(argv=None) -> None:
                    help="seconds one row may take before it is skipped and reported (checked between calls: "
                         "one call that hangs is not interrupted)")
     args = p.parse_args(argv)
-    if not args.row_timeout > 0:
-        p.error(f"--row-timeout must be positive, got {args.row_timeout}")
+    if not 0 < args.row_timeout < float("inf"):
+        p.error(f"--row-timeout must be a positive number of seconds, got {args.row_timeout}")
     if args.paired < 0:
         p.error(f"--paired must be >= 0 rounds, got {args.paired}")
     unknown = [n for n in args.ops + args.profile if n not in OPS]
@@ -680,12 +696,17 @@ def main(argv=None) -> None:
     if args.sweep:
         found = sweep(SHAPES[0])
         _atomic_write(os.path.join(args.out, f"{args.name}-sweep.json"), json.dumps(found, indent=1) + "\n")
-    rows, paired = [], []  # rows: timed and failed, in the order they ran; paired: to <name>-paired.json
+    rows, paired, decode = [], [], []  # rows: timed and failed, in the order they ran; paired, decode: their files
+    timing = bool(args.ops and shapes)  # timing rows asked for: <name>.json is this run's, else an earlier one's stays
 
     def save():
-        """Both files as they stand, after every row and every failure: a run cut off keeps what it found."""
-        _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(timed(rows), indent=1) + "\n")
-        _atomic_write(os.path.join(args.out, f"{args.name}.md"), _markdown(rows + paired, versions, commit, notes, errors))
+        """The files as they stand, after every row and every failure: a run cut off keeps what it found."""
+        if timing:
+            _atomic_write(os.path.join(args.out, f"{args.name}.json"), json.dumps(timed(rows), indent=1) + "\n")
+        if decode:
+            _atomic_write(os.path.join(args.out, f"{args.name}-decode.json"), json.dumps(decode, indent=1) + "\n")
+        _atomic_write(os.path.join(args.out, f"{args.name}.md"),
+                      _markdown(rows + paired + decode, versions, commit, notes, errors))
 
     def fail(what: str, e: BaseException) -> str:
         message = recovered(e)
@@ -722,7 +743,11 @@ def main(argv=None) -> None:
     if args.paired and shapes:
         shape = shapes[0]
         for ours, theirs, target in TARGETS:
-            if ours not in args.ops or theirs not in args.ops:
+            if ours not in args.ops:
+                continue
+            if theirs not in args.ops:
+                notes.append(f"--paired: {ours} not paired: its counterpart {theirs} is not in --ops")
+                print(notes[-1], flush=True)
                 continue
             try:
                 with _time_limit(args.row_timeout):
@@ -765,7 +790,7 @@ def main(argv=None) -> None:
                     except Exception as e:
                         fail(f"decode {impl} {rule} B={B}", e)
                     else:
-                        rows.append(decode_row(impl, rule, B, ms))
+                        decode.append(decode_row(impl, rule, B, ms))
                         print(f"decode {impl:6s} rule {rule:2s} B={B:3d}: {ms * 1e3:8.1f} us/step/layer", flush=True)
                     save()
     picks = autotune_picks("fla")
@@ -773,7 +798,7 @@ def main(argv=None) -> None:
         _atomic_write(os.path.join(args.out, f"{args.name}-autotune.json"), json.dumps(picks, indent=1) + "\n")
     for e in errors:
         print(f"failed: {e}", file=sys.stderr, flush=True)
-    if (args.ops and shapes) or args.decode:
+    if timing or args.decode:
         save()
     # else nothing was timed (e.g. ``--ops --profile OP``): the rows of an earlier run under this name stay
 

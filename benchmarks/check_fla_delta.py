@@ -116,6 +116,8 @@ def main(argv=None) -> int:
                            ("--batch", [a.batch]), ("--heads", [a.heads])):
         if min(values) < 1:
             p.error(f"{option} must be at least 1, got {values}")
+    if not 0 < a.timeout < float("inf"):
+        p.error(f"--timeout must be a positive number of seconds, got {a.timeout}")
     if not torch.cuda.is_available():
         raise SystemExit("check_fla_delta.py needs a CUDA GPU")
     rows = []

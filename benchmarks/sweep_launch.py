@@ -44,10 +44,13 @@ CANDIDATES = [  # (BK, BV, num_warps, num_stages)
 def resolve(path: str) -> dict:
     """``module.ATTR[.key]`` under ``falcon_fwa.ops.triton`` -> that dict."""
     parts = path.split(".")
-    mod = importlib.import_module(f"falcon_fwa.ops.triton.{parts[0]}")
-    table = getattr(mod, parts[1])
-    for key in parts[2:]:
-        table = table[key]
+    try:
+        table = getattr(importlib.import_module(f"falcon_fwa.ops.triton.{parts[0]}"), parts[1])
+        for key in parts[2:]:
+            table = table[key]
+    except (ImportError, AttributeError, IndexError, KeyError, TypeError) as e:
+        raise SystemExit(f"--table {path}: not module.ATTR[.key] under falcon_fwa.ops.triton "
+                         f"({type(e).__name__}: {e})")
     if not isinstance(table, dict):
         raise SystemExit(f"--table {path}: not a dict of kernel settings")
     return table
@@ -130,15 +133,24 @@ def main(argv=None) -> None:
                    help=f"the op's shape (default: the first benchmark shape, {SHAPES[0]})")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
+    if a.op not in OPS:
+        p.error(f"--op: unknown {a.op!r}; choose from {', '.join(OPS)}")
+    if a.calls < 1:
+        p.error(f"--calls must be at least 1, got {a.calls}")
+    if min(a.shape) < 1:
+        p.error(f"--shape sizes must be at least 1, got {a.shape}")
+    try:  # every argument checked before the GPU is asked for (resolve and the candidates name their option)
+        table = resolve(a.table)
+        candidates = CANDIDATES if a.candidates is None else [parse_candidate(c) for c in a.candidates]
+        for k in a.kernels:
+            if k not in table:
+                raise SystemExit(f"--kernels: {k!r} is not in {a.table} ({', '.join(table)})")
+            for candidate in candidates:
+                setting_of(candidate, dict(table[k]))
+    except SystemExit as e:
+        p.error(str(e.code))
     if not torch.cuda.is_available():
         sys.exit("sweep_launch.py needs a CUDA GPU")
-    if a.op not in OPS:
-        sys.exit(f"--op: unknown {a.op!r}; choose from {', '.join(OPS)}")
-    table = resolve(a.table)
-    candidates = CANDIDATES if a.candidates is None else [parse_candidate(c) for c in a.candidates]
-    for k in a.kernels:
-        if k not in table:
-            sys.exit(f"--kernels: {k!r} is not in {a.table} ({', '.join(table)})")
     os.makedirs(a.out, exist_ok=True)
     start = time.time()
     shape = tuple(a.shape)

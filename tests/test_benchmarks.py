@@ -28,6 +28,10 @@ def test_row_time_limit_stops_a_slow_row_only():
         pass
     time.sleep(0.3)  # past the 0.1 s: a timer left running would raise here
     assert signal.getsignal(signal.SIGALRM) is before
+    # a limit past what the system timer holds (1e300 s overflows time_t) is no limit, not a failure of every row
+    with bench_kernels._time_limit(1e300):
+        time.sleep(0.01)
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def test_baselines_are_timed_first():
@@ -110,7 +114,8 @@ def test_paired_drift_flags_a_slow_spell_on_one_side_only():
     def row(op, ms, mode="fwdbwd"):
         return dict(op=op, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=ms, peak_mem_bytes=0)
     rows = [row("falcon-2", 12.404), row("fla-gated-delta-rule", 2.813), row("fla-gated-delta-rule", 0.45, "fwd")]
-    pair = dict(op="falcon-2", fla_op="fla-gated-delta-rule", B=B, T=T, ms=12.428, fla_ms=4.436, ratio=2.801)
+    pair = dict(op="falcon-2", fla_op="fla-gated-delta-rule", B=B, T=T, H=H, K=K, V=V, ms=12.428, fla_ms=4.436,
+                ratio=2.801)
     # fla's paired median is 58 % above its own row: flagged, with the rows' ratio 12.404 / 2.813
     text = bench_kernels.paired_drift(pair, rows)
     assert "fla-gated-delta-rule 4.436 ms paired against 2.813 ms in its row (+58%)" in text
@@ -122,7 +127,7 @@ def test_paired_drift_flags_a_slow_spell_on_one_side_only():
         "paired falcon-3 / fla-gated-delta-rule: fla-gated-delta-rule 4.436 ms")
     assert "rows' ratio" not in bench_kernels.paired_drift(dict(pair, op="falcon-3"), rows)
     # the markdown marks the flagged ratio
-    paired = dict(pair, H=H, K=K, V=V, mode="fwdbwd-paired", ratio_min=2.6, ratio_max=6.0, rounds=9, target=1.5,
+    paired = dict(pair, mode="fwdbwd-paired", ratio_min=2.6, ratio_max=6.0, rounds=9, target=1.5,
                   unreliable=text)
     versions = dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p")
     md = bench_kernels._markdown(rows + [paired], versions, "x", [text], [])
@@ -396,9 +401,10 @@ def test_kernel_rows_carry_the_keys_of_the_benchmark_spec_and_the_window_of_the_
             sliding = re.match(r"(falcon|torch-chunk)-3", op, flags=re.I) is not None  # rules 3 and 3A
             assert ("window" in row) == sliding and row.get("window", bk.WINDOW) == bk.WINDOW, op
     assert bk.timing_row("sdpa", bk.SHAPES[0], "fwd", 1.0, 0, "abc", tag="run-1")["process"] == "run-1"
-    # a decoding row: one token of one layer; 12 layers at 0.5 ms a step give B / 6 ms tokens per second
+    # a decoding row (<name>-decode.json, not a row of the spec): one token of one layer; 12 layers at 0.5 ms a
+    # step give B / 6 ms tokens per second; no peak was measured, and none is written
     row = bk.decode_row("triton", "1A", 64, 0.5)
-    assert SPEC_KEYS <= set(row) and row["op"] == "falcon-step-triton-1a" and row["T"] == 1
+    assert row["op"] == "falcon-step-triton-1a" and row["T"] == 1 and "peak_mem_bytes" not in row
     assert row["mode"] == "decode" and row["tokens_per_s_12_layers"] == round(64 / 0.006)
 
 
@@ -427,7 +433,7 @@ def test_kernel_benchmark_on_a_cpu_machine_says_it_needs_cuda_in_one_line(tmp_pa
     with pytest.raises(SystemExit, match="^bench_kernels.py needs a CUDA GPU$"):
         bk.main(["--out", str(tmp_path), "--ops", "falcon-1"])
     for bad in (["--shapes", "2"], ["--ops", "falcon-9"], ["--profile", "nope"], ["--row-timeout", "nan"],
-                ["--shape", "0", "64", "2", "16", "16"]):
+                ["--row-timeout", "inf"], ["--shape", "0", "64", "2", "16", "16"], ["--paired", "-1"]):
         with pytest.raises(SystemExit) as exit_:
             bk.main(["--out", str(tmp_path)] + bad)
         _refused_naming(exit_, capsys, bad[0])
@@ -686,7 +692,8 @@ def test_kernel_benchmark_cut_off_keeps_the_failures_and_decode_rows_found_so_fa
     monkeypatch.setattr(bk, "measure_decode", measure_decode)
     with pytest.raises(_Killed):
         bk.main(["--out", str(tmp_path), "--name", "d", "--ops", "--decode", "--commit", "x"])
-    rows = json.loads((tmp_path / "d.json").read_text())
+    assert not (tmp_path / "d.json").exists()  # the spec's rows (fwd, fwdbwd) hold no decoding step
+    rows = json.loads((tmp_path / "d-decode.json").read_text())
     assert [(r["op"], r["B"], r["tokens_per_s_12_layers"]) for r in rows] == [
         ("falcon-step-triton-1a", 1, round(1 / 0.006)), ("falcon-step-torch-1a", 1, round(1 / 0.003))]
     assert "| falcon-step-torch-1a | 1 | 250.0 | 333 |" in (tmp_path / "d.md").read_text()
@@ -964,3 +971,183 @@ def test_check_fla_delta_keeps_the_forward_of_a_configuration_that_runs_out_of_t
     assert cfd.main(["--ops", "delta", "--keys", "32", "--lengths", "100", "--timeout", "5", "--out", out]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())
     assert rows == [dict(op="delta", dtype="bf16", B=2, T=100, H=2, K=32, V=64, o=0.28, error="no result in 5 s")]
+
+
+def _registry_rule(name):
+    """The rule a Falcon op of the kernel benchmark names (``falcon-2a-unchecked`` -> ``2A``), or None."""
+    import re
+    m = re.fullmatch(r"(?:falcon|torch-chunk)-(1a|2a|3a|1|2|3)(?:-unchecked|-seg\d)?", name, flags=re.I)
+    return m.group(1).upper() if m else None
+
+
+def test_registry_holds_the_benchmark_ops_and_names_each_falcon_rule():
+    import bench_kernels as bk
+    assert {n for n in bk.OPS if _registry_rule(n) is None} == {
+        "falcon-1a-kernels-only", "fla-simple-gla", "fla-gla", "fla-delta-rule", "fla-gated-delta-rule", "sdpa"}
+    assert {f"{p}-{r}" for p in ("falcon", "torch-chunk") for r in ("1", "2", "3")} | {
+        "falcon-1a", "falcon-2a", "falcon-3a", "torch-chunk-1A", "torch-chunk-2A", "torch-chunk-3A"} <= set(bk.OPS)
+    # every Falcon op of a ratio is one of the registry, against one of fla's four kernels
+    assert {ours for ours, _, _ in bk.TARGETS} <= set(bk.OPS)
+    assert {theirs for _, theirs, _ in bk.TARGETS} == {"fla-simple-gla", "fla-gla", "fla-gated-delta-rule"}
+
+
+@pytest.mark.parametrize("name", [n for n in __import__("bench_kernels").OPS if _registry_rule(n)])
+def test_registry_falcon_op_computes_the_rule_its_name_says(name):
+    """Each Falcon op of the kernel benchmark (the Triton kernels, the segmented op, the PyTorch chunk form)
+    is the rule its name says, at ``window=WINDOW`` for the sliding rules: its output and the gradients of
+    all five inputs (q, k, v, beta, lam, each a leaf) equal those of the float64 recurrent form of that
+    rule on the same inputs. On the CPU in float32 (the interpreter runs no bf16), over two chunks of 64."""
+    import bench_kernels as bk
+
+    from falcon_fwa import falcon_attention
+    rule = _registry_rule(name)
+    B, T, H, K, V = shape = (1, 66, 1, 4, 4)
+    torch.manual_seed(0)
+    fn, leaves = bk.OPS[name](*shape, device="cpu", dtype=torch.float32)
+    assert len(leaves) == 5 and all(t.is_leaf and t.requires_grad for t in leaves)
+    assert leaves[3].shape == (B, T, H) + ((V,) if rule in ("2", "2A") else ())
+    out = fn()
+    do = torch.randn_like(out)
+    out.backward(do)
+    ref_in = [t.detach().double().requires_grad_() for t in leaves]
+    ref, _ = falcon_attention(*ref_in, rule=rule, window=bk.WINDOW, form="recurrent", backend="torch")
+    ref.backward(do.double())
+    for got, want, what in [(out, ref, "o")] + [(t.grad, r.grad, f"d{n}") for t, r, n in
+                                                zip(leaves, ref_in, ("q", "k", "v", "beta", "lam"))]:
+        got, want = got.detach().double(), want.detach()
+        err = float((got - want).norm() / want.norm())
+        assert err < 1e-4, (what, err)
+
+
+# fla 0.6.0's chunk ops, as its documentation gives them: module, function, leading parameters in order
+FLA_CALLS = {"fla-simple-gla": ("fla.ops.simple_gla", "chunk_simple_gla", ("q", "k", "v", "g", "g_gamma", "scale")),
+             "fla-gla": ("fla.ops.gla", "chunk_gla", ("q", "k", "v", "g", "scale")),
+             "fla-delta-rule": ("fla.ops.delta_rule", "chunk_delta_rule", ("q", "k", "v", "beta", "scale")),
+             "fla-gated-delta-rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
+                                      ("q", "k", "v", "g", "beta", "scale"))}
+
+
+def test_registry_fla_ops_pass_every_leaf_to_the_argument_it_stands_for(monkeypatch):
+    """Each fla row calls its kernel with q, k, v ``[B, T, H, K|V]`` in the benchmark's dtype, a log decay
+    ``g <= 0`` (``[B, T, H]``; per key column ``[B, T, H, K]`` for chunk_gla), ``beta`` in ``[0, 1]`` and, for
+    the delta rules, unit keys; the tensors of the call are exactly the leaves whose gradients are timed.
+    fla stands in as modules that record the call (its kernels run on CUDA only)."""
+    import inspect
+    import types
+
+    import bench_kernels as bk
+    calls = []
+    for name, (module, function, params) in FLA_CALLS.items():
+        signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+                                       for p in params])
+
+        def op(*args, _sig=signature, _name=name, **kwargs):
+            bound = _sig.bind(*args, **kwargs).arguments
+            calls.append((_name, bound))
+            return bound["v"] * 1.0, None
+        monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{function: op}))
+    B, T, H, K, V = 2, 16, 3, 8, 4
+    for name in FLA_CALLS:
+        fn, leaves = bk.OPS[name](B, T, H, K, V, device="cpu")
+        fn()
+        got, args = calls.pop()
+        assert got == name and not calls
+        assert [id(t) for t in args.values() if torch.is_tensor(t)] == [id(t) for t in leaves]  # no other input
+        assert all(t.is_leaf and t.requires_grad for t in leaves) and "scale" not in args
+        assert [tuple(args[n].shape) for n in "qkv"] == [(B, T, H, K), (B, T, H, K), (B, T, H, V)]
+        assert all(args[n].dtype == torch.bfloat16 for n in "qkv")
+        if "g" in args:
+            assert args["g"].shape == ((B, T, H, K) if name == "fla-gla" else (B, T, H)) and (args["g"] <= 0).all()
+        if "beta" in args:
+            assert args["beta"].shape == (B, T, H) and ((args["beta"] >= 0) & (args["beta"] <= 1)).all()
+            norms = args["k"].float().norm(dim=-1)
+            assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+    # the ratios: each Falcon rule against the fla kernel of the same recurrence shape
+    assert {(ours, theirs) for ours, theirs, _ in bk.TARGETS if ours.count("-") == 1} == {
+        ("falcon-1a", "fla-simple-gla"), ("falcon-3a", "fla-simple-gla"), ("falcon-2a", "fla-gla"),
+        ("falcon-1", "fla-gated-delta-rule"), ("falcon-2", "fla-gated-delta-rule"),
+        ("falcon-3", "fla-gated-delta-rule")}
+
+
+def test_registry_sdpa_is_causal_softmax_attention():
+    import bench_kernels as bk
+    B, T, H, K = 2, 5, 3, 4
+    fn, (q, k, v) = bk.OPS["sdpa"](B, T, H, K, K, device="cpu", dtype=torch.float64)
+    assert q.shape == (B, H, T, K)  # torch's layout: heads before time
+    scores = (q @ k.transpose(-1, -2)) / K ** 0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(fn(), scores.softmax(-1) @ v)
+
+
+def test_paired_drift_compares_with_the_rows_of_the_paired_shape_only():
+    # two shapes of one B and T (K = 128 and K = 256, --shape twice): the pair at K = 128 is judged against the
+    # K = 128 rows (within 25 %), not the K = 256 ones that came after them (2.5x and 2x slower)
+    import bench_kernels as bk
+
+    def row(op, ms, K):
+        return dict(op=op, B=8, T=2048, H=16, K=K, V=K, mode="fwdbwd", ms=ms, peak_mem_bytes=0)
+    rows = [row("falcon-1", 1.3, 128), row("fla-gated-delta-rule", 1.7, 128),
+            row("falcon-1", 3.3, 256), row("fla-gated-delta-rule", 3.4, 256)]
+    pair = dict(op="falcon-1", fla_op="fla-gated-delta-rule", B=8, T=2048, H=16, K=128, V=128, ms=1.35, fla_ms=1.75,
+                ratio=0.77)
+    assert bk.paired_drift(pair, rows) is None
+    text = bk.paired_drift(dict(pair, K=256, V=256), rows)  # the same medians against the K = 256 rows
+    assert "falcon-1 1.350 ms paired against 3.300 ms in its row (-59%)" in text and "rows' ratio: 0.97" in text
+
+
+def test_kernel_benchmark_keeps_decoding_rows_apart_from_the_spec_rows(tmp_path, monkeypatch):
+    # <name>.json holds the timing rows alone (mode fwd or fwdbwd, a measured peak); the decoding steps of
+    # --decode go to <name>-decode.json, and both are in the report
+    bk = _fake_kernel_run(monkeypatch, {("falcon-1", "fwd"): (1.0, 2**20), ("falcon-1", "fwdbwd"): (2.0, 2**21)})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bk, "measure_decode", lambda impl, rule, B: 0.5 if impl == "triton" else 1.0)
+    bk.main(["--out", str(tmp_path), "--name", "n", "--shapes", "0", "--commit", "x", "--ops", "falcon-1",
+             "--decode"])
+    rows = json.loads((tmp_path / "n.json").read_text())
+    assert [(r["op"], r["mode"]) for r in rows] == [("falcon-1", "fwd"), ("falcon-1", "fwdbwd")]
+    decode = json.loads((tmp_path / "n-decode.json").read_text())
+    assert [(r["op"], r["B"]) for r in decode] == [(f"falcon-step-{i}-{r}", B) for r in ("1a", "1") for B in (1, 64)
+                                                   for i in ("triton", "torch")]
+    assert all(r["mode"] == "decode" and "peak_mem_bytes" not in r for r in decode)
+    md = (tmp_path / "n.md").read_text()
+    assert "| falcon-1 | 8 | 2048 | 16 | 128 | 128 | fwdbwd | 2.000 | 2 |" in md
+    assert "| falcon-step-torch-1 | 64 | 1000.0 | 5,333 |" in md  # 64 tokens per 12 x 1 ms
+
+
+def test_kernel_benchmark_says_which_paired_ratio_it_could_not_take(tmp_path, monkeypatch):
+    # --paired times each Falcon op of --ops against its fla counterpart; one whose counterpart is not in --ops
+    # is named in the report, not passed over in silence
+    bk = _fake_kernel_run(monkeypatch, {(op, mode): (1.0, 2**20) for op in ("falcon-1", "falcon-1a", "fla-simple-gla")
+                                        for mode in ("fwd", "fwdbwd")})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bk, "measure_paired", lambda ours, theirs, shape, rounds: dict(
+        ratio=0.8, ratio_min=0.7, ratio_max=0.9, ms=0.8, fla_ms=1.0, rounds=rounds))
+    bk.main(["--out", str(tmp_path), "--name", "n", "--shapes", "0", "--commit", "x", "--paired", "3", "--ops",
+             "falcon-1", "falcon-1a", "fla-simple-gla"])
+    paired = json.loads((tmp_path / "n-paired.json").read_text())
+    assert [(r["op"], r["fla_op"]) for r in paired] == [("falcon-1a", "fla-simple-gla")]
+    md = (tmp_path / "n.md").read_text()
+    assert "- --paired: falcon-1 not paired: its counterpart fla-gated-delta-rule is not in --ops" in md
+
+
+def test_check_fla_delta_refuses_a_timeout_it_cannot_wait_for(capsys):
+    # subprocess.run takes no infinite or NaN timeout (OverflowError, ValueError after the first configuration
+    # started), and one of 0 s or less gives every configuration "no result": each is refused by name first
+    import check_fla_delta as cfd
+    for bad in ("inf", "nan", "0", "-5"):
+        with pytest.raises(SystemExit) as exit_:
+            cfd.main(["--timeout", bad])
+        _refused_naming(exit_, capsys, "--timeout")
+
+
+def test_sweep_launch_refuses_bad_arguments_by_name_before_asking_for_a_gpu(monkeypatch, capsys):
+    import sweep_launch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    good = {"--op": ["falcon-3"], "--table": ["delta.SCALAR_LAUNCH.grouped"], "--kernels": ["dqk_bwd"]}
+    for option, value in (("--op", ["falcon-9"]), ("--table", ["delta.NO_SUCH_TABLE"]), ("--table", ["nosuch.X"]),
+                          ("--kernels", ["no_such_kernel"]), ("--calls", ["0"]), ("--candidates", ["64,64,4"]),
+                          ("--shape", ["0", "64", "2", "16", "16"])):
+        argv = [a for k, v in dict(good, **{option: value}).items() for a in [k, *v]]
+        with pytest.raises(SystemExit) as exit_:
+            sweep_launch.main(argv)
+        _refused_naming(exit_, capsys, option)

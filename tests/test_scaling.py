@@ -310,3 +310,24 @@ def test_peak_memory_is_none_on_the_cpu():
 
     info = D.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), strategy="single")
     assert D.peak_memory_bytes(info) is None
+
+
+def test_fsdp2_takes_fully_shard_where_older_torch_keeps_it_and_names_the_strategy_where_there_is_none(monkeypatch):
+    # torch 2.4 and 2.5 keep FSDP2's fully_shard under torch.distributed._composable.fsdp, 2.6 on in fsdp
+    import sys
+    import types
+
+    from falcon_fwa.train import distributed as D
+
+    marker = object()
+    for module in ("torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"):
+        monkeypatch.delitem(sys.modules, module, raising=False)  # no submodule of that name in its place
+    old = types.ModuleType("torch.distributed._composable.fsdp")
+    old.fully_shard = marker
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", types.ModuleType("torch.distributed.fsdp"))
+    monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp", old)
+    assert D._fully_shard() is marker
+    monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp",
+                        types.ModuleType("torch.distributed._composable.fsdp"))
+    with pytest.raises(RuntimeError, match=r"train.strategy='fsdp2'.*use strategy 'ddp'"):
+        D._fully_shard()

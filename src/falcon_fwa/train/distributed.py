@@ -70,8 +70,7 @@ def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
         ids = [info.local_rank] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
     if info.strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
+        fully_shard = _fully_shard()
         for block in _blocks(model):
             fully_shard(block)
         fully_shard(model)
@@ -88,6 +87,20 @@ def set_grad_sync(model: nn.Module, info: DistInfo, sync: bool):
     if info.strategy == "fsdp2":
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+def _fully_shard():
+    """FSDP2's ``fully_shard``: public in ``torch.distributed.fsdp`` since torch 2.6, under
+    ``torch.distributed._composable.fsdp`` in 2.4 and 2.5."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            raise RuntimeError(f"train.strategy='fsdp2' needs FSDP2's fully_shard (torch >= 2.4); torch "
+                               f"{torch.__version__} has none: use strategy 'ddp'") from None
+    return fully_shard
 
 
 def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:

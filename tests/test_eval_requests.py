@@ -45,3 +45,12 @@ def test_a_request_that_opens_with_end_of_text_gets_no_second_one(tmp_path):
     assert [g[0] for g in got] == pytest.approx(want, abs=1e-4)
     ids, mask = lm.tok_batch_encode([EOS_TOKEN + "ab", "abc"])
     assert ids.tolist() == [[eos, eos, 97, 98], [eos, 97, 98, 99]] and mask.tolist() == [[0, 1, 1, 1], [1] * 4]
+
+
+@pytest.mark.parametrize("max_length", [0, -1])
+def test_evaluate_refuses_a_max_length_below_one_naming_it(tmp_path, max_length):
+    from falcon_fwa.eval.harness import evaluate
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="max_length must be at least 1"):
+        evaluate(str(tmp_path), ["arc_easy"], max_length=max_length)

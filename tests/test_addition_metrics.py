@@ -30,3 +30,13 @@ def test_per_position_averages_the_samples_that_came_with_positions():
               positions=position_hits(wrong.input_ids[:, 1:] * 0, wrong))
     assert tally.per_position() == {2: [50.0, 50.0, 50.0]}
     assert torch.equal(position_hits(pred, right), torch.tensor([[1, 1, 1]]))
+
+
+def test_to_digits_by_hand_and_refuses_a_number_too_wide():
+    from falcon_fwa.tasks.addition.data import to_digits
+
+    assert to_digits(57, 3) == "057" and to_digits(999, 3) == "999" and to_digits(5, 3, base=2) == "101"
+    assert to_digits(0, 1) == "0" and to_digits(8, 4, base=3) == "0022"
+    for x, width, base in ((1000, 3, 10), (8, 3, 2), (9, 2, 3)):
+        with pytest.raises(ValueError, match=f"{width} base-{base} digits"):
+            to_digits(x, width, base)

@@ -179,3 +179,23 @@ def test_parallel_block_equations_of_its_docstring(rule):
     S0g = S0.reshape(N, K, Vd, V // Vd).permute(0, 2, 1, 3)
     affine = (G @ S0g if regression else G * S0g) + b
     assert torch.allclose(affine.permute(0, 2, 1, 3).reshape(N, K, V), S, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_rules_answer_to_the_papers_names(rule):
+    """``get_rule`` takes the short name or the paper's ``Falcon-<name>`` in any case and with surrounding spaces
+    (its docstring), each the same spec; the op run under the paper's name is the op under the short one."""
+    from falcon_fwa.ops.rules import get_rule
+
+    spec = get_rule(rule)
+    assert spec.name == rule and spec.paper_name == f"Falcon-{rule}"
+    assert spec.regression == (not rule.endswith("A")) and spec.per_column == (rule in PER_COLUMN)
+    assert spec.sliding == (rule in SLIDING)
+    for name in (f"Falcon-{rule}", f"  falcon-{rule.lower()} ", f"FALCON-{rule}", rule.lower(), f" {rule}\t"):
+        assert get_rule(name) is spec, name
+    for bad in (f"Falcon{rule}", f"Falcon--{rule}", f"-{rule}", f"{rule}B"):
+        with pytest.raises(ValueError, match="rule must be one of"):
+            get_rule(bad)
+    inp = random_inputs(rule, B=1, T=6, H=2, K=3, V=2, seed=3)
+    assert torch.equal(falcon_attention(**inp, rule=f" falcon-{rule.lower()}", window=2)[0],
+                       falcon_attention(**inp, rule=rule, window=2)[0])

@@ -274,3 +274,20 @@ def test_the_empty_memory_is_read_at_the_steps_the_docs_name(rule):
             assert o[:, :empty].isnan().all() and o[:, empty:].isfinite().all(), (shift, read, form)
             o, _ = falcon_attention(**inp, eps_attn=0.1, **kw)
             assert torch.equal(o[:, :empty], torch.zeros_like(o[:, :empty])) and o[:, empty:].abs().amin() > 0
+
+
+def test_a_bfloat16_read_divides_in_float32():
+    """Hand-computed: one step of linear attention (1A, unshifted, eta = 1, lambda = 0) with q = k = v = 1 reads
+    S_1^T q = 1 over z_1^T q = 1, so o = 1 / (1 + eps_attn). With eps_attn = 0.003, 1.003 is 1 in bfloat16: a
+    division in bfloat16 would give 1.0, while 1 / 1.003 = 0.99701 rounds to bfloat16's 0.99609375 (= 1 - 2^-8)."""
+    one = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16)
+    beta, lam = torch.ones(1, 1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, 1, dtype=torch.bfloat16)
+    want = torch.tensor(1 / 1.003, dtype=torch.float64).to(torch.bfloat16)
+    assert want.item() == 1 - 2 ** -8
+    for form in FORMS:
+        o, _ = falcon_attention(one, one, one, beta, lam, rule="1A", shift=False, normalize=False, form=form,
+                                eps_attn=0.003, backend="torch")
+        assert o.dtype == torch.bfloat16 and o.item() == want.item(), form
+    o, _ = falcon_step(one[:, 0], one[:, 0], one[:, 0], beta[:, 0], lam[:, 0], rule="1A", shift=False,
+                       normalize=False, eps_attn=0.003, backend="torch")
+    assert o.item() == want.item()

@@ -167,6 +167,34 @@ def test_detach_cuts_the_graph():
     assert not d.S.requires_grad and not d.last_key.requires_grad
 
 
+def test_requires_grad_sees_every_tensor_field():
+    """``requires_grad`` is True when any of S, last_key, the tail's pairs or z needs a gradient, not only S."""
+    S = torch.zeros(1, 2, 3, 4, dtype=torch.float64)
+    assert not FalconState.fresh(S, rule="3A", window=3, z=torch.zeros(1, 2, 3)).requires_grad
+    assert FalconState.fresh(S, rule="1A", z=torch.zeros(1, 2, 3, requires_grad=True)).requires_grad
+    for field, shape in (("last_key", (1, 2, 3)), ("tail_x", (1, 2, 2, 3)), ("tail_y", (1, 2, 2, 4))):
+        st = FalconState.fresh(S, rule="3", window=3)
+        setattr(st, field, torch.zeros(shape, dtype=torch.float64, requires_grad=True))
+        assert st.requires_grad, field
+        assert not st.detach().requires_grad, field
+
+
+@pytest.mark.parametrize("rule", SLIDING)
+def test_fresh_state_of_a_window_of_one(rule):
+    """A sliding rule with ``window=1`` keeps no tail: ``fresh`` makes a state of window 1 that such a call takes,
+    and its outputs and final state are the float64 loop's from S_init with a window of one pair."""
+    S0 = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    st = FalconState.fresh(S0, rule=rule, window=1)
+    assert st.window == 1 and st.tail_x is None and st.tail_y is None and st.tail_valid is None
+    inp = random_inputs(rule, B=2, T=9, seed=10, lam_range=(0.0, 2.0))
+    for form in FORMS:
+        o, final = falcon_attention(**inp, rule=rule, window=1, form=form, chunk_size=4, initial_state=st,
+                                    output_final_state=True)
+        ref_o, ref_S, _ = reference_falcon(**inp, rule=rule, window=1, initial_S=S0)
+        assert rel_err(o, ref_o) <= TOL and rel_err(final.S, ref_S) <= TOL, form
+        assert final.window == 1 and final.tail_x is None, form
+
+
 # ----------------------------------------------------------------------------- a new sequence from given fast weights
 def _fresh(rule, S0, window=4, **kw):
     return FalconState.fresh(S0, rule=rule, window=window, **kw)
@@ -175,16 +203,19 @@ def _fresh(rule, S0, window=4, **kw):
 @pytest.mark.parametrize("rule", RULE_NAMES)
 def test_fresh_state_first_step_writes_nothing_and_keeps_S(rule):
     """The paper's boundary sentinel on a carried S_init (Section 3, Appendix C.5): x_1 = 0 and eta_1 = 0,
-    so the first step neither writes nor shrinks S, however large beta and lam are; only the gate decays it."""
+    so the first step neither writes nor shrinks S, however large beta and lam are; only the gate decays it.
+    Without ``normalize`` too (``eta_t = beta_t`` elsewhere): a sentinel gain of beta would shrink S by 1 - beta lam."""
     inp = random_inputs(rule, B=2, T=1, seed=5, beta_range=(1.0, 1.9), lam_range=(50.0, 90.0), with_gate=True)
     S0 = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     for form in FORMS:
-        o, state = falcon_attention(**inp, rule=rule, form=form, initial_state=_fresh(rule, S0),
-                                    output_final_state=True)
-        S1 = torch.exp(inp["log_gate"][:, 0])[:, :, None, None] * S0
-        assert rel_err(state.S, S1) <= TOL, form
-        assert rel_err(o[:, 0], torch.einsum("bhkv,bhk->bhv", S1, inp["q"][:, 0])) <= TOL, form
-        assert torch.equal(state.last_key, inp["k"][:, 0])
+        for normalize in (True, False):
+            lam = inp["lam"] if normalize else inp["lam"] / 100  # beta lam in (0.5, 1.7): gamma_1 < 1 if it counted
+            o, state = falcon_attention(**dict(inp, lam=lam), rule=rule, form=form, initial_state=_fresh(rule, S0),
+                                        output_final_state=True, normalize=normalize)
+            S1 = torch.exp(inp["log_gate"][:, 0])[:, :, None, None] * S0
+            assert rel_err(state.S, S1) <= TOL, (form, normalize)
+            assert rel_err(o[:, 0], torch.einsum("bhkv,bhk->bhv", S1, inp["q"][:, 0])) <= TOL, (form, normalize)
+            assert torch.equal(state.last_key, inp["k"][:, 0])
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -150,3 +150,24 @@ def test_gradcheck_of_the_switches(rule, switches):
         ((o * cot).sum() + S.sum()).backward()
         grads.append(k.grad)
     assert rel_err(grads[0], grads[1]) <= 1e-10
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+@pytest.mark.parametrize("rule", ["1", "2", "1A", "2A"])
+def test_gradients_at_a_vanishing_denominator(rule, form):
+    """With eps = 0 and lam = 0 a zero write feature makes E_t + lambda_t + eps = 0, where eta_t = 0 (the step
+    writes nothing, whatever beta_t and v_t are). The op is smooth in q, v and beta there: finite differences
+    (gradcheck) agree with autograd, and the gradients of k and lam stay finite (beta / 0 never reaches them)."""
+    inp = random_inputs(rule, B=1, T=6, H=1, K=2, V=2, seed=66, beta_range=(0.3, 0.9), lam_range=(0.0, 0.0))
+    inp["k"][:, 1] = 0.0  # x_2 = k_1 = 0 and x_4 = k_3 = 0 (shifted pairs)
+    inp["k"][:, 3] = 0.0
+    opts = dict(rule=rule, chunk_size=4, eps=0.0)
+
+    def f(q, v, beta):
+        o, st = falcon_attention(q, inp["k"], v, beta, inp["lam"], form=form, output_final_state=True, **opts)
+        return o, st.S
+
+    leaves = tuple(inp[n].clone().requires_grad_() for n in ("q", "v", "beta"))
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+    grads = _grads(inp, form, torch.ones_like(inp["v"]), torch.ones(1, 1, 2, 2, dtype=torch.float64), **opts)
+    assert all(torch.isfinite(g).all() for g in grads.values()), {n: g for n, g in grads.items()}

@@ -996,25 +996,27 @@ def test_registry_falcon_op_computes_the_rule_its_name_says(name):
     """Each Falcon op of the kernel benchmark (the Triton kernels, the segmented op, the PyTorch chunk form)
     is the rule its name says, at ``window=WINDOW`` for the sliding rules: its output and the gradients of
     all five inputs (q, k, v, beta, lam, each a leaf) equal those of the float64 recurrent form of that
-    rule on the same inputs. On the CPU in float32 (the interpreter runs no bf16), over two chunks of 64."""
+    rule on the same inputs. In float32 (the interpreter runs no bf16), over two chunks of 64: on the GPU
+    where there is one, else on the CPU through the interpreter."""
     import bench_kernels as bk
 
     from falcon_fwa import falcon_attention
     rule = _registry_rule(name)
     B, T, H, K, V = shape = (1, 66, 1, 4, 4)
     torch.manual_seed(0)
-    fn, leaves = bk.OPS[name](*shape, device="cpu", dtype=torch.float32)
-    assert len(leaves) == 5 and all(t.is_leaf and t.requires_grad for t in leaves)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fn, leaves = bk.OPS[name](*shape, device=device, dtype=torch.float32)
+    assert len(leaves) == 5 and all(t.is_leaf and t.requires_grad and t.device.type == device for t in leaves)
     assert leaves[3].shape == (B, T, H) + ((V,) if rule in ("2", "2A") else ())
     out = fn()
     do = torch.randn_like(out)
     out.backward(do)
-    ref_in = [t.detach().double().requires_grad_() for t in leaves]
+    ref_in = [t.detach().cpu().double().requires_grad_() for t in leaves]
     ref, _ = falcon_attention(*ref_in, rule=rule, window=bk.WINDOW, form="recurrent", backend="torch")
-    ref.backward(do.double())
+    ref.backward(do.cpu().double())
     for got, want, what in [(out, ref, "o")] + [(t.grad, r.grad, f"d{n}") for t, r, n in
                                                 zip(leaves, ref_in, ("q", "k", "v", "beta", "lam"))]:
-        got, want = got.detach().double(), want.detach()
+        got, want = got.detach().cpu().double(), want.detach()
         err = float((got - want).norm() / want.norm())
         assert err < 1e-4, (what, err)
 

@@ -314,6 +314,7 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(mixer="lstm"), "mixer"),
     (dict(qk_norm="layernorm"), "qk_norm"),
     (dict(gate="ctx-gamma"), "gate"),
+    (dict(gate="ctx-eta", normalize=False), "gate"),  # the normalized step needs the normalized update
     (dict(lambda_scale=-1.0), "lambda_scale"),
     (dict(mixer="transformer", hidden_size=30, num_heads=4, head_k_dim=8, head_v_dim=8), "num_heads"),
     (dict(mixer="transformer", hidden_size=33, num_heads=3), "num_heads"),  # head dim 11: RoPE rotates pairs
@@ -323,8 +324,10 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(rule="1A", eps_attn=-1.0), "eps_attn"),
     (dict(rule="1A", eps_attn=True), "eps_attn"),
     (dict(rule="1A", eps_attn="0.1"), "eps_attn"),
-    (dict(rule="1A", eps_attn=0.0), "eps_attn"),  # shift=True: the first token reads 0 / (0 + eps_attn)
-    (dict(rule="1A", shift=False, read="before", eps_attn=0.0), "eps_attn"),
+    # positive features, but the first token reads the empty memory, 0 / (0 + eps_attn): shift=True (the
+    # default), or read before the write
+    (dict(rule="1A", eps_attn=0.0, feature_map="elu1"), "eps_attn"),
+    (dict(rule="1A", shift=False, read="before", eps_attn=0.0, feature_map="elu1"), "eps_attn"),
     # relu features: 0 / 0 where a query shares no positive feature with z (5 in 256 sequences of 8 tokens of a
     # tiny layer); signed features: denominators of either sign
     (dict(rule="1A", shift=False, eps_attn=0.0, feature_map="relu"), "eps_attn"),

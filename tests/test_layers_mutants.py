@@ -90,3 +90,23 @@ def test_loss_of_a_cached_continuation_reads_the_last_columns_of_the_mask(mixer)
     logp = torch.log_softmax(out.logits.double(), -1)
     want = -logp[:, :-1].gather(-1, ids[:, 6:, None]).mean()
     torch.testing.assert_close(out.loss.double(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_detached_cache_ends_the_backward_at_the_chunk_boundary():
+    """Truncated backpropagation: after ``cache.detach()`` the next chunk's gradient is the one it has with the
+    first chunk's state given as a constant (that chunk run without gradients), for the recurrent state and the
+    short-convolution buffers alike."""
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon")).to(F64).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 10))
+    with torch.no_grad():
+        const = model(ids[:, :6], use_cache=True).past_key_values
+    model.zero_grad()
+    model(ids[:, 6:], past_key_values=const, use_cache=True).logits.pow(2).mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    cache = model(ids[:, :6], use_cache=True).past_key_values.detach()
+    model(ids[:, 6:], past_key_values=cache, use_cache=True).logits.pow(2).mean().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-14, msg=n)

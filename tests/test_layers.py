@@ -315,6 +315,7 @@ def test_falcon_layer_packed_and_cached_continuation(rule):
     (dict(qk_norm="layernorm"), "qk_norm"),
     (dict(gate="ctx-gamma"), "gate"),
     (dict(gate="ctx-eta", normalize=False), "gate"),  # the normalized step needs the normalized update
+    (dict(gate="sigmoid", log_gate="dt"), "log_gate"),  # Mamba-2's decay reads the step dt of gate="dt"
     (dict(lambda_scale=-1.0), "lambda_scale"),
     (dict(mixer="transformer", hidden_size=30, num_heads=4, head_k_dim=8, head_v_dim=8), "num_heads"),
     (dict(mixer="transformer", hidden_size=33, num_heads=3), "num_heads"),  # head dim 11: RoPE rotates pairs

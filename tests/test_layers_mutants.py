@@ -7,7 +7,7 @@ import torch
 
 from falcon_fwa.layers import RMSNorm
 from falcon_fwa.layers.mlp import SwiGLU
-from falcon_fwa.models import FalconForCausalLM, get_preset
+from falcon_fwa.models import FalconForCausalLM, count_parameters, get_preset
 
 F64 = torch.float64
 
@@ -110,3 +110,16 @@ def test_a_detached_cache_ends_the_backward_at_the_chunk_boundary():
     model(ids[:, 6:], past_key_values=cache, use_cache=True).logits.pow(2).mean().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-14, msg=n)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_groups_of_a_transformer_count_by_their_formulas(tied):
+    """``count_parameters`` of an ``L``-layer Transformer of width ``d``, MLP width ``m`` and vocabulary ``V``:
+    embedding ``V d`` (``2 V d`` with an untied output head), mixers ``4 L d^2``, MLPs ``3 L d m``, norms
+    ``(2 L + 1) d``."""
+    cfg = get_preset("tiny-transformer", tie_word_embeddings=tied)
+    V, d, L, m = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    want = {"embedding": (1 if tied else 2) * V * d, "mixer": 4 * L * d * d, "mlp": 3 * L * d * m,
+            "norms": (2 * L + 1) * d}
+    want["total"] = sum(want.values())
+    assert count_parameters(cfg) == want

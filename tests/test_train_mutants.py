@@ -2,7 +2,7 @@
 (the recipe's betas, eps and weight decay, the muP learning-rate multipliers and the warmup-cosine rate of
 every step, written out by hand) in a straight run and across a resume; the tokens/s a launch reports on a
 hand-driven clock (its own warm-up steps and the checkpoint saves left out); which checkpoints a run keeps
-and which count as complete."""
+and which count as complete; recipe values on and just past the bounds the validation draws."""
 import os
 
 import pytest
@@ -12,6 +12,7 @@ from test_train import losses, recipe, run_trainer
 from falcon_fwa.train import NonFiniteLoss, Trainer, config_from_dict, latest_checkpoint, load_checkpoint, save_checkpoint
 from falcon_fwa.train import trainer as trainer_module
 from falcon_fwa.train.checkpoint import list_checkpoints, rng_state, set_rng_state
+from falcon_fwa.train.config import apply_overrides
 from falcon_fwa.train.logger import read_log
 
 LR, BETAS, EPS, WD = 0.02, (0.6, 0.8), 1e-4, 0.3
@@ -244,3 +245,22 @@ def test_a_resume_whose_micro_batch_does_not_divide_the_consumed_samples_is_refu
     raw["train"].update(global_batch=8, micro_batch=4)
     with pytest.raises(ValueError, match=r"consumed 6 samples, not a multiple of train.micro_batch x processes = 4"):
         Trainer(config_from_dict(raw))
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
+    ("train.seed=4294967296", r"train.seed must lie in \[0, 2\*\*32\), got 4294967296"),
+    ("train.global_batch=1", "train.global_batch must be >= train.micro_batch, got 1"),
+])
+def test_recipe_values_just_past_a_bound_are_refused_by_name(tmp_path, assignment, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(apply_overrides(recipe(tmp_path), [assignment]))
+
+
+@pytest.mark.parametrize("assignment", ["optim.min_lr_ratio=1.0", "optim.warmup_steps=0", "train.seed=4294967295",
+                                        "train.global_batch=2"])
+def test_recipe_values_on_a_bound_are_accepted(tmp_path, assignment):
+    field, value = assignment.split("=")
+    section, key = field.split(".")
+    cfg = config_from_dict(apply_overrides(recipe(tmp_path), [assignment]))
+    assert getattr(getattr(cfg, section), key) == float(value)

@@ -3,6 +3,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -424,11 +425,13 @@ def test_model_overrides_are_checked_with_the_recipe(tmp_path, assignment, messa
 @pytest.mark.parametrize("section, field, value", [("train", "eval_every", -1), ("train", "eval_batches", 0),
                                                    ("log", "every", 0), ("data", "val_every", 1),
                                                    ("data", "max_documents", 0), ("data", "bpe_documents", 0),
-                                                   ("train", "seed", -1), ("data", "text_split", "lines")])
+                                                   ("train", "seed", -1), ("data", "text_split", "lines"),
+                                                   ("optim", "betas", [0.9, 1.0]), ("optim", "betas", [-0.1, 0.9]),
+                                                   ("optim", "clip_grad_norm", -1.0)])
 def test_recipe_value_errors_name_their_own_field(tmp_path, section, field, value):
     raw = recipe(tmp_path)
     raw[section][field] = value
-    with pytest.raises(ValueError, match=rf"config field {section}\.{field} .*got {value!r}"):
+    with pytest.raises(ValueError, match=rf"config field {section}\.{field} .*got {re.escape(repr(value))}"):
         config_from_dict(raw)
 
 
@@ -840,3 +843,11 @@ def test_the_summary_peak_memory_on_cuda_holds_the_weights_their_gradients_and_a
     peak = summary["peak_mem_bytes"]
     assert isinstance(peak, int)
     assert 16 * n <= peak <= torch.cuda.get_device_properties(0).total_memory
+
+
+def test_optimizer_values_on_their_bounds_are_taken(tmp_path):
+    # betas of 0 (no moment) and clip_grad_norm 0 (clipping off) are valid, as documented beside the refusals above
+    raw = recipe(tmp_path)
+    raw["optim"].update(betas=[0.0, 0.0], clip_grad_norm=0.0)
+    cfg = config_from_dict(raw)
+    assert list(cfg.optim.betas) == [0.0, 0.0] and cfg.optim.clip_grad_norm == 0.0

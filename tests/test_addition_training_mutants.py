@@ -14,6 +14,20 @@ from falcon_fwa.tasks.addition import train
 from falcon_fwa.tasks.addition.data import VOCAB, AdditionSample, collate
 from falcon_fwa.tasks.addition.metrics import AccuracyTally
 
+
+def _tiny_transformer_run(tmp_path, *, steps, eval_every, val_per_width, train_widths):
+    """``falcon-fwa addition`` with a one-layer Transformer of width 16 on the CPU, OOD widths 4-5; its folder."""
+    from falcon_fwa.tasks.addition import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["--model", "Transformer", "--steps", str(steps), "--eval-every", str(eval_every),
+                     "--out", str(out), "--no-progress", "--hidden-size", "16", "--num-hidden-layers", "1",
+                     "--num-heads", "2", "--preset", "tiny", "--device", "cpu", "--batch-size", "4",
+                     "--val-per-width", str(val_per_width), "--ood-per-width", "2",
+                     "--train-widths", *map(str, train_widths), "--ood-widths", "4", "5", "--threads", "1"]) == 0
+    return out
+
+
 V = len(VOCAB)
 
 
@@ -87,8 +101,6 @@ def test_a_run_evaluates_on_schedule_with_its_losses_lr_and_sets(tmp_path, monke
     since the last evaluation (1.5, 3.5, 5), val_loss the token-weighted mean over widths 2-3
     ((2 * 3 * 4 + 3 * 3 * 5) / 27), ood_loss over 4-5 ((4 * 2 * 6 + 5 * 2 * 7) / 26); the optimizer runs at lr 3e-3 * (s + 1) / 100 (the tiny preset's warmup) times each group's
     multiplier, and the entries record the lr of their last step."""
-    from falcon_fwa.tasks.addition import cli
-
     steps_lr, sets, drawn = [], [], []
     real_step, real_eval, real_batch = train.train_step, train.evaluate, train.training_batch
 
@@ -110,12 +122,7 @@ def test_a_run_evaluates_on_schedule_with_its_losses_lr_and_sets(tmp_path, monke
     monkeypatch.setattr(train, "train_step", step)
     monkeypatch.setattr(train, "evaluate", evaluate)
     monkeypatch.setattr(train, "training_batch", batch)
-    out = tmp_path / "run"
-    assert cli.main(["--model", "Transformer", "--steps", "5", "--eval-every", "2", "--out", str(out),
-                     "--no-progress", "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2",
-                     "--preset", "tiny", "--device", "cpu", "--batch-size", "4", "--val-per-width", "3",
-                     "--ood-per-width", "2", "--train-widths", "2", "3", "--ood-widths", "4", "5",
-                     "--threads", "1"]) == 0
+    out = _tiny_transformer_run(tmp_path, steps=5, eval_every=2, val_per_width=3, train_widths=(2, 3))
     res = json.loads((out / "results.json").read_text())
     hist = res["history"]
     assert [h["step"] for h in hist] == [2, 4, 5]
@@ -211,8 +218,6 @@ def test_paper_preset_schedule_and_optimizer_by_hand():
 def test_best_pt_holds_the_weights_of_the_best_step_not_the_last(tmp_path, monkeypatch):
     """Scripted validation accuracies 10, 30, 20 over three evaluations: best.pt holds the weights the
     model had at step 2 (copied when step 2 was evaluated), which step 3 then changed."""
-    from falcon_fwa.tasks.addition import cli
-
     script, snapshots = iter([10.0, 30.0, 20.0]), {}
     real_summary, real_record = train._summary, train._record
 
@@ -225,11 +230,7 @@ def test_best_pt_holds_the_weights_of_the_best_step_not_the_last(tmp_path, monke
 
     monkeypatch.setattr(train, "_summary", scripted)
     monkeypatch.setattr(train, "_record", record)
-    out = tmp_path / "run"
-    assert cli.main(["--model", "Transformer", "--steps", "3", "--eval-every", "1", "--out", str(out),
-                     "--no-progress", "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2",
-                     "--preset", "tiny", "--device", "cpu", "--batch-size", "4", "--val-per-width", "2",
-                     "--ood-per-width", "2", "--train-widths", "1", "3", "--ood-widths", "4", "5", "--threads", "1"]) == 0
+    out = _tiny_transformer_run(tmp_path, steps=3, eval_every=1, val_per_width=2, train_widths=(1, 3))
     best = torch.load(out / "best.pt", weights_only=False)
     assert best["step"] == 2
     assert set(best["model"]) == set(snapshots[2])

@@ -38,12 +38,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .seqlens import known_sequence_bounds, sequence_bounds
-from .state import FalconState
+from .state import TENSOR_FIELDS as STATE_FIELDS, FalconState
 
 __all__ = ["segment_bounds", "packed_groups", "run_segments"]
 
-# the state's tensors, in the order the node takes and returns them (tail_valid is a mask: no gradient)
-STATE_FIELDS = ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z")
+# STATE_FIELDS: the state's tensors, in the order the node takes and returns them (tail_valid is a mask: no
+# gradient)
 # _Pieces.apply(call, bounds, initial_state, want_final, holder, q, k, v, beta, lam, log_gate, *state tensors)
 N_OPTIONS, N_INPUTS = 5, 6
 

@@ -6,7 +6,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FalconState"]
+__all__ = ["FalconState", "TENSOR_FIELDS"]
+
+TENSOR_FIELDS = ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z")
+"""The state's tensor fields, each with the batch rows on its first axis (``S`` is always set)."""
 
 
 @dataclass
@@ -121,13 +124,11 @@ class FalconState:
                 if getattr(s, field) != getattr(first, field):
                     raise ValueError(f"FalconState.cat: states[{i}].{field} is {getattr(s, field)!r}, "
                                      f"states[0].{field} is {getattr(first, field)!r}")
-            for field in ("last_key", "tail_x", "tail_y", "tail_valid", "z"):
-                if (getattr(s, field) is None) != (getattr(first, field) is None):
-                    raise ValueError(f"FalconState.cat: states[{i}].{field} is "
-                                     f"{'None' if getattr(s, field) is None else 'set'}, states[0].{field} is "
-                                     f"{'None' if getattr(first, field) is None else 'set'}")
-            for field in ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z"):
+            for field in TENSOR_FIELDS:
                 t, t0 = getattr(s, field), getattr(first, field)
+                if (t is None) != (t0 is None):
+                    raise ValueError(f"FalconState.cat: states[{i}].{field} is {'None' if t is None else 'set'}, "
+                                     f"states[0].{field} is {'None' if t0 is None else 'set'}")
                 if t is not None and tuple(t.shape[1:]) != tuple(t0.shape[1:]):
                     raise ValueError(f"FalconState.cat: states[{i}].{field} has shape {tuple(t.shape)}, "
                                      f"states[0].{field} has shape {tuple(t0.shape)} (only the batch axis may differ)")
@@ -136,8 +137,7 @@ class FalconState:
             ts = [getattr(s, name) for s in states]
             return None if ts[0] is None else torch.cat(ts, dim=0)
 
-        return replace(first, S=cat("S"), last_key=cat("last_key"), tail_x=cat("tail_x"),
-                       tail_y=cat("tail_y"), tail_valid=cat("tail_valid"), z=cat("z"))
+        return replace(first, **{field: cat(field) for field in TENSOR_FIELDS})
 
     @property
     def requires_grad(self) -> bool:

@@ -9,6 +9,7 @@ import torch
 from conftest import FORMS, RULE_NAMES, SLIDING, random_inputs, reference_falcon, rel_err
 
 from falcon_fwa import FalconState, falcon_attention, falcon_step
+from falcon_fwa.ops.state import TENSOR_FIELDS
 
 TOL = 1e-10
 
@@ -165,6 +166,50 @@ def test_detach_cuts_the_graph():
     assert st.S.requires_grad and st.last_key.requires_grad
     d = st.detach()
     assert not d.S.requires_grad and not d.last_key.requires_grad
+
+
+@pytest.mark.parametrize("rule", ["1", "2A", "3"])
+def test_split_is_the_inverse_of_cat_and_each_part_continues_its_rows(rule):
+    """``split`` gives consecutive rows; continuing each part equals continuing those rows of the whole batch,
+    and ``cat`` of the parts is the state back, field by field."""
+    opts = dict(rule=rule, window=3, eps_attn=1e-3 if rule.endswith("A") else None)
+    inp = random_inputs(rule, B=5, T=7, seed=61)
+    _, st = falcon_attention(**inp, **opts, output_final_state=True)
+    more = random_inputs(rule, B=5, T=5, seed=62)
+    o_all, _ = falcon_attention(**more, **opts, initial_state=st)
+    for sizes, bounds in ((2, [0, 2, 4, 5]), ([1, 0, 4], [0, 1, 1, 5])):
+        parts = st.split(sizes)
+        assert [p.batch_size for p in parts] == [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        _assert_same_state(FalconState.cat(parts), st, tol=0.0)
+        for part, a, b in zip(parts, bounds[:-1], bounds[1:]):
+            if b > a:
+                o, _ = falcon_attention(**{n: x[a:b] for n, x in more.items()}, **opts, initial_state=part)
+                assert rel_err(o, o_all[a:b]) <= TOL, (sizes, a)
+    for bad in (0, [2, 2], [6, -1], 2.5, True):
+        with pytest.raises(ValueError, match="sizes"):
+            st.split(bad)
+
+
+def test_clone_shares_no_memory_and_to_keeps_the_mask_boolean():
+    inp = random_inputs("3A", B=2, T=6, seed=63)
+    _, st = falcon_attention(**inp, rule="3A", window=3, eps_attn=1e-3, output_final_state=True)
+    snap = st.clone()
+    _assert_same_state(snap, st, tol=0.0)
+    for field in TENSOR_FIELDS:
+        t = getattr(st, field)
+        if t is not None:
+            before = getattr(snap, field).clone()
+            t.zero_() if t.dtype != torch.bool else t.fill_(False)
+            assert torch.equal(getattr(snap, field), before), field
+    low = snap.to(dtype=torch.float32)
+    assert low.S.dtype == low.last_key.dtype == low.tail_x.dtype == low.z.dtype == torch.float32
+    assert low.tail_valid.dtype == torch.bool and torch.equal(low.tail_valid, snap.tail_valid)
+    assert torch.equal(low.S, snap.S.float()) and (low.rule, low.window, low.shift) == ("3A", 3, True)
+    back = low.to("cpu", torch.float64)
+    assert back.S.dtype == torch.float64 and back.S.device.type == "cpu"
+    for bad in (torch.int64, "float32"):
+        with pytest.raises(TypeError, match="dtype"):
+            snap.to(dtype=bad)
 
 
 def test_requires_grad_sees_every_tensor_field():

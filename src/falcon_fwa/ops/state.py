@@ -84,13 +84,53 @@ class FalconState:
             state.tail_x, state.tail_y, state.tail_valid = empty_tail(S[..., 0], S[:, :, 0], W - 1)
         return state
 
+    def _map(self, fn) -> "FalconState":
+        """The state with ``fn`` applied to each tensor field that is set."""
+        return replace(self, **{field: None if getattr(self, field) is None else fn(getattr(self, field))
+                                for field in TENSOR_FIELDS})
+
     def detach(self) -> "FalconState":
         """The same state cut from the autograd graph (truncated backpropagation through time)."""
-        return replace(self, S=self.S.detach(),
-                       last_key=None if self.last_key is None else self.last_key.detach(),
-                       tail_x=None if self.tail_x is None else self.tail_x.detach(),
-                       tail_y=None if self.tail_y is None else self.tail_y.detach(),
-                       z=None if self.z is None else self.z.detach())
+        return self._map(torch.Tensor.detach)
+
+    def clone(self) -> "FalconState":
+        """A copy whose tensors share no memory with this state's (a snapshot that later in-place writes, such
+        as a decoder refilling static buffers, cannot change)."""
+        return self._map(torch.Tensor.clone)
+
+    def to(self, device=None, dtype: Optional[torch.dtype] = None, *, non_blocking: bool = False) -> "FalconState":
+        """The state on ``device`` and/or with its floating-point fields in ``dtype`` (``tail_valid`` stays a
+        boolean mask): to offload a cache to the host, or keep it in less memory. A call casts the state it is
+        given to its own compute dtype (float32 for float32, bfloat16 and float16 inputs)."""
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if device is not None:
+            device = torch.device(device)
+
+        def move(t):
+            return t.to(device=device, dtype=dtype if t.is_floating_point() else None, non_blocking=non_blocking)
+
+        return self._map(move)
+
+    def split(self, sizes) -> "list[FalconState]":
+        """The inverse of :meth:`cat`: states of consecutive batch rows, ``sizes`` an int (rows per state, the
+        last one may be shorter) or a list of ints summing to the batch size (``torch.split``'s rule)."""
+        B = self.batch_size
+        if isinstance(sizes, int) and not isinstance(sizes, bool):
+            if sizes < 1:
+                raise ValueError(f"sizes must be a positive int or a list of ints summing to {B}, got {sizes}")
+            sizes = [min(sizes, B - a) for a in range(0, B, sizes)]
+        else:
+            sizes = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
+            if (not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+                    or sum(sizes) != B):
+                raise ValueError(f"sizes must be a positive int or a list of ints >= 0 summing to the batch size "
+                                 f"{B}, got {sizes}")
+        out, a = [], 0
+        for n in sizes:
+            out.append(self._map(lambda t, a=a, n=n: t[a:a + n]))
+            a += n
+        return out
 
     def index_select(self, index) -> "FalconState":
         """The state of the batch rows ``index`` ``[N]`` (an integer tensor, or a sequence of ints; ``N`` rows
@@ -104,11 +144,7 @@ class FalconState:
         if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
             raise TypeError(f"index must be an integer tensor of rows, got dtype {index.dtype}")
 
-        def sel(t):
-            return None if t is None else t.index_select(0, index.to(t.device))
-
-        return replace(self, S=sel(self.S), last_key=sel(self.last_key), tail_x=sel(self.tail_x),
-                       tail_y=sel(self.tail_y), tail_valid=sel(self.tail_valid), z=sel(self.z))
+        return self._map(lambda t: t.index_select(0, index.to(t.device)))
 
     @staticmethod
     def cat(states: "list[FalconState]") -> "FalconState":
@@ -143,7 +179,7 @@ class FalconState:
     def requires_grad(self) -> bool:
         """Whether any of the state's tensors requires a gradient (a learned or carried-through state)."""
         return any(isinstance(t, torch.Tensor) and t.requires_grad
-                   for t in (self.S, self.last_key, self.tail_x, self.tail_y, self.z))
+                   for t in (getattr(self, field) for field in TENSOR_FIELDS))
 
     @property
     def batch_size(self) -> int:

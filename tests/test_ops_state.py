@@ -212,6 +212,24 @@ def test_clone_shares_no_memory_and_to_keeps_the_mask_boolean():
             snap.to(dtype=bad)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rule", ["1A", "1", "3"])
+def test_a_host_state_moved_to_the_gpu_continues_on_the_kernels(rule):
+    """A state built on the host in float64, moved with ``to("cuda", float32)``, continues on the Triton kernels as
+    the float64 state continues on the host (within float32's tolerance)."""
+    pytest.importorskip("triton")
+    inp = random_inputs(rule, B=2, T=70, H=2, K=16, V=16, seed=66)
+    _, st = falcon_attention(**inp, rule=rule, window=3, output_final_state=True)
+    more = random_inputs(rule, B=2, T=45, H=2, K=16, V=16, seed=67)
+    ref, ref_st = falcon_attention(**more, rule=rule, window=3, initial_state=st, output_final_state=True)
+    gpu = st.to("cuda", torch.float32)
+    assert gpu.S.is_cuda and gpu.S.dtype == torch.float32
+    o, out_st = falcon_attention(**{n: x.to("cuda", torch.float32) for n, x in more.items()}, rule=rule, window=3,
+                                 initial_state=gpu, output_final_state=True, backend="triton")
+    assert rel_err(o.double().cpu(), ref) <= 1e-4
+    assert rel_err(out_st.to("cpu", torch.float64).S, ref_st.S) <= 1e-4
+
+
 def test_requires_grad_sees_every_tensor_field():
     """``requires_grad`` is True when any of S, last_key, the tail's pairs or z needs a gradient, not only S."""
     S = torch.zeros(1, 2, 3, 4, dtype=torch.float64)

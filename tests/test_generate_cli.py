@@ -125,6 +125,7 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(folders):
     (["--prompts-file", "."], "--prompts-file '.' is a folder"),
     (["--prompt", "a", "--device", "nope"], "--device"),
     (["--prompt", "a", "--device", "meta"], "--device"),
+    (["--prompt", "a", "--stop", "x", "--stop", ""], "--stop: a stop string must not be empty (item 1)"),
 ])
 def test_a_bad_option_ends_the_command_naming_it_before_the_model_loads(folders, capsys, monkeypatch, options, named):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
@@ -304,3 +305,42 @@ def test_a_model_folder_without_a_tokenizer_is_named_before_the_model_loads(fold
     assert cli.main(["generate", "--model", str(folder), "--prompt", "a", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"falcon-fwa generate: error: --model: model folder {str(folder)!r} holds no tokenizer")
+
+
+def _stop_cut(tok, ids, stops):
+    """The shortest prefix of ``ids`` whose whole decode holds one of ``stops``, and that decode cut at the
+    earliest occurrence (``ids`` and their text when none does)."""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n], skip_special_tokens=True)
+        at = [text.find(s) for s in stops if s in text]
+        if at:
+            return ids[:n], text[:min(at)]
+    return ids, tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_strings_cut_the_completions_and_the_report_says_what_ended_each(folders, capsys):
+    """``--stop`` (twice) on a batch of 3 and on one streamed prompt: each completion is its unstopped greedy
+    completion cut where a whole decode of its token prefixes first holds a stop string; ``--json`` says which
+    ended it (``finish_reason``, ``stop_string``) and keeps the stop strings among the settings; the streamed
+    text is the final text."""
+    args = [*[a for p in PROMPTS for a in ("--prompt", p)], "--max-new-tokens", "24", "--no-stop-at-eos"]
+    free = _generate(folders, "peaky", *args)
+    text = free["completions"][0]["text"]
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    stops = [stop, "never seen"]
+    rep = _generate(folders, "peaky", *args, "--batch-size", "3", "--stop", stop, "--stop", "never seen")
+    _, tok = load_model(folders["peaky"])
+    assert rep["settings"]["stop"] == stops
+    for before, c in zip(free["completions"], rep["completions"]):
+        ids, cut = _stop_cut(tok, before["token_ids"], stops)
+        assert (c["token_ids"], c["text"]) == (ids, cut)
+        stopped = len(ids) < 24 or stop in tok.decode(ids)
+        assert (c["finish_reason"], c["stop_string"]) == (("stop", stop) if stopped else ("length", None))
+        assert c["stopped_at_eos"] is False
+    first = rep["completions"][0]
+    assert first["finish_reason"] == "stop" and len(first["token_ids"]) < 24
+    capsys.readouterr()
+    one = _generate(folders, "peaky", "--prompt", PROMPTS[0], "--max-new-tokens", "24", "--no-stop-at-eos",
+                    "--stop", stop)
+    assert one["completions"][0]["token_ids"] == first["token_ids"]
+    assert capsys.readouterr().out == first["text"] + "\n"

@@ -255,3 +255,25 @@ def test_a_batch_cache_is_freed_before_the_next_prompt_pass():
     model.forward = spy
     generate_text(model, tok, ["a", "b", "c"], max_new_tokens=3, stop_at_eos=False)
     assert alive == [[], [False], [False, False]]
+
+
+def test_stop_strings_end_rows_alike_with_graphed_and_eager_steps(cpu_graphs, monkeypatch):
+    """Stop strings are looked for on the host, between the steps: with graphed steps (the CPU stand-ins) the rows
+    end at the eager steps' tokens and texts, and a batch whose rows have all ended replays no more steps."""
+    model, tok = _model("falcon", {"rule": "3A", "window": 3}), byte_tokenizer()
+    prompts = ["fast weights", "a state", "the online learner reads"]
+    kw = dict(max_new_tokens=24, batch_size=3, stop_at_eos=False)
+    texts = [c.text for c in generate_text(model, tok, prompts, cuda_graphs=False, **kw).completions]
+    # two characters of each row's text (none broken), from a different place in each
+    stops = [next(t[i:i + 2] for i in range(at, len(t) - 1) if "\ufffd" not in t[i:i + 2])
+             for t, at in zip(texts, (2, 5, 8))]
+    replays, step = [], graphs.GraphedDecoder.step
+    monkeypatch.setattr(graphs.GraphedDecoder, "step", lambda self, t: replays.append(1) or step(self, t))
+    graphed = generate_text(model, tok, prompts, cuda_graphs=True, stop=stops, **kw)
+    eager = generate_text(model, tok, prompts, cuda_graphs=False, stop=stops, **kw)
+    assert graphed.timing.decode_mode == "cuda graph"
+    got, want = ([(c.token_ids, c.text, c.finish_reason) for c in out.completions] for out in (graphed, eager))
+    assert got == want and all(reason == "stop" for _, _, reason in want)
+    longest = max(len(ids) for ids, _, _ in want)
+    assert longest < 24 and len(replays) == longest - 1
+    assert len({len(ids) for ids, _, _ in want}) > 1  # the rows ended at different steps

@@ -2,9 +2,14 @@
 continue prompts with a saved model folder, greedily or by sampling. ``--prompts-file`` holds one prompt a
 line (UTF-8; a pipe such as ``/dev/stdin`` is read too, and ``-`` reads stdin).
 
-With one prompt the text is streamed to stdout as it is produced; otherwise each completion is printed
-as its batch ends, under a ``=== completion i/n ===`` header (a Ctrl-C keeps what was printed, the text
-streamed so far included, and ends the command with status 130, writing no ``--json``). One summary
+``--stop TEXT`` (repeatable) ends a completion as soon as its text holds TEXT, and cuts it just before
+(:mod:`falcon_fwa.serve.stops`); each completion's ``finish_reason`` in ``--json`` says what ended it:
+``eos``, ``stop`` (and its ``stop_string``) or ``length``.
+
+With one prompt the text is streamed to stdout as it is produced (with ``--stop``, the few characters that
+may begin a stop string wait until they are decided); otherwise each completion is printed as its batch
+ends, under a ``=== completion i/n ===`` header (a Ctrl-C keeps what was printed, the text streamed so far
+included, and ends the command with status 130, writing no ``--json``). One summary
 line goes to stderr: the prompt forward passes (prefill: prompt step and first new token), the decoding
 speed (new tokens after the first, summed over each batch's rows, per second of the decoding loop), whether
 the decoding steps were replayed from a CUDA graph (``--cuda-graphs``; recording is timed apart), and on
@@ -45,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per batch (left-padded)")
     parser.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="end a completion at its first end-of-text token")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end a completion as soon as its text holds TEXT, cut just before it (repeatable: the "
+                             "earliest occurrence of any ends it; not empty; a newline in bash: --stop $'\\n')")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], type=dtype_option(["fp32", "bf16"]),
                         help="the weights' dtype (bfloat16 and float32 are taken too)")
@@ -97,7 +105,7 @@ def _summary(timing, n_prompts: int, device: str, dtype: str) -> str:
 def run(args: argparse.Namespace) -> int:
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, batch_size=args.batch_size)
-    check_settings(**settings, seed=args.seed, name=lambda n: "--" + n.replace("_", "-"))
+    check_settings(**settings, seed=args.seed, stop=args.stop, name=lambda n: "--" + n.replace("_", "-"))
     prompts = _prompts(args)
     device = resolve_device(args.device)
     check_model_option(args.model)
@@ -115,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             raise ValueError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off")
 
-    stream = None
-    if len(prompts) == 1:
-        from transformers import TextStreamer
+    streamed = []
 
-        stream = TextStreamer(tokenizer, skip_special_tokens=True)
+    def stream(piece):  # one prompt: its text as it is decided
+        streamed.append(piece)
+        print(piece, end="", flush=True)
+
+    streaming = len(prompts) == 1
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
     shown = []
 
@@ -128,16 +138,26 @@ def run(args: argparse.Namespace) -> int:
             shown.append(c)
             print(f"=== completion {len(shown)}/{len(prompts)} (prompt: {c.prompt!r}) ===\n{c.text}", flush=True)
 
-    out = generate_text(model, tokenizer, prompts, seed=args.seed, stop_at_eos=args.stop_at_eos, stream=stream,
-                        cuda_graphs=graphs, on_batch=None if stream is not None else show, **settings)
+    try:
+        out = generate_text(model, tokenizer, prompts, seed=args.seed, stop_at_eos=args.stop_at_eos, stop=args.stop,
+                            on_text=stream if streaming else None, cuda_graphs=graphs,
+                            on_batch=None if streaming else show, **settings)
+    except BaseException:
+        if streamed:  # a Ctrl-C: the line of the text shown so far is ended
+            print(flush=True)
+        raise
+    if streaming:
+        print(flush=True)
     print(_summary(out.timing, len(prompts), device, args.dtype), file=sys.stderr)
     if args.json:
         write_json(args.json, {
             "model": os.path.abspath(args.model),
-            "settings": {**settings, "seed": args.seed, "stop_at_eos": args.stop_at_eos, "device": device,
+            "settings": {**settings, "seed": args.seed, "stop_at_eos": args.stop_at_eos, "stop": args.stop,
+                         "device": device,
                          "dtype": args.dtype, "greedy": args.temperature == 0, "cuda_graphs": args.cuda_graphs},
             "completions": [{"prompt": c.prompt, "prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
-                             "text": c.text, "stopped_at_eos": c.stopped_at_eos} for c in out.completions],
+                             "text": c.text, "stopped_at_eos": c.stopped_at_eos, "finish_reason": c.finish_reason,
+                             "stop_string": c.stop_string} for c in out.completions],
             "timing": out.timing.as_dict(),
             "provenance": command_provenance(args),
         })

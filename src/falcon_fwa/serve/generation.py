@@ -5,7 +5,9 @@
 the recurrent mixers): one forward pass over the left-padded prompts of a batch (the prefill),
 then one single-token forward pass per new token. Every prompt starts with the tokenizer's
 end-of-text token, as every training document does. Tokens are chosen among the tokenizer's
-ids only (a model's vocabulary may be padded beyond them).
+ids only (a model's vocabulary may be padded beyond them). A row ends at its end-of-text token, when its
+text holds a stop string (looked for on the host between steps: :mod:`falcon_fwa.serve.stops`) or after
+``max_new_tokens``; a batch when all its rows have.
 
 What is measured (``Timing``), per batch and summed, with ``torch.cuda.synchronize`` before each
 clock read on CUDA:
@@ -13,9 +15,10 @@ clock read on CUDA:
 * ``prefill_s``: the prompt forward pass and the choice of the first new token (time to first token,
   tokenization excluded);
 * ``decode_s``: everything after that until the batch ends (the single-token forward passes, sampling,
-  streaming), which produces the new tokens after the first: ``decode_tokens`` counts them over the
-  batch's rows, up to and including each row's end-of-text token (the steps a finished row still runs
-  while others go on are not counted); ``decode_tokens_per_s = decode_tokens / decode_s``;
+  streaming, looking for stop strings), which produces the new tokens after the first: ``decode_tokens``
+  counts them over the batch's rows, up to and including the token that ended each row (its end-of-text
+  token or the last token of a stop string; the steps a finished row still runs while others go on are not
+  counted); ``decode_tokens_per_s = decode_tokens / decode_s``;
 * ``peak_gpu_memory_bytes``: ``torch.cuda.max_memory_allocated`` over the call (weights included), on CUDA;
 * ``graph_capture_s``: recording the decoding step as a CUDA graph (``cuda_graphs``), once per batch,
   between the prefill and the decoding; ``graphed_batches`` and ``decode_mode`` (``"cuda graph"``,
@@ -26,12 +29,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
 from ..cli_options import check_seed
 from .graphs import GraphedDecoder, graphable
+from .stops import StopText, check_stop
 
 __all__ = ["Completion", "Timing", "Generation", "check_settings", "generate_text"]
 
@@ -39,12 +43,17 @@ __all__ = ["Completion", "Timing", "Generation", "check_settings", "generate_tex
 @dataclass
 class Completion:
     """One prompt's result: the ids fed (``prompt_ids``, the leading end-of-text token included), the
-    new token ids (an end-of-text token that ended it included) and their text (special tokens left out)."""
+    new token ids (the end-of-text token, or the tokens of the stop string, that ended it included) and their
+    text (special tokens left out; cut just before the stop string that ended it). ``finish_reason``:
+    ``"eos"`` (its end-of-text token, ``stopped_at_eos``), ``"stop"`` (``stop_string`` appeared in its text)
+    or ``"length"`` (``max_new_tokens`` reached)."""
     prompt: str
     prompt_ids: List[int]
     token_ids: List[int]
     text: str
     stopped_at_eos: bool
+    finish_reason: str = "length"
+    stop_string: Optional[str] = None
 
 
 @dataclass
@@ -83,7 +92,8 @@ class Generation:
 
 
 def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, batch_size: int,
-                   seed: Optional[int] = None, name: Callable[[str], str] = str) -> None:
+                   seed: Optional[int] = None, stop: Union[None, str, Sequence[str]] = None,
+                   name: Callable[[str], str] = str) -> None:
     """Raise ``ValueError`` naming the first bad setting (``name`` turns a parameter name into the
     name the caller knows it by, e.g. a command-line option)."""
     if max_new_tokens < 1:
@@ -97,6 +107,7 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p
     if batch_size < 1:
         raise ValueError(f"{name('batch_size')} must be >= 1, got {batch_size}")
     check_seed(name("seed"), seed)
+    check_stop(stop, name)
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -127,16 +138,31 @@ def _cache_of(out):
 @torch.inference_mode()
 def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = 0, batch_size: int = 1,
-                  stop_at_eos: bool = True, stream=None, cuda_graphs: Optional[bool] = None,
+                  stop_at_eos: bool = True, stop: Union[None, str, Sequence[str]] = None, stream=None,
+                  on_text: Optional[Callable[[str], None]] = None, cuda_graphs: Optional[bool] = None,
                   on_batch: Optional[Callable[[List[Completion]], None]] = None) -> Generation:
     """Continue each of ``prompts`` by up to ``max_new_tokens`` tokens, ``batch_size`` prompts per
     left-padded batch. ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` unused);
     above 0 it samples, reproducibly for a given ``seed`` (and batch size and device). With
     ``stop_at_eos`` a row ends at its first end-of-text token and a batch when all its rows have.
 
+    ``stop``: a string or a sequence of strings (none empty: ``ValueError`` naming ``stop``). A row also
+    ends at the first token after which its decoded text (``serve.stops.StopText``: decoded token by token on
+    the host) holds any of them, wherever the token boundaries fall in it; its ``text`` is cut just before the
+    earliest occurrence, its ``token_ids`` keep the tokens up to that one, and ``finish_reason`` is
+    ``"stop"``. A row that has ended is fed pad tokens while the others of its batch go on, which leaves their
+    tokens as they would be alone (each row's cache is its own), and the batch ends when all its rows have.
+
+    ``on_text``: called with each piece of the text as it is decided, only with one prompt per batch; the
+    pieces of a completion add up to its ``text``. With ``stop``, text that may be the start of a stop string
+    (at most ``len(stop) - 1`` characters) is held until the next tokens complete the stop string (it is then
+    never passed) or leave it. As each batch ends, and also when an exception (a Ctrl-C) stops it, the text
+    still held is passed on, so that the text of the tokens already chosen is shown.
+
     ``stream``: an object with ``put(ids)`` and ``end()`` (``transformers.TextStreamer``) that gets each
-    new token as it is chosen; only with one prompt per batch. ``end()`` is called as each batch ends, and
-    also when an exception (a Ctrl-C) stops it, so that the tokens already chosen are shown.
+    new token as it is chosen; only with one prompt per batch, and not with ``stop`` (the tokens of a stop
+    string would be shown: use ``on_text``). ``end()`` is called as each batch ends, and also when an
+    exception (a Ctrl-C) stops it, so that the tokens already chosen are shown.
 
     ``on_batch``: called with each batch's completions as the batch ends, before the next prompt pass and
     outside the timings (``falcon-fwa generate`` prints them so).
@@ -148,11 +174,15 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     Returns a :class:`Generation`: one :class:`Completion` per prompt, in order, and its :class:`Timing`.
     """
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   batch_size=batch_size, seed=seed)
+                   batch_size=batch_size, seed=seed, stop=stop)
+    stops = check_stop(stop)
     if isinstance(prompts, str):  # its characters would be taken as prompts
         raise TypeError(f"prompts must be a sequence of strings, got one str ({prompts[:40]!r}); pass [prompt]")
-    if stream is not None and min(batch_size, len(prompts)) > 1:
-        raise ValueError(f"stream needs one prompt per batch, got batch_size={batch_size}")
+    for option, value in (("stream", stream), ("on_text", on_text)):
+        if value is not None and min(batch_size, len(prompts)) > 1:
+            raise ValueError(f"{option} needs one prompt per batch, got batch_size={batch_size}")
+    if stream is not None and stops:
+        raise ValueError("stream gets every token, those of a stop string too: with stop, stream through on_text")
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     use_graphs, why = graphable(model, device)
@@ -219,6 +249,9 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         timing.graphed_batches += decoder is not None
         done = torch.zeros_like(token, dtype=torch.bool)
         steps = []
+        # the rows' texts, on the host, when they are looked into or streamed
+        texts = [StopText(tokenizer, stops) for _ in rows] if stops or on_text is not None else None
+        ended = [False] * len(rows)
         try:
             while True:
                 steps.append(token)
@@ -226,7 +259,20 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
                     done = done | (token == eos)
                 if stream is not None and not bool(done[0]):
                     stream.put(token.cpu())
-                if len(steps) == max_new_tokens or (stopping and bool(done.all())):
+                if texts is not None:
+                    by_stop = []
+                    for i, t in enumerate(token.tolist()):
+                        if not ended[i]:
+                            if texts[i].add(t):
+                                by_stop.append(i)
+                            ended[i] = texts[i].stop_string is not None or (stopping and t == eos)
+                    if by_stop:
+                        done[torch.tensor(by_stop, device=device)] = True
+                    if on_text is not None:
+                        piece = texts[0].take()
+                        if piece:
+                            on_text(piece)
+                if len(steps) == max_new_tokens or ((stopping or stops) and bool(done.all())):
                     break
                 if decoder is None:
                     logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True,
@@ -239,15 +285,27 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         finally:  # also on a Ctrl-C: the streamer shows the text it still holds
             if stream is not None:
                 stream.end()
+            for row in texts or ():
+                row.finish()
+            if on_text is not None:
+                piece = texts[0].take()
+                if piece:
+                    on_text(piece)
         out = cache = decoder = logits = None  # this batch's cache and graph, freed before the next prompt pass
 
         table = torch.stack(steps, 1).cpu().tolist()
-        for prompt, ids, new in zip(prompts[start:start + batch_size], rows, table):
+        for i, (prompt, ids, new) in enumerate(zip(prompts[start:start + batch_size], rows, table)):
+            if texts is not None:  # the tokens the row's text was made of, up to the one that ended it
+                new = texts[i].ids
             stopped = stopping and eos in new
             if stopped:
                 new = new[:new.index(eos) + 1]
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            result.completions.append(Completion(prompt, ids, new, text, stopped))
+            if texts is None:
+                text, stop_string = tokenizer.decode(new, skip_special_tokens=True), None
+            else:
+                text, stop_string = texts[i].text, texts[i].stop_string
+            reason = "stop" if stop_string is not None else "eos" if stopped else "length"
+            result.completions.append(Completion(prompt, ids, new, text, stopped, reason, stop_string))
             timing.prompt_tokens += len(ids)
             timing.new_tokens += len(new)
             timing.decode_tokens += len(new) - 1

@@ -331,3 +331,88 @@ def test_fsdp2_takes_fully_shard_where_older_torch_keeps_it_and_names_the_strate
                         types.ModuleType("torch.distributed._composable.fsdp"))
     with pytest.raises(RuntimeError, match=r"train.strategy='fsdp2'.*use strategy 'ddp'"):
         D._fully_shard()
+
+
+def test_run_sets_and_command_of_one_run_by_hand():
+    """30 steps: warm-up over 30 // 15 = 2 steps, one evaluation and one save at the end, a log line every 3 steps,
+    the job's own seed and strategy; 7 steps: warm-up and log cadence at their floor of 1. The caller's --set
+    comes last, after the recipe file."""
+    job = dict(model="m", config="c.yaml", gpus=4, strategy="fsdp2", seed=5)
+    sets = scaling.run_sets(job, steps=30, micro_batch=3, global_batch=12, out_dir="runs/x y", extra_sets=["a.b=1"])
+    assert sets == ["train.strategy=fsdp2", "train.steps=30", "train.seed=5", "train.micro_batch=3",
+                    "train.global_batch=12", "optim.warmup_steps=2", "train.eval_every=30", "train.save_every=30",
+                    "train.resume=none", "train.export_model=false", 'train.out_dir="runs/x y"', "log.progress=false",
+                    "log.every=3", "a.b=1"]
+    short = scaling.run_sets(job, steps=7, micro_batch=3, global_batch=12, out_dir="o", extra_sets=[])
+    assert "optim.warmup_steps=1" in short and "log.every=1" in short and "train.eval_every=7" in short
+    cmd = scaling.command(job, ["x=1", "y=2"])
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "falcon_fwa.train.cli",
+                       "--config", "c.yaml", "--set", "x=1", "--set", "y=2"]
+
+
+def test_a_run_is_done_only_with_exit_status_0():
+    assert scaling._status(0, "r.log") == "done"
+    assert scaling._status(1, "r.log") == "failed (exit 1, r.log)"
+    assert scaling._status(None, "r.log") == "stopped: deadline"
+    assert scaling._status(None, "r.log", 15) == "stopped: SIGTERM"
+
+
+def test_only_the_finished_rows_of_an_earlier_sweep_are_kept_by_command(tmp_path):
+    results = str(tmp_path / "multigpu")
+    assert scaling._earlier_rows(results) == {}  # none yet
+    rows = [dict(command="a", status="done", tokens_per_s=1.0), dict(command="b", status="failed (exit 1, b.log)"),
+            dict(command="c", status="stopped: deadline"), dict(status="done"), "not a row",
+            dict(command="d", status="done", tokens_per_s=2.0)]
+    (tmp_path / "multigpu.json").write_text(json.dumps(rows))
+    assert scaling._earlier_rows(results) == {"a": rows[0], "d": rows[5]}
+    (tmp_path / "multigpu.json").write_text("{cut short")
+    assert scaling._earlier_rows(results) == {}
+
+
+def test_the_table_and_the_noise_band_by_hand():
+    """One-process ddp seeds 0 and 1 at val loss 1.0 and 1.5 (spread 0.5; the fsdp2 one-process run is not a
+    noise seed); ddp x2 seed 0 at 1.5 differs from its own seed's one-process run by +0.5, the spread itself:
+    within it. Model B: its seed 0 one-process run failed, so its two-process run has no baseline and one
+    seed gives no spread."""
+    rows = [dict(model="A", strategy="ddp", gpus=1, seed=0, tokens_per_s=1234.4, efficiency=1.0,
+                 peak_mem_bytes_per_gpu=3 * 2 ** 29, val_loss=1.0, status="done", command="cmd-a1"),
+            dict(model="A", strategy="ddp", gpus=1, seed=1, tokens_per_s=1000.0, efficiency=0.81,
+                 peak_mem_bytes_per_gpu=None, val_loss=1.5, status="done", command="cmd-a2"),
+            dict(model="A", strategy="fsdp2", gpus=1, seed=0, tokens_per_s=900.0, efficiency=1.0,
+                 peak_mem_bytes_per_gpu=None, val_loss=1.25, status="done", command="cmd-a3"),
+            dict(model="A", strategy="ddp", gpus=2, seed=0, tokens_per_s=2000.0, efficiency=0.9004,
+                 peak_mem_bytes_per_gpu=None, val_loss=1.5, status="done", command="cmd-a4"),
+            dict(model="B", strategy="ddp", gpus=1, seed=0, tokens_per_s=None, efficiency=None,
+                 peak_mem_bytes_per_gpu=None, val_loss=None, status="failed (exit 1, l)", command="cmd-b1"),
+            dict(model="B", strategy="ddp", gpus=1, seed=1, tokens_per_s=500.0, efficiency=None,
+                 peak_mem_bytes_per_gpu=None, val_loss=2.0, status="done", command="cmd-b2"),
+            dict(model="B", strategy="ddp", gpus=2, seed=0, tokens_per_s=800.0, efficiency=None,
+                 peak_mem_bytes_per_gpu=None, val_loss=2.25, status="done", command="cmd-b3")]
+    text = scaling.markdown(rows, dict(machine="M", commit="c0", steps=10, global_batch=8, seq_len=24, micro_batch=4,
+                                       omp_num_threads="1"))
+    lines = text.splitlines()
+    assert "| A | ddp | 1 | 0 | 1,234 | 100.0 % | 1.50 GiB | 1.0000 | done |" in lines
+    assert "| A | ddp | 2 | 0 | 2,000 | 90.0 % | - | 1.5000 | done |" in lines
+    assert "| B | ddp | 1 | 0 | - | - | - | - | failed (exit 1, l) |" in lines
+    assert ("- A: one-process seeds 1.0000, 1.5000 (spread 0.5000); against the 1-process run of the same strategy "
+            "and seed: ddp x2 +0.5000 (largest 0.5000: within the seed spread).") in lines
+    assert "- B: one-process seeds 2.0000." in lines
+    assert [line.strip() for line in lines[lines.index("## Commands") + 2:]] == [r["command"] for r in rows]
+    rows[3]["val_loss"] = 1.5625  # +0.5625: outside the spread
+    assert "(largest 0.5625: outside the seed spread)." in scaling.markdown(rows, {})
+
+
+def test_micro_batch_sets_every_runs_batch_and_zero_is_refused(tmp_path, monkeypatch):
+    """--micro-batch 3 at 1 and 2 processes: a global batch of 3 x lcm(1, 2) = 6 rows in every run (3 steps of
+    6 x 24 tokens), not the recipe's micro_batch of 2; --micro-batch 0 is refused by name."""
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(recipe(tmp_path)))
+    argv = ["--configs", str(path), "--names", "Tiny", "--gpus", "1", "2", "--strategies", "ddp", "--noise-seeds", "0",
+            "--steps", "3", "--warmup-steps", "0", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r")]
+    rc, launched = _fake_sweep(tmp_path, monkeypatch, argv + ["--micro-batch", "3"])
+    rows = json.load(open(tmp_path / "r.json"))
+    assert rc == 0 and launched == ["Tiny-ddp-n1-s0", "Tiny-ddp-n2-s0"]
+    assert [r["tokens"] for r in rows] == [3 * 6 * 24] * 2
+    assert all("train.micro_batch=3" in r["command"] and "train.global_batch=6" in r["command"] for r in rows)
+    with pytest.raises(ValueError, match="--micro-batch must be >= 1, got 0"):
+        _fake_sweep(tmp_path, monkeypatch, argv + ["--micro-batch", "0"])

@@ -63,8 +63,31 @@ def test_save_torch_flushes_the_file_to_disk_before_renaming_it(tmp_path, monkey
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(atomic.os, "fsync", lambda fd: events.append("fsync") or real_fsync(fd))
-    monkeypatch.setattr(atomic.os, "replace", lambda a, b: events.append("replace") or real_replace(a, b))
+
+    def fsync(fd):  # which file or folder: os.fstat's inode, compared below
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    monkeypatch.setattr(atomic.os, "replace", lambda a, b: events.append(("replace", os.stat(a).st_ino))
+                        or real_replace(a, b))
     atomic.save_torch(tmp_path / "s.pt", {"w": torch.arange(3)})
-    assert events == ["fsync", "replace"]
+    file_ino, folder_ino = (tmp_path / "s.pt").stat().st_ino, tmp_path.stat().st_ino
+    # the file's bytes on disk, then the rename, then the folder holding the rename
+    assert events == [("fsync", file_ino), ("replace", file_ino), ("fsync", folder_ino)]
     assert torch.equal(torch.load(tmp_path / "s.pt")["w"], torch.arange(3))
+
+
+def test_a_checkpoint_and_its_pointer_are_renamed_then_their_folder_flushed(tmp_path, monkeypatch):
+    import os
+
+    from falcon_fwa import atomic
+    from falcon_fwa.train import checkpoint
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real_fsync(fd))
+    path = checkpoint.save_checkpoint(str(tmp_path / "ckpt"), 3, {"x": 1})
+    folder = (tmp_path / "ckpt").stat().st_ino
+    assert synced.count(folder) == 2  # after the checkpoint's rename and after LATEST's
+    assert synced[-1] == folder and os.path.basename(path) == "step-00000003"

@@ -59,7 +59,8 @@ def naming(path: PathLike, *stand_ins: PathLike) -> Iterator[None]:
 @contextlib.contextmanager
 def atomic_path(path: PathLike) -> Iterator[str]:
     """A temporary path next to ``path`` (same suffix, so writers that infer the format from it
-    still work); renamed over ``path`` when the block ends without an exception, removed if not.
+    still work); renamed over ``path`` when the block ends without an exception (the folder then
+    flushed to disk, :func:`fsync_folder`), removed if not.
     An ``OSError`` of the writes names ``path`` (:func:`naming`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # an error here names the folder
@@ -73,10 +74,23 @@ def atomic_path(path: PathLike) -> Iterator[str]:
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0o600, readable by its owner only
             yield tmp
             os.replace(tmp, path)
+            fsync_folder(path.parent)  # the rename itself on disk: a power loss keeps one of the two versions
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def fsync_folder(folder: PathLike) -> None:
+    """Flush ``folder``'s entries (a rename into it) to disk. A no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except (IsADirectoryError, PermissionError):
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove_temporaries(folder: PathLike, *names: str) -> None:

@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..atomic import naming, replaceable, synced_write
+from ..atomic import fsync_folder, naming, replaceable, synced_write
 from .tokenizer import encode_documents, is_byte_tokenizer
 
 
@@ -131,6 +131,7 @@ def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
     if os.path.exists(folder):  # set aside whole first: a stop while removing it leaves no half folder here
         os.replace(folder, old)
     os.replace(tmp, folder)
+    fsync_folder(os.path.dirname(os.path.abspath(folder)))
     shutil.rmtree(old, ignore_errors=True)
     return meta
 

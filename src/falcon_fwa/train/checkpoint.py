@@ -18,18 +18,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..atomic import naming, synced_write
+from ..atomic import fsync_folder, naming, synced_write
 
 LATEST = "LATEST"
 PREFIX = "step-"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict:
@@ -71,13 +63,13 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 
         stale = os.path.join(checkpoint_dir, f".tmp-old-{name}")
         os.rename(final, stale)
     os.rename(tmp, final)
-    _fsync_dir(checkpoint_dir)
+    fsync_folder(checkpoint_dir)
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
     pointer = os.path.join(checkpoint_dir, f".tmp-{LATEST}")
     synced_write(pointer, lambda f: f.write(name.encode()), "wb")
     os.replace(pointer, os.path.join(checkpoint_dir, LATEST))
-    _fsync_dir(checkpoint_dir)
+    fsync_folder(checkpoint_dir)
     # Keep the newest ``keep`` checkpoints up to this step, this one included. Checkpoints of later
     # steps (left by an earlier run in this folder, or by the trajectory a resume from an earlier
     # step abandoned) must not count: they sort after this one and would get it deleted.

@@ -74,7 +74,7 @@ def atomic_path(path: PathLike) -> Iterator[str]:
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0o600, readable by its owner only
             yield tmp
             os.replace(tmp, path)
-            fsync_folder(path.parent)  # the rename itself on disk: a power loss keeps one of the two versions
+            fsync_folder(path.parent)  # the rename on disk before returning: a power loss cannot undo it
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)

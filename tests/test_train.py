@@ -851,3 +851,40 @@ def test_optimizer_values_on_their_bounds_are_taken(tmp_path):
     raw["optim"].update(betas=[0.0, 0.0], clip_grad_norm=0.0)
     cfg = config_from_dict(raw)
     assert list(cfg.optim.betas) == [0.0, 0.0] and cfg.optim.clip_grad_norm == 0.0
+
+
+def test_a_run_plots_its_logged_losses_and_says_why_when_it_cannot(tmp_path, monkeypatch, capsys):
+    """``loss.png`` holds the log's training losses (a line) and validation losses (dots) against tokens, as read
+    back from the figure; ``log.plot=false`` writes none, and without matplotlib the run says so and ends well."""
+    import importlib.util
+
+    import matplotlib.figure
+
+    drawn = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, **kw):
+        drawn["lines"] = [line.get_xydata().tolist() for line in fig.axes[0].get_lines()]
+        return real_savefig(fig, path, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    run_trainer(recipe(tmp_path))
+    png = tmp_path / "run" / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    log = read_log(str(tmp_path / "run" / "log.jsonl"))
+    train = [[r["tokens"], r["loss"]] for r in log if "loss" in r]
+    tokens_per_step = 4 * 24
+    val = [[r["step"] * tokens_per_step, r["val_loss"]] for r in log if "val_loss" in r]
+    assert len(train) == 4 and len(val) == 2 and drawn["lines"] == [train, val]
+
+    run_trainer(recipe(tmp_path, out="off") | {"log": {"every": 1, "progress": False, "tensorboard": False,
+                                                       "plot": False}})
+    assert (tmp_path / "off" / "summary.json").exists() and not (tmp_path / "off" / "loss.png").exists()
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
+                        else real_find_spec(name, *a))
+    capsys.readouterr()
+    run_trainer(recipe(tmp_path, out="nompl"))
+    assert "log.plot: matplotlib is not installed" in capsys.readouterr().out
+    assert (tmp_path / "nompl" / "summary.json").exists() and not (tmp_path / "nompl" / "loss.png").exists()

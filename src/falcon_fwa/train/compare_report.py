@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 
-from ..atomic import write_json, write_text
+from ..atomic import atomic_path, write_json, write_text
 
 
 def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
@@ -42,7 +42,8 @@ def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130)
     plt.close(fig)
 
 

@@ -84,6 +84,7 @@ class LogSection:
     tensorboard: bool = True
     wandb_project: Optional[str] = None
     progress: bool = True
+    plot: bool = True  # loss.png in the run folder as each launch ends (needs matplotlib)
 
 
 @dataclass

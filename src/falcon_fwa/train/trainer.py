@@ -7,6 +7,7 @@ the uninterrupted run exactly.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import shutil
@@ -27,7 +28,7 @@ from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig
 from .launch import LOCK_NAME, StopSignals
-from .logger import MetricLogger
+from .logger import MetricLogger, read_log
 from .model_factory import build_model, enable_activation_checkpointing, param_groups
 from .schedule import lr_at, set_lr
 
@@ -420,7 +421,27 @@ class Trainer:
             summary["signal"] = signal.Signals(stopped_by).name
         if info.is_main:
             write_json(summary_path, summary)
+            if cfg.log.plot:
+                self._plot_losses(summary)
         return summary
+
+    def _plot_losses(self, summary: dict) -> None:
+        """``loss.png`` in the run folder: the log's training (line) and validation (dots) losses against
+        tokens. Skipped, with a line saying why, without matplotlib or when the plot cannot be written (the
+        run's results are in ``summary.json`` and ``log.jsonl`` already)."""
+        if importlib.util.find_spec("matplotlib") is None:
+            print("log.plot: matplotlib is not installed; no loss.png (pip install matplotlib)")
+            return
+        from .compare_report import plot_curves
+
+        path = os.path.join(self.out_dir, "loss.png")
+        name = self.cfg.model.preset
+        val = f", val_loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
+        try:
+            plot_curves({name: {"log": read_log(self.logger.path)}}, path,
+                        title=f"{name}: {summary['steps']} steps, {summary['tokens']:,} tokens{val}")
+        except (OSError, ValueError) as err:
+            print(f"log.plot: no loss.png ({err})")
 
     def export(self, folder: str) -> None:
         """Save the model as a Hugging Face folder (``save_pretrained``) with its tokenizer."""

@@ -13,8 +13,8 @@ import torch
 # kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
 from kernel_checks import DEVICE, check_kernel, check_segments_continue, in_this_process, needs_cuda, rel_norm
 
-from falcon_fwa import falcon_attention
-from falcon_fwa.ops.triton import falcon_chunk_triton
+from falcon_fwa import FalconState, falcon_attention
+from falcon_fwa.ops.triton import falcon_chunk_triton, falcon_recurrent_triton
 
 pytestmark = in_this_process
 each_rule = pytest.mark.parametrize("rule", ["1A", "1"])
@@ -106,6 +106,23 @@ def test_key_dim_above_128(rule):
                  seed=11)
 
 
+def test_key_dim_256_is_the_widest_regression_tile():
+    # api.MAX_WY_HEAD_DIM: K = 256 itself runs on the rule-1 kernels (K = 264 is refused, below)
+    check_kernel("1", (1, 6, 1, 256, 8), torch.float32, chunk_size=16, state=True, output_final_state=True, seed=12)
+
+
+@each_rule
+def test_smallest_decay_floor_the_kernels_take(rule):
+    # api.MIN_DECAY_FLOOR = 2^-24, where 1 - decay_floor is still a float32 (one below 1): taken, with the clamp
+    # reached on many steps (eta * lam up to 3); half of it is refused, naming decay_floor
+    check_kernel(rule, (1, 20, 1, 16, 8), torch.float32, normalize=False, lam_scale=3.0, decay_floor=2.0 ** -24,
+                 seed=13)
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    beta, lam = torch.rand(1, 4, 1, device=DEVICE), torch.rand(1, 4, 1, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="decay_floor=2.98"):
+        falcon_chunk_triton(q, q, q, beta, lam, rule=rule, decay_floor=2.0 ** -25)
+
+
 @each_rule
 def test_fp16_inputs(rule):
     check_kernel(rule, (1, 40, 2, 32, 32), torch.float16, seed=6)
@@ -125,6 +142,12 @@ def test_unsupported_switches_name_themselves():
         falcon_chunk_triton(q, q, q, beta, lam, chunk_size=24)
     with pytest.raises(NotImplementedError, match="dtype"):
         falcon_chunk_triton(q.double(), q.double(), q.double(), beta, lam)
+    state64 = FalconState(rule="1A", window=1, shift=True, S=torch.zeros(1, 1, 16, 16, dtype=torch.float64,
+                                                                       device=DEVICE),
+                          last_key=torch.zeros(1, 1, 16, device=DEVICE))
+    for kernels in (falcon_chunk_triton, falcon_recurrent_triton):  # float64 states compute in float64 elsewhere
+        with pytest.raises(NotImplementedError, match="initial_state.S.dtype=float64"):
+            kernels(q, q, q, beta, lam, initial_state=state64)
     wide = torch.randn(1, 8, 1, 264, device=DEVICE)
     with pytest.raises(NotImplementedError, match="head dim K=264 is above 256"):
         falcon_chunk_triton(wide, wide, q, beta, lam, rule="1")

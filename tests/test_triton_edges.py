@@ -7,7 +7,10 @@ ones that cross a chunk by one step (shorter than the window of rules 3 and 3A, 
 outputs, final state and every gradient; a sequence cut off the chunk grid and continued from the returned state
 on the chunk kernels, the fused recurrent kernel and the fused decoding step in turn; and strong gates, under
 which the chunk-local log prefixes grow large and the exit state's weight of a chunk's last write must stay
-exactly one.
+exactly one. Besides: keys and values in another dtype than the query (cast to it; the output in the values'
+dtype), a state read from a strided buffer with strided gradients of the output and final state reaching the
+backward (no input changed by either pass), a single packed sequence from its state, and packed sequences of
+whole chunks.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import pytest
 import torch
 
 # kernel_checks first: it switches Triton's interpreter on (without CUDA) before triton is imported
-from kernel_checks import (DEVICE, OP_INPUTS, TOL, PoisonedEmpty, in_this_process, kernel_inputs, on_device,
-                           rel_norm, run_op)
+from kernel_checks import (DEVICE, OP_INPUTS, TOL, PoisonedEmpty, check_kernel, in_this_process, kernel_inputs,
+                           on_device, rel_norm, run_op)
 
 from falcon_fwa import FalconState, falcon_attention, falcon_step
 
@@ -136,3 +139,77 @@ def test_strong_gates_keep_a_chunks_last_write_whole(rule, chunk_size):
     ref_o, ref = _reference(leaves, rule, W)
     assert rel_norm(o, ref_o) < 1e-5
     _assert_state_close(final, ref, 1e-5)
+
+
+@pytest.mark.parametrize("rule", ["1A", "2", "3A"])
+def test_keys_and_values_in_another_dtype_than_the_query(rule):
+    # q in fp32, k and v in fp16: the kernels compute in q's dtype (k and v cast to it), the output comes back in
+    # v's dtype and k, v receive fp16 gradients; against the float64 recurrent form on the same rounded values
+    W = WINDOW.get(rule, 1)
+    leaves = kernel_inputs(1, 20, 2, 16, 8, torch.float32, seed=204, rule=rule, window=W, state=True)
+    leaves["k"], leaves["v"] = leaves["k"].half(), leaves["v"].half()
+    switches = dict(rule=rule, window=W, shift=True, output_final_state=True)
+    tri = run_op(falcon_attention, on_device(leaves, DEVICE), form="chunk", backend="triton", chunk_size=16,
+                 **switches)
+    ref = run_op(falcon_attention, on_device(leaves, DEVICE, torch.float64), form="recurrent", backend="torch",
+                 **switches)
+    assert tri[0]["o"].dtype == torch.float16 and tri[0]["S_T"].dtype == torch.float32
+    assert tri[1]["k"].dtype == tri[1]["v"].dtype == torch.float16 and tri[1]["q"].dtype == torch.float32
+    errors = {n: rel_norm(tri[0][n], r) for n, r in ref[0].items() if r is not None and n != "tail_valid"}
+    errors.update({f"d{n}": rel_norm(tri[1][n], ref[1][n]) for n in ref[1]})
+    bad = {n: e for n, e in errors.items() if not e <= TOL[torch.float16]}
+    assert not bad, f"relative errors above {TOL[torch.float16]}: {bad} (all: {errors})"
+
+
+@each_rule
+def test_strided_state_and_upstream_gradients_leave_the_inputs_whole(rule):
+    # S0 read from a [N, H, V, K] buffer, and a loss that reads o head-first and S transposed, so that the gradients
+    # reaching the kernels' backward (of o and of the final S) are strided views; unshifted pairs, where the write
+    # features are the caller's keys themselves: outputs and every gradient as the float64 recurrent form, and no
+    # input changed by the forward or the backward
+    W = WINDOW.get(rule, 1)
+    H = 1 if rule == "3" else 2
+    leaves = kernel_inputs(2, 20, H, 12, 8, torch.float32, seed=205, rule=rule, window=W, state=True)
+    g = torch.Generator().manual_seed(206)
+    probe_o = torch.randn(2, H, 20, 8, generator=g, dtype=torch.float64)
+    probe_S = torch.randn(2, H, 8, 12, generator=g, dtype=torch.float64)
+
+    def run(x, **kw):
+        x = {n: t if t is None or not t.is_floating_point() else t.detach().clone().requires_grad_()
+             for n, t in x.items()}
+        S = x["S0"].transpose(-1, -2).contiguous().transpose(-1, -2)  # the values of S0, strided
+        assert not S.is_contiguous()
+        state = FalconState(rule=rule, window=W, shift=False, S=S, tail_x=x["tail_x"], tail_y=x["tail_y"],
+                            tail_valid=x["tail_valid"])
+        args = [x[n] for n in OP_INPUTS] + [x["log_gate"]]
+        before = [t.detach().clone() for t in args]
+        o, final = falcon_attention(*args[:5], rule=rule, window=W, log_gate=args[5], shift=False,
+                                    initial_state=state, output_final_state=True, **kw)
+        loss = (o.transpose(1, 2).double() * probe_o.to(o.device)).sum() \
+            + (final.S.transpose(-1, -2).double() * probe_S.to(o.device)).sum()
+        loss.backward()
+        assert all(torch.equal(a, b) for a, b in zip(args, before)), "an input changed"
+        return o, final.S, {n: t.grad for n, t in x.items() if t is not None and t.is_floating_point()}
+
+    o, S, grads = run(on_device(leaves, DEVICE), form="chunk", backend="triton", chunk_size=16)
+    ref_o, ref_S, ref_grads = run(on_device(leaves, DEVICE, torch.float64), form="recurrent", backend="torch")
+    errors = {"o": rel_norm(o, ref_o), "S_T": rel_norm(S, ref_S)}
+    errors.update({f"d{n}": rel_norm(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n] is not None})
+    assert set(errors) >= {"dq", "dk", "dv", "dbeta", "dlam", "dlog_gate", "dS0"}
+    bad = {n: e for n, e in errors.items() if not e <= TOL[torch.float32]}
+    assert not bad, f"relative errors above {TOL[torch.float32]}: {bad} (all: {errors})"
+
+
+@pytest.mark.parametrize("rule", ["1A", "2"])
+def test_one_packed_sequence_from_a_state(rule):
+    # cu_seqlens with a single sequence: its first write feature is the carried last key (not the sentinel)
+    check_kernel(rule, (1, 20, 2, 16, 8), torch.float32, state=True, output_final_state=True, cu_seqlens=[0, 20],
+                 seed=207)
+
+
+@pytest.mark.parametrize("rule", ["1A", "1", "2A", "2"])
+def test_packed_sequences_of_whole_chunks(rule):
+    # sequences of exactly one and two chunks (16, 32 steps) beside a short one: chunk_index's chunk count per
+    # sequence has no empty chunk to spare, each sequence from its own state
+    check_kernel(rule, (1, 50, 1, 16, 8), torch.float32, state=True, output_final_state=True,
+                 cu_seqlens=[0, 16, 48, 50], seed=208)

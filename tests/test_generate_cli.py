@@ -243,6 +243,8 @@ def test_one_prompt_streams_exactly_its_completion_and_several_print_after_their
     (1.0, 0, 0.6, [1, 5]),           # 0.452 < 0.6 <= 0.452 + 0.274
     (1.3, 4, 0.75, [1, 3, 5]),       # top 4 at T=1.3: 0.424, 0.289, 0.196, 0.091: 0.713 < 0.75
     (1.0, 2, 0.3, [1]),              # the largest alone holds 0.62 of the top two
+    (1.0, 5, 1.0, [0, 1, 2, 3, 5]),  # top_k one short of the vocabulary drops the smallest logit
+    (1.0, 0, 0.99, [0, 1, 2, 3, 5]),  # the five largest hold 0.9917 >= 0.99: the smallest (0.0083) is dropped
 ])
 def test_sampling_draws_from_the_hand_computed_distribution(temperature, top_k, top_p, kept):
     """softmax(logits / T) over the top_k largest, then over the fewest largest whose mass reaches top_p,
@@ -259,6 +261,27 @@ def test_sampling_draws_from_the_hand_computed_distribution(temperature, top_k, 
     freq = torch.bincount(draws, minlength=6).double() / n
     assert set(draws.unique().tolist()) == set(kept)
     assert (freq - want).abs().max() <= 6 * math.sqrt(0.25 / n)
+
+
+def test_sampling_at_the_edges_of_temperature_and_top_p():
+    """A tiny temperature still samples when the logits are as close as the temperature is small (a gap of one
+    temperature: odds e : 1), and top_p keeps the fewest tokens whose mass reaches it exactly (four equal
+    probabilities of 1/4, exact in floating point: top_p = 1/2 keeps two, 3/4 three, 1/2 + 2^-20 three)."""
+    import math
+
+    from falcon_fwa.serve.generation import _choose
+
+    n = 100_000
+    draws = _choose(torch.tensor([[0.0, -1e-4, -5.0]]).expand(n, -1), 1e-4, 0, 1.0,
+                    torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=3).double() / n
+    want = torch.tensor([math.e, 1.0, 0.0], dtype=torch.float64) / (math.e + 1)
+    assert (freq - want).abs().max() <= 6 * math.sqrt(0.25 / n)
+    for top_p, kept in ((0.5, 2), (0.75, 3), (0.5 + 2 ** -20, 3), (1.0, 4)):
+        draws = _choose(torch.zeros(n, 4), 1.0, 0, top_p, torch.Generator().manual_seed(1))
+        counts = torch.bincount(draws, minlength=4)
+        assert int((counts > 0).sum()) == kept, top_p
+        assert (counts[counts > 0].double() / n - 1 / kept).abs().max() <= 6 * math.sqrt(0.25 / n)
 
 
 def test_prompts_come_from_stdin_and_from_a_pipe_as_from_the_command_line(folders, monkeypatch):

@@ -245,3 +245,74 @@ def test_bad_stop_strings_are_refused_by_name():
     assert model.calls == 0  # all refused before any forward pass
     out = generate_text(model, tok, ["p"], max_new_tokens=5, stop="c")  # one string: one stop string
     assert (out.completions[0].text, out.completions[0].stop_string) == ("ab", "c")
+
+
+def test_text_held_back_at_the_end_of_a_completion_is_passed_on():
+    """A completion that ends (by its length or its end-of-text token) on text that may begin a stop string
+    passes that text on as it ends: the pieces add up to its text. ``on_text`` takes one prompt per batch,
+    whatever ``batch_size`` is."""
+    tok = byte_tokenizer()
+    for ids, n, reason in ((list(b"ab\n"), 3, "length"), (list(b"ab\n") + [EOS], 6, "eos")):
+        pieces = []
+        out = generate_text(Scripted(tok, {"p": ids}), tok, ["p"], max_new_tokens=n, stop=["\n\n"], batch_size=4,
+                            on_text=pieces.append)
+        c = out.completions[0]
+        assert (c.text, c.finish_reason, c.token_ids) == ("ab\n", reason, ids)
+        assert pieces == ["a", "b", "\n"]
+
+
+class Recorder:
+    """A ``stream`` (``transformers.TextStreamer``'s methods) that records what it gets."""
+
+    def __init__(self):
+        self.events = []
+
+    def put(self, ids):
+        self.events.append(ids.tolist())
+
+    def end(self):
+        self.events.append("end")
+
+
+def test_a_streamer_gets_each_new_token_but_the_ending_end_of_text_and_an_end_per_batch():
+    """``stream.put`` gets every chosen token of the completion except the end-of-text token that ends it (which
+    is no text; without stopping at end-of-text it is an ordinary token), ``stream.end`` is called as each batch
+    ends, and also when a Ctrl-C stops the decoding."""
+    tok = byte_tokenizer()
+    model = Scripted(tok, {"p": list(b"ab") + [EOS] + list(b"cd"), "q": list(b"xyz")})
+    streamer = Recorder()
+    out = generate_text(model, tok, ["p", "q"], max_new_tokens=5, stream=streamer)
+    assert [c.token_ids for c in out.completions] == [[97, 98, EOS], list(b"xyz~~")]
+    assert streamer.events == [[97], [98], "end", [120], [121], [122], [126], [126], "end"]
+    streamer = Recorder()
+    generate_text(model, tok, ["p"], max_new_tokens=4, stream=streamer, stop_at_eos=False)
+    assert streamer.events == [[97], [98], [EOS], [99], "end"]
+
+    def ctrl_c(module, args, kwargs):
+        if module.calls == 2:  # the third forward pass: the second decoding step
+            raise KeyboardInterrupt
+
+    model.register_forward_pre_hook(ctrl_c, with_kwargs=True)
+    model.calls, streamer = 0, Recorder()
+    with pytest.raises(KeyboardInterrupt):
+        generate_text(model, tok, ["q"], max_new_tokens=5, stream=streamer)
+    assert streamer.events == [[120], [121], "end"]
+
+
+def test_rows_that_ended_are_fed_the_pad_token_and_keep_their_text():
+    """A tokenizer whose pad token is not its end-of-text token (here an ordinary one, "#"): a row that ended
+    is fed pads while the others go on, stays ended, and neither its tokens nor its text take the pads."""
+    tok = byte_tokenizer()
+    tok.pad_token = "#"
+    pad = tok.pad_token_id
+    assert pad == ord("#") != EOS
+    model = Scripted(tok, {"p": list(b"ab") + [EOS] + list(b"cd"), "q": list(b"wxyz"), "r": list(b"no stop")})
+    out = generate_text(model, tok, ["p", "q", "r"], max_new_tokens=6, stop=["yz"], batch_size=3)
+    p, q, r = out.completions
+    assert (p.token_ids, p.text, p.finish_reason) == ([97, 98, EOS], "ab", "eos")
+    assert (q.token_ids, q.text, q.finish_reason) == (list(b"wxyz"), "wx", "stop")
+    assert (r.token_ids, r.text, r.finish_reason) == (list(b"no sto"), "no sto", "length")
+    assert model.fed == [[97, 98, EOS, pad, pad], list(b"wxyz") + [pad], list(b"no st")]
+    model = Scripted(tok, {"p": list(b"ab") + [EOS] + list(b"cd"), "q": list(b"wxyz")})
+    out = generate_text(model, tok, ["p", "q"], max_new_tokens=10, stop=["yz"], batch_size=2)
+    assert model.calls == 4 and model.fed == [[97, 98, EOS], list(b"wxy")]  # the batch ends at "z"

@@ -277,3 +277,47 @@ def test_stop_strings_end_rows_alike_with_graphed_and_eager_steps(cpu_graphs, mo
     longest = max(len(ids) for ids, _, _ in want)
     assert longest < 24 and len(replays) == longest - 1
     assert len({len(ids) for ids, _, _ in want}) > 1  # the rows ended at different steps
+
+
+def test_graphed_steps_leave_the_cache_counting_what_eager_steps_count(cpu_graphs):
+    """Recording runs no step on the cache and each replay is one: after the steps the graphed cache counts the
+    columns (``num_positions``, which ``generate()`` slices its inputs by) and each row's tokens as the eager
+    cache does, and goes on eagerly to the same logits."""
+    model = _model("falcon", {"rule": "3A", "window": 3})
+    ids = torch.randint(1, 256, (2, 5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.inference_mode():
+        caches = [model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).past_key_values
+                  for _ in range(2)]
+        decoder = GraphedDecoder(model, caches[0], 2)
+        assert caches[0].num_positions == 5 and caches[0].seen.tolist() == [5, 3]
+        for t in range(3):
+            graphed = decoder.step(ids[:, t]).clone()
+            eager = model(input_ids=ids[:, t:t + 1], past_key_values=caches[1], use_cache=True).logits[:, -1]
+            assert torch.equal(graphed, eager), t
+        for cache in caches:
+            assert cache.num_positions == 8 and cache.get_seq_length() == 8 and cache.seen.tolist() == [8, 6]
+        a, b = (model(input_ids=ids[:, 3:5], past_key_values=cache, use_cache=True).logits for cache in caches)
+    assert torch.equal(a, b)
+
+
+def test_decoding_time_leaves_out_the_recording_and_one_new_token_records_nothing(cpu_graphs, monkeypatch):
+    """On a clock that advances one second per forward pass: ``prefill_s`` is the prompt pass, ``decode_s`` the
+    decoding steps (one replay per token after the first), ``graph_capture_s`` the rest (warm-up and recording).
+    With ``max_new_tokens=1`` there is no step to replay, and nothing is recorded."""
+    model, tok = _model("falcon", {}), byte_tokenizer()
+    clock = [0.0]
+    model.register_forward_pre_hook(lambda *args: clock.__setitem__(0, clock[0] + 1.0))
+    monkeypatch.setattr(generation, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    records, init = [], graphs.GraphedDecoder.__init__
+    monkeypatch.setattr(graphs.GraphedDecoder, "__init__", lambda self, *a: records.append(1) or init(self, *a))
+    t = generate_text(model, tok, ["fast", "weights"], max_new_tokens=5, stop_at_eos=False).timing
+    assert (t.batches, t.graphed_batches, t.decode_mode, len(records)) == (2, 2, "cuda graph", 2)
+    assert (t.prefill_s, t.decode_s, t.decode_tokens) == (2.0, 8.0, 8)
+    assert t.graph_capture_s == clock[0] - 10.0 > 0
+    records.clear()
+    clock[0] = 0.0
+    out = generate_text(model, tok, ["fast", "weights"], max_new_tokens=1, stop_at_eos=False)
+    assert records == [] and out.timing.graphed_batches == 0 and out.timing.graph_capture_s == 0
+    assert (out.timing.prefill_s, out.timing.decode_s, clock[0]) == (2.0, 0.0, 2.0)

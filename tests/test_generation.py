@@ -421,3 +421,34 @@ def test_a_call_whose_columns_are_all_pads_leaves_the_cache_and_gives_zero_logit
         with pytest.raises(ValueError, match=r"every row needs at least one real token in the first call with a "
                                              r"cache, rows \[1\] have none .*use_cache=False"):
             model(x[:, :4], attention_mask=one_empty)  # in eval mode a cache by default
+
+
+@pytest.mark.parametrize("mixer,overrides", [("falcon", {"rule": "3A", "window": 3}), ("transformer", {}),
+                                             ("mamba2", {})], ids=["falcon-3A", "transformer", "mamba2"])
+def test_a_cached_call_in_which_some_rows_get_only_pads_leaves_those_rows(mixer, overrides):
+    """A cached call whose attention_mask gives row 0 two tokens and row 1 none writes the new state, sliding tail,
+    convolution buffers and keys of row 0 only: row 1 continues as if the call had not been made. Each row's
+    logits equal those of one float64 pass over its real tokens."""
+    from falcon_fwa.layers.layer_cache import scatter_rows
+
+    model = _model(mixer, overrides)
+    torch.manual_seed(7)
+    x = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        out = model(x[:, :4], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[1, 4:] = 0
+        middle = model(x[:, 4:6], attention_mask=mask, past_key_values=cache).logits
+        assert cache.seen.tolist() == [6, 4]
+        last = model(x[:, 6:], attention_mask=torch.ones(2, 9, dtype=torch.long), past_key_values=cache).logits
+        whole = model(x[:1], use_cache=False).logits[0]
+        skipped = model(torch.cat([x[1:, :4], x[1:, 6:]], 1), use_cache=False).logits[0]
+    assert float((middle[0] - whole[4:6]).abs().max()) <= 1e-10 and not middle[1].any()
+    assert float((last[0] - whole[6:]).abs().max()) <= 1e-10
+    assert float((last[1] - skipped[4:]).abs().max()) <= 1e-10
+    # by hand: new rows into the rows named, in the order named
+    new = torch.tensor([[1.0], [2.0], [3.0]])
+    assert scatter_rows(None, torch.tensor([2, 0, 1]), new).tolist() == [[2.0], [3.0], [1.0]]
+    assert scatter_rows(new, torch.tensor([1]), torch.tensor([[9.0]])).tolist() == [[1.0], [9.0], [3.0]]
+    assert scatter_rows(new, None, new[:1]).tolist() == [[1.0]]

@@ -452,3 +452,25 @@ def test_a_cached_call_in_which_some_rows_get_only_pads_leaves_those_rows(mixer,
     assert scatter_rows(None, torch.tensor([2, 0, 1]), new).tolist() == [[2.0], [3.0], [1.0]]
     assert scatter_rows(new, torch.tensor([1]), torch.tensor([[9.0]])).tolist() == [[1.0], [9.0], [3.0]]
     assert scatter_rows(new, None, new[:1]).tolist() == [[1.0]]
+
+
+def test_prefill_chunk_size_continues_a_prefilled_cache_given_only_the_new_ids():
+    """A cache prefilled on the first 4 columns of a left-padded prompt, continued by ``generate()`` with only
+    the 6 new columns (the mask covers all 10) in chunks of 2: the chunks are the new columns 2 at a time, and the
+    tokens are those of one generate() over the whole prompt."""
+    model = _model("falcon", {"rule": "3A", "window": 3})
+    torch.manual_seed(3)
+    x = torch.randint(1, 64, (2, 10))
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0
+    fed = []
+    with torch.no_grad():
+        want = model.generate(x, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        out = model(x[:, :4], attention_mask=mask[:, :4], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        model.register_forward_pre_hook(lambda _, args, kw: fed.append(kw["input_ids"].clone()), with_kwargs=True)
+        got = model.generate(x[:, 4:], attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                             prefill_chunk_size=2)
+    assert torch.equal(got[:, -5:], want[:, -5:]) and len(set(want[:, -5:].flatten().tolist())) > 3
+    assert [f.shape[1] for f in fed] == [2, 2, 2, 1, 1, 1, 1]
+    assert torch.equal(torch.cat(fed[:3], 1), x[:, 4:])

@@ -286,14 +286,14 @@ def test_sampling_at_the_edges_of_temperature_and_top_p():
 
 def test_prompts_come_from_stdin_and_from_a_pipe_as_from_the_command_line(folders, monkeypatch):
     """``--prompts-file -`` reads stdin, and a pipe (``/dev/stdin``, a shell's ``<(...)``) is read like a file
-    although it is no regular file: the prompts (a byte-order mark dropped, ``\\r\\n`` line ends) and the tokens
-    are those of the same prompts given with ``--prompt``."""
+    although it is no regular file: the prompts (a byte-order mark dropped, ``\\r\\n`` and ``\\r`` line ends) and
+    the tokens are those of the same prompts given with ``--prompt``."""
     import io
     import os
 
     args = ["--max-new-tokens", "6", "--no-stop-at-eos", "--batch-size", "2"]
     given = _generate(folders, "peaky", "--prompt", "the state", "--prompt", "gate", *args)
-    text = "\ufeffthe state\r\n\r\ngate\r\n".encode()
+    text = "\ufeffthe state\r\r\ngate\r\n".encode()  # \r\n and a lone \r end lines
 
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text)))
     from_stdin = _generate(folders, "peaky", "--prompts-file", "-", *args)

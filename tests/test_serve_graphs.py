@@ -321,3 +321,27 @@ def test_decoding_time_leaves_out_the_recording_and_one_new_token_records_nothin
     out = generate_text(model, tok, ["fast", "weights"], max_new_tokens=1, stop_at_eos=False)
     assert records == [] and out.timing.graphed_batches == 0 and out.timing.graph_capture_s == 0
     assert (out.timing.prefill_s, out.timing.decode_s, clock[0]) == (2.0, 0.0, 2.0)
+
+
+def test_command_graphs_the_steps_unless_told_off_and_reports_its_settings(tmp_path, cpu_graphs):
+    """``falcon-fwa generate`` with the CPU stand-ins: ``--cuda-graphs auto`` replays the steps from a graph,
+    ``off`` runs them eagerly, with the same sampled tokens; ``--json`` keeps the option and says whether the
+    tokens were greedy."""
+    import json
+
+    from falcon_fwa.cli import main
+
+    _model("falcon", {"rule": "3A", "window": 3}).save_pretrained(tmp_path / "m")
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    reports = {}
+    for option, temperature in (("auto", "1.5"), ("off", "1.5"), ("off", "0")):
+        out = tmp_path / f"{option}{temperature}.json"
+        assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "fast", "--device", "cpu", "--seed", "1",
+                     "--max-new-tokens", "6", "--no-stop-at-eos", "--temperature", temperature, "--cuda-graphs", option,
+                     "--json", str(out)]) == 0
+        reports[option, temperature] = json.loads(out.read_text())
+    for (option, temperature), rep in reports.items():
+        assert rep["timing"]["decode_mode"] == ("cuda graph" if option == "auto" else "eager")
+        assert rep["settings"]["cuda_graphs"] == option and rep["settings"]["greedy"] == (temperature == "0")
+    sampled = [reports[key]["completions"][0]["token_ids"] for key in (("auto", "1.5"), ("off", "1.5"))]
+    assert sampled[0] == sampled[1] != reports["off", "0"]["completions"][0]["token_ids"]

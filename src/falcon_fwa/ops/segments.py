@@ -38,12 +38,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .seqlens import known_sequence_bounds, sequence_bounds
-from .state import TENSOR_FIELDS as STATE_FIELDS, FalconState
+from .state import TENSOR_FIELDS, FalconState
 
 __all__ = ["segment_bounds", "packed_groups", "run_segments"]
 
-# STATE_FIELDS: the state's tensors, in the order the node takes and returns them (tail_valid is a mask: no
-# gradient)
+# the node takes and returns the state's tensors in the order of TENSOR_FIELDS (tail_valid is a mask: no gradient)
 # _Pieces.apply(call, bounds, initial_state, want_final, holder, q, k, v, beta, lam, log_gate, *state tensors)
 N_OPTIONS, N_INPUTS = 5, 6
 
@@ -73,11 +72,11 @@ def packed_groups(bounds: Sequence[int], segments: int) -> List[int]:
 
 
 def _state_tensors(state: Optional[FalconState]) -> Tuple[Optional[torch.Tensor], ...]:
-    return tuple(None if state is None else getattr(state, f) for f in STATE_FIELDS)
+    return tuple(None if state is None else getattr(state, f) for f in TENSOR_FIELDS)
 
 
 def _with_tensors(template: FalconState, tensors: Sequence[Optional[torch.Tensor]]) -> FalconState:
-    return replace(template, **dict(zip(STATE_FIELDS, tensors)))
+    return replace(template, **dict(zip(TENSOR_FIELDS, tensors)))
 
 
 def _piece(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
@@ -114,8 +113,8 @@ class _Pieces(torch.autograd.Function):
         holder["template"] = state
         # the final state's tensors may be views of the inputs (the last key): the node returns copies
         final = tuple(None if t is None else t.clone() for t in _state_tensors(state if want_final else None))
-        if final[STATE_FIELDS.index("tail_valid")] is not None:
-            ctx.mark_non_differentiable(final[STATE_FIELDS.index("tail_valid")])
+        if final[TENSOR_FIELDS.index("tail_valid")] is not None:
+            ctx.mark_non_differentiable(final[TENSOR_FIELDS.index("tail_valid")])
         return (o, *final)
 
     @staticmethod
@@ -131,7 +130,7 @@ def _backward_by_pieces(ctx, do, d_final):
     inputs = ctx.saved_tensors
     wants = ctx.needs_input_grad[N_OPTIONS:N_OPTIONS + N_INPUTS]
     pieces: List[List[torch.Tensor]] = [[] for _ in inputs]  # the inputs' gradients, last piece first
-    d_state = d_final if ctx.want_final else (None,) * len(STATE_FIELDS)
+    d_state = d_final if ctx.want_final else (None,) * len(TENSOR_FIELDS)
     for i in reversed(range(len(ctx.bounds) - 1)):
         # one piece per call: its output, graph and gradients are gone before the next piece runs
         d_state = _piece_backward(ctx, i, inputs, wants, do, d_state, pieces)
@@ -152,7 +151,7 @@ def _piece_backward(ctx, i: int, inputs, wants, do, d_state, pieces) -> List[Opt
         entry = ctx.cuts[i]
         entry_leaves = [None if entry is None or getattr(entry, f) is None else
                         getattr(entry, f).detach().requires_grad_(f != "tail_valid" and (i > 0 or _wants_state(ctx, j)))
-                        for j, f in enumerate(STATE_FIELDS)]
+                        for j, f in enumerate(TENSOR_FIELDS)]
         state = None if entry is None else _with_tensors(entry, entry_leaves)
         o, out_state = ctx.call(*leaves, initial_state=state, output_final_state=ctx.want_final or not last)
         outputs, upstream = [o], [do[:, a:b]]
@@ -207,7 +206,7 @@ def _autocast_as(state: List[Tuple[str, bool, torch.dtype]]) -> ExitStack:
 
 
 def _wants_state(ctx, j: int) -> bool:
-    """Whether the node's ``j``-th initial-state tensor (``STATE_FIELDS[j]``) asks for a gradient."""
+    """Whether the node's ``j``-th initial-state tensor (``TENSOR_FIELDS[j]``) asks for a gradient."""
     return ctx.needs_input_grad[N_OPTIONS + N_INPUTS + j]
 
 

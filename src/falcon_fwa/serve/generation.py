@@ -135,6 +135,14 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
+def _hand_on(texts: Optional[List[StopText]], on_text: Optional[Callable[[str], None]]) -> None:
+    """Pass the one streamed row's newly decided text to ``on_text`` (nothing when there is none)."""
+    if on_text is not None:
+        piece = texts[0].take()
+        if piece:
+            on_text(piece)
+
+
 @torch.inference_mode()
 def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = 0, batch_size: int = 1,
@@ -268,10 +276,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
                             ended[i] = texts[i].stop_string is not None or (stopping and t == eos)
                     if by_stop:
                         done[torch.tensor(by_stop, device=device)] = True
-                    if on_text is not None:
-                        piece = texts[0].take()
-                        if piece:
-                            on_text(piece)
+                    _hand_on(texts, on_text)
                 if len(steps) == max_new_tokens or ((stopping or stops) and bool(done.all())):
                     break
                 if decoder is None:
@@ -287,10 +292,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
                 stream.end()
             for row in texts or ():
                 row.finish()
-            if on_text is not None:
-                piece = texts[0].take()
-                if piece:
-                    on_text(piece)
+            _hand_on(texts, on_text)
         out = cache = decoder = logits = None  # this batch's cache and graph, freed before the next prompt pass
 
         table = torch.stack(steps, 1).cpu().tolist()

@@ -91,3 +91,25 @@ def test_a_checkpoint_and_its_pointer_are_renamed_then_their_folder_flushed(tmp_
     folder = (tmp_path / "ckpt").stat().st_ino
     assert synced.count(folder) == 2  # after the checkpoint's rename and after LATEST's
     assert synced[-1] == folder and os.path.basename(path) == "step-00000003"
+
+
+def test_sync_tree_flushes_every_file_before_its_folder_and_the_top_folder_last(tmp_path, monkeypatch):
+    import os
+
+    from falcon_fwa import atomic
+
+    top = tmp_path / "export"
+    (top / "sub" / "deeper").mkdir(parents=True)
+    files = [top / "config.json", top / "sub" / "a.bin", top / "sub" / "deeper" / "b.txt"]
+    for i, f in enumerate(files):
+        f.write_text("x" * (i + 1))
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real_fsync(fd))
+    atomic.sync_tree(top)
+    ino = {p: p.stat().st_ino for p in files + [top, top / "sub", top / "sub" / "deeper"]}
+    assert sorted(synced) == sorted(ino.values())  # each file and folder once, nothing else
+    for f in files:  # a file before the folder that holds it
+        assert synced.index(ino[f]) < synced.index(ino[f.parent])
+    assert synced.index(ino[top / "sub" / "deeper"]) < synced.index(ino[top / "sub"])
+    assert synced[-1] == ino[top]

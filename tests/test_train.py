@@ -745,6 +745,23 @@ def test_an_export_never_replaces_a_folder_it_did_not_write(tmp_path):
     assert json.loads((foreign / "config.json").read_text())["model_type"] == "falcon_fwa"
 
 
+def test_an_export_is_on_disk_file_by_file_before_it_replaces_the_last_one(tmp_path, monkeypatch):
+    from falcon_fwa import atomic
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)) or real_fsync(fd))
+    monkeypatch.setattr(trainer_module.os, "replace", lambda a, b: events.append(("replace", os.fspath(b)))
+                        or real_replace(a, b))
+    run_trainer(recipe(tmp_path, "run", export_model=True))
+    folder = tmp_path / "run" / "model"
+    renamed = events.index(("replace", os.fspath(folder)))
+    flushed = {ino for kind, ino in events[:renamed] if kind == "fsync"}
+    exported = [p for p in folder.rglob("*")] + [folder]
+    assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert {p.stat().st_ino for p in exported} <= flushed  # every file and folder, before the rename
+    assert events[renamed + 1] == ("fsync", (tmp_path / "run").stat().st_ino)  # then the rename itself
+
+
 def test_a_warmup_longer_than_the_run_is_warned_about(tmp_path):
     import warnings
 

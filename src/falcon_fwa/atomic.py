@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 PathLike = Union[str, os.PathLike]
 
 __all__ = ["atomic_path", "naming", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable",
-           "folder_lock", "remove_temporaries"]
+           "folder_lock", "remove_temporaries", "fsync_folder", "sync_tree"]
 
 
 def _umask() -> int:
@@ -91,6 +91,20 @@ def fsync_folder(folder: PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sync_tree(folder: PathLike) -> None:
+    """Flush every file under ``folder`` to disk, then every folder's entries, deepest first, ``folder``
+    last: a folder written by a library that does not sync (``save_pretrained``) is whole on disk before
+    it is renamed into place."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.islink(path):
+                continue
+            with naming(path), open(path, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_folder(root)
 
 
 def remove_temporaries(folder: PathLike, *names: str) -> None:

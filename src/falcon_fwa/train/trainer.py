@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..atomic import folder_lock, read_json, remove_temporaries, replaceable, write_json
+from ..atomic import folder_lock, fsync_folder, read_json, remove_temporaries, replaceable, sync_tree, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from ..provenance import git_commit
 from . import distributed as D
@@ -444,7 +444,9 @@ class Trainer:
             print(f"log.plot: no loss.png ({err})")
 
     def export(self, folder: str) -> None:
-        """Save the model as a Hugging Face folder (``save_pretrained``) with its tokenizer."""
+        """Save the model as a Hugging Face folder (``save_pretrained``) with its tokenizer, written into
+        ``folder.tmp``, flushed to disk file by file (:func:`~falcon_fwa.atomic.sync_tree`), then renamed
+        over the last export."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -454,8 +456,10 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             self.core.save_pretrained(tmp, state_dict=state)
             shutil.copytree(os.path.join(self.data_dir, "tokenizer"), tmp, dirs_exist_ok=True)
+            sync_tree(tmp)  # the whole folder on disk before it replaces the last export
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(tmp, folder)
+            fsync_folder(os.path.dirname(os.path.abspath(folder)))
         D.barrier(self.info)
 
     def close(self) -> None:

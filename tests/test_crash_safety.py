@@ -149,11 +149,12 @@ def test_a_tokenizer_that_meets_a_full_disk_is_named(tmp_path):
 
 
 def test_a_relaunch_removes_the_temporary_files_a_killed_launch_left(tmp_path):
-    # what a SIGKILL during the atomic writes of summary.json, log.jsonl and prepared.json leaves behind
+    # what a SIGKILL during the atomic writes of summary.json, log.jsonl, loss.png and prepared.json leaves behind
     raw = recipe(tmp_path, "run")
     run_trainer(raw, stop_at=2)
     run, data = tmp_path / "run", tmp_path / "data"
-    stale = [run / ".summary.k1ll3d.tmp.json", run / ".log.k1ll3d.tmp.jsonl", data / ".prepared.k1ll3d.tmp.json"]
+    stale = [run / ".summary.k1ll3d.tmp.json", run / ".log.k1ll3d.tmp.jsonl", run / ".loss.k1ll3d.tmp.png",
+             data / ".prepared.k1ll3d.tmp.json"]
     others = [run / ".summary.json.bak", run / "notes.tmp.json", data / ".prepared.tmp"]  # no temporaries of ours
     for path in stale:
         path.write_text('{"half": ')

@@ -176,7 +176,8 @@ class Trainer:
                 raise ValueError(f"train.out_dir={t.out_dir!r} is in use by another training launch (it holds "
                                  f"{os.path.join(t.out_dir, LOCK_NAME)}); wait for it to end, or train "
                                  "into another folder") from None
-            remove_temporaries(t.out_dir, "log.jsonl", "summary.json")  # left by a launch killed writing them
+            # left by a launch killed writing them
+            remove_temporaries(t.out_dir, "log.jsonl", "summary.json", "loss.png")
         self.logger = MetricLogger(t.out_dir, enabled=self.info.is_main, tensorboard=cfg.log.tensorboard,
                                    wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
         try:

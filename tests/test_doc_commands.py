@@ -20,7 +20,7 @@ import re
 import runpy
 import shlex
 import sys
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import pytest
 
@@ -56,15 +56,17 @@ def _shell_words(line: str) -> List[str]:
     return list(lex)
 
 
-def split_commands(text: str, where: Tuple[str, int], *, console: bool = False) -> List[Command]:
+def split_commands(text: str, where: Tuple[str, int], *, console: bool = False,
+                   files: Optional[Dict[str, str]] = None) -> List[Command]:
     """The simple commands of shell ``text`` (whose first line is line ``where[1]`` of ``where[0]``):
     backslash-continued lines joined, comments dropped, ``$ `` prompts removed (in a ``console`` block
     only prompted lines are commands), split at ``&&``, ``;``, ``|`` and ``&``, redirections and
     environment-variable prefixes dropped. Here-document bodies are no commands: a ``cat > FILE <<'EOF'``
-    body is kept as the text of FILE for the commands after it."""
+    body is kept as the text of FILE for the commands after it, and added to ``files`` when given (the
+    files that the earlier blocks of the same document wrote, which its later blocks may read)."""
     name, first = where
     lines = text.split("\n")
-    files: Dict[str, str] = {}
+    files = {} if files is None else files
     out: List[Command] = []
     i = 0
     while i < len(lines):
@@ -150,10 +152,11 @@ def _recipe_comment_blocks(path: pathlib.Path):
 def doc_commands() -> List[Command]:
     commands = []
     for path in DOCS:
+        written: Dict[str, str] = {}  # a document is read top to bottom: a block reads what one before it wrote
         for lang, line, text in _fenced_blocks(path):
             if lang in SHELL_LANGS:
                 rel = path.relative_to(ROOT).as_posix()
-                commands += split_commands(text, (rel, line), console=lang == "console")
+                commands += split_commands(text, (rel, line), console=lang == "console", files=written)
     for path in RECIPES:
         for line, text in _recipe_comment_blocks(path):
             commands += split_commands(text, (path.relative_to(ROOT).as_posix(), line))
@@ -470,6 +473,17 @@ def test_split_commands_joins_drops_and_keeps_heredocs():
                                        "model.overrides={}"]]
     assert [c.where for c in cmds] == ["doc.md:10", "doc.md:10", "doc.md:14"]
     assert cmds[2].files == {"/tmp/x/r.yaml": "model: {preset: tiny-falcon}\n"}
+
+
+def test_a_later_block_reads_the_file_an_earlier_block_of_its_document_wrote():
+    written = {}
+    split_commands("cat > /tmp/x/r.yaml <<'EOF'\nmodel: {preset: tiny-falcon}\nEOF\n", ("doc.md", 3), files=written)
+    (later,) = split_commands("falcon-fwa train --config /tmp/x/r.yaml\n", ("doc.md", 9), files=written)
+    assert later.files == {"/tmp/x/r.yaml": "model: {preset: tiny-falcon}\n"}
+    (alone,) = split_commands("falcon-fwa train --config /tmp/x/r.yaml\n", ("other.md", 1))
+    assert alone.files == {}
+    readers = [c for c in COMMANDS if "/tmp/fwa/tiny.yaml" in c.argv and c.where.startswith("docs/training.md")]
+    assert readers and all("/tmp/fwa/tiny.yaml" in c.files for c in readers)
 
 
 @pytest.mark.parametrize("line, message", [

@@ -2,6 +2,7 @@
 one line, tokenizers against the ``tokenizers`` library, and a preparation killed mid-write."""
 import json
 import os
+import logging
 import random
 import re
 import subprocess
@@ -22,6 +23,11 @@ def words(n, seed):
 
 def run_data(capsys, *argv):
     """(exit status, stdout record or None, stderr) of ``falcon-fwa data ARGV``."""
+    # the datasets library logs through a handler made once, on the stderr of whichever test imported it
+    # first: capsys has closed that one since, and a record written to it would print a logging error here
+    for handler in logging.getLogger("datasets").handlers:
+        if type(handler) is logging.StreamHandler:
+            handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
     status = main(["data", *map(str, argv)])
     out, err = capsys.readouterr()
     return status, (json.loads(out) if status == 0 else None), err

@@ -134,6 +134,7 @@ def test_every_commands_help_shows_its_defaults(name, capsys):
 def test_a_reader_that_stops_early_ends_the_command_quietly(flushed):
     """``falcon-fwa ... | head -1``: the writes after the reader has gone end the command with the
     status of SIGPIPE (141) and no traceback, whether the line was written at once or left in the buffer."""
+    import os
     import signal
     import subprocess
     import sys
@@ -145,7 +146,8 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(flushed):
               "    time.sleep(0.5)\n"
               f"    for i in range(100000): print('line', i, flush={flushed})\n"
               "sys.exit(cli.run_command('falcon-fwa test', run, None))\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # unbuffered, nothing stays in the buffer
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout.readline() == b"first\n"
     proc.stdout.close()  # the reader stops, as head does
     err = proc.stderr.read().decode()

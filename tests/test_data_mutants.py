@@ -3,6 +3,7 @@ whitespace-only lines, an excluded output folder that is no name prefix, the set
 source and the BPE, a changed validation file, the limits of each setting, and packed rows, their document cuts
 and their sample order worked out token by token."""
 import json
+import os
 import re
 
 import numpy as np
@@ -78,6 +79,28 @@ def test_an_excluded_folder_is_not_a_prefix_of_names(tmp_path):
     assert list_files(str(src), exclude=str(src / "out")) == want
 
 
+
+def test_an_excluded_folder_named_relatively_is_excluded(tmp_path, monkeypatch):
+    """``--train src --out src/out`` from the folder above: relative names exclude the output as absolute ones do."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src" / "out").mkdir(parents=True)
+    (tmp_path / "src" / "a.txt").write_text("kept")
+    (tmp_path / "src" / "out" / "x.txt").write_text("excluded")
+    assert list_files("src", exclude="src/out") == [f"src{os.sep}a.txt"]
+    assert list_files("src", exclude=str(tmp_path / "src" / "out")) == [f"src{os.sep}a.txt"]
+
+
+def test_a_parquet_null_beside_bytes_that_are_no_utf8_is_no_document(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = b"ok" + b"x\xff"
+    ends = np.array([0, 2, 2, 4], dtype=np.int32)  # "ok", null, "x" + a byte that is no UTF-8
+    validity = pa.py_buffer(np.packbits([1, 0, 1], bitorder="little").tobytes())
+    column = pa.Array.from_buffers(pa.string(), 3, [validity, pa.py_buffer(ends.tobytes()), pa.py_buffer(data)])
+    pq.write_table(pa.table({"text": column}), tmp_path / "c.parquet")
+    assert list(iter_documents(str(tmp_path / "c.parquet"))) == ["ok", "x\ufffd"]
+
 # --- preparation ---------------------------------------------------------------------------------------------------
 
 def test_max_documents_caps_the_validation_source_too(tmp_path):
@@ -102,6 +125,19 @@ def test_an_output_inside_the_validation_folder_is_not_read_as_corpus(tmp_path):
     assert record["files"]["val"] == {str(val / "a.txt"): 5, str(val / "b.txt"): 6}
     assert prepare_dataset(spec, str(val / "tokens")) == record  # its own files are no change of the corpus
 
+
+
+def test_the_record_lists_no_file_of_the_output_inside_the_source(tmp_path):
+    """A tokenizer folder left in the output (inside the source folder) by a preparation stopped before its
+    record is neither corpus nor a source file of the record."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in range(4):
+        (src / f"{n}.txt").write_text(f"doc {n}")
+    byte_tokenizer().save_pretrained(str(src / "out" / "tokenizer"))  # what the stopped preparation left
+    record = prepare_dataset(DataSpec(train_source=str(src), val_every=2), str(src / "out"))
+    assert record["files"] == {"train": {str(src / f"{n}.txt"): 5 for n in range(4)}, "val": None}
+    assert (stored(src / "out" / "train"), stored(src / "out" / "val")) == (["doc 0", "doc 2"], ["doc 1", "doc 3"])
 
 def test_a_bpe_learns_from_the_first_bpe_documents_only(tmp_path, monkeypatch):
     from falcon_fwa.data import tokenizer as tokenizer_module

@@ -2,7 +2,8 @@
 width that does not depend on the other widths asked, abacus offsets that change with the step and not with
 the base or operand order, a checker that refuses padded texts, per-width accuracies under their own names,
 guessing's digit score pooled over mixed bases, the default training widths 1-32, the presets' documented
-values, the lineup's names as the paper builds them, and the width plot's numeric order."""
+values, the lineup's names as the paper builds them, and what the plots draw: the width curves in numeric
+order over the shaded training widths, guessing at 1/base, each width's panel named, the heat map's lines."""
 import random
 
 import pytest
@@ -188,3 +189,68 @@ def test_a_digit_index_table_needs_a_row_past_the_non_digits():
         with pytest.raises(ValueError, match="num_indices"):
             DigitPositions(lm, bad)
     assert DigitPositions(lm, 2).index_embed.weight.shape == (2, 8)
+
+
+class _Spy:
+    """Records the calls of some ``matplotlib.axes.Axes`` methods, which still draw."""
+
+    def __init__(self, monkeypatch, *names):
+        import matplotlib.axes
+
+        self.calls = {name: [] for name in names}
+        for name in names:
+            original = getattr(matplotlib.axes.Axes, name)
+
+            def spy(ax, *args, _name=name, _original=original, **kwargs):
+                self.calls[_name].append(args)
+                return _original(ax, *args, **kwargs)
+
+            monkeypatch.setattr(matplotlib.axes.Axes, name, spy)
+
+
+def _run(per_width=None, per_position=None, base=10, train_widths=(3, 5)):
+    return {"model": "m", "preset": {"train_widths": list(train_widths), "base": base},
+            "best": {"step": 1, "per_width": per_width or {}, "per_position": per_position or {}}}
+
+
+def test_the_width_plot_draws_each_models_mean_in_both_panels_over_the_shaded_training_widths(tmp_path,
+                                                                                            monkeypatch):
+    pytest.importorskip("matplotlib")
+    from falcon_fwa.tasks.addition.plot import plot_accuracy_vs_width
+
+    spy = _Spy(monkeypatch, "plot", "axvspan")
+    per = lambda e, d: {"3": {"exact": e, "digit": d}, "6": {"exact": e / 2, "digit": d / 2}}  # noqa: E731
+    runs = {"A": [_run(per(100.0, 80.0)), _run(per(50.0, 60.0))], "B": [_run(per(10.0, 20.0))]}
+    assert plot_accuracy_vs_width(runs, tmp_path / "w.png").stat().st_size > 0
+    lines = [(list(x), list(y)) for x, y in spy.calls["plot"]]
+    assert lines == [([3, 6], [75.0, 37.5]), ([3, 6], [10.0, 5.0]),  # exact match, then digits
+                     ([3, 6], [70.0, 35.0]), ([3, 6], [20.0, 10.0])]
+    assert spy.calls["axvspan"] == [(2.5, 5.5)] * 2  # widths 3-5, whole cells
+
+
+def test_the_lineup_position_plot_dots_guessing_at_one_over_the_base_and_names_each_width(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from falcon_fwa.tasks.addition.plot import plot_lineup_positions
+
+    spy = _Spy(monkeypatch, "plot", "axhline", "set_title")
+    per = {str(w): [100.0] * (w + 1) for w in (2, 4, 7)}
+    half = {str(w): [0.0] * (w + 1) for w in (2, 4, 7)}
+    runs = {"A": [_run(per_position=per, base=2), _run(per_position=half, base=2)]}
+    assert plot_lineup_positions(runs, tmp_path / "p.png", widths=[2, 4, 7]).stat().st_size > 0
+    assert [(list(x), list(y)) for x, y in spy.calls["plot"]] == [(list(range(w + 1)), [50.0] * (w + 1))
+                                                                  for w in (2, 4, 7)]
+    assert spy.calls["axhline"] == [(50.0,)] * 3  # binary: guessing gets half the digits
+    assert [c[0] for c in spy.calls["set_title"]] == ["width 2 (out of distribution)", "width 4 (training)",
+                                                      "width 7 (out of distribution)"]
+
+
+def test_the_heat_maps_dashed_lines_follow_the_last_training_width(tmp_path, monkeypatch):
+    """Training widths 3-5: the last answer position trained is k = 5 and the last width 5, so both lines
+    lie between cells 5 and 6."""
+    pytest.importorskip("matplotlib")
+    from falcon_fwa.tasks.addition.plot import plot_accuracy_by_position
+
+    spy = _Spy(monkeypatch, "axvline", "axhline")
+    per = {str(w): [50.0] * (w + 1) for w in range(3, 8)}
+    assert plot_accuracy_by_position(_run(per_position=per), tmp_path / "h.png").stat().st_size > 0
+    assert spy.calls["axvline"] == [(5.5,)] and spy.calls["axhline"] == [(5.5,)]

@@ -2,6 +2,7 @@
 sweep of torchrun launches on CPU (gloo) at one and two processes, DDP and FSDP2."""
 import json
 import os
+import time
 
 import pytest
 
@@ -106,6 +107,25 @@ def test_a_run_past_its_deadline_is_stopped_with_its_children(tmp_path):
     with open(tmp_path / "log", "w") as log:
         assert scaling._run_group(cmd, dict(os.environ), log, timeout=1.0, grace=5.0) is None
     assert not _running(int(pid_file.read_text()))  # the grandchild is stopped too, not only the launcher
+
+
+def test_a_stopped_run_returns_only_once_its_slower_children_have_ended(tmp_path):
+    # the launcher ends at once on SIGTERM; its child takes 1 s to finish its own shutdown
+    pid_file = tmp_path / "child.pid"
+    cmd = ["bash", "-c", f"(trap 'sleep 1; exit 0' TERM; while :; do sleep 0.05; done) & echo $! > {pid_file}; wait"]
+    with open(tmp_path / "log", "w") as log:
+        assert scaling._run_group(cmd, dict(os.environ), log, timeout=0.5, grace=10.0) is None
+    assert not _running(int(pid_file.read_text()))
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    cmd = ["bash", "-c", f"(trap '' TERM; while :; do sleep 0.05; done) & echo $! > {pid_file}; wait"]
+    start = time.monotonic()
+    with open(tmp_path / "log", "w") as log:
+        assert scaling._run_group(cmd, dict(os.environ), log, timeout=0.5, grace=1.0) is None
+    assert not _running(int(pid_file.read_text()))
+    assert time.monotonic() - start >= 1.5  # the deadline, then the whole grace before the SIGKILL
 
 
 def test_a_stop_signal_stops_the_run_in_progress_with_its_children(tmp_path):

@@ -254,18 +254,37 @@ def _folder_name(name: str) -> str:
     return name.replace(" ", "_")
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether the process group ``pgid`` still has a member (a zombie not yet reaped counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _stop_group(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM to ``proc``'s process group, SIGKILL after ``grace`` seconds; waits for ``proc``."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+    """SIGTERM to ``proc``'s process group, then SIGKILL to what is left of the group after ``grace``
+    seconds. Returns once ``proc`` has ended and no member of its group is left (its leader ending first
+    is not enough: a worker may still be finishing its own shutdown), or 5 s after the SIGKILL."""
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    for sig, wait in ((None, grace), (signal.SIGKILL, 5.0)):
+        if sig is not None:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while (proc.poll() is None or _group_alive(pgid)) and time.monotonic() < end:
+            time.sleep(0.02)
+        if proc.poll() is not None and not _group_alive(pgid):
             break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
     proc.wait()
 
 

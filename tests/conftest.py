@@ -25,6 +25,13 @@ from typing import Dict, Optional
 import pytest
 import torch
 
+# Under pytest-xdist (``-n 2``) each worker takes its share of the cores, and so do the processes it starts.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 RULE_NAMES = ("1", "2", "3", "1A", "2A", "3A")
 PER_COLUMN = ("2", "2A")
 SLIDING = ("3", "3A")

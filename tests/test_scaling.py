@@ -143,6 +143,16 @@ def test_a_stop_signal_stops_the_run_in_progress_with_its_children(tmp_path):
     assert not _running(int(pid_file.read_text()))
 
 
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """The sweep as on a machine without CUDA, on a GPU machine too: the CPU-process runs these tests launch
+    (``--gpus 1 2`` as gloo processes) would otherwise be refused there for the GPUs it lacks."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
     """``scaling.run`` with every torchrun launch replaced: the run writes the summary a real one would
     (the recipe it was given, this commit) and exits 0; the ``kill_at``-th launch is interrupted."""
@@ -171,7 +181,7 @@ def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
     return scaling.run(parser.parse_args(argv)), launched
 
 
-def test_a_relaunched_sweep_keeps_the_finished_runs_and_only_those_of_the_same_settings(tmp_path, monkeypatch):
+def test_a_relaunched_sweep_keeps_the_finished_runs_and_only_those_of_the_same_settings(tmp_path, monkeypatch, cpu_machine):
     raw = recipe(tmp_path)
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(raw))
@@ -199,7 +209,7 @@ def test_a_relaunched_sweep_keeps_the_finished_runs_and_only_those_of_the_same_s
     assert rc == 0 and len(launched) == 3 and {r["steps"] for r in json.load(open(results + ".json"))} == {4}
 
 
-def test_a_second_sweep_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+def test_a_second_sweep_into_the_same_folder_is_refused_while_the_first_runs(tmp_path, cpu_machine):
     from falcon_fwa.atomic import folder_lock
 
     parser = __import__("argparse").ArgumentParser()
@@ -227,7 +237,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_sweep_on_cpu_processes_matches_the_one_process_loss(tmp_path, monkeypatch):
+def test_sweep_on_cpu_processes_matches_the_one_process_loss(tmp_path, monkeypatch, cpu_machine):
     raw = recipe(tmp_path)
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(raw))
@@ -422,7 +432,7 @@ def test_the_table_and_the_noise_band_by_hand():
     assert "(largest 0.5625: outside the seed spread)." in scaling.markdown(rows, {})
 
 
-def test_micro_batch_sets_every_runs_batch_and_zero_is_refused(tmp_path, monkeypatch):
+def test_micro_batch_sets_every_runs_batch_and_zero_is_refused(tmp_path, monkeypatch, cpu_machine):
     """--micro-batch 3 at 1 and 2 processes: a global batch of 3 x lcm(1, 2) = 6 rows in every run (3 steps of
     6 x 24 tokens), not the recipe's micro_batch of 2; --micro-batch 0 is refused by name."""
     path = tmp_path / "tiny.json"

@@ -156,9 +156,12 @@ def cpu_machine(monkeypatch):
 def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
     """``scaling.run`` with every torchrun launch replaced: the run writes the summary a real one would
     (the recipe it was given, this commit) and exits 0; the ``kill_at``-th launch is interrupted."""
-    from falcon_fwa.provenance import git_commit
     from falcon_fwa.train.config import load_config
 
+    def git_commit(short=True):  # a checkout's commit, also where the tests run outside one (no .git)
+        return "0123abc" if short else "0123abc" + "0" * 33
+
+    monkeypatch.setattr(scaling, "git_commit", git_commit)
     launched = []
 
     def fake_run_group(cmd, env, log, timeout, grace=30.0, signals=None):

@@ -210,6 +210,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """Run as on a machine without CUDA, on a GPU machine too, for this test and the processes it starts:
+    tests of the CPU path (float64 references to float32 rounding, gloo processes, "-" for peak memory)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def tiny_lm_recipe(folder) -> str:
     """A corpus of random word paragraphs and a one-step ``train`` recipe of the ``tiny-falcon`` preset on it
     (byte tokenizer, 32-token rows, fp32), written into ``folder`` (a ``pathlib.Path``); the recipe's path.

@@ -93,7 +93,7 @@ def test_summary_tokens_per_s_is_the_timed_tokens_over_their_seconds(tmp_path, m
     assert summary["tokens_per_s"] == pytest.approx(18 * tokens_per_step / 36.0, rel=1e-12)
 
 
-def test_the_comparison_table_quotes_each_runs_own_log_summary_and_parameter_count(tmp_path):
+def test_the_comparison_table_quotes_each_runs_own_log_summary_and_parameter_count(tmp_path, cpu_machine):  # "-" for peak memory
     """A real comparison of two tiny recipes (4 steps): every number of the report's JSON and markdown is
     the run's own (val ppl = exp of the last val_loss of its log.jsonl, as in its summary.json; tokens =
     steps x global batch x seq_len; params = the distinct parameters of the model its recipe builds), and

@@ -406,6 +406,8 @@ def test_a_second_compare_into_the_same_folder_is_refused_while_the_first_runs(t
 
 
 def test_relaunch_keeps_the_recipes_finished_with_the_same_settings_and_trains_the_rest(tmp_path, monkeypatch):
+    for module in (compare, trainer_module):  # a checkout's commit, also where the tests run outside one (no .git)
+        monkeypatch.setattr(module, "git_commit", lambda short=True: "0123abc" + "0" * 33)
     presets = {"first": "tiny-falcon", "second": "tiny-transformer"}
     original = trainer_module.Trainer.train
     trained, kill = [], {"second"}

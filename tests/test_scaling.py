@@ -143,16 +143,6 @@ def test_a_stop_signal_stops_the_run_in_progress_with_its_children(tmp_path):
     assert not _running(int(pid_file.read_text()))
 
 
-@pytest.fixture
-def cpu_machine(monkeypatch):
-    """The sweep as on a machine without CUDA, on a GPU machine too: the CPU-process runs these tests launch
-    (``--gpus 1 2`` as gloo processes) would otherwise be refused there for the GPUs it lacks."""
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-
-
 def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
     """``scaling.run`` with every torchrun launch replaced: the run writes the summary a real one would
     (the recipe it was given, this commit) and exits 0; the ``kill_at``-th launch is interrupted."""

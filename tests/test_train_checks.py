@@ -17,6 +17,10 @@ from falcon_fwa.train import Trainer, config_from_dict, load_checkpoint
 from falcon_fwa.train.config import apply_overrides
 
 
+# The trainer's CPU arithmetic against float64 references, also on a GPU machine (its CUDA path: test_train.py).
+pytestmark = pytest.mark.usefixtures("cpu_machine")
+
+
 def _one_step(tmp_path, out, *, weight_decay, lr):
     """The weights before and after one step (no warm-up, global batch 4 in two micro-batches), float64."""
     raw = recipe(tmp_path, out, steps=1, eval_every=0, save_every=0)

@@ -16,6 +16,10 @@ from falcon_fwa.train import Trainer, config_from_dict, latest_checkpoint, load_
 from falcon_fwa.train.logger import read_log
 
 
+# The trainer's CPU arithmetic against float64 references, also on a GPU machine (its CUDA path: test_train.py).
+pytestmark = pytest.mark.usefixtures("cpu_machine")
+
+
 def records(run_dir):
     """The log's records without the measured rates (the one thing a rerun does not repeat)."""
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_log(os.path.join(run_dir, "log.jsonl"))]

@@ -15,6 +15,9 @@ from falcon_fwa.train.checkpoint import list_checkpoints, rng_state, set_rng_sta
 from falcon_fwa.train.config import apply_overrides
 from falcon_fwa.train.logger import read_log
 
+# The trainer's CPU arithmetic against float64 references, also on a GPU machine (its CUDA path: test_train.py).
+pytestmark = pytest.mark.usefixtures("cpu_machine")
+
 LR, BETAS, EPS, WD = 0.02, (0.6, 0.8), 1e-4, 0.3
 # steps 5, warmup 2, min_lr_ratio 0.2: warmup (s + 1) / 2, then 0.2 + 0.8 (1 + cos(pi (s - 2) / 3)) / 2
 RATES = [0.5, 1.0, 1.0, 0.8, 0.4]

@@ -325,7 +325,7 @@ def _torchrun(tmp_path, runs):
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path):
+def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path, cpu_machine):  # gloo processes, on a GPU machine too
     """Launch 1: uninterrupted runs and runs stopped at step 2; launch 2 (new processes): resume. The
     uninterrupted runs log the one-process run's losses (the same global batches, gradients averaged over
     the two processes) to float32 rounding."""
@@ -831,7 +831,7 @@ def test_activation_checkpointing_trains_the_same_model_and_replays_each_block(t
 
 
 @pytest.mark.slow
-def test_torchrun_ddp_and_fsdp2_with_activation_checkpointing_train_the_same_model(tmp_path):
+def test_torchrun_ddp_and_fsdp2_with_activation_checkpointing_train_the_same_model(tmp_path, cpu_machine):  # gloo processes, on a GPU machine too
     """Two processes (gloo), DDP and FSDP2 (each block sharded, the replay inside its forward): the logged
     losses with train.activation_checkpointing equal those without it."""
     runs = []

@@ -283,3 +283,15 @@ def test_ppl_names_a_bad_train_len_or_missing_data_before_loading(tmp_path, caps
         assert _ppl(str(model), data, *extra) == 2
         err = capsys.readouterr().err
         assert "falcon-fwa ppl: error:" in err and message in err, (extra, err)
+
+
+def test_ppl_windows_are_1024_tokens_unless_told_and_the_help_says_so():
+    import argparse
+
+    from falcon_fwa.eval import ppl_cli
+
+    parser = argparse.ArgumentParser()
+    ppl_cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--data", "d"])
+    assert args.seq_len == 1024 and args.train_len is None and args.batch_size == 1
+    assert "default 1024" in " ".join(parser.format_help().split())

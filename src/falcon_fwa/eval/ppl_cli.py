@@ -18,7 +18,7 @@ from .perplexity import (bucket_report, check_edges, default_edges, load_model, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
     parser.add_argument("--data", required=True, nargs="+", help="held-out text/JSONL/Parquet files or token shard folders")
-    parser.add_argument("--seq-len", type=int, default=1024, help="window length (may exceed the training length)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="window length in tokens, default %(default)s (may exceed the training length)")
     parser.add_argument("--train-len", type=int, default=None, help="training length: buckets from here are marked")
     parser.add_argument("--buckets", default=None, help="comma-separated bucket edges from 0 to seq-len (default powers of 2)")
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")

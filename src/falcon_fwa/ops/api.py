@@ -183,8 +183,9 @@ def falcon_attention(
             has one row per sequence.
         backend: "torch" (the PyTorch forms), "triton" (the Triton chunk kernels for
             ``form="chunk"``, the fused recurrent kernel for ``form="recurrent"``, which
-            computes no gradients and is meant for short prompts; an unsupported
-            combination raises ``NotImplementedError`` naming the switch) or "auto" (the
+            computes no gradients and is meant for short prompts; ``form="parallel"``
+            raises ``ValueError``, a switch the kernels do not take raises
+            ``NotImplementedError`` naming it) or "auto" (the
             kernels for ``form="chunk"`` on CUDA where they exist and have been checked
             on a GPU, and for prompts short enough, ``ops.triton.SHORT_PROMPT_LIMITS``,
             without gradients, the fused recurrent kernel; else PyTorch).

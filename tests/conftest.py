@@ -218,6 +218,13 @@ def cpu_machine(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+def fake_git_commit(short: bool = True, cwd=None) -> str:
+    """A checkout's commit for tests that keep runs of a known commit (40 hex digits, its first 7 when
+    ``short``), also where the tests run outside a git checkout: patch it over a module's ``git_commit``."""
+    commit = "0123abc" + "0" * 33
+    return commit[:7] if short else commit
+
+
 def tiny_lm_recipe(folder) -> str:
     """A corpus of random word paragraphs and a one-step ``train`` recipe of the ``tiny-falcon`` preset on it
     (byte tokenizer, 32-token rows, fp32), written into ``folder`` (a ``pathlib.Path``); the recipe's path.

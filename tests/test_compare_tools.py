@@ -14,6 +14,7 @@ from falcon_fwa.train import compare, compare_report, throughput
 from falcon_fwa.train import latest_checkpoint, load_checkpoint
 from falcon_fwa.train import trainer as trainer_module
 from falcon_fwa.train.logger import read_log
+from conftest import fake_git_commit
 from test_train import recipe
 
 COMPILE_S = 100.0
@@ -406,8 +407,8 @@ def test_a_second_compare_into_the_same_folder_is_refused_while_the_first_runs(t
 
 
 def test_relaunch_keeps_the_recipes_finished_with_the_same_settings_and_trains_the_rest(tmp_path, monkeypatch):
-    for module in (compare, trainer_module):  # a checkout's commit, also where the tests run outside one (no .git)
-        monkeypatch.setattr(module, "git_commit", lambda short=True: "0123abc" + "0" * 33)
+    for module in (compare, trainer_module):
+        monkeypatch.setattr(module, "git_commit", fake_git_commit)
     presets = {"first": "tiny-falcon", "second": "tiny-transformer"}
     original = trainer_module.Trainer.train
     trained, kill = [], {"second"}

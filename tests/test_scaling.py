@@ -7,6 +7,7 @@ import time
 import pytest
 
 from falcon_fwa.train import scaling
+from conftest import fake_git_commit
 from test_train import recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,10 +149,7 @@ def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
     (the recipe it was given, this commit) and exits 0; the ``kill_at``-th launch is interrupted."""
     from falcon_fwa.train.config import load_config
 
-    def git_commit(short=True):  # a checkout's commit, also where the tests run outside one (no .git)
-        return "0123abc" if short else "0123abc" + "0" * 33
-
-    monkeypatch.setattr(scaling, "git_commit", git_commit)
+    monkeypatch.setattr(scaling, "git_commit", fake_git_commit)
     launched = []
 
     def fake_run_group(cmd, env, log, timeout, grace=30.0, signals=None):
@@ -163,7 +161,7 @@ def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
         os.makedirs(cfg.train.out_dir, exist_ok=True)
         summary = dict(tokens=cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len, steps=cfg.train.steps,
                        tokens_per_s=100.0 * len(launched), val_loss=1.0 + len(launched), peak_mem_bytes=None,
-                       commit=git_commit(short=False), config=cfg.to_dict())
+                       commit=fake_git_commit(short=False), config=cfg.to_dict())
         with open(os.path.join(cfg.train.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f)
         return 0

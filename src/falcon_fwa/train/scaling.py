@@ -260,8 +260,25 @@ def _group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # a member this process may not signal is still a member
+        pass
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_group(proc: subprocess.Popen, seconds: float) -> bool:
+    """Whether ``proc`` and every other member of its group ended within ``seconds``."""
+    end = time.monotonic() + seconds
+    while proc.poll() is None or _group_alive(proc.pid):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
     return True
 
 
@@ -269,22 +286,10 @@ def _stop_group(proc: subprocess.Popen, grace: float) -> None:
     """SIGTERM to ``proc``'s process group, then SIGKILL to what is left of the group after ``grace``
     seconds. Returns once ``proc`` has ended and no member of its group is left (its leader ending first
     is not enough: a worker may still be finishing its own shutdown), or 5 s after the SIGKILL."""
-    pgid = proc.pid
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    for sig, wait in ((None, grace), (signal.SIGKILL, 5.0)):
-        if sig is not None:
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + wait
-        while (proc.poll() is None or _group_alive(pgid)) and time.monotonic() < end:
-            time.sleep(0.02)
-        if proc.poll() is not None and not _group_alive(pgid):
-            break
+    _signal_group(proc.pid, signal.SIGTERM)
+    if not _wait_group(proc, grace):
+        _signal_group(proc.pid, signal.SIGKILL)
+        _wait_group(proc, 5.0)
     proc.wait()
 
 

@@ -16,8 +16,10 @@ from falcon_fwa.train import Trainer, config_from_dict, latest_checkpoint, load_
 from falcon_fwa.train.logger import read_log
 
 
-# The trainer's CPU arithmetic against float64 references, also on a GPU machine (its CUDA path: test_train.py).
-pytestmark = pytest.mark.usefixtures("cpu_machine")
+# The trainer's CPU arithmetic against float64 references, also on a GPU machine (its CUDA path: test_train.py), in
+# one thread: a multithreaded CPU product may split its sums differently from one call to the next (a resumed run
+# differed from the straight one in a loss's 7th digit with 2 threads each on a loaded 16-core machine).
+pytestmark = pytest.mark.usefixtures("cpu_machine", "one_thread")
 
 
 def records(run_dir):

@@ -211,11 +211,14 @@ def one_thread():
 
 
 @pytest.fixture
-def cpu_machine(monkeypatch):
+def cpu_machine():
     """Run as on a machine without CUDA, on a GPU machine too, for this test and the processes it starts:
-    tests of the CPU path (float64 references to float32 rounding, gloo processes, "-" for peak memory)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    tests of the CPU path (float64 references to float32 rounding, gloo processes, "-" for peak memory).
+    Its patch is its own: a test that undoes its ``monkeypatch`` keeps running without CUDA."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
 
 
 def fake_git_commit(short: bool = True, cwd=None) -> str:

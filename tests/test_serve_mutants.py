@@ -195,3 +195,53 @@ def test_the_command_greedy_by_default_stopping_at_eos_and_sampling_reproducibly
     assert (other["settings"]["greedy"], other["settings"]["seed"], other["settings"]["stop_at_eos"]) == (
         False, 7, False)
     capsys.readouterr()
+
+
+class _WithoutEndOfText:
+    """The byte tokenizer without an end-of-text token (pad id 0)."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.eos_token_id, self.pad_token_id = tokenizer, None, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __call__(self, text, add_special_tokens=False):
+        return self.inner(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_an_empty_prompt_continues_the_end_of_text_token_and_without_one_is_refused_by_index():
+    """With an end-of-text token an empty prompt is that token alone, continued like any other; without one,
+    an empty prompt is a ``ValueError`` naming its index (an earlier non-empty prompt does not hide it)."""
+    tok = byte_tokenizer()
+    seen = []
+
+    def logits(prompt, n):
+        seen.append(prompt)
+        return _one_hot([ord("o"), ord("k")])(prompt, n)
+
+    out = generate_text(Written(tok, logits), tok, [""], max_new_tokens=2, stop_at_eos=False)
+    assert out.completions[0].text == "ok" and seen[0] == ""
+    bare = _WithoutEndOfText(tok)
+    with pytest.raises(ValueError, match=r"^prompt 1 is empty and the tokenizer has no end-of-text token"):
+        generate_text(Written(tok, logits), bare, ["ab", ""], max_new_tokens=2)
+
+
+def test_a_stop_text_takes_no_token_after_its_end():
+    """``StopText.add`` after the text met a stop string, or after ``finish()``, is a ``RuntimeError``; the
+    text stays cut before the stop string."""
+    tok = byte_tokenizer()
+    stopped = StopText(tok, ["##"])
+    assert [stopped.add(t) for t in b"a##"] == [False, False, True]
+    with pytest.raises(RuntimeError, match="already ended"):
+        stopped.add(ord("b"))
+    assert stopped.text == "a" and stopped.stop_string == "##"
+    finished = StopText(tok, ["##"])
+    finished.add(ord("x"))
+    finished.finish()
+    with pytest.raises(RuntimeError, match="already ended"):
+        finished.add(ord("y"))
+    assert finished.text == "x"

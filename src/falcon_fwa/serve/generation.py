@@ -150,7 +150,9 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
                   on_text: Optional[Callable[[str], None]] = None, cuda_graphs: Optional[bool] = None,
                   on_batch: Optional[Callable[[List[Completion]], None]] = None) -> Generation:
     """Continue each of ``prompts`` by up to ``max_new_tokens`` tokens, ``batch_size`` prompts per
-    left-padded batch. ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` unused);
+    left-padded batch. Each prompt's tokens follow the tokenizer's end-of-text token where it has one, so an
+    empty prompt continues that token alone (without one, an empty prompt is a ``ValueError`` naming its
+    index). ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` unused);
     above 0 it samples, reproducibly for a given ``seed`` (and batch size and device). With
     ``stop_at_eos`` a row ends at its first end-of-text token and a batch when all its rows have.
 

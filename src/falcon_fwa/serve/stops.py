@@ -43,7 +43,8 @@ class StopText:
 
     ``add(token)`` takes the next token and returns ``True`` once the text holds a stop string: ``text`` is
     then cut just before the earliest occurrence, ``stop_string`` is the stop string found there (the first
-    of ``stop`` when several start at that character) and no more tokens are to be added. ``ids`` are the
+    of ``stop`` when several start at that character) and no more tokens are to be added (``add`` after a stop
+    or ``finish()`` raises ``RuntimeError``). ``ids`` are the
     tokens taken, the one that completed the stop string included. ``finish()`` adds the text of bytes still
     held (an incomplete character at the end of a completion cut by its length). ``take()`` returns the
     decided text not yet taken (all of it once stopped or finished)."""

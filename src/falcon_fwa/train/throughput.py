@@ -16,7 +16,8 @@ at the next one, so a killed command still leaves one comparable row per preset.
 appended to ``--out`` (JSON lines) as soon as it is measured; its ``launch`` (the command's start,
 UTC) sets the rows of one command apart from those an earlier one left in the file. ``falcon_op`` says what computed
 the falcon layers: ``"triton"`` (the chunk kernels), ``"torch"`` (the PyTorch forms), ``"fla"``,
-``"none"`` (no falcon layers), or ``"mixed"``.
+``"none"`` (no falcon layers), or ``"mixed"``. A measurement that runs out of device memory gets a row with
+``"error": "out of memory: ..."`` (the message's first 200 characters) and the next one runs.
 """
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", nargs="+", default=[], help="recipe files: their model at their seq_len "
                         "and micro_batch (overrides --seq-len / --batch-tokens)")
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048], help="sequence lengths to measure")
-    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per step (batch = this / seq-len)")
+    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per step (batch = this // seq-len, at least 1)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (at most)")
     parser.add_argument("--min-steps", type=int, default=None,
                         help="timed steps that --max-seconds never cuts (default: 3, or --steps where fewer)")

@@ -1,11 +1,11 @@
-"""The training infrastructure held to what its docstrings and docs/training.md state, each case against a
-hand-written expectation: every recipe bound refused just past it with the message naming the field and the
-value, and taken on it; wrong types named down to a list element; the defaults the docs' table lists; ``--set``
-without ``=``, an empty and a non-mapping recipe file, ``.yml`` and ``extends`` next to the file, ``5E4`` read
-as a number; which checkpoint folders count
-as complete, their order, ``LATEST`` before the newest, an 8-digit step; the log's non-finite values, its lines
-on disk as they come, nothing from a disabled logger, ``drop_after`` record by record and ``read_log``'s errors by file and line; the stop
-signals' first and second signal (off the main thread: inactive), and the device's name."""
+"""The training infrastructure held to what its docstrings and docs/training.md state, each case against a hand-
+written expectation: every recipe bound refused just past it with the message naming the field and the value, and
+taken on it; wrong types named down to a list element; the defaults the docs' table lists; ``--set`` without ``=``,
+an empty and a non-mapping recipe file, ``.yml`` and ``extends`` next to the file, ``5E4`` read as a number; which
+checkpoint folders count as complete, their order, ``LATEST`` before the newest, an 8-digit step; the log's non-
+finite values, its lines on disk as they come, nothing from a disabled logger, ``drop_after`` record by record and
+``read_log``'s errors by file and line; the stop signals' first and second signal (off the main thread: inactive),
+and the device's name."""
 import dataclasses
 import json
 import os

@@ -227,6 +227,19 @@ def test_a_step_saved_again_replaces_its_checkpoint_and_leaves_no_folder_beside_
     assert torch.load(folder / "step-00000004" / "state.pt", weights_only=False) == {"v": 2}
 
 
+def test_checkpoints_past_eight_digits_are_ordered_by_step_and_pruned_oldest_first(tmp_path):
+    """Step 100,000,000 (nine digits, ``step-100000000``) is newer than step 99,999,999 (``step-99999999``):
+    listed after it, the newest without LATEST, and keep=2 prunes step 99,999,998 rather than the newest."""
+    folder = tmp_path / "checkpoints"
+    for step in (99_999_998, 99_999_999, 100_000_000):
+        save_checkpoint(str(folder), step, {"step": step}, keep=5)
+    assert _names(list_checkpoints(str(folder))) == ["step-99999998", "step-99999999", "step-100000000"]
+    os.remove(folder / "LATEST")
+    assert _names([latest_checkpoint(str(folder))]) == ["step-100000000"]
+    save_checkpoint(str(folder), 100_000_001, {"step": 100_000_001}, keep=2)
+    assert _names(list_checkpoints(str(folder))) == ["step-100000000", "step-100000001"]
+
+
 def test_steps_of_eight_digits_keep_their_order_and_number(tmp_path):
     """``step-{step:08d}``: step 12345678 is the folder ``step-12345678``, its step read back whole."""
     folder = tmp_path / "checkpoints"

@@ -198,7 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", nargs="+", default=[], help="recipe files: their model at their seq_len "
                         "and micro_batch (overrides --seq-len / --batch-tokens)")
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048], help="sequence lengths to measure")
-    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per step (batch = this // seq-len, at least 1)")
+    parser.add_argument("--batch-tokens", type=int, default=16384,
+                        help="tokens per step (batch = this // seq-len, at least 1)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps (at most)")
     parser.add_argument("--min-steps", type=int, default=None,
                         help="timed steps that --max-seconds never cuts (default: 3, or --steps where fewer)")

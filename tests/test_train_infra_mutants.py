@@ -199,6 +199,8 @@ def test_only_renamed_complete_folders_are_checkpoints_listed_oldest_first(tmp_p
             dst.write(src.read())
     (folder / "step-00000009" / "meta.json").write_text('{"step": 9, "comp')
     assert _names(list_checkpoints(str(folder))) == ["step-00000003", "step-00000007", "step-00000020"]
+    (folder / "step-00000003" / "meta.json").write_text('[{"complete": true}]')  # JSON, but no object
+    assert _names(list_checkpoints(str(folder))) == ["step-00000007", "step-00000020"]
     (folder / "step-00000020" / "meta.json").write_text("not json\n")
     (folder / "LATEST").write_text("step-00000020")
     assert _names([latest_checkpoint(str(folder))]) == ["step-00000007"]

@@ -85,11 +85,13 @@ def checkpoint_step(path: str) -> int:
 
 
 def _complete(path: str) -> bool:
+    """A checkpoint folder whose ``meta.json`` is a JSON object with ``"complete": true``, beside ``state.pt``."""
     try:
         with open(os.path.join(path, "meta.json")) as f:
-            return bool(json.load(f).get("complete")) and os.path.isfile(os.path.join(path, "state.pt"))
+            meta = json.load(f)
     except (OSError, ValueError):
         return False
+    return isinstance(meta, dict) and bool(meta.get("complete")) and os.path.isfile(os.path.join(path, "state.pt"))
 
 
 def list_checkpoints(checkpoint_dir: str) -> list:

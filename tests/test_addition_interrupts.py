@@ -244,7 +244,9 @@ def test_a_killed_compare_leaves_no_run_training(tmp_path):
         if proc.poll() is None:
             proc.kill()
     res, _, ckpt = _state(run_dir)
-    assert ckpt["step"] == res["steps_done"] >= 5 and res["signal"] == "SIGTERM"
+    assert ckpt["step"] == res["steps_done"] >= 5
+    # the run's own output names how it ended where it did not stop on the SIGTERM
+    assert res.get("signal") == "SIGTERM", (run_dir / "log.txt").read_text()[-3000:]
 
 
 def test_sigterm_before_the_first_step_says_no_checkpoint_was_written(tmp_path, monkeypatch, capsys):

@@ -98,10 +98,9 @@ def list_checkpoints(checkpoint_dir: str) -> list:
     """Complete checkpoints, oldest first (by step: ``step-100000000`` comes after ``step-99999999``)."""
     if not os.path.isdir(checkpoint_dir):
         return []
-    steps = {n: int(n[len(PREFIX):]) for n in os.listdir(checkpoint_dir)
-             if n.startswith(PREFIX) and n[len(PREFIX):].isdigit()}
-    paths = [os.path.join(checkpoint_dir, n) for n in sorted(steps, key=steps.get)]
-    return [p for p in paths if _complete(p)]
+    paths = [os.path.join(checkpoint_dir, n) for n in os.listdir(checkpoint_dir)
+             if n.startswith(PREFIX) and n[len(PREFIX):].isdigit()]
+    return [p for p in sorted(paths, key=checkpoint_step) if _complete(p)]
 
 
 def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:

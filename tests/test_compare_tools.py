@@ -464,7 +464,7 @@ def test_a_result_is_kept_only_with_its_own_summary_recipe_and_commit(tmp_path):
 
 
 def test_a_launched_run_ends_with_the_command_that_started_it_even_when_that_is_killed(tmp_path):
-    """``end_with_parent``: the child of a process killed by SIGKILL gets SIGTERM (no orphan goes on)."""
+    """``end_with_parent``: the child of a process killed by SIGKILL gets SIGHUP (no orphan goes on)."""
     import signal
     import subprocess
     import sys
@@ -496,6 +496,77 @@ def test_a_launched_run_ends_with_the_command_that_started_it_even_when_that_is_
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+_LOAD_LAUNCH = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("launch", sys.argv[1])  # the module alone, without torch
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+"""
+
+_THREADED_LAUNCHER = _LOAD_LAUNCH + """
+import os, subprocess, threading, time
+out = sys.argv[3]
+
+def start_the_run():  # from a thread that ends once the run is ready: the run's first parent-death signal
+    subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1], out], start_new_session=True,
+                     preexec_fn=launch.end_with_parent())
+    while not os.path.exists(out + ".ready"):
+        time.sleep(0.01)
+
+threading.Thread(target=start_the_run).start()
+time.sleep(600)
+"""
+
+_STOPPING_RUN = _LOAD_LAUNCH + """
+import os, time
+out = sys.argv[2]
+with launch.StopSignals(True) as stops:
+    open(out + ".ready", "w").close()
+    end = time.monotonic() + 60
+    while not stops.received and time.monotonic() < end:
+        time.sleep(0.01)
+    open(out + ".stopping", "w").close()
+    time.sleep(2.0)  # the launcher is killed meanwhile: the signal again, from its main thread's end
+    with open(out + ".tmp", "w") as f:
+        f.write(f"stopped by {stops.received}")
+    os.replace(out + ".tmp", out)
+"""
+
+
+def test_a_run_gets_the_parent_death_signal_once_per_launcher_thread_and_stops_once_and_cleanly(tmp_path):
+    """The system sends a launched run its parent-death signal each time a thread it belongs to ends:
+    first the launcher's thread that started it (the run passes to the launcher's main thread), then, with
+    the launcher killed by SIGKILL, that one. (A launcher killed outright with several threads does the
+    same, in whatever order its threads end.) The run stops on the first SIGHUP and takes the second for a
+    repeat: it ends its own way, its last line written, and is not interrupted by a second signal."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from falcon_fwa.train import launch
+
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-c", _THREADED_LAUNCHER, launch.__file__, _STOPPING_RUN,
+                                 str(out)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "run.stopping").exists() and time.monotonic() < deadline:
+            assert launcher.poll() is None, "the launcher ended before its run was told to stop"
+            time.sleep(0.02)
+        assert (tmp_path / "run.stopping").exists(), "the run got no signal when its starting thread ended"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.exists(), "the run ended without its own last line: the second signal interrupted it"
+        assert out.read_text() == f"stopped by {int(signal.SIGHUP)}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 def test_report_table_and_json_carry_the_same_numbers(tmp_path, capsys):

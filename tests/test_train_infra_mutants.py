@@ -387,6 +387,66 @@ def test_the_first_signal_is_recorded_and_the_second_gets_the_handler_that_was_t
     assert out.returncode == 0
 
 
+_HANGUP_SCRIPT = """
+import importlib.util, signal, sys
+spec = importlib.util.spec_from_file_location("launch", sys.argv[1])
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+calls = []
+for sig in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, lambda signum, frame: calls.append(signum))
+with launch.StopSignals(True) as stops:
+    signal.raise_signal(signal.SIGHUP)
+    signal.raise_signal(signal.SIGHUP)
+    signal.raise_signal(signal.SIGHUP)
+    print("hangups", stops.received == signal.SIGHUP, calls == [], flush=True)
+    signal.raise_signal(signal.SIGTERM)
+    print("SIGTERM after SIGHUP", calls == [signal.SIGTERM], stops.received == signal.SIGHUP, flush=True)
+with launch.StopSignals(True) as stops:
+    signal.raise_signal(signal.SIGINT)
+    signal.raise_signal(signal.SIGHUP)
+    print("SIGHUP after SIGINT", stops.received == signal.SIGINT, calls == [signal.SIGTERM], flush=True)
+print("restored", signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL, flush=True)
+"""
+
+
+def test_a_hangup_stops_once_and_its_repeats_change_nothing():
+    """In a child process: SIGHUP (how a launcher's end reaches its runs, ``end_with_parent``) sets
+    ``received``; the same signal again, as the system repeats it once per thread of a dying launcher, leaves
+    everything as it is (no handler called, nothing raised); a SIGTERM after it is a second signal (the handler
+    that was there before gets it), and a SIGHUP after a SIGINT is ignored. The handlers come back after."""
+    out = subprocess.run([sys.executable, "-c", _HANGUP_SCRIPT, launch.__file__], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.splitlines() == ["hangups True True", "SIGTERM after SIGHUP True True",
+                                       "SIGHUP after SIGINT True True", "restored True"], (out.stdout, out.stderr)
+    assert out.returncode == 0
+
+
+def test_end_with_parent_asks_for_the_hangup_signal(monkeypatch):
+    """The parent-death signal ``end_with_parent`` sets is SIGHUP (``PR_SET_PDEATHSIG`` = 1), the one that
+    ``StopSignals`` takes once; a child whose parent already ended sends it to itself."""
+    import ctypes
+
+    calls, killed = [], []
+
+    class Libc:
+        def prctl(self, option, value):
+            calls.append((option, value))
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: Libc())
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    preexec = launch.end_with_parent()  # made here: this process is the parent
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getppid", lambda: parent)  # as in the child, whose parent is alive
+    preexec()
+    assert calls == [(1, int(signal.SIGHUP))] and killed == []
+    monkeypatch.setattr(os, "getppid", lambda: -1)  # as if the parent had ended before the setting took
+    preexec()
+    assert killed == [(os.getpid(), signal.SIGHUP)]
+    assert launch.PARENT_ENDED == signal.SIGHUP and signal.SIGHUP in launch.StopSignals.SIGNALS
+
+
 def test_the_device_is_named_by_count_and_name_or_as_the_cpu(monkeypatch):
     import torch
 

@@ -26,8 +26,8 @@ but not charged again. (With ``--concurrent``, calibration runs all recipes at o
 
 ``--deadline`` (wall-clock seconds for the whole command) is enforced as well: the recipe
 training when it passes stops at its next step boundary, is evaluated and is marked
-``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``. A SIGTERM
-or SIGINT stops the sequential recipe in progress the same way, with a checkpoint but no evaluation
+``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``. A SIGTERM,
+SIGINT or SIGHUP stops the sequential recipe in progress the same way, with a checkpoint but no evaluation
 (``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal. A recipe that
 fails is marked ``failed`` (with its error) and the others go on; the command then ends with status 1.
 Without ``--steps``, ``--time-budget`` or ``--deadline`` the recipes must share ``train.steps``.
@@ -187,7 +187,7 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
                    deadline_at: Optional[float] = None, earlier: Optional[dict] = None) -> Iterator[Event]:
     """Train every recipe in turn in this process, from scratch in ``out_dir/tag/NAME``. Yields
     ``(name, "running", None)`` before each and ``(name, status, result)`` after it: done,
-    partial (stopped by ``deadline_at``, then evaluated), stopped (by a SIGTERM or SIGINT, at the end of
+    partial (stopped by ``deadline_at``, then evaluated), stopped (by a SIGTERM, SIGINT or SIGHUP, at the end of
     its step, with a checkpoint; the recipes after it are not_run), failed or not_run. A run of ``earlier``
     (name -> result of an earlier launch) that :func:`kept_result` keeps is yielded as done, untrained."""
     from .trainer import Trainer

@@ -8,21 +8,27 @@ import os
 import signal
 import threading
 
-__all__ = ["LOCK_NAME", "StopSignals", "device_description", "end_with_parent"]
+__all__ = ["LOCK_NAME", "PARENT_ENDED", "StopSignals", "device_description", "end_with_parent"]
 
 LOCK_NAME = ".train.lock"
 """The lock file (:func:`falcon_fwa.atomic.folder_lock`) a training process holds in its run folder:
 one process trains a folder at a time."""
 
+PARENT_ENDED = getattr(signal, "SIGHUP", None)
+"""The signal a child launched with :func:`end_with_parent` gets when the command that launched it ends
+(SIGHUP: the process it answers to has hung up; ``None`` where the platform has no SIGHUP)."""
+
 
 class StopSignals:
-    """While active, the first SIGTERM or SIGINT only sets ``received`` (the signal number); a
-    second one gets the handler that was there before (SIGINT: KeyboardInterrupt; SIGTERM: the
-    default, which ends the process). A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
-    background job of a shell script) stays ignored. Inactive off the main thread, where handlers
-    cannot be set."""
+    """While active, the first SIGTERM, SIGINT or SIGHUP only sets ``received`` (the signal number); a
+    second SIGTERM or SIGINT gets the handler that was there before (SIGINT: KeyboardInterrupt; SIGTERM:
+    the default, which ends the process). A SIGHUP after the first signal changes nothing: it is how a
+    launching command's end reaches its runs (:func:`end_with_parent`), and the system may send it once
+    for each thread that command had. A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
+    background job of a shell script) stays ignored. Inactive off the main thread, where handlers cannot
+    be set."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
@@ -31,6 +37,8 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.received:
+            if signum == PARENT_ENDED:  # a repeat of the launcher's end, or news of it during a stop
+                return
             signal.signal(signum, self.previous[signum] or signal.SIG_DFL)
             signal.raise_signal(signum)
             return
@@ -50,20 +58,24 @@ class StopSignals:
 
 
 def end_with_parent():
-    """A ``preexec_fn`` for a child process: the child is sent SIGTERM when the process that started it
-    ends, also by SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), so that no run outlives the
-    command that launched it."""
+    """A ``preexec_fn`` for a child process: the child is sent :data:`PARENT_ENDED` (SIGHUP) when the
+    process that started it ends, also by SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), so that
+    no run outlives the command that launched it. A run under :class:`StopSignals` stops at the end of its
+    step on it. The system sends it again each time the child passes to another thread of the ending
+    process, so it may come several times: hence a signal of its own rather than SIGTERM, whose second
+    arrival would interrupt the run at once. (``torchrun`` takes SIGHUP as it takes SIGTERM, and passes it
+    on to its workers.)"""
     parent = os.getpid()
 
     def preexec() -> None:
         try:
             import ctypes
 
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(PARENT_ENDED))  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError, TypeError):
             return
         if os.getppid() != parent:  # the parent ended before the setting took
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), PARENT_ENDED)
 
     return preexec
 

@@ -12,9 +12,9 @@ Writes ``results.json``, ``checkpoint.pt``, ``best.pt``, ``accuracy_vs_width.png
 ``accuracy_by_position.png`` to ``--out`` (default ``runs/addition/<preset>/<model>/seed<seed>``, the
 preset's folder named with ``-lsd`` / ``-base<b>`` / ``-abacus<K>`` for another operand order, base or
 digit places); an interrupted
-run resumes from its last checkpoint when started again with the same ``--out``. A SIGTERM or
-SIGINT ends the run at the end of the step in progress with a checkpoint, exit status 128 + the
-signal number (a second signal interrupts at once); a folder another process is training is refused.
+run resumes from its last checkpoint when started again with the same ``--out``. A SIGTERM,
+SIGINT or SIGHUP ends the run at the end of the step in progress with a checkpoint, exit status 128 +
+the signal number (a second SIGTERM or SIGINT interrupts at once); a folder another process is training is refused.
 """
 from __future__ import annotations
 

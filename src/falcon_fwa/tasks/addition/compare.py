@@ -12,9 +12,9 @@ device, wall time, command, commit, and the reference scores of :mod:`.reference
 ``<name>.png`` (accuracy against digit width) and ``<name>_positions.png`` (accuracy by answer
 position at the largest training width and the first and last OOD widths).
 
-A SIGTERM or SIGINT is passed on to the runs in progress, which stop at the end of their step with a
-checkpoint; the command waits for them and ends with exit status 128 + the signal number, without a
-summary (the same command resumes the runs). A second signal ends the command at once; its runs,
+A SIGTERM, SIGINT or SIGHUP is passed on to the runs in progress, which stop at the end of their step
+with a checkpoint; the command waits for them and ends with exit status 128 + the signal number, without a
+summary (the same command resumes the runs). A second SIGTERM or SIGINT ends the command at once; its runs,
 told to stop by the first, still stop at their step (after a second SIGINT they are killed; their last
 checkpoints stand).
 """
@@ -142,11 +142,11 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
     """Run every missing (model, seed) with at most ``args.jobs`` processes; return the failures and
     the signal number that stopped the command (0 if none did).
 
-    A SIGTERM or SIGINT is passed on to the runs in progress (each stops at the end of its step with a
+    A SIGTERM, SIGINT or SIGHUP is passed on to the runs in progress (each stops at the end of its step with a
     checkpoint) and waited for; nothing more is started. The runs are started in sessions of their own,
     so that a Ctrl-C at a terminal reaches them once, through this command. Should this command end
     otherwise (a second SIGINT, an error), the runs still going are killed; should it be killed itself
-    (SIGKILL), each run gets a SIGTERM and stops at its checkpoint: none trains on unseen."""
+    (SIGKILL), each run gets a SIGHUP (``end_with_parent``) and stops at its checkpoint: none trains on unseen."""
     from tqdm.auto import tqdm
 
     # seed-major order: every model's first seed is trained before any second seed

@@ -205,8 +205,8 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
     CUDA the preset's float32 matmul precision holds for the run; the previous one is restored.
 
     A folder that another process is training is refused (a ``ValueError`` naming it). With
-    ``stop_on_signal``, a SIGTERM or SIGINT ends the run at the end of the step in progress with a
-    checkpoint (a second one interrupts at once, as in ``falcon-fwa train``); the results of a run so
+    ``stop_on_signal``, a SIGTERM, SIGINT or SIGHUP ends the run at the end of the step in progress with a
+    checkpoint (a second SIGTERM or SIGINT interrupts at once, as in ``falcon-fwa train``); the results of a run so
     stopped before its last step name the signal (``"signal": "SIGTERM"``), and the same call resumes it."""
     out_dir = Path(out_dir)
     on_cuda = torch.device(spec.device).type == "cuda"

@@ -2,7 +2,6 @@
 own forward pass over exactly the context the module documents (the window's tokens since the later of
 the window's start and the last end-of-text), torch.log_softmax, exp of the mean; counts, buckets,
 batch sizes, --max-windows, bf16 autocast and the command's JSON and printed table."""
-import argparse
 import json
 import math
 

@@ -357,8 +357,8 @@ def test_a_shard_folder_written_by_hand_is_read(tmp_path):
 
 
 def test_every_shard_file_and_the_folder_holding_the_split_are_flushed(tmp_path, monkeypatch):
-    """Each tokens, docs and meta file is flushed to disk before the folder is renamed into place, and the
-    parent folder (which holds the rename) after it."""
+    """Each tokens, docs and meta file, then the folder's own entries, are flushed to disk before the folder is
+    renamed into place, and the parent folder (which holds the rename) after it."""
     from falcon_fwa.data import byte_tokenizer, write_token_shards
 
     events = []
@@ -373,7 +373,27 @@ def test_every_shard_file_and_the_folder_holding_the_split_are_flushed(tmp_path,
     rename = events.index(("replace", folder.stat().st_ino))
     flushed = [ino for kind, ino in events[:rename] if kind == "fsync"]
     assert {(folder / f).stat().st_ino for f in files} <= set(flushed)
+    assert flushed[-1] == folder.stat().st_ino  # the folder itself, after its last file
     assert events[rename + 1:] == [("fsync", tmp_path.stat().st_ino)]
+
+
+def test_a_checkpoint_folder_and_its_files_are_flushed_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """``save_checkpoint``: ``state.pt`` and ``meta.json``, then the folder's own entries, reach the disk before
+    the temporary folder is renamed to ``step-*``; the checkpoint folder (holding that rename) after it."""
+    from falcon_fwa.train import checkpoint
+
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)) or real_fsync(fd))
+    monkeypatch.setattr(os, "rename", lambda a, b: events.append(("rename", os.stat(a).st_ino)) or real_rename(a, b))
+    path = checkpoint.save_checkpoint(str(tmp_path / "ckpt"), 3, {"w": [1, 2]})
+    folder = tmp_path / "ckpt" / "step-00000003"
+    assert path == str(folder) and sorted(os.listdir(folder)) == ["meta.json", "state.pt"]
+    rename = events.index(("rename", folder.stat().st_ino))
+    flushed = [ino for kind, ino in events[:rename] if kind == "fsync"]
+    assert flushed == [(folder / "state.pt").stat().st_ino, (folder / "meta.json").stat().st_ino,
+                       folder.stat().st_ino]
+    assert events[rename + 1] == ("fsync", (tmp_path / "ckpt").stat().st_ino)
 
 
 def test_leftovers_of_a_stopped_run_are_replaced(tmp_path):

@@ -128,6 +128,7 @@ def write_token_shards(documents: Iterable[str], tokenizer, folder: str, *,
         shutil.rmtree(tmp)
         raise NoDocuments(f"no documents to write into {folder!r}")
     synced_write(os.path.join(tmp, "meta.json"), lambda f: json.dump(meta, f, indent=1))
+    fsync_folder(tmp)  # its entries on disk before it is renamed into place
     if os.path.exists(folder):  # set aside whole first: a stop while removing it leaves no half folder here
         os.replace(folder, old)
     os.replace(tmp, folder)

@@ -55,6 +55,7 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: dict, *, keep: int = 
             synced_write(os.path.join(tmp, "state.pt"), lambda f: torch.save(state, f), "wb")
             meta = json.dumps({"step": step, "complete": True}).encode()
             synced_write(os.path.join(tmp, "meta.json"), lambda f: f.write(meta), "wb")
+            fsync_folder(tmp)  # its entries on disk before it is renamed into place
     except Exception:  # a full disk, say: its space is given back, the previous checkpoints stay
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -187,12 +187,15 @@ def test_shifted_keys_of_packed_sequences_by_hand():
 
 @kernels
 def test_assert_ranges_fails_with_the_message_of_the_bad_argument():
+    """Through the interpreter, where a failed check raises in this process. On CUDA it is a device assertion,
+    which ends the process's CUDA context (and every later test of the process with it): there
+    ``test_triton_checks`` checks the messages in child processes."""
+    if DEVICE == "cuda":
+        pytest.skip("a device assertion ends this process's CUDA context: test_triton_checks checks it in a child")
     from falcon_fwa.ops.triton.checks import assert_ranges
 
     def run(lam, gate):
         assert_ranges(lam, gate, "lam must be finite", "log_gate must be <= 0")
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
 
     good_lam, good_gate = torch.ones(5, device=DEVICE), -torch.ones(5, device=DEVICE)
     run(good_lam, good_gate)

@@ -61,7 +61,9 @@ def _blocks(model: nn.Module):
 
 
 def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
-    """DDP: replicate and all-reduce gradients. FSDP2: shard every block, then the root."""
+    """DDP: replicate and all-reduce gradients. FSDP2: shard every block, then the root, over a mesh of
+    ``info.device``'s type (one dimension, every process): CPU processes (gloo) shard on the CPU also on a
+    machine with a GPU, where ``fully_shard``'s own default mesh would name the GPU."""
     if info.strategy == "single":
         return model
     if info.strategy == "ddp":
@@ -70,10 +72,13 @@ def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
         ids = [info.local_rank] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
     if info.strategy == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
         fully_shard = _fully_shard()
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
         for block in _blocks(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     raise ValueError(f"train.strategy must be 'single', 'ddp' or 'fsdp2', got {info.strategy!r}")
 

@@ -310,3 +310,20 @@ def test_two_processes_join_as_ddp_average_without_touching_the_input_and_refuse
         assert got["mean"].tolist() == [1.5, -3.0, 15.0]
         assert got["value"].tolist() == [(rank + 1) * v for v in (1.0, -2.0, 10.0)]  # its input as it was
         assert got["refused"] == "train.strategy 'single' cannot run with 2 processes; use 'ddp' or 'fsdp2'"
+
+
+def test_the_module_docstring_states_the_sweeps_defaults_as_the_parser_has_them():
+    """The defaults the module docstring lists are the parser's own (the docs state them once, from there)."""
+    import argparse
+
+    from falcon_fwa.train import scaling
+
+    parser = argparse.ArgumentParser()
+    scaling.add_arguments(parser)
+    d = parser.parse_args(["--configs", "x.yaml"])
+    doc = " ".join(scaling.__doc__.split())
+    assert d.strategies == ["ddp", "fsdp2"] and "both strategies" in doc
+    for flag, value in (("--gpus", d.gpus), ("--steps", d.steps), ("--warmup-steps", d.warmup_steps),
+                        ("--noise-seeds", d.noise_seeds), ("--out", d.out), ("--results", d.results)):
+        text = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        assert f"``{flag} {text}``" in doc, (flag, text)

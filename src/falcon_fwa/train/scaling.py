@@ -3,6 +3,9 @@
 ``falcon-fwa scaling --configs configs/small/falcon-1a.3.yaml configs/small/transformer.yaml
 --names Falcon-1A.3 Transformer --gpus 1 2 --strategies ddp fsdp2 --steps 200 --results results/multigpu``
 
+Defaults: ``--gpus 1 2``, both strategies, ``--steps 200``, ``--warmup-steps 20``, ``--noise-seeds 0 1``,
+``--out runs/scaling``, ``--results results/multigpu`` (``falcon-fwa scaling --help`` lists every option).
+
 Every run keeps the recipe's per-process batch (``--micro-batch``, default the first recipe's
 ``train.micro_batch``) and one global batch for all process counts: micro batch times the
 least common multiple of ``--gpus`` (times the largest count for 1, 2, 4, 8). A run on fewer

@@ -3,7 +3,7 @@
 One process: ``falcon-fwa train --config ...``. Several GPUs or nodes (or CPU processes with
 gloo): ``torchrun --nproc_per_node=N -m falcon_fwa.train.cli --config ... --set train.strategy=fsdp2``.
 
-A SIGTERM, SIGINT or SIGHUP (a preemption, Ctrl-C, a closed terminal or launcher) ends the run at the end
+A SIGTERM, SIGINT or SIGHUP (a preemption, Ctrl-C, the end of a launching command) ends the run at the end
 of the step in progress with a checkpoint, exit status 128 + the signal number; the same command resumes
 it. A second SIGTERM or SIGINT interrupts at once.
 """

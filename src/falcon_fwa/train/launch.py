@@ -28,7 +28,7 @@ class StopSignals:
     background job of a shell script) stays ignored. Inactive off the main thread, where handlers cannot
     be set."""
 
-    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+    SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((PARENT_ENDED,) if PARENT_ENDED is not None else ())
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()

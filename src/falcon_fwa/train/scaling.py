@@ -31,8 +31,8 @@ After every run, ``RESULTS.json`` (rows: ``model``, ``strategy``, ``gpus``, ``se
 keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
 progress (the launcher and its workers: the whole process group). A SIGTERM or SIGINT stops the run
 in progress the same way (``stopped: SIGTERM``), starts no other and ends the command with status
-128 + signal; a launcher whose sweep is killed outright (SIGKILL) is sent SIGHUP by the system (``end_with_parent``), so no
-run goes on training unseen. One sweep runs in an ``--out`` folder at a time.
+128 + signal; a launcher whose sweep is killed outright (SIGKILL) is sent SIGHUP by the system
+(``end_with_parent``), so no run goes on training unseen. One sweep runs in an ``--out`` folder at a time.
 
 Launched again with the same options, a sweep keeps the runs that finished before (``done`` in
 ``RESULTS.json``, with the same command, on the same kind of machine (the row's ``device``), whose

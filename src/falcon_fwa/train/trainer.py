@@ -325,10 +325,10 @@ class Trainer:
         """Run to ``train.steps`` (or stop after step ``stop_at`` with a checkpoint); returns a summary.
         ``should_stop(step)`` is asked after every step (give every process the same answer); once it
         answers true, the run ends at that step as if it were ``stop_at``. With ``stop_on_signal``,
-        a SIGTERM, SIGINT or SIGHUP (e.g. a preemption, Ctrl-C, the launching command's end) that reaches any process ends the run the same
-        way at the end of the step in progress, with a checkpoint; the summary of a run so stopped
-        before ``train.steps`` names the signal (``"signal": "SIGTERM"``). A second SIGTERM or
-        SIGINT interrupts at once (``launch.StopSignals``)."""
+        a SIGTERM, SIGINT or SIGHUP (e.g. a preemption, Ctrl-C, the launching command's end) that
+        reaches any process ends the run the same way at the end of the step in progress, with a
+        checkpoint; the summary of a run so stopped before ``train.steps`` names the signal
+        (``"signal": "SIGTERM"``). A second SIGTERM or SIGINT interrupts at once (``launch.StopSignals``)."""
         with StopSignals(stop_on_signal) as signals:
             return self._train(stop_at, should_stop, signals)
 

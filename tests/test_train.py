@@ -286,6 +286,51 @@ def test_a_signal_the_process_ignores_stays_ignored(tmp_path, monkeypatch):
     assert len(calls) > 5 and "signal" not in summary and summary["steps"] == 4
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal's hang-up (Linux)")
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint_and_its_own_exit_status(tmp_path):
+    """``falcon-fwa train`` in a terminal that is closed mid-run (its pseudo-terminal's other end goes away:
+    SIGHUP, and every later write to the terminal fails). With a validation loss printed at every step, the
+    step the run stops at prints one too: the run still ends with its checkpoint, its summary naming
+    SIGHUP, and exit status 128 + SIGHUP."""
+    import pty
+    import select
+    import signal
+    import time
+
+    raw = recipe(tmp_path, "run", steps=100_000, save_every=0, eval_every=1)
+    raw["log"]["progress"] = True
+    (tmp_path / "recipe.json").write_text(json.dumps(raw))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "src"),
+                                                                        os.environ.get("PYTHONPATH")]))}
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: a session of its own, with the pseudo-terminal as its controlling terminal
+        os.execve(sys.executable, [sys.executable, "-m", "falcon_fwa.cli", "train", "--config",
+                                   str(tmp_path / "recipe.json")], env)
+    seen, deadline = b"", time.monotonic() + 240
+    try:
+        while seen.count(b"val_loss") < 3 and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 1.0)[0]:
+                seen += os.read(terminal, 65536)
+    finally:
+        os.close(terminal)  # the terminal is gone
+    for _ in range(2400):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the run did not end within 120 s of its terminal's hang-up")
+    assert seen.count(b"val_loss") >= 3, seen[-2000:]
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["signal"] == "SIGHUP" and summary["steps"] >= 3
+    assert load_checkpoint(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))["step"] == summary["steps"]
+    # the stop step's validation loss is in the log, though its line on the terminal was lost
+    assert any(r["step"] == summary["steps"] and "val_loss" in r for r in read_log(str(tmp_path / "run" / "log.jsonl")))
+
+
 def test_only_the_main_process_prints_the_validation_loss(tmp_path, monkeypatch, capsys):
     import dataclasses
 

@@ -4,11 +4,13 @@ that launches runs as child processes needs (``compare``, ``scaling``, ``additio
 that end with it, and the name of the machine their speeds were measured on."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
 
-__all__ = ["LOCK_NAME", "PARENT_ENDED", "StopSignals", "device_description", "end_with_parent"]
+__all__ = ["LOCK_NAME", "PARENT_ENDED", "StopSignals", "device_description", "drop_hung_up_terminal",
+           "end_with_parent"]
 
 LOCK_NAME = ".train.lock"
 """The lock file (:func:`falcon_fwa.atomic.folder_lock`) a training process holds in its run folder:
@@ -25,8 +27,10 @@ class StopSignals:
     the default, which ends the process). A SIGHUP after the first signal changes nothing: it is how a
     launching command's end reaches its runs (:func:`end_with_parent`), and the system may send it once
     for each thread that command had. A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
-    background job of a shell script) stays ignored. Inactive off the main thread, where handlers cannot
-    be set."""
+    background job of a shell script) stays ignored. On a SIGHUP, standard output and error are pointed
+    at /dev/null where their terminal has hung up (:func:`drop_hung_up_terminal`): what the stopping run
+    still prints (its progress bar, a validation loss, its last words) then cannot end it before its
+    checkpoint, nor change its exit status. Inactive off the main thread, where handlers cannot be set."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((PARENT_ENDED,) if PARENT_ENDED is not None else ())
 
@@ -36,6 +40,8 @@ class StopSignals:
         self.previous = {}
 
     def _handle(self, signum, frame):
+        if signum == PARENT_ENDED:
+            drop_hung_up_terminal()
         if self.received:
             if signum == PARENT_ENDED:  # a repeat of the launcher's end, or news of it during a stop
                 return
@@ -55,6 +61,25 @@ class StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler or signal.SIG_DFL)
         self.previous = {}
+
+
+def drop_hung_up_terminal() -> None:
+    """Point file descriptors 1 and 2 at /dev/null where they are a terminal that has hung up (a write of
+    zero bytes fails with EIO, as it does once the terminal is closed); leave them as they are otherwise
+    (a live terminal, a file, a pipe). Text still buffered for them is then dropped at its flush instead of
+    raising, which would end the process with an error."""
+    devnull = -1
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError as err:
+            if err.errno != errno.EIO:
+                continue
+            if devnull < 0:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+    if devnull >= 0:
+        os.close(devnull)
 
 
 def end_with_parent():

@@ -302,28 +302,30 @@ def test_a_closed_terminal_stops_the_run_with_a_checkpoint_and_its_own_exit_stat
     (tmp_path / "recipe.json").write_text(json.dumps(raw))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "src"),
                                                                         os.environ.get("PYTHONPATH")]))}
-    pid, terminal = pty.fork()
-    if pid == 0:  # the child: a session of its own, with the pseudo-terminal as its controlling terminal
-        os.execve(sys.executable, [sys.executable, "-m", "falcon_fwa.cli", "train", "--config",
-                                   str(tmp_path / "recipe.json")], env)
+    terminal, other_end = pty.openpty()
+    # a session of its own whose leader opens the pseudo-terminal by name, which makes it the session's
+    # controlling terminal, and then becomes the command (no Python code runs between fork and exec here)
+    become = ("import os, sys; fd = os.open(sys.argv[1], os.O_RDWR); [os.dup2(fd, i) for i in (0, 1, 2)]; "
+              "os.close(fd); os.execv(sys.executable, [sys.executable, '-m', 'falcon_fwa.cli'] + sys.argv[2:])")
+    proc = subprocess.Popen([sys.executable, "-c", become, os.ttyname(other_end), "train", "--config",
+                             str(tmp_path / "recipe.json")], env=env, start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen, deadline = b"", time.monotonic() + 240
-    try:
-        while seen.count(b"val_loss") < 3 and time.monotonic() < deadline:
+    try:  # this end of the terminal is held open until the command has printed (no hang-up before it opens it)
+        while seen.count(b"val_loss") < 3 and time.monotonic() < deadline and proc.poll() is None:
             if select.select([terminal], [], [], 1.0)[0]:
                 seen += os.read(terminal, 65536)
     finally:
         os.close(terminal)  # the terminal is gone
-    for _ in range(2400):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        os.close(other_end)
+    try:
+        status = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         pytest.fail("the run did not end within 120 s of its terminal's hang-up")
     assert seen.count(b"val_loss") >= 3, seen[-2000:]
-    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP
+    assert status == 128 + signal.SIGHUP
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["signal"] == "SIGHUP" and summary["steps"] >= 3
     assert load_checkpoint(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))["step"] == summary["steps"]

@@ -101,7 +101,12 @@ class FalconState:
     def to(self, device=None, dtype: Optional[torch.dtype] = None, *, non_blocking: bool = False) -> "FalconState":
         """The state on ``device`` and/or with its floating-point fields in ``dtype`` (``tail_valid`` stays a
         boolean mask): to offload a cache to the host, or keep it in less memory. A call casts the state it is
-        given to its own compute dtype (float32 for float32, bfloat16 and float16 inputs)."""
+        given to its own compute dtype (float32 for float32, bfloat16 and float16 inputs). As with
+        ``torch.Tensor.to``, a dtype alone may come first: ``state.to(torch.bfloat16)``."""
+        if isinstance(device, torch.dtype):  # to(dtype), Tensor.to's and Module.to's positional form
+            if dtype is not None:
+                raise TypeError(f"device must be a device, got the dtype {device} (and dtype={dtype})")
+            device, dtype = None, device
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         if device is not None:

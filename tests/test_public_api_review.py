@@ -1,0 +1,37 @@
+"""The public API used as a first-time user would: argument forms that the rest of PyTorch accepts, and errors
+that name the argument at fault."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from falcon_fwa import FalconState, falcon_attention, falcon_step
+
+
+def _state(rule="3A", window=3, B=3, H=2, K=4, V=3, seed=0):
+    """A continued state of a short float64 sequence (every field set for a sliding rule)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, 5, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, 5, H, V, generator=g, dtype=torch.float64)
+    beta, lam = (torch.rand(B, 5, H, generator=g, dtype=torch.float64) for _ in range(2))
+    _, st = falcon_attention(q, k, v, beta, lam, rule=rule, window=window, output_final_state=True)
+    return st
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_state_to_takes_a_dtype_first_as_tensor_to_does(dtype):
+    st = _state()
+    out = st.to(dtype)  # torch.Tensor.to(dtype) and nn.Module.to(dtype) take the dtype positionally
+    for field in ("S", "last_key", "tail_x", "tail_y"):
+        t = getattr(out, field)
+        assert t.dtype == dtype and t.device == getattr(st, field).device
+        assert torch.equal(t, getattr(st, field).to(dtype))  # each value rounded once, as Tensor.to rounds it
+    assert out.tail_valid.dtype == torch.bool and torch.equal(out.tail_valid, st.tail_valid)
+    # the same state as the keyword form gives
+    kw = st.to(dtype=dtype)
+    assert all(torch.equal(getattr(out, f), getattr(kw, f)) for f in ("S", "last_key", "tail_x", "tail_y"))
+
+
+def test_state_to_refuses_two_dtypes_by_name():
+    with pytest.raises(TypeError, match="^device must be a device"):
+        _state().to(torch.float32, torch.float64)

@@ -35,3 +35,17 @@ def test_state_to_takes_a_dtype_first_as_tensor_to_does(dtype):
 def test_state_to_refuses_two_dtypes_by_name():
     with pytest.raises(TypeError, match="^device must be a device"):
         _state().to(torch.float32, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_model_refuses_non_integer_input_ids_by_name(dtype):
+    from falcon_fwa import FalconForCausalLM, get_preset
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon")).eval()
+    ids = torch.randint(0, 2, (2, 6))
+    with pytest.raises(ValueError, match=f"^input_ids must hold integer token ids, got {dtype}"):
+        model(ids.to(dtype))
+    # labels of the same dtype are refused by name too, and integer ids of any width are taken
+    with pytest.raises(ValueError, match="^labels must hold integer token ids"):
+        model(ids, labels=ids.to(dtype))
+    assert torch.equal(model(ids.int()).logits, model(ids).logits)

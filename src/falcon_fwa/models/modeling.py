@@ -475,6 +475,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if input_ids is not None:
             if input_ids.dim() != 2 or input_ids.shape[1] == 0:
                 raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+                raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
             # the lookup's own error names no argument (on CUDA: a device assert); not traced, where the
             # comparison would break the graph at every call
             if not input_ids.is_cuda and not torch.compiler.is_compiling():

@@ -49,3 +49,33 @@ def test_model_refuses_non_integer_input_ids_by_name(dtype):
     with pytest.raises(ValueError, match="^labels must hold integer token ids"):
         model(ids, labels=ids.to(dtype))
     assert torch.equal(model(ids.int()).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("rows", [[-1], [0, 3], torch.tensor([3]), torch.tensor([0, -2])])
+def test_state_index_select_names_a_row_outside_the_state(rows):
+    st = _state(B=3)
+    with pytest.raises(IndexError, match=r"^index holds row -?\d, outside the state's rows \[0, 3\)"):
+        st.index_select(rows)
+
+
+def test_state_index_select_refuses_a_matrix_of_rows_by_name():
+    with pytest.raises(ValueError, match=r"^index must be one-dimensional \[N\], got shape \(1, 2\)"):
+        _state(B=3).index_select(torch.tensor([[0, 1]]))
+
+
+def test_state_index_select_rows_in_range_continue_those_sequences():
+    # the rows kept (reordered, repeated) continue exactly as the same rows of the whole batch
+    g = torch.Generator().manual_seed(1)
+    B, T, H, K, V = 3, 9, 2, 4, 3
+    q, k = (torch.randn(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    beta, lam = (torch.rand(B, T, H, generator=g, dtype=torch.float64) for _ in range(2))
+    full, _ = falcon_attention(q, k, v, beta, lam, rule="3", window=3)
+    _, st = falcon_attention(q[:, :5], k[:, :5], v[:, :5], beta[:, :5], lam[:, :5], rule="3", window=3,
+                             output_final_state=True)
+    rows = [2, 0, 2]
+    state = st.index_select(rows)
+    for t in range(5, T):
+        o, state = falcon_step(q[rows, t], k[rows, t], v[rows, t], beta[rows, t], lam[rows, t], state=state,
+                               rule="3", window=3)
+        assert torch.allclose(o, full[rows, t], rtol=1e-10, atol=1e-12)

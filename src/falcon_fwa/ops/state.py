@@ -140,7 +140,8 @@ class FalconState:
     def index_select(self, index) -> "FalconState":
         """The state of the batch rows ``index`` ``[N]`` (an integer tensor, or a sequence of ints; ``N`` rows
         out, in that order, repeats allowed), every field's leading ``B`` axis indexed (beam search / batched
-        generation reordering). A boolean mask or float rows are a ``TypeError`` naming ``index``."""
+        generation reordering). A boolean mask or float rows are a ``TypeError`` naming ``index``, a row outside
+        ``[0, B)`` (a negative one too) an ``IndexError`` naming it."""
         if not isinstance(index, torch.Tensor):
             if isinstance(index, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                           for i in index):
@@ -148,7 +149,13 @@ class FalconState:
             index = torch.tensor(list(index), dtype=torch.long)
         if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
             raise TypeError(f"index must be an integer tensor of rows, got dtype {index.dtype}")
-
+        if index.dim() > 1:
+            raise ValueError(f"index must be one-dimensional [N], got shape {tuple(index.shape)}")
+        if index.device.type == "cpu" and index.numel():  # host rows are checked here (others on their device)
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= self.batch_size:
+                raise IndexError(f"index holds row {low if low < 0 else high}, outside the state's rows "
+                                 f"[0, {self.batch_size})")
         return self._map(lambda t: t.index_select(0, index.to(t.device)))
 
     @staticmethod

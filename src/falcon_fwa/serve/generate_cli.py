@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-file", default=None,
                         help="a file of prompts, one per line (blank lines skipped); - reads them from stdin")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (>= 1)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (default; --top-k and --top-p are then refused); > 0: sample")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample among the most likely tokens holding this probability mass, in (0, 1]")
@@ -106,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, batch_size=args.batch_size)
     check_settings(**settings, seed=args.seed, stop=args.stop, name=lambda n: "--" + n.replace("_", "-"))
+    filters = [o for o, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0)) if on]
+    if filters and args.temperature == 0:  # greedy decoding takes the most likely token whatever they say
+        raise ValueError(f"{' and '.join(filters)} shape a sampled draw, but --temperature 0 (the default) decodes "
+                         "greedily: give --temperature > 0 to sample, or drop them")
     prompts = _prompts(args)
     device = resolve_device(args.device)
     check_model_option(args.model)

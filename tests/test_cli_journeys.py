@@ -43,3 +43,64 @@ def test_generate_takes_the_filters_when_sampling(model_folder, tmp_path):
     assert cli.main(["generate", "--model", model_folder, "--device", "cpu", "--prompt", "a", "--max-new-tokens",
                      "2", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--json", str(out)]) == 0
     assert out.exists()
+
+
+def _compare(tmp_path, *extra):
+    """``falcon-fwa compare`` of two tiny recipes (test_train's) into ``tmp_path/cmp``."""
+    import argparse
+
+    import yaml
+    from test_train import recipe
+
+    from falcon_fwa.train import compare
+
+    paths = []
+    for name, preset in (("a", "tiny-falcon"), ("b", "tiny-transformer")):
+        raw = recipe(tmp_path)
+        raw["model"]["preset"] = preset
+        raw["data"]["out_dir"] = ""
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        paths.append(str(tmp_path / f"{name}.yaml"))
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    return compare.run(parser.parse_args(["--configs", *paths, "--names", "a", "b", "--out", str(tmp_path / "cmp"),
+                                          *extra]))
+
+
+@pytest.mark.parametrize("extra", [
+    ["--steps", "2", "--calib-warmup", "3"],  # a fixed step count: nothing is calibrated
+    ["--calib-warmup", "3"],  # the recipes' own train.steps: nothing is calibrated
+    ["--concurrent", "--time-budget", "30", "--calib-warmup", "3"],  # concurrent calibration has no warm-up steps
+])
+def test_compare_refuses_calib_warmup_where_no_calibration_takes_it(tmp_path, monkeypatch, extra):
+    """As --calib-steps and --max-steps are where nothing is calibrated: a warm-up count nothing would use is
+    refused by name, before any recipe trains or any folder is written."""
+    from falcon_fwa.train import compare
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("recipes ran before the options were checked")
+
+    monkeypatch.setattr(compare, "run_all", no_runs)
+    monkeypatch.setattr(compare, "calibrate_sequential", no_runs)
+    with pytest.raises(ValueError, match=r"^\-\-calib\-warmup"):
+        _compare(tmp_path, *extra)
+    assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("extra, warmup", [([], 2), (["--calib-warmup", "3"], 3)])
+def test_compare_sequential_calibration_takes_calib_warmup_or_two_steps(tmp_path, monkeypatch, extra, warmup):
+    from falcon_fwa.train import compare
+
+    seen = []
+
+    class Calibrated(Exception):
+        pass
+
+    def calibrate(*args, **kwargs):
+        seen.append(kwargs["warmup"])
+        raise Calibrated
+
+    monkeypatch.setattr(compare, "calibrate_sequential", calibrate)
+    with pytest.raises(Calibrated):
+        _compare(tmp_path, "--time-budget", "30", *extra)
+    assert seen == [warmup]

@@ -343,7 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or --time-budget does, and stops the run in progress when it passes")
     parser.add_argument("--calib-steps", type=int, default=None,
                         help="timed calibration steps per recipe (default 6; with --concurrent: 30 training steps)")
-    parser.add_argument("--calib-warmup", type=int, default=2, help="untimed calibration steps first")
+    parser.add_argument("--calib-warmup", type=int, default=None,
+                        help="untimed calibration steps first (default 2; the sequential calibration only)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="cap on the calibrated step count (which is at least 20 otherwise)")
 
@@ -373,10 +374,14 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
     if args.steps is not None and args.time_budget is not None:
         raise ValueError("--steps and --time-budget both set the step count: give one")
     calibrated = args.steps is None and (args.time_budget is not None or args.deadline is not None)
-    for option, value in (("--calib-steps", args.calib_steps), ("--max-steps", args.max_steps)):
+    for option, value in (("--calib-steps", args.calib_steps), ("--calib-warmup", args.calib_warmup),
+                          ("--max-steps", args.max_steps)):
         if value is not None and not calibrated:
             raise ValueError(f"{option} applies to a calibrated step count: give --time-budget or --deadline "
                              "(without --steps)")
+    if args.calib_warmup is not None and args.concurrent:
+        raise ValueError("--calib-warmup applies to the sequential calibration: --concurrent calibrates "
+                         "--calib-steps training steps, whose tokens/s leave out the first ones itself")
     check_input_files("--configs", args.configs)
     parents = {os.path.realpath(p): c for c in args.configs if (p := recipe_parent(c))}
     for c in args.configs:  # a glob such as configs/small/*.yaml also takes the recipes' shared base
@@ -389,8 +394,9 @@ def _sequential_steps(args, names: List[str], sets: List[str], report: dict, dea
     """Calibrate in this process and plan the step count (None: the deadline passed first)."""
     t0 = _clock()
     calib_dir = os.path.join(args.out, "calibration")
-    report["calibration"] = calibrate_sequential(args.configs, names, sets, out_dir=calib_dir, warmup=args.calib_warmup,
-                                                 steps=args.calib_steps or 6, deadline_at=deadline_at)
+    report["calibration"] = calibrate_sequential(args.configs, names, sets, out_dir=calib_dir,
+                                                 warmup=args.calib_warmup or 2, steps=args.calib_steps or 6,
+                                                 deadline_at=deadline_at)
     report["calibration_wall_s"] = _clock() - t0
     budgets = [] if args.time_budget is None else [args.time_budget]
     if deadline_at is not None:

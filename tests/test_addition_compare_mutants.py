@@ -1,0 +1,191 @@
+"""``addition-compare`` and ``addition`` held to docs/addition.md and their docstrings, by hand: which runs
+count as started or unfinished and how the summary lists them; each run started with the evaluation seed and
+every override the lineup was given; the summary's wall-time range of runs trained before it, its verdict's
+baseline/variant labels, its Scale's rule names by carry window, an Abacus offset of 0 stated, its failed
+runs listed; the command recorded as typed; a lineup that trains: exit status 1 with a failed run, the
+failures of its own training, no notes carried over, and the position plot at the largest training width
+and the first and last OOD widths."""
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from falcon_fwa.tasks.addition import cli, compare
+
+RECORD = Path(__file__).resolve().parents[1] / "results" / "addition" / "paper_runs"
+
+
+def _write_run(runs, model, seed, **fields):
+    run_dir = compare._run_dir(runs, model, seed)
+    run_dir.mkdir(parents=True)
+    (run_dir / "results.json").write_text(json.dumps(fields))
+    return run_dir
+
+
+def _compare_args(argv):
+    p = argparse.ArgumentParser()
+    compare.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def _row(model, mean, seeds=(0,), walls=(1.0,)):
+    """A summary row as :func:`compare.summarize` writes it, OOD widths 4-5."""
+    row = {"model": model, "seeds": list(seeds), "steps_done": [40] * len(seeds), "paper": None,
+           "per_seed": [{"seed": s, "wall_time_s": w} for s, w in zip(seeds, walls)]}
+    for key in ("best_step", "val_acc", "mean_acc_4_5", "digit_mean_acc_4_5"):
+        row[key], row[f"{key}_std"] = mean, 0.0
+    for key in ("acc_d4", "acc_d5", "digit_acc_d4", "digit_acc_d5"):
+        row[key] = mean
+    return row
+
+
+def _meta(**over):
+    meta = {"preset_name": "x", "train_widths": [1, 3], "ood_widths": [4, 5], "size": {}, "steps": 40,
+            "batch_size": 4, "lr": 1e-3, "val_per_width": 2, "ood_per_width": 2, "seeds": [0], "device": "cpu",
+            "wall_time_s": 1.0, "command": "c", "commit": "x"}
+    return {**meta, **over}
+
+
+def test_a_run_counts_as_started_once_it_has_a_best_step(tmp_path):
+    """--partial tables unfinished runs at their best step so far: a run folder without results.json, or
+    whose results.json has no best step yet, has nothing to table."""
+    assert not compare._started(tmp_path / "none")
+    assert not compare._started(_write_run(tmp_path, "Transformer", 0, best=None, steps_done=0))
+    assert compare._started(_write_run(tmp_path, "Transformer", 1, best={"step": 2}, steps_done=2))
+
+
+def test_unfinished_runs_lists_each_missing_or_short_run_seed_major(tmp_path):
+    """Budget 40: Transformer seed 0 finished at 40; Mamba-2 seed 0 stopped at 10; Transformer seed 1
+    finished under a shorter budget of 20 (continued, so unfinished); Mamba-2 seed 1 never ran."""
+    _write_run(tmp_path, "Transformer", 0, finished=True, steps_done=40)
+    _write_run(tmp_path, "Mamba-2", 0, finished=False, steps_done=10)
+    _write_run(tmp_path, "Transformer", 1, finished=True, steps_done=20)
+    assert compare.unfinished_runs(tmp_path, ["Transformer", "Mamba-2"], [0, 1], 40) == [
+        "Mamba-2 seed 0 (unfinished: 10 of 40 steps)", "Transformer seed 1 (unfinished: 20 of 40 steps)",
+        "Mamba-2 seed 1 (no run)"]
+    assert compare.unfinished_runs(tmp_path, ["Transformer"], [0], 40) == []
+
+
+def test_each_run_is_started_with_the_evaluation_seed_and_every_override(tmp_path):
+    """docs/addition.md lists the settings that override the preset for every model of a lineup alike; the
+    command a run is started with, read back by ``falcon-fwa addition``'s own parser, carries each of them,
+    with the model, seed, folder, preset, device, dtype and evaluation seed."""
+    given = {"steps": 7, "batch_size": 3, "lr": 0.002, "hidden_size": 24, "num_hidden_layers": 2, "num_heads": 3,
+             "matmul_precision": "high", "curriculum_steps": 5, "operand_order": "lsd", "base": 3,
+             "abacus_offset": 0, "train_widths": [2, 4], "ood_widths": [6, 9], "eval_every": 2,
+             "val_per_width": 5, "ood_per_width": 6, "threads": 1}
+    argv = ["--preset", "paper", "--dtype", "bfloat16", "--eval-seed", "77"]
+    for field, value in given.items():
+        argv += [f"--{field.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    args = _compare_args(argv)
+    args.device = "cpu"  # as check_machine_options resolves it
+    cmd = compare._command(args, "Falcon-1A.2", 4, tmp_path / "out")
+    assert cmd[:3] == [sys.executable, "-m", "falcon_fwa.tasks.addition.cli"]
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    run = p.parse_args(cmd[3:])
+    assert (run.model, run.seed, run.out, run.preset, run.device, run.dtype, run.eval_seed, run.no_progress) == (
+        "Falcon-1A.2", 4, str(tmp_path / "out"), "paper", "cpu", "bfloat16", 77, True)
+    assert {field: getattr(run, field) for field in given} == given
+    # options left out stay out: the run takes the preset's values
+    bare = p.parse_args(compare._command(_compare_args(["--device", "cpu"]), "Transformer", 0, tmp_path)[3:])
+    assert all(getattr(bare, field) is None for field in given) and bare.eval_seed == 1234
+
+
+def test_a_summary_of_runs_trained_before_it_gives_the_range_of_their_wall_times():
+    rows = [_row("Falcon-3A.3", 50.0, seeds=(0, 1), walls=(7.4, 3.2)), _row("Transformer", 40.0, walls=(12.6,))]
+    table = compare.markdown(rows, _meta(wall_time_s=None))
+    assert "wall time of each run: 3-13 s (a summary of runs trained before it" in table
+    assert "wall time of the comparison" not in table
+
+
+def test_the_verdict_names_each_other_model_a_baseline_or_a_variant():
+    """The paper's baselines are the Transformer, Mamba-2 and RetNet; the other Falcon rows are variants."""
+    rows = [_row("Falcon-3A.3", 80.0), _row("RetNet", 70.0), _row("Falcon-1A.3", 90.0), _row("Mamba-2", 80.0)]
+    lines = compare._verdict(rows, "mean_acc_4_5", paper_widths=False)[1:]
+    assert lines == ["- vs RetNet (baseline): 70.0, Falcon-3A.3 ahead by 10.0.",
+                     "- vs Falcon-1A.3 (variant): 90.0, Falcon-3A.3 behind by 10.0.",
+                     "- vs Mamba-2 (baseline): 80.0, Falcon-3A.3 tied."]
+
+
+def test_the_scale_names_each_rule_by_its_carry_window():
+    """Window 0 takes no carry, window 1 the carry from the one place below, window k from k places."""
+    reference = {"uniform": {"digit": 10.0, "exact": 0.0}, "carry_window_0": {"digit": 81.25, "exact": 0.5},
+                 "carry_window_1": {"digit": 95.04, "exact": 16.0}, "carry_window_2": {"digit": 99.5, "exact": 90.0}}
+    lines = compare.markdown([_row("Transformer", 50.0)], _meta(reference=reference)).splitlines()
+    start = lines.index("| rule | digits | exact |")
+    assert lines[start + 2: start + 6] == ["| uniform guessing | 10.0 | 0.0 |", "| no carry | 81.2 | 0.5 |",
+                                           "| carry from the 1 place below | 95.0 | 16.0 |",
+                                           "| carry from the 2 places below | 99.5 | 90.0 |"]
+    assert "## Scale: what simple rules score on widths 4-5" in lines
+
+
+def test_the_run_line_states_digit_places_at_an_offset_of_zero_and_none_without():
+    """``--abacus-offset 0`` embeds each digit's place, unshifted: a setting of its own (``-abacus0``)."""
+    note = "each digit's place in its number embedded (training offset up to {})"
+    rows = [_row("Transformer", 50.0)]
+    assert note.format(0) in compare.markdown(rows, _meta(abacus_offset=0))
+    assert note.format(8) in compare.markdown(rows, _meta(abacus_offset=8))
+    assert "place in its number" not in compare.markdown(rows, _meta(abacus_offset=None))
+    assert "place in its number" not in compare.markdown(rows, _meta())
+
+
+def test_the_summary_lists_its_failed_runs():
+    failed = ["Mamba-2 seed 1 (no run)"]
+    assert "- failed runs: ['Mamba-2 seed 1 (no run)']" in compare.markdown([_row("Transformer", 1.0)],
+                                                                             _meta(failed=failed))
+    assert "failed runs" not in compare.markdown([_row("Transformer", 1.0)], _meta(failed=[]))
+
+
+@pytest.mark.parametrize("script", ["falcon-fwa", "falcon_fwa/cli.py"])
+def test_the_command_is_recorded_as_typed(monkeypatch, script):
+    """Through the falcon-fwa command or python -m falcon_fwa.cli: the subcommand once, then the arguments
+    as a shell reads them back."""
+    monkeypatch.setattr(sys, "argv", [script, "addition-compare", "--models", "Falcon-3A.3", "--name", "a b"])
+    assert compare._invocation() == "falcon-fwa addition-compare --models Falcon-3A.3 --name 'a b'"
+
+
+def test_a_lineup_that_trains_reports_its_failures_and_starts_without_notes(tmp_path, monkeypatch, capsys):
+    """Seed 0 of Falcon-3A.3 and the Transformer finished (the record's runs), seed 1 missing: the lineup
+    trains, and its training (replaced here) fails seed 1 of the Transformer. The command ends with status 1,
+    the summary lists that failure, carries over none of the notes of the summary it replaces (kept whole in
+    t.before.md), and draws the position plot at the largest training width 32 and the OOD widths 33 and 48.
+    A rewrite from the runs (--no-train) lists instead every run missing at the time."""
+    runs = tmp_path / "runs"
+    for model in ("Falcon-3A.3", "Transformer"):
+        shutil.copytree(compare._run_dir(RECORD, model, 0), compare._run_dir(runs, model, 0))
+    (tmp_path / "res").mkdir()
+    earlier = "# an earlier table\n\n## Notes\n\nwritten by hand\n"
+    (tmp_path / "res" / "t.md").write_text(earlier)
+    (tmp_path / "res" / "t_meta.json").write_text(json.dumps({"notes": "of the meta", "command": "c"}))
+    failure = ["Transformer seed 1 (exit 1, see log.txt)"]
+    trained = []
+    monkeypatch.setattr(compare, "train_all", lambda args, r: trained.append(r) or (list(failure), 0))
+    monkeypatch.setattr(compare, "_ood_reference", lambda *a: {})
+    from falcon_fwa.tasks.addition import plot
+
+    monkeypatch.setattr(plot, "plot_accuracy_vs_width", lambda *a, **k: None)
+
+    def positions(results, path, widths=None, title=None):
+        drawn.append(list(widths))
+
+    drawn = []
+    monkeypatch.setattr(plot, "plot_lineup_positions", positions)
+    argv = ["--preset", "paper", "--device", "cpu", "--models", "Falcon-3A.3", "Transformer", "--seeds", "0", "1",
+            "--partial", "--runs", str(runs), "--results", str(tmp_path / "res"), "--name", "t"]
+    assert compare.main(argv) == 1
+    assert trained == [runs] and drawn == [[32, 33, 48]]
+    meta = json.loads((tmp_path / "res" / "t_meta.json").read_text())
+    assert meta["failed"] == failure and meta["notes"] == "" and meta["seeds"] == [0]
+    md = (tmp_path / "res" / "t.md").read_text()
+    assert "## Notes" not in md and "written by hand" not in md and f"- failed runs: {failure}" in md
+    assert (tmp_path / "res" / "t.before.md").read_text() == earlier
+    # from the runs alone: every run missing at the time, and the status of a summary that failed nothing
+    assert compare.main([*argv, "--no-train"]) == 0
+    meta = json.loads((tmp_path / "res" / "t_meta.json").read_text())
+    assert meta["failed"] == ["Falcon-3A.3 seed 1 (no run)", "Transformer seed 1 (no run)"]
+    assert len(trained) == 1 and drawn[-1] == [32, 33, 48]
+    capsys.readouterr()

@@ -104,3 +104,32 @@ def test_compare_sequential_calibration_takes_calib_warmup_or_two_steps(tmp_path
     with pytest.raises(Calibrated):
         _compare(tmp_path, "--time-budget", "30", *extra)
     assert seen == [warmup]
+
+
+@pytest.mark.parametrize("plot", ["ppl.xyz", "ppl.jpg", "ppl"])
+def test_ppl_refuses_a_plot_path_that_is_no_png_before_evaluating(model_folder, tmp_path, capsys, monkeypatch, plot):
+    """The plot is a PNG (--help); its format would follow the file name, and a name matplotlib cannot write
+    would end the command only after the whole evaluation."""
+    from falcon_fwa.eval import ppl_cli
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --plot was checked")
+
+    monkeypatch.setattr(ppl_cli, "position_nll", no_eval)
+    corpus = tmp_path / "val.txt"
+    corpus.write_text("the state is a linear model trained online " * 20)
+    status = cli.main(["ppl", "--model", model_folder, "--data", str(corpus), "--seq-len", "16", "--max-windows",
+                       "2", "--device", "cpu", "--plot", str(tmp_path / plot)])
+    assert status == 2
+    assert capsys.readouterr().err.startswith("falcon-fwa ppl: error: --plot")
+
+
+def test_ppl_writes_the_png_plot_it_is_asked_for(model_folder, tmp_path):
+    corpus = tmp_path / "val.txt"
+    corpus.write_text("the state is a linear model trained online " * 20)
+    plot = tmp_path / "ppl.PNG"
+    assert cli.main(["ppl", "--model", model_folder, "--data", str(corpus), "--seq-len", "16", "--max-windows", "2",
+                     "--device", "cpu", "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the PNG signature

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], type=dtype_option(["fp32", "bf16"]),
                         help="bf16 runs under autocast (float32 and bfloat16 are taken too)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
-    parser.add_argument("--plot", default=None, help="write the perplexity-by-position plot here (PNG)")
+    parser.add_argument("--plot", default=None,
+                        help="write the perplexity-by-position plot here (PNG: a path ending in .png)")
 
 
 def _edges(args: argparse.Namespace) -> list:
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     _check_data(args.data)
     check_output_file("--out", args.out)
     check_output_file("--plot", args.plot)
+    if args.plot and not args.plot.lower().endswith(".png"):  # its format follows the name: refused before the work
+        raise ValueError(f"--plot {args.plot!r}: the plot is a PNG; give a path ending in .png")
     check_tokenizer_in("--model", args.model)
     model, tokenizer = load_model(args.model, device=args.device)
     eos_id = tokenizer.eos_token_id if args.documents == "reset" else None

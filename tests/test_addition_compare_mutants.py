@@ -4,7 +4,9 @@ every override the lineup was given; the summary's wall-time range of runs train
 baseline/variant labels, its Scale's rule names by carry window, an Abacus offset of 0 stated, its failed
 runs listed; the command recorded as typed; a lineup that trains: exit status 1 with a failed run, the
 failures of its own training, no notes carried over, and the position plot at the largest training width
-and the first and last OOD widths."""
+and the first and last OOD widths; `addition`'s and `addition-compare`'s documented defaults, the counts, threads
+and window refused below their bounds naming the option as typed, a curriculum of 0 steps taken, and a CPU
+run on the preset's threads unless --threads is given."""
 import argparse
 import json
 import shutil
@@ -189,3 +191,71 @@ def test_a_lineup_that_trains_reports_its_failures_and_starts_without_notes(tmp_
     assert meta["failed"] == ["Falcon-3A.3 seed 1 (no run)", "Transformer seed 1 (no run)"]
     assert len(trained) == 1 and drawn[-1] == [32, 33, 48]
     capsys.readouterr()
+
+
+def _cli_args(argv):
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_the_commands_defaults_are_the_documented_ones():
+    """``falcon-fwa addition`` with no arguments trains Falcon-3A.3 on the tiny preset, seed 0, evaluation
+    seed 1234; ``addition-compare`` trains the paper's whole table of eight models, seed 0, one run at a
+    time, and writes to results/addition."""
+    run = _cli_args([])
+    assert (run.model, run.preset, run.seed, run.eval_seed, run.device, run.dtype) == (
+        "Falcon-3A.3", "tiny", 0, 1234, "auto", "float32")
+    lineup = _compare_args([])
+    assert sorted(lineup.models) == sorted(["Falcon-3A.3", "Falcon-1A.3", "Falcon-1.3", "Transformer", "Mamba-2",
+                                            "RetNet", "Falcon-1A.1", "Falcon-1A.2"])
+    assert (lineup.preset, lineup.seeds, lineup.jobs, lineup.results, lineup.eval_seed) == (
+        "tiny", [0], 1, "results/addition", 1234)
+
+
+def test_a_curriculum_of_zero_steps_is_the_whole_range_and_a_negative_one_is_refused():
+    assert cli.preset_from_args(_cli_args(["--curriculum-steps", "0"])).curriculum_steps == 0
+    assert cli.preset_from_args(_cli_args(["--curriculum-steps", "3"])).curriculum_steps == 3
+    with pytest.raises(ValueError, match=r"^--curriculum-steps must be >= 0, got -1$"):
+        cli.preset_from_args(_cli_args(["--curriculum-steps", "-1"]))
+
+
+@pytest.mark.parametrize("option", ["--steps", "--batch-size", "--eval-every", "--hidden-size",
+                                    "--num-hidden-layers", "--num-heads", "--val-per-width", "--ood-per-width"])
+def test_each_count_below_one_is_refused_naming_the_option_as_typed(option):
+    with pytest.raises(ValueError, match=rf"^{option} must be >= 1, got 0$"):
+        cli.preset_from_args(_cli_args([option, "0"]))
+
+
+@pytest.mark.parametrize("option", ["--threads", "--window"])
+def test_threads_and_window_below_one_are_refused_naming_the_option(option):
+    args = _cli_args([option, "0", "--device", "cpu"])
+    with pytest.raises(ValueError, match=rf"^{option} must be >= 1, got 0$"):
+        cli.check_machine_options(args)
+    args = _cli_args([option, "1", "--device", "cpu"])
+    cli.check_machine_options(args)
+    assert args.device == "cpu"
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv,threads", [([], 1), (["--threads", "3"], 3)])
+def test_a_cpu_run_takes_the_presets_threads_unless_told(tmp_path, monkeypatch, argv, threads):
+    """The tiny preset's choice on the CPU is one thread; ``--threads`` overrides it. The run is
+    stopped where training would start."""
+    import torch
+
+    from falcon_fwa.tasks.addition import train
+
+    told = []
+    monkeypatch.setattr(torch, "set_num_threads", told.append)
+
+    def start(spec, out, **kw):
+        raise _Started(out)
+
+    monkeypatch.setattr(train, "train_run", start)
+    with pytest.raises(_Started):
+        cli.run(_cli_args(["--device", "cpu", "--out", str(tmp_path / "r"), "--model", "Transformer", *argv]))
+    assert told == [threads]

@@ -133,3 +133,17 @@ def test_ppl_writes_the_png_plot_it_is_asked_for(model_folder, tmp_path):
     assert cli.main(["ppl", "--model", model_folder, "--data", str(corpus), "--seq-len", "16", "--max-windows", "2",
                      "--device", "cpu", "--plot", str(plot)]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the PNG signature
+
+
+def test_compare_refuses_a_run_folder_it_would_not_use(tmp_path, monkeypatch):
+    """Every recipe trains in OUT/main/NAME; a --set train.out_dir would be overridden without a word, and the
+    runs found elsewhere than asked."""
+    from falcon_fwa.train import compare
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("recipes ran before the options were checked")
+
+    monkeypatch.setattr(compare, "run_sequential", no_runs)
+    with pytest.raises(ValueError, match=r"^\-\-set train\.out_dir="):
+        _compare(tmp_path, "--steps", "2", "--set", f"train.out_dir={tmp_path / 'elsewhere'}")
+    assert not (tmp_path / "cmp").exists() and not (tmp_path / "elsewhere").exists()

@@ -382,6 +382,10 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
     if args.calib_warmup is not None and args.concurrent:
         raise ValueError("--calib-warmup applies to the sequential calibration: --concurrent calibrates "
                          "--calib-steps training steps, whose tokens/s leave out the first ones itself")
+    for item in args.overrides:  # each recipe's run folder is OUT/main/NAME, whatever the recipe says
+        if item.partition("=")[0] == "train.out_dir":
+            raise ValueError(f"--set {item}: compare trains each recipe in --out's main/NAME folder, not in "
+                             "train.out_dir; give --out (and --names) instead")
     check_input_files("--configs", args.configs)
     parents = {os.path.realpath(p): c for c in args.configs if (p := recipe_parent(c))}
     for c in args.configs:  # a glob such as configs/small/*.yaml also takes the recipes' shared base

@@ -147,3 +147,22 @@ def test_compare_refuses_a_run_folder_it_would_not_use(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^\-\-set train\.out_dir="):
         _compare(tmp_path, "--steps", "2", "--set", f"train.out_dir={tmp_path / 'elsewhere'}")
     assert not (tmp_path / "cmp").exists() and not (tmp_path / "elsewhere").exists()
+
+
+def test_ppl_points_a_prepared_data_folder_to_its_split(model_folder, tmp_path, capsys, monkeypatch):
+    """`falcon-fwa data --out DIR` writes DIR/train and DIR/val; --data DIR (the folder that command was given)
+    holds no text, and the error names the shard folders that --data takes."""
+    from falcon_fwa.data import DataSpec, prepare_dataset
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of the state" for i in range(40)))
+    prepared = tmp_path / "prepared"
+    prepare_dataset(DataSpec(train_source=str(corpus), text_split="line", val_every=4), str(prepared))
+    capsys.readouterr()  # the tokenizing's progress bars
+    args = ["ppl", "--model", model_folder, "--seq-len", "16", "--max-windows", "1", "--device", "cpu"]
+    assert cli.main([*args, "--data", str(prepared)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa ppl: error: --data '{prepared}' is a prepared data folder")
+    assert f"{prepared / 'val'} or {prepared / 'train'}" in err
+    assert cli.main([*args, "--data", str(prepared / "val")]) == 0  # the split it names is taken

@@ -59,6 +59,10 @@ def _check_data(sources: list) -> None:
     for source in sources:
         if source.startswith("hf:") or is_shard_folder(source):
             continue
+        if os.path.isfile(os.path.join(source, "prepared.json")):  # what `falcon-fwa data --out` wrote
+            splits = [os.path.join(source, s) for s in ("val", "train") if is_shard_folder(os.path.join(source, s))]
+            raise FileNotFoundError(f"--data {source!r} is a prepared data folder, not a split: give one of its "
+                                    f"token shard folders ({' or '.join(splits) or 'none is complete'})")
         try:
             list_files(source)
         except FileNotFoundError as err:

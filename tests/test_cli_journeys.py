@@ -166,3 +166,29 @@ def test_ppl_points_a_prepared_data_folder_to_its_split(model_folder, tmp_path, 
     assert err.startswith(f"falcon-fwa ppl: error: --data '{prepared}' is a prepared data folder")
     assert f"{prepared / 'val'} or {prepared / 'train'}" in err
     assert cli.main([*args, "--data", str(prepared / "val")]) == 0  # the split it names is taken
+
+
+def test_a_run_folder_given_as_model_names_its_exported_model(tmp_path, capsys, monkeypatch):
+    """`falcon-fwa train` exports to train.out_dir/model; --model given train.out_dir itself names that folder,
+    or says that the run has exported none yet."""
+    import json
+    import shutil
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    data = tmp_path / "val.txt"
+    data.write_text("text " * 50)
+    for command in (["ppl", "--data", str(data)], ["generate", "--prompt", "a"]):
+        assert cli.main([command[0], "--model", str(run), *command[1:], "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("falcon-fwa %s: error: --model: model folder" % command[0])
+        assert "exported to model/ once it reaches train.steps" in err
+    model = run / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({}))
+    assert cli.main(["generate", "--model", str(run), "--prompt", "a", "--device", "cpu"]) == 2
+    assert f"its model is {model}" in capsys.readouterr().err
+    shutil.rmtree(run / "checkpoints")
+    assert cli.main(["generate", "--model", str(run), "--prompt", "a", "--device", "cpu"]) == 2  # no run's folder
+    assert "training run" not in capsys.readouterr().err

@@ -49,7 +49,12 @@ def check_model_option(folder: str) -> None:
     try:
         check_model_folder(folder)
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"--model: {err}") from None
+        hint = ""
+        if os.path.isdir(os.path.join(folder, "checkpoints")) or os.path.isfile(os.path.join(folder, "summary.json")):
+            exported = os.path.isfile(os.path.join(folder, "model", "config.json"))  # a training run's folder
+            hint = (f"; it is a training run's folder: its model is {os.path.join(folder, 'model')}" if exported else
+                    "; it is a training run's folder, whose model is exported to model/ once it reaches train.steps")
+        raise FileNotFoundError(f"--model: {err}{hint}") from None
 
 
 # the files a saved tokenizer leaves in its folder (a fast tokenizer's, or a slow one's vocabulary)

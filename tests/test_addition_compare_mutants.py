@@ -1,12 +1,15 @@
-"""``addition-compare`` and ``addition`` held to docs/addition.md and their docstrings, by hand: which runs
-count as started or unfinished and how the summary lists them; each run started with the evaluation seed and
-every override the lineup was given; the summary's wall-time range of runs trained before it, its verdict's
-baseline/variant labels, its Scale's rule names by carry window, an Abacus offset of 0 stated, its failed
-runs listed; the command recorded as typed; a lineup that trains: exit status 1 with a failed run, the
-failures of its own training, no notes carried over, and the position plot at the largest training width
-and the first and last OOD widths; `addition`'s and `addition-compare`'s documented defaults, the counts, threads
-and window refused below their bounds naming the option as typed, a curriculum of 0 steps taken, and a CPU
-run on the preset's threads unless --threads is given."""
+"""``addition-compare``, ``addition`` and their plots held to docs/addition.md and their docstrings, by hand:
+which runs count as started or unfinished and how the summary lists them; each run started with the
+evaluation seed and every override the lineup was given; the summary's wall-time range of runs trained before
+it, its verdict's baseline/variant labels, its Scale's rule names by carry window, an Abacus offset of 0 and a
+curriculum of 0 steps stated as such, its failed runs and training command listed; the command recorded as
+typed; a lineup that trains: exit status 1 with a failed run, the failures of its own training, no notes
+carried over, the position plot at the largest training width and the first and last OOD widths; one seed for
+every row when no seed has every model; the commands' documented defaults, counts, threads and window refused
+below their bounds naming the option as typed, a CPU run on the preset's threads unless told; the heat map's
+column k for answer position k and rows from the smallest width, none without positions; the lineup position
+plot's guessing at 1/10 for runs from before the base option and both ends of the training widths named
+training."""
 import argparse
 import json
 import shutil
@@ -259,3 +262,106 @@ def test_a_cpu_run_takes_the_presets_threads_unless_told(tmp_path, monkeypatch, 
     with pytest.raises(_Started):
         cli.run(_cli_args(["--device", "cpu", "--out", str(tmp_path / "r"), "--model", "Transformer", *argv]))
     assert told == [threads]
+
+
+def _spy_axes(monkeypatch, *names):
+    """Records the positional arguments of some ``matplotlib.axes.Axes`` methods, which still draw."""
+    import matplotlib.axes
+
+    calls = {name: [] for name in names}
+    for name in names:
+        original = getattr(matplotlib.axes.Axes, name)
+
+        def spy(ax, *args, _name=name, _original=original, **kwargs):
+            calls[_name].append(args)
+            return _original(ax, *args, **kwargs)
+
+        monkeypatch.setattr(matplotlib.axes.Axes, name, spy)
+    return calls
+
+
+def test_the_heat_map_puts_answer_position_k_in_column_k(tmp_path, monkeypatch):
+    """x is the answer position, k = 0 the units digit: a width-3 run right on its units digit only has 100
+    in column 0 and 0 in columns 1-3; a width-2 run wrong on its final carry only, 0 in column 2."""
+    pytest.importorskip("matplotlib")
+    import numpy as np
+
+    from falcon_fwa.tasks.addition.plot import plot_accuracy_by_position
+
+    calls = _spy_axes(monkeypatch, "imshow")
+    per = {"2": [100.0, 100.0, 0.0], "3": [100.0, 0.0, 0.0, 0.0]}
+    result = {"model": "m", "preset": {"train_widths": [1, 2]}, "best": {"step": 1, "per_position": per}}
+    assert plot_accuracy_by_position(result, tmp_path / "h.png").stat().st_size > 0
+    (grid,), = calls["imshow"]
+    assert grid.shape == (2, 4)
+    assert list(grid[1]) == [100.0, 0.0, 0.0, 0.0]
+    assert list(grid[0, :3]) == [100.0, 100.0, 0.0] and np.isnan(grid[0, 3])
+
+
+def test_the_lineup_position_plot_of_runs_before_the_base_option_dots_guessing_at_10(tmp_path, monkeypatch):
+    """Runs from before an option count as its default: base 10, guessing right on 10 % of the digits."""
+    pytest.importorskip("matplotlib")
+    from falcon_fwa.tasks.addition.plot import plot_lineup_positions
+
+    calls = _spy_axes(monkeypatch, "axhline")
+    run = {"preset": {"train_widths": [1, 3]}, "best": {"step": 1, "per_position": {"4": [50.0] * 5}}}
+    assert plot_lineup_positions({"m": [run]}, tmp_path / "p.png", widths=[4]).stat().st_size > 0
+    assert calls["axhline"] == [(10.0,)]
+
+
+def test_the_lineup_position_plot_names_both_ends_of_the_training_widths_training(tmp_path, monkeypatch):
+    """Training widths 3-5 include 3 and 5; 6 is past them."""
+    pytest.importorskip("matplotlib")
+    from falcon_fwa.tasks.addition.plot import plot_lineup_positions
+
+    calls = _spy_axes(monkeypatch, "set_title")
+    per = {str(w): [100.0] * (w + 1) for w in (3, 5, 6)}
+    run = {"preset": {"train_widths": [3, 5], "base": 10}, "best": {"step": 1, "per_position": per}}
+    assert plot_lineup_positions({"m": [run]}, tmp_path / "p.png", widths=[3, 5, 6]).stat().st_size > 0
+    assert [c[0] for c in calls["set_title"]] == ["width 3 (training)", "width 5 (training)",
+                                                  "width 6 (out of distribution)"]
+
+
+def test_without_a_seed_common_to_all_models_the_table_takes_one_seed_for_every_row(tmp_path, monkeypatch, capsys):
+    """Falcon-3A.3 ran seed 0 only and the Transformer seed 1 only: no seed has every model, so the table
+    takes the first seed that has a run (0) and leaves out the model without it, rather than rows that
+    average different seeds."""
+    runs = tmp_path / "runs"
+    for model, seed in (("Falcon-3A.3", 0), ("Transformer", 1)):
+        held = json.loads((compare._run_dir(RECORD, model, 0) / "results.json").read_text())
+        compare._run_dir(runs, model, seed).mkdir(parents=True)
+        (compare._run_dir(runs, model, seed) / "results.json").write_text(json.dumps({**held, "seed": seed}))
+    monkeypatch.setattr(compare, "_ood_reference", lambda *a: {})
+    from falcon_fwa.tasks.addition import plot
+
+    monkeypatch.setattr(plot, "plot_accuracy_vs_width", lambda *a, **k: None)
+    monkeypatch.setattr(plot, "plot_lineup_positions", lambda *a, **k: None)
+    assert compare.main(["--preset", "paper", "--device", "cpu", "--models", "Falcon-3A.3", "Transformer",
+                         "--seeds", "0", "1", "--no-train", "--partial", "--runs", str(runs),
+                         "--results", str(tmp_path), "--name", "t"]) == 0
+    capsys.readouterr()
+    assert [(r["model"], r["seeds"]) for r in json.loads((tmp_path / "t.json").read_text())] == [("Falcon-3A.3", [0])]
+    assert json.loads((tmp_path / "t_meta.json").read_text())["seeds"] == [0]
+
+
+def test_the_summary_names_the_command_that_trained_its_runs():
+    rows = [_row("Transformer", 1.0)]
+    command = "falcon-fwa addition-compare --models Transformer"
+    assert f"- the runs were trained by: `{command}`" in compare.markdown(rows, _meta(trained_by=command))
+    assert "trained by" not in compare.markdown(rows, _meta(trained_by=None))
+
+
+def test_a_curriculum_of_zero_steps_is_not_stated_as_one():
+    """0 curriculum steps is the whole range from the start, as in the paper."""
+    rows = [_row("Transformer", 1.0)]
+    assert "widths growing" not in compare.markdown(rows, _meta(curriculum_steps=0))
+    assert "widths growing from 1 to 3 over the first 5 steps" in compare.markdown(rows, _meta(curriculum_steps=5))
+
+
+def test_a_best_step_without_positions_draws_no_heat_map(tmp_path, capsys):
+    from falcon_fwa.tasks.addition.plot import plot_accuracy_by_position
+
+    for best in ({"step": 1, "per_position": {}}, {"step": 1}):
+        result = {"model": "m", "preset": {"train_widths": [1, 2]}, "best": best}
+        assert plot_accuracy_by_position(result, tmp_path / "h.png") is None
+        assert "no heat map" in capsys.readouterr().out and not (tmp_path / "h.png").exists()

@@ -72,6 +72,10 @@ def test_unfinished_runs_lists_each_missing_or_short_run_seed_major(tmp_path):
         "Mamba-2 seed 0 (unfinished: 10 of 40 steps)", "Transformer seed 1 (unfinished: 20 of 40 steps)",
         "Mamba-2 seed 1 (no run)"]
     assert compare.unfinished_runs(tmp_path, ["Transformer"], [0], 40) == []
+    # at the last step of the budget but not marked finished (stopped before its end): not skipped
+    _write_run(tmp_path, "RetNet", 0, finished=False, steps_done=40)
+    assert not compare._finished(compare._run_dir(tmp_path, "RetNet", 0), 40)
+    assert compare.unfinished_runs(tmp_path, ["RetNet"], [0], 40) == ["RetNet seed 0 (unfinished: 40 of 40 steps)"]
 
 
 def test_each_run_is_started_with_the_evaluation_seed_and_every_override(tmp_path):
@@ -325,23 +329,26 @@ def test_the_lineup_position_plot_names_both_ends_of_the_training_widths_trainin
 def test_without_a_seed_common_to_all_models_the_table_takes_one_seed_for_every_row(tmp_path, monkeypatch, capsys):
     """Falcon-3A.3 ran seed 0 only and the Transformer seed 1 only: no seed has every model, so the table
     takes the first seed that has a run (0) and leaves out the model without it, rather than rows that
-    average different seeds."""
+    average different seeds. The runs' evaluation seed (7) is recorded, and the Scale is computed with it."""
     runs = tmp_path / "runs"
     for model, seed in (("Falcon-3A.3", 0), ("Transformer", 1)):
         held = json.loads((compare._run_dir(RECORD, model, 0) / "results.json").read_text())
         compare._run_dir(runs, model, seed).mkdir(parents=True)
-        (compare._run_dir(runs, model, seed) / "results.json").write_text(json.dumps({**held, "seed": seed}))
-    monkeypatch.setattr(compare, "_ood_reference", lambda *a: {})
+        (compare._run_dir(runs, model, seed) / "results.json").write_text(
+            json.dumps({**held, "seed": seed, "eval_seed": 7}))  # as runs of evaluation seed 7
+    scale_seeds = []
+    monkeypatch.setattr(compare, "_ood_reference", lambda eval_seed, preset: scale_seeds.append(eval_seed) or {})
     from falcon_fwa.tasks.addition import plot
 
     monkeypatch.setattr(plot, "plot_accuracy_vs_width", lambda *a, **k: None)
     monkeypatch.setattr(plot, "plot_lineup_positions", lambda *a, **k: None)
     assert compare.main(["--preset", "paper", "--device", "cpu", "--models", "Falcon-3A.3", "Transformer",
                          "--seeds", "0", "1", "--no-train", "--partial", "--runs", str(runs),
-                         "--results", str(tmp_path), "--name", "t"]) == 0
+                         "--results", str(tmp_path), "--name", "t", "--eval-seed", "7"]) == 0
     capsys.readouterr()
     assert [(r["model"], r["seeds"]) for r in json.loads((tmp_path / "t.json").read_text())] == [("Falcon-3A.3", [0])]
-    assert json.loads((tmp_path / "t_meta.json").read_text())["seeds"] == [0]
+    meta = json.loads((tmp_path / "t_meta.json").read_text())
+    assert meta["seeds"] == [0] and meta["eval_seed"] == 7 and scale_seeds == [7]  # the Scale on their OOD set
 
 
 def test_the_summary_names_the_command_that_trained_its_runs():
@@ -365,3 +372,11 @@ def test_a_best_step_without_positions_draws_no_heat_map(tmp_path, capsys):
         result = {"model": "m", "preset": {"train_widths": [1, 2]}, "best": best}
         assert plot_accuracy_by_position(result, tmp_path / "h.png") is None
         assert "no heat map" in capsys.readouterr().out and not (tmp_path / "h.png").exists()
+
+
+@pytest.mark.parametrize("seed", [-2 ** 63 - 1, 2 ** 64])
+def test_a_seed_torch_does_not_take_is_refused_naming_seeds(seed):
+    args = _compare_args(["--seeds", "0", str(seed)])
+    with pytest.raises(ValueError, match=rf"^--seeds must lie in \[-2\^63, 2\^64\), got {seed}$"):
+        compare.check_compare_options(args)
+    compare.check_compare_options(_compare_args(["--seeds", "0", str(-2 ** 63), str(2 ** 64 - 1)]))

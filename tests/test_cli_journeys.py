@@ -192,3 +192,30 @@ def test_a_run_folder_given_as_model_names_its_exported_model(tmp_path, capsys, 
     shutil.rmtree(run / "checkpoints")
     assert cli.main(["generate", "--model", str(run), "--prompt", "a", "--device", "cpu"]) == 2  # no run's folder
     assert "training run" not in capsys.readouterr().err
+
+
+def test_compare_refuses_a_micro_batch_that_does_not_split_the_batch_before_any_recipe_trains(tmp_path, monkeypatch):
+    """The recipes share train.global_batch but not micro_batch; one whose micro-batch does not divide it (every
+    recipe trains in one process) would fail only after the recipes before it had trained."""
+    import yaml
+
+    from falcon_fwa.train import compare
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("recipes ran before the batch was checked")
+
+    monkeypatch.setattr(compare, "run_sequential", no_runs)
+    monkeypatch.setattr(compare, "calibrate_sequential", no_runs)
+    real_load = compare.load_config
+
+    def micro_batch_3_in_b(path, sets):
+        if path.endswith("b.yaml"):
+            sets = [*sets, "train.micro_batch=3"]
+        return real_load(path, sets)
+
+    monkeypatch.setattr(compare, "load_config", micro_batch_3_in_b)
+    with pytest.raises(ValueError, match=r"b\.yaml: train\.global_batch = 4 is not a multiple of train\.micro_batch "
+                                         r"= 3"):
+        _compare(tmp_path, "--steps", "2")
+    assert yaml.safe_load((tmp_path / "b.yaml").read_text())["train"]["global_batch"] == 4
+    assert not (tmp_path / "cmp" / "compare.json").exists() and not (tmp_path / "cmp" / "data").exists()

@@ -473,8 +473,13 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     first = load_config(args.configs[0], args.overrides)
     d = first.data
     sets_steps = args.steps is not None or args.time_budget is not None or args.deadline is not None
-    for c in args.configs[1:]:
-        other = load_config(c, args.overrides)
+    for c in args.configs:  # each trains in one process: a batch that does not split fails here, not after the others
+        other = first if c == args.configs[0] else load_config(c, args.overrides)
+        if other.train.global_batch % other.train.micro_batch:
+            raise ValueError(f"{c}: train.global_batch = {other.train.global_batch} is not a multiple of "
+                             f"train.micro_batch = {other.train.micro_batch} (each recipe trains in one process)")
+        if other is first:
+            continue
         differ = _shared_fields_that_differ(first, other)
         if differ:
             raise ValueError(f"{c}: {', '.join(f'{k} = {v!r}' for k, v, _ in differ)}, {args.configs[0]} has "

@@ -1,5 +1,6 @@
-"""Command-line journeys end to end: option combinations that would be silently ignored are refused, naming
-the options, before any model loads or any step trains."""
+"""Command-line journeys end to end: option combinations that would be silently ignored, or fail only after
+the work, are refused naming the options before any model loads or any step trains; a folder of the wrong
+kind (a run folder for --model, a prepared data folder for --data) is answered with the folder to give."""
 import pytest
 
 from falcon_fwa import cli

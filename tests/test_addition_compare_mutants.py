@@ -380,3 +380,25 @@ def test_a_seed_torch_does_not_take_is_refused_naming_seeds(seed):
     with pytest.raises(ValueError, match=rf"^--seeds must lie in \[-2\^63, 2\^64\), got {seed}$"):
         compare.check_compare_options(args)
     compare.check_compare_options(_compare_args(["--seeds", "0", str(-2 ** 63), str(2 ** 64 - 1)]))
+
+
+def test_a_runs_seed_torch_does_not_take_is_refused_before_anything_is_written(tmp_path):
+    for seed in (-2 ** 63 - 1, 2 ** 64):
+        with pytest.raises(ValueError, match=rf"^--seed must lie in \[-2\^63, 2\^64\), got {seed}$"):
+            cli.run(_cli_args(["--device", "cpu", "--seed", str(seed), "--out", str(tmp_path / "r")]))
+    assert not any(tmp_path.iterdir())
+
+
+def test_every_mixer_of_the_config_can_be_named_and_a_misspelt_field_is_refused():
+    """A variant is trained under its mixer's name: every mixer a config takes is one. A field the config
+    does not have raises instead of being stored unused."""
+    from falcon_fwa.models import configuration
+    from falcon_fwa.tasks.addition.lineup import MIXERS, build_model, resolve_model
+
+    assert set(MIXERS) == set(configuration.MIXERS)
+    for mixer in configuration.MIXERS:
+        assert resolve_model(mixer) == {"mixer": mixer}
+    size = {"hidden_size": 8, "num_hidden_layers": 1, "num_heads": 2}
+    with pytest.raises(ValueError, match="unknown config field 'rulee'"):
+        build_model({"mixer": "falcon", "rulee": "3A"}, size, vocab_size=14)
+    assert build_model({"mixer": "falcon", "rule": "3A"}, size, vocab_size=14).config.rule == "3A"

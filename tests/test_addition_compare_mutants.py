@@ -9,7 +9,8 @@ every row when no seed has every model; the commands' documented defaults, count
 below their bounds naming the option as typed, a CPU run on the preset's threads unless told; the heat map's
 column k for answer position k and rows from the smallest width, none without positions; the lineup position
 plot's guessing at 1/10 for runs from before the base option and both ends of the training widths named
-training."""
+training; the lineup's runs started seed-major, --jobs at a time, skipping finished ones, failures named;
+every config mixer nameable, a misspelt config field refused."""
 import argparse
 import json
 import shutil
@@ -402,3 +403,57 @@ def test_every_mixer_of_the_config_can_be_named_and_a_misspelt_field_is_refused(
     with pytest.raises(ValueError, match="unknown config field 'rulee'"):
         build_model({"mixer": "falcon", "rulee": "3A"}, size, vocab_size=14)
     assert build_model({"mixer": "falcon", "rule": "3A"}, size, vocab_size=14).config.rule == "3A"
+
+
+class _FakeRun:
+    """Stands for a run's process: alive for one poll, then ended with the exit status its (model, seed)
+    is given; a run that ends with 0 has written its results.json, as a finished run does."""
+    alive, started, most = set(), [], 0
+    status = {}
+
+    def __init__(self, cmd, **kw):
+        self.model, self.seed = cmd[cmd.index("--model") + 1], int(cmd[cmd.index("--seed") + 1])
+        self.out, self.returncode, self.polls = Path(cmd[cmd.index("--out") + 1]), None, 0
+        _FakeRun.started.append((self.model, self.seed))
+        _FakeRun.alive.add(self)
+        _FakeRun.most = max(_FakeRun.most, len(_FakeRun.alive))
+
+    def poll(self):
+        self.polls += 1
+        if self.polls > 1 and self.returncode is None:
+            self.returncode = _FakeRun.status.get((self.model, self.seed), 0)
+            _FakeRun.alive.discard(self)
+            if self.returncode == 0:
+                (self.out / "results.json").write_text(json.dumps(
+                    {"finished": True, "steps_done": 2, "best": {"val_acc": 1.0, "mean_acc_ood": 0.0}}))
+        return self.returncode
+
+    def wait(self):
+        while self.poll() is None:
+            pass
+        return self.returncode
+
+
+def test_train_all_starts_the_missing_runs_seed_major_at_most_jobs_at_a_time(tmp_path, monkeypatch):
+    """Two models, seeds 0-2, Mamba-2 seed 0 already finished at the budget of 2 steps: the other five
+    runs start in seed-major order (every model's seed 0 before any seed 1), two at a time with --jobs 2;
+    the one that exits with status 3 is the failure reported, naming its log."""
+    import subprocess
+
+    monkeypatch.setattr(_FakeRun, "alive", set())
+    monkeypatch.setattr(_FakeRun, "started", [])
+    monkeypatch.setattr(_FakeRun, "most", 0)
+    monkeypatch.setattr(_FakeRun, "status", {("Transformer", 1): 3})
+    monkeypatch.setattr(subprocess, "Popen", _FakeRun)
+    monkeypatch.setattr(compare.time, "sleep", lambda s: None)
+    runs = tmp_path / "runs"
+    _write_run(runs, "Mamba-2", 0, finished=True, steps_done=2)
+    args = _compare_args(["--models", "Transformer", "Mamba-2", "--seeds", "0", "1", "2", "--jobs", "2",
+                          "--steps", "2", "--device", "cpu"])
+    failed, stopped_by = compare.train_all(args, runs)
+    assert _FakeRun.started == [("Transformer", 0), ("Transformer", 1), ("Mamba-2", 1), ("Transformer", 2),
+                                ("Mamba-2", 2)]
+    assert _FakeRun.most == 2 and stopped_by == 0
+    assert failed == [f"Transformer seed 1 (exit 3, see {compare._run_dir(runs, 'Transformer', 1)}/log.txt)"]
+    assert compare.unfinished_runs(runs, ["Transformer", "Mamba-2"], [0, 1, 2], 2) == [
+        "Transformer seed 1 (no run)"]

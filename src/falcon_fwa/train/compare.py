@@ -28,7 +28,11 @@ but not charged again. (With ``--concurrent``, calibration runs all recipes at o
 training when it passes stops at its next step boundary, is evaluated and is marked
 ``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``. A SIGTERM,
 SIGINT or SIGHUP stops the sequential recipe in progress the same way, with a checkpoint but no evaluation
-(``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal. A recipe that
+(``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal. With ``--concurrent``
+it stops every run in progress so (each is asked with a SIGHUP, which a run takes once), waits for them and
+records each as it ended (``stopped`` with its checkpoint, ``done`` or ``failed``; its ``signal`` names the
+command's), and ends the command with 128 + the signal too; one during the concurrent calibration trains no
+recipe (all ``not_run``). A second SIGTERM or SIGINT ends the runs at once. A recipe that
 fails is marked ``failed`` (with its error) and the others go on; the command then ends with status 1.
 Without ``--steps``, ``--time-budget`` or ``--deadline`` the recipes must share ``train.steps``.
 
@@ -57,13 +61,14 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from typing import Iterator, List, Optional, Tuple
 
 from ..atomic import folder_lock, read_json, write_json
 from ..cli_options import at_least, check_input_files, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
-from .launch import device_description, end_with_parent
+from .launch import PARENT_ENDED, StopSignals, device_description, end_with_parent
 from .logger import read_log
 
 _clock = time.monotonic  # every time in this module comes from here
@@ -268,41 +273,82 @@ def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=end_with_parent())
 
 
-def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str) -> Iterator[Event]:
+def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str,
+            signals: Optional[StopSignals] = None) -> Iterator[Event]:
     """Run every recipe concurrently, one process each, from scratch in ``out_dir/tag/NAME``;
-    yields like ``run_sequential``, each recipe as its process ends."""
+    yields like ``run_sequential``, each recipe as its process ends. While it runs, a SIGTERM, SIGINT or
+    SIGHUP to this command (``signals``: a :class:`StopSignals` of its own unless given) asks every run
+    still going to stop at the end of its step (:data:`PARENT_ENDED`, which a run takes once however often
+    it comes); each is waited for and yielded as it ended: stopped (with its checkpoint; its result's
+    ``signal`` names what stopped the command), done or failed. Recipes not launched yet are not_run
+    (their result's ``signal`` names it too). A second SIGTERM or SIGINT ends the runs at once."""
     procs = {}
-    try:
-        for cfg, name in zip(configs, names):
-            run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
-            procs[name] = (_launch(cfg, run_dir, sets, os.path.join(run_dir, "stdout.txt")), run_dir)
-            yield name, "running", None
-        yield from _collect(procs)
-    finally:  # ended otherwise (an error, Ctrl-C, the caller gone): no run goes on unseen
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+    with (StopSignals(True) if signals is None else nullcontext(signals)) as signals:
+        try:
+            for cfg, name in zip(configs, names):
+                if signals.received:
+                    by = signal.Signals(signals.received).name
+                    yield name, "not_run", {"error": f"stopped by {by} before this recipe started", "signal": by}
+                    continue
+                run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
+                procs[name] = (_launch(cfg, run_dir, sets, os.path.join(run_dir, "stdout.txt")), run_dir)
+                yield name, "running", None
+            yield from _collect(procs, signals)
+        finally:  # ended otherwise (an error, a second Ctrl-C, the caller gone): no run goes on unseen
+            for proc, _ in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
 
 
-def _collect(procs: dict) -> Iterator[Event]:
-    """Yield each process of ``procs`` (name -> (process, run folder)) as it ends, removing it."""
+def _collect(procs: dict, signals: Optional[StopSignals] = None) -> Iterator[Event]:
+    """Yield each process of ``procs`` (name -> (process, run folder)) as it ends, removing it; once
+    ``signals`` has received a stop signal, ask those still going to stop (see :func:`run_all`)."""
+    asked = False
     while procs:
+        if not asked and signals is not None and signals.received:
+            asked = True
+            for proc, _ in procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(PARENT_ENDED if PARENT_ENDED is not None else signal.SIGTERM)
         ended = [name for name, (proc, _) in procs.items() if proc.poll() is not None]
         if not ended:
-            time.sleep(0.5)
+            time.sleep(0.2 if asked else 0.5)
         for name in ended:
             proc, run_dir = procs.pop(name)
-            summary_path = os.path.join(run_dir, "summary.json")
-            if proc.returncode != 0 or not os.path.isfile(summary_path):
-                with open(os.path.join(run_dir, "stdout.txt")) as f:
-                    tail = f.read()[-2000:]
-                yield name, "failed", {"error": f"exit code {proc.returncode}", "stdout_tail": tail}
-                continue
-            with open(summary_path) as f:
-                result = json.load(f)
-            result["log"] = read_log(os.path.join(run_dir, "log.jsonl"))
-            yield name, "done", result
+            yield (name, *_outcome(proc.returncode, run_dir, signals.received if asked else 0))
+
+
+def _outcome(returncode: int, run_dir: str, stop_signal: int) -> Tuple[str, dict]:
+    """``(status, result)`` of a launched run that ended with ``returncode`` in ``run_dir``: done (exit 0,
+    its summary), stopped (exit 128 + the signal its summary names: ended early with a checkpoint; when
+    this command asked it to stop, the result names ``stop_signal``, what stopped the command), else failed."""
+    summary_path = os.path.join(run_dir, "summary.json")
+    summary = None
+    if os.path.isfile(summary_path):
+        try:
+            summary = read_json(summary_path)
+        except (OSError, ValueError):
+            summary = None
+    by = summary.get("signal") if isinstance(summary, dict) else None
+    stopped = by in signal.Signals.__members__ and returncode == 128 + signal.Signals[by]
+    if summary is None or not (returncode == 0 or stopped):
+        with open(os.path.join(run_dir, "stdout.txt")) as f:
+            tail = f.read()[-2000:]
+        ended_by = {stop_signal} | ({PARENT_ENDED} if PARENT_ENDED is not None else set())
+        if stop_signal and (-returncode in ended_by or returncode - 128 in ended_by):
+            error = f"stopped by {signal.Signals(stop_signal).name} before its first step (no checkpoint)"
+            return "stopped", {"signal": signal.Signals(stop_signal).name, "steps": 0, "error": error,
+                               "stdout_tail": tail}
+        return "failed", {"error": f"exit code {returncode}", "stdout_tail": tail}
+    result = dict(summary)
+    log_path = os.path.join(run_dir, "log.jsonl")
+    result["log"] = read_log(log_path) if os.path.isfile(log_path) else []
+    if stopped:
+        if stop_signal:
+            result["signal"] = signal.Signals(stop_signal).name
+        return "stopped", result
+    return "done", result
 
 
 def summary_line(name: str, result: dict, index: int, total: int) -> str:
@@ -415,8 +461,13 @@ def _sequential_steps(args, names: List[str], sets: List[str], report: dict, dea
     return steps
 
 
+class CalibrationStopped(Exception):
+    """A stop signal (its name, the exception's text) ended the concurrent calibration."""
+
+
 def _concurrent_steps(args, names: List[str], sets: List[str], report: dict) -> int:
-    """Run every recipe at once for ``--calib-steps`` steps; the slowest sets the step count."""
+    """Run every recipe at once for ``--calib-steps`` steps; the slowest sets the step count.
+    ``CalibrationStopped`` where a stop signal ended a calibration run."""
     calib_steps = args.calib_steps or 30
     calib = [f"train.steps={calib_steps}", "train.eval_every=0", "train.save_every=0",
              "train.export_model=false", f"log.every={max(1, calib_steps // 3)}"]
@@ -424,6 +475,9 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict) -> 
     res = {n: r for n, _, r in run_all(args.configs, names, args.out, sets + calib, "calibration") if r}
     report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
     report["calibration_wall_s"] = _clock() - t0
+    by = [r["signal"] for r in res.values() if r.get("signal")]
+    if by:
+        raise CalibrationStopped(by[0])
     slowest = min(r.get("tokens_per_s") or 0.0 for r in res.values())
     if slowest <= 0:
         raise RuntimeError(f"calibration failed: {report['calibration']}")
@@ -509,7 +563,13 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     steps = args.steps
     if steps is None and (args.time_budget or args.deadline):
         if args.concurrent:
-            steps = _concurrent_steps(args, names, sets, report)
+            try:
+                steps = _concurrent_steps(args, names, sets, report)
+            except CalibrationStopped as stop:
+                report.update(status={n: "not_run" for n in names}, error=f"stopped by {stop} during calibration")
+                save()
+                print(f"{report['error']}: no recipe trained", file=sys.stderr, flush=True)
+                return 128 + signal.Signals[str(stop)]
         else:
             steps = _sequential_steps(args, names, sets, report, deadline_at)
             if steps is None:
@@ -545,9 +605,12 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
                   + ("  (kept from the earlier launch)" if result.get("kept") else ""), flush=True)
         report["main_wall_s"] = _clock() - t0
         save()
-    stopped = [r["signal"] for r in report["runs"].values() if r.get("status") == "stopped"]
+    stopped = [r["signal"] for r in report["runs"].values() if r.get("status") in ("stopped", "not_run")
+               and r.get("signal")]
     if stopped:
-        print(f"stopped by {stopped[0]}: the same command goes on from the recipes done", file=sys.stderr, flush=True)
+        again = ("the same command trains them all afresh" if args.concurrent else
+                 "the same command goes on from the recipes done")
+        print(f"stopped by {stopped[0]}: {again}", file=sys.stderr, flush=True)
         return 128 + signal.Signals[stopped[0]]
     report["finished"] = True
     save()

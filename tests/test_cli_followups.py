@@ -1,5 +1,5 @@
 """Command-line follow-ups: ``compare --concurrent`` records what a stop signal left of each run and ends with
-128 + the signal, as the sequential runs do."""
+128 + the signal, as the sequential runs do; ``ppl`` refuses the text options for token shard folders."""
 import json
 import os
 import signal
@@ -91,3 +91,38 @@ def test_a_stop_signal_during_the_concurrent_calibration_trains_no_recipe(tmp_pa
     assert report["status"] == {"a": "not_run", "b": "not_run"} and report["finished"] is False
     assert "steps" not in report and report["error"] == "stopped by SIGTERM during calibration"
     assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value", [("--text-split", "line"), ("--text-split", "file"),
+                                           ("--text-field", "body")])
+def test_ppl_refuses_text_options_by_name_for_token_shards(tmp_path, capsys, monkeypatch, option, value):
+    """A token shard folder (`falcon-fwa data`'s val split) was split into documents and tokenized when it was
+    written: --text-split and --text-field would change nothing there, so they are refused by name (status 2,
+    before any model loads); a text file beside it still takes them, and the shards alone run without them."""
+    from falcon_fwa import cli
+    from falcon_fwa.data import DataSpec, prepare_dataset
+    from falcon_fwa.data.tokenizer import byte_tokenizer
+    from falcon_fwa.eval import ppl_cli
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of the state" for i in range(40)))
+    prepare_dataset(DataSpec(train_source=str(corpus), text_split="line", val_every=4), str(tmp_path / "prepared"))
+    shards = str(tmp_path / "prepared" / "val")
+    model = tmp_path / "model"
+    FalconForCausalLM(get_preset("tiny-falcon", vocab_size=320)).save_pretrained(model)
+    byte_tokenizer().save_pretrained(model)
+    capsys.readouterr()  # the tokenizing's progress bars
+    base = ["ppl", "--model", str(model), "--seq-len", "16", "--max-windows", "1", "--device", "cpu"]
+
+    loaded = []
+    original = ppl_cli.load_model
+    monkeypatch.setattr(ppl_cli, "load_model", lambda *a, **k: loaded.append(1) or original(*a, **k))
+    assert cli.main([*base, "--data", shards, option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa ppl: error: {option} {value}: --data {shards} is token shards")
+    assert loaded == []
+    assert cli.main([*base, "--data", shards]) == 0
+    assert cli.main([*base, "--data", shards, str(corpus), option, value]) == 0  # the text file reads them
+    assert cli.main([*base, "--data", str(corpus), option, value]) == 0

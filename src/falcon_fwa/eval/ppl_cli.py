@@ -26,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--documents", default="reset", choices=["reset", "carry"],
                         help="reset: every document starts from an empty state, positions count from its start (as "
                              "training with cu_seqlens packing); carry: the state runs across documents in a window")
-    parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS,
-                        help="how text files split into documents")
-    parser.add_argument("--text-field", default="text", help="JSONL/Parquet column holding the text")
+    parser.add_argument("--text-split", default=None, choices=TEXT_SPLITS,
+                        help="how text files split into documents (default file; not for token shard folders)")
+    parser.add_argument("--text-field", default=None,
+                        help="JSONL/Parquet column holding the text (default text; not for token shard folders)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], type=dtype_option(["fp32", "bf16"]),
                         help="bf16 runs under autocast (float32 and bfloat16 are taken too)")
@@ -69,11 +70,26 @@ def _check_data(sources: list) -> None:
             raise FileNotFoundError(f"--data: {err}") from None
 
 
+def _check_text_options(args: argparse.Namespace) -> None:
+    """``--text-split`` and ``--text-field`` read text sources: refused by name where every ``--data``
+    source is a token shard folder (its documents were split and tokenized when it was written); then
+    their defaults (``file``, ``text``)."""
+    if all(is_shard_folder(source) for source in args.data):
+        for option, value in (("--text-split", args.text_split), ("--text-field", args.text_field)):
+            if value is not None:
+                raise ValueError(f"{option} {value}: --data {' '.join(args.data)} is token shards, whose documents "
+                                 f"were split and tokenized when they were written; {option} applies to text, "
+                                 "JSONL and Parquet files only")
+    args.text_split = args.text_split or "file"
+    args.text_field = args.text_field or "text"
+
+
 def run(args: argparse.Namespace) -> int:
     edges = _edges(args)
     args.device = resolve_device(args.device)
     check_model_option(args.model)
     _check_data(args.data)
+    _check_text_options(args)
     check_output_file("--out", args.out)
     check_output_file("--plot", args.plot)
     if args.plot and not args.plot.lower().endswith(".png"):  # its format follows the name: refused before the work

@@ -121,6 +121,18 @@ def test_the_verdict_names_each_other_model_a_baseline_or_a_variant():
                      "- vs Mamba-2 (baseline): 80.0, Falcon-3A.3 tied."]
 
 
+def test_the_verdict_shows_a_second_decimal_where_one_would_hide_the_difference():
+    """The rows keep two decimals. A mean of 87.15 is 0.05 short of the paper's 87.2, and a lead of 0.04 is a
+    lead: one decimal would print 87.2 against 87.2, short by 0.1, and a lead of 0.0."""
+    rows = [_row("Falcon-3A.3", 87.15), _row("Transformer", 87.11), _row("Mamba-2", 85.0)]
+    for row in rows:
+        row["mean_acc_33_48"] = row["digit_mean_acc_33_48"] = row["mean_acc_4_5"]
+    lines = compare._verdict(rows, "mean_acc_33_48")
+    assert lines[0] == "- Falcon-3A.3 mean exact-match accuracy 87.15 vs the paper's 87.2: short by 0.05 points (-0.05)."
+    assert lines[2:] == ["- vs Transformer (baseline): 87.11, Falcon-3A.3 ahead by 0.04.",
+                         "- vs Mamba-2 (baseline): 85.0, Falcon-3A.3 ahead by 2.15."]
+
+
 def test_the_scale_names_each_rule_by_its_carry_window():
     """Window 0 takes no carry, window 1 the carry from the one place below, window k from k places."""
     reference = {"uniform": {"digit": 10.0, "exact": 0.0}, "carry_window_0": {"digit": 81.25, "exact": 0.5},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from falcon_fwa import FalconState, falcon_attention, falcon_step
+from falcon_fwa import falcon_attention, falcon_step
 
 
 def _state(rule="3A", window=3, B=3, H=2, K=4, V=3, seed=0):

@@ -126,3 +126,23 @@ def test_ppl_refuses_text_options_by_name_for_token_shards(tmp_path, capsys, mon
     assert cli.main([*base, "--data", shards]) == 0
     assert cli.main([*base, "--data", shards, str(corpus), option, value]) == 0  # the text file reads them
     assert cli.main([*base, "--data", str(corpus), option, value]) == 0
+
+
+def test_throughput_shows_a_progress_bar_over_each_measurements_steps_unless_told_not_to(tmp_path, capsys):
+    """Each measurement's bar counts its --warmup + --steps steps (1 + 2 here) on standard error, named by its
+    preset and length; standard output keeps only the JSON rows. --no-progress: no bar."""
+    import re
+
+    from test_compare_tools import run_throughput
+
+    rows = run_throughput(tmp_path, "--steps", "2", "--min-steps", "2")
+    captured = capsys.readouterr()
+    assert [json.loads(line) for line in captured.out.splitlines()] == rows
+    for preset, seq_len in (("tiny-falcon", 8), ("tiny-transformer", 8), ("tiny-falcon", 16),
+                            ("tiny-transformer", 16)):
+        ends = re.findall(rf"{preset} seq_len {seq_len}: *100%[^\r\n]*\| *(\d+)/(\d+) ", captured.err)
+        assert ends and ends[-1] == ("3", "3"), captured.err
+    (tmp_path / "rows.jsonl").unlink()
+    rows = run_throughput(tmp_path, "--steps", "2", "--min-steps", "2", "--no-progress")
+    captured = capsys.readouterr()
+    assert len(rows) == 4 and captured.err == ""

@@ -18,6 +18,8 @@ UTC) sets the rows of one command apart from those an earlier one left in the fi
 the falcon layers: ``"triton"`` (the chunk kernels), ``"torch"`` (the PyTorch forms), ``"fla"``,
 ``"none"`` (no falcon layers), or ``"mixed"``. A measurement that runs out of device memory gets a row with
 ``"error": "out of memory: ..."`` (the message's first 200 characters) and the next one runs.
+A progress bar on standard error counts each measurement's ``--warmup`` + ``--steps`` steps, the last
+step's seconds beside it (``--no-progress``: none); standard output carries only the rows.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..cli_options import (DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_option, finite_at_least,
                            resolve_device)
@@ -89,7 +92,8 @@ def op_backend(counts: dict, config, device: str) -> str:
 
 def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: int = 2, min_steps: int = 3,
             max_seconds: float = 60.0, deadline: Optional[float] = None, device: str = "cuda", bf16: bool = True,
-            seed: int = 0, compile: bool = False, activation_checkpointing: bool = False, profile: int = 0) -> dict:
+            seed: int = 0, compile: bool = False, activation_checkpointing: bool = False, profile: int = 0,
+            progress: Optional[str] = None) -> dict:
     """Time optimizer steps of ``FalconForCausalLM(config)`` on ``[batch_size, seq_len]`` random tokens.
 
     ``warmup`` untimed steps, then up to ``steps`` timed ones; timing ends once ``max_seconds``
@@ -105,7 +109,8 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
     ``train.activation_checkpointing`` does; the row's ``activation_checkpointing``).
     ``profile`` > 0: one more step under ``torch.profiler`` after the timed ones; the row's
     ``profile`` lists its ``profile`` most expensive kernels (CUDA) or operators (CPU):
-    ``name``, ``ms`` (total in that step), ``calls``.
+    ``name``, ``ms`` (total in that step), ``calls``. ``progress``: the description of a progress bar
+    (standard error) over the ``warmup + steps`` steps, each step's seconds beside it; None: no bar.
     """
     from ..models import FalconForCausalLM
     from .model_factory import enable_activation_checkpointing, param_groups
@@ -146,16 +151,24 @@ def measure(config, *, seq_len: int, batch_size: int, steps: int = 5, warmup: in
     def past_deadline(now: float) -> bool:
         return deadline is not None and now >= deadline
 
+    bar = tqdm(total=warmup + steps, desc=progress, unit="step", dynamic_ncols=True, disable=progress is None)
+
+    def shown(now: float) -> float:
+        """``now``, with the step that ended then on the bar."""
+        bar.set_postfix(step_s=f"{now - marks[-1]:.3f}", refresh=False)
+        bar.update(1)
+        return now
+
     start = _clock()
     marks, stopped = [start], None
     # compiled code is not wrapped in the counting hooks: they would change its guards every step
-    with (nullcontext({}) if compile else falcon_op_calls(model)) as counts:
+    with bar, (nullcontext({}) if compile else falcon_op_calls(model)) as counts:
         while len(marks) <= warmup and stopped is None:
-            marks.append(step())
+            marks.append(shown(step()))
             stopped = "deadline" if past_deadline(marks[-1]) else None
         timed_start = len(marks) - 1
         while len(marks) - 1 - timed_start < steps and stopped is None:
-            marks.append(step())
+            marks.append(shown(step()))
             timed = len(marks) - 1 - timed_start
             if past_deadline(marks[-1]):
                 stopped = "deadline"
@@ -221,6 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step and keep its N most expensive kernels in the row")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) here")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (standard error) over each measurement's steps")
 
 
 def parse_preset(spec: str):
@@ -295,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
                                warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
                                deadline=deadline, device=args.device, bf16=bf16, compile=args.compile,
-                               activation_checkpointing=args.activation_checkpointing, profile=args.profile))
+                               activation_checkpointing=args.activation_checkpointing, profile=args.profile,
+                               progress=None if args.no_progress else f"{name} seq_len {seq_len}"))
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()

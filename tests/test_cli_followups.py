@@ -1,5 +1,6 @@
 """Command-line follow-ups: ``compare --concurrent`` records what a stop signal left of each run and ends with
-128 + the signal, as the sequential runs do; ``ppl`` refuses the text options for token shard folders."""
+128 + the signal, as the sequential runs do; ``ppl`` refuses the text options for token shard folders;
+``throughput`` shows its progress."""
 import json
 import os
 import signal

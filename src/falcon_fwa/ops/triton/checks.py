@@ -26,12 +26,12 @@ def range_flags_kernel(lam, gate, flags, n_lam, n_gate, BLOCK: tl.constexpr, HAS
     finite and ``>= 0``, ``flags[1] = 0`` where one of ``gate`` is not ``<= 0`` (both start at 1)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_lam
-    b_lam = tl.load(lam + offs, mask=m, other=0.0).to(tl.float32)
+    b_lam = tl.load(lam + offs, mask=m, other=0.0).to(tl.float64)  # exact for every input dtype
     bad = m & ~((b_lam >= 0.0) & (b_lam < float("inf")))  # NaN fails both comparisons
     tl.store(flags, 0, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
     if HAS_GATE:
         m = offs < n_gate
-        b_g = tl.load(gate + offs, mask=m, other=0.0).to(tl.float32)
+        b_g = tl.load(gate + offs, mask=m, other=0.0).to(tl.float64)
         bad = m & ~(b_g <= 0.0)
         tl.store(flags + 1, 0, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
 

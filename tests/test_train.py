@@ -286,6 +286,37 @@ def test_a_signal_the_process_ignores_stays_ignored(tmp_path, monkeypatch):
     assert len(calls) > 5 and "signal" not in summary and summary["steps"] == 4
 
 
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_a_stop_that_comes_with_the_launchers_end_is_a_clean_stop_and_a_third_signal_interrupts(stop):
+    """A launcher that passes a stop on to its runs and then ends: the run gets the stop and the launcher's
+    SIGHUP together. Python runs pending handlers in signal-number order (SIGHUP first), so the stop must not
+    be taken for a second one: the run stops cleanly, under the stop's name; a further one interrupts it."""
+    import signal
+
+    script = f"""
+import os, signal, sys
+from falcon_fwa.train.launch import StopSignals
+signal.signal(signal.SIGINT, signal.default_int_handler)  # also where the suite runs as a background job
+both = {{signal.{stop}, signal.SIGHUP}}
+with StopSignals(True) as s:
+    signal.pthread_sigmask(signal.SIG_BLOCK, both)
+    os.kill(os.getpid(), signal.{stop})
+    os.kill(os.getpid(), signal.SIGHUP)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # both pending: delivered here, SIGHUP's handler first
+    print("clean stop", signal.Signals(s.received).name, flush=True)
+    try:
+        os.kill(os.getpid(), signal.{stop})
+        signal.pthread_sigmask(signal.SIG_BLOCK, set())  # a call that lets the handler run
+    except KeyboardInterrupt:
+        sys.exit(130)
+    print("not interrupted", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == [f"clean stop {stop}"], (proc.stdout, proc.stderr)
+    interrupted = 130 if stop == "SIGINT" else -signal.SIGTERM
+    assert proc.returncode == interrupted, proc.stderr
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal's hang-up (Linux)")
 def test_a_closed_terminal_stops_the_run_with_a_checkpoint_and_its_own_exit_status(tmp_path):
     """``falcon-fwa train`` in a terminal that is closed mid-run (its pseudo-terminal's other end goes away:

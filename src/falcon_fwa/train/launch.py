@@ -26,7 +26,9 @@ class StopSignals:
     second SIGTERM or SIGINT gets the handler that was there before (SIGINT: KeyboardInterrupt; SIGTERM:
     the default, which ends the process). A SIGHUP after the first signal changes nothing: it is how a
     launching command's end reaches its runs (:func:`end_with_parent`), and the system may send it once
-    for each thread that command had. A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
+    for each thread that command had. A SIGTERM or SIGINT after a SIGHUP is taken as a first signal: the
+    two may come together (a launcher that passes a stop on to its runs and then ends), and Python runs
+    pending handlers in signal-number order, SIGHUP's first. A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
     background job of a shell script) stays ignored. On a SIGHUP, standard output and error are pointed
     at /dev/null where their terminal has hung up (:func:`drop_hung_up_terminal`): what the stopping run
     still prints (its progress bar, a validation loss, its last words) then cannot end it before its
@@ -44,6 +46,9 @@ class StopSignals:
             drop_hung_up_terminal()
         if self.received:
             if signum == PARENT_ENDED:  # a repeat of the launcher's end, or news of it during a stop
+                return
+            if self.received == PARENT_ENDED:  # the first stop of its kind: the clean stop under way stands
+                self.received = signum
                 return
             signal.signal(signum, self.previous[signum] or signal.SIG_DFL)
             signal.raise_signal(signum)

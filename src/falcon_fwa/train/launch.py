@@ -28,11 +28,12 @@ class StopSignals:
     launching command's end reaches its runs (:func:`end_with_parent`), and the system may send it once
     for each thread that command had. A SIGTERM or SIGINT after a SIGHUP is taken as a first signal: the
     two may come together (a launcher that passes a stop on to its runs and then ends), and Python runs
-    pending handlers in signal-number order, SIGHUP's first. A signal the process ignores (``SIG_IGN``, e.g. SIGINT in a
-    background job of a shell script) stays ignored. On a SIGHUP, standard output and error are pointed
-    at /dev/null where their terminal has hung up (:func:`drop_hung_up_terminal`): what the stopping run
-    still prints (its progress bar, a validation loss, its last words) then cannot end it before its
-    checkpoint, nor change its exit status. Inactive off the main thread, where handlers cannot be set."""
+    pending handlers in signal-number order, SIGHUP's first. A signal the process ignores (``SIG_IGN``,
+    e.g. SIGINT in a background job of a shell script) stays ignored. On a SIGHUP, standard output and
+    error are pointed at /dev/null where their terminal has hung up (:func:`drop_hung_up_terminal`): what
+    the stopping run still prints (its progress bar, a validation loss, its last words) then cannot end it
+    before its checkpoint, nor change its exit status. Inactive off the main thread, where handlers cannot
+    be set."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((PARENT_ENDED,) if PARENT_ENDED is not None else ())
 

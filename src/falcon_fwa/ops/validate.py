@@ -4,8 +4,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import numbers
 from typing import Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .rules import RuleSpec
@@ -89,18 +91,41 @@ def check_switches(**switches) -> None:
             raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def check_number(name: str, value, low: float, high: Optional[float] = None, *, open_low: bool = False) -> None:
-    """A ``ValueError`` naming ``name`` unless ``value`` is a real number (not NaN) at or above
-    ``low`` (above it with ``open_low``) and below ``high`` when given."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def as_int(value) -> Optional[int]:
+    """``value`` as a Python ``int`` if it is an integer as ``numbers.Integral`` defines one (numpy's
+    integer scalars too; not a bool, a float such as ``2.0`` or an array), else ``None``."""
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def as_float(value) -> Optional[float]:
+    """``value`` as a Python ``float`` if it is a real number as ``numbers.Real`` defines one (numpy's
+    scalars too; not a bool or an array), else ``None``."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def check_number(name: str, value, low: float, high: Optional[float] = None, *, open_low: bool = False) -> float:
+    """``value`` as a Python ``float``; a ``ValueError`` naming ``name`` unless it is a real number
+    (``numbers.Real``, numpy's scalars included; not a bool, not NaN) at or above ``low`` (above it
+    with ``open_low``) and below ``high`` when given."""
+    number = as_float(value)
+    if number is None:
         raise ValueError(f"{name} must be a number, got {value!r}")
-    above = value > low if open_low else value >= low
-    if not above or (high is not None and not value < high):
+    above = number > low if open_low else number >= low
+    if not above or (high is not None and not number < high):
         if high is None:
             span = f"{'>' if open_low else '>='} {low}"
         else:
             span = f"lie in {'(' if open_low else '['}{low}, {high})"
         raise ValueError(f"{name} must {'be ' if high is None else ''}{span}, got {value!r}")
+    return number
 
 
 def check_tensor_types(q, k, v, beta, lam, log_gate=None, *, query: str = "q") -> None:
@@ -165,32 +190,40 @@ def check_sequence_tensors(q, k, v, beta, lam, log_gate, rule: RuleSpec, *, quer
     check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"), query=query)
 
 
-def check_options(rule: RuleSpec, *, window: int, eps: float, decay_floor: float, read: str) -> None:
+def check_options(rule: RuleSpec, *, window: int, eps: float, decay_floor: float, read: str) -> Tuple[int, float, float]:
     """The op's options that are not tensors: ``read`` one of :data:`READS`, ``window`` an integer
     ``>= 1`` for a sliding rule, ``eps`` finite and ``>= 0``, ``decay_floor`` in ``(0, 1)``.
-    Host-only, so ``falcon_step`` checks them even with ``validate=False``."""
+    Host-only, so ``falcon_step`` checks them even with ``validate=False``. Returns ``window``,
+    ``eps`` and ``decay_floor`` as Python numbers (numpy's scalars are taken)."""
     if read not in READS:
         raise ValueError(f"read must be one of {READS}, got {read!r}")
-    check_window(rule, window)
-    check_number("eps", eps, 0, math.inf)
-    check_number("decay_floor", decay_floor, 0, 1, open_low=True)
+    window = check_window(rule, window)
+    eps = check_number("eps", eps, 0, math.inf)
+    decay_floor = check_number("decay_floor", decay_floor, 0, 1, open_low=True)
+    return window, eps, decay_floor
 
 
-def check_window(rule: RuleSpec, window) -> None:
-    """``window`` must be an integer ``>= 1`` for a sliding rule (the others ignore it)."""
-    if rule.sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+def check_window(rule: RuleSpec, window):
+    """``window`` must be an integer ``>= 1`` for a sliding rule (the others ignore it). Returns it as a
+    Python ``int`` where it is an integer (``numbers.Integral``, numpy's too), else unchanged."""
+    number = as_int(window)
+    if rule.sliding and (number is None or number < 1):
         raise ValueError(f"window must be an integer >= 1 for the sliding rule {rule.name}, got {window!r}")
+    return window if number is None else number
 
 
-def check_positive_int(name: str, value) -> None:
-    """``value`` must be an integer >= 1 (``ValueError`` naming ``name``; a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def check_positive_int(name: str, value) -> int:
+    """``value`` as a Python ``int``; a ``ValueError`` naming ``name`` unless it is an integer >= 1
+    (``numbers.Integral``, numpy's integers too; a bool or a float such as ``2.0`` is not one)."""
+    number = as_int(value)
+    if number is None or number < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return number
 
 
-def check_chunk_size(chunk_size) -> None:
-    """``chunk_size`` must be an integer >= 1 (``ValueError`` naming it)."""
-    check_positive_int("chunk_size", chunk_size)
+def check_chunk_size(chunk_size) -> int:
+    """``chunk_size`` must be an integer >= 1 (``ValueError`` naming it); returned as a Python ``int``."""
+    return check_positive_int("chunk_size", chunk_size)
 
 
 def check_shapes(q, k, v, beta, lam, log_gate, rule: RuleSpec, axes: Tuple[str, ...], query: str = "q") -> None:

@@ -1,0 +1,125 @@
+"""The op's scalar options taken as numbers (numpy's scalars too, as ``FalconConfig`` takes them), and the
+refusals that name the argument for everything else."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from falcon_fwa.ops.api import falcon_attention, falcon_step
+from falcon_fwa.ops.rules import get_rule
+from falcon_fwa.ops.state import FalconState
+from falcon_fwa.ops.trace import falcon_trace
+from falcon_fwa.ops.validate import check_chunk_size, check_number, check_options, check_positive_int
+
+B, T, H, K, V = 2, 9, 2, 4, 3
+
+
+def _inputs(rule: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    beta_shape = (B, T, H, V) if get_rule(rule).per_column else (B, T, H)
+    beta = torch.rand(*beta_shape, generator=g, dtype=torch.float64)
+    lam = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    return q, k, v, beta, lam
+
+
+# values a float32 or float16 holds exactly, so the numpy scalar and the Python number are the same value
+PYTHON = dict(window=3, chunk_size=4, eps=0.25, decay_floor=0.125, segments=2)
+NUMPY = dict(window=np.int64(3), chunk_size=np.int32(4), eps=np.float32(0.25), decay_floor=np.float16(0.125),
+             segments=np.int64(2))
+
+
+@pytest.mark.parametrize("rule", ["1", "2A", "3", "3A"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
+def test_falcon_attention_takes_numpy_scalars_as_the_python_numbers(rule, form):
+    q, k, v, beta, lam = _inputs(rule)
+    o_py, s_py = falcon_attention(q, k, v, beta, lam, rule=rule, form=form, output_final_state=True, **PYTHON)
+    o_np, s_np = falcon_attention(q, k, v, beta, lam, rule=rule, form=form, output_final_state=True, **NUMPY)
+    assert torch.equal(o_py, o_np)
+    assert torch.equal(s_py.S, s_np.S)
+    assert s_np.window == s_py.window
+    # a state made with numpy's window continues a call made with Python's
+    o2, _ = falcon_attention(q, k, v, beta, lam, rule=rule, form=form, initial_state=s_np, **PYTHON)
+    o2_ref, _ = falcon_attention(q, k, v, beta, lam, rule=rule, form=form, initial_state=s_py, **PYTHON)
+    assert torch.equal(o2, o2_ref)
+
+
+@pytest.mark.parametrize("rule", ["1", "3A"])
+def test_falcon_step_and_trace_take_numpy_scalars(rule):
+    q, k, v, beta, lam = _inputs(rule, seed=1)
+    step_py = {n: PYTHON[n] for n in ("window", "eps", "decay_floor")}
+    step_np = {n: NUMPY[n] for n in ("window", "eps", "decay_floor")}
+    o_py, s_py = falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], rule=rule, **step_py)
+    o_np, s_np = falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], rule=rule, **step_np)
+    assert torch.equal(o_py, o_np) and torch.equal(s_py.S, s_np.S)
+    # the step is the recurrent form's first step
+    o_seq, _ = falcon_attention(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], lam[:, :1], rule=rule, form="recurrent",
+                                **step_py)
+    torch.testing.assert_close(o_np, o_seq[:, 0], rtol=1e-12, atol=1e-12)
+    trace_py = falcon_trace(k, v, beta, lam, rule=rule, chunk_size=4, **step_py)
+    trace_np = falcon_trace(k, v, beta, lam, rule=rule, chunk_size=np.int64(4), **step_np)
+    for field in ("eta", "gamma", "clamped", "prediction", "valid"):
+        assert torch.equal(getattr(trace_py, field), getattr(trace_np, field)), field
+    fresh = FalconState.fresh(torch.zeros(B, H, K, V, dtype=torch.float64), rule=rule, window=np.int64(3))
+    assert fresh.window == (3 if get_rule(rule).sliding else 1)
+
+
+def test_the_checks_return_python_numbers():
+    spec = get_rule("3")
+    window, eps, decay_floor = check_options(spec, window=np.int16(5), eps=np.float32(0.5),
+                                             decay_floor=np.float64(0.25), read="after")
+    assert (window, eps, decay_floor) == (5, 0.5, 0.25)
+    assert type(window) is int and type(eps) is float and type(decay_floor) is float
+    assert type(check_chunk_size(np.uint8(7))) is int and check_chunk_size(np.uint8(7)) == 7
+    assert type(check_positive_int("segments", np.int64(3))) is int
+    assert type(check_number("eps", 1, 0, math.inf)) is float  # an int is a number, returned as a float
+
+
+BAD = [
+    ("window", np.array([3, 3]), r"^window must be an integer >= 1 for the sliding rule 3, got array"),
+    ("window", np.array(3), r"^window must be an integer >= 1 for the sliding rule 3, got array"),
+    ("window", "3", r"^window must be an integer >= 1 for the sliding rule 3, got '3'"),
+    ("window", True, r"^window must be an integer >= 1 for the sliding rule 3, got True"),
+    ("window", np.bool_(True), r"^window must be an integer >= 1 for the sliding rule 3, got np.True_"),
+    ("window", np.float32(3.0), r"^window must be an integer >= 1 for the sliding rule 3, got np.float32\(3.0\)"),
+    ("window", np.int64(0), r"^window must be an integer >= 1 for the sliding rule 3, got np.int64\(0\)"),
+    ("chunk_size", np.array([4, 4]), r"^chunk_size must be an integer >= 1, got array"),
+    ("chunk_size", "4", r"^chunk_size must be an integer >= 1, got '4'"),
+    ("chunk_size", np.bool_(True), r"^chunk_size must be an integer >= 1, got np.True_"),
+    ("chunk_size", np.float64(4.0), r"^chunk_size must be an integer >= 1, got np.float64\(4.0\)"),
+    ("chunk_size", np.int64(-2), r"^chunk_size must be an integer >= 1, got np.int64\(-2\)"),
+    ("segments", np.array([2, 2]), r"^segments must be an integer >= 1, got array"),
+    ("segments", True, r"^segments must be an integer >= 1, got True"),
+    ("segments", np.float32(2), r"^segments must be an integer >= 1, got np.float32\(2.0\)"),
+    ("eps", np.array([0.1, 0.2]), r"^eps must be a number, got array"),
+    ("eps", "0.1", r"^eps must be a number, got '0.1'"),
+    ("eps", True, r"^eps must be a number, got True"),
+    ("eps", np.bool_(False), r"^eps must be a number, got np.False_"),
+    ("eps", np.float32("nan"), r"^eps must lie in \[0, inf\), got np.float32\(nan\)"),
+    ("eps", np.float32("inf"), r"^eps must lie in \[0, inf\), got np.float32\(inf\)"),
+    ("eps", np.float32(-0.5), r"^eps must lie in \[0, inf\), got np.float32\(-0.5\)"),
+    ("decay_floor", np.array([0.5, 0.5]), r"^decay_floor must be a number, got array"),
+    ("decay_floor", np.float64("nan"), r"^decay_floor must lie in \(0, 1\), got np.float64\(nan\)"),
+    ("decay_floor", np.float32(1.0), r"^decay_floor must lie in \(0, 1\), got np.float32\(1.0\)"),
+    ("decay_floor", np.True_, r"^decay_floor must be a number, got np.True_"),
+]
+
+
+@pytest.mark.parametrize("name,value,message", BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
+def test_falcon_attention_refuses_what_is_no_such_number_by_name(name, value, message):
+    q, k, v, beta, lam = _inputs("3")
+    with pytest.raises(ValueError, match=message):
+        falcon_attention(q, k, v, beta, lam, rule="3", form="chunk", **{**PYTHON, name: value})
+
+
+@pytest.mark.parametrize("name,value,message", [b for b in BAD if b[0] in ("window", "eps", "decay_floor")],
+                         ids=[f"{n}={v!r}" for n, v, _ in BAD if n in ("window", "eps", "decay_floor")])
+def test_falcon_step_and_trace_refuse_by_name(name, value, message):
+    q, k, v, beta, lam = _inputs("3")
+    options = {n: PYTHON[n] for n in ("window", "eps", "decay_floor")}
+    with pytest.raises(ValueError, match=message):
+        falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], rule="3", **{**options, name: value})
+    with pytest.raises(ValueError, match=message):
+        falcon_trace(k, v, beta, lam, rule="3", **{**options, name: value})

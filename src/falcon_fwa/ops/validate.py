@@ -190,7 +190,8 @@ def check_sequence_tensors(q, k, v, beta, lam, log_gate, rule: RuleSpec, *, quer
     check_shapes(q, k, v, beta, lam, log_gate, rule, ("B", "T", "H"), query=query)
 
 
-def check_options(rule: RuleSpec, *, window: int, eps: float, decay_floor: float, read: str) -> Tuple[int, float, float]:
+def check_options(rule: RuleSpec, *, window: int, eps: float, decay_floor: float,
+                  read: str) -> Tuple[int, float, float]:
     """The op's options that are not tensors: ``read`` one of :data:`READS`, ``window`` an integer
     ``>= 1`` for a sliding rule, ``eps`` finite and ``>= 0``, ``decay_floor`` in ``(0, 1)``.
     Host-only, so ``falcon_step`` checks them even with ``validate=False``. Returns ``window``,

@@ -123,3 +123,44 @@ def test_falcon_step_and_trace_refuse_by_name(name, value, message):
         falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], rule="3", **{**options, name: value})
     with pytest.raises(ValueError, match=message):
         falcon_trace(k, v, beta, lam, rule="3", **{**options, name: value})
+
+
+# ----------------------------------------------------------------------------- FalconForCausalLM.forward
+def _lm(seed: int = 0, **overrides):
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+    torch.manual_seed(seed)
+    return FalconForCausalLM(get_preset("tiny-falcon", **overrides)).to(torch.float64).eval()
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) if "cache" in out.__dataclass_fields__ else out.past_key_values
+
+
+@pytest.mark.parametrize("bad", ["no", "False", 1, 0, 1.0, torch.tensor(True), np.int64(1)],
+                         ids=repr)
+def test_forward_refuses_a_use_cache_that_is_no_bool_by_name(bad):
+    model = _lm()
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    with pytest.raises(TypeError, match=r"^use_cache must be True, False or None, got "):
+        model(input_ids=ids, use_cache=bad)
+
+
+def test_forward_use_cache_none_true_false_and_numpy_bools():
+    """None follows the config (a cache in eval mode, none in training, True with a cache given); True and
+    np.True_ return a cache that continues the sequence as the whole sequence's forward does; False and
+    np.False_ return none."""
+    model = _lm(seed=1)
+    V = model.config.vocab_size
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
+    whole = model(input_ids=ids, use_cache=False)
+    assert _cache_of(whole) is None
+    assert _cache_of(model(input_ids=ids, use_cache=np.False_)) is None
+    assert _cache_of(model(input_ids=ids)) is not None  # config.use_cache is True, eval mode
+    model.train()
+    assert _cache_of(model(input_ids=ids)) is None
+    model.eval()
+    for flag in (True, np.True_, None):
+        first = model(input_ids=ids[:, :4], use_cache=True)
+        rest = model(input_ids=ids[:, 4:], past_key_values=_cache_of(first), use_cache=flag)
+        assert _cache_of(rest) is not None
+        torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), whole.logits, rtol=1e-9, atol=1e-9)

@@ -19,6 +19,7 @@ import math
 import weakref
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -523,6 +524,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             raise ValueError("cache and past_key_values are two names of one argument: pass one of them")
         cache = cache if cache is not None else past_key_values
         _check_cache_type(cache)
+        if use_cache is not None:  # None (as Hugging Face may pass it): the config's, or True with a cache given
+            if not isinstance(use_cache, (bool, np.bool_)):  # text such as "no" would count as true
+                raise TypeError(f"use_cache must be True, False or None, got {use_cache!r}")
+            use_cache = bool(use_cache)
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training)
         if use_cache and cache is None:

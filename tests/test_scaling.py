@@ -437,3 +437,67 @@ def test_micro_batch_sets_every_runs_batch_and_zero_is_refused(tmp_path, monkeyp
     assert all("train.micro_batch=3" in r["command"] and "train.global_batch=6" in r["command"] for r in rows)
     with pytest.raises(ValueError, match="--micro-batch must be >= 1, got 0"):
         _fake_sweep(tmp_path, monkeypatch, argv + ["--micro-batch", "0"])
+
+
+def _argv(tmp_path, *configs):
+    return ["--configs", *map(str, configs), "--gpus", "1", "--strategies", "ddp", "--noise-seeds", "0",
+            "--steps", "3", "--warmup-steps", "0", "--out", str(tmp_path / "runs"), "--results",
+            str(tmp_path / "multigpu")]
+
+
+def test_a_data_source_that_names_no_file_is_refused_by_recipe_before_any_run(tmp_path, monkeypatch, cpu_machine):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(recipe(tmp_path)))
+    raw = recipe(tmp_path)
+    raw["data"].update(train_source=str(tmp_path / "missing.txt"), out_dir=str(tmp_path / "data-bad"))
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(FileNotFoundError, match=rf"--configs {bad}: data.train_source: data source .*missing.txt"):
+        _fake_sweep(tmp_path, monkeypatch, _argv(tmp_path, good, bad))
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "multigpu.json").exists()  # nothing launched
+
+
+def test_a_recipe_that_does_not_load_is_refused_before_the_first_recipe_runs(tmp_path, monkeypatch, cpu_machine):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(recipe(tmp_path)))
+    raw = recipe(tmp_path)
+    raw["train"]["stepz"] = 3
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="stepz"):
+        _fake_sweep(tmp_path, monkeypatch, _argv(tmp_path, good, bad))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_tokenized_data_whose_corpus_is_gone_still_runs(tmp_path, monkeypatch, cpu_machine):
+    from falcon_fwa.data import prepare_dataset
+    from falcon_fwa.train.config import config_from_dict
+
+    raw = recipe(tmp_path)
+    prepare_dataset(config_from_dict(raw).data.spec(), raw["data"]["out_dir"])
+    os.remove(raw["data"]["train_source"])  # the runs read the tokens of data.out_dir
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(raw))
+    rc, launched = _fake_sweep(tmp_path, monkeypatch, _argv(tmp_path, path))
+    assert rc == 0 and launched == ["tiny-ddp-n1-s0"]
+
+
+def test_the_console_gives_a_runs_rate_and_loss_or_the_error_its_log_ends_with(tmp_path, monkeypatch, capsys,
+                                                                                cpu_machine):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(recipe(tmp_path)))
+    rc, _ = _fake_sweep(tmp_path, monkeypatch, _argv(tmp_path, path))
+    assert rc == 0 and "    done: 100 tokens/s, val loss 2.0000\n" in capsys.readouterr().out
+
+    def failing_run(cmd, env, log, timeout, grace=30.0, signals=None):
+        log.write("falcon-fwa train: error: first\nTraceback\nfalcon-fwa train: error: data.seq_len must be >= 2\n"
+                  "torchrun: ChildFailedError\n")
+        return 1
+
+    monkeypatch.setattr(scaling, "_run_group", failing_run)
+    parser = __import__("argparse").ArgumentParser()
+    scaling.add_arguments(parser)
+    argv = _argv(tmp_path, path)
+    argv[argv.index("3")] = "4"  # other settings: the run goes again
+    assert scaling.run(parser.parse_args(argv)) == 1
+    log = tmp_path / "runs" / "tiny-ddp-n1-s0.log"
+    assert (f"    failed (exit 1, {log})\n    falcon-fwa train: error: data.seq_len must be >= 2\n"
+            in capsys.readouterr().out)

@@ -22,6 +22,11 @@ use), so that the first timed run does not pay for compilation the later ones sk
 gets the same ``OMP_NUM_THREADS`` (1 unless the caller's environment sets it): ``torchrun`` sets 1
 for more than one process only, which would give the one-process runs a different CPU setup.
 
+Before the first run, every recipe is loaded as its runs will read it and its local data sources are
+looked up (unless its ``data.out_dir`` holds the tokens already): a recipe, ``--set`` or source that would
+fail every run is named at once, and nothing starts. A failed run's line on the console ends with the last
+``error:`` line of its log.
+
 Each run is ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
 falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink multicast off
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
@@ -328,12 +333,30 @@ def _earlier_rows(results: str) -> Dict[str, dict]:
     return {r["command"]: r for r in rows if isinstance(r, dict) and r.get("status") == "done" and "command" in r}
 
 
+def _check_recipes(args: argparse.Namespace, micro: int, global_batch: int) -> None:
+    """Every recipe as its runs will read it, before any run starts: a recipe or ``--set`` that does not
+    load, or a local data source that names no file (unless its ``data.out_dir`` already holds the
+    tokenized data), is named here rather than in the log of each run that fails on it."""
+    from ..data.prepare import source_files
+
+    for config in args.configs:
+        job = dict(config=config, strategy=args.strategies[0], seed=args.noise_seeds[0], gpus=min(args.gpus))
+        cfg = load_config(config, run_sets(job, steps=args.steps, micro_batch=micro, global_batch=global_batch,
+                                           out_dir=os.path.join(args.out, "check"), extra_sets=args.overrides))
+        data_dir = cfg.data.out_dir
+        if data_dir and os.path.isfile(os.path.join(data_dir, "prepared.json")):
+            continue  # the runs read the tokens there
+        source_files(cfg.data.spec(), data_dir or os.path.join(args.out, "check", "data"),
+                     name=lambda field: f"--configs {config}: data.{field}")
+
+
 def run(args: argparse.Namespace) -> int:
     names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
     _check(args, names)
     first = load_config(args.configs[0], args.overrides)
     micro = args.micro_batch or first.train.micro_batch
     global_batch = shared_global_batch(micro, args.gpus)
+    _check_recipes(args, micro, global_batch)
     meta = dict(machine=args.machine or device_description(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len,
                 warmup_steps=args.warmup_steps, warmup=[])
@@ -394,7 +417,12 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
                            steps=summary.get("steps"))
             efficiencies(rows)
             _write(args.results, rows, meta)
-            print(f"    {row['status']}: tokens/s {row['tokens_per_s']}, val_loss {row['val_loss']}", flush=True)
+            if row["status"] == "done":
+                rate, loss = row["tokens_per_s"], row["val_loss"]
+                print(f"    done: {'-' if rate is None else f'{rate:,.0f}'} tokens/s, val loss "
+                      f"{'-' if loss is None else f'{loss:.4f}'}", flush=True)
+            else:
+                print(f"    {row['status']}{_error_line(log_path)}", flush=True)
     efficiencies(rows)
     _write(args.results, rows, meta)
     if stopped_by:
@@ -415,6 +443,16 @@ def _warm_up(job: dict, args: argparse.Namespace, micro: int, global_batch: int,
     with open(run_dir + ".log", "w") as log:
         code = _run_group(cmd, env, log, timeout, signals=signals)
     return dict(model=job["model"], status=_status(code, run_dir + ".log", signals.received if signals else 0))
+
+
+def _error_line(log_path: str) -> str:
+    """``'\n    LINE'``: the last ``falcon-fwa ...: error:`` line of a run's log (what stopped it), or ''."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.startswith("falcon-fwa ") and ": error: " in line]
+    except OSError:
+        return ""
+    return f"\n    {lines[-1]}" if lines else ""
 
 
 def _status(code: Optional[int], log_path: str, stopped_by: int = 0) -> str:

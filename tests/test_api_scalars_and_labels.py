@@ -164,3 +164,61 @@ def test_forward_use_cache_none_true_false_and_numpy_bools():
         rest = model(input_ids=ids[:, 4:], past_key_values=_cache_of(first), use_cache=flag)
         assert _cache_of(rest) is not None
         torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), whole.logits, rtol=1e-9, atol=1e-9)
+
+
+def _reference_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean of ``-log softmax(logits[:, t])[labels[:, t + 1]]`` over the targets that are not -100, in float64."""
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1] - 1):
+            target = int(labels[b, t + 1])
+            if target == -100:
+                continue
+            row = logits[b, t].double()
+            total = total + (row.exp().sum().log() - row[target])
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])
+def test_labels_in_the_vocabulary_and_the_ignore_index_score_as_cross_entropy(dtype):
+    model = _lm(seed=2)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (2, 6), generator=g)
+    labels = ids.clone()
+    labels[0, 2] = labels[1, 5] = -100
+    labels[0, 4], labels[1, 1] = 0, V - 1  # the vocabulary's first and last ids
+    out = model(input_ids=ids, labels=labels.to(dtype), use_cache=False)
+    torch.testing.assert_close(out.loss, _reference_loss(out.logits, labels), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", ["V", "V+7", -1, -5, -99, -101, -(2 ** 40)])
+@pytest.mark.parametrize("where", [(0, 0), (1, 3)], ids=["unscored-first-column", "scored"])
+def test_labels_outside_the_vocabulary_are_refused_by_name_before_the_model_runs(bad, where):
+    """A label neither -100 nor in [0, vocab) is a ValueError naming labels, the id and the vocabulary size,
+    also beside -100s (the ignored ids are not taken for the smallest), and before the cache moves."""
+    model = _lm(seed=2)
+    V = model.config.vocab_size
+    shown = value = {"V": V, "V+7": V + 7}.get(bad, bad)
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[:, -1] = -100
+    labels[where] = value
+    cache = _cache_of(model(input_ids=ids[:, :2], use_cache=True))
+    seen = cache.get_seq_length()
+    with pytest.raises(ValueError, match=rf"^labels holds token id {shown}, outside the vocabulary \[0, {V}\)"):
+        model(input_ids=ids, labels=labels)
+    with pytest.raises(ValueError, match=rf"^labels holds token id {shown}, outside the vocabulary \[0, {V}\)"):
+        model(input_ids=ids[:, 2:], labels=labels[:, 2:] if where[1] >= 2 else labels[:, :4], past_key_values=cache)
+    assert cache.get_seq_length() == seen
+
+
+def test_labels_of_a_narrow_dtype_out_of_the_vocabulary_are_refused():
+    model = _lm(seed=2)
+    V = model.config.vocab_size
+    ids = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(6))
+    labels = ids.to(torch.uint8)
+    labels[0, 2] = 200
+    with pytest.raises(ValueError, match=rf"^labels holds token id 200, outside the vocabulary \[0, {V}\)"):
+        model(input_ids=ids, labels=labels, use_cache=False)

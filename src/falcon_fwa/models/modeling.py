@@ -543,6 +543,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                              f"{tuple(labels.shape)}")
         if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
             raise ValueError(f"labels must hold integer token ids (-100: not scored), got {labels.dtype}")
+        if labels is not None and not labels.is_cuda and not torch.compiler.is_compiling():
+            self._check_label_range(labels)
         packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]
@@ -576,6 +578,18 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         return out if return_dict else out.to_tuple()
+
+    def _check_label_range(self, labels: torch.Tensor) -> None:
+        """Every label ``-100`` (not scored) or a row of the output head ``[0, vocab)``: cross-entropy's own
+        error names no argument (on CUDA: a device assert, so this host check runs off CUDA only, as the one of
+        ``input_ids``). One ``aminmax`` over the labels with the ignored ones set to 0."""
+        if not labels.numel():
+            return
+        V = (self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight).shape[0]
+        low, high = torch.aminmax(labels.masked_fill(labels == -100, 0))
+        if low < 0 or high >= V:
+            raise ValueError(f"labels holds token id {int(low) if low < 0 else int(high)}, outside the vocabulary "
+                             f"[0, {V}) (-100: not scored)")
 
     @staticmethod
     def _loss(logits, labels, attention_mask, cu_seqlens, T):

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a recipe field, e.g. --set train.steps=100 (repeatable)")
     parser.add_argument("--stop-at", type=int, default=None,
-                        help="stop (with a checkpoint) after this step (>= 1); the schedule still spans train.steps")
+                        help="stop (with a checkpoint) after this step (1 to train.steps); the schedule still "
+                             "spans train.steps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
     check_input_files("--config", args.config)
     cfg = load_config(args.config, args.overrides)
+    if args.stop_at is not None and args.stop_at > cfg.train.steps:  # it would run on to the end and finish the run
+        raise ValueError(f"--stop-at {args.stop_at} is past the run's end, train.steps = {cfg.train.steps}: give a "
+                         f"step <= {cfg.train.steps}, or a longer train.steps (--set train.steps=N)")
     check_output_folder("train.out_dir", cfg.train.out_dir)
     check_output_folder("data.out_dir", cfg.data.out_dir)
     trainer = Trainer(cfg)

@@ -222,3 +222,19 @@ def test_labels_of_a_narrow_dtype_out_of_the_vocabulary_are_refused():
     labels[0, 2] = 200
     with pytest.raises(ValueError, match=rf"^labels holds token id 200, outside the vocabulary \[0, {V}\)"):
         model(input_ids=ids, labels=labels, use_cache=False)
+
+
+@pytest.mark.parametrize("value,want", [
+    (np.int64(3), 3), (np.uint8(200), 200), (np.int32(-4), -4), (7, 7),
+    (np.float32(0.5), 0.5), (np.float16(0.125), 0.125), (np.float64(2.0), 2.0), (0.25, 0.25),
+])
+def test_plain_number_gives_the_python_number(value, want):
+    from falcon_fwa.ops.validate import plain_number
+    got = plain_number(value)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(False), "3", None, np.array([1, 2]), np.array(3), 1 + 2j])
+def test_plain_number_leaves_what_is_no_real_number_to_the_checks(value):
+    from falcon_fwa.ops.validate import plain_number
+    assert plain_number(value) is value

@@ -111,6 +111,17 @@ def as_float(value) -> Optional[float]:
     return float(value)
 
 
+def plain_number(value):
+    """``value`` as the Python number it is: an ``int`` for an integer (``numbers.Integral``, numpy's
+    too), a ``float`` for another real number (``numbers.Real``); anything else (a bool, text, an array,
+    ``None``) unchanged, for the checks to name. The op's options pass through it before they reach
+    the kernels, which take Python numbers only (a numpy integer is no Triton constant)."""
+    number = as_int(value)
+    if number is None and not isinstance(value, numbers.Integral):
+        number = as_float(value)
+    return value if number is None else number
+
+
 def check_number(name: str, value, low: float, high: Optional[float] = None, *, open_low: bool = False) -> float:
     """``value`` as a Python ``float``; a ``ValueError`` naming ``name`` unless it is a real number
     (``numbers.Real``, numpy's scalars included; not a bool, not NaN) at or above ``low`` (above it

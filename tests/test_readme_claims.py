@@ -502,3 +502,54 @@ def test_gpu_checked_rules_are_all_six():
     assert "all six in this release, `GPU_CHECKED_RULES` in `ops/triton/api.py`" in FLAT
     assert "GPU_CHECKED_RULES" in (ROOT / "src/falcon_fwa/ops/triton/api.py").read_text()
     assert sorted(api.GPU_CHECKED_RULES) == sorted(RULES) and len(RULES) == 6
+
+
+# rule -> (the process of its eager "one process" figure, the fla row's process)
+EAGER_ROWS = {"1A": ("32f", "32f"), "3A": ("25a", "25a"), "1": ("32d", "32d"), "2": ("33c", "33c"), "3": ("32d", "32d")}
+
+
+@pytest.mark.parametrize("rule", list(EAGER_ROWS))
+def test_kernel_table_eager_ratio_of_one_process(rule):
+    """The eager column's "(one process, ...)" ratio of each rule is its row's eager ``do_bench`` time over
+    fla's in that process (``h200.json``)."""
+    process, fla_process = EAGER_ROWS[rule]
+    fla_op = DEVICE_ROWS[rule][0]
+    cell = _kernel_table()[rule][3]
+    stated = re.search(r"([\d.]+)x \(one process", cell)
+    assert stated, cell
+    ratio = _fwdbwd(process, f"falcon-{rule.lower()}")["ms"] / _fwdbwd(fla_process, fla_op)["ms"]
+    assert float(stated.group(1)) == round(ratio, 2)
+
+
+def test_h100_second_machine_repeats_the_ratios():
+    """"A second H100 repeated every ratio within 0.01": the device ratios of ``h100-9043e63.json`` against
+    ``h100-bf2b865.json``'s, op by op."""
+    assert "A second H100 repeated every ratio within 0.01" in FLAT
+    fla = {"1a": "fla-simple-gla", "1": "fla-gated-delta-rule", "3a": "fla-simple-gla", "2a": "fla-gla",
+           "2": "fla-gated-delta-rule", "3": "fla-gated-delta-rule"}
+
+    def ratios(name):
+        rows = json.loads((RESULTS / name).read_text())
+        graph = {r["op"]: r["graph_ms"] for r in rows if r["mode"] == "fwdbwd" and r["B"] == 8 and "graph_ms" in r}
+        return {rule: graph[f"falcon-{rule}"] / graph[op] for rule, op in fla.items()}
+    first, second = ratios("h100-bf2b865.json"), ratios("h100-9043e63.json")
+    assert all(abs(round(first[r], 2) - round(second[r], 2)) <= 0.01 + 1e-9 for r in fla), (first, second)
+
+
+def test_baselines_share_a_block_without_biases():
+    """"inside the shared block (Pre-Norm, SwiGLU MLP, no biases)": no projection of any tiny model has a
+    bias; the only offsets are the gates' (``*_bias`` of ``gates``), and the sigmoid ``beta`` of
+    ``"deltanet"`` and ``"gated_deltanet"`` has one learned offset per head, starting at 0."""
+    from falcon_fwa import FalconForCausalLM, PRESETS, get_preset
+
+    assert "no biases" in FLAT and "per-head offset (starting at 0)" in FLAT
+    for name in (n for n in PRESETS if n.startswith("tiny-")):
+        model = FalconForCausalLM(get_preset(name))
+        assert all(getattr(m, "bias", None) is None for m in model.modules() if isinstance(m, torch.nn.Linear)), name
+        offsets = [n for n, _ in model.named_parameters() if "bias" in n]
+        assert all(".gates." in n for n in offsets), (name, offsets)
+    for name in ("tiny-deltanet", "tiny-gated_deltanet"):
+        config = get_preset(name)
+        gains = [p for n, p in FalconForCausalLM(config).named_parameters() if n.endswith("gates.gain_bias")]
+        assert len(gains) == config.num_hidden_layers
+        assert all(p.shape == (config.num_heads,) and not p.detach().any() for p in gains), name

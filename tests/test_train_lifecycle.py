@@ -1,9 +1,16 @@
-"""A run's life over several launches: a stop step past the run's end is refused before any work."""
+"""A run's life over several launches: a stop step past the run's end is refused before any work; a run
+stopped at the step that a later launch's train.steps makes its last is finished as a run of that length
+(evaluated and exported there, its summary of that length); a finished run launched again does no work
+again (its export stays, unless it is missing)."""
 import json
+import os
+import signal
 
 import pytest
-from test_train import recipe
+import torch
+from test_train import losses, recipe, run_trainer, signal_during_step_3
 
+from falcon_fwa.train import Trainer, config_from_dict, latest_checkpoint, load_checkpoint
 from falcon_fwa.train.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,3 +43,99 @@ def test_a_stop_step_at_train_steps_finishes_the_run(tmp_path):
     assert main(["--config", _write(tmp_path, raw), "--stop-at", "4"]) == 0
     summary = _summary(tmp_path / "run")
     assert summary["steps"] == 4 and "signal" not in summary
+
+
+def _stop_at_3_by_signal(tmp_path, raw, monkeypatch):
+    signal_during_step_3(monkeypatch, signal.SIGTERM)
+    trainer = Trainer(config_from_dict(raw))
+    try:
+        summary = trainer.train(stop_on_signal=True)
+    finally:
+        trainer.close()
+    monkeypatch.undo()
+    assert summary["steps"] == 3 and summary["signal"] == "SIGTERM"
+
+
+@pytest.mark.parametrize("stop", ["stop_at", "signal"])
+def test_a_run_stopped_at_what_becomes_train_steps_ends_as_a_run_of_that_length(tmp_path, monkeypatch, stop):
+    """Stopped at step 3 of 4 (--stop-at 3, or a SIGTERM during step 3), then launched with train.steps=3:
+    nothing is left to train, and the run ends as one of 3 steps does at its last step: a validation record
+    of step 3 in the log, the summary's val_loss that of the step-3 weights (not step 2's, the last evaluation
+    the stopped launch made), no signal in the summary, train.steps 3 in its recipe, and the export."""
+    raw = recipe(tmp_path, "run", export_model=True)  # 4 steps, evaluations at 2 and 4
+    if stop == "stop_at":
+        run_trainer(raw, stop_at=3)
+    else:
+        _stop_at_3_by_signal(tmp_path, raw, monkeypatch)
+    stopped = _summary(tmp_path / "run")
+    assert stopped["steps"] == 3 and losses(tmp_path / "run", "val_loss")[-1][0] == 2
+    three = {**raw, "train": {**raw["train"], "steps": 3}}
+    run_trainer(three)
+
+    # the validation loss of the step-3 weights, by a launch that evaluates the checkpoint without training
+    probe = Trainer(config_from_dict({**three, "train": {**three["train"], "steps": 4}}))
+    try:
+        assert probe.step == 3
+        want = probe.evaluate()["val_loss"]
+    finally:
+        probe.close()
+    val = losses(tmp_path / "run", "val_loss")
+    assert [s for s, _ in val] == [2, 3] and val[1][1] == pytest.approx(want, rel=1e-12)
+    summary = _summary(tmp_path / "run")
+    assert summary["steps"] == 3 and summary["val_loss"] == pytest.approx(want, rel=1e-12)
+    assert summary["val_loss"] != stopped["val_loss"] and "signal" not in summary
+    assert summary["config"]["train"]["steps"] == 3 and summary["tokens"] == 3 * 4 * 24
+    assert summary["tokens_per_s"] == stopped["tokens_per_s"]  # of the launch that trained the steps
+
+    # the same records as a straight run of 3 steps writes (which kinds of record, at which steps)
+    run_trainer({**three, "train": {**three["train"], "out_dir": str(tmp_path / "straight")}})
+    def kinds(run):
+        return [(r["step"], "val_loss" in r) for r in map(json.loads, open(run / "log.jsonl"))]
+
+    assert kinds(tmp_path / "run") == kinds(tmp_path / "straight")
+    assert sorted(_summary(tmp_path / "run")) == sorted(_summary(tmp_path / "straight"))
+
+    # the export holds the step-3 checkpoint's weights
+    from falcon_fwa.eval import load_model
+
+    state = load_checkpoint(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))
+    assert state["step"] == 3
+    model, _ = load_model(str(tmp_path / "run" / "model"))
+    exported = model.state_dict()
+    for name, value in state["model"].items():
+        assert torch.equal(exported[name].float(), value.float()), name
+
+    # launched once more, the finished run stays as it is: nothing evaluated or logged again
+    log = (tmp_path / "run" / "log.jsonl").read_text()
+    run_trainer(three)
+    assert (tmp_path / "run" / "log.jsonl").read_text() == log and _summary(tmp_path / "run") == summary
+
+
+def test_a_finished_run_launched_again_neither_exports_nor_evaluates_again(tmp_path, capsys, monkeypatch):
+    raw = recipe(tmp_path, "run", export_model=True)
+    run_trainer(raw)
+    model_dir = tmp_path / "run" / "model"
+    before = {f: os.stat(model_dir / f) for f in os.listdir(model_dir)}
+    summary, log = _summary(tmp_path / "run"), (tmp_path / "run" / "log.jsonl").read_text()
+    capsys.readouterr()
+
+    calls = []
+    monkeypatch.setattr(Trainer, "export", lambda self, folder: calls.append(("export", folder)))
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: calls.append(("evaluate",)) or {})
+    run_trainer(raw)
+    assert calls == []
+    assert "the run is finished" in capsys.readouterr().out
+    monkeypatch.undo()
+    after = {f: os.stat(model_dir / f) for f in os.listdir(model_dir)}
+    assert {f: (s.st_ino, s.st_mtime_ns) for f, s in after.items()} == \
+           {f: (s.st_ino, s.st_mtime_ns) for f, s in before.items()}
+    assert _summary(tmp_path / "run") == summary and (tmp_path / "run" / "log.jsonl").read_text() == log
+
+    # an export removed since is written again, from the checkpoint's weights; the rest stays
+    weights = (model_dir / "model.safetensors").read_bytes()
+    for f in os.listdir(model_dir):
+        os.remove(model_dir / f)
+    os.rmdir(model_dir)
+    run_trainer(raw)
+    assert (model_dir / "model.safetensors").read_bytes() == weights
+    assert _summary(tmp_path / "run") == summary and (tmp_path / "run" / "log.jsonl").read_text() == log

@@ -263,7 +263,10 @@ class Trainer:
         self.logger.drop_after(self.step, off_cadence=not self._logs_step(self.step))
         if path is not None and self.info.is_main:
             print(f"resumed from {path} at step {self.step}")
-            if self.step >= self.cfg.train.steps:
+            if self.step == self.cfg.train.steps:
+                print(f"the run is finished: its checkpoint is at train.steps = {self.step}; nothing to train "
+                      "(a longer train.steps continues the run; train.resume=none starts afresh)")
+            elif self.step > self.cfg.train.steps:
                 print(f"the checkpoint is at step {self.step}, train.steps is {self.cfg.train.steps}: nothing to "
                       "train (a longer train.steps continues the run; train.resume=none starts afresh)")
 
@@ -401,21 +404,44 @@ class Trainer:
                 self.save()
                 window_start += _clock() - paused
         bar.close()
-        if self.step == t.steps and t.export_model:
-            self.export(os.path.join(self.out_dir, "model"))
         summary_path = os.path.join(self.out_dir, "summary.json")
+        export_dir = os.path.join(self.out_dir, "model")
+        stored = None
         if self.step == first_step:  # nothing trained (a finished run launched again)
             stored = read_json(summary_path) if os.path.isfile(summary_path) else None
-            if stored is not None and stored.get("steps") == self.step:
+            stored = stored if isinstance(stored, dict) and stored.get("steps") == self.step else None
+            if stored is not None and self.step == t.steps and (
+                    "signal" in stored or (stored.get("config") or {}).get("train", {}).get("steps") != t.steps):
+                # the summary of a launch stopped here before its own train.steps (by --stop-at or a signal),
+                # now the run's end: it is finished as a run of this length ends, evaluated at its last step
+                stored = None
+        # the export: once the run reaches train.steps; a finished run launched again exports only where
+        # its summary is not the finished one (a launch that died between the two: the export comes first)
+        # or the export is missing
+        if self.step == t.steps and t.export_model and (
+                stored is None or not os.path.isfile(os.path.join(export_dir, "config.json"))):
+            self.export(export_dir)
+        if self.step == first_step:
+            if stored is not None:
                 # its summary, with the validation loss and tokens/s of the steps that were trained, stays;
                 # no signal stopped this launch
                 return {k: v for k, v in stored.items() if k != "signal"}
-            # none, or one of an earlier launch (one that trained on died before writing its own)
+            # none, one of an earlier launch (one that trained on died before writing its own), or one of a
+            # launch stopped at what is now train.steps: evaluated as the run's last step is
             if t.eval_every:
                 last_val = self.evaluate()
+                if self.step == t.steps and not self._logged_val(self.step):
+                    self.logger.log(self.step, **last_val)
+                    if info.is_main:
+                        print(f"step {self.step}: val_loss {last_val['val_loss']:.4f} ppl {last_val['val_ppl']:.3f}")
+        tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
+        peak_mem = D.peak_memory_bytes(info)
+        if self.step == first_step and os.path.isfile(summary_path):
+            earlier = read_json(summary_path)  # of the launch that trained the run's last steps: its measures
+            if isinstance(earlier, dict) and earlier.get("steps") == self.step:
+                tokens_per_s, peak_mem = earlier.get("tokens_per_s"), earlier.get("peak_mem_bytes")
         summary = {"params": self.n_params, "steps": self.step, "tokens": self._tokens_seen(),
-                   "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
-                   "peak_mem_bytes": D.peak_memory_bytes(info),
+                   "tokens_per_s": tokens_per_s, "peak_mem_bytes": peak_mem,
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,
                    "commit": git_commit(short=False), "config": cfg.to_dict()}
         if stopped_by is not None and self.step < t.steps:  # in summary.json too: why the run ended early
@@ -425,6 +451,12 @@ class Trainer:
             if cfg.log.plot:
                 self._plot_losses(summary)
         return summary
+
+    def _logged_val(self, step: int) -> bool:
+        """Whether the log holds a validation record of ``step`` (main process; the others log nothing)."""
+        if not self.info.is_main or not os.path.isfile(self.logger.path):
+            return not self.info.is_main
+        return any(r.get("step") == step and "val_loss" in r for r in read_log(self.logger.path))
 
     def _plot_losses(self, summary: dict) -> None:
         """``loss.png`` in the run folder: the log's training (line) and validation (dots) losses against

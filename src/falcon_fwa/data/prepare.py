@@ -5,7 +5,8 @@ settings reuses the folder; with different settings, or once a local source has 
 file has changed size, it is an error (pass ``overwrite=True`` to rebuild). A source removed since does
 not matter: its tokens are in the folder.
 Preparations of one folder are serialised by a lock file (``{out_dir}/.prepare.lock``): runs
-started together on one shared folder tokenize it once, the others wait and reuse it.
+started together on one shared folder tokenize it once, the others wait and reuse it. A preparation
+refused or failed with an error leaves no folder or file of its own behind.
 """
 from __future__ import annotations
 
@@ -115,14 +116,77 @@ def _changed_files(held: dict, now: dict) -> str:
     return "; ".join(changes)
 
 
+LOCK_NAME = ".prepare.lock"
+
+
+def check_sources(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}") -> None:
+    """The checks of ``spec`` that need no tokenizing, before ``out_dir`` is made: its settings
+    (:meth:`DataSpec.check`) and, where ``out_dir`` holds no preparation to reuse, that each local source
+    names files and that no file is in both splits. Errors name the settings as ``name`` gives them."""
+    spec.check(name)
+    if not os.path.isfile(os.path.join(out_dir, "prepared.json")):  # (a reuse takes a corpus gone since)
+        _check_disjoint(source_files(spec, out_dir, name), spec, name)
+
+
+def _make_folders(folder: str) -> list:
+    """Make ``folder`` and the folders above it that do not exist; the ones this call made, outermost first
+    (one that another process made meanwhile is not among them)."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    made = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        made.append(path)
+    return made
+
+
+def _remove_created(out_dir: str, before: set, made: list) -> None:
+    """After a failed preparation, under its lock: remove what it wrote into ``out_dir`` (the entries not in
+    ``before``, the lock file among them where this call made it), then the folders it made, each while empty.
+    Nothing that was there before the call is touched."""
+    import shutil
+
+    for entry in sorted(set(os.listdir(out_dir)) - before - {LOCK_NAME}):
+        path = os.path.join(out_dir, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+    if LOCK_NAME not in before:
+        os.remove(os.path.join(out_dir, LOCK_NAME))
+    for folder in reversed(made):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty: something else is in it now
+            return
+
+
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
                     name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
     """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts.
-    ``name``: as in :meth:`DataSpec.check`, for the settings that errors name."""
-    spec.check(name)  # before the lock, which creates the folder
-    with folder_lock(out_dir, ".prepare.lock"):
-        remove_temporaries(out_dir, "prepared.json")  # a preparation killed while writing it left its own
-        return _prepare(spec, out_dir, overwrite, name)
+    ``name``: as in :meth:`DataSpec.check`, for the settings that errors name. The settings and sources are
+    checked before the folder is made (:func:`check_sources`); a preparation that fails after (a tokenizer
+    that does not load, an empty split) removes what it wrote, and the folder with its lock file where it
+    made them."""
+    check_sources(spec, out_dir, name)  # before the lock, which creates the folder
+    made = _make_folders(out_dir)
+    before = set(os.listdir(out_dir))  # (the lock file too, where an earlier preparation left it)
+    with folder_lock(out_dir, LOCK_NAME):
+        before |= set(os.listdir(out_dir)) - {LOCK_NAME}  # what another preparation wrote while this one waited
+        try:
+            remove_temporaries(out_dir, "prepared.json")  # a preparation killed while writing it left its own
+            return _prepare(spec, out_dir, overwrite, name)
+        except Exception:  # (a stop, Ctrl-C, leaves its temporaries to the next preparation, as a kill does)
+            try:
+                _remove_created(out_dir, before, made)
+            except OSError:  # the error that ended the preparation is the one to report
+                pass
+            raise
 
 
 def _empty_split(spec: DataSpec, which: str, name: Callable[[str], str]) -> str:

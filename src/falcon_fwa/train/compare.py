@@ -493,9 +493,10 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args, names)
     check_output_folder("--out", args.out)
     check_output_file("--results", args.results)
+    first = _check_recipes(args)  # the recipes and their data sources, before --out is made
     try:
         with folder_lock(args.out, ".compare.lock", wait=False):
-            return _compare(args, names, started, deadline_at)
+            return _compare(args, names, started, deadline_at, first)
     except BlockingIOError:
         raise ValueError(f"--out {args.out} is in use by another falcon-fwa compare") from None
 
@@ -521,11 +522,19 @@ def _shared_fields_that_differ(first, other) -> List[Tuple[str, object, object]]
     return [(f"{s}.{k}", b[s][k], a[s][k]) for s, k in shared if a[s][k] != b[s][k]]
 
 
-def _compare(args: argparse.Namespace, names: List[str], started: float, deadline_at: Optional[float]) -> int:
-    from ..data import prepare_dataset
+def _data_dir(args: argparse.Namespace, first) -> str:
+    """The one tokenized copy every recipe trains on: the recipes' ``data.out_dir``, else ``OUT/data``."""
+    return first.data.out_dir or os.path.join(args.out, "data")
+
+
+def _check_recipes(args: argparse.Namespace):
+    """The first recipe (with ``--set``); ``ValueError`` naming a recipe that does not load, whose batch
+    does not split into its micro-batches, that does not share the first's ``data``, ``optim`` and
+    ``train.global_batch`` (or ``train.steps`` where no option sets it), or whose data sources do not
+    name files."""
+    from ..data.prepare import check_sources
 
     first = load_config(args.configs[0], args.overrides)
-    d = first.data
     sets_steps = args.steps is not None or args.time_budget is not None or args.deadline is not None
     for c in args.configs:  # each trains in one process: a batch that does not split fails here, not after the others
         other = first if c == args.configs[0] else load_config(c, args.overrides)
@@ -542,6 +551,15 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
         if not sets_steps and other.train.steps != first.train.steps:  # the table would set unequal tokens side by side
             raise ValueError(f"{c}: train.steps = {other.train.steps}, {args.configs[0]} has {first.train.steps}: "
                              "the recipes must train the same tokens; give --steps (or --time-budget / --deadline)")
+    check_sources(first.data.spec(), _data_dir(args, first))
+    return first
+
+
+def _compare(args: argparse.Namespace, names: List[str], started: float, deadline_at: Optional[float],
+             first) -> int:
+    from ..data import prepare_dataset
+
+    d = first.data
     results_path = args.results or os.path.join(args.out, "compare.json")
     report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
               "time_budget_s": args.time_budget, "tokens_per_step": first.train.global_batch * d.seq_len,
@@ -555,9 +573,8 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
 
     save()
     sets = list(args.overrides)
-    data_dir = d.out_dir
-    if not data_dir:  # one tokenized copy shared by every recipe
-        data_dir = os.path.join(args.out, "data")
+    data_dir = _data_dir(args, first)
+    if not d.out_dir:  # one tokenized copy shared by every recipe
         sets.append(assign_text("data.out_dir", data_dir))
     prepare_dataset(d.spec(), data_dir)
     steps = args.steps

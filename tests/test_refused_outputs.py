@@ -1,0 +1,101 @@
+"""A refused ``falcon-fwa data`` or ``falcon-fwa compare`` leaves no output folder behind: the options and
+sources are checked before the folder is made, and a preparation that fails after it was made removes what
+it wrote, with the lock file and the folders it made; what was there before the command stays."""
+import json
+import os
+
+import pytest
+import yaml
+from test_train import recipe, write_corpus
+
+from falcon_fwa import cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tree(folder):
+    """Every path under ``folder``, relative to it."""
+    return sorted(os.path.relpath(os.path.join(d, n), folder) for d, dirs, files in os.walk(folder)
+                  for n in dirs + files)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    write_corpus(path)
+    return str(path)
+
+
+def _data(out, *options):
+    return cli.main(["data", *options, "--out", str(out)])
+
+
+# each refusal and the words its error starts with; the first two are found before any folder is made, the
+# others after (a tokenizer folder that does not exist, a split with no document)
+CASES = {
+    "missing source": (lambda c, tmp: ["--train", str(tmp / "nope.txt")], "--train: data source"),
+    "val is train": (lambda c, tmp: ["--train", c, "--val", c], "--val file"),
+    "missing tokenizer": (lambda c, tmp: ["--train", c, "--tokenizer", str(tmp / "no-tokenizer")],
+                          "tokenizer folder"),
+    "empty val split": (lambda c, tmp: ["--train", c, "--val-every", "5000"], "no documents to write"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_refused_data_command_leaves_no_folder_it_made(tmp_path, corpus, capsys, monkeypatch, case):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    options, words = CASES[case]
+    out = tmp_path / "new" / "data"  # two folders the command would make
+    assert _data(out, *options(corpus, tmp_path)) == 2
+    assert f"falcon-fwa data: error: {words}" in capsys.readouterr().err  # (after the progress bars)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_refused_data_command_keeps_what_its_folder_held(tmp_path, corpus, capsys, case):
+    """A folder that was there, with a file of its own, holds that file alone afterwards; a lock file an
+    earlier preparation left there stays."""
+    options, _ = CASES[case]
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert _data(out, *options(corpus, tmp_path)) == 2
+    assert _tree(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    (out / ".prepare.lock").write_text("")
+    assert _data(out, *options(corpus, tmp_path)) == 2
+    assert _tree(out) == [".prepare.lock", "notes.txt"]
+
+
+def test_a_data_command_that_succeeds_after_a_refusal_prepares_the_folder(tmp_path, corpus):
+    out = tmp_path / "data"
+    assert _data(out, "--train", corpus, "--val-every", "5000") == 2
+    assert _data(out, "--train", corpus, "--val-every", "10") == 0
+    record = json.loads((out / "prepared.json").read_text())
+    assert record["spec"]["val_every"] == 10 and record["counts"]["val"]["n_docs"] == 12  # 120 documents / 10
+    assert {"tokenizer", "train", "val", "prepared.json", ".prepare.lock"} <= set(os.listdir(out))
+
+
+def _recipes(tmp_path):
+    paths = []
+    for name, preset in (("a", "tiny-falcon"), ("b", "tiny-transformer")):
+        raw = recipe(tmp_path)
+        raw["model"]["preset"] = preset
+        raw["data"]["out_dir"] = ""
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        paths.append(str(tmp_path / f"{name}.yaml"))
+    return paths
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--set", "train.micro_batch=3"], "train.global_batch = 4 is not a multiple of train.micro_batch = 3"),
+    (["--set", "train.stpes=3"], "unknown config field train.stpes"),
+    (["--set", "data.train_source=/nonexistent/corpus.txt"], "data.train_source: data source"),
+])
+def test_a_refused_compare_leaves_no_output_folder(tmp_path, capsys, monkeypatch, options, words):
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    out = tmp_path / "cmp"
+    status = cli.main(["compare", "--configs", *_recipes(tmp_path), "--names", "a", "b", "--out", str(out),
+                       "--steps", "2", *options])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("falcon-fwa compare: error: ") and words in err
+    assert not out.exists()

@@ -63,7 +63,21 @@ def test_falcon_step_and_trace_take_numpy_scalars(rule):
     for field in ("eta", "gamma", "clamped", "prediction", "valid"):
         assert torch.equal(getattr(trace_py, field), getattr(trace_np, field)), field
     fresh = FalconState.fresh(torch.zeros(B, H, K, V, dtype=torch.float64), rule=rule, window=np.int64(3))
-    assert fresh.window == (3 if get_rule(rule).sliding else 1)
+    assert fresh.window == (3 if get_rule(rule).sliding else 1) and type(fresh.window) is int
+    assert type(s_np.window) is int  # the state a call returns holds the Python number too
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_the_normalized_read_takes_eps_attn_as_a_numpy_scalar(form):
+    q, k, v, beta, lam = (t.abs() if t.dim() == 4 else t for t in _inputs("1A", seed=2))
+    want, _ = falcon_attention(q, k, v, beta, lam, rule="1A", form=form, eps_attn=0.5)
+    got, _ = falcon_attention(q, k, v, beta, lam, rule="1A", form=form, eps_attn=np.float32(0.5))
+    assert torch.equal(want, got)
+    o_py, _ = falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], rule="1A", eps_attn=0.5)
+    o_np, _ = falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], rule="1A", eps_attn=np.float16(0.5))
+    assert torch.equal(o_py, o_np)
+    with pytest.raises(ValueError, match="eps_attn must be a finite number >= 0"):
+        falcon_attention(q, k, v, beta, lam, rule="1A", form=form, eps_attn=np.float32("nan"))
 
 
 def test_the_checks_return_python_numbers():
@@ -83,26 +97,26 @@ BAD = [
     ("window", "3", r"^window must be an integer >= 1 for the sliding rule 3, got '3'"),
     ("window", True, r"^window must be an integer >= 1 for the sliding rule 3, got True"),
     ("window", np.bool_(True), r"^window must be an integer >= 1 for the sliding rule 3, got np.True_"),
-    ("window", np.float32(3.0), r"^window must be an integer >= 1 for the sliding rule 3, got np.float32\(3.0\)"),
-    ("window", np.int64(0), r"^window must be an integer >= 1 for the sliding rule 3, got np.int64\(0\)"),
+    ("window", np.float32(3.0), r"^window must be an integer >= 1 for the sliding rule 3, got 3.0"),
+    ("window", np.int64(0), r"^window must be an integer >= 1 for the sliding rule 3, got 0"),
     ("chunk_size", np.array([4, 4]), r"^chunk_size must be an integer >= 1, got array"),
     ("chunk_size", "4", r"^chunk_size must be an integer >= 1, got '4'"),
     ("chunk_size", np.bool_(True), r"^chunk_size must be an integer >= 1, got np.True_"),
-    ("chunk_size", np.float64(4.0), r"^chunk_size must be an integer >= 1, got np.float64\(4.0\)"),
-    ("chunk_size", np.int64(-2), r"^chunk_size must be an integer >= 1, got np.int64\(-2\)"),
+    ("chunk_size", np.float64(4.0), r"^chunk_size must be an integer >= 1, got 4.0"),
+    ("chunk_size", np.int64(-2), r"^chunk_size must be an integer >= 1, got -2"),
     ("segments", np.array([2, 2]), r"^segments must be an integer >= 1, got array"),
     ("segments", True, r"^segments must be an integer >= 1, got True"),
-    ("segments", np.float32(2), r"^segments must be an integer >= 1, got np.float32\(2.0\)"),
+    ("segments", np.float32(2), r"^segments must be an integer >= 1, got 2.0"),
     ("eps", np.array([0.1, 0.2]), r"^eps must be a number, got array"),
     ("eps", "0.1", r"^eps must be a number, got '0.1'"),
     ("eps", True, r"^eps must be a number, got True"),
     ("eps", np.bool_(False), r"^eps must be a number, got np.False_"),
-    ("eps", np.float32("nan"), r"^eps must lie in \[0, inf\), got np.float32\(nan\)"),
-    ("eps", np.float32("inf"), r"^eps must lie in \[0, inf\), got np.float32\(inf\)"),
-    ("eps", np.float32(-0.5), r"^eps must lie in \[0, inf\), got np.float32\(-0.5\)"),
+    ("eps", np.float32("nan"), r"^eps must lie in \[0, inf\), got nan"),
+    ("eps", np.float32("inf"), r"^eps must lie in \[0, inf\), got inf"),
+    ("eps", np.float32(-0.5), r"^eps must lie in \[0, inf\), got -0.5"),
     ("decay_floor", np.array([0.5, 0.5]), r"^decay_floor must be a number, got array"),
-    ("decay_floor", np.float64("nan"), r"^decay_floor must lie in \(0, 1\), got np.float64\(nan\)"),
-    ("decay_floor", np.float32(1.0), r"^decay_floor must lie in \(0, 1\), got np.float32\(1.0\)"),
+    ("decay_floor", np.float64("nan"), r"^decay_floor must lie in \(0, 1\), got nan"),
+    ("decay_floor", np.float32(1.0), r"^decay_floor must lie in \(0, 1\), got 1.0"),
     ("decay_floor", np.True_, r"^decay_floor must be a number, got np.True_"),
 ]
 

@@ -213,3 +213,30 @@ def test_packed_sequences_of_whole_chunks(rule):
     # sequence has no empty chunk to spare, each sequence from its own state
     check_kernel(rule, (1, 50, 1, 16, 8), torch.float32, state=True, output_final_state=True,
                  cu_seqlens=[0, 16, 48, 50], seed=208)
+
+
+@pytest.mark.parametrize("rule", ["1", "3", "3A"])
+def test_numpy_scalar_options_run_the_kernels_as_python_numbers(rule):
+    """``window``, ``chunk_size``, ``eps``, ``decay_floor`` and ``segments`` given as numpy scalars (as a config may
+    hold them) reach the kernels as the Python numbers they are: the chunk kernels, the fused recurrent kernel and
+    the fused step give what the same call with Python numbers gives, to the bit, and the state records an int."""
+    import numpy as np
+
+    x = on_device(kernel_inputs(1, 20, 2, 8, 8, torch.float32, seed=3, rule=rule), DEVICE)
+    args = [x[n] for n in OP_INPUTS]
+    W = WINDOW.get(rule, 4)
+    plain = dict(window=W, eps=0.25, decay_floor=0.125)
+    numpy = dict(window=np.int64(W), eps=np.float32(0.25), decay_floor=np.float64(0.125))
+    for form, extra, numpy_extra in (("chunk", dict(chunk_size=16, segments=2),
+                                      dict(chunk_size=np.int32(16), segments=np.int64(2))),
+                                     ("recurrent", {}, {})):
+        want = falcon_attention(*args, rule=rule, log_gate=x["log_gate"], form=form, backend="triton",
+                                output_final_state=True, **plain, **extra)
+        got = falcon_attention(*args, rule=rule, log_gate=x["log_gate"], form=form, backend="triton",
+                               output_final_state=True, **numpy, **numpy_extra)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1].S, got[1].S), form
+        assert type(got[1].window) is int
+    step = dict(q=args[0][:, 0], k=args[1][:, 0], v=args[2][:, 0], beta=args[3][:, 0], lam=args[4][:, 0])
+    want = falcon_step(**step, rule=rule, backend="triton", **plain)
+    got = falcon_step(**step, rule=rule, backend="triton", **numpy)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1].S, got[1].S) and type(got[1].window) is int

@@ -17,7 +17,8 @@ from .seqlens import last_steps, packed_bounds, padded_rows
 from .state import FalconState
 from .step_sizes import step_sizes
 from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_sequence_tensors,
-                       check_state, check_state_type, check_step_shapes, check_switches, check_tensor_types)
+                       check_state, check_state_type, check_step_shapes, check_switches, check_tensor_types,
+                       plain_number)
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -209,6 +210,9 @@ def falcon_attention(
     ``log_gate = dt * A`` (``A < 0``); RetNet = linear attention with a fixed
     per-head ``log_gate``.
     """
+    # numpy's scalars as Python numbers (the kernels take those only); anything else goes to the checks
+    window, chunk_size, eps, decay_floor, segments, eps_attn = map(
+        plain_number, (window, chunk_size, eps, decay_floor, segments, eps_attn))
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and form == "parallel":
@@ -396,6 +400,7 @@ def falcon_step(
     sequence, not per token); the state (its type, configuration, shapes and device), the on/off
     switches and the options that are not tensors (``read``, ``window``, ``eps``, ``decay_floor``),
     all host-only, are checked always."""
+    window, eps, decay_floor, eps_attn = map(plain_number, (window, eps, decay_floor, eps_attn))
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_tensor_types(q, k, v, beta, lam, log_gate)

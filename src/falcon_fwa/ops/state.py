@@ -65,8 +65,9 @@ class FalconState:
         of the call that takes the state."""
         from .pairs import empty_tail
         from .rules import get_rule
-        from .validate import check_switches, check_window
+        from .validate import check_switches, check_window, plain_number
 
+        window = plain_number(window)
         spec = get_rule(rule)
         if not isinstance(S, torch.Tensor) or S.dim() != 4:
             raise ValueError(f"S must be a tensor of shape [B, H, K, V], got "

@@ -33,7 +33,7 @@ from .pairs import write_side
 from .rules import get_rule
 from .state import FalconState
 from .step_sizes import log_carry, step_sizes
-from .validate import check_inputs, check_switches
+from .validate import check_inputs, check_switches, plain_number
 
 __all__ = ["FalconTrace", "falcon_trace"]
 
@@ -88,6 +88,7 @@ def falcon_trace(
     Positional ``k, v, beta, lam`` are ``falcon_attention``'s without ``q``; its keywords
     ``form``, ``read``, ``eps_attn``, ``output_final_state``, ``cu_seqlens`` and ``segments``
     are not taken (the predictions are read before the write, on the chunk form)."""
+    window, chunk_size, eps, decay_floor = map(plain_number, (window, chunk_size, eps, decay_floor))
     spec = get_rule(rule)
     W = window if spec.sliding else 1
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge)

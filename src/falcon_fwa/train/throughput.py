@@ -11,6 +11,11 @@ of timed steps have passed, but never before ``--min-steps`` of them. The one ha
 its next step boundary and its row says ``"stopped": "deadline"`` (``"steady": false`` when fewer
 than ``--min-steps`` were timed); measurements not started get a row with ``"skipped"``.
 
+A recipe (``--config``) is measured at its ``data.seq_len`` and ``train.micro_batch`` with the model its
+training builds: the preset's vocabulary grown to the recipe's tokenizer (``byte``; the record of its prepared
+data folder; ``bpe:N`` not yet trained: N; a local tokenizer folder or a cached Hub name). Its row's ``vocab_size``
+and ``vocabulary`` say which; where the tokenizer is not here without a download, the preset's, and the row says so.
+
 Measurements go by sequence length first: every preset at the first length, then every preset
 at the next one, so a killed command still leaves one comparable row per preset. Each row is
 appended to ``--out`` (JSON lines) as soon as it is measured; its ``launch`` (the command's start,
@@ -26,10 +31,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -255,18 +261,66 @@ def parse_preset(spec: str):
         raise ValueError(f"--preset {spec!r}: {err}") from None
 
 
-def _jobs(args):
-    """``(name, config, seq_len, batch_size)``: recipes, then presets length by length."""
+def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
+    """``(vocab_size, eos_token_id, where from)`` of the tokenizer a recipe trains with, found without
+    downloading: ``byte``; the record of the recipe's prepared data folder where it was prepared with this
+    tokenizer; ``bpe:N`` not trained yet (N, the most it has); a local tokenizer folder, or a Hub name in the
+    local cache. ``(None, None, why)`` where none of these gives it."""
+    from ..atomic import read_json
+    from ..data.tokenizer import bpe_vocab_size, load_tokenizer
+
+    spec = cfg.data.tokenizer
+    if spec == "byte":
+        tok = load_tokenizer("byte")
+        return len(tok), tok.eos_token_id, "tokenizer byte"
+    folder = cfg.data.out_dir or os.path.join(cfg.train.out_dir, "data")
+    try:
+        record = read_json(os.path.join(folder, "prepared.json"))
+        if record["spec"]["tokenizer"] == spec:
+            return int(record["vocab_size"]), int(record["eos_token_id"]), f"tokenizer {spec}, as prepared in {folder}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if spec.startswith("bpe:"):
+        size = bpe_vocab_size(spec)
+        return size, size - 1, f"tokenizer {spec}, not trained yet: its most tokens, {size}"
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(spec, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        return None, None, f"tokenizer {spec} is not here without a download ({str(err)[:80]})"
+    return len(tok), tok.eos_token_id, f"tokenizer {spec}"
+
+
+def recipe_model_config(cfg) -> Tuple[object, dict]:
+    """The model config a recipe trains (``model_factory.build_model``'s, the vocabulary grown to the
+    recipe's tokenizer as training grows it) and the row's ``vocab_size`` and ``vocabulary`` (where the
+    vocabulary comes from). Without the tokenizer here, the preset's vocabulary, and ``vocabulary`` says so."""
     from ..models import get_preset
+    from .model_factory import build_model
+
+    size, eos, source = recipe_vocabulary(cfg)
+    if size is None:
+        config = get_preset(cfg.model.preset, **cfg.model.overrides)
+        return config, {"vocab_size": config.vocab_size,
+                        "vocabulary": f"the preset's ({source}; training sizes it to the tokenizer)"}
+    with torch.device("meta"):  # the config alone: no weights are made
+        config = build_model(cfg.model, vocab_size=size, eos_token_id=eos).config
+    return config, {"vocab_size": config.vocab_size, "vocabulary": f"{source} ({size} tokens), as training sizes it"}
+
+
+def _jobs(args):
+    """``(name, config, seq_len, batch_size, row fields)``: recipes, then presets length by length."""
     from .config import load_config
 
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
-        yield path, get_preset(cfg.model.preset, **cfg.model.overrides), cfg.data.seq_len, cfg.train.micro_batch
+        config, fields = recipe_model_config(cfg)
+        yield path, config, cfg.data.seq_len, cfg.train.micro_batch, fields
     configs = {spec: parse_preset(spec) for spec in args.preset}  # a bad spec fails before anything runs
     for seq_len in args.seq_len:
         for spec in args.preset:
-            yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len)
+            yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len), {}
 
 
 def _append_row(path: Optional[str], row: dict) -> None:
@@ -299,9 +353,9 @@ def run(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
     launch = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-    for name, config, seq_len, batch_size in list(_jobs(args)):
+    for name, config, seq_len, batch_size, fields in list(_jobs(args)):
         row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size, "dtype": "bf16" if bf16 else "fp32",
-                     "launch": launch}
+                     "launch": launch, **fields}
         if deadline is not None and _clock() >= deadline:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
             _append_row(args.out, row)

@@ -418,14 +418,20 @@ class Trainer:
         # the export: once the run reaches train.steps; a finished run launched again exports only where
         # its summary is not the finished one (a launch that died between the two: the export comes first)
         # or the export is missing
-        if self.step == t.steps and t.export_model and (
-                stored is None or not os.path.isfile(os.path.join(export_dir, "config.json"))):
+        keep = stored is not None
+        export = self.step == t.steps and t.export_model and (
+            not keep or not os.path.isfile(os.path.join(export_dir, "config.json")))
+        if self.step == first_step and info.world_size > 1:
+            # as the main process finds the run folder, for every process: what follows are collectives
+            found = torch.tensor([float(keep and info.is_main), float(export and info.is_main)], device=info.device)
+            keep, export = (v > 0 for v in D.all_reduce_max(found, info).tolist())
+        if export:
             self.export(export_dir)
         if self.step == first_step:
-            if stored is not None:
+            if keep:
                 # its summary, with the validation loss and tokens/s of the steps that were trained, stays;
                 # no signal stopped this launch
-                return {k: v for k, v in stored.items() if k != "signal"}
+                return {k: v for k, v in (stored or {}).items() if k != "signal"}
             # none, one of an earlier launch (one that trained on died before writing its own), or one of a
             # launch stopped at what is now train.steps: evaluated as the run's last step is
             if t.eval_every:

@@ -252,3 +252,30 @@ def test_plain_number_gives_the_python_number(value, want):
 def test_plain_number_leaves_what_is_no_real_number_to_the_checks(value):
     from falcon_fwa.ops.validate import plain_number
     assert plain_number(value) is value
+
+
+def test_numpy_values_assigned_to_a_built_config_are_stored_as_python_numbers_and_save(tmp_path):
+    from falcon_fwa import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2, rule="3A", window=2)
+    config.window, config.chunk_size, config.eps = np.int64(3), np.int32(8), np.float32(0.25)
+    config.shift, config.lambda_scale = np.bool_(True), np.float64(0.5)
+    torch.manual_seed(0)
+    model = FalconForCausalLM(config).eval()  # checks the fields, as assigned
+    assert (config.window, config.chunk_size, config.eps, config.shift, config.lambda_scale) == (3, 8, 0.25, True, 0.5)
+    assert [type(getattr(config, f)) for f in ("window", "chunk_size", "eps", "shift", "lambda_scale")] == \
+        [int, int, float, bool, float]
+    model.save_pretrained(tmp_path)
+    again = FalconForCausalLM.from_pretrained(tmp_path).eval()
+    assert (again.config.window, again.config.chunk_size, again.config.eps) == (3, 8, 0.25)
+    ids = torch.randint(0, 64, (2, 11))
+    assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_a_numpy_window_that_is_no_integer_is_still_refused_for_a_sliding_rule():
+    from falcon_fwa import FalconConfig
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2, rule="3A", window=2)
+    config.window = np.float32(2.5)
+    with pytest.raises(ValueError, match=r"config field 'window' must be an integer >= 1 for the sliding rule '3A'"):
+        config.validate_fields()

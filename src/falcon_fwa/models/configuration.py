@@ -326,16 +326,25 @@ class FalconFWAConfig(PretrainedConfig):
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first inconsistent field (also after fields were
         assigned one by one: the types are checked again, and every range check is written so
-        that NaN fails it)."""
+        that NaN fails it). Numbers and switches assigned since the config was built are stored
+        as Python's ``int``, ``float`` and ``bool`` (numpy's scalars too), as the constructor stores
+        them, so that the config saves as JSON."""
         for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "intermediate_size", "head_k_dim",
                       "head_v_dim", "chunk_size", "segments", "conv_size"):
-            if _int(field, getattr(self, field)) < 1:
+            setattr(self, field, _int(field, getattr(self, field)))
+            if getattr(self, field) < 1:
                 raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
         for field in BOOL_FIELDS:
-            _bool(field, getattr(self, field))
+            setattr(self, field, _bool(field, getattr(self, field)))
         for field in ("lambda_scale", "query_scale", "eps", "decay_floor", "rope_theta", "rms_norm_eps",
                       "initializer_range"):
-            _float(field, getattr(self, field))
+            setattr(self, field, _float(field, getattr(self, field)))
+        if self.mup_base_width is not None:
+            self.mup_base_width = _int("mup_base_width", self.mup_base_width)
+        try:  # an integral number is stored as an int (the rules that are not sliding never read it)
+            self.window = _int("window", self.window)
+        except ValueError:
+            pass
         _choice("mixer", self.mixer, MIXERS)
         if self.rule not in RULES:
             raise ValueError(f"config field 'rule' must be one of {sorted(RULES)}, got {self.rule!r}")
@@ -362,9 +371,10 @@ class FalconFWAConfig(PretrainedConfig):
         if not 0.0 < self.decay_floor < 1.0:
             raise ValueError(f"config field 'decay_floor' must lie in (0, 1), got {self.decay_floor}")
         if self.eps_attn is not None:
-            if isinstance(self.eps_attn, bool) or not isinstance(self.eps_attn, numbers.Real) \
+            if isinstance(self.eps_attn, (bool, np.bool_)) or not isinstance(self.eps_attn, numbers.Real) \
                     or not math.isfinite(self.eps_attn) or self.eps_attn < 0:
                 raise ValueError(f"config field 'eps_attn' must be None or a finite number >= 0, got {self.eps_attn}")
+            self.eps_attn = float(self.eps_attn)
             if self.mixer == "transformer" or RULES[self.rule].regression:
                 raise ValueError(f"config field 'eps_attn' (the normalized read) needs an inner-product rule (1A, 2A, "
                                  f"3A) of a recurrent mixer, got mixer={self.mixer!r}, rule={self.rule!r}")

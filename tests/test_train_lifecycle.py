@@ -1,4 +1,5 @@
-"""A run's life over several launches: a stop step past the run's end is refused before any work; a run
+"""A run's life over several launches: a stop step past the run's end, or before the checkpoint the launch
+resumes from, is refused before any work (one at that checkpoint trains nothing, and says so); a run
 stopped at the step that a later launch's train.steps makes its last is finished as a run of that length
 (evaluated and exported there, its summary of that length); a finished run launched again does no work
 again (its export stays, unless it is missing)."""
@@ -139,3 +140,71 @@ def test_a_finished_run_launched_again_neither_exports_nor_evaluates_again(tmp_p
     run_trainer(raw)
     assert (model_dir / "model.safetensors").read_bytes() == weights
     assert _summary(tmp_path / "run") == summary and (tmp_path / "run" / "log.jsonl").read_text() == log
+
+
+def _files(folder):
+    """Every file under ``folder`` (relative path -> its bytes and modification time)."""
+    return {os.path.relpath(os.path.join(d, n), folder): (open(os.path.join(d, n), "rb").read(),
+                                                           os.stat(os.path.join(d, n)).st_mtime_ns)
+            for d, _, files in os.walk(folder) for n in files}
+
+
+@pytest.mark.parametrize("stop_at, resume, at", [(2, "auto", 3), (1, "auto", 3), (1, "step-00000002", 2)])
+def test_a_stop_step_before_the_runs_checkpoint_is_refused_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                            stop_at, resume, at):
+    """A run stopped at step 3 of 4 (checkpoints at 2 and 3), launched again with --stop-at N before the
+    checkpoint it resumes from (its latest, or the step-2 one that train.resume names) could stop after no
+    step N: refused, exit status 2, naming the option, N and the checkpoint's step, before the trainer is
+    built; the run and data folders are as the stopped launch left them, file for file."""
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    raw = recipe(tmp_path, "run")  # train.steps = 4, a checkpoint every 2 steps and at the stop
+    assert main(["--config", _write(tmp_path, raw), "--stop-at", "3"]) == 0
+    run_dir = tmp_path / "run"
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["LATEST", "step-00000002", "step-00000003"]
+    before = _files(tmp_path)
+    capsys.readouterr()
+    if resume != "auto":
+        raw["train"]["resume"] = str(run_dir / "checkpoints" / resume)
+    built = []
+    monkeypatch.setattr(Trainer, "__init__", lambda self, *a, **k: built.append(1) or 1 / 0)
+    assert main(["--config", _write(tmp_path, raw, "again.json"), "--stop-at", str(stop_at)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"falcon-fwa train: error: --stop-at {stop_at} ") and f"at step {at}" in err
+    assert built == [] and out == ""
+    after = _files(tmp_path)
+    del after["again.json"]
+    assert after == before
+
+
+def test_a_stop_step_at_the_runs_checkpoint_says_that_nothing_is_trained(tmp_path, capsys):
+    """--stop-at 3 again on a run stopped at step 3: the run is where the option stops it, so the launch
+    trains nothing, says so and exits 0; its checkpoints, log and summary stay as they were."""
+    raw = recipe(tmp_path, "run")
+    path = _write(tmp_path, raw)
+    assert main(["--config", path, "--stop-at", "3"]) == 0
+    run_dir = tmp_path / "run"
+    def kept():  # the files' bytes; the checkpoints' times too (none is saved again)
+        return {f: v if f.startswith("checkpoints") else v[0] for f, v in _files(run_dir).items()}
+
+    before = kept()
+    capsys.readouterr()
+    assert main(["--config", path, "--stop-at", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train" in out and "--stop-at 3" in out
+    assert kept() == before
+    assert _summary(run_dir)["steps"] == 3
+
+
+def test_the_trainer_refuses_a_stop_step_before_the_one_it_resumed_at(tmp_path):
+    raw = recipe(tmp_path, "run")
+    run_trainer(raw, stop_at=3)
+    log = (tmp_path / "run" / "log.jsonl").read_text()
+    trainer = Trainer(config_from_dict(raw))
+    try:
+        assert trainer.step == 3
+        with pytest.raises(ValueError, match=r"^stop_at=2 is before step 3, where this run resumed from .*step-00000003"):
+            trainer.train(stop_at=2)
+        assert trainer.step == 3
+    finally:
+        trainer.close()
+    assert (tmp_path / "run" / "log.jsonl").read_text() == log and _summary(tmp_path / "run")["steps"] == 3

@@ -10,8 +10,10 @@ it. A second SIGTERM or SIGINT interrupts at once.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+from typing import Optional
 
 from ..cli_options import check_input_files, check_output_folder
 from .config import load_config
@@ -22,8 +24,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a recipe field, e.g. --set train.steps=100 (repeatable)")
     parser.add_argument("--stop-at", type=int, default=None,
-                        help="stop (with a checkpoint) after this step (1 to train.steps); the schedule still "
-                             "spans train.steps")
+                        help="stop (with a checkpoint) after this step (from the step of the checkpoint the run "
+                             "resumes from, else 1, to train.steps); the schedule still spans train.steps")
+
+
+def _resume_step(cfg) -> Optional[int]:
+    """The step of the checkpoint a launch of ``cfg`` resumes from (``train.resume``: the run's latest, or the
+    ``step-*`` folder it names), ``None`` where it starts at step 0."""
+    from .checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
+
+    resume = cfg.train.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        path = latest_checkpoint(os.path.join(cfg.train.out_dir, "checkpoints"))
+    else:  # one that is no complete checkpoint is refused by the trainer, by name
+        path = os.path.normpath(resume)
+        path = path if path in map(os.path.normpath, list_checkpoints(os.path.dirname(path))) else None
+    return None if path is None else checkpoint_step(path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +57,16 @@ def run(args: argparse.Namespace) -> int:
                          f"step <= {cfg.train.steps}, or a longer train.steps (--set train.steps=N)")
     check_output_folder("train.out_dir", cfg.train.out_dir)
     check_output_folder("data.out_dir", cfg.data.out_dir)
+    at = None if args.stop_at is None else _resume_step(cfg)
+    if at is not None and args.stop_at < at:  # the run is past it: it would train nothing, and stop at no step N
+        later = (f"a step from {at} to train.steps = {cfg.train.steps}" if at <= cfg.train.steps else
+                 f"a longer train.steps (it is {cfg.train.steps}) and a step from {at}")
+        raise ValueError(f"--stop-at {args.stop_at} is before the run's checkpoint at step {at}, where it resumes: "
+                         f"give {later}, or train.resume=none to start afresh")
     trainer = Trainer(cfg)
+    if args.stop_at is not None and trainer.step == args.stop_at < cfg.train.steps and trainer.info.is_main:
+        print(f"the run's checkpoint is at --stop-at {args.stop_at} already: nothing to train (a later --stop-at, "
+              "or none, continues the run)")
     try:
         summary = trainer.train(stop_at=args.stop_at, stop_on_signal=True)
     except NonFiniteLoss as err:

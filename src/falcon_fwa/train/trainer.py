@@ -326,6 +326,7 @@ class Trainer:
     def train(self, *, stop_at: Optional[int] = None, should_stop: Optional[Callable[[int], bool]] = None,
               stop_on_signal: bool = False) -> dict:
         """Run to ``train.steps`` (or stop after step ``stop_at`` with a checkpoint); returns a summary.
+        A ``stop_at`` before the step the run resumed at is refused (``ValueError``); one at it trains nothing.
         ``should_stop(step)`` is asked after every step (give every process the same answer); once it
         answers true, the run ends at that step as if it were ``stop_at``. With ``stop_on_signal``,
         a SIGTERM, SIGINT or SIGHUP (e.g. a preemption, Ctrl-C, the launching command's end) that
@@ -337,6 +338,9 @@ class Trainer:
 
     def _train(self, stop_at: Optional[int], should_stop: Optional[Callable[[int], bool]], signals) -> dict:
         cfg, t, o, info = self.cfg, self.cfg.train, self.cfg.optim, self.info
+        if stop_at is not None and stop_at < self.step:  # the run is past it: no step to stop after
+            raise ValueError(f"stop_at={stop_at} is before step {self.step}, where this run resumed from "
+                             f"{self.last_checkpoint}: it would stop after no step")
         stream = BatchStream(self.train_rows, micro_batch=t.micro_batch, packing=cfg.data.packing, seed=t.seed,
                              rank=info.rank, world_size=info.world_size, position=self.position)
         tokens_per_step = t.global_batch * cfg.data.seq_len

@@ -99,3 +99,47 @@ def test_a_refused_compare_leaves_no_output_folder(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("falcon-fwa compare: error: ") and words in err
     assert not out.exists()
+
+
+# tokenizers that fail only when the preparation loads them, after --out is made: a local folder that does not
+# exist, a file, a misspelt built-in; and the words the error names each by
+BAD_TOKENIZERS = {
+    "missing folder": (lambda tmp: str(tmp / "no-tokenizer"), "tokenizer folder"),
+    "a file": (lambda tmp: str(tmp / "a.yaml"), "is a file"),
+    "misspelt": (lambda tmp: "bytes", "did you mean 'byte'?"),
+}
+
+
+def _compare_with_tokenizer(tmp_path, out, case):
+    spec, words = BAD_TOKENIZERS[case]
+    status = cli.main(["compare", "--configs", *_recipes(tmp_path), "--names", "a", "b", "--out", str(out),
+                       "--steps", "2", "--set", f"data.tokenizer={spec(tmp_path)}"])
+    return status, words
+
+
+@pytest.mark.parametrize("case", list(BAD_TOKENIZERS))
+def test_a_compare_whose_tokenizer_fails_leaves_no_output_folder(tmp_path, capsys, monkeypatch, case):
+    """The preparation fails after the lock made --out (and the folder above it): neither the results file,
+    the lock file, the data folder nor the two folders stay."""
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    status, words = _compare_with_tokenizer(tmp_path, tmp_path / "new" / "cmp", case)
+    err = capsys.readouterr().err
+    assert status == 2 and "falcon-fwa compare: error: " in err and words in err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("lock", [False, True])
+def test_a_compare_whose_tokenizer_fails_keeps_what_its_folder_held(tmp_path, lock):
+    """An --out that was there, with an earlier launch's results file and a file of its own (and the lock file
+    an earlier launch left, where there was one), holds those alone afterwards, the results file unchanged."""
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    earlier = json.dumps({"configs": {"a": "a.yaml"}, "status": {"a": "done"}, "runs": {"a": {"steps": 2}}})
+    (out / "compare.json").write_text(earlier)
+    if lock:
+        (out / ".compare.lock").write_text("")
+    status, _ = _compare_with_tokenizer(tmp_path, out, "missing folder")
+    assert status == 2
+    assert _tree(out) == [".compare.lock"] * lock + ["compare.json", "notes.txt"]
+    assert (out / "compare.json").read_text() == earlier and (out / "notes.txt").read_text() == "mine"

@@ -47,6 +47,8 @@ again and its run says ``"kept": true``. Every other recipe trains afresh, so th
 runs of other settings. (A calibrated step count is measured anew, so it rarely matches; the
 ``--concurrent`` runs always train afresh, their speeds depending on what runs beside them.)
 One command runs in an ``OUT`` folder at a time; a ``--concurrent`` run's processes end with it.
+The data are prepared before the results file is first written: a preparation that fails (a tokenizer that
+does not load, an empty split) leaves ``OUT`` as it was, without the lock file or the folders this command made.
 """
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
 from .launch import PARENT_ENDED, StopSignals, device_description, end_with_parent
 from .logger import read_log
+
+LOCK_NAME = ".compare.lock"  # in --out: one command at a time
 
 _clock = time.monotonic  # every time in this module comes from here
 MIN_STEPS = 20
@@ -494,11 +498,46 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder("--out", args.out)
     check_output_file("--results", args.results)
     first = _check_recipes(args)  # the recipes and their data sources, before --out is made
+    made = _missing_folders(args.out)  # the folders the lock makes
+    had_lock = os.path.exists(os.path.join(args.out, LOCK_NAME))
     try:
-        with folder_lock(args.out, ".compare.lock", wait=False):
+        with folder_lock(args.out, LOCK_NAME, wait=False):
+            try:  # (before the results file is written: a preparation that fails leaves an earlier one as it was)
+                _prepare_data(args, first)
+            except Exception:  # a tokenizer that does not load, an empty split: what this command made goes
+                _remove_made(args.out, had_lock, made)
+                raise
             return _compare(args, names, started, deadline_at, first)
     except BlockingIOError:
         raise ValueError(f"--out {args.out} is in use by another falcon-fwa compare") from None
+
+
+def _missing_folders(folder: str) -> List[str]:
+    """``folder`` and the folders above it that do not exist, outermost first."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing[::-1]
+
+
+def _remove_made(out: str, had_lock: bool, made: List[str]) -> None:
+    """After a preparation that failed (which removed what it wrote itself): the lock file in ``out`` where this
+    command made it, then the folders it made (``made``), each while empty. What was there before stays."""
+    try:
+        if not had_lock:
+            os.remove(os.path.join(out, LOCK_NAME))
+        for folder in reversed(made):
+            os.rmdir(folder)
+    except OSError:  # not empty (something else is in it now), or gone: the preparation's error is the one to report
+        pass
+
+
+def _prepare_data(args: argparse.Namespace, first) -> None:
+    """The one tokenized copy of the recipes' data (:func:`_data_dir`), prepared or reused."""
+    from ..data import prepare_dataset
+
+    prepare_dataset(first.data.spec(), _data_dir(args, first))
 
 
 def _earlier_runs(path: str, configs: dict, device: str) -> dict:
@@ -557,8 +596,6 @@ def _check_recipes(args: argparse.Namespace):
 
 def _compare(args: argparse.Namespace, names: List[str], started: float, deadline_at: Optional[float],
              first) -> int:
-    from ..data import prepare_dataset
-
     d = first.data
     results_path = args.results or os.path.join(args.out, "compare.json")
     report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
@@ -576,7 +613,6 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     data_dir = _data_dir(args, first)
     if not d.out_dir:  # one tokenized copy shared by every recipe
         sets.append(assign_text("data.out_dir", data_dir))
-    prepare_dataset(d.spec(), data_dir)
     steps = args.steps
     if steps is None and (args.time_budget or args.deadline):
         if args.concurrent:

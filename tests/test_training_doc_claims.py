@@ -310,3 +310,17 @@ def test_the_run_folder_holds_what_its_table_lists(tmp_path):
     summary_keys = [k for k in re.findall(r"`(\w+)`", table["summary.json"]) if k != "signal"]
     assert sorted(summary) == sorted(summary_keys)
     assert (run / "loss.png").is_file() and (run / "data" / "prepared.json").is_file()
+
+
+@pytest.mark.parametrize("text, want", [
+    ("a\n  b c  \n\nd\n", ["a\n  b c  ", "d\n"]),  # the file's final line end stays on its last paragraph
+    ("a\n\nd\n\n", ["a", "d"]),  # blank lines end the file: none stays
+    ("a\n\n\n \nd", ["a", "d"]),
+])
+def test_paragraphs_keep_their_spaces_and_the_last_the_files_final_line_end(tmp_path, text, want):
+    """Section 1, ``--text-split paragraph``: "its lines keep their spaces; a file's last one keeps the file's final
+    line end, unless blank lines end the file"."""
+    from falcon_fwa.data.sources import iter_documents
+    assert "a file's last one keeps the file's final line end, unless blank lines end the file" in FLAT
+    (tmp_path / "p.txt").write_text(text)
+    assert list(iter_documents(str(tmp_path / "p.txt"), text_split="paragraph")) == want

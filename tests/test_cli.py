@@ -10,8 +10,10 @@ def test_a_bad_option_value_is_one_error_line_naming_it(capsys, monkeypatch):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
     assert cli.main(["addition", "--model", "nope", "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("falcon-fwa addition: error: model: unknown 'nope'")
+    assert err.startswith("falcon-fwa addition: error: --model: unknown 'nope'")
     assert "lineup.py:" in err and "Traceback" not in err
+    assert cli.main(["addition-compare", "--models", "Transformer", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("falcon-fwa addition-compare: error: --models: unknown 'nope'")
 
 
 def test_the_traceback_on_request(monkeypatch):

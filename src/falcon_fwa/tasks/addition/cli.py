@@ -170,7 +170,7 @@ def model_fields(args: argparse.Namespace) -> dict:
             given["rule"] = get_rule(args.rule).name
         except ValueError as err:  # named as typed (the op names its argument 'rule')
             raise ValueError(f"--rule: {err}") from None
-    fields = resolve_model(args.model, given)
+    fields = resolve_model(args.model, given, name="--model")
     if fields["mixer"] == "transformer" and given:  # softmax attention has no fast-weight update to configure
         raise ValueError(f"{FAST_WEIGHT_OPTIONS[next(iter(given))]}: model {args.model!r} is a Transformer (softmax "
                          f"attention), which has no fast-weight update; {', '.join(FAST_WEIGHT_OPTIONS.values())} "

@@ -425,8 +425,8 @@ def run(args: argparse.Namespace) -> int:
     check_compare_options(args)
     for m in args.models:
         if m not in LINEUP:
-            raise ValueError(f"models: unknown {m!r}; choose from {', '.join(LINEUP)}")
-        resolve_model(m)
+            raise ValueError(f"--models: unknown {m!r}; choose from {', '.join(LINEUP)}")
+        resolve_model(m, name="--models")
     preset = preset_from_args(args)
     task = task_fields(preset)  # runs and summaries of another task get their own default names
     runs = Path(args.runs or runs_folder(args.preset, task))

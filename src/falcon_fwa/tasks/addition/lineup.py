@@ -54,18 +54,19 @@ it), which gives no best step or validation accuracy for it."""
 BASELINES = ("Transformer", "Mamba-2", "RetNet")
 
 
-def resolve_model(model: str, overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def resolve_model(model: str, overrides: Optional[Dict[str, Any]] = None, *, name: str = "model") -> Dict[str, Any]:
     """Config fields for ``model``: a paper name from :data:`LINEUP` or a mixer name.
 
     ``overrides`` (e.g. ``{"rule": "3A", "window": 4}``; ``None`` values are
-    ignored) are applied on top.
+    ignored) are applied on top. An unknown ``model`` is a ``ValueError`` naming ``name``
+    (the option it came from, such as ``--model``).
     """
     if model in LINEUP:
         fields = dict(LINEUP[model])
     elif model in MIXERS:
         fields = {"mixer": model}
     else:
-        raise ValueError(f"model: unknown {model!r}; choose a paper name ({', '.join(LINEUP)}) "
+        raise ValueError(f"{name}: unknown {model!r}; choose a paper name ({', '.join(LINEUP)}) "
                          f"or a mixer ({', '.join(MIXERS)})")
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return fields

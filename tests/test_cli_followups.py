@@ -147,3 +147,32 @@ def test_throughput_shows_a_progress_bar_over_each_measurements_steps_unless_tol
     rows = run_throughput(tmp_path, "--steps", "2", "--min-steps", "2", "--no-progress")
     captured = capsys.readouterr()
     assert len(rows) == 4 and captured.err == ""
+
+
+def test_a_stop_signal_that_the_concurrent_calibration_runs_outlive_still_trains_no_recipe(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A SIGTERM that arrives as the concurrent calibration runs end (each has finished its steps, so none
+    records it): it is kept all the same. No step count is planned, no main run starts (all not_run, no
+    OUT/main), and the command ends with 143, as a stop during the main runs ends it."""
+    real_collect = compare._collect
+
+    def collect_then_signal(procs, signals=None):
+        yield from real_collect(procs, signals)  # every calibration run has ended here
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(compare, "_collect", collect_then_signal)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        code = _compare(tmp_path, "--concurrent", "--time-budget", "5", "--calib-steps", "3", "--max-steps", "20")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = tmp_path / "cmp"
+    report = json.loads((out / "compare.json").read_text())
+    assert {n: (r.get("steps"), r.get("signal")) for n, r in report["calibration"].items()} == {
+        "a": (3, None), "b": (3, None)}  # the calibration runs finished, unstopped
+    assert code == 128 + signal.SIGTERM
+    assert report["status"] == {"a": "not_run", "b": "not_run"} and report["finished"] is False
+    assert "steps" not in report and report["error"] == "stopped by SIGTERM during calibration"
+    assert not (out / "main").exists()
+    assert "stopped by SIGTERM during calibration" in capsys.readouterr().err
+

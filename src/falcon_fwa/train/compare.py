@@ -32,13 +32,15 @@ SIGINT or SIGHUP stops the sequential recipe in progress the same way, with a ch
 it stops every run in progress so (each is asked with a SIGHUP, which a run takes once), waits for them and
 records each as it ended (``stopped`` with its checkpoint, ``done`` or ``failed``; its ``signal`` names the
 command's), and ends the command with 128 + the signal too; one during the concurrent calibration trains no
-recipe (all ``not_run``). A second SIGTERM or SIGINT ends the runs at once. A recipe that
+recipe (all ``not_run``), even where every calibration run finished anyway. A second SIGTERM or SIGINT ends
+the runs at once. A recipe that
 fails is marked ``failed`` (with its error) and the others go on; the command then ends with status 1.
 Without ``--steps``, ``--time-budget`` or ``--deadline`` the recipes must share ``train.steps``.
 
 ``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
 it ends: ``status`` gives every recipe's state (pending, running, done, partial, stopped, failed,
-not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress.
+not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress
+(``signal`` names the stop signal that ended a ``--concurrent`` command).
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
 finished (``done``) with the very recipe this launch would train (the same step count, overrides and
 recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit, on the same kind of
@@ -277,17 +279,31 @@ def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=end_with_parent())
 
 
+class RunSignals(StopSignals):
+    """The :class:`StopSignals` of a command that launches runs (:func:`run_all`), held over several of its
+    calls, so that a stop that comes in one (even as its runs end) or between them is kept for the next."""
+
+
+def _active_run_signals() -> Optional[RunSignals]:
+    """The :class:`RunSignals` whose handler this process has for SIGTERM now (one that a caller of
+    :func:`run_all` holds over several of its calls), else None."""
+    owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return owner if isinstance(owner, RunSignals) else None
+
+
 def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str,
             signals: Optional[StopSignals] = None) -> Iterator[Event]:
-    """Run every recipe concurrently, one process each, from scratch in ``out_dir/tag/NAME``;
-    yields like ``run_sequential``, each recipe as its process ends. While it runs, a SIGTERM, SIGINT or
-    SIGHUP to this command (``signals``: a :class:`StopSignals` of its own unless given) asks every run
-    still going to stop at the end of its step (:data:`PARENT_ENDED`, which a run takes once however often
-    it comes); each is waited for and yielded as it ended: stopped (with its checkpoint; its result's
-    ``signal`` names what stopped the command), done or failed. Recipes not launched yet are not_run
-    (their result's ``signal`` names it too). A second SIGTERM or SIGINT ends the runs at once."""
+    """Run every recipe concurrently, one process each, from scratch in
+    ``out_dir/tag/NAME``; yields like ``run_sequential``, each recipe as its process ends. While it runs, a
+    SIGTERM, SIGINT or SIGHUP to this command (``signals``: the :class:`RunSignals` this process holds, else
+    one of its own) asks every run still going to stop at the end of its step (:data:`PARENT_ENDED`, which a
+    run takes once however often it comes); each is waited for and yielded as it ended: stopped (with its
+    checkpoint; its result's ``signal`` names what stopped the command), done or failed. Recipes not launched
+    yet are not_run (their result's ``signal`` names it too). A second SIGTERM or SIGINT ends the runs at once."""
     procs = {}
-    with (StopSignals(True) if signals is None else nullcontext(signals)) as signals:
+    if signals is None:
+        signals = _active_run_signals()
+    with (RunSignals(True) if signals is None else nullcontext(signals)) as signals:
         try:
             for cfg, name in zip(configs, names):
                 if signals.received:
@@ -469,9 +485,12 @@ class CalibrationStopped(Exception):
     """A stop signal (its name, the exception's text) ended the concurrent calibration."""
 
 
-def _concurrent_steps(args, names: List[str], sets: List[str], report: dict) -> int:
+def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
+                      signals: Optional[StopSignals] = None) -> int:
     """Run every recipe at once for ``--calib-steps`` steps; the slowest sets the step count.
-    ``CalibrationStopped`` where a stop signal ended a calibration run."""
+    ``CalibrationStopped`` where a stop signal ended a calibration run, or where ``signals`` (what the command
+    holds through calibration and main runs) received one while the calibration ran, even if every
+    calibration run finished anyway (one that came as they ended, or that they did not take)."""
     calib_steps = args.calib_steps or 30
     calib = [f"train.steps={calib_steps}", "train.eval_every=0", "train.save_every=0",
              "train.export_model=false", f"log.every={max(1, calib_steps // 3)}"]
@@ -480,6 +499,8 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict) -> 
     report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
     report["calibration_wall_s"] = _clock() - t0
     by = [r["signal"] for r in res.values() if r.get("signal")]
+    if signals is not None and signals.received:
+        by = [signal.Signals(signals.received).name]
     if by:
         raise CalibrationStopped(by[0])
     slowest = min(r.get("tokens_per_s") or 0.0 for r in res.values())
@@ -613,11 +634,19 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     data_dir = _data_dir(args, first)
     if not d.out_dir:  # one tokenized copy shared by every recipe
         sets.append(assign_text("data.out_dir", data_dir))
+    # --concurrent: one RunSignals over calibration and main runs, so that a stop in either (or between) is kept
+    with RunSignals(True) if args.concurrent else nullcontext() as signals:
+        return _train(args, names, report, sets, started, deadline_at, results_path, earlier, save, signals)
+
+
+def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[str], started: float,
+           deadline_at: Optional[float], results_path: str, earlier: dict, save, signals: Optional[RunSignals]) -> int:
+    """:func:`_compare`'s step count and runs (``signals``: the concurrent runs' :class:`RunSignals`)."""
     steps = args.steps
     if steps is None and (args.time_budget or args.deadline):
         if args.concurrent:
             try:
-                steps = _concurrent_steps(args, names, sets, report)
+                steps = _concurrent_steps(args, names, sets, report, signals)
             except CalibrationStopped as stop:
                 report.update(status={n: "not_run" for n in names}, error=f"stopped by {stop} during calibration")
                 save()
@@ -660,6 +689,10 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
         save()
     stopped = [r["signal"] for r in report["runs"].values() if r.get("status") in ("stopped", "not_run")
                and r.get("signal")]
+    if signals is not None and signals.received:  # the runs' results may not show it (done as it came)
+        stopped = [signal.Signals(signals.received).name]
+        report["signal"] = stopped[0]
+        save()
     if stopped:
         again = ("the same command trains them all afresh" if args.concurrent else
                  "the same command goes on from the recipes done")

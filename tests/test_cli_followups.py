@@ -176,3 +176,58 @@ def test_a_stop_signal_that_the_concurrent_calibration_runs_outlive_still_trains
     assert not (out / "main").exists()
     assert "stopped by SIGTERM during calibration" in capsys.readouterr().err
 
+
+def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_path, monkeypatch, capsys):
+    """A second SIGTERM to ``compare --concurrent`` (the first one handled, the runs not yet at their stop): the
+    command kills each run's process group at once (SIGKILL: no checkpoint is written, none outlives the
+    command), records each run killed by SIGTERM in compare.json (not running) and ends with 143."""
+    launched = []
+    real_launch = compare._launch
+
+    def launch(*a, **k):
+        launched.append(real_launch(*a, **k))
+        return launched[-1]
+
+    monkeypatch.setattr(compare, "_launch", launch)
+    out = tmp_path / "cmp"
+    runs = [str(out / "main" / name) for name in ("a", "b")]
+
+    def wait_then_signal_twice():
+        end = time.monotonic() + 120.0
+        while time.monotonic() < end and not all(
+                os.path.isfile(os.path.join(r, "log.jsonl")) and len(read_log(os.path.join(r, "log.jsonl"))) >= 2
+                for r in runs):
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        handler = signal.getsignal(signal.SIGTERM)  # the command's: the second must come after it took the first
+        while time.monotonic() < end and not getattr(getattr(handler, "__self__", None), "received", 0):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=wait_then_signal_twice, daemon=True)
+    thread.start()
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        code = _compare(tmp_path, "--concurrent", "--steps", "100000")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        thread.join()
+    assert code == 128 + signal.SIGTERM
+    assert len(launched) == 2 and [p.returncode for p in launched] == [-signal.SIGKILL] * 2
+    for proc in launched:  # nothing of its process group is left
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)
+    report = json.loads((out / "compare.json").read_text())
+    assert report["status"] == {"a": "killed", "b": "killed"} and report["finished"] is False
+    assert report["signal"] == "SIGTERM"
+    for name, run_dir in zip(("a", "b"), runs):
+        result = report["runs"][name]
+        assert result["signal"] == "SIGTERM" and result["planned_steps"] == 100000
+        assert result["error"].startswith("a second SIGTERM ended it at once")
+        assert latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None  # killed, not stopped at a step
+        assert not os.path.exists(os.path.join(run_dir, "summary.json"))
+        assert len([r for r in result["log"] if "loss" in r]) >= 2
+    table = compare_report.markdown_table(compare_report.result_rows(report))
+    assert "| a | killed: a second SIGTERM" in table and "| b | killed: a second SIGTERM" in table
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+

@@ -32,13 +32,16 @@ SIGINT or SIGHUP stops the sequential recipe in progress the same way, with a ch
 it stops every run in progress so (each is asked with a SIGHUP, which a run takes once), waits for them and
 records each as it ended (``stopped`` with its checkpoint, ``done`` or ``failed``; its ``signal`` names the
 command's), and ends the command with 128 + the signal too; one during the concurrent calibration trains no
-recipe (all ``not_run``), even where every calibration run finished anyway. A second SIGTERM or SIGINT ends
-the runs at once. A recipe that
+recipe (all ``not_run``), even where every calibration run finished anyway. Each run has a session of its own
+(a Ctrl-C at a terminal reaches it through this command only). A
+second SIGTERM or SIGINT kills the runs still going at once (SIGKILL to each one's process group), records each
+``killed`` (no checkpoint of its last steps; its ``signal`` names the second signal) and ends the command with
+128 + that signal; a third ends this command as a second ends ``falcon-fwa train``. A recipe that
 fails is marked ``failed`` (with its error) and the others go on; the command then ends with status 1.
 Without ``--steps``, ``--time-budget`` or ``--deadline`` the recipes must share ``train.steps``.
 
 ``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
-it ends: ``status`` gives every recipe's state (pending, running, done, partial, stopped, failed,
+it ends: ``status`` gives every recipe's state (pending, running, done, partial, stopped, killed, failed,
 not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress
 (``signal`` names the stop signal that ended a ``--concurrent`` command).
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
@@ -275,13 +278,27 @@ def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=end_with_parent())
+    with open(log_path, "w") as log:  # in a session of its own: its process group is ended at once by _kill_runs
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=end_with_parent())
 
 
 class RunSignals(StopSignals):
-    """The :class:`StopSignals` of a command that launches runs (:func:`run_all`), held over several of its
-    calls, so that a stop that comes in one (even as its runs end) or between them is kept for the next."""
+    """The stop signals of a command that launches runs (:func:`run_all`): the first SIGTERM, SIGINT or SIGHUP
+    sets ``received`` as :class:`StopSignals` does (the runs are asked to stop at their step); a second SIGTERM
+    or SIGINT sets ``again`` (its number) instead of ending this process, so that the runs are killed at once
+    and recorded so (:func:`_collect`); a third is handled as :class:`StopSignals` handles a second."""
+
+    def __init__(self, enabled: bool):
+        super().__init__(enabled)
+        self.again = 0
+
+    def _handle(self, signum, frame):
+        if (self.received and not self.again and signum != PARENT_ENDED
+                and self.received != PARENT_ENDED):  # (after a SIGHUP, a SIGTERM or SIGINT is a first stop)
+            self.again = signum
+            return
+        super()._handle(signum, frame)
 
 
 def _active_run_signals() -> Optional[RunSignals]:
@@ -291,15 +308,27 @@ def _active_run_signals() -> Optional[RunSignals]:
     return owner if isinstance(owner, RunSignals) else None
 
 
+def _kill_runs(procs) -> None:
+    """SIGKILL to the process group (its session, see :func:`_launch`) of each process of ``procs`` still going."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # ended meanwhile
+                pass
+
+
 def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str,
             signals: Optional[StopSignals] = None) -> Iterator[Event]:
-    """Run every recipe concurrently, one process each, from scratch in
+    """Run every recipe concurrently, one process each (in a session of its own), from scratch in
     ``out_dir/tag/NAME``; yields like ``run_sequential``, each recipe as its process ends. While it runs, a
     SIGTERM, SIGINT or SIGHUP to this command (``signals``: the :class:`RunSignals` this process holds, else
     one of its own) asks every run still going to stop at the end of its step (:data:`PARENT_ENDED`, which a
     run takes once however often it comes); each is waited for and yielded as it ended: stopped (with its
     checkpoint; its result's ``signal`` names what stopped the command), done or failed. Recipes not launched
-    yet are not_run (their result's ``signal`` names it too). A second SIGTERM or SIGINT ends the runs at once."""
+    yet are not_run (their result's ``signal`` names it too). A second SIGTERM or SIGINT kills the runs still
+    going at once (their process groups, SIGKILL): each is yielded killed, its ``signal`` naming that second
+    signal."""
     procs = {}
     if signals is None:
         signals = _active_run_signals()
@@ -314,28 +343,38 @@ def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str],
                 procs[name] = (_launch(cfg, run_dir, sets, os.path.join(run_dir, "stdout.txt")), run_dir)
                 yield name, "running", None
             yield from _collect(procs, signals)
-        finally:  # ended otherwise (an error, a second Ctrl-C, the caller gone): no run goes on unseen
+        finally:  # ended otherwise (an error, a third Ctrl-C, the caller gone): no run goes on unseen
+            _kill_runs([proc for proc, _ in procs.values()])
             for proc, _ in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
                 proc.wait()
 
 
 def _collect(procs: dict, signals: Optional[StopSignals] = None) -> Iterator[Event]:
     """Yield each process of ``procs`` (name -> (process, run folder)) as it ends, removing it; once
-    ``signals`` has received a stop signal, ask those still going to stop (see :func:`run_all`)."""
-    asked = False
+    ``signals`` has received a stop signal, ask those still going to stop, and once it has received a second
+    (``again``), kill them (see :func:`run_all`)."""
+    asked, killed = False, 0
     while procs:
         if not asked and signals is not None and signals.received:
             asked = True
             for proc, _ in procs.values():
                 if proc.poll() is None:
                     proc.send_signal(PARENT_ENDED if PARENT_ENDED is not None else signal.SIGTERM)
+        if not killed and getattr(signals, "again", 0):
+            killed = signals.again
+            _kill_runs([proc for proc, _ in procs.values()])
         ended = [name for name, (proc, _) in procs.items() if proc.poll() is not None]
         if not ended:
-            time.sleep(0.2 if asked else 0.5)
+            time.sleep(0.05 if killed else 0.2 if asked else 0.5)
         for name in ended:
             proc, run_dir = procs.pop(name)
+            if killed and proc.returncode == -signal.SIGKILL:
+                by = signal.Signals(killed).name
+                log_path = os.path.join(run_dir, "log.jsonl")
+                log = read_log(log_path) if os.path.isfile(log_path) else []
+                yield name, "killed", {"error": f"a second {by} ended it at once (SIGKILL), without a checkpoint "
+                                                "of its last steps", "signal": by, "log": log}
+                continue
             yield (name, *_outcome(proc.returncode, run_dir, signals.received if asked else 0))
 
 
@@ -500,7 +539,7 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
     report["calibration_wall_s"] = _clock() - t0
     by = [r["signal"] for r in res.values() if r.get("signal")]
     if signals is not None and signals.received:
-        by = [signal.Signals(signals.received).name]
+        by = [signal.Signals(getattr(signals, "again", 0) or signals.received).name]
     if by:
         raise CalibrationStopped(by[0])
     slowest = min(r.get("tokens_per_s") or 0.0 for r in res.values())
@@ -687,10 +726,10 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
                   + ("  (kept from the earlier launch)" if result.get("kept") else ""), flush=True)
         report["main_wall_s"] = _clock() - t0
         save()
-    stopped = [r["signal"] for r in report["runs"].values() if r.get("status") in ("stopped", "not_run")
+    stopped = [r["signal"] for r in report["runs"].values() if r.get("status") in ("stopped", "not_run", "killed")
                and r.get("signal")]
     if signals is not None and signals.received:  # the runs' results may not show it (done as it came)
-        stopped = [signal.Signals(signals.received).name]
+        stopped = [signal.Signals(signals.again or signals.received).name]
         report["signal"] = stopped[0]
         save()
     if stopped:

@@ -231,3 +231,25 @@ def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_
     assert "| a | killed: a second SIGTERM" in table and "| b | killed: a second SIGTERM" in table
     assert "stopped by SIGTERM" in capsys.readouterr().err
 
+
+def test_a_concurrent_comparison_under_nohup_still_stops_its_runs(tmp_path):
+    """``nohup falcon-fwa compare --concurrent`` (SIGHUP ignored, which launched processes inherit): a SIGTERM still
+    stops each run at its step with a checkpoint, as without nohup, rather than letting it train on to its end."""
+    out = tmp_path / "cmp"
+    runs = [str(out / "main" / name) for name in ("a", "b")]
+    thread = _signal_once_every_run_has_trained(runs, signal.SIGTERM)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        code = _compare(tmp_path, "--concurrent", "--steps", "3000")
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
+        signal.signal(signal.SIGTERM, previous)
+        thread.join()
+    assert code == 128 + signal.SIGTERM
+    report = json.loads((out / "compare.json").read_text())
+    assert report["status"] == {"a": "stopped", "b": "stopped"}
+    for name, run_dir in zip(("a", "b"), runs):
+        result = report["runs"][name]
+        assert result["signal"] == "SIGTERM" and 2 <= result["steps"] < 3000
+        assert load_checkpoint(latest_checkpoint(os.path.join(run_dir, "checkpoints")))["step"] == result["steps"]

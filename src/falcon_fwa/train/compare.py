@@ -33,7 +33,7 @@ it stops every run in progress so (each is asked with a SIGHUP, which a run take
 records each as it ended (``stopped`` with its checkpoint, ``done`` or ``failed``; its ``signal`` names the
 command's), and ends the command with 128 + the signal too; one during the concurrent calibration trains no
 recipe (all ``not_run``), even where every calibration run finished anyway. Each run has a session of its own
-(a Ctrl-C at a terminal reaches it through this command only). A
+(a Ctrl-C at a terminal reaches it through this command only; under ``nohup`` it still takes the SIGHUP). A
 second SIGTERM or SIGINT kills the runs still going at once (SIGKILL to each one's process group), records each
 ``killed`` (no checkpoint of its last steps; its ``signal`` names the second signal) and ends the command with
 128 + that signal; a third ends this command as a second ends ``falcon-fwa train``. A recipe that
@@ -280,7 +280,21 @@ def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     with open(log_path, "w") as log:  # in a session of its own: its process group is ended at once by _kill_runs
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=end_with_parent())
+                                preexec_fn=_run_preexec())
+
+
+def _run_preexec():
+    """A launched run's ``preexec_fn``: :data:`PARENT_ENDED` (SIGHUP), the stop this command passes on, back to its
+    default action where this command ignores it (launched with ``nohup``: a run would inherit that and train on
+    through every stop; in a session of its own no terminal's hang-up reaches it), then :func:`end_with_parent`."""
+    then = end_with_parent()
+
+    def preexec() -> None:
+        if PARENT_ENDED is not None:
+            signal.signal(PARENT_ENDED, signal.SIG_DFL)
+        then()
+
+    return preexec
 
 
 class RunSignals(StopSignals):

@@ -208,10 +208,10 @@ def test_labels_in_the_vocabulary_and_the_ignore_index_score_as_cross_entropy(dt
 
 
 @pytest.mark.parametrize("bad", ["V", "V+7", -1, -5, -99, -101, -(2 ** 40)])
-@pytest.mark.parametrize("where", [(0, 0), (1, 3)], ids=["unscored-first-column", "scored"])
+@pytest.mark.parametrize("where", [(0, 1), (1, 3)], ids=["second-column", "later"])
 def test_labels_outside_the_vocabulary_are_refused_by_name_before_the_model_runs(bad, where):
-    """A label neither -100 nor in [0, vocab) is a ValueError naming labels, the id and the vocabulary size,
-    also beside -100s (the ignored ids are not taken for the smallest), and before the cache moves."""
+    """A scored label neither -100 nor in [0, vocab) is a ValueError naming labels, the id and the vocabulary
+    size, also beside -100s (the ignored ids are not taken for the smallest), and before the cache moves."""
     model = _lm(seed=2)
     V = model.config.vocab_size
     shown = value = {"V": V, "V+7": V + 7}.get(bad, bad)
@@ -224,8 +224,28 @@ def test_labels_outside_the_vocabulary_are_refused_by_name_before_the_model_runs
     with pytest.raises(ValueError, match=rf"^labels holds token id {shown}, outside the vocabulary \[0, {V}\)"):
         model(input_ids=ids, labels=labels)
     with pytest.raises(ValueError, match=rf"^labels holds token id {shown}, outside the vocabulary \[0, {V}\)"):
-        model(input_ids=ids[:, 2:], labels=labels[:, 2:] if where[1] >= 2 else labels[:, :4], past_key_values=cache)
+        model(input_ids=ids[:, 2:], labels=labels[:, 2:] if where[1] >= 3 else labels[:, :4], past_key_values=cache)
     assert cache.get_seq_length() == seen
+
+
+@pytest.mark.parametrize("bad", [-1, "V+7"])
+def test_labels_the_loss_never_reads_are_not_checked(bad):
+    """The first column's label (no logits before it), a pad's and the label after a pad are not scored: any
+    value there gives the loss of -100 there, as before the range check existed."""
+    model = _lm(seed=2)
+    V = model.config.vocab_size
+    value = V + 7 if bad == "V+7" else bad
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0  # row 1 left-padded by two
+    labels = ids.clone()
+    labels[0, 0] = labels[1, 0] = labels[1, 1] = labels[1, 2] = value  # first column, pads, the token after them
+    plain = labels.clone()
+    plain[0, 0] = plain[1, 0] = plain[1, 1] = plain[1, 2] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    want = model(input_ids=ids, attention_mask=mask, labels=plain, use_cache=False)
+    assert torch.equal(out.loss, want.loss)
+    torch.testing.assert_close(out.loss, _reference_loss(want.logits, plain), rtol=1e-10, atol=1e-12)
 
 
 def test_labels_of_a_narrow_dtype_out_of_the_vocabulary_are_refused():

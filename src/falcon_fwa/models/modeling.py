@@ -543,9 +543,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                              f"{tuple(labels.shape)}")
         if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
             raise ValueError(f"labels must hold integer token ids (-100: not scored), got {labels.dtype}")
-        if labels is not None and not labels.is_cuda and not torch.compiler.is_compiling():
-            self._check_label_range(labels)
         packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
+        targets = None if labels is None else self._targets(labels, attention_mask, cu_seqlens, T)
+        if targets is not None and not targets.is_cuda and not torch.compiler.is_compiling():
+            self._check_label_range(targets[:, 1:])  # the scored ones: a pad's label is never read
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]
         if output_hidden_states is None:
@@ -571,8 +572,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         if cache is not None:
             cache.advance(real, T)
         loss = None
-        if labels is not None:
-            loss = self._loss(logits, labels, attention_mask, cu_seqlens, T)
+        if targets is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                   targets[:, 1:].to(logits.device).reshape(-1), ignore_index=-100)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=None if hidden is None else tuple(hidden),
                                      **{_CACHE_FIELD: cache})
         if return_dict is None:
@@ -580,9 +582,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         return out if return_dict else out.to_tuple()
 
     def _check_label_range(self, labels: torch.Tensor) -> None:
-        """Every label ``-100`` (not scored) or a row of the output head ``[0, vocab)``: cross-entropy's own
-        error names no argument (on CUDA: a device assert, so this host check runs off CUDA only, as the one of
-        ``input_ids``). One ``aminmax`` over the labels with the ignored ones set to 0."""
+        """Every scored label ``-100`` (not scored) or a row of the output head ``[0, vocab)``: cross-entropy's
+        own error names no argument (on CUDA: a device assert, so this host check runs off CUDA only, as the one
+        of ``input_ids``). One ``aminmax`` over the labels with the ignored ones set to 0."""
         if not labels.numel():
             return
         V = (self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight).shape[0]
@@ -592,8 +594,11 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                              f"[0, {V}) (-100: not scored)")
 
     @staticmethod
-    def _loss(logits, labels, attention_mask, cu_seqlens, T):
-        targets = labels.to(logits.device, torch.int64, copy=True)  # int32 ids score as int64 ones
+    def _targets(labels, attention_mask, cu_seqlens, T):
+        """``labels`` as int64 on their device, with ``-100`` (not scored) wherever the loss reads no
+        prediction: pads, the token after a pad and each packed document's first token. Column ``t`` is
+        scored against the logits of column ``t - 1``."""
+        targets = labels.to(torch.int64, copy=True)  # int32 ids score as int64 ones
         if attention_mask is not None:
             real = attention_mask[:, -T:].to(targets.device).bool()
             targets = targets.masked_fill(~real, -100)
@@ -602,5 +607,4 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             targets[:, 1:] = targets[:, 1:].masked_fill(~real[:, :-1], -100)
         if cu_seqlens is not None:  # the first token of a document is not predicted from the previous one
             targets[:, cu_seqlens[1:-1].to(targets.device).long()] = -100
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1),
-                               ignore_index=-100)
+        return targets

@@ -240,3 +240,28 @@ def test_numpy_scalar_options_run_the_kernels_as_python_numbers(rule):
     want = falcon_step(**step, rule=rule, backend="triton", **plain)
     got = falcon_step(**step, rule=rule, backend="triton", **numpy)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1].S, got[1].S) and type(got[1].window) is int
+
+
+def test_the_kernel_entries_take_numpy_scalar_options_too():
+    """``falcon_chunk_triton``, ``falcon_recurrent_triton`` and ``falcon_step_triton`` called directly with numpy
+    scalars give what Python numbers give (they reached the kernels unconverted, which cannot take them)."""
+    import numpy as np
+
+    from falcon_fwa.ops.triton import falcon_chunk_triton
+    from falcon_fwa.ops.triton.recurrent import falcon_recurrent_triton, falcon_step_triton
+
+    x = on_device(kernel_inputs(1, 12, 2, 8, 8, torch.float32, seed=4, rule="3A"), DEVICE)
+    args = [x[n] for n in OP_INPUTS]
+    plain, numpy = dict(window=3, eps=0.25, decay_floor=0.125), dict(window=np.int64(3), eps=np.float32(0.25),
+                                                                      decay_floor=np.float64(0.125))
+    for op, extra, numpy_extra in ((falcon_chunk_triton, dict(chunk_size=16), dict(chunk_size=np.int16(16))),
+                                   (falcon_recurrent_triton, {}, {})):
+        want = op(*args, rule="3A", output_final_state=True, **plain, **extra)
+        got = op(*args, rule="3A", output_final_state=True, **numpy, **numpy_extra)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1].S, got[1].S), op.__name__
+    step = [t[:, 0] for t in args]
+    want, state = falcon_step_triton(*step, rule="3A", **plain)
+    got, _ = falcon_step_triton(*step, rule="3A", **numpy)
+    assert torch.equal(want, got)
+    got, _ = falcon_step_triton(*[t[:, 1] for t in args], rule="3A", state=state, **numpy)
+    assert torch.equal(got, falcon_step_triton(*[t[:, 1] for t in args], rule="3A", state=state, **plain)[0])

@@ -18,7 +18,7 @@ import torch
 from ..rules import get_rule
 from ..seqlens import last_steps, packed_bounds, padded_rows
 from ..state import FalconState
-from ..validate import check_inputs, check_state, check_state_type
+from ..validate import check_inputs, check_state, check_state_type, plain_number
 from .column_decay import column_decay_chunk
 from .column_delta import column_delta_steps
 from .delta import delta_chunk
@@ -189,6 +189,7 @@ def falcon_chunk_triton(
     ``initial_state``, for callers that ran them already; what the kernels support
     is always checked.
     """
+    window, chunk_size, eps, decay_floor = map(plain_number, (window, chunk_size, eps, decay_floor))  # numpy's too
     spec = get_rule(rule)
     if validate:  # bad arguments raise what the PyTorch forms raise, before the kernels' own limits are checked
         check_inputs(q, k, v, beta, lam, log_gate, spec, window=window, form="chunk", chunk_size=chunk_size,

@@ -11,7 +11,7 @@ import torch
 from ..rules import get_rule
 from ..seqlens import last_steps, packed_bounds
 from ..state import FalconState
-from ..validate import check_inputs, check_options, check_state, check_state_type
+from ..validate import check_inputs, check_options, check_state, check_state_type, plain_number
 from . import recurrent_kernels as kern
 from .api import TRITON_RULES, check_kernel_support
 from .launch import cdiv, next_power_of_2
@@ -92,6 +92,7 @@ def falcon_recurrent_triton(
 
     ``validate=False`` skips ``ops.validate.check_inputs`` and the check of ``initial_state``;
     the options that are not tensors and what the kernel supports are always checked."""
+    window, eps, decay_floor = map(plain_number, (window, eps, decay_floor))  # numpy's scalars as Python numbers
     spec = get_rule(rule)
     check_options(spec, window=window, eps=eps, decay_floor=decay_floor, read=read)  # host-only: always
     if validate:
@@ -168,6 +169,7 @@ def falcon_step_triton(
     ``S``), equal to ``falcon_step``. No gradients (``NotImplementedError``)."""
     if q.dim() != 3:
         raise ValueError(f"q must have shape [B, H, K], got {tuple(q.shape)}")
+    window = plain_number(window)
     spec = get_rule(rule)
     if state is not None:
         check_state(state, spec, window=window if spec.sliding else 1, shift=shift, B=q.shape[0], H=q.shape[1],

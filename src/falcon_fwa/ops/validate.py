@@ -108,7 +108,10 @@ def as_float(value) -> Optional[float]:
     scalars too; not a bool or an array), else ``None``."""
     if _is_bool(value) or not isinstance(value, numbers.Real):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range: as large as the largest float, for the range checks
+        return math.inf if value > 0 else -math.inf
 
 
 def plain_number(value):

@@ -302,7 +302,8 @@ def test_a_numpy_window_that_is_no_integer_is_still_refused_for_a_sliding_rule()
 
 
 @pytest.mark.parametrize("name,value,message", [("eps", 10 ** 400, r"^eps must lie in \[0, inf\), got 1000"),
-                                                ("decay_floor", -10 ** 400, r"^decay_floor must lie in \(0, 1\), got -1000")])
+                                                ("decay_floor", -10 ** 400, r"^decay_floor must lie in \(0, 1\), got -1000")],
+                         ids=["eps", "decay_floor"])
 def test_an_integer_past_floats_range_is_refused_by_name(name, value, message):
     q, k, v, beta, lam = _inputs("1")
     with pytest.raises(ValueError, match=message):

@@ -501,3 +501,19 @@ def test_the_console_gives_a_runs_rate_and_loss_or_the_error_its_log_ends_with(t
     log = tmp_path / "runs" / "tiny-ddp-n1-s0.log"
     assert (f"    failed (exit 1, {log})\n    falcon-fwa train: error: data.seq_len must be >= 2\n"
             in capsys.readouterr().out)
+
+
+def test_a_finished_sweep_whose_corpus_is_gone_relaunches_without_a_run(tmp_path, monkeypatch, cpu_machine):
+    """Recipes without data.out_dir tokenize in each run's folder: with every run finished, the corpus is
+    not needed again, and a missing one is named only where a run is still to do."""
+    raw = recipe(tmp_path)
+    del raw["data"]["out_dir"]
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(raw))
+    argv = _argv(tmp_path, path)
+    assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, ["tiny-ddp-n1-s0"])
+    os.remove(raw["data"]["train_source"])
+    assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, [])  # kept from the first sweep
+    os.remove(tmp_path / "runs" / "tiny-ddp-n1-s0" / "summary.json")  # a run to do again: it needs the corpus
+    with pytest.raises(FileNotFoundError, match=rf"--configs {path}: data.train_source"):
+        _fake_sweep(tmp_path, monkeypatch, argv)

@@ -333,21 +333,30 @@ def _earlier_rows(results: str) -> Dict[str, dict]:
     return {r["command"]: r for r in rows if isinstance(r, dict) and r.get("status") == "done" and "command" in r}
 
 
-def _check_recipes(args: argparse.Namespace, micro: int, global_batch: int) -> None:
+def _run_dir(out: str, job: dict) -> str:
+    """The folder of one run of the sweep."""
+    return os.path.join(out, _folder_name(f"{job['model']}-{job['strategy']}-n{job['gpus']}-s{job['seed']}"))
+
+
+def _check_recipes(args: argparse.Namespace, names: List[str], micro: int, global_batch: int) -> None:
     """Every recipe as its runs will read it, before any run starts: a recipe or ``--set`` that does not
-    load, or a local data source that names no file (unless its ``data.out_dir`` already holds the
-    tokenized data), is named here rather than in the log of each run that fails on it."""
+    load, or a local data source that names no file where a run still to do would tokenize it (a run
+    folder without its ``summary.json``, whose data folder holds no tokenized data), is named here rather
+    than in the log of each run that fails on it."""
     from ..data.prepare import source_files
 
-    for config in args.configs:
-        job = dict(config=config, strategy=args.strategies[0], seed=args.noise_seeds[0], gpus=min(args.gpus))
-        cfg = load_config(config, run_sets(job, steps=args.steps, micro_batch=micro, global_batch=global_batch,
-                                           out_dir=os.path.join(args.out, "check"), extra_sets=args.overrides))
-        data_dir = cfg.data.out_dir
-        if data_dir and os.path.isfile(os.path.join(data_dir, "prepared.json")):
-            continue  # the runs read the tokens there
-        source_files(cfg.data.spec(), data_dir or os.path.join(args.out, "check", "data"),
-                     name=lambda field: f"--configs {config}: data.{field}")
+    jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
+    for config, name in zip(args.configs, names):
+        own = [job for job in jobs if job["model"] == name]
+        cfg = load_config(config, run_sets(own[0], steps=args.steps, micro_batch=micro, global_batch=global_batch,
+                                           out_dir=_run_dir(args.out, own[0]), extra_sets=args.overrides))
+        to_do = [job for job in own if not os.path.isfile(os.path.join(_run_dir(args.out, job), "summary.json"))]
+        folders = {cfg.data.out_dir or os.path.join(_run_dir(args.out, job), "data") for job in to_do}
+        if to_do and args.warmup_steps and not cfg.data.out_dir:
+            folders.add(os.path.join(args.out, _folder_name(f"{name}-warmup"), "data"))
+        if all(os.path.isfile(os.path.join(folder, "prepared.json")) for folder in folders):
+            continue  # every run still to do reads tokens already there (or none is left)
+        source_files(cfg.data.spec(), sorted(folders)[0], name=lambda field: f"--configs {config}: data.{field}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -356,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
     first = load_config(args.configs[0], args.overrides)
     micro = args.micro_batch or first.train.micro_batch
     global_batch = shared_global_batch(micro, args.gpus)
-    _check_recipes(args, micro, global_batch)
+    _check_recipes(args, names, micro, global_batch)
     meta = dict(machine=args.machine or device_description(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len,
                 warmup_steps=args.warmup_steps, warmup=[])
@@ -378,8 +387,7 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
     with StopSignals(True) as signals:
         for i, job in enumerate(jobs):
             what = f"{job['model']} {job['strategy']} x{job['gpus']} seed {job['seed']}"
-            run_dir = os.path.join(args.out, _folder_name(f"{job['model']}-{job['strategy']}-n{job['gpus']}-"
-                                                          f"s{job['seed']}"))
+            run_dir = _run_dir(args.out, job)
             sets = run_sets(job, steps=args.steps, micro_batch=micro, global_batch=global_batch, out_dir=run_dir,
                             extra_sets=args.overrides)
             cmd = command(job, sets)

@@ -208,6 +208,37 @@ def test_the_folder_lock_refuses_or_waits_for_its_holder(tmp_path):
         pass
 
 
+def test_a_waiter_whose_lock_file_its_holder_removed_locks_the_one_made_again(tmp_path):
+    """A holder that removes the lock file and its folder before leaving (a failed preparation's clean-up)
+    leaves its waiter holding the file at the path, made again, so that a third is refused while the waiter
+    is inside (holding the unlinked file alone, the waiter would share the folder with the third)."""
+    import shutil
+
+    folder = tmp_path / "data"
+    inside, outcome = threading.Event(), []
+    release = threading.Event()
+
+    def waiter():
+        with folder_lock(folder, ".lock"):
+            outcome.append(os.path.exists(folder / ".lock"))
+            inside.set()
+            release.wait(10)
+
+    with folder_lock(folder, ".lock"):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.3)  # the waiter opened the file and waits on it
+        shutil.rmtree(folder)
+    assert inside.wait(10) and outcome == [True]
+    try:
+        with pytest.raises(BlockingIOError):
+            with folder_lock(folder, ".lock", wait=False):
+                pass
+    finally:
+        release.set()
+        thread.join(10)
+
+
 # --- tokenizers ----------------------------------------------------------------------------------------------------
 
 def test_a_bpe_encodes_bytes_its_corpus_never_held():

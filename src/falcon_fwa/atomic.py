@@ -171,17 +171,30 @@ def replaceable(folder: PathLike, marker: str, key: str, value: Any) -> bool:
 def folder_lock(folder: PathLike, name: str, *, wait: bool = True) -> Iterator[None]:
     """Hold an exclusive lock on ``folder`` (the lock file ``folder/name``, created with the folder)
     for the block: another holder makes it wait, or with ``wait=False`` raise ``BlockingIOError``.
-    The lock goes with the process (a killed holder frees it). Without ``flock`` (not POSIX) the
-    block runs unlocked."""
+    The lock goes with the process (a killed holder frees it). A holder may remove the lock file (and
+    the folder) before it lets go, as a preparation that fails cleans up: a waiter then finds the file
+    it locked gone or replaced, and locks the one at the path, made again. Without ``flock`` (not
+    POSIX) the block runs unlocked."""
     os.makedirs(folder, exist_ok=True)
     try:
         import fcntl
     except ImportError:
         yield
         return
-    with open(os.path.join(folder, name), "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    path = os.path.join(folder, name)
+    while True:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "a") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            try:
+                held = os.fstat(f.fileno())
+                try:
+                    now = os.stat(path)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_ino, now.st_dev) != (held.st_ino, held.st_dev):
+                    continue  # removed while this waited: another may hold the file at the path now
+                yield
+                return
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)

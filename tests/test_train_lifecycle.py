@@ -149,7 +149,8 @@ def _files(folder):
             for d, _, files in os.walk(folder) for n in files}
 
 
-@pytest.mark.parametrize("stop_at, resume, at", [(2, "auto", 3), (1, "auto", 3), (1, "step-00000002", 2)])
+@pytest.mark.parametrize("stop_at, resume, at", [(2, "auto", 3), (1, "auto", 3), (1, "step-00000002", 2),
+                                                  (1, "./step-00000002", 2), (1, "step-00000002 (relative)", 2)])
 def test_a_stop_step_before_the_runs_checkpoint_is_refused_before_any_work(tmp_path, capsys, monkeypatch,
                                                                             stop_at, resume, at):
     """A run stopped at step 3 of 4 (checkpoints at 2 and 3), launched again with --stop-at N before the
@@ -163,7 +164,10 @@ def test_a_stop_step_before_the_runs_checkpoint_is_refused_before_any_work(tmp_p
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["LATEST", "step-00000002", "step-00000003"]
     before = _files(tmp_path)
     capsys.readouterr()
-    if resume != "auto":
+    if resume.endswith("(relative)"):  # a path relative to the working folder, without a folder part
+        monkeypatch.chdir(run_dir / "checkpoints")
+        raw["train"]["resume"] = resume.split()[0]
+    elif resume != "auto":
         raw["train"]["resume"] = str(run_dir / "checkpoints" / resume)
     built = []
     monkeypatch.setattr(Trainer, "__init__", lambda self, *a, **k: built.append(1) or 1 / 0)

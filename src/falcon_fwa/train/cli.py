@@ -40,7 +40,7 @@ def _resume_step(cfg) -> Optional[int]:
         path = latest_checkpoint(os.path.join(cfg.train.out_dir, "checkpoints"))
     else:  # one that is no complete checkpoint is refused by the trainer, by name
         path = os.path.normpath(resume)
-        path = path if path in map(os.path.normpath, list_checkpoints(os.path.dirname(path))) else None
+        path = path if path in map(os.path.normpath, list_checkpoints(os.path.dirname(path) or ".")) else None
     return None if path is None else checkpoint_step(path)
 
 

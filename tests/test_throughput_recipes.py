@@ -72,3 +72,22 @@ def test_a_tokenizer_that_is_not_here_leaves_the_preset_vocabulary_and_says_so(t
     row, = _rows(tmp_path, raw)
     assert row["vocab_size"] == 64 and row["vocabulary"].startswith("the preset's")
     assert "nobody-here/no-such-tokenizer" in row["vocabulary"]
+
+
+def test_an_untrained_bpe_names_its_size_once_with_end_of_text_first(tmp_path):
+    from falcon_fwa.train.config import config_from_dict
+    from falcon_fwa.train.throughput import recipe_vocabulary
+
+    raw = recipe(tmp_path)
+    raw["data"].update(tokenizer="bpe:400", out_dir=str(tmp_path / "not-prepared"))
+    size, eos, source = recipe_vocabulary(config_from_dict(raw))
+    assert (size, eos) == (400, 0)  # the BPE trainer's one special token, end-of-text, is its first id
+    row, = _rows(tmp_path, raw)
+    assert row["vocabulary"] == "tokenizer bpe:400, not trained yet: its most tokens (400 tokens), as training sizes it"
+
+
+def test_a_missing_tokenizer_folder_is_named_as_a_folder(tmp_path):
+    raw = recipe(tmp_path)
+    raw["data"]["tokenizer"] = str(tmp_path / "no-such-folder")
+    row, = _rows(tmp_path, raw)
+    assert row["vocab_size"] == 64 and f"tokenizer folder {tmp_path / 'no-such-folder'} does not exist" in row["vocabulary"]

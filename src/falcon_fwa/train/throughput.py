@@ -281,10 +281,12 @@ def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     if spec.startswith("bpe:"):
-        size = bpe_vocab_size(spec)
-        return size, size - 1, f"tokenizer {spec}, not trained yet: its most tokens, {size}"
+        size = bpe_vocab_size(spec)  # end-of-text is its first token (the trainer's one special token)
+        return size, 0, f"tokenizer {spec}, not trained yet: its most tokens"
     from transformers import AutoTokenizer
 
+    if not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1):
+        return None, None, f"tokenizer folder {spec} does not exist"  # a folder by its form (a Hub name: OWNER/NAME)
     try:
         tok = AutoTokenizer.from_pretrained(spec, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as err:

@@ -78,7 +78,7 @@ def test_a_stop_signal_during_the_concurrent_calibration_trains_no_recipe(tmp_pa
     with 143."""
     calls = []
 
-    def run_all(configs, names, out_dir, sets, tag):
+    def run_all(configs, names, out_dir, sets, tag, signals=None):
         calls.append(tag)
         yield "a", "running", None
         yield "b", "running", None
@@ -173,8 +173,53 @@ def test_a_stop_signal_that_the_concurrent_calibration_runs_outlive_still_trains
     assert code == 128 + signal.SIGTERM
     assert report["status"] == {"a": "not_run", "b": "not_run"} and report["finished"] is False
     assert "steps" not in report and report["error"] == "stopped by SIGTERM during calibration"
+    assert report["signal"] == "SIGTERM"
     assert not (out / "main").exists()
     assert "stopped by SIGTERM during calibration" in capsys.readouterr().err
+
+
+def test_a_stop_during_calibration_is_kept_where_sigterm_was_ignored_at_launch(tmp_path, monkeypatch):
+    """Launched with SIGTERM ignored (as under some launchers), the command's stop handler is found by no
+    signal's handler: it is handed to the calibration and main runs, so a SIGINT as the calibration runs end
+    still trains no recipe (exit 130)."""
+    real_collect = compare._collect
+
+    def collect_then_signal(procs, signals=None):
+        yield from real_collect(procs, signals)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(compare, "_collect", collect_then_signal)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        code = _compare(tmp_path, "--concurrent", "--time-budget", "5", "--calib-steps", "3", "--max-steps", "20")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert code == 128 + signal.SIGINT
+    assert report["status"] == {"a": "not_run", "b": "not_run"} and report["signal"] == "SIGINT"
+    assert not (tmp_path / "cmp" / "main").exists()
+
+
+def test_a_stop_that_comes_as_every_main_run_ends_leaves_the_comparison_complete(tmp_path, monkeypatch, capsys):
+    """A SIGTERM that arrives once every main run has ended cut nothing short: the report is finished, with
+    every run done and the signal named, and the command ends with 143 all the same."""
+    real_collect = compare._collect
+
+    def collect_then_signal(procs, signals=None):
+        yield from real_collect(procs, signals)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(compare, "_collect", collect_then_signal)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        code = _compare(tmp_path, "--concurrent", "--steps", "3")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert code == 128 + signal.SIGTERM
+    assert report["status"] == {"a": "done", "b": "done"} and report["finished"] is True
+    assert report["signal"] == "SIGTERM" and {r["steps"] for r in report["runs"].values()} == {3}
+    assert "after every run had ended: the comparison is complete" in capsys.readouterr().err
 
 
 def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_path, monkeypatch, capsys):

@@ -168,7 +168,7 @@ def test_concurrent_calibration_plans_with_the_slowest_recipes_rate(monkeypatch)
     100 x 48 / 96 = 50 steps, the slowest recipe's count; 30 calibration steps unless --calib-steps says."""
     seen = []
 
-    def run_all(configs, names, out, sets, tag):
+    def run_all(configs, names, out, sets, tag, signals=None):
         seen.append(sets)
         yield "a", "running", None
         yield "a", "done", {"tokens_per_s": 96.0, "log": []}
@@ -184,7 +184,7 @@ def test_concurrent_calibration_plans_with_the_slowest_recipes_rate(monkeypatch)
         "tokens_per_step": 96})
     assert "train.steps=6" in seen[1] and "log.every=2" in seen[1]
 
-    def failing(configs, names, out, sets, tag):
+    def failing(configs, names, out, sets, tag, signals=None):
         yield "a", "done", {"tokens_per_s": 96.0}
         yield "b", "failed", {"error": "exit code 1"}
 

@@ -157,7 +157,7 @@ def test_the_slowest_concurrent_recipe_sets_the_count(monkeypatch):
     the slowest one's tokens/s over --time-budget seconds: 100 s x 48 tokens/s / 96 tokens a step = 50."""
     seen = {}
 
-    def run_all(configs, names, out_dir, sets, tag):
+    def run_all(configs, names, out_dir, sets, tag, signals=None):
         seen["sets"] = sets
         yield "fast", "running", None
         yield "slow", "running", None
@@ -177,7 +177,7 @@ def test_a_concurrent_run_is_reported_against_the_steps_it_was_given(tmp_path, m
     """A process's summary.json knows its steps, not the count planned: the result and its line carry --steps."""
     seen = {}
 
-    def run_all(configs, names, out_dir, sets, tag):
+    def run_all(configs, names, out_dir, sets, tag, signals=None):
         seen["sets"] = sets
         for n in names:
             yield n, "running", None

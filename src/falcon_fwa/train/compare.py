@@ -32,7 +32,9 @@ SIGINT or SIGHUP stops the sequential recipe in progress the same way, with a ch
 it stops every run in progress so (each is asked with a SIGHUP, which a run takes once), waits for them and
 records each as it ended (``stopped`` with its checkpoint, ``done`` or ``failed``; its ``signal`` names the
 command's), and ends the command with 128 + the signal too; one during the concurrent calibration trains no
-recipe (all ``not_run``), even where every calibration run finished anyway. Each run has a session of its own
+recipe (all ``not_run``), even where every calibration run finished anyway; one that comes as the last main
+run ends cuts nothing short: the comparison is marked finished, and the command still ends with 128 + the
+signal. Each run has a session of its own
 (a Ctrl-C at a terminal reaches it through this command only; under ``nohup`` it still takes the SIGHUP). A
 second SIGTERM or SIGINT kills the runs still going at once (SIGKILL to each one's process group), records each
 ``killed`` (no checkpoint of its last steps; its ``signal`` names the second signal) and ends the command with
@@ -548,7 +550,7 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
     calib = [f"train.steps={calib_steps}", "train.eval_every=0", "train.save_every=0",
              "train.export_model=false", f"log.every={max(1, calib_steps // 3)}"]
     t0 = _clock()
-    res = {n: r for n, _, r in run_all(args.configs, names, args.out, sets + calib, "calibration") if r}
+    res = {n: r for n, _, r in run_all(args.configs, names, args.out, sets + calib, "calibration", signals) if r}
     report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
     report["calibration_wall_s"] = _clock() - t0
     by = [r["signal"] for r in res.values() if r.get("signal")]
@@ -701,7 +703,8 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
             try:
                 steps = _concurrent_steps(args, names, sets, report, signals)
             except CalibrationStopped as stop:
-                report.update(status={n: "not_run" for n in names}, error=f"stopped by {stop} during calibration")
+                report.update(status={n: "not_run" for n in names}, error=f"stopped by {stop} during calibration",
+                              signal=str(stop))
                 save()
                 print(f"{report['error']}: no recipe trained", file=sys.stderr, flush=True)
                 return 128 + signal.Signals[str(stop)]
@@ -725,7 +728,7 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         report.setdefault("plan", {})["steps"] = steps
     save()
     t0 = _clock()
-    runner = (run_all(args.configs, names, args.out, sets, "main") if args.concurrent else
+    runner = (run_all(args.configs, names, args.out, sets, "main", signals) if args.concurrent else
               run_sequential(args.configs, names, args.out, sets, "main", deadline_at=deadline_at,
                              earlier=earlier))
     finished = 0
@@ -746,6 +749,13 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         stopped = [signal.Signals(signals.again or signals.received).name]
         report["signal"] = stopped[0]
         save()
+    if stopped and all(report["status"][n] in ("done", "failed") for n in names):
+        # the stop came as the last runs ended: nothing was cut short, and the comparison is whole
+        report["finished"] = True
+        save()
+        print(f"stopped by {stopped[0]} after every run had ended: the comparison is complete", file=sys.stderr,
+              flush=True)
+        return 128 + signal.Signals[stopped[0]]
     if stopped:
         again = ("the same command trains them all afresh" if args.concurrent else
                  "the same command goes on from the recipes done")

@@ -504,16 +504,24 @@ def test_the_console_gives_a_runs_rate_and_loss_or_the_error_its_log_ends_with(t
 
 
 def test_a_finished_sweep_whose_corpus_is_gone_relaunches_without_a_run(tmp_path, monkeypatch, cpu_machine):
-    """Recipes without data.out_dir tokenize in each run's folder: with every run finished, the corpus is
-    not needed again, and a missing one is named only where a run is still to do."""
+    """Recipes without data.out_dir tokenize in each run's folder: where every run's folder holds its tokens,
+    the corpus is not needed again, kept runs or not; a missing one is named where a run would tokenize it,
+    also for a sweep of other settings (a new data.out_dir) over finished run folders."""
     raw = recipe(tmp_path)
     del raw["data"]["out_dir"]
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(raw))
     argv = _argv(tmp_path, path)
     assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, ["tiny-ddp-n1-s0"])
+    prepared = tmp_path / "runs" / "tiny-ddp-n1-s0" / "data" / "prepared.json"
+    prepared.parent.mkdir()
+    prepared.write_text("{}")  # as the run, which tokenized its corpus there
     os.remove(raw["data"]["train_source"])
     assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, [])  # kept from the first sweep
-    os.remove(tmp_path / "runs" / "tiny-ddp-n1-s0" / "summary.json")  # a run to do again: it needs the corpus
+    os.remove(tmp_path / "runs" / "tiny-ddp-n1-s0" / "summary.json")  # to run again, from the tokens there
+    assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, ["tiny-ddp-n1-s0"])
+    with pytest.raises(FileNotFoundError, match=rf"--configs {path}: data.train_source"):
+        _fake_sweep(tmp_path, monkeypatch, argv + ["--set", f"data.out_dir={tmp_path / 'new-data'}"])
+    prepared.unlink()
     with pytest.raises(FileNotFoundError, match=rf"--configs {path}: data.train_source"):
         _fake_sweep(tmp_path, monkeypatch, argv)

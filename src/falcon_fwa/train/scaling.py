@@ -340,9 +340,8 @@ def _run_dir(out: str, job: dict) -> str:
 
 def _check_recipes(args: argparse.Namespace, names: List[str], micro: int, global_batch: int) -> None:
     """Every recipe as its runs will read it, before any run starts: a recipe or ``--set`` that does not
-    load, or a local data source that names no file where a run still to do would tokenize it (a run
-    folder without its ``summary.json``, whose data folder holds no tokenized data), is named here rather
-    than in the log of each run that fails on it."""
+    load, or a local data source that names no file where a run would have to tokenize it (a run whose data
+    folder holds no tokenized data yet), is named here rather than in the log of each run that fails on it."""
     from ..data.prepare import source_files
 
     jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
@@ -350,12 +349,11 @@ def _check_recipes(args: argparse.Namespace, names: List[str], micro: int, globa
         own = [job for job in jobs if job["model"] == name]
         cfg = load_config(config, run_sets(own[0], steps=args.steps, micro_batch=micro, global_batch=global_batch,
                                            out_dir=_run_dir(args.out, own[0]), extra_sets=args.overrides))
-        to_do = [job for job in own if not os.path.isfile(os.path.join(_run_dir(args.out, job), "summary.json"))]
-        folders = {cfg.data.out_dir or os.path.join(_run_dir(args.out, job), "data") for job in to_do}
-        if to_do and args.warmup_steps and not cfg.data.out_dir:
-            folders.add(os.path.join(args.out, _folder_name(f"{name}-warmup"), "data"))
+        # (a run whose data folder holds tokens reads them, whether it is kept or runs again; an untimed
+        # warm-up that fails is recorded and leaves the timed runs to go on)
+        folders = {cfg.data.out_dir or os.path.join(_run_dir(args.out, job), "data") for job in own}
         if all(os.path.isfile(os.path.join(folder, "prepared.json")) for folder in folders):
-            continue  # every run still to do reads tokens already there (or none is left)
+            continue
         source_files(cfg.data.spec(), sorted(folders)[0], name=lambda field: f"--configs {config}: data.{field}")
 
 

@@ -219,17 +219,19 @@ def test_a_waiter_whose_lock_file_its_holder_removed_locks_the_one_made_again(tm
     release = threading.Event()
 
     def waiter():
-        with folder_lock(folder, ".lock"):
+        with folder_lock(folder, ".lock") as remade:
             outcome.append(os.path.exists(folder / ".lock"))
+            outcome.append(remade)
             inside.set()
             release.wait(10)
 
-    with folder_lock(folder, ".lock"):
+    with folder_lock(folder, ".lock") as remade:
+        assert remade == (False, False)
         thread = threading.Thread(target=waiter)
         thread.start()
         time.sleep(0.3)  # the waiter opened the file and waits on it
         shutil.rmtree(folder)
-    assert inside.wait(10) and outcome == [True]
+    assert inside.wait(10) and outcome == [True, (True, True)]  # the folder and its lock file, made again
     try:
         with pytest.raises(BlockingIOError):
             with folder_lock(folder, ".lock", wait=False):

@@ -143,3 +143,36 @@ def test_a_compare_whose_tokenizer_fails_keeps_what_its_folder_held(tmp_path, lo
     assert status == 2
     assert _tree(out) == [".compare.lock"] * lock + ["compare.json", "notes.txt"]
     assert (out / "compare.json").read_text() == earlier and (out / "notes.txt").read_text() == "mine"
+
+
+def test_two_preparations_that_fail_one_after_the_other_leave_no_folder(tmp_path, corpus, monkeypatch):
+    """The second waits on the first's lock; the first fails and removes its folder and lock file; the second,
+    holding the lock file made again, fails too and removes them as its own."""
+    import threading
+    import time
+
+    from falcon_fwa.data import prepare
+
+    def fail_slowly(*args):  # a tokenizer that does not load, found after some work
+        time.sleep(0.6)
+        raise OSError("the tokenizer does not load")
+
+    monkeypatch.setattr(prepare, "_prepare", fail_slowly)
+    out, errors = tmp_path / "new" / "data", []
+    spec = prepare.DataSpec(train_source=str(corpus))
+
+    def prepare_it():
+        try:
+            prepare.prepare_dataset(spec, str(out))
+        except OSError as err:
+            errors.append(str(err))
+
+    first = threading.Thread(target=prepare_it)
+    first.start()
+    time.sleep(0.2)  # the first holds the lock
+    second = threading.Thread(target=prepare_it)
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert errors == ["the tokenizer does not load"] * 2
+    assert not out.exists()

@@ -15,12 +15,12 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
 __all__ = ["atomic_path", "naming", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable",
-           "folder_lock", "remove_temporaries", "fsync_folder", "sync_tree"]
+           "folder_lock", "Remade", "remove_temporaries", "fsync_folder", "sync_tree"]
 
 
 def _umask() -> int:
@@ -167,23 +167,30 @@ def replaceable(folder: PathLike, marker: str, key: str, value: Any) -> bool:
         return False
 
 
+class Remade(NamedTuple):
+    """What :func:`folder_lock` made again after the holder before it removed them: the folder, the lock file."""
+    folder: bool
+    lock: bool
+
+
 @contextlib.contextmanager
 def folder_lock(folder: PathLike, name: str, *, wait: bool = True) -> Iterator[None]:
     """Hold an exclusive lock on ``folder`` (the lock file ``folder/name``, created with the folder)
     for the block: another holder makes it wait, or with ``wait=False`` raise ``BlockingIOError``.
     The lock goes with the process (a killed holder frees it). A holder may remove the lock file (and
     the folder) before it lets go, as a preparation that fails cleans up: a waiter then finds the file
-    it locked gone or replaced, and locks the one at the path, made again. Without ``flock`` (not
-    POSIX) the block runs unlocked."""
+    it locked gone or replaced, and locks the one at the path, made again. The block gets a
+    :class:`Remade`: whether this call made the folder and the lock file again so (what a clean-up of
+    its own should then remove). Without ``flock`` (not POSIX) the block runs unlocked."""
     os.makedirs(folder, exist_ok=True)
+    remade = Remade(False, False)
     try:
         import fcntl
     except ImportError:
-        yield
+        yield remade
         return
     path = os.path.join(folder, name)
     while True:
-        os.makedirs(folder, exist_ok=True)
         with open(path, "a") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             try:
@@ -192,9 +199,11 @@ def folder_lock(folder: PathLike, name: str, *, wait: bool = True) -> Iterator[N
                     now = os.stat(path)
                 except FileNotFoundError:
                     now = None
-                if now is None or (now.st_ino, now.st_dev) != (held.st_ino, held.st_dev):
-                    continue  # removed while this waited: another may hold the file at the path now
-                yield
-                return
+                if now is not None and (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
+                    yield remade
+                    return
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        # removed while this waited (another may hold the file at the path now): lock the one at the path
+        remade = Remade(folder=remade.folder or not os.path.isdir(folder), lock=True)
+        os.makedirs(folder, exist_ok=True)

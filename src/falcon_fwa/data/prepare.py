@@ -176,7 +176,10 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
     check_sources(spec, out_dir, name)  # before the lock, which creates the folder
     made = _make_folders(out_dir)
     before = set(os.listdir(out_dir))  # (the lock file too, where an earlier preparation left it)
-    with folder_lock(out_dir, LOCK_NAME):
+    with folder_lock(out_dir, LOCK_NAME) as remade:
+        # removed by a preparation that failed while this one waited, and made again: this call's now
+        before -= {LOCK_NAME} if remade.lock else set()
+        made += [os.path.abspath(out_dir)] if remade.folder else []
         before |= set(os.listdir(out_dir)) - {LOCK_NAME}  # what another preparation wrote while this one waited
         try:
             remove_temporaries(out_dir, "prepared.json")  # a preparation killed while writing it left its own

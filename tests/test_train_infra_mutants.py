@@ -439,6 +439,7 @@ def test_end_with_parent_asks_for_the_hangup_signal(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: Libc())
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (the child's SIGHUP action: not this process's)
     preexec = launch.end_with_parent()  # made here: this process is the parent
     parent = os.getpid()
     monkeypatch.setattr(os, "getppid", lambda: parent)  # as in the child, whose parent is alive
@@ -459,3 +460,22 @@ def test_the_device_is_named_by_count_and_name_or_as_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     assert launch.device_description() == "2 x NVIDIA H200"
+
+
+def test_a_child_takes_the_hangup_signal_where_its_launcher_ignores_it():
+    """Launched under ``nohup`` (SIGHUP ignored, which a child inherits), a child of ``end_with_parent`` still
+    takes SIGHUP, the stop its launcher passes on and the one its launcher's end sends: at its default action
+    here, a process of this library replaces it with its own stop handler."""
+    import subprocess
+    import sys
+
+    probe = "import signal; print(signal.getsignal(signal.SIGHUP) == signal.SIG_DFL)"
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        launched = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                                  preexec_fn=launch.end_with_parent())
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert plain.stdout.strip() == "False"  # inherited, as nohup leaves it
+    assert launched.stdout.strip() == "True"

@@ -282,21 +282,7 @@ def _launch(config: str, out_dir: str, sets: List[str], log_path: str):
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     with open(log_path, "w") as log:  # in a session of its own: its process group is ended at once by _kill_runs
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_run_preexec())
-
-
-def _run_preexec():
-    """A launched run's ``preexec_fn``: :data:`PARENT_ENDED` (SIGHUP), the stop this command passes on, back to its
-    default action where this command ignores it (launched with ``nohup``: a run would inherit that and train on
-    through every stop; in a session of its own no terminal's hang-up reaches it), then :func:`end_with_parent`."""
-    then = end_with_parent()
-
-    def preexec() -> None:
-        if PARENT_ENDED is not None:
-            signal.signal(PARENT_ENDED, signal.SIG_DFL)
-        then()
-
-    return preexec
+                                preexec_fn=end_with_parent())  # (SIGHUP taken even under nohup)
 
 
 class RunSignals(StopSignals):

@@ -95,10 +95,13 @@ def end_with_parent():
     step on it. The system sends it again each time the child passes to another thread of the ending
     process, so it may come several times: hence a signal of its own rather than SIGTERM, whose second
     arrival would interrupt the run at once. (``torchrun`` takes SIGHUP as it takes SIGTERM, and passes it
-    on to its workers.)"""
+    on to its workers.) The child takes SIGHUP at its default action even where the parent ignores it (a
+    command launched with ``nohup``), which it would otherwise inherit, training on through every stop."""
     parent = os.getpid()
 
     def preexec() -> None:
+        if PARENT_ENDED is not None:
+            signal.signal(PARENT_ENDED, signal.SIG_DFL)
         try:
             import ctypes
 

@@ -298,3 +298,19 @@ def test_a_concurrent_comparison_under_nohup_still_stops_its_runs(tmp_path):
         result = report["runs"][name]
         assert result["signal"] == "SIGTERM" and 2 <= result["steps"] < 3000
         assert load_checkpoint(latest_checkpoint(os.path.join(run_dir, "checkpoints")))["step"] == result["steps"]
+
+
+def test_a_run_folder_that_a_run_still_holds_is_not_removed_for_a_fresh_run(tmp_path):
+    """A run of a launch killed just before may still be ending its step in its folder (it holds the trainer's
+    lock there): a fresh run in that folder is refused by name and the folder kept; once free, it is emptied."""
+    from falcon_fwa.atomic import folder_lock
+    from falcon_fwa.train.launch import LOCK_NAME
+
+    run_dir = tmp_path / "main" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "log.jsonl").write_text("{}\n")
+    with folder_lock(run_dir, LOCK_NAME, wait=False):
+        with pytest.raises(ValueError, match=rf"^{run_dir} is in use by a run still going"):
+            compare._fresh_dir(str(run_dir))
+        assert (run_dir / "log.jsonl").read_text() == "{}\n"
+    assert compare._fresh_dir(str(run_dir)) == str(run_dir) and os.listdir(run_dir) == []

@@ -77,6 +77,7 @@ from ..atomic import folder_lock, read_json, write_json
 from ..cli_options import at_least, check_input_files, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
+from .launch import LOCK_NAME as RUN_LOCK_NAME
 from .launch import PARENT_ENDED, StopSignals, device_description, end_with_parent
 from .logger import read_log
 
@@ -110,7 +111,15 @@ class StepClock:
 
 
 def _fresh_dir(path: str) -> str:
-    shutil.rmtree(path, ignore_errors=True)
+    """``path`` emptied for a run from scratch; a ``ValueError`` naming it where a run still holds it (one of a
+    launch killed just before, still ending its step: its folder is not removed under it)."""
+    if os.path.isdir(path):
+        try:
+            with folder_lock(path, RUN_LOCK_NAME, wait=False):
+                shutil.rmtree(path, ignore_errors=True)
+        except BlockingIOError:
+            raise ValueError(f"{path} is in use by a run still going (one of an earlier launch, ending its step?): "
+                             "wait for it to end, then launch again") from None
     os.makedirs(path)
     return path
 

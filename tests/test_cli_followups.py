@@ -17,15 +17,29 @@ from test_cli_journeys import _compare
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _wait_until_every_run_has_trained(runs, end):
+    """Until every run folder of ``runs`` has logged two steps, or the monotonic clock reaches ``end``."""
+    while time.monotonic() < end and not all(
+            os.path.isfile(os.path.join(r, "log.jsonl")) and len(read_log(os.path.join(r, "log.jsonl"))) >= 2
+            for r in runs):
+        time.sleep(0.1)
+
+
+def _compare_while(thread, tmp_path, *extra):
+    """``_compare`` while ``thread`` (started) signals this process, whose own SIGTERM handler must not be
+    reached (the command's takes it); the thread is joined after."""
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        return _compare(tmp_path, *extra)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        thread.join()
+
+
 def _signal_once_every_run_has_trained(runs, signum, timeout=120.0):
     """A thread that sends ``signum`` to this process once every run folder of ``runs`` has logged two steps."""
     def wait_then_signal():
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            logged = [os.path.join(r, "log.jsonl") for r in runs]
-            if all(os.path.isfile(p) and len(read_log(p)) >= 2 for p in logged):
-                break
-            time.sleep(0.1)
+        _wait_until_every_run_has_trained(runs, time.monotonic() + timeout)
         os.kill(os.getpid(), signum)
 
     thread = threading.Thread(target=wait_then_signal, daemon=True)
@@ -39,12 +53,7 @@ def test_a_sigterm_stops_every_concurrent_run_with_its_checkpoint_and_the_comman
     out = tmp_path / "cmp"
     runs = [str(out / "main" / name) for name in ("a", "b")]
     thread = _signal_once_every_run_has_trained(runs, signal.SIGTERM)
-    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
-    try:
-        code = _compare(tmp_path, "--concurrent", "--steps", "100000")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        thread.join()
+    code = _compare_while(thread, tmp_path, "--concurrent", "--steps", "100000")
     assert code == 128 + signal.SIGTERM
     report = json.loads((out / "compare.json").read_text())
     assert report["status"] == {"a": "stopped", "b": "stopped"}
@@ -239,10 +248,7 @@ def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_
 
     def wait_then_signal_twice():
         end = time.monotonic() + 120.0
-        while time.monotonic() < end and not all(
-                os.path.isfile(os.path.join(r, "log.jsonl")) and len(read_log(os.path.join(r, "log.jsonl"))) >= 2
-                for r in runs):
-            time.sleep(0.1)
+        _wait_until_every_run_has_trained(runs, end)
         os.kill(os.getpid(), signal.SIGTERM)
         handler = signal.getsignal(signal.SIGTERM)  # the command's: the second must come after it took the first
         while time.monotonic() < end and not getattr(getattr(handler, "__self__", None), "received", 0):
@@ -251,12 +257,7 @@ def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_
 
     thread = threading.Thread(target=wait_then_signal_twice, daemon=True)
     thread.start()
-    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
-    try:
-        code = _compare(tmp_path, "--concurrent", "--steps", "100000")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        thread.join()
+    code = _compare_while(thread, tmp_path, "--concurrent", "--steps", "100000")
     assert code == 128 + signal.SIGTERM
     assert len(launched) == 2 and [p.returncode for p in launched] == [-signal.SIGKILL] * 2
     for proc in launched:  # nothing of its process group is left

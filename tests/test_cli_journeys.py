@@ -46,14 +46,11 @@ def test_generate_takes_the_filters_when_sampling(model_folder, tmp_path):
     assert out.exists()
 
 
-def _compare(tmp_path, *extra):
-    """``falcon-fwa compare`` of two tiny recipes (test_train's) into ``tmp_path/cmp``."""
-    import argparse
-
+def compare_recipes(tmp_path):
+    """Two tiny recipes (test_train's), ``a`` (Falcon) and ``b`` (Transformer), sharing data without a
+    ``data.out_dir`` of their own: their paths."""
     import yaml
     from test_train import recipe
-
-    from falcon_fwa.train import compare
 
     paths = []
     for name, preset in (("a", "tiny-falcon"), ("b", "tiny-transformer")):
@@ -62,10 +59,19 @@ def _compare(tmp_path, *extra):
         raw["data"]["out_dir"] = ""
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
         paths.append(str(tmp_path / f"{name}.yaml"))
+    return paths
+
+
+def _compare(tmp_path, *extra):
+    """``falcon-fwa compare`` of the two tiny recipes of :func:`compare_recipes` into ``tmp_path/cmp``."""
+    import argparse
+
+    from falcon_fwa.train import compare
+
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    return compare.run(parser.parse_args(["--configs", *paths, "--names", "a", "b", "--out", str(tmp_path / "cmp"),
-                                          *extra]))
+    return compare.run(parser.parse_args(["--configs", *compare_recipes(tmp_path), "--names", "a", "b", "--out",
+                                          str(tmp_path / "cmp"), *extra]))
 
 
 @pytest.mark.parametrize("extra", [

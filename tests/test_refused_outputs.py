@@ -5,8 +5,8 @@ import json
 import os
 
 import pytest
-import yaml
-from test_train import recipe, write_corpus
+from test_cli_journeys import compare_recipes
+from test_train import write_corpus
 
 from falcon_fwa import cli
 
@@ -75,17 +75,6 @@ def test_a_data_command_that_succeeds_after_a_refusal_prepares_the_folder(tmp_pa
     assert {"tokenizer", "train", "val", "prepared.json", ".prepare.lock"} <= set(os.listdir(out))
 
 
-def _recipes(tmp_path):
-    paths = []
-    for name, preset in (("a", "tiny-falcon"), ("b", "tiny-transformer")):
-        raw = recipe(tmp_path)
-        raw["model"]["preset"] = preset
-        raw["data"]["out_dir"] = ""
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
-        paths.append(str(tmp_path / f"{name}.yaml"))
-    return paths
-
-
 @pytest.mark.parametrize("options, words", [
     (["--set", "train.micro_batch=3"], "train.global_batch = 4 is not a multiple of train.micro_batch = 3"),
     (["--set", "train.stpes=3"], "unknown config field train.stpes"),
@@ -94,7 +83,7 @@ def _recipes(tmp_path):
 def test_a_refused_compare_leaves_no_output_folder(tmp_path, capsys, monkeypatch, options, words):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
     out = tmp_path / "cmp"
-    status = cli.main(["compare", "--configs", *_recipes(tmp_path), "--names", "a", "b", "--out", str(out),
+    status = cli.main(["compare", "--configs", *compare_recipes(tmp_path), "--names", "a", "b", "--out", str(out),
                        "--steps", "2", *options])
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("falcon-fwa compare: error: ") and words in err
@@ -112,7 +101,7 @@ BAD_TOKENIZERS = {
 
 def _compare_with_tokenizer(tmp_path, out, case):
     spec, words = BAD_TOKENIZERS[case]
-    status = cli.main(["compare", "--configs", *_recipes(tmp_path), "--names", "a", "b", "--out", str(out),
+    status = cli.main(["compare", "--configs", *compare_recipes(tmp_path), "--names", "a", "b", "--out", str(out),
                        "--steps", "2", "--set", f"data.tokenizer={spec(tmp_path)}"])
     return status, words
 

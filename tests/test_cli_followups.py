@@ -231,10 +231,13 @@ def test_a_stop_that_comes_as_every_main_run_ends_leaves_the_comparison_complete
     assert "after every run had ended: the comparison is complete" in capsys.readouterr().err
 
 
-def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_path, monkeypatch, capsys):
-    """A second SIGTERM to ``compare --concurrent`` (the first one handled, the runs not yet at their stop): the
-    command kills each run's process group at once (SIGKILL: no checkpoint is written, none outlives the
-    command), records each run killed by SIGTERM in compare.json (not running) and ends with 143."""
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_path, monkeypatch, capsys, second):
+    """A second SIGTERM or SIGINT to ``compare --concurrent`` (after a first SIGTERM, handled, the runs not yet at
+    their stop): the command kills each run's process group at once (SIGKILL: no checkpoint is written, none
+    outlives the command), records each run killed by that second signal in compare.json (not running) and ends
+    with 128 + it."""
+    name = signal.Signals(second).name
     launched = []
     real_launch = compare._launch
 
@@ -253,29 +256,29 @@ def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_
         handler = signal.getsignal(signal.SIGTERM)  # the command's: the second must come after it took the first
         while time.monotonic() < end and not getattr(getattr(handler, "__self__", None), "received", 0):
             time.sleep(0.001)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), second)
 
     thread = threading.Thread(target=wait_then_signal_twice, daemon=True)
     thread.start()
     code = _compare_while(thread, tmp_path, "--concurrent", "--steps", "100000")
-    assert code == 128 + signal.SIGTERM
+    assert code == 128 + second
     assert len(launched) == 2 and [p.returncode for p in launched] == [-signal.SIGKILL] * 2
     for proc in launched:  # nothing of its process group is left
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)
     report = json.loads((out / "compare.json").read_text())
     assert report["status"] == {"a": "killed", "b": "killed"} and report["finished"] is False
-    assert report["signal"] == "SIGTERM"
-    for name, run_dir in zip(("a", "b"), runs):
-        result = report["runs"][name]
-        assert result["signal"] == "SIGTERM" and result["planned_steps"] == 100000
-        assert result["error"].startswith("a second SIGTERM ended it at once")
+    assert report["signal"] == name
+    for recipe_name, run_dir in zip(("a", "b"), runs):
+        result = report["runs"][recipe_name]
+        assert result["signal"] == name and result["planned_steps"] == 100000
+        assert result["error"].startswith(f"a second {name} ended it at once")
         assert latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None  # killed, not stopped at a step
         assert not os.path.exists(os.path.join(run_dir, "summary.json"))
         assert len([r for r in result["log"] if "loss" in r]) >= 2
     table = compare_report.markdown_table(compare_report.result_rows(report))
-    assert "| a | killed: a second SIGTERM" in table and "| b | killed: a second SIGTERM" in table
-    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert f"| a | killed: a second {name}" in table and f"| b | killed: a second {name}" in table
+    assert f"stopped by {name}" in capsys.readouterr().err
 
 
 def test_a_concurrent_comparison_under_nohup_still_stops_its_runs(tmp_path):

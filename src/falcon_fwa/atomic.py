@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 PathLike = Union[str, os.PathLike]
 
 __all__ = ["atomic_path", "naming", "synced_write", "write_json", "write_text", "save_torch", "read_json", "replaceable",
-           "folder_lock", "Remade", "remove_temporaries", "fsync_folder", "sync_tree"]
+           "folder_lock", "Remade", "make_folders", "remove_created", "remove_temporaries", "fsync_folder", "sync_tree"]
 
 
 def _umask() -> int:
@@ -165,6 +165,45 @@ def replaceable(folder: PathLike, marker: str, key: str, value: Any) -> bool:
         return read_json(os.path.join(folder, marker)).get(key) == value
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def make_folders(folder: PathLike) -> list:
+    """Make ``folder`` and the folders above it that do not exist; the ones this call made, outermost first
+    (one that another process made meanwhile is not among them), for :func:`remove_created`."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    made = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        made.append(path)
+    return made
+
+
+def remove_created(folder: PathLike, before: set, made: list, lock: str) -> None:
+    """After work that failed in ``folder`` under its lock file ``lock``: remove what it wrote there (the
+    entries not in ``before``, the lock file among them where the work made it), then the folders it made
+    (:func:`make_folders`), each while empty. Nothing that was there before is touched. Best effort: an
+    ``OSError`` ends it quietly (the error that ended the work is the one to report)."""
+    import shutil
+
+    try:
+        for entry in sorted(set(os.listdir(folder)) - before - {lock}):
+            path = os.path.join(folder, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+        if lock not in before:
+            os.remove(os.path.join(folder, lock))
+        for path in reversed(made):
+            os.rmdir(path)  # not empty (something else is in it now): OSError, and the rest stays
+    except OSError:
+        pass
 
 
 class Remade(NamedTuple):

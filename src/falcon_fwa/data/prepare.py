@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from ..atomic import folder_lock, naming, remove_temporaries, write_json
+from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, iter_documents, list_files
 from .tokenizer import bpe_vocab_size, load_tokenizer
@@ -128,44 +128,6 @@ def check_sources(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lam
         _check_disjoint(source_files(spec, out_dir, name), spec, name)
 
 
-def _make_folders(folder: str) -> list:
-    """Make ``folder`` and the folders above it that do not exist; the ones this call made, outermost first
-    (one that another process made meanwhile is not among them)."""
-    missing, path = [], os.path.abspath(folder)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        missing.append(path)
-        path = os.path.dirname(path)
-    made = []
-    for path in reversed(missing):
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            continue
-        made.append(path)
-    return made
-
-
-def _remove_created(out_dir: str, before: set, made: list) -> None:
-    """After a failed preparation, under its lock: remove what it wrote into ``out_dir`` (the entries not in
-    ``before``, the lock file among them where this call made it), then the folders it made, each while empty.
-    Nothing that was there before the call is touched."""
-    import shutil
-
-    for entry in sorted(set(os.listdir(out_dir)) - before - {LOCK_NAME}):
-        path = os.path.join(out_dir, entry)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.remove(path)
-    if LOCK_NAME not in before:
-        os.remove(os.path.join(out_dir, LOCK_NAME))
-    for folder in reversed(made):
-        try:
-            os.rmdir(folder)
-        except OSError:  # not empty: something else is in it now
-            return
-
-
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
                     name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
     """Tokenize ``spec`` into ``out_dir`` (or reuse it); returns the recorded settings + token counts.
@@ -174,7 +136,7 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
     that does not load, an empty split) removes what it wrote, and the folder with its lock file where it
     made them."""
     check_sources(spec, out_dir, name)  # before the lock, which creates the folder
-    made = _make_folders(out_dir)
+    made = make_folders(out_dir)
     before = set(os.listdir(out_dir))  # (the lock file too, where an earlier preparation left it)
     with folder_lock(out_dir, LOCK_NAME) as remade:
         # removed by a preparation that failed while this one waited, and made again: this call's now
@@ -185,10 +147,7 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
             remove_temporaries(out_dir, "prepared.json")  # a preparation killed while writing it left its own
             return _prepare(spec, out_dir, overwrite, name)
         except Exception:  # (a stop, Ctrl-C, leaves its temporaries to the next preparation, as a kill does)
-            try:
-                _remove_created(out_dir, before, made)
-            except OSError:  # the error that ended the preparation is the one to report
-                pass
+            remove_created(out_dir, before, made, LOCK_NAME)
             raise
 
 

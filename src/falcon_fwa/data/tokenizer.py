@@ -81,6 +81,12 @@ def bpe_vocab_size(spec: str) -> int:
     return int(size)
 
 
+def is_missing_folder(spec: str) -> bool:
+    """Whether a tokenizer ``spec`` names a local folder by its form (absolute, ``./`` or ``../``, or more than
+    the one ``/`` of a Hub name ``OWNER/NAME``) that does not exist."""
+    return not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1)
+
+
 def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
     """``spec``: ``"byte"``, ``"bpe:<vocab_size>"`` (trained on ``texts``), a local folder
     holding a Hugging Face tokenizer, or a Hub tokenizer name (online)."""
@@ -99,7 +105,7 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
                  else "bpe:<vocab_size>" if spec.lower().startswith("bpe") else None)
         if meant is not None:
             raise ValueError(f"tokenizer {spec!r} is no tokenizer (did you mean {meant!r}?)")
-    if not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1):
+    if is_missing_folder(spec):
         raise ValueError(f"tokenizer folder {spec!r} does not exist (a Hub name is NAME or OWNER/NAME)")
     if os.path.isfile(spec):
         raise ValueError(f"tokenizer {spec!r} is a file: give the folder that holds it (tokenizer.json and a "

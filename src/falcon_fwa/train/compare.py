@@ -73,7 +73,7 @@ import traceback
 from contextlib import nullcontext
 from typing import Iterator, List, Optional, Tuple
 
-from ..atomic import folder_lock, read_json, write_json
+from ..atomic import folder_lock, make_folders, read_json, remove_created, write_json
 from ..cli_options import at_least, check_input_files, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit
 from .config import assign_text, load_config, recipe_parent
@@ -569,39 +569,18 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder("--out", args.out)
     check_output_file("--results", args.results)
     first = _check_recipes(args)  # the recipes and their data sources, before --out is made
-    made = _missing_folders(args.out)  # the folders the lock makes
-    had_lock = os.path.exists(os.path.join(args.out, LOCK_NAME))
+    made = make_folders(args.out)
+    before = set(os.listdir(args.out))  # (the lock file too, where an earlier command left it)
     try:
         with folder_lock(args.out, LOCK_NAME, wait=False):
             try:  # (before the results file is written: a preparation that fails leaves an earlier one as it was)
                 _prepare_data(args, first)
             except Exception:  # a tokenizer that does not load, an empty split: what this command made goes
-                _remove_made(args.out, had_lock, made)
+                remove_created(args.out, before, made, LOCK_NAME)
                 raise
             return _compare(args, names, started, deadline_at, first)
     except BlockingIOError:
         raise ValueError(f"--out {args.out} is in use by another falcon-fwa compare") from None
-
-
-def _missing_folders(folder: str) -> List[str]:
-    """``folder`` and the folders above it that do not exist, outermost first."""
-    missing, path = [], os.path.abspath(folder)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing[::-1]
-
-
-def _remove_made(out: str, had_lock: bool, made: List[str]) -> None:
-    """After a preparation that failed (which removed what it wrote itself): the lock file in ``out`` where this
-    command made it, then the folders it made (``made``), each while empty. What was there before stays."""
-    try:
-        if not had_lock:
-            os.remove(os.path.join(out, LOCK_NAME))
-        for folder in reversed(made):
-            os.rmdir(folder)
-    except OSError:  # not empty (something else is in it now), or gone: the preparation's error is the one to report
-        pass
 
 
 def _prepare_data(args: argparse.Namespace, first) -> None:

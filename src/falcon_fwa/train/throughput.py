@@ -267,7 +267,7 @@ def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
     tokenizer; ``bpe:N`` not trained yet (N, the most it has); a local tokenizer folder, or a Hub name in the
     local cache. ``(None, None, why)`` where none of these gives it."""
     from ..atomic import read_json
-    from ..data.tokenizer import bpe_vocab_size, load_tokenizer
+    from ..data.tokenizer import bpe_vocab_size, is_missing_folder, load_tokenizer
 
     spec = cfg.data.tokenizer
     if spec == "byte":
@@ -285,8 +285,8 @@ def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
         return size, 0, f"tokenizer {spec}, not trained yet: its most tokens"
     from transformers import AutoTokenizer
 
-    if not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1):
-        return None, None, f"tokenizer folder {spec} does not exist"  # a folder by its form (a Hub name: OWNER/NAME)
+    if is_missing_folder(spec):
+        return None, None, f"tokenizer folder {spec} does not exist"
     try:
         tok = AutoTokenizer.from_pretrained(spec, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as err:

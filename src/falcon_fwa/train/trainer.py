@@ -410,10 +410,11 @@ class Trainer:
         bar.close()
         summary_path = os.path.join(self.out_dir, "summary.json")
         export_dir = os.path.join(self.out_dir, "model")
-        stored = None
-        if self.step == first_step:  # nothing trained (a finished run launched again)
-            stored = read_json(summary_path) if os.path.isfile(summary_path) else None
-            stored = stored if isinstance(stored, dict) and stored.get("steps") == self.step else None
+        found = stored = None  # nothing trained (a finished run launched again): the summary of its last steps
+        if self.step == first_step and os.path.isfile(summary_path):
+            found = read_json(summary_path)
+            found = found if isinstance(found, dict) and found.get("steps") == self.step else None
+            stored = found
             if stored is not None and self.step == t.steps and (
                     "signal" in stored or (stored.get("config") or {}).get("train", {}).get("steps") != t.steps):
                 # the summary of a launch stopped here before its own train.steps (by --stop-at or a signal),
@@ -446,10 +447,8 @@ class Trainer:
                         print(f"step {self.step}: val_loss {last_val['val_loss']:.4f} ppl {last_val['val_ppl']:.3f}")
         tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
         peak_mem = D.peak_memory_bytes(info)
-        if self.step == first_step and os.path.isfile(summary_path):
-            earlier = read_json(summary_path)  # of the launch that trained the run's last steps: its measures
-            if isinstance(earlier, dict) and earlier.get("steps") == self.step:
-                tokens_per_s, peak_mem = earlier.get("tokens_per_s"), earlier.get("peak_mem_bytes")
+        if found is not None:  # of the launch that trained the run's last steps: its measures
+            tokens_per_s, peak_mem = found.get("tokens_per_s"), found.get("peak_mem_bytes")
         summary = {"params": self.n_params, "steps": self.step, "tokens": self._tokens_seen(),
                    "tokens_per_s": tokens_per_s, "peak_mem_bytes": peak_mem,
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,

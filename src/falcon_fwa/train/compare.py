@@ -320,13 +320,30 @@ def _active_run_signals() -> Optional[RunSignals]:
 
 
 def _kill_runs(procs) -> None:
-    """SIGKILL to the process group (its session, see :func:`_launch`) of each process of ``procs`` still going."""
+    """SIGKILL to the process group (its session, see :func:`_launch`) of each process of ``procs`` not reaped
+    yet: its first process still going, or ended (unreaped, see :func:`_has_ended`) while others of its group live
+    on (a data-loader worker, a torchrun worker, a grandchild). The group's id is that process's pid, which stays
+    its own while the process is unreaped; once reaped, the number may name another process group, which is
+    therefore never signalled."""
     for proc in procs:
-        if proc.poll() is None:
+        if proc.returncode is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):  # ended meanwhile
                 pass
+
+
+def _has_ended(proc) -> bool:
+    """Whether the first process of a run (``proc``, launched by :func:`_launch`) has ended, without reaping it
+    (``Popen.poll`` would): its pid, its process group's id, then stays reserved for :func:`_kill_runs`."""
+    if proc.returncode is not None:
+        return True
+    if not hasattr(os, "WNOWAIT"):  # (no waitid: reaped here, what is left of its group then goes unseen)
+        return proc.poll() is not None
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped elsewhere
+        return proc.poll() is not None
 
 
 def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str,
@@ -339,7 +356,8 @@ def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str],
     checkpoint; its result's ``signal`` names what stopped the command), done or failed. Recipes not launched
     yet are not_run (their result's ``signal`` names it too). A second SIGTERM or SIGINT kills the runs still
     going at once (their process groups, SIGKILL): each is yielded killed, its ``signal`` naming that second
-    signal."""
+    signal. What a run leaves in its process group (a data-loader worker, a grandchild) is killed as the run is
+    collected, and on any other way out of this generator."""
     procs = {}
     if signals is None:
         signals = _active_run_signals()
@@ -369,16 +387,18 @@ def _collect(procs: dict, signals: Optional[StopSignals] = None) -> Iterator[Eve
         if not asked and signals is not None and signals.received:
             asked = True
             for proc, _ in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(PARENT_ENDED if PARENT_ENDED is not None else signal.SIGTERM)
+                if not _has_ended(proc):  # (not Popen.send_signal, which reaps an ended one first)
+                    os.kill(proc.pid, PARENT_ENDED if PARENT_ENDED is not None else signal.SIGTERM)
         if not killed and getattr(signals, "again", 0):
             killed = signals.again
             _kill_runs([proc for proc, _ in procs.values()])
-        ended = [name for name, (proc, _) in procs.items() if proc.poll() is not None]
+        ended = [name for name, (proc, _) in procs.items() if _has_ended(proc)]
         if not ended:
             time.sleep(0.05 if killed else 0.2 if asked else 0.5)
         for name in ended:
             proc, run_dir = procs.pop(name)
+            _kill_runs([proc])  # what the run left in its process group ends with it, before its pid is freed
+            proc.poll()  # (reaped: its returncode)
             if killed and proc.returncode == -signal.SIGKILL:
                 by = signal.Signals(killed).name
                 log_path = os.path.join(run_dir, "log.jsonl")

@@ -207,42 +207,77 @@ def remove_created(folder: PathLike, before: set, made: list, lock: str) -> None
 
 
 class Remade(NamedTuple):
-    """What :func:`folder_lock` made again after the holder before it removed them: the folder, the lock file."""
-    folder: bool
+    """What :func:`folder_lock` made for its block, which a clean-up of the caller's own should remove with what
+    it wrote (:func:`remove_created`).
+
+    folders: the folders it made, outermost first (:func:`make_folders`): ``folder`` and those above it that were
+    missing when it started, or that the holder before it removed while it waited (a failed preparation's
+    clean-up), made again. Empty where they were all there.
+    lock: whether the lock file it holds is one it made (missing, or removed by the holder before it), rather
+    than one that was there before it.
+    """
+    folders: tuple
     lock: bool
 
 
+def _open_lock_file(path: str) -> tuple:
+    """A descriptor of the file ``path`` opened for appending (created with ``0o666`` less the umask, as
+    ``open(path, "a")`` does), and whether this call created it. ``FileNotFoundError`` where its folder is gone."""
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, os.O_WRONLY | os.O_APPEND), False
+        except FileNotFoundError:
+            if not os.path.isdir(os.path.dirname(path) or "."):
+                raise
+            # removed between the two opens: create it
+
+
 @contextlib.contextmanager
-def folder_lock(folder: PathLike, name: str, *, wait: bool = True) -> Iterator[None]:
+def folder_lock(folder: PathLike, name: str, *, wait: bool = True) -> Iterator[Remade]:
     """Hold an exclusive lock on ``folder`` (the lock file ``folder/name``, created with the folder)
     for the block: another holder makes it wait, or with ``wait=False`` raise ``BlockingIOError``.
     The lock goes with the process (a killed holder frees it). A holder may remove the lock file (and
-    the folder) before it lets go, as a preparation that fails cleans up: a waiter then finds the file
-    it locked gone or replaced, and locks the one at the path, made again. The block gets a
-    :class:`Remade`: whether this call made the folder and the lock file again so (what a clean-up of
-    its own should then remove). Without ``flock`` (not POSIX) the block runs unlocked."""
-    os.makedirs(folder, exist_ok=True)
-    remade = Remade(False, False)
+    the folder, and the folders above it that it made) before it lets go, as a preparation that fails cleans
+    up: a waiter then finds the file it locked gone or replaced, and locks the one at the path, made again
+    with the folders it needs. The block gets a :class:`Remade`: the folders this call made and whether it
+    made the lock file it holds (what a clean-up of its own should then remove). Without ``flock`` (not
+    POSIX) the block runs unlocked, with no lock file."""
+    made: list = []
+
+    def make() -> None:
+        made.extend(path for path in make_folders(folder) if path not in made)
+
+    make()
     try:
         import fcntl
     except ImportError:
-        yield remade
+        yield Remade(tuple(made), False)
         return
     path = os.path.join(folder, name)
     while True:
-        with open(path, "a") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        try:
+            fd, created = _open_lock_file(path)
+        except FileNotFoundError:  # the folder removed since it was made: make it again
+            make()
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             try:
-                held = os.fstat(f.fileno())
+                held = os.fstat(fd)
                 try:
                     now = os.stat(path)
                 except FileNotFoundError:
                     now = None
                 if now is not None and (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
-                    yield remade
+                    yield Remade(tuple(made), created)
                     return
             finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
         # removed while this waited (another may hold the file at the path now): lock the one at the path
-        remade = Remade(folder=remade.folder or not os.path.isdir(folder), lock=True)
-        os.makedirs(folder, exist_ok=True)
+        make()

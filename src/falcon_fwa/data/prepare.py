@@ -139,10 +139,10 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
     made = make_folders(out_dir)
     before = set(os.listdir(out_dir))  # (the lock file too, where an earlier preparation left it)
     with folder_lock(out_dir, LOCK_NAME) as remade:
-        # removed by a preparation that failed while this one waited, and made again: this call's now
-        before -= {LOCK_NAME} if remade.lock else set()
-        made += [os.path.abspath(out_dir)] if remade.folder else []
-        before |= set(os.listdir(out_dir)) - {LOCK_NAME}  # what another preparation wrote while this one waited
+        # the folders and lock file the lock made (made again where a preparation that failed while this one
+        # waited removed them) are this call's; what another preparation wrote while this one waited is not
+        made += [path for path in remade.folders if path not in made]
+        before = (before | set(os.listdir(out_dir))) - {LOCK_NAME} | (set() if remade.lock else {LOCK_NAME})
         try:
             remove_temporaries(out_dir, "prepared.json")  # a preparation killed while writing it left its own
             return _prepare(spec, out_dir, overwrite, name)

@@ -1,10 +1,13 @@
 """``compare --concurrent`` at the edges of its stop signals: a run whose first process has ended while others
-of its process group live on (those are killed with it, never a group whose id may be another's by now)."""
+of its process group live on (those are killed with it, never a group whose id may be another's by now); a
+second SIGTERM during the calibration."""
+import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,3 +98,63 @@ def test_kill_runs_leaves_the_group_of_a_reaped_run_alone(monkeypatch):
     monkeypatch.setattr(os, "killpg", lambda *args: sent.append(args))
     compare._kill_runs([proc])
     assert sent == []
+
+
+def _stops_at_its_step(pid: int) -> bool:
+    """Whether process ``pid`` has its stop handler in place (it catches SIGHUP, as a run does while it trains:
+    ``launch.StopSignals``), from the caught-signal mask in its ``/proc/PID/status``."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signal.SIGHUP - 1) & 1)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a run's caught signals in /proc")
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_stop_signal_during_the_concurrent_calibration_kills_its_runs_and_trains_no_recipe(
+        tmp_path, monkeypatch, capsys, second):
+    """A SIGTERM and a second one while the concurrent calibration runs train (each has its stop handler in place,
+    far from its 100,000 steps): each calibration run is killed at once (SIGKILL to its process group, nothing of
+    which is left; no summary), is recorded so in the calibration (its error and ``signal`` name the second
+    signal), no step count is planned, no main run starts (every recipe not_run, no OUT/main) and the command
+    ends with 128 + the second signal (a second SIGINT as a second SIGTERM)."""
+    from test_cli_journeys import _compare
+
+    name = signal.Signals(second).name
+    launched, real_launch, real_collect = [], compare._launch, compare._collect
+
+    def launch(*args, **kwargs):
+        launched.append(real_launch(*args, **kwargs))
+        return launched[-1]
+
+    def collect_after_two_signals(procs, signals=None):
+        end = time.monotonic() + 120.0
+        while time.monotonic() < end and not all(_stops_at_its_step(proc.pid) for proc, _ in procs.values()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # (each handled here, in the main thread, before the next line)
+        os.kill(os.getpid(), second)
+        yield from real_collect(procs, signals)
+
+    monkeypatch.setattr(compare, "_launch", launch)
+    monkeypatch.setattr(compare, "_collect", collect_after_two_signals)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        code = _compare(tmp_path, "--concurrent", "--time-budget", "5", "--calib-steps", "100000")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = tmp_path / "cmp"
+    assert code == 128 + second
+    assert len(launched) == 2 and [p.returncode for p in launched] == [-signal.SIGKILL] * 2
+    for proc in launched:  # nothing of its process group is left
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)
+    report = json.loads((out / "compare.json").read_text())
+    assert {n: (r["signal"], r["error"].startswith(f"a second {name} ended it at once"))
+            for n, r in report["calibration"].items()} == {"a": (name, True), "b": (name, True)}
+    for recipe in ("a", "b"):
+        assert not (out / "calibration" / recipe / "summary.json").exists()
+    assert report["status"] == {"a": "not_run", "b": "not_run"} and report["finished"] is False
+    assert "steps" not in report and report["error"] == f"stopped by {name} during calibration"
+    assert report["signal"] == name
+    assert not (out / "main").exists()
+    assert f"stopped by {name} during calibration" in capsys.readouterr().err

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import numbers
 from typing import Iterable, Optional
 
 import numpy as np
@@ -23,7 +22,7 @@ from ..layers.falcon_attention import FEATURE_MAPS
 from ..layers.gates import GATES, LOG_GATES
 from ..layers.norms import QK_NORMS
 from ..ops.rules import RULES, get_rule
-from ..ops.validate import FORMS
+from ..ops.validate import FORMS, as_float, as_int
 
 __all__ = ["FalconConfig", "FalconFWAConfig", "MIXERS", "MIXER_DEFAULTS", "RECURRENT_MIXERS", "check_field_names",
            "config_fields"]
@@ -74,19 +73,25 @@ def _choice(field: str, value, allowed) -> None:
 
 
 def _int(field: str, value) -> int:
-    """``value`` as an int: an integer (numpy's too) or an integral float (``64.0`` from a JSON
-    file); a fraction, text, NaN or a bool is an error naming ``field``."""
-    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value != int(value)):
-        raise ValueError(f"config field {field!r} must be an integer, got {value!r}")
-    return int(value)
+    """``value`` as an int: an integer (numpy's too; :func:`as_int`) or a real number of integral value
+    (``64.0`` from a JSON file, checked exactly, not through its nearest float); a fraction, text, NaN or a
+    bool is an error naming ``field``."""
+    number = as_int(value)
+    if number is None:
+        real = as_float(value)  # (a bool or text: None)
+        if real is None or not math.isfinite(real) or value != int(value):
+            raise ValueError(f"config field {field!r} must be an integer, got {value!r}")
+        number = int(value)
+    return number
 
 
 def _float(field: str, value) -> float:
-    """``value`` as a finite float; NaN, infinities, bools and text are errors naming ``field``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    """``value`` as a finite float (:func:`as_float`); NaN, infinities (an integer past a float's range
+    among them), bools and text are errors naming ``field``."""
+    number = as_float(value)
+    if number is None or not math.isfinite(number):
         raise ValueError(f"config field {field!r} must be a finite number, got {value!r}")
-    return float(value)
+    return number
 
 
 def _bool(field: str, value) -> bool:
@@ -371,10 +376,10 @@ class FalconFWAConfig(PretrainedConfig):
         if not 0.0 < self.decay_floor < 1.0:
             raise ValueError(f"config field 'decay_floor' must lie in (0, 1), got {self.decay_floor}")
         if self.eps_attn is not None:
-            if isinstance(self.eps_attn, (bool, np.bool_)) or not isinstance(self.eps_attn, numbers.Real) \
-                    or not math.isfinite(self.eps_attn) or self.eps_attn < 0:
+            number = as_float(self.eps_attn)
+            if number is None or not math.isfinite(number) or number < 0:
                 raise ValueError(f"config field 'eps_attn' must be None or a finite number >= 0, got {self.eps_attn}")
-            self.eps_attn = float(self.eps_attn)
+            self.eps_attn = number
             if self.mixer == "transformer" or RULES[self.rule].regression:
                 raise ValueError(f"config field 'eps_attn' (the normalized read) needs an inner-product rule (1A, 2A, "
                                  f"3A) of a recurrent mixer, got mixer={self.mixer!r}, rule={self.rule!r}")

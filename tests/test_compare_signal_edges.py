@@ -1,6 +1,6 @@
 """``compare --concurrent`` at the edges of its stop signals: a run whose first process has ended while others
-of its process group live on (those are killed with it, never a group whose id may be another's by now); a
-second SIGTERM during the calibration."""
+of its process group live on (those are killed with it, never a group whose id may be another's by now); a stop
+signal as the results file is first written; a second SIGTERM during the calibration."""
 import json
 import os
 import select
@@ -158,3 +158,47 @@ def test_a_second_stop_signal_during_the_concurrent_calibration_kills_its_runs_a
     assert report["signal"] == name
     assert not (out / "main").exists()
     assert f"stopped by {name} during calibration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, error", [
+    (["--steps", "3"], "stopped by SIGTERM before this recipe started"),
+    (["--time-budget", "5", "--calib-steps", "3"], "stopped by SIGTERM during calibration"),
+], ids=["steps", "calibrated"])
+def test_a_stop_as_the_concurrent_results_file_is_first_written_is_recorded(tmp_path, monkeypatch, capsys, extra,
+                                                                          error):
+    """A SIGTERM right after ``compare --concurrent`` first writes its results file (every recipe pending there)
+    is the command's, not this process's: no run is launched (neither calibration nor main one), every recipe
+    is recorded not_run with the signal named (not left pending), and the command ends with 143."""
+    from test_cli_journeys import _compare
+
+    out = tmp_path / "cmp"
+    written, real_write = [], compare.write_json
+
+    def write_then_signal(path, obj, *args, **kwargs):
+        real_write(path, obj, *args, **kwargs)
+        if path == str(out / "compare.json") and not written:
+            written.append(json.loads((out / "compare.json").read_text()))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def launch(*args, **kwargs):
+        raise AssertionError("a run was launched after the stop")
+
+    monkeypatch.setattr(compare, "write_json", write_then_signal)
+    monkeypatch.setattr(compare, "_launch", launch)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        code = _compare(tmp_path, "--concurrent", *extra)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert written[0]["status"] == {"a": "pending", "b": "pending"}  # the first write, before the stop
+    assert code == 128 + signal.SIGTERM
+    report = json.loads((out / "compare.json").read_text())
+    assert report["status"] == {"a": "not_run", "b": "not_run"} and report["finished"] is False
+    assert report["signal"] == "SIGTERM"
+    if "--steps" in extra:
+        assert report["steps"] == 3 and report["runs"] == {n: {"error": error, "signal": "SIGTERM", "status": "not_run", "planned_steps": 3}
+                                  for n in ("a", "b")}
+    else:
+        assert "steps" not in report and report["error"] == error and report["runs"] == {}
+    assert not (out / "main").exists() and not (out / "calibration").exists()
+    assert "stopped by SIGTERM" in capsys.readouterr().err

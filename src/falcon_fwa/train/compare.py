@@ -34,7 +34,8 @@ records each as it ended (``stopped`` with its checkpoint, ``done`` or ``failed`
 command's), and ends the command with 128 + the signal too; one during the concurrent calibration trains no
 recipe (all ``not_run``), even where every calibration run finished anyway; one that comes as the last main
 run ends cuts nothing short: the comparison is marked finished, and the command still ends with 128 + the
-signal. Each run has a session of its own
+signal; one as the results file is first written (every recipe pending there) starts no run: all ``not_run``,
+the signal named. Each run has a session of its own
 (a Ctrl-C at a terminal reaches it through this command only; under ``nohup`` it still takes the SIGHUP). A
 second SIGTERM or SIGINT kills the runs still going at once (SIGKILL to each one's process group), records each
 ``killed`` (no checkpoint of its last steps; its ``signal`` names the second signal) and ends the command with
@@ -678,13 +679,14 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
         report["wall_s"] = _clock() - started
         write_json(results_path, report)
 
-    save()
     sets = list(args.overrides)
     data_dir = _data_dir(args, first)
     if not d.out_dir:  # one tokenized copy shared by every recipe
         sets.append(assign_text("data.out_dir", data_dir))
-    # --concurrent: one RunSignals over calibration and main runs, so that a stop in either (or between) is kept
+    # --concurrent: one RunSignals from before the results file is first written, over calibration and main runs,
+    # so that a stop anywhere from then on is kept (the recipes it finds unstarted are not_run, the signal named)
     with RunSignals(True) if args.concurrent else nullcontext() as signals:
+        save()
         return _train(args, names, report, sets, started, deadline_at, results_path, earlier, save, signals)
 
 

@@ -1,6 +1,7 @@
-"""``compare --concurrent`` at the edges of its stop signals: a run whose first process has ended while others
-of its process group live on (those are killed with it, never a group whose id may be another's by now); a stop
-signal as the results file is first written; a second SIGTERM during the calibration."""
+"""``compare`` at the edges of its stop signals: with ``--concurrent``, a run whose first process has ended while
+others of its process group live on (those are killed with it, never a group whose id may be another's by now)
+and a second SIGTERM during the calibration; in either mode, a stop signal as the results file is first written;
+in the sequential mode, one during the calibration and one between two recipes."""
 import json
 import os
 import select
@@ -10,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from falcon_fwa.train import compare
 
@@ -160,36 +162,54 @@ def test_a_second_stop_signal_during_the_concurrent_calibration_kills_its_runs_a
     assert f"stopped by {name} during calibration" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, error", [
-    (["--steps", "3"], "stopped by SIGTERM before this recipe started"),
-    (["--time-budget", "5", "--calib-steps", "3"], "stopped by SIGTERM during calibration"),
-], ids=["steps", "calibrated"])
-def test_a_stop_as_the_concurrent_results_file_is_first_written_is_recorded(tmp_path, monkeypatch, capsys, extra,
-                                                                          error):
-    """A SIGTERM right after ``compare --concurrent`` first writes its results file (every recipe pending there)
-    is the command's, not this process's: no run is launched (neither calibration nor main one), every recipe
-    is recorded not_run with the signal named (not left pending), and the command ends with 143."""
+def _guarded_compare(tmp_path, *extra):
+    """``_compare`` (test_cli_journeys') with this process's own SIGTERM handler failing the test: a SIGTERM sent
+    while the command runs must reach the command's."""
     from test_cli_journeys import _compare
 
-    out = tmp_path / "cmp"
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        return _compare(tmp_path, *extra)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _signal_at_write(monkeypatch, out, when):
+    """A SIGTERM to this process right after the command writes ``out/compare.json`` holding a report for which
+    ``when(report)`` is true (once); returns the list that gets that report."""
     written, real_write = [], compare.write_json
 
     def write_then_signal(path, obj, *args, **kwargs):
         real_write(path, obj, *args, **kwargs)
-        if path == str(out / "compare.json") and not written:
+        if path == str(out / "compare.json") and not written and when(obj):
             written.append(json.loads((out / "compare.json").read_text()))
             os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(compare, "write_json", write_then_signal)
+    return written
+
+
+@pytest.mark.parametrize("mode", [["--concurrent"], []], ids=["concurrent", "sequential"])
+@pytest.mark.parametrize("extra, error", [
+    (["--steps", "3"], "stopped by SIGTERM before this recipe started"),
+    (["--time-budget", "5", "--calib-steps", "3"], "stopped by SIGTERM during calibration"),
+], ids=["steps", "calibrated"])
+def test_a_stop_as_the_results_file_is_first_written_is_recorded(tmp_path, monkeypatch, capsys, mode, extra,
+                                                                 error):
+    """A SIGTERM right after ``compare`` first writes its results file (every recipe pending there) is the
+    command's, not this process's: no recipe is calibrated or trained (with ``--concurrent`` none launched),
+    every recipe is recorded not_run with the signal named (not left pending), and the command ends with 143."""
+    from falcon_fwa.train import trainer as trainer_module
+
+    out = tmp_path / "cmp"
+    written = _signal_at_write(monkeypatch, out, lambda report: True)
 
     def launch(*args, **kwargs):
         raise AssertionError("a run was launched after the stop")
 
-    monkeypatch.setattr(compare, "write_json", write_then_signal)
     monkeypatch.setattr(compare, "_launch", launch)
-    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
-    try:
-        code = _compare(tmp_path, "--concurrent", *extra)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    monkeypatch.setattr(trainer_module.Trainer, "train", launch)
+    code = _guarded_compare(tmp_path, *mode, *extra)
     assert written[0]["status"] == {"a": "pending", "b": "pending"}  # the first write, before the stop
     assert code == 128 + signal.SIGTERM
     report = json.loads((out / "compare.json").read_text())
@@ -202,3 +222,113 @@ def test_a_stop_as_the_concurrent_results_file_is_first_written_is_recorded(tmp_
         assert "steps" not in report and report["error"] == error and report["runs"] == {}
     assert not (out / "main").exists() and not (out / "calibration").exists()
     assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stop_during_the_sequential_calibration_ends_it_at_its_step_and_trains_no_recipe(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A SIGTERM during the second step of the first recipe's calibration (2 warm-up + 3 timed steps): that
+    calibration ends at the step (2 steps, untimed), the second recipe is not calibrated, no step count is
+    planned, no recipe trains (all not_run, no OUT/main) and the command ends with 143."""
+    from falcon_fwa.train import trainer as trainer_module
+
+    original, calls = trainer_module.causal_lm_loss, []
+
+    def loss(model, batch, device, autocast):
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == 3:  # the first micro-step of step 2 (2 micro-steps per step)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return original(model, batch, device, autocast)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", loss)
+    code = _guarded_compare(tmp_path, "--time-budget", "5", "--calib-warmup", "2", "--calib-steps", "3")
+    out = tmp_path / "cmp"
+    assert code == 128 + signal.SIGTERM and len(calls) == 4  # step 2 ended, no other step trained
+    report = json.loads((out / "compare.json").read_text())
+    assert set(report["calibration"]["a"]) == {"stopped", "first_step_s"}
+    assert report["calibration"]["a"]["stopped"] == "SIGTERM" and report["calibration"]["b"] == {"stopped": "SIGTERM"}
+    assert report["status"] == {"a": "not_run", "b": "not_run"} and report["finished"] is False
+    assert "steps" not in report and report["error"] == "stopped by SIGTERM during calibration"
+    assert report["signal"] == "SIGTERM" and report["runs"] == {}
+    assert not (out / "main").exists()
+    assert "stopped by SIGTERM during calibration" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stop_between_two_sequential_recipes_leaves_the_first_done_and_the_second_not_run(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A SIGTERM right after the first recipe's result is written (done, 3 of 3 steps), before the second starts:
+    the second is not trained (not_run, the signal named), the first stands, the comparison is not finished and
+    the command ends with 143."""
+    out = tmp_path / "cmp"
+    written = _signal_at_write(monkeypatch, out, lambda report: report["status"]["a"] == "done")
+    code = _guarded_compare(tmp_path, "--steps", "3")
+    assert written[0]["status"] == {"a": "done", "b": "pending"}
+    assert code == 128 + signal.SIGTERM
+    report = json.loads((out / "compare.json").read_text())
+    assert report["status"] == {"a": "done", "b": "not_run"} and report["finished"] is False
+    assert report["runs"]["a"]["steps"] == 3 and "signal" not in report["runs"]["a"]
+    assert report["runs"]["b"] == {"error": "stopped by SIGTERM before this recipe started", "signal": "SIGTERM",
+                                   "status": "not_run", "planned_steps": 3}
+    assert report["signal"] == "SIGTERM"
+    assert not (out / "main" / "b").exists()
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stop_as_a_sequential_recipe_is_set_up_stops_it_at_its_first_step(tmp_path, monkeypatch, capsys):
+    """A SIGTERM as the second recipe's run folder is made (before its trainer is built): it trains its first
+    step only, ends there with a checkpoint of step 1 (stopped, the signal named, in its summary.json too) and
+    the command ends with 143; the first recipe stands."""
+    from falcon_fwa.train import latest_checkpoint, load_checkpoint
+
+    out = tmp_path / "cmp"
+    real_fresh_dir = compare._fresh_dir
+
+    def fresh_dir_then_signal(path):
+        real_fresh_dir(path)
+        if path == str(out / "main" / "b"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return path
+
+    monkeypatch.setattr(compare, "_fresh_dir", fresh_dir_then_signal)
+    code = _guarded_compare(tmp_path, "--steps", "3")
+    assert code == 128 + signal.SIGTERM
+    report = json.loads((out / "compare.json").read_text())
+    assert report["status"] == {"a": "done", "b": "stopped"} and report["finished"] is False
+    b = report["runs"]["b"]
+    assert (b["steps"], b["signal"], b["planned_steps"]) == (1, "SIGTERM", 3)
+    assert load_checkpoint(latest_checkpoint(str(out / "main" / "b" / "checkpoints")))["step"] == 1
+    assert json.loads((out / "main" / "b" / "summary.json").read_text())["signal"] == "SIGTERM"
+    assert report["runs"]["a"]["steps"] == 3
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_second_stop_signal_ends_the_sequential_command_at_once(tmp_path, monkeypatch):
+    """The command's own stop handler (held from the first write on) leaves a second signal as the trainer's
+    would: a SIGTERM and then a SIGINT during the first recipe's second step interrupt the command at once
+    (KeyboardInterrupt, Ctrl-C's own), before that step ends."""
+    from falcon_fwa.train import trainer as trainer_module
+
+    original, calls = trainer_module.causal_lm_loss, []
+
+    def loss(model, batch, device, autocast):
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == 3:  # the first micro-step of step 2
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)
+        return original(model, batch, device, autocast)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", loss)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored in a background job)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _guarded_compare(tmp_path, "--steps", "3")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(calls) == 3
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert report["status"] == {"a": "running", "b": "pending"}

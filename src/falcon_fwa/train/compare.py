@@ -28,7 +28,9 @@ but not charged again. (With ``--concurrent``, calibration runs all recipes at o
 training when it passes stops at its next step boundary, is evaluated and is marked
 ``partial`` (its ``steps`` say how far it got); recipes not started are marked ``not_run``. A SIGTERM,
 SIGINT or SIGHUP stops the sequential recipe in progress the same way, with a checkpoint but no evaluation
-(``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal. With ``--concurrent``
+(``stopped``), marks the rest ``not_run`` and ends the command with 128 + the signal (one between two recipes
+leaves the first as it ended; one during the calibration stops it at its step and trains no recipe, all
+``not_run``). With ``--concurrent``
 it stops every run in progress so (each is asked with a SIGHUP, which a run takes once), waits for them and
 records each as it ended (``stopped`` with its checkpoint, ``done`` or ``failed``; its ``signal`` names the
 command's), and ends the command with 128 + the signal too; one during the concurrent calibration trains no
@@ -94,21 +96,31 @@ Event = Tuple[str, str, Optional[dict]]  # (name, status, result)
 
 class StepClock:
     """The ``should_stop`` hook of ``Trainer.train``: notes the time of every step boundary and
-    answers true once ``deadline_at`` (a ``_clock()`` value) has passed."""
+    answers true once ``deadline_at`` (a ``_clock()`` value) has passed, or once ``signals`` (the
+    :class:`StopSignals` the command holds) has received a stop signal."""
 
-    def __init__(self, deadline_at: Optional[float] = None):
+    def __init__(self, deadline_at: Optional[float] = None, signals: Optional[StopSignals] = None):
         self.deadline_at = deadline_at
+        self.signals = signals
         self.start = _clock()
         self.marks: List[float] = []
 
     def __call__(self, step: int) -> bool:
         self.marks.append(_clock())
-        return self.deadline_at is not None and self.marks[-1] >= self.deadline_at
+        return (self.deadline_at is not None and self.marks[-1] >= self.deadline_at) or _stopped_by(self.signals)
 
     def durations(self) -> List[float]:
         """Seconds of each step so far (the first includes everything since construction)."""
         times = [self.start] + self.marks
         return [b - a for a, b in zip(times[:-1], times[1:])]
+
+
+def _stopped_by(signals: Optional[StopSignals]) -> Optional[str]:
+    """The name of the stop signal ``signals`` has received (the second one's where a :class:`RunSignals` has
+    received two), else None."""
+    if signals is None or not signals.received:
+        return None
+    return signal.Signals(getattr(signals, "again", 0) or signals.received).name
 
 
 def _fresh_dir(path: str) -> str:
@@ -140,17 +152,20 @@ def _error(err: BaseException) -> dict:
 
 # ----------------------------------------------------------------------------- calibration
 def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], *, out_dir: str, warmup: int = 2,
-                         steps: int = 6, deadline_at: Optional[float] = None) -> dict:
+                         steps: int = 6, deadline_at: Optional[float] = None,
+                         signals: Optional[StopSignals] = None) -> dict:
     """Each recipe's costs (name -> dict, see the module docstring), from ``warmup + steps``
     steps of its real trainer in ``out_dir/NAME``. A recipe that fails gets ``{"error"}``; one
-    stopped by the deadline before its timed steps ``{"stopped": "deadline"}``."""
+    stopped by the deadline before its timed steps ``{"stopped": "deadline"}``. Once ``signals`` (what the
+    command holds) has received a stop signal, the recipe calibrating stops at its step and the rest are not
+    calibrated: ``"stopped"`` names the signal."""
     from .throughput import falcon_op_calls, op_backend
     from .trainer import Trainer
 
     out = {}
     for path, name in zip(configs, names):
-        if deadline_at is not None and _clock() >= deadline_at:
-            out[name] = {"stopped": "deadline"}
+        if _stopped_by(signals) or (deadline_at is not None and _clock() >= deadline_at):
+            out[name] = {"stopped": _stopped_by(signals) or "deadline"}
             continue
         run_dir = _fresh_dir(os.path.join(out_dir, name))
         cfg = load_config(path, sets + [assign_text("train.out_dir", run_dir), f"train.steps={warmup + steps}",
@@ -161,12 +176,12 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
         try:
             t0 = _clock()
             trainer = Trainer(cfg)
-            clock = StepClock(deadline_at)
+            clock = StepClock(deadline_at, signals)
             with falcon_op_calls(trainer.core) as counts:
                 trainer.train(should_stop=clock)
             durations = clock.durations()
             if len(durations) <= warmup:
-                out[name] = {"stopped": "deadline", "first_step_s": durations[0]}
+                out[name] = {"stopped": _stopped_by(signals) or "deadline", "first_step_s": durations[0]}
                 continue
             t_eval = _clock()
             trainer.evaluate()
@@ -182,7 +197,7 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
                          "falcon_op": op_backend(counts, cfg.model, str(trainer.info.device)),
                          "wall_s": _clock() - t0}
             if len(durations) < warmup + steps:
-                out[name]["stopped"] = "deadline"
+                out[name]["stopped"] = _stopped_by(signals) or "deadline"
         except Exception as err:  # noqa: BLE001 - recorded; the main run shows the failure again
             out[name] = _error(err)
         finally:
@@ -210,12 +225,16 @@ def plan_steps(calibration: dict, budget_s: float) -> Tuple[int, dict]:
 
 # ----------------------------------------------------------------------------- runners
 def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: List[str], tag: str, *,
-                   deadline_at: Optional[float] = None, earlier: Optional[dict] = None) -> Iterator[Event]:
+                   deadline_at: Optional[float] = None, earlier: Optional[dict] = None,
+                   signals: Optional[StopSignals] = None) -> Iterator[Event]:
     """Train every recipe in turn in this process, from scratch in ``out_dir/tag/NAME``. Yields
     ``(name, "running", None)`` before each and ``(name, status, result)`` after it: done,
     partial (stopped by ``deadline_at``, then evaluated), stopped (by a SIGTERM, SIGINT or SIGHUP, at the end of
-    its step, with a checkpoint; the recipes after it are not_run), failed or not_run. A run of ``earlier``
-    (name -> result of an earlier launch) that :func:`kept_result` keeps is yielded as done, untrained."""
+    its step, with a checkpoint; the recipes after it are not_run, their result's ``signal`` naming it), failed
+    or not_run. ``signals``: the :class:`StopSignals` the command holds throughout (then the trainer takes none
+    of its own: a stop that comes between two recipes, or as one is set up, is kept too), else each trainer
+    takes the signals while it trains. A run of ``earlier`` (name -> result of an earlier launch) that
+    :func:`kept_result` keeps is yielded as done, untrained."""
     from .trainer import Trainer
 
     commit, stopped_by = git_commit(short=False), None
@@ -226,8 +245,10 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
         if kept is not None:
             yield name, "done", dict(kept, kept=True)
             continue
+        stopped_by = stopped_by or _stopped_by(signals)
         if stopped_by is not None:
-            yield name, "not_run", {"error": f"stopped by {stopped_by} before this recipe started"}
+            yield name, "not_run", {"error": f"stopped by {stopped_by} before this recipe started",
+                                    "signal": stopped_by}
             continue
         if deadline_at is not None and _clock() >= deadline_at:
             yield name, "not_run", {"error": "the deadline passed before this recipe started"}
@@ -237,9 +258,11 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
         t0, trainer, status = _clock(), None, "done"
         try:
             trainer = Trainer(cfg)
-            clock = StepClock(deadline_at)
-            result = trainer.train(should_stop=clock, stop_on_signal=True)
+            clock = StepClock(deadline_at, signals)
+            result = trainer.train(should_stop=clock, stop_on_signal=signals is None)
             result["first_step_s"] = clock.durations()[0]
+            if _stopped_by(signals) and result["steps"] < cfg.train.steps:  # (the trainer's own stop names it)
+                result["signal"] = _stopped_by(signals)
             if result.get("signal"):  # not evaluated: the command is asked to end
                 status, stopped_by = "stopped", result["signal"]
             elif result["steps"] < cfg.train.steps:
@@ -531,14 +554,18 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
                              "of its own; leave it out")
 
 
-def _sequential_steps(args, names: List[str], sets: List[str], report: dict, deadline_at: Optional[float]):
-    """Calibrate in this process and plan the step count (None: the deadline passed first)."""
+def _sequential_steps(args, names: List[str], sets: List[str], report: dict, deadline_at: Optional[float],
+                      signals: Optional[StopSignals] = None):
+    """Calibrate in this process and plan the step count (None: the deadline passed first);
+    ``CalibrationStopped`` where ``signals`` (what the command holds) received a stop signal meanwhile."""
     t0 = _clock()
     calib_dir = os.path.join(args.out, "calibration")
     report["calibration"] = calibrate_sequential(args.configs, names, sets, out_dir=calib_dir,
                                                  warmup=args.calib_warmup or 2, steps=args.calib_steps or 6,
-                                                 deadline_at=deadline_at)
+                                                 deadline_at=deadline_at, signals=signals)
     report["calibration_wall_s"] = _clock() - t0
+    if _stopped_by(signals):
+        raise CalibrationStopped(_stopped_by(signals))
     budgets = [] if args.time_budget is None else [args.time_budget]
     if deadline_at is not None:
         left = deadline_at - _clock()
@@ -570,8 +597,8 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
     report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
     report["calibration_wall_s"] = _clock() - t0
     by = [r["signal"] for r in res.values() if r.get("signal")]
-    if signals is not None and signals.received:
-        by = [signal.Signals(getattr(signals, "again", 0) or signals.received).name]
+    if _stopped_by(signals):
+        by = [_stopped_by(signals)]
     if by:
         raise CalibrationStopped(by[0])
     slowest = min(r.get("tokens_per_s") or 0.0 for r in res.values())
@@ -683,35 +710,35 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     data_dir = _data_dir(args, first)
     if not d.out_dir:  # one tokenized copy shared by every recipe
         sets.append(assign_text("data.out_dir", data_dir))
-    # --concurrent: one RunSignals from before the results file is first written, over calibration and main runs,
-    # so that a stop anywhere from then on is kept (the recipes it finds unstarted are not_run, the signal named)
-    with RunSignals(True) if args.concurrent else nullcontext() as signals:
+    # the stop signals, from before the results file is first written, over calibration and main runs, so that a
+    # stop anywhere from then on is kept (the recipes it finds unstarted are not_run, the signal named): with
+    # --concurrent a RunSignals, else a StopSignals whose stop the trainer in progress takes at its step
+    with RunSignals(True) if args.concurrent else StopSignals(True) as signals:
         save()
         return _train(args, names, report, sets, started, deadline_at, results_path, earlier, save, signals)
 
 
 def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[str], started: float,
-           deadline_at: Optional[float], results_path: str, earlier: dict, save, signals: Optional[RunSignals]) -> int:
-    """:func:`_compare`'s step count and runs (``signals``: the concurrent runs' :class:`RunSignals`)."""
+           deadline_at: Optional[float], results_path: str, earlier: dict, save, signals: Optional[StopSignals]) -> int:
+    """:func:`_compare`'s step count and runs (``signals``: the command's :class:`StopSignals`, with
+    ``--concurrent`` a :class:`RunSignals`)."""
     steps = args.steps
     if steps is None and (args.time_budget or args.deadline):
-        if args.concurrent:
-            try:
-                steps = _concurrent_steps(args, names, sets, report, signals)
-            except CalibrationStopped as stop:
-                report.update(status={n: "not_run" for n in names}, error=f"stopped by {stop} during calibration",
-                              signal=str(stop))
-                save()
-                print(f"{report['error']}: no recipe trained", file=sys.stderr, flush=True)
-                return 128 + signal.Signals[str(stop)]
-        else:
-            steps = _sequential_steps(args, names, sets, report, deadline_at)
-            if steps is None:
-                report.update(status={n: "not_run" for n in names}, finished=True,
-                              error=f"calibration took the whole --deadline of {args.deadline:g} s")
-                save()
-                print(report["error"], flush=True)
-                return 1
+        try:
+            steps = (_concurrent_steps(args, names, sets, report, signals) if args.concurrent else
+                     _sequential_steps(args, names, sets, report, deadline_at, signals))
+        except CalibrationStopped as stop:
+            report.update(status={n: "not_run" for n in names}, error=f"stopped by {stop} during calibration",
+                          signal=str(stop))
+            save()
+            print(f"{report['error']}: no recipe trained", file=sys.stderr, flush=True)
+            return 128 + signal.Signals[str(stop)]
+        if steps is None:  # (sequential: the deadline passed during calibration)
+            report.update(status={n: "not_run" for n in names}, finished=True,
+                          error=f"calibration took the whole --deadline of {args.deadline:g} s")
+            save()
+            print(report["error"], flush=True)
+            return 1
         if steps < MIN_STEPS:
             print(f"only {steps} steps fit: training {MIN_STEPS}", flush=True)
             steps = MIN_STEPS
@@ -726,7 +753,7 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
     t0 = _clock()
     runner = (run_all(args.configs, names, args.out, sets, "main", signals) if args.concurrent else
               run_sequential(args.configs, names, args.out, sets, "main", deadline_at=deadline_at,
-                             earlier=earlier))
+                             earlier=earlier, signals=signals))
     finished = 0
     for name, status, result in runner:
         report["status"][name] = status
@@ -741,8 +768,8 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         save()
     stopped = [r["signal"] for r in report["runs"].values() if r.get("status") in ("stopped", "not_run", "killed")
                and r.get("signal")]
-    if signals is not None and signals.received:  # the runs' results may not show it (done as it came)
-        stopped = [signal.Signals(signals.again or signals.received).name]
+    if _stopped_by(signals):  # the runs' results may not show it (done as it came)
+        stopped = [_stopped_by(signals)]
         report["signal"] = stopped[0]
         save()
     if stopped and all(report["status"][n] in ("done", "failed") for n in names):

@@ -209,10 +209,12 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
       continuous inputs: they replace ``embed_tokens(input_ids)``, cast to its dtype, so the two give identical
       results and everything below applies to either; ``generate(inputs_embeds=...)`` consumes them in the
       prompt step and returns the new tokens); ``attention_mask`` ``[B, T_past + T]`` (1 real, 0 pad;
-      left or right padding), only its last ``T`` columns describe ``input_ids``;
+      left or right padding; exactly ``[B, T]`` without a cache that has consumed columns), only its last ``T``
+      columns describe ``input_ids``;
     * ``cu_seqlens`` ``[N + 1]``: ``input_ids`` ``[1, total]`` holds ``N`` packed
       documents; each starts fresh (sentinel, conv, positions); logits keep the
-      packed shape and the loss skips the boundary targets;
+      packed shape and the loss skips the boundary targets; an ``attention_mask`` with it can only be
+      ones of the packed row's shape (any other mask is refused);
     * ``labels`` ``[B, T]`` integer ids (``-100`` ignored; pads are ignored anyway): mean
       next-token cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``;
     * ``past_key_values`` (or ``cache``): a :class:`FalconCache` to continue;
@@ -407,10 +409,26 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     def _layout(self, x, name: str, attention_mask, cu_seqlens, cache: Optional[FalconCache]):
         """Decide dense vs packed for the input ``x`` (``input_ids`` ``[B, T]`` or ``inputs_embeds``
         ``[B, T, D]``, called ``name`` in errors; only its shape and device are read); returns
-        (packing, unpad index or None, real tokens per row)."""
+        (packing, unpad index or None, real tokens per row).
+
+        ``attention_mask`` covers the columns a cache has consumed followed by these ``T``: ``[B, T_past + T]``,
+        ``T_past = past_key_values.num_positions`` (0 without a cache or with an empty one, so the mask is then
+        exactly ``[B, T]``); a continuing call may also give only the last columns of it (``[B, T]`` at the
+        least). With ``cu_seqlens`` (``B = 1``) the documents' bounds say everything a mask could, so a mask
+        there must be all ones, of that same shape ``[1, T]`` (``[1, T_past + T]`` at most when continuing)."""
         B, T = x.shape[:2]
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens)
+            if B != 1:
+                shape = "[1, total, hidden_size]" if x.dim() == 3 else "[1, total]"
+                raise ValueError(f"cu_seqlens needs {name} of shape {shape}, got {tuple(x.shape)}")
+        if attention_mask is not None:
+            past = 0 if cache is None or cache.empty else cache.num_positions
+            width = attention_mask.shape[-1] if attention_mask.dim() else 0
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or not T <= width <= past + T:
+                raise ValueError(f"attention_mask must have shape [B, >= T] = [{B}, >= {T}] and at most "
+                                 f"[B, T_past + T] = [{B}, {past + T}] ({name}'s first two axes, T_past = {past} "
+                                 f"columns consumed by past_key_values), got {tuple(attention_mask.shape)}")
         offsets = None if cache is None or cache.empty else cache.seen
         if offsets is not None:
             rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -418,9 +436,6 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                 raise ValueError(f"past_key_values holds {offsets.shape[0]} sequences, but this call continues "
                                  f"{rows} ({name} of shape {tuple(x.shape)})")
         if cu_seqlens is not None:
-            if B != 1:
-                shape = "[1, total, hidden_size]" if x.dim() == 3 else "[1, total]"
-                raise ValueError(f"cu_seqlens needs {name} of shape {shape}, got {tuple(x.shape)}")
             if attention_mask is not None and not bool(attention_mask.bool().all()):
                 raise ValueError("pass either cu_seqlens or an attention_mask with padding, not both")
             cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
@@ -428,9 +443,6 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             rows = torch.arange(cu.numel() - 1, device=x.device)
             return Packing.from_cu_seqlens(cu, rows, offsets, bounds), None, cu[1:] - cu[:-1]
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-                raise ValueError(f"attention_mask must have shape [B, >= T] = [{B}, >= {T}], "
-                                 f"got {tuple(attention_mask.shape)}")
             mask = attention_mask[:, -T:].to(device=x.device, dtype=torch.bool)
             if not bool(mask.all()):
                 _, index, cu, rows = unpad(mask[..., None], mask)

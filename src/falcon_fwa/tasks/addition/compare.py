@@ -225,8 +225,14 @@ def _mean_std(xs: List[float]) -> tuple:
     return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
 
 
-def summarize(results: Dict[str, List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
-    """One row per model: means (and sample standard deviations) over its seeds."""
+def summarize(results: Dict[str, List[Dict[str, Any]]], rounded: bool = True) -> List[Dict[str, Any]]:
+    """One row per model: means (and sample standard deviations) over its seeds, rounded as the summary JSON
+    keeps them (two decimals; the per-seed wall times one), or with ``rounded=False`` not rounded: the figures
+    :func:`markdown` formats, so that a table's one decimal is that of the mean itself, not of its two-decimal
+    rounding (a mean of 82.251 is 82.25 in the JSON and 82.3 in the table, not 82.2)."""
+    def rnd(x: float, places: int) -> float:
+        return round(x, places) if rounded else x
+
     rows = []
     for model, rs in results.items():
         lo, hi = rs[0]["preset"]["ood_widths"]
@@ -237,11 +243,11 @@ def summarize(results: Dict[str, List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
         row: Dict[str, Any] = {"model": model, "seeds": [r["seed"] for r in rs]}
         for out_key, key in keys.items():
             mean, std = _mean_std([float(r["best"][key]) for r in rs])
-            row[out_key] = round(mean, 2)
-            row[f"{out_key}_std"] = round(std, 2)
+            row[out_key] = rnd(mean, 2)
+            row[f"{out_key}_std"] = rnd(std, 2)
         row["per_seed"] = [{"seed": r["seed"], "best_step": r["best"]["step"],
-                            "mean_acc_ood": round(r["best"]["mean_acc_ood"], 2),
-                            "val_acc": round(r["best"]["val_acc"], 2), "wall_time_s": round(r["wall_time_s"], 1)}
+                            "mean_acc_ood": rnd(r["best"]["mean_acc_ood"], 2),
+                            "val_acc": rnd(r["best"]["val_acc"], 2), "wall_time_s": rnd(r["wall_time_s"], 1)}
                            for r in rs]
         row["steps_done"] = [r["steps_done"] for r in rs]
         row["config_fields"] = rs[0]["config_fields"]
@@ -266,8 +272,11 @@ def _wall_time(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
 
 def _verdict(rows: List[Dict[str, Any]], mean_key: str, paper_widths: bool = True) -> List[str]:
     """The goal's lines: Falcon-3A.3 against the paper's figure (only where the run's widths are the
-    paper's: training 1-32, OOD 33-48) and against every other model of the run."""
-    by = {r["model"]: r for r in rows}
+    paper's: training 1-32, OOD 33-48) and against every other model of the run, on the means as the summary
+    JSON keeps them (two decimals), which :func:`_points` states in full: rows not rounded (see
+    :func:`summarize`) are rounded so first, and the verdict is the JSON's."""
+    by = {r["model"]: {**r, mean_key: round(r[mean_key], 2), f"digit_{mean_key}": round(r[f"digit_{mean_key}"], 2)}
+          for r in rows}
     target = "Falcon-3A.3"
     if target not in by:
         return []
@@ -295,7 +304,7 @@ def _verdict(rows: List[Dict[str, Any]], mean_key: str, paper_widths: bool = Tru
 
 
 def _points(x: float, sign: str = "") -> str:
-    """Accuracy points to one decimal, or to two where one would hide the second (the rows keep two): a mean
+    """Accuracy points to one decimal, or to two where one would hide the second (the verdict's keep two): a mean
     of 87.15 is not printed as the paper's 87.2, nor a lead of 0.04 as one of 0.0."""
     decimals = 1 if round(x, 1) == round(x, 2) else 2
     return f"{x:{sign}.{decimals}f}"
@@ -460,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
         print("addition-compare: no finished runs to summarize")
         return 1
     rows = summarize(results)
+    exact = summarize(results, rounded=False)  # for the .md: one decimal of each figure itself
     first = next(iter(results.values()))[0]
     summary_file = Path(args.results) / f"{name}.json"
     meta_file = Path(args.results) / f"{name}_meta.json"
@@ -504,14 +514,14 @@ def run(args: argparse.Namespace) -> int:
               f"are kept with that summary in {kept}")
     write_json(summary_file, rows)
     write_json(meta_file, meta)
-    write_text(summary_file.with_suffix(".md"), markdown(rows, meta))
+    write_text(summary_file.with_suffix(".md"), markdown(exact, meta))
     plot = plot_accuracy_vs_width(results, summary_file.with_suffix(".png"),
                                   title=f"addition, {args.preset} preset, seeds {seeds}")
     # by answer position at the largest training width and the first and last OOD widths
     positions = plot_lineup_positions(results, summary_file.with_name(f"{name}_positions.png"),
                                       widths=sorted({preset.train_widths[1], *preset.ood_widths}),
                                       title=f"addition, {args.preset} preset, seeds {seeds}: best step")
-    print(markdown(rows, meta))
+    print(markdown(exact, meta))
     plots = "".join(f", {p}" for p in (plot, positions) if p)
     print(f"wrote {summary_file}, {meta_file}, {summary_file.with_suffix('.md')}" + plots)
     return 1 if failed else 0

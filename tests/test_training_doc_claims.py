@@ -147,6 +147,43 @@ def test_the_compared_models_are_the_sizes_section_4_gives():
         assert _params(cfg) == want.get(name, int(m.group(1).replace(",", ""))), name
 
 
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("after, status, finished", [
+    ("a", {"a": "done", "b": "not_run"}, False),  # between the two recipes
+    ("b", {"a": "done", "b": "done"}, True),  # as the last run ends
+], ids=["between-recipes", "after-the-last"])
+def test_a_sequential_compare_stop_between_recipes_and_after_the_last_is_as_section_4_says(
+        tmp_path, monkeypatch, capsys, after, status, finished):
+    """Section 4: a stop signal is the command's "from its first write of `compare.json` on", "it ends the command
+    with 128 + the signal, `compare.json`'s `signal` names it, and the recipes it finds unstarted are `not_run`";
+    "a stop between two recipes leaves the first as it ended"; "in either mode ... one that comes as the last run
+    ends cuts nothing short: the comparison is marked finished (the command still ends with 128 + the signal)".
+    A SIGTERM right after ``compare.json`` records recipe ``after`` done, two tiny recipes of 3 steps each."""
+    import json
+    import signal
+
+    from test_compare_signal_edges import _guarded_compare, _signal_at_write
+    for claim in ("from its first write of `compare.json` on, over calibration, set-up and runs alike, in either "
+                  "mode: it ends the command with 128 + the signal, `compare.json`'s `signal` names it, and the "
+                  "recipes it finds unstarted are `not_run`",
+                  "a stop between two recipes leaves the first as it ended",
+                  "one that comes as the last run ends cuts nothing short: the comparison is marked finished (the "
+                  "command still ends with 128 + the signal)"):
+        assert claim in FLAT, claim
+    out = tmp_path / "cmp"
+    written = _signal_at_write(monkeypatch, out, lambda report: report["status"][after] == "done")
+    code = _guarded_compare(tmp_path, "--steps", "3")
+    assert written and code == 128 + signal.SIGTERM
+    report = json.loads((out / "compare.json").read_text())
+    assert report["status"] == status and report["finished"] is finished and report["signal"] == "SIGTERM"
+    assert report["runs"]["a"]["steps"] == 3 and "signal" not in report["runs"]["a"]  # the first, as it ended
+    if after == "a":
+        assert report["runs"]["b"]["signal"] == "SIGTERM" and not (out / "main" / "b").exists()
+    else:
+        assert report["runs"]["b"]["steps"] == 3
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
 def test_the_presets_are_the_families_the_fields_table_names():
     """The fields table: ``falcon_fwa.models.PRESETS``: ``tiny-*``, the paper's ``*-130m`` and
     ``transformer-124m``; every preset is of one of these, and each family has members."""

@@ -222,7 +222,9 @@ class Remade(NamedTuple):
 
 def _open_lock_file(path: str) -> tuple:
     """A descriptor of the file ``path`` opened for appending (created with ``0o666`` less the umask, as
-    ``open(path, "a")`` does), and whether this call created it. ``FileNotFoundError`` where its folder is gone."""
+    ``open(path, "a")`` does), and whether this call created it. ``FileNotFoundError`` where its folder is gone.
+    A link at ``path`` to a file not there yet is opened as ``open(path, "a")`` opens it (its target made; the
+    link, there before, is not this call's); where its target cannot be made, ``FileNotFoundError``."""
     while True:
         try:
             return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666), True
@@ -231,6 +233,8 @@ def _open_lock_file(path: str) -> tuple:
         try:
             return os.open(path, os.O_WRONLY | os.O_APPEND), False
         except FileNotFoundError:
+            if os.path.islink(path):  # (O_EXCL finds the link there, the plain open no file behind it)
+                return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666), False
             if not os.path.isdir(os.path.dirname(path) or "."):
                 raise
             # removed between the two opens: create it
@@ -262,7 +266,11 @@ def folder_lock(folder: PathLike, name: str, *, wait: bool = True) -> Iterator[R
         try:
             fd, created = _open_lock_file(path)
         except FileNotFoundError:  # the folder removed since it was made: make it again
+            if os.path.islink(path):  # a link to a file in a folder that does not exist: not this call's to make
+                raise
             make()
+            if not os.path.isdir(folder):  # one that cannot be made (a link to nothing): makedirs names it
+                os.makedirs(folder, exist_ok=True)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

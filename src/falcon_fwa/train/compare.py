@@ -362,7 +362,8 @@ def _has_ended(proc) -> bool:
     (``Popen.poll`` would): its pid, its process group's id, then stays reserved for :func:`_kill_runs`."""
     if proc.returncode is not None:
         return True
-    if not hasattr(os, "WNOWAIT"):  # (no waitid: reaped here, what is left of its group then goes unseen)
+    if not (hasattr(os, "waitid") and hasattr(os, "WNOWAIT")):  # (macOS has WNOWAIT but no os.waitid: reaped
+        # here, what is left of its group then goes unseen)
         return proc.poll() is not None
     try:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None

@@ -25,6 +25,7 @@ def _config(**fields):
     (64, 64), (np.int64(64), 64), (np.uint8(64), 64), (64.0, 64), (np.float32(64.0), 64), (Fraction(128, 2), 64),
     (10 ** 40, 10 ** 40),  # past a float's exact integers, and (below) past its range: still an integer
     (10 ** 400, 10 ** 400),
+    (Fraction(10 ** 400), 10 ** 400), (Fraction(10 ** 401 + 10, 10), 10 ** 400 + 1),  # integral, past a float's range
 ], ids=_id)
 def test_an_integer_field_takes_integers_and_integral_floats(value, want):
     cfg = _config(vocab_size=value)

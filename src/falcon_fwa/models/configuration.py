@@ -77,11 +77,13 @@ def _int(field: str, value) -> int:
     (``64.0`` from a JSON file, checked exactly, not through its nearest float); a fraction, text, NaN or a
     bool is an error naming ``field``."""
     number = as_int(value)
+    if number is None and as_float(value) is not None:  # (a bool or text: None)
+        try:  # compared exactly, also past a float's range (a fraction of integral value)
+            number = int(value) if value == int(value) else None
+        except (OverflowError, ValueError):  # an infinity, NaN
+            number = None
     if number is None:
-        real = as_float(value)  # (a bool or text: None)
-        if real is None or not math.isfinite(real) or value != int(value):
-            raise ValueError(f"config field {field!r} must be an integer, got {value!r}")
-        number = int(value)
+        raise ValueError(f"config field {field!r} must be an integer, got {value!r}")
     return number
 
 

@@ -48,7 +48,7 @@ Without ``--steps``, ``--time-budget`` or ``--deadline`` the recipes must share 
 ``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
 it ends: ``status`` gives every recipe's state (pending, running, done, partial, stopped, killed, failed,
 not_run), ``runs`` the finished ones, so a killed command loses at most the recipe in progress
-(``signal`` names the stop signal that ended a ``--concurrent`` command).
+(``signal`` names the stop signal that ended the command).
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
 finished (``done``) with the very recipe this launch would train (the same step count, overrides and
 recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit, on the same kind of
@@ -382,7 +382,8 @@ def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str],
     yet are not_run (their result's ``signal`` names it too). A second SIGTERM or SIGINT kills the runs still
     going at once (their process groups, SIGKILL): each is yielded killed, its ``signal`` naming that second
     signal. What a run leaves in its process group (a data-loader worker, a grandchild) is killed as the run is
-    collected, and on any other way out of this generator."""
+    collected, and on any other way out of this generator, where ``os.waitid`` can see a run's end without
+    reaping it (not on macOS: there what outlives a run's first process is not reached)."""
     procs = {}
     if signals is None:
         signals = _active_run_signals()
@@ -581,7 +582,7 @@ def _sequential_steps(args, names: List[str], sets: List[str], report: dict, dea
 
 
 class CalibrationStopped(Exception):
-    """A stop signal (its name, the exception's text) ended the concurrent calibration."""
+    """A stop signal (its name, the exception's text) ended the calibration (sequential or concurrent)."""
 
 
 def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,

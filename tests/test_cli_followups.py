@@ -25,6 +25,16 @@ def _wait_until_every_run_has_trained(runs, end):
         time.sleep(0.1)
 
 
+def assert_killed_whole(code, second, launched):
+    """The command ended with 128 + ``second``, each of the two ``launched`` runs was killed (SIGKILL), and nothing
+    of either's process group is left."""
+    assert code == 128 + second
+    assert len(launched) == 2 and [p.returncode for p in launched] == [-signal.SIGKILL] * 2
+    for proc in launched:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)
+
+
 def _compare_while(thread, tmp_path, *extra):
     """``_compare`` while ``thread`` (started) signals this process, whose own SIGTERM handler must not be
     reached (the command's takes it); the thread is joined after."""
@@ -261,11 +271,7 @@ def test_a_second_sigterm_kills_every_concurrent_run_at_once_and_records_it(tmp_
     thread = threading.Thread(target=wait_then_signal_twice, daemon=True)
     thread.start()
     code = _compare_while(thread, tmp_path, "--concurrent", "--steps", "100000")
-    assert code == 128 + second
-    assert len(launched) == 2 and [p.returncode for p in launched] == [-signal.SIGKILL] * 2
-    for proc in launched:  # nothing of its process group is left
-        with pytest.raises(ProcessLookupError):
-            os.killpg(proc.pid, 0)
+    assert_killed_whole(code, second, launched)
     report = json.loads((out / "compare.json").read_text())
     assert report["status"] == {"a": "killed", "b": "killed"} and report["finished"] is False
     assert report["signal"] == name

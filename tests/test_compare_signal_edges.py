@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from falcon_fwa.train import compare
+from test_cli_followups import assert_killed_whole
 
 SLEEPER = "import subprocess; print(subprocess.Popen(['sleep', '60']).pid, flush=True)"
 
@@ -145,11 +146,7 @@ def test_a_second_stop_signal_during_the_concurrent_calibration_kills_its_runs_a
     finally:
         signal.signal(signal.SIGTERM, previous)
     out = tmp_path / "cmp"
-    assert code == 128 + second
-    assert len(launched) == 2 and [p.returncode for p in launched] == [-signal.SIGKILL] * 2
-    for proc in launched:  # nothing of its process group is left
-        with pytest.raises(ProcessLookupError):
-            os.killpg(proc.pid, 0)
+    assert_killed_whole(code, second, launched)
     report = json.loads((out / "compare.json").read_text())
     assert {n: (r["signal"], r["error"].startswith(f"a second {name} ended it at once"))
             for n, r in report["calibration"].items()} == {"a": (name, True), "b": (name, True)}

@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..ops.seqlens import sequence_bounds
 from .layer_cache import LayerCache
-from .packing import Packing
+from .packing import Packing, layout_of
 
 # Attention over a growing cache (decoding) leaves out cuDNN's kernel: it builds a plan for every new
 # key length, and every decoding step brings one. On an H200 (torch 2.11, transformer-124m, bf16, batch 1)
@@ -54,9 +54,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head RoPE attention; ``forward(h, packing, cache=None)`` like ``FalconAttention``:
+    """Multi-head RoPE attention; ``forward(h, packing=None, cache=None)`` like ``FalconAttention``:
     ``h`` ``[B, T, D]`` (``[1, N_tok, D]`` packed) -> ``[B, T, D]``, ``H = num_heads`` heads of
-    ``D / H`` dims; ``cache`` (a :class:`LayerCache`) holds the keys and values."""
+    ``D / H`` dims; ``cache`` (a :class:`LayerCache`) holds the keys and values. ``packing=None``: dense
+    rows, whose positions continue the tokens ``cache`` holds per row."""
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -70,7 +71,11 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache] = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, packing: Optional[Packing] = None,
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
+            raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
+        packing = layout_of(packing, h, None if cache is None else cache.lengths)
         B, T, D = h.shape
         H, d = self.num_heads, self.head_dim
         q = apply_rope(self.q_proj(h).view(B, T, H, d), packing.positions, self.rope_theta)

@@ -37,7 +37,7 @@ from . import fla_backend
 from .gates import ContextGates
 from .layer_cache import LayerCache
 from .norms import RMSNorm, normalize_features, rms_normalize
-from .packing import Packing
+from .packing import Packing, layout_of
 from .short_conv import ShortConv
 
 __all__ = ["FEATURE_MAPS", "FalconAttention"]
@@ -55,8 +55,8 @@ FEATURE_MAPS = tuple(_FEATURE_MAPS)
 class FalconAttention(nn.Module):
     """Fast-weight mixer configured by a :class:`~falcon_fwa.models.FalconConfig`.
 
-    ``forward(h, packing, cache=None)``: ``h`` ``[B, T, D]`` (dense) or ``[1, N_tok, D]``
-    (packed, see :class:`Packing`); ``cache``: this layer's :class:`LayerCache`,
+    ``forward(h, packing=None, cache=None)``: ``h`` ``[B, T, D]`` (dense rows; ``packing=None``
+    is their layout) or ``[1, N_tok, D]`` (packed, see :class:`Packing`); ``cache``: this layer's :class:`LayerCache`,
     updated in place. Returns ``[B, T, D]`` like ``h``. Inside, per head: ``q``, ``k``
     ``[B, T, H, K]`` (``K = head_k_dim``), ``v`` ``[B, T, H, V]`` (``V = head_v_dim``) and the
     gates ``beta``, ``lam``, ``log_gate`` of :class:`ContextGates` go to ``falcon_attention``
@@ -126,16 +126,20 @@ class FalconAttention(nn.Module):
             v = cast_to(rms_normalize(v, self.norm_eps), dt)
         return q, k, v
 
-    def forward(self, h: torch.Tensor, packing: Packing, cache: Optional[LayerCache] = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, packing: Optional[Packing] = None,
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
         """``h`` ``[B, T, D]`` (``D = hidden_size``; ``[1, N_tok, D]`` packed) -> ``[B, T, D]``; reads and
-        writes ``cache`` (the recurrent state and short-convolution buffers) when given."""
+        writes ``cache`` (the recurrent state and short-convolution buffers) when given. ``packing=None``:
+        dense rows (each row one sequence, continuing its cache row)."""
         if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
         B, T, _ = h.shape
-        if packing.packed and (B != 1 or (packing.bounds is not None and T != packing.bounds[-1])):
+        if packing is not None and isinstance(packing, Packing) and packing.packed and (
+                B != 1 or (packing.bounds is not None and T != packing.bounds[-1])):
             total = "N_tok" if packing.bounds is None else packing.bounds[-1]
             raise ValueError(f"h must have shape [1, {total}, hidden_size] for packed sequences (packing.cu_seqlens), "
                              f"got {tuple(h.shape)}")
+        packing = layout_of(packing, h)
         if cache is not None and not packing.packed:
             held = cache.state.S.shape[0] if cache.state is not None else next(
                 (buf.shape[0] for buf in cache.conv.values()), B)

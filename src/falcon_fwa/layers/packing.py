@@ -22,7 +22,7 @@ import torch
 
 from ..ops.seqlens import sequence_bounds
 
-__all__ = ["Packing", "unpad", "repad", "cu_seqlens_from_lengths"]
+__all__ = ["Packing", "unpad", "repad", "cu_seqlens_from_lengths", "layout_of"]
 
 
 @dataclass
@@ -74,6 +74,32 @@ class Packing:
         if offsets is not None:
             pos = pos + offsets.to(cu.device)[rows][seq_ids]
         return Packing(cu_seqlens=cu, rows=rows.to(cu.device), positions=pos[None, :], seq_ids=seq_ids, bounds=bounds)
+
+
+def layout_of(packing: Optional[Packing], x: torch.Tensor, offsets: Optional[Sequence[int]] = None,
+              name: str = "h") -> Packing:
+    """The layout a mixer runs ``x`` ``[B, T, ...]`` (the argument called ``name``) in: ``packing`` checked
+    against it, or for ``None`` dense rows (``offsets``: tokens already cached per row, for the positions).
+    Host-only: a ``TypeError`` unless ``packing`` is a :class:`Packing` or ``None``; a ``ValueError`` naming
+    ``packing`` where its tokens are not ``x``'s (dense: ``positions`` ``[B, T]``; packed: one row of
+    ``bounds[-1]`` tokens)."""
+    B, T = x.shape[:2]
+    if packing is None and offsets is not None and len(offsets) != B:
+        raise ValueError(f"cache holds {len(offsets)} rows, {name} has {B}: dense rows continue the cache row "
+                         f"by row (pass a packing to continue other rows)")
+    if packing is None:
+        return Packing.dense(B, T, None if offsets is None else torch.as_tensor(offsets), x.device)
+    if not isinstance(packing, Packing):
+        raise TypeError(f"packing must be a Packing (or None for dense rows), got {type(packing).__name__}")
+    if packing.packed:
+        total = packing.bounds[-1] if packing.bounds is not None else packing.positions.shape[-1]
+        if B != 1 or T != total:
+            raise ValueError(f"packing holds {packing.num_sequences} packed sequences of {total} tokens in all, "
+                             f"so {name} must have shape [1, {total}, ...], got {tuple(x.shape)}")
+    elif tuple(packing.positions.shape) != (B, T):
+        raise ValueError(f"packing describes dense rows of shape {tuple(packing.positions.shape)} (positions "
+                         f"[B, T]), but {name} has [B, T] = {(B, T)}")
+    return packing
 
 
 def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -20,15 +20,15 @@ from torch import nn
 
 from ..ops.api import cast_to
 from ..ops.validate import check_positive_int
-from .packing import Packing
+from .packing import Packing, layout_of
 
 __all__ = ["ShortConv"]
 
 
 class ShortConv(nn.Module):
     """Depthwise causal convolution of width ``W = kernel_size`` (default 4) over ``C = channels``,
-    then SiLU (module docstring): ``forward(x, packing, buffer=None)`` maps ``x`` ``[B, T, C]`` to
-    ``y`` ``[B, T, C]`` and the new buffer ``[B, W-1, C]``."""
+    then SiLU (module docstring): ``forward(x, packing=None, buffer=None)`` maps ``x`` ``[B, T, C]`` to
+    ``y`` ``[B, T, C]`` and the new buffer ``[B, W-1, C]`` (``packing=None``: dense rows)."""
 
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
@@ -46,7 +46,7 @@ class ShortConv(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     def forward(
-        self, x: torch.Tensor, packing: Packing, buffer: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, packing: Optional[Packing] = None, buffer: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[B, T, C]`` (dense) or ``[1, N_tok, C]`` (packed); ``buffer``
         ``[R, W-1, C]``: last inputs of each cache row (``None``: fresh sequences).
@@ -58,6 +58,7 @@ class ShortConv(nn.Module):
         C = x.shape[-1]
         if x.dim() != 3 or C != self.weight.shape[0]:
             raise ValueError(f"x must have shape [B, T, channels={self.weight.shape[0]}], got {tuple(x.shape)}")
+        packing = layout_of(packing, x, name="x")
         if buffer is not None and (buffer.dim() != 3 or tuple(buffer.shape[1:]) != (W1, C)):
             raise ValueError(f"buffer must have shape [rows, kernel_size - 1 = {W1}, channels = {C}], "
                              f"got {tuple(buffer.shape)}")

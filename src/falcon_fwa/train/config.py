@@ -185,10 +185,25 @@ def _read_file(path: str) -> dict:
     return raw
 
 
+def _parent_path(path: str, parent) -> Optional[str]:
+    """The file that recipe ``path``'s ``extends: parent`` names, resolved next to ``path`` (``None``: none); a
+    value that is no file name, or a file not there, is a ValueError naming the recipe and its ``extends``."""
+    if parent is None:
+        return None
+    if not isinstance(parent, str) or not parent.strip():
+        raise ValueError(f"recipe {path!r}: extends must name a recipe file (a path relative to the recipe's "
+                         f"folder), got {parent!r}")
+    full = os.path.join(os.path.dirname(path), parent)
+    if not os.path.isfile(full):
+        what = "is a folder, not a file" if os.path.isdir(full) else "does not exist"
+        raise ValueError(f"recipe {path!r} extends {parent!r}, but {full!r} {what} (extends is read in the folder "
+                         "of the recipe that names it: copy that file there too, or give its path)")
+    return full
+
+
 def recipe_parent(path: str) -> Optional[str]:
     """The file recipe ``path`` extends (``extends:``, resolved next to it; ``None``: none)."""
-    parent = _read_file(path).get("extends")
-    return os.path.join(os.path.dirname(path), parent) if parent else None
+    return _parent_path(path, _read_file(path).get("extends"))
 
 
 def read_recipe(path: str, _chain: tuple = ()) -> dict:
@@ -197,9 +212,9 @@ def read_recipe(path: str, _chain: tuple = ()) -> dict:
     if here in _chain:
         raise ValueError(f"recipe {path!r} extends itself: {' -> '.join(_chain + (here,))}")
     raw = _read_file(path)
-    parent = raw.pop("extends", None)
+    parent = _parent_path(path, raw.pop("extends", None))
     if parent:
-        return _deep_merge(read_recipe(os.path.join(os.path.dirname(path), parent), _chain + (here,)), raw)
+        return _deep_merge(read_recipe(parent, _chain + (here,)), raw)
     return raw
 
 

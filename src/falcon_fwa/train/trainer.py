@@ -119,6 +119,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, model_fn: Optional[Callable] = None):
         self.cfg = cfg
         t = cfg.train
+        if cfg.log.wandb_project:  # found before the data is tokenized, not as the logger opens
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ValueError(f"log.wandb_project={cfg.log.wandb_project!r} needs the wandb package, which is "
+                                 "not installed: pip install wandb, or leave log.wandb_project unset") from None
         self.info = D.setup(t.strategy)
         self.out_dir = t.out_dir
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")

@@ -553,7 +553,8 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
     for c in args.configs:  # a glob such as configs/small/*.yaml also takes the recipes' shared base
         if os.path.realpath(c) in parents:
             raise ValueError(f"--configs: {c} is the base that {parents[os.path.realpath(c)]} extends, not a model "
-                             "of its own; leave it out")
+                             "of its own; leave it out (to compare its model too, list a recipe file that holds "
+                             f"only 'extends: {os.path.basename(c)}', next to it)")
 
 
 def _sequential_steps(args, names: List[str], sets: List[str], report: dict, deadline_at: Optional[float],

@@ -84,6 +84,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run_command(f"falcon-fwa {name}", module.run, cmd.parse_args(argv[1:]))
 
 
+def close_progress_bars() -> None:
+    """End every progress bar still open, as a command ends on an error raised inside a bar's loop: the bar's
+    line is finished before the error is printed, where the error would run on after the bar and the bar be
+    drawn again below it when it is collected."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:  # no bar was ever made
+        return
+    classes, seen = [std.tqdm], set()
+    while classes:  # a subclass (tqdm.auto's) may keep its own set of instances
+        cls = classes.pop()
+        if cls not in seen:
+            seen.add(cls)
+            classes.extend(cls.__subclasses__())
+            for bar in list(vars(cls).get("_instances", ())):
+                bar.close()
+
+
 def run_command(prog: str, run, args: argparse.Namespace) -> int:
     """``run(args)`` as an exit status: a ``ValueError``, ``OSError`` or ``NotImplementedError``
     is printed as ``PROG: error: MESSAGE`` with the place it was raised, status 2; a ``KeyboardInterrupt``
@@ -103,6 +120,7 @@ def run_command(prog: str, run, args: argparse.Namespace) -> int:
         if os.environ.get("FALCON_FWA_TRACEBACK"):
             raise
         where = traceback.extract_tb(e.__traceback__)[-1]
+        close_progress_bars()
         print(f"{prog}: error: {e}\n  (raised at {where.filename}:{where.lineno}; "
               "FALCON_FWA_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 2

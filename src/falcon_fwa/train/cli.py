@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = trainer.train(stop_at=args.stop_at, stop_on_signal=True)
     except NonFiniteLoss as err:
+        from ..cli import close_progress_bars
+
+        close_progress_bars()  # the bar's line ends before the error's
         print(f"falcon-fwa train: error: {err}", file=sys.stderr)
         return 3
     finally:

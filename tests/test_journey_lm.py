@@ -117,3 +117,36 @@ def test_compare_on_a_recipe_and_a_variant_that_extends_it(tmp_path, capsys):
     configs = {n: json.loads((out / "main" / n / "model" / "config.json").read_text()) for n in ("F3A", "F2A")}
     assert configs["F3A"]["rule"] == "3A" and configs["F2A"]["rule"] == "2A"
     assert configs["F3A"]["window"] == configs["F2A"]["window"] == 4  # the base's overrides reach both
+
+
+def _error_lines(err: str, prog: str):
+    """The lines of ``err`` (carriage returns, as a progress bar redraws, split too) that hold ``PROG: error:``."""
+    return [line for line in err.replace("\r", "\n").splitlines() if f"{prog}: error:" in line]
+
+
+def test_an_error_inside_the_tokenizing_bar_is_printed_on_a_line_of_its_own(tmp_path, capsys):
+    """``data`` on JSONL whose records lack ``--text-field`` fails inside the tokenizing loop: the progress bar's
+    line ends before the one-line error, which starts its own line (not run on after the bar)."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}", "id": i}) + "\n" for i in range(40)))
+    assert cli.main(["data", "--train", str(path), "--text-field", "txt", "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "tokenize train" in err  # the bar was drawn
+    lines = _error_lines(err, "falcon-fwa data")
+    assert len(lines) == 1 and lines[0].startswith("falcon-fwa data: error: ") and "'txt'" in lines[0]
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_non_finite_loss_under_the_training_bar_is_printed_on_a_line_of_its_own(tmp_path, capsys):
+    """A learning rate of 1e30 without clipping makes the gradient norm non-finite within a few steps: exit
+    status 3, and the error starts a line of its own after the progress bar's."""
+    raw = recipe(tmp_path, steps=8, save_every=100)
+    raw["optim"] = {"lr": 1e30, "warmup_steps": 1, "clip_grad_norm": 0}
+    raw["log"]["progress"] = True
+    path = tmp_path / "nan.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["train", "--config", str(path)]) == 3
+    err = capsys.readouterr().err
+    assert "train:" in err
+    lines = _error_lines(err, "falcon-fwa train")
+    assert len(lines) == 1 and lines[0].startswith("falcon-fwa train: error: non-finite")

@@ -26,6 +26,7 @@ length-extrapolation curve):
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
 from contextlib import nullcontext
@@ -48,11 +49,31 @@ def check_model_folder(folder: str) -> None:
     (by its form) a Hugging Face hub id ``owner/name``."""
     if os.path.isdir(folder):
         if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise FileNotFoundError(f"model folder {folder!r} holds no config.json: not a saved model")
+            raise FileNotFoundError(f"model folder {folder!r} holds no config.json: not a saved model"
+                                    f"{_compare_hint(folder)}")
     elif (os.path.isabs(folder) or folder.startswith(".") or folder.count("/") > 1
           or ("/" in folder and os.path.isdir(folder.split("/")[0]))):
         # a name whose first part is a local folder (runs/model) is a path, not a hub id
-        raise FileNotFoundError(f"model folder {folder!r} does not exist (and is no hub id such as owner/name)")
+        raise FileNotFoundError(f"model folder {folder!r} does not exist (and is no hub id such as owner/name)"
+                                f"{_unexported_hint(folder)}")
+
+
+def _compare_hint(folder: str) -> str:
+    """Where the models of ``falcon-fwa compare``'s ``--out`` folder are (``main/NAME/model``), for an error."""
+    if not os.path.isfile(os.path.join(folder, "compare.json")):
+        return ""
+    models = sorted(glob.glob(os.path.join(glob.escape(folder), "main", "*", "model", "config.json")))
+    found = ", ".join(os.path.dirname(m) for m in models) or "none exported yet"
+    return f"; it is a compare folder: each recipe's model is main/NAME/model ({found})"
+
+
+def _unexported_hint(folder: str) -> str:
+    """For a training run's ``model/`` that is not there yet: the run exports it at ``train.steps``."""
+    run = os.path.dirname(os.path.normpath(folder))
+    if os.path.basename(os.path.normpath(folder)) != "model" or not os.path.isdir(os.path.join(run, "checkpoints")):
+        return ""
+    return (f"; {run or '.'} is a training run that has not reached train.steps: its model is exported to "
+            "model/ when it does (the same train command resumes it)")
 
 
 def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):

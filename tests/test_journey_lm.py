@@ -118,6 +118,32 @@ def test_compare_on_a_recipe_and_a_variant_that_extends_it(tmp_path, capsys):
     assert configs["F3A"]["rule"] == "3A" and configs["F2A"]["rule"] == "2A"
     assert configs["F3A"]["window"] == configs["F2A"]["window"] == 4  # the base's overrides reach both
 
+    capsys.readouterr()
+    # the compare folder given where a model folder belongs: the error lists the models inside it
+    assert cli.main(["generate", "--model", str(out), "--prompt", "x"]) == 2
+    line = capsys.readouterr().err.splitlines()[0]
+    assert "it is a compare folder" in line
+    assert str(out / "main" / "F3A" / "model") in line and str(out / "main" / "F2A" / "model") in line
+
+
+def test_the_model_of_a_run_stopped_before_its_end_is_named_as_not_exported_yet(tmp_path, capsys):
+    """``--stop-at 1`` of a 2-step run leaves a checkpoint and no ``model/``: ``ppl --model RUN/model`` says the
+    run has not reached ``train.steps`` and that the same train command finishes it; a folder that is no run
+    gets no such hint."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe(tmp_path)))
+    assert cli.main(["train", "--config", str(path), "--stop-at", "1"]) == 0
+    assert (tmp_path / "run" / "checkpoints").is_dir() and not (tmp_path / "run" / "model").exists()
+    capsys.readouterr()
+    assert cli.main(["ppl", "--model", str(tmp_path / "run" / "model"), "--data", corpus(tmp_path),
+                     "--seq-len", "8"]) == 2
+    line = capsys.readouterr().err.splitlines()[0]
+    assert "does not exist" in line and "has not reached train.steps" in line
+    assert cli.main(["ppl", "--model", str(tmp_path / "elsewhere" / "model"), "--data", corpus(tmp_path),
+                     "--seq-len", "8"]) == 2
+    line = capsys.readouterr().err.splitlines()[0]
+    assert "does not exist" in line and "train.steps" not in line
+
 
 def _error_lines(err: str, prog: str):
     """The lines of ``err`` (carriage returns, as a progress bar redraws, split too) that hold ``PROG: error:``."""

@@ -6,12 +6,13 @@ import argparse
 from ..atomic import write_text
 from ..cli_options import at_least, check_output_file
 from .params import parameter_table
-from .presets import PRESETS, get_preset
+from .presets import PRESETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("presets", nargs="*", metavar="PRESET",
-                        help=f"presets to count (default: all). Choose from: {', '.join(PRESETS)}")
+                        help="presets to count (default: all), as NAME or NAME:field=value,... (as throughput's "
+                             f"--preset). Choose from: {', '.join(PRESETS)}")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
     parser.add_argument("--out", "--output", default=None,
                         help="also write the table to this markdown file")
@@ -22,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     check_output_file("--out", args.out)
     names = args.presets or list(PRESETS)
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
-    table = parameter_table(names, [get_preset(n, **overrides) for n in names])
+    from ..train.throughput import parse_preset  # the NAME:field=value,... form of throughput's --preset
+
+    table = parameter_table(names, [parse_preset(n, "PRESET", **overrides) for n in names])
     print(table)
     if args.out:
         text = "# Parameter counts of the presets\n\nProduced by `falcon-fwa params" + \

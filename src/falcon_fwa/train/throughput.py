@@ -244,9 +244,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress bar (standard error) over each measurement's steps")
 
 
-def parse_preset(spec: str):
-    """``"falcon-1a.3-130m:rule=1,window=4"`` -> FalconConfig; ``ValueError`` naming ``--preset``
-    for an unknown preset or field (with the closest field name) or a bad value."""
+def parse_preset(spec: str, option: str = "--preset", **defaults):
+    """``"falcon-1a.3-130m:rule=1,window=4"`` -> FalconConfig; ``ValueError`` naming ``option``
+    for an unknown preset or field (with the closest field name) or a bad value. ``defaults``:
+    config fields set on every preset (``falcon-fwa params --vocab-size``); the spec's own fields
+    win over them."""
     from ..models import get_preset
     from .config import load_yaml
 
@@ -254,11 +256,12 @@ def parse_preset(spec: str):
     items = [item for item in rest.split(",") if item]
     for item in items:
         if "=" not in item:
-            raise ValueError(f"--preset {spec!r}: {item!r} is not field=value (NAME:field=value,...)")
+            raise ValueError(f"{option} {spec!r}: {item!r} is not field=value (NAME:field=value,...)")
     try:
-        return get_preset(name, **{k.strip(): load_yaml(v) for k, v in (item.split("=", 1) for item in items)})
+        fields = {k.strip(): load_yaml(v) for k, v in (item.split("=", 1) for item in items)}
+        return get_preset(name, **{**defaults, **fields})
     except ValueError as err:  # an unknown preset or field, a bad value: named with the option
-        raise ValueError(f"--preset {spec!r}: {err}") from None
+        raise ValueError(f"{option} {spec!r}: {err}") from None
 
 
 def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:

@@ -77,3 +77,64 @@ def test_params_names_a_bad_spec_as_throughput_does(spec, message, capsys):
     # throughput says the same of the same spec, under its own option
     assert cli.main(["throughput", "--preset", spec, "--device", "cpu"]) == 2
     assert "falcon-fwa throughput: error: " + message.replace("PRESET", "--preset") in capsys.readouterr().err
+
+
+# ---- train.dtype takes the spellings of ppl's and lm-eval's --dtype -------------------------------------------
+
+# by hand: the torch dtype each spelling names
+_SPELLINGS = {"fp32": torch.float32, "float32": torch.float32, "FP32": torch.float32,
+              "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "BFloat16": torch.bfloat16}
+
+
+def _dtype_option(command, value):
+    """What ``falcon-fwa COMMAND --dtype value`` reads (argparse, the command's own parser)."""
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(cli.COMMANDS[command][0]).add_arguments(parser)
+    required = {"ppl": ["--model", "m", "--data", "d"], "lm-eval": ["--model", "m", "--tasks", "t"]}[command]
+    return parser.parse_args([*required, "--dtype", value]).dtype
+
+
+def _train_config(tmp_path, dtype):
+    from test_train import recipe
+
+    from falcon_fwa.train import config_from_dict
+
+    raw = recipe(tmp_path)
+    raw["train"]["dtype"] = dtype
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize("spelling", sorted(_SPELLINGS))
+def test_train_dtype_takes_every_spelling_ppl_and_lm_eval_take_as_the_same_dtype(tmp_path, spelling):
+    want = _SPELLINGS[spelling]
+    for command in ("ppl", "lm-eval"):  # both commands take it, for the same dtype
+        read = _dtype_option(command, spelling)
+        assert getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}.get(read, read)) == want
+    # the recipe's own spelling, which the trainer reads
+    assert _train_config(tmp_path, spelling).train.dtype == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
+
+
+@pytest.mark.parametrize("spelling", ["float32", "bfloat16"])
+def test_a_recipe_spelling_dtype_as_torch_does_trains_in_that_dtype(tmp_path, spelling):
+    from falcon_fwa.train import Trainer
+
+    trainer = Trainer(_train_config(tmp_path, spelling))
+    try:
+        with trainer.autocast():  # the training step's matmuls
+            product = torch.ones(4, 4) @ torch.ones(4, 4)
+    finally:
+        trainer.close()
+    assert product.dtype == _SPELLINGS[spelling]
+
+
+@pytest.mark.parametrize("value", ["fp16", "float16", "int8"])
+def test_train_dtype_refuses_another_value_listing_the_accepted_spellings(tmp_path, value):
+    with pytest.raises(ValueError) as err:
+        _train_config(tmp_path, value)
+    message = str(err.value)
+    assert message.startswith("config field train.dtype") and repr(value) in message
+    for spelling in ("bf16", "bfloat16", "fp32", "float32"):
+        assert spelling in message, message

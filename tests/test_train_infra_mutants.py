@@ -43,7 +43,7 @@ def _config(tmp_path, *assignments):
     ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio must lie in [0, 1], got 1.5"),
     ("train.steps=0", "train.steps must be >= 1, got 0"),
     ("train.micro_batch=0", "train.micro_batch must be >= 1, got 0"),
-    ("train.dtype=fp16", "train.dtype must be one of ('bf16', 'fp32'), got 'fp16'"),
+    ("train.dtype=fp16", "train.dtype must be one of bf16 (bfloat16), fp32 (float32), got 'fp16'"),
     ("train.strategy=tp", "train.strategy must be one of ('auto', 'single', 'ddp', 'fsdp2'), got 'tp'"),
     ("train.save_every=-1", "train.save_every must be >= 0 (0: never), got -1"),
     ("train.eval_every=-1", "train.eval_every must be >= 0 (0: never), got -1"),

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
+from ..cli_options import dtype_name, dtype_option
 from ..data.packing import PACKINGS
 from ..data.prepare import DataSpec
 
@@ -100,6 +101,10 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         d, o, t = self.data, self.optim, self.train
+        # any spelling the commands' --dtype take (bf16/bfloat16, fp32/float32), kept in the recipe's own
+        # (bf16, fp32), which the trainer reads; another value is refused with the accepted spellings
+        dtype_name(t.dtype, DTYPES, name="config field train.dtype")
+        t.dtype = dtype_option(DTYPES)(t.dtype)
         checks = [
             (bool(d.train_source), "data.train_source", "must name the training documents"),
             (d.seq_len >= 1, "data.seq_len", "must be >= 1"),
@@ -115,7 +120,6 @@ class RunConfig:
             (0 <= t.seed < 2 ** 32, "train.seed", "must lie in [0, 2**32)"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
             (t.global_batch >= t.micro_batch, "train.global_batch", "must be >= train.micro_batch"),
-            (t.dtype in DTYPES, "train.dtype", f"must be one of {DTYPES}"),
             (t.strategy in STRATEGIES, "train.strategy", f"must be one of {STRATEGIES}"),
             (t.save_every >= 0, "train.save_every", "must be >= 0 (0: never)"),
             (t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: never)"),

@@ -138,3 +138,62 @@ def test_train_dtype_refuses_another_value_listing_the_accepted_spellings(tmp_pa
     assert message.startswith("config field train.dtype") and repr(value) in message
     for spelling in ("bf16", "bfloat16", "fp32", "float32"):
         assert spelling in message, message
+
+
+# ---- throughput --table: a table on standard output, the JSON rows in --out ------------------------------------
+# (without --table standard output keeps the JSON rows, which scripts and tests read)
+
+def test_throughput_table_prints_a_table_and_keeps_the_json_rows_in_out(tmp_path, capsys):
+    from falcon_fwa.models import get_preset
+
+    out = tmp_path / "rows.jsonl"
+    presets = ["tiny-falcon", "tiny-transformer"]
+    assert cli.main(["throughput", "--preset", *presets, "--seq-len", "8", "--batch-tokens", "16", "--steps", "1",
+                     "--warmup", "0", "--device", "cpu", "--fp32", "--no-progress", "--out", str(out), "--table"]) == 0
+    captured = capsys.readouterr()
+    stdout = captured.out
+    assert captured.err == ""
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["preset"] for r in rows] == presets and all("step_s" in r and "launch" in r for r in rows)
+    lines = stdout.splitlines()
+    for line in lines:  # no JSON on the terminal
+        with pytest.raises(ValueError):
+            json.loads(line)
+    header, *body = lines
+    assert header.split()[:2] == ["preset", "seq_len"] and "params" in header and "tokens/s" in header
+    assert "peak MiB" in header and "backend" in header
+    assert len(body) == len(presets)
+    for line, row, preset in zip(body, rows, presets):
+        cells = line.split()
+        assert cells[0] == preset and cells[1] == "8" and cells[2] == "2"  # batch: 16 tokens // 8
+        assert cells[3] == f"{_count(get_preset(preset)):,}"  # the parameters, counted here
+        assert cells[4] == f"{2 * 8 / row['step_s']:,.0f}"  # tokens of the step over its seconds
+        assert cells[5] == "-"  # no device memory on the CPU
+        assert cells[6] == {"tiny-falcon": "torch", "tiny-transformer": "none"}[preset]
+
+
+def test_throughput_table_reads_peak_memory_in_mib_and_says_why_a_row_has_no_speed():
+    from falcon_fwa.train.throughput import _table_header, _table_line
+
+    width = len("falcon-1a.3-130m")
+    row = {"preset": "falcon-1a.3-130m", "seq_len": 2048, "batch_size": 8, "params": 129_123_456,
+           "tokens_per_s": 123_456.7, "peak_mem_bytes": 5 * 2 ** 30 + 2 ** 19, "falcon_op": "triton",
+           "stopped": None, "steady": True, "timed_steps": 5}
+    cells = _table_line(row, width).split()
+    assert cells == ["falcon-1a.3-130m", "2048", "8", "129,123,456", "123,457", "5,120.5", "triton"]
+    assert _table_line(row, width).index("129,123,456") + len("129,123,456") == _table_header(width).index(
+        "params") + len("params")  # numbers right-aligned under their column's name
+    skipped = {"preset": "tiny-falcon", "seq_len": 8, "batch_size": 2, "skipped": "--deadline 1 s passed"}
+    assert _table_line(skipped, width).split()[3:] == ["-", "-", "-", "-", "skipped:", "--deadline", "1", "s",
+                                                       "passed"]
+    stopped = {**row, "stopped": "deadline", "steady": False, "timed_steps": 1}
+    assert _table_line(stopped, width).endswith("stopped: deadline after 1 timed step(s), not steady")
+
+
+def test_throughput_table_without_out_says_the_rows_are_not_kept(capsys):
+    assert cli.main(["throughput", "--preset", "tiny-transformer", "--seq-len", "4", "--batch-tokens", "4", "--steps",
+                     "1", "--warmup", "0", "--device", "cpu", "--fp32", "--no-progress", "--table"]) == 0
+    captured = capsys.readouterr()
+    assert "--table without --out keeps no rows" in captured.err
+    header, line = captured.out.splitlines()
+    assert line.split()[:3] == ["tiny-transformer", "4", "1"]

@@ -24,7 +24,10 @@ the falcon layers: ``"triton"`` (the chunk kernels), ``"torch"`` (the PyTorch fo
 ``"none"`` (no falcon layers), or ``"mixed"``. A measurement that runs out of device memory gets a row with
 ``"error": "out of memory: ..."`` (the message's first 200 characters) and the next one runs.
 A progress bar on standard error counts each measurement's ``--warmup`` + ``--steps`` steps, the last
-step's seconds beside it (``--no-progress``: none); standard output carries only the rows.
+step's seconds beside it (``--no-progress``: none); standard output carries only the rows (JSON lines, for
+scripts). ``--table``: standard output carries a table instead, a line per row as it is measured: preset,
+sequence length, batch, parameters, tokens/s, peak device memory in MiB, ``falcon_op`` and a note (stopped
+early, skipped, out of memory); the rows themselves go to ``--out`` only.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Optional, Tuple
@@ -240,6 +244,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step and keep its N most expensive kernels in the row")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) here")
+    parser.add_argument("--table", action="store_true",
+                        help="standard output: a table (preset, seq_len, batch, params, tokens/s, peak memory in MiB, "
+                             "backend) instead of the JSON rows, which then go to --out only")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (standard error) over each measurement's steps")
 
@@ -328,8 +335,39 @@ def _jobs(args):
             yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len), {}
 
 
-def _append_row(path: Optional[str], row: dict) -> None:
-    print(json.dumps(row), flush=True)
+_COLUMNS = (("seq_len", 7), ("batch", 5), ("params", 13), ("tokens/s", 11), ("peak MiB", 10))
+
+
+def _table_header(width: int) -> str:
+    """The table's header: ``width`` is that of the preset column."""
+    return "  ".join([f"{'preset':<{width}}", *(f"{name:>{w}}" for name, w in _COLUMNS), f"{'backend':<7}", "note"])
+
+
+def _table_line(row: dict, width: int) -> str:
+    """A row as a line of the table (``-`` where the row has no value)."""
+
+    def number(key, fmt="{:,}"):
+        return "-" if row.get(key) is None else fmt.format(row[key])
+
+    peak = row.get("peak_mem_bytes")
+    cells = [number("seq_len", "{}"), number("batch_size", "{}"), number("params"), number("tokens_per_s", "{:,.0f}"),
+             "-" if peak is None else f"{peak / 2 ** 20:,.1f}"]
+    if "skipped" in row:
+        note = f"skipped: {row['skipped']}"
+    elif "error" in row:
+        note = row["error"][:80]
+    elif row.get("stopped"):
+        note = f"stopped: {row['stopped']}" + ("" if row.get("steady", True) else f" after {row['timed_steps']} "
+                                                 "timed step(s), not steady")
+    else:
+        note = ""
+    return "  ".join([f"{row.get('preset', ''):<{width}}", *(f"{c:>{w}}" for c, (_, w) in zip(cells, _COLUMNS)),
+                      f"{row.get('falcon_op') or '-':<7}", note]).rstrip()
+
+
+def _append_row(path: Optional[str], row: dict, table_width: Optional[int] = None) -> None:
+    """The row on standard output (JSON; with ``table_width``, a line of the table) and appended to ``path``."""
+    print(json.dumps(row) if table_width is None else _table_line(row, table_width), flush=True)
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -358,12 +396,19 @@ def run(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
     launch = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-    for name, config, seq_len, batch_size, fields in list(_jobs(args)):
+    jobs = list(_jobs(args))
+    width = max(len("preset"), *(len(job[0]) for job in jobs))
+    if args.table:
+        if not args.out:
+            print("falcon-fwa throughput: --table without --out keeps no rows (JSON lines: step times, warm-up, "
+                  "profile)", file=sys.stderr, flush=True)
+        print(_table_header(width), flush=True)
+    for name, config, seq_len, batch_size, fields in jobs:
         row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size, "dtype": "bf16" if bf16 else "fp32",
                      "launch": launch, **fields}
         if deadline is not None and _clock() >= deadline:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
-            _append_row(args.out, row)
+            _append_row(args.out, row, *([width] if args.table else []))
             continue
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
@@ -374,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()
-        _append_row(args.out, row)
+        _append_row(args.out, row, *([width] if args.table else []))
     return 0
 
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -197,3 +198,54 @@ def test_throughput_table_without_out_says_the_rows_are_not_kept(capsys):
     assert "--table without --out keeps no rows" in captured.err
     header, line = captured.out.splitlines()
     assert line.split()[:3] == ["tiny-transformer", "4", "1"]
+
+
+# ---- lm-eval: errors name the command's options, not the harness's arguments ----------------------------------
+
+def _lm_eval_error(argv, capsys) -> str:
+    assert cli.main(["lm-eval", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "falcon-fwa lm-eval: error: " in err, err
+    # no argument name of harness.evaluate or lm-evaluation-harness in place of an option
+    assert not re.search(r"(?<![-\w])(include_path|model_dir|tasks|max_length)(?![\w-])", err), err
+    return err
+
+
+def test_lm_eval_errors_name_its_options(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    from test_eval import _write_tasks
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # the checks come before the model is loaded
+    yaml_dir = tmp_path / "yaml_dir"
+    yaml_dir.mkdir()
+    _write_tasks(yaml_dir, None)
+    model = ["--model", str(folder)]
+    err = _lm_eval_error([*model, "--tasks", "local_mc", "--include-path", str(tmp_path / "nope")], capsys)
+    assert f"--include-path {str(tmp_path / 'nope')!r} is not a folder of task YAML files" in err
+    err = _lm_eval_error([*model, "--tasks", "local_mc"], capsys)  # a local task, no folder of them
+    assert "--tasks: unknown 'local_mc' (local task YAML files need --include-path)" in err
+    err = _lm_eval_error([*model, "--tasks", "local_mc", "--include-path", str(yaml_dir)], capsys)
+    assert f"--model: model folder {str(folder)!r} holds no tokenizer" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", " , "], "--tasks must name at least one task"),
+    (["--tasks", "piqa", "--max-length", "0"], "--max-length must be >= 1, got 0"),
+    (["--tasks", "piqa", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+])
+def test_lm_eval_option_errors_before_the_harness_name_the_option(tmp_path, argv, message, capsys):
+    # refused before lm-evaluation-harness is imported: these need no harness
+    assert message in _lm_eval_error(["--model", str(tmp_path), *argv], capsys)
+
+
+def test_evaluate_names_its_own_arguments_when_called_from_python(tmp_path):
+    pytest.importorskip("lm_eval")
+    from falcon_fwa.eval.harness import evaluate
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"^include_path '.*' is not a folder"):
+        evaluate(str(folder), ["local_mc"], include_path=str(tmp_path / "nope"))

@@ -471,11 +471,11 @@ def test_lm_eval_cli_names_a_missing_model_folder_include_path_or_task(tmp_path,
     cases = [(["--model", str(tmp_path / "runs" / "model"), "--tasks", "local_mc", "--include-path", str(tasks)],
               "does not exist"),
              (["--model", str(folder), "--tasks", "local_mc", "--include-path", str(tmp_path / "nope")],
-              "include_path"),
+              "--include-path"),
              (["--model", str(folder), "--tasks", "local_mc,nope_task", "--include-path", str(tasks)],
-              "tasks: unknown 'nope_task'"),
+              "--tasks: unknown 'nope_task'"),
              (["--model", str(folder), "--tasks", "local_mc", "--include-path", str(tasks)],  # the model's turn
-              f"model_dir: model folder {str(folder)!r} holds no tokenizer")]
+              f"--model: model folder {str(folder)!r} holds no tokenizer")]
     for args, message in cases:
         assert main(["lm-eval", *args]) == 2
         err = capsys.readouterr().err

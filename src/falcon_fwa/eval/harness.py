@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..cli_options import check_tokenizer_in, dtype_name
 
@@ -161,32 +161,36 @@ def paper_columns(results: dict) -> dict:
 def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = None,
              num_fewshot: Optional[int] = None, batch_size: int = 1, limit: Optional[float] = None,
              device: str = "cpu", dtype: str = "float32", log_samples: bool = False,
-             max_length: Optional[int] = None) -> dict:
+             max_length: Optional[int] = None, names: Optional[Dict[str, str]] = None) -> dict:
     """Run ``tasks`` (names; local tasks from ``include_path``) on ``model_dir``; the harness's results dict.
 
     ``max_length``: the context length in tokens (longer contexts are cut from the left, and
     ``loglikelihood_rolling`` scores a document in windows of it). ``None`` leaves it to the
     harness: the model config's ``max_position_embeddings`` (falcon-fwa configs have none), else
     the tokenizer's ``model_max_length`` (1024 for GPT-2's; the byte and ``bpe:N`` tokenizers set
-    none, 2**30), i.e. no cut at all."""
+    none, 2**30), i.e. no cut at all. ``names``: what the errors call the arguments (``model_dir``,
+    ``tasks``, ``include_path``, ``max_length``), where a command takes them under its own options."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from .perplexity import check_model_folder
 
+    def name(argument: str) -> str:
+        return (names or {}).get(argument, argument)
+
     check_model_folder(model_dir)
     if max_length is not None and max_length < 1:
-        raise ValueError(f"max_length must be at least 1, got {max_length}")
+        raise ValueError(f"{name('max_length')} must be at least 1, got {max_length}")
     if include_path and not os.path.isdir(include_path):
-        raise FileNotFoundError(f"include_path {include_path!r} is not a folder of task YAML files")
+        raise FileNotFoundError(f"{name('include_path')} {include_path!r} is not a folder of task YAML files")
     register()
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     known = manager.match_tasks(list(tasks))
     missing = [t for t in tasks if t not in known and not os.path.isfile(t)]
     if missing:
-        raise ValueError(f"tasks: unknown {', '.join(map(repr, missing))}"
-                         + ("" if include_path else " (local task YAML files need include_path)"))
-    check_tokenizer_in("model_dir", model_dir)  # the harness would load the model first, then fail naming neither
+        raise ValueError(f"{name('tasks')}: unknown {', '.join(map(repr, missing))}"
+                         + ("" if include_path else f" (local task YAML files need {name('include_path')})"))
+    check_tokenizer_in(name("model_dir"), model_dir)  # the harness would load the model first, then fail naming neither
     # the model type is registered here (register()): no code from the folder runs
     model_args = {"pretrained": model_dir, "dtype": dtype_name(dtype, ("float32", "bfloat16", "float16")),
                   "trust_remote_code": False}

@@ -13,6 +13,11 @@ from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_outp
 from ..provenance import command_provenance
 
 
+# the arguments of ``harness.evaluate`` as this command takes them: its errors name the options
+OPTION_NAMES = {"model_dir": "--model", "tasks": "--tasks", "include_path": "--include-path",
+                "max_length": "--max-length"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
     parser.add_argument("--tasks", required=True, help="comma-separated task names")
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     results = evaluate(args.model, tasks, include_path=args.include_path,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=args.limit, device=device,
-                       dtype=args.dtype, max_length=args.max_length)
+                       dtype=args.dtype, max_length=args.max_length, names=OPTION_NAMES)
     print(make_table(results))
     paper = paper_columns(results)
     for name, title, fmt in (("table1", "the paper's Table 1 (perplexity)", "{:.2f}"),

@@ -213,14 +213,9 @@ def _lm_eval_error(argv, capsys) -> str:
 
 def test_lm_eval_errors_name_its_options(tmp_path, capsys):
     pytest.importorskip("lm_eval")
-    from test_eval import _write_tasks
+    from test_eval import model_folder_and_tasks
 
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")  # the checks come before the model is loaded
-    yaml_dir = tmp_path / "yaml_dir"
-    yaml_dir.mkdir()
-    _write_tasks(yaml_dir, None)
+    folder, yaml_dir = model_folder_and_tasks(tmp_path)
     model = ["--model", str(folder)]
     err = _lm_eval_error([*model, "--tasks", "local_mc", "--include-path", str(tmp_path / "nope")], capsys)
     assert f"--include-path {str(tmp_path / 'nope')!r} is not a folder of task YAML files" in err

@@ -456,18 +456,25 @@ def test_load_model_takes_either_spelling_of_its_dtype(saved_model):
         load_model(folder, dtype="int8")
 
 
+def model_folder_and_tasks(tmp_path):
+    """A model folder whose ``config.json`` is empty (the lm-eval command's checks come before the model is
+    loaded) and a folder of the local tasks of :func:`_write_tasks`, under ``tmp_path``."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    _write_tasks(tasks, None)
+    return folder, tasks
+
+
 def test_lm_eval_cli_names_a_missing_model_folder_include_path_or_task(tmp_path, capsys):
     # before: a transformers "Repo id must be in the form ..." OSError, or a KeyError traceback from the harness;
     # a folder without a tokenizer is named after the options, before the harness loads the model
     pytest.importorskip("lm_eval")
     from falcon_fwa.cli import main
 
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")  # the checks come before the model is loaded
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    _write_tasks(tasks, None)
+    folder, tasks = model_folder_and_tasks(tmp_path)
     cases = [(["--model", str(tmp_path / "runs" / "model"), "--tasks", "local_mc", "--include-path", str(tasks)],
               "does not exist"),
              (["--model", str(folder), "--tasks", "local_mc", "--include-path", str(tmp_path / "nope")],

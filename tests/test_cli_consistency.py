@@ -131,6 +131,22 @@ def test_a_recipe_spelling_dtype_as_torch_does_trains_in_that_dtype(tmp_path, sp
     assert product.dtype == _SPELLINGS[spelling]
 
 
+@pytest.mark.parametrize("spelling", ["float32", "bfloat16", "BFloat16"])
+def test_a_dtype_assigned_after_validation_trains_in_that_dtype(tmp_path, spelling):
+    # the trainer reads any spelling itself: a field assigned on a built config is not validated again
+    from falcon_fwa.train import Trainer
+
+    cfg = _train_config(tmp_path, "fp32" if _SPELLINGS[spelling] == torch.bfloat16 else "bf16")
+    cfg.train.dtype = spelling
+    trainer = Trainer(cfg)
+    try:
+        with trainer.autocast():
+            product = torch.ones(4, 4) @ torch.ones(4, 4)
+    finally:
+        trainer.close()
+    assert product.dtype == _SPELLINGS[spelling]
+
+
 @pytest.mark.parametrize("value", ["fp16", "float16", "int8"])
 def test_train_dtype_refuses_another_value_listing_the_accepted_spellings(tmp_path, value):
     with pytest.raises(ValueError) as err:

@@ -118,33 +118,29 @@ def test_train_dtype_takes_every_spelling_ppl_and_lm_eval_take_as_the_same_dtype
     assert _train_config(tmp_path, spelling).train.dtype == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
 
 
-@pytest.mark.parametrize("spelling", ["float32", "bfloat16"])
-def test_a_recipe_spelling_dtype_as_torch_does_trains_in_that_dtype(tmp_path, spelling):
+def _training_dtype(cfg):
+    """The dtype of a matmul under the autocast of a trainer built on ``cfg`` (the training step's)."""
     from falcon_fwa.train import Trainer
 
-    trainer = Trainer(_train_config(tmp_path, spelling))
+    trainer = Trainer(cfg)
     try:
-        with trainer.autocast():  # the training step's matmuls
-            product = torch.ones(4, 4) @ torch.ones(4, 4)
+        with trainer.autocast():
+            return (torch.ones(4, 4) @ torch.ones(4, 4)).dtype
     finally:
         trainer.close()
-    assert product.dtype == _SPELLINGS[spelling]
+
+
+@pytest.mark.parametrize("spelling", ["float32", "bfloat16"])
+def test_a_recipe_spelling_dtype_as_torch_does_trains_in_that_dtype(tmp_path, spelling):
+    assert _training_dtype(_train_config(tmp_path, spelling)) == _SPELLINGS[spelling]
 
 
 @pytest.mark.parametrize("spelling", ["float32", "bfloat16", "BFloat16"])
 def test_a_dtype_assigned_after_validation_trains_in_that_dtype(tmp_path, spelling):
     # the trainer reads any spelling itself: a field assigned on a built config is not validated again
-    from falcon_fwa.train import Trainer
-
     cfg = _train_config(tmp_path, "fp32" if _SPELLINGS[spelling] == torch.bfloat16 else "bf16")
     cfg.train.dtype = spelling
-    trainer = Trainer(cfg)
-    try:
-        with trainer.autocast():
-            product = torch.ones(4, 4) @ torch.ones(4, 4)
-    finally:
-        trainer.close()
-    assert product.dtype == _SPELLINGS[spelling]
+    assert _training_dtype(cfg) == _SPELLINGS[spelling]
 
 
 @pytest.mark.parametrize("value", ["fp16", "float16", "int8"])

@@ -134,7 +134,7 @@ class FalconAttention(nn.Module):
         if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
         B, T, _ = h.shape
-        if packing is not None and isinstance(packing, Packing) and packing.packed and (
+        if isinstance(packing, Packing) and packing.packed and (
                 B != 1 or (packing.bounds is not None and T != packing.bounds[-1])):
             total = "N_tok" if packing.bounds is None else packing.bounds[-1]
             raise ValueError(f"h must have shape [1, {total}, hidden_size] for packed sequences (packing.cu_seqlens), "

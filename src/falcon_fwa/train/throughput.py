@@ -398,7 +398,6 @@ def run(args: argparse.Namespace) -> int:
     launch = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
     jobs = list(_jobs(args))
     width = max(len("preset"), *(len(job[0]) for job in jobs))
-    table_width = width if args.table else None  # (None: the rows as JSON lines)
     if args.table:
         if not args.out:
             print("falcon-fwa throughput: --table without --out keeps no rows (JSON lines: step times, warm-up, "
@@ -409,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
                      "launch": launch, **fields}
         if deadline is not None and _clock() >= deadline:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
-            _append_row(args.out, row, table_width)
+            _append_row(args.out, row, *([width] if args.table else []))
             continue
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
@@ -420,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()
-        _append_row(args.out, row, table_width)
+        _append_row(args.out, row, *([width] if args.table else []))
     return 0
 
 

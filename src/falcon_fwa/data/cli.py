@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     spec = DataSpec(train_source=args.train, val_source=args.val, tokenizer=args.tokenizer, text_split=args.text_split,
                     text_field=args.text_field, val_every=args.val_every, max_documents=args.max_documents,
                     bpe_documents=args.bpe_documents)
-    options = {"train_source": "train", "val_source": "val"}
+    options = {"train_source": "train", "val_source": "val", "out_dir": "out"}
 
     def option(field: str) -> str:  # the options, not the recipe's data.FIELD
         return "--" + options.get(field, field).replace("_", "-")

@@ -43,6 +43,11 @@ class DataSpec:
         """Raise ``ValueError`` naming the first bad setting, before any document is read.
         ``name`` turns a field name into the name the caller knows it by (default: the recipe's
         ``data.FIELD``; the ``data`` command passes its options, ``--val-every``)."""
+        for field in ("train_source", "val_source"):  # (datasets fails on an empty NAME with an IndexError)
+            source = getattr(self, field)
+            if source is not None and source.startswith("hf:") and not source[3:].partition(":")[0]:
+                raise ValueError(f"{name(field)} {source!r} names no dataset: give hf:NAME[:CONFIG] (a Hub name or "
+                                 "a local dataset folder)")
         if self.text_split not in TEXT_SPLITS:
             raise ValueError(f"{name('text_split')} must be one of {TEXT_SPLITS}, got {self.text_split!r}")
         if self.val_every < 2:
@@ -135,6 +140,8 @@ def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
     checked before the folder is made (:func:`check_sources`); a preparation that fails after (a tokenizer
     that does not load, an empty split) removes what it wrote, and the folder with its lock file where it
     made them."""
+    if not out_dir:
+        raise ValueError(f"{name('out_dir')} is empty: give the folder to write the tokenized data into")
     check_sources(spec, out_dir, name)  # before the lock, which creates the folder
     made = make_folders(out_dir)
     before = set(os.listdir(out_dir))  # (the lock file too, where an earlier preparation left it)

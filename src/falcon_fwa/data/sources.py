@@ -29,14 +29,52 @@ PARQUET_SUFFIXES = (".parquet",)
 TEXT_SPLITS = ("file", "line", "paragraph")
 
 
+# what a preparation writes at the top of its output folder (prepare.py): the record and its temporaries,
+# the lock file, the tokenizer and the split folders with their temporary and set-aside names
+_OUTPUT_NAMES = ("prepared.json", ".prepare.lock", "tokenizer", "train", "val", "train.tmp", "train.old", "val.tmp",
+                 "val.old")
+
+
+def _is_output_entry(path: str, out: str) -> bool:
+    """Whether the real path ``path`` is, or lies in, one of the entries a preparation writes into ``out``."""
+    first = os.path.relpath(path, out).split(os.sep)[0]
+    return first in _OUTPUT_NAMES or (first.startswith(".prepared.") and first.endswith(".tmp.json"))
+
+
+def _search_root(source: str) -> Optional[str]:
+    """The folder a folder or glob ``source`` is searched from (a glob's part before its first wildcard);
+    ``None`` for a file named directly."""
+    if os.path.isfile(source):
+        return None
+    if os.path.isdir(source):
+        return source
+    fixed = os.sep.join(itertools.takewhile(lambda part: not glob.has_magic(part), source.split(os.sep)))
+    return fixed or (os.sep if source.startswith(os.sep) else ".")
+
+
+def _excluded(files: List[str], source: str, exclude: str) -> List[str]:
+    """``files`` without those of the output folder ``exclude``: every file under it, where it lies inside the
+    searched folder; where the search starts inside the output folder or at it (``--out .`` beside the corpus),
+    only the entries a preparation writes there; a file named directly always counts."""
+    root = _search_root(source)
+    if root is None:
+        return files
+    out, top = os.path.realpath(exclude), os.path.realpath(root)
+    if top == out or top.startswith(out + os.sep):
+        return [f for f in files if not _is_output_entry(os.path.realpath(f), out)]
+    return [f for f in files if not os.path.realpath(f).startswith(out + os.sep)]
+
+
 def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
     """The data files a path, folder or glob names, sorted (stable order = stable token stream).
-    ``exclude``: a folder whose files never count (the tokenized output, when it lies inside the source);
-    below a source folder, a folder of tokenized data (holding ``prepared.json``) does not count either."""
+    ``exclude``: the output folder, whose files never count (see :func:`_excluded`: a search of a folder that
+    holds it skips it whole; a search inside it skips only what a preparation writes); below a source folder,
+    a folder of tokenized data (holding ``prepared.json``) other than the output does not count either."""
     if os.path.isdir(source):
         files, seen = [], set()
         for root, dirs, names in os.walk(source, followlinks=True):  # a linked folder is searched too, once
-            if "prepared.json" in names or os.path.realpath(root) in seen:
+            own = exclude is not None and os.path.realpath(root) == os.path.realpath(exclude)  # (the output: above)
+            if ("prepared.json" in names and not own) or os.path.realpath(root) in seen:
                 dirs[:] = []
                 continue
             seen.add(os.path.realpath(root))
@@ -48,8 +86,7 @@ def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
     suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
     files = sorted(f for f in files if f.lower().endswith(suffixes))  # (A.TXT is a text file too)
     if exclude is not None:
-        skip = os.path.realpath(exclude) + os.sep
-        files = [f for f in files if not os.path.realpath(f).startswith(skip)]
+        files = _excluded(files, source, exclude)
     if not files:
         if not glob.has_magic(source) and not os.path.exists(source):
             raise FileNotFoundError(f"data source {source!r} does not exist")

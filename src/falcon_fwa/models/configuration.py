@@ -200,7 +200,9 @@ class FalconFWAConfig(PretrainedConfig):
       where installed; CUDA only).
 
     Transformer: heads ``hidden_size / num_heads`` wide (an even number: RoPE rotates pairs; ``head_k_dim``
-    and ``head_v_dim`` left unset), ``rope_theta``; attention through ``scaled_dot_product_attention``.
+    and ``head_v_dim`` left unset), ``rope_theta``; attention through ``scaled_dot_product_attention``. It
+    reads none of the recurrent mixers' switches above: one set to another value than the Transformer's own
+    (``qk_norm="rmsnorm"``, ``use_short_conv=True``, ...) is refused by name.
 
     Scaling (muP): ``initializer_range`` (std at the base width), ``mup_base_width``
     (width of the proxy whose hyperparameters transfer; ``None``: this width), see
@@ -412,6 +414,16 @@ class FalconFWAConfig(PretrainedConfig):
                     raise ValueError(f"config field {field!r} = {getattr(self, field)} differs from the Transformer's "
                                      f"head dim hidden_size / num_heads = {per_head} (head_k_dim and head_v_dim size "
                                      f"the recurrent mixers' heads; leave them unset)")
+            # softmax attention reads none of the recurrent mixers' switches: another value would be saved with a
+            # model that ignores it
+            own = {**MIXER_DEFAULTS["transformer"], "v_norm": False, "query_scale": float(per_head ** -0.5)}
+            for field, value in own.items():
+                same = math.isclose(self.query_scale, value, rel_tol=1e-12) if field == "query_scale" else \
+                    getattr(self, field) == value  # (a scale saved as 1 / sqrt(d) may differ in the last bit)
+                if not same:
+                    raise ValueError(f"config field {field!r} = {getattr(self, field)!r} configures the recurrent "
+                                     f"mixers only; the Transformer (softmax attention over RoPE queries and keys, "
+                                     f"scaled by head_dim ** -0.5) takes {value!r} there: leave it unset")
         if self.mup_base_width is not None and _int("mup_base_width", self.mup_base_width) < 1:
             raise ValueError(f"config field 'mup_base_width' must be >= 1, got {self.mup_base_width}")
 

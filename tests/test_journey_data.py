@@ -111,3 +111,40 @@ def test_the_documented_byte_record_of_two_files_matches_their_bytes(tmp_path, c
     assert record["counts"] == {"train": {"n_tokens": 1 + len("caf\ufffd\nline two\nthree".encode()), "n_docs": 1},
                                 "val": {"n_tokens": 5, "n_docs": 1}}
     assert TokenShards(str(tmp_path / "d" / "train")).shards[0].doc_starts.tolist() == [0]
+
+
+def test_a_local_hf_dataset_folder_changed_since_is_refused_not_reused(tmp_path, capsys):
+    """``hf:/path`` is a local source: a record added to its train file since is refused as a file of another
+    size, not reused from the old shards; ``--overwrite`` then tokenizes the new record. One folder gives both
+    splits (its train and validation files): no file is in both."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {n}"}) + "\n" for n in range(3)))
+    (ds / "validation.jsonl").write_text(json.dumps({"text": "held"}) + "\n")
+    argv = ["--train", f"hf:{ds}", "--val", f"hf:{ds}", "--out", tmp_path / "d"]
+    status, record, err = run_data(capsys, *argv)
+    assert status == 0, err
+    assert np.array_equal(shard_tokens(tmp_path / "d" / "train"), expected("doc 0", "doc 1", "doc 2"))
+    assert np.array_equal(shard_tokens(tmp_path / "d" / "val"), expected("held"))
+    size = (ds / "train.jsonl").stat().st_size
+    assert run_data(capsys, *argv)[:2] == (0, record)
+    with open(ds / "train.jsonl", "a") as f:
+        f.write(json.dumps({"text": "doc 3"}) + "\n")
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and f"train.jsonl held {size:,} bytes, now {(ds / 'train.jsonl').stat().st_size:,}" in err
+    status, _, err = run_data(capsys, *argv, "--overwrite")
+    assert status == 0, err
+    assert np.array_equal(shard_tokens(tmp_path / "d" / "train"), expected("doc 0", "doc 1", "doc 2", "doc 3"))
+
+
+def test_a_folder_whose_record_holds_no_files_of_an_hf_source_is_reused(tmp_path, capsys):
+    """A record that lists no files for an ``hf:`` split (as written before such files were listed) is reused."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {n}"}) + "\n" for n in range(4)))
+    argv = ["--train", f"hf:{ds}", "--val-every", "2", "--out", tmp_path / "d"]
+    status, record, err = run_data(capsys, *argv)
+    assert status == 0, err
+    record["files"] = {"train": None, "val": None}
+    (tmp_path / "d" / "prepared.json").write_text(json.dumps(record))
+    assert run_data(capsys, *argv)[:2] == (0, record)

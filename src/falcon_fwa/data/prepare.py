@@ -78,13 +78,15 @@ def _docs(spec: DataSpec, which: str, out_dir: str):
 
 
 def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
-    """``{"train": {path: bytes}, "val": ...}``: the files each local source names now (``hf:`` sources
-    and an unset ``val_source`` give ``None``), so that a reuse can tell a corpus that has changed.
-    ``FileNotFoundError`` naming the setting (``name``) of a source that names no file."""
+    """``{"train": {path: bytes}, "val": ...}``: the files each local source names now (an ``hf:`` dataset
+    folder: every file in it; a Hub dataset and an unset ``val_source`` give ``None``), so that a reuse can tell
+    a corpus that has changed. ``FileNotFoundError`` naming the setting (``name``) of a source that names no file."""
     def sizes(field: str) -> Optional[dict]:
         source = getattr(spec, field)
-        if source is None or source.startswith("hf:"):
+        if source is None:
             return None
+        if source.startswith("hf:"):
+            return _dataset_folder_files(source[3:].partition(":")[0], out_dir)
         try:
             return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
         except FileNotFoundError as err:
@@ -93,9 +95,22 @@ def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lamb
     return {"train": sizes("train_source"), "val": sizes("val_source")}
 
 
+def _dataset_folder_files(folder: str, out_dir: str) -> Optional[dict]:
+    """``{path: bytes}`` of every file in the local dataset folder of an ``hf:`` source (the output folder's
+    excepted, should it lie inside), ``None`` where ``folder`` is no local folder (a Hub name)."""
+    if not os.path.isdir(folder):
+        return None
+    skip = os.path.realpath(out_dir) + os.sep
+    paths = (os.path.join(root, f) for root, _, names in os.walk(folder, followlinks=True) for f in names)
+    return {path: os.path.getsize(path) for path in sorted(paths) if not os.path.realpath(path).startswith(skip)}
+
+
 def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> None:
     """``ValueError`` when a file of the val source is also one of the train source (the same file, or
-    a folder of training data that holds the validation file): its documents would be in both splits."""
+    a folder of training data that holds the validation file): its documents would be in both splits.
+    (An ``hf:`` dataset folder gives each split its own files: one folder may be both sources.)"""
+    if any(source is not None and source.startswith("hf:") for source in (spec.train_source, spec.val_source)):
+        return
     train, val = files["train"] or {}, files["val"] or {}
     real = {os.path.realpath(path) for path in train}
     shared = [path for path in sorted(val) if os.path.realpath(path) in real]
@@ -110,7 +125,9 @@ def _changed_files(held: dict, now: dict) -> str:
     """What differs between two :func:`source_files` records, in words ('' if nothing)."""
     changes = []
     for which in ("train", "val"):
-        before, after = held.get(which) or {}, now.get(which) or {}
+        if held.get(which) is None:  # none recorded (an hf: source, before its dataset folder's files were)
+            continue
+        before, after = held[which], now.get(which) or {}
         for path in sorted(after):  # (files gone since are not asked for: their tokens are here)
             if path not in before:
                 changes.append(f"{path} is new")

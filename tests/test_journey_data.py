@@ -148,3 +148,13 @@ def test_a_folder_whose_record_holds_no_files_of_an_hf_source_is_reused(tmp_path
     record["files"] = {"train": None, "val": None}
     (tmp_path / "d" / "prepared.json").write_text(json.dumps(record))
     assert run_data(capsys, *argv)[:2] == (0, record)
+
+
+@pytest.mark.parametrize("spec", ["bpe:\u00b2", "bpe:3\u00b9\u2070", "bpe:\u2460"])  # superscripts, a circled one
+def test_a_bpe_size_of_digit_signs_that_are_no_decimal_number_is_named(tmp_path, capsys, spec):
+    """Characters that ``str.isdigit`` takes but ``int`` does not are refused as no integer N, naming the option."""
+    (tmp_path / "t.txt").write_text("text")
+    status, _, err = run_data(capsys, "--train", tmp_path / "t.txt", "--tokenizer", spec, "--out", tmp_path / "d")
+    assert status == 2
+    assert f"--tokenizer bpe:N needs an integer N (the vocabulary size), got {spec!r}" in err
+    assert not (tmp_path / "d").exists()

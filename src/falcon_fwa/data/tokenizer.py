@@ -74,7 +74,7 @@ def bpe_vocab_size(spec: str) -> int:
     """The vocabulary size ``N`` of a ``"bpe:N"`` tokenizer spec; ``ValueError`` (its message
     reads after the name of the setting) unless ``N`` is an integer > 257."""
     size = spec.split(":", 1)[1].strip()
-    if not size.isdigit():
+    if not size.isdecimal():  # (isdigit takes superscripts, which int() refuses)
         raise ValueError(f"bpe:N needs an integer N (the vocabulary size), got {spec!r}")
     if int(size) <= 257:
         raise ValueError(f"bpe:N needs N > 257 (the 256 bytes and the end-of-text token come first), got {spec!r}")

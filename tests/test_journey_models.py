@@ -159,6 +159,7 @@ def _recurrent(mixer, p, u):
     return o.reshape(T, HEADS * DV) @ p["o_proj.weight"].T
 
 
+@torch.no_grad()
 def _reference_logits(model, ids):
     """``h = E[x]``; per block ``h += Mixer(RMSNorm(h))``, ``h += W_down(SiLU(W_gate x) * W_up x)`` with ``x =
     RMSNorm(h)``; ``logits = RMSNorm(h) E^T / m``; each row of ``ids`` ``[B, T]`` alone."""
@@ -227,17 +228,23 @@ def test_each_baseline_model_is_the_textbook_language_model_whole_and_continued(
 
 @pytest.mark.parametrize("mixer", BASELINES)
 def test_each_baseline_generates_the_greedy_continuation_of_the_textbook_model(mixer):
-    """``generate()`` (the prompt step, then one cached token at a time) picks the argmax of the reference's
-    last logits at every step."""
+    """``generate()`` of a left-padded batch (prompts of 5 and 2 tokens; the prompt step, then one cached token at
+    a time): in each row, every step's logits are the reference's last logits on that row's own tokens alone
+    (``generate()`` hands them out rounded to float32), and the token picked is their argmax."""
     model = _baseline(mixer)
-    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
     with torch.no_grad():
-        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
-                             pad_token_id=0)
-    seq = prompt
-    for _ in range(5):
-        last = _reference_logits(model, seq)[:, -1]
-        top2 = last.topk(2, -1).values
-        assert bool((top2[:, 0] - top2[:, 1] > 1e-6).all())  # no near-tie for rounding to break
-        seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
-    assert torch.equal(got, seq)
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    assert out.sequences.shape == (2, 10) and len(out.logits) == 5
+    for row, start in ((0, 0), (1, 3)):
+        seq = prompt[row:row + 1, start:]
+        for step in range(5):
+            last = _reference_logits(model, seq)[0, -1]
+            torch.testing.assert_close(out.logits[step][row].double(), last, rtol=1e-6, atol=1e-6)
+            top2 = last.topk(2).values
+            assert float(top2[0] - top2[1]) > 1e-4  # no near-tie for rounding to break
+            seq = torch.cat([seq, last.argmax().view(1, 1)], 1)
+        assert torch.equal(out.sequences[row, 5:], seq[0, -5:]), row

@@ -159,7 +159,6 @@ def _recurrent(mixer, p, u):
     return o.reshape(T, HEADS * DV) @ p["o_proj.weight"].T
 
 
-@torch.no_grad()
 def _reference_logits(model, ids):
     """``h = E[x]``; per block ``h += Mixer(RMSNorm(h))``, ``h += W_down(SiLU(W_gate x) * W_up x)`` with ``x =
     RMSNorm(h)``; ``logits = RMSNorm(h) E^T / m``; each row of ``ids`` ``[B, T]`` alone."""
@@ -242,9 +241,42 @@ def test_each_baseline_generates_the_greedy_continuation_of_the_textbook_model(m
     for row, start in ((0, 0), (1, 3)):
         seq = prompt[row:row + 1, start:]
         for step in range(5):
-            last = _reference_logits(model, seq)[0, -1]
+            with torch.no_grad():
+                last = _reference_logits(model, seq)[0, -1]
             torch.testing.assert_close(out.logits[step][row].double(), last, rtol=1e-6, atol=1e-6)
             top2 = last.topk(2).values
             assert float(top2[0] - top2[1]) > 1e-4  # no near-tie for rounding to break
             seq = torch.cat([seq, last.argmax().view(1, 1)], 1)
         assert torch.equal(out.sequences[row, 5:], seq[0, -5:]), row
+
+
+def _gradients(model, logits_of):
+    """The gradient of ``<logits_of(model), w>`` (``w`` a fixed random cotangent) for every weight, by name."""
+    model.zero_grad()
+    logits = logits_of(model)
+    w = torch.randn(logits.shape, dtype=logits.dtype, generator=torch.Generator().manual_seed(5))
+    (logits * w).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mixer", BASELINES)
+def test_each_baseline_trains_whole_and_through_its_cache_with_the_textbook_gradients(mixer):
+    """In training mode, the backward of one forward over 11 tokens, and of three calls continuing one cache (5
+    tokens, 1, then 5: truncated at no point), equals autograd through the reference for every weight."""
+    model = _baseline(mixer).train()
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+
+    def cached(m):
+        cache, outs = None, []
+        for a, b in ((0, 5), (5, 6), (6, 11)):
+            out = m(ids[:, a:b], past_key_values=cache, use_cache=True)
+            cache = _cache(out)
+            outs.append(out.logits)
+        return torch.cat(outs, 1)
+
+    want = _gradients(model, lambda m: _reference_logits(m, ids))
+    assert all(float(g.abs().amax()) > 1e-4 for g in want.values())  # every weight takes part
+    for run in (lambda m: m(ids, use_cache=False).logits, cached):
+        got = _gradients(model, run)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-10, msg=name)

@@ -42,6 +42,26 @@ def test_a_transformer_config_refuses_a_switch_of_the_recurrent_mixers_by_name(f
         assert FalconConfig(mixer="transformer", hidden_size=24, num_heads=2, query_scale=scale).query_scale == scale
 
 
+
+def test_a_hugging_face_config_attribute_given_to_a_preset_is_named_as_such():
+    """``return_dict`` and ``output_hidden_states`` are Hugging Face's config attributes, not fields a preset
+    overrides: the error says so and where they go (not "did you mean 'num_hidden_layers'?"), and set there they
+    act as transformers documents (the tuple of the fields that are not None; embeddings, blocks, final norm)."""
+    with pytest.raises(ValueError) as err:
+        get_preset("tiny-retnet", return_dict=False, output_hidden_states=True)
+    message = str(err.value)
+    assert "did you mean" not in message and message.endswith(" for preset 'tiny-retnet'")
+    for name in ("output_hidden_states", "return_dict"):
+        assert f"'{name}' (an attribute of Hugging Face's PretrainedConfig: set it on the built config, " \
+               f"config.{name} = ...)" in message
+    with pytest.raises(ValueError, match=r"'return_dict' \(an attribute .*\), 'rul' \(did you mean 'rule'\?\)"):
+        get_preset("tiny-retnet", rul="1", return_dict=False)  # each name with its own note
+    config = get_preset("tiny-retnet")
+    config.return_dict, config.output_hidden_states = False, True
+    out = FalconForCausalLM(config).eval()(torch.randint(0, 64, (2, 5)), use_cache=False)
+    assert isinstance(out, tuple) and len(out) == 2 and len(out[1]) == config.num_hidden_layers + 1
+
+
 # --- every baseline's whole model against a language model written here ------------------------------------------
 BASELINES = ["transformer", "deltanet", "gated_deltanet", "mamba2", "retnet"]
 D, HEADS, DK, DV, VOCAB = 24, 2, 8, 6, 40  # d_k != d_v (and != D / H): a swapped head split fails

@@ -133,11 +133,17 @@ def _hint(name: str, fields: frozenset, cutoff: float = 0.6) -> Optional[str]:
 def check_field_names(names: Iterable[str], where: str = "") -> None:
     """A ``ValueError`` naming every one of ``names`` that is not a :class:`FalconConfig` field,
     with the field it most likely meant (a misspelt override would otherwise be stored unused
-    and leave the model unchanged). ``where`` ends the message (e.g. ``" for preset 'x'"``)."""
+    and leave the model unchanged). ``where`` ends the message (e.g. ``" for preset 'x'"``).
+    One of Hugging Face's own config attributes (``return_dict``, ``output_hidden_states``, ...) is
+    named as such, with no field's spelling for a hint: it is set on the built config."""
     fields = config_fields()
     unknown = sorted(set(names) - fields)
     if unknown:
-        hints = [f"{u!r}" + (f" (did you mean {h!r}?)" if (h := _hint(u, fields)) else "") for u in unknown]
+        base = PretrainedConfig()
+        hf = [u for u in unknown if not u.startswith("_") and hasattr(base, u)]
+        hints = [f"{u!r}" + (" (an attribute of Hugging Face's PretrainedConfig: set it on the built config, "
+                             f"config.{u} = ...)" if u in hf else
+                             f" (did you mean {h!r}?)" if (h := _hint(u, fields)) else "") for u in unknown]
         raise ValueError(f"unknown config field {', '.join(hints)}{where}")
 
 

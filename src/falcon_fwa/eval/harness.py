@@ -51,13 +51,37 @@ def lm_class():
         """HFLM for falcon-fwa model folders: requests open with end-of-text, as in training."""
 
         def __init__(self, *args, logits_cache: bool = False, backend: str = "causal",
-                     add_bos_token: bool = False, **kwargs):
+                     add_bos_token: bool = False, max_length_name: str = "max_length", **kwargs):
             # the folders are decoder-only; left to find out, the harness looks the registered model type up
             # in transformers' own tables, misses it and warns that the type is neither causal nor seq2seq.
             # Texts are encoded without special tokens, as training's documents are: a tokenizer that adds a
             # beginning-of-sequence token would otherwise put it after the end-of-text opening
             super().__init__(*args, logits_cache=logits_cache, backend=backend, add_bos_token=add_bos_token,
                              **kwargs)
+            self.max_length_name = max_length_name  # what the errors call the context length
+
+        def _loglikelihood_tokens(self, requests, *args, **kwargs):
+            # the harness asserts, with no message, that every continuation fits in max_length
+            # (a rolling window's request has no texts, only tokens, and fits by construction)
+            if requests:
+                longest = max((request[2] for request in requests), key=len)
+                if len(longest) > self.max_length:
+                    continuation = self.tok_decode(longest)
+                    raise ValueError(f"{self.max_length_name} {self.max_length} is shorter than a continuation of "
+                                     f"{len(longest)} tokens ({continuation[:40]!r}): give a "
+                                     f"{self.max_length_name} of at least {len(longest)}")
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
+        def generate_until(self, requests, *args, **kwargs):
+            # the context gets max_length - max_gen_toks tokens: the harness asserts that some are left
+            for request in requests:
+                gen_kwargs = request.args[1] if len(request.args) > 1 and isinstance(request.args[1], dict) else {}
+                new = _max_gen_toks(gen_kwargs, self.max_gen_toks)
+                if new >= self.max_length:
+                    raise ValueError(f"{self.max_length_name} {self.max_length} leaves no tokens of context: the "
+                                     f"task generates up to {new} tokens (max_gen_toks), which must be fewer than "
+                                     f"{self.max_length_name}; give a {self.max_length_name} above {new}")
+            return super().generate_until(requests, *args, **kwargs)
 
         @property
         def prefix_token_id(self) -> int:
@@ -115,6 +139,15 @@ def lm_class():
                     torch.tensor(masks, dtype=mask.dtype, device=mask.device))
 
     return FalconFWALM
+
+
+def _max_gen_toks(gen_kwargs: dict, default: int) -> int:
+    """The most tokens a ``generate_until`` request generates, as the harness reads its generation kwargs."""
+    try:
+        from lm_eval.models.utils import normalize_gen_kwargs
+    except ImportError:  # harness versions without it read max_gen_toks alone
+        return int(gen_kwargs.get("max_gen_toks", default))
+    return int(normalize_gen_kwargs(dict(gen_kwargs), default)["max_gen_toks"])
 
 
 def register() -> None:
@@ -196,6 +229,8 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
                   "trust_remote_code": False}
     if max_length is not None:
         model_args["max_length"] = max_length
+    if name("max_length") != "max_length":  # the harness model's errors name it as the caller does
+        model_args["max_length_name"] = name("max_length")
     return lm_eval.simple_evaluate(
         model="falcon-fwa", model_args=model_args,
         tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, device=device,

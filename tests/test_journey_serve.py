@@ -108,3 +108,27 @@ def test_the_command_names_max_length_where_the_harness_would_assert(folder, tmp
                "--max-length", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "--max-length 3 is shorter than a continuation of 6 tokens (' class')" in err, err
+
+
+def test_a_limit_that_is_neither_a_count_nor_a_fraction_is_refused_by_name(folder, monkeypatch, capsys):
+    """The harness reads ``--limit`` below 1 as a fraction of the documents and from 1 as a count, cutting
+    ``1.5`` to one document: such a value is named before the harness runs; counts and fractions reach it."""
+    import lm_eval.utils
+
+    from falcon_fwa.cli import main
+    from falcon_fwa.eval import harness
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    _, path = folder
+    calls = []
+    monkeypatch.setattr(harness, "evaluate", lambda *a, **k: calls.append(k["limit"]) or {"results": {}})
+    monkeypatch.setattr(lm_eval.utils, "make_table", lambda results: "")
+    for limit in ("1.5", "2.25"):
+        capsys.readouterr()
+        assert main(["lm-eval", "--model", path, "--tasks", "x", "--device", "cpu", "--limit", limit]) == 2
+        err = capsys.readouterr().err
+        assert f"--limit takes a whole number of documents per task or a fraction of them below 1, got {limit}" in err
+    assert calls == []
+    for limit in ("2", "0.5", "1"):
+        assert main(["lm-eval", "--model", path, "--tasks", "x", "--device", "cpu", "--limit", limit]) == 0
+    assert calls == [2.0, 0.5, 1.0]

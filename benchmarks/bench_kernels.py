@@ -7,8 +7,9 @@ attention, bf16, forward and forward+backward, with peak memory.
 Writes ``<out>/<name>.json`` (a list of rows ``{op, B, T, H, K, V, mode, ms,
 peak_mem_bytes, commit}``, ``mode`` ``"fwd"`` or ``"fwdbwd"``, plus ``window`` for the sliding rules,
 ``process`` with ``--tag`` and ``graph_ms`` with ``--cudagraph``) and ``<out>/<name>.md`` (the table, GPU,
-versions, commit and the ratios against the fla counterparts). ``ms`` is the median of
-``triton.testing.do_bench``; ``peak_mem_bytes`` is the peak allocated during one call
+versions, commit and the ratios against the fla counterparts); ``--plot`` also draws those ratios with their
+targets into ``<out>/<name>.png`` (``plot_kernels.py``, which draws the same from a ``<name>.json``). ``ms`` is
+the median of ``triton.testing.do_bench``; ``peak_mem_bytes`` is the peak allocated during one call
 above what was allocated before it (inputs excluded). ``fwd`` runs under
 ``torch.no_grad()``; ``fwdbwd`` is the forward plus ``backward`` of the output with
 a fixed upstream gradient.
@@ -662,6 +663,9 @@ def main(argv=None) -> None:
     p.add_argument("--cudagraph", action="store_true",
                    help="also time every row replayed from a CUDA graph (graph_ms: the device's work, "
                         "without the host's enqueue)")
+    p.add_argument("--plot", action="store_true",
+                   help="also draw <name>.png next to the table: the time and peak-memory ratios against the fla "
+                        "counterparts, with the targets (plot_kernels.py; needs matplotlib)")
     p.add_argument("--row-timeout", type=float, default=90.0,
                    help="seconds one row may take before it is skipped and reported (checked between calls: "
                         "one call that hangs is not interrupted)")
@@ -801,6 +805,12 @@ def main(argv=None) -> None:
     if timing or args.decode:
         save()
     # else nothing was timed (e.g. ``--ops --profile OP``): the rows of an earlier run under this name stay
+    if args.plot and timing:
+        from plot_kernels import plot_ratios
+        try:
+            plot_ratios(timed(rows), os.path.join(args.out, f"{args.name}.png"), gpu=versions["gpu"])
+        except ValueError as e:  # no pair timed: the table and the rows stand without a plot
+            print(f"--plot: no {args.name}.png: {e}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

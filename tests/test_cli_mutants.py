@@ -381,6 +381,7 @@ def test_ppl_options_reach_the_load_the_tokens_and_the_scoring(monkeypatch, tmp_
     sources, tok, kwargs = seen["stream"]
     assert sources == [str(data)] and tok.eos_token_id == 7
     # 2 windows of 8 predictions: 2 x 8 + 1 tokens (each window's last token opens the next)
+    assert kwargs.pop("name")("text_field") == "--text-field"  # errors name the option
     assert kwargs == {"text_split": "line", "text_field": "body", "max_tokens": 17}
     model, rows, kwargs = seen["nll"]
     assert model == "model" and rows.tolist() == [list(range(0, 9)), list(range(8, 17))]

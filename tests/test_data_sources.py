@@ -105,15 +105,15 @@ def bad_inputs(tmp_path):
     ("ok.txt", ["--val", "empty.txt"], r"the val split is empty: --val '.*empty\.txt' holds no document$"),
     ("ok.txt", [], r"--train '.*ok\.txt' holds fewer than --val-every=20 documents; set --val, or a --text-split"),
     ("nothing-*.txt", [], r"data source '.*nothing-\*\.txt' names no \.txt/"),
-    ("nofield.jsonl", [], r"nofield\.jsonl:1: record has no text_field 'text' \(keys: \['body'\]\)$"),
+    ("nofield.jsonl", [], r"nofield\.jsonl:1: record has no --text-field 'text' \(keys: \['body'\]\)$"),
     ("notjson.jsonl", [], r"notjson\.jsonl:2: not a JSON record"),
     ("cut.json", [], r"cut\.json: not a JSON array of records"),
-    ("ints.parquet", [], r"ints\.parquet: column text_field 'text' must hold strings, got int64$"),
-    ("bytes.parquet", [], r"bytes\.parquet: column text_field 'text' must hold strings, got binary$"),
-    ("lists.parquet", [], r"lists\.parquet: column text_field 'text' must hold strings, got list"),
+    ("ints.parquet", [], r"ints\.parquet: column --text-field 'text' must hold strings, got int64$"),
+    ("bytes.parquet", [], r"bytes\.parquet: column --text-field 'text' must hold strings, got binary$"),
+    ("lists.parquet", [], r"lists\.parquet: column --text-field 'text' must hold strings, got list"),
     ("junk.parquet", [], r"junk\.parquet: not a Parquet file"),
-    ("hf:hub", [], r"hf:.*hub \(train\) record 0: text_field 'text' must hold a string, got int$"),
-    ("hf:hub2", [], r"hf:.*hub2 \(train\) record 0: record has no text_field 'text' \(keys: \['body'\]\)$"),
+    ("hf:hub", [], r"hf:.*hub \(train\) record 0: --text-field 'text' must hold a string, got int$"),
+    ("hf:hub2", [], r"hf:.*hub2 \(train\) record 0: record has no --text-field 'text' \(keys: \['body'\]\)$"),
 ])
 def test_a_bad_input_ends_in_one_line_naming_it(tmp_path, capsys, train, more, message):
     """Exit status 2 and ``falcon-fwa data: error: ...`` naming the file or option: no traceback, no empty shard."""

@@ -36,7 +36,7 @@ CASES = {
     "missing source": (lambda c, tmp: ["--train", str(tmp / "nope.txt")], "--train: data source"),
     "val is train": (lambda c, tmp: ["--train", c, "--val", c], "--val file"),
     "missing tokenizer": (lambda c, tmp: ["--train", c, "--tokenizer", str(tmp / "no-tokenizer")],
-                          "tokenizer folder"),
+                          "--tokenizer folder"),
     "empty val split": (lambda c, tmp: ["--train", c, "--val-every", "5000"], "no documents to write"),
 }
 

@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="byte", help="byte | bpe:<vocab_size> | tokenizer folder | Hub name")
     parser.add_argument("--text-split", default="file", choices=TEXT_SPLITS,
                         help="a text file is one document (file), one per line, or one per blank-line paragraph")
-    parser.add_argument("--text-field", default="text", help="JSONL/Parquet column holding the text")
+    parser.add_argument("--text-field", default="text",
+                        help="JSON/JSONL/Parquet (and hf:) field holding the text (changes nothing for text files)")
     parser.add_argument("--val-every", type=int, default=20, help="without --val: hold out every N-th document")
     parser.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
     parser.add_argument("--bpe-documents", type=int, default=100_000, help="documents that train a bpe:N tokenizer")
@@ -25,15 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="rebuild a folder prepared with other settings")
 
 
+_OPTIONS = {"train_source": "train", "val_source": "val", "out_dir": "out"}
+
+
+def option(field: str) -> str:
+    """The command-line option of a setting ``field`` (``text_field`` -> ``--text-field``), not the recipe's
+    ``data.FIELD``: the ``name`` that the ``data`` and ``ppl`` commands pass to what reports their settings."""
+    return "--" + _OPTIONS.get(field, field).replace("_", "-")
+
+
 def run(args: argparse.Namespace) -> int:
     spec = DataSpec(train_source=args.train, val_source=args.val, tokenizer=args.tokenizer, text_split=args.text_split,
                     text_field=args.text_field, val_every=args.val_every, max_documents=args.max_documents,
                     bpe_documents=args.bpe_documents)
-    options = {"train_source": "train", "val_source": "val", "out_dir": "out"}
-
-    def option(field: str) -> str:  # the options, not the recipe's data.FIELD
-        return "--" + options.get(field, field).replace("_", "-")
-
     check_output_folder("--out", args.out)
     record = prepare_dataset(spec, args.out, overwrite=args.overwrite, name=option)
     print(json.dumps(record, indent=1))

@@ -63,14 +63,14 @@ class DataSpec:
                 raise ValueError(f"{name('tokenizer')} {err}") from None
 
 
-def _docs(spec: DataSpec, which: str, out_dir: str):
+def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}"):
     """The documents of split ``which``; files under ``out_dir`` (the output, should it lie inside a
-    source folder) are no documents."""
+    source folder) are no documents. Errors name the settings as ``name`` gives them."""
     if which == "val" and spec.val_source is not None:
         return iter_documents(spec.val_source, text_split=spec.text_split, text_field=spec.text_field,
-                              split="validation", max_documents=spec.max_documents, exclude=out_dir)
+                              split="validation", max_documents=spec.max_documents, exclude=out_dir, name=name)
     docs = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,
-                          split="train", max_documents=spec.max_documents, exclude=out_dir)
+                          split="train", max_documents=spec.max_documents, exclude=out_dir, name=name)
     if spec.val_source is not None:
         return docs
     held_out = lambda i: i % spec.val_every == spec.val_every - 1  # noqa: E731
@@ -220,13 +220,13 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         os.remove(record_path)
     texts = None
     if spec.tokenizer.startswith("bpe:"):  # the training documents only: none held out for validation
-        texts = itertools.islice(_docs(spec, "train", out_dir), spec.bpe_documents)
-    tokenizer = load_tokenizer(spec.tokenizer, texts=texts)
+        texts = itertools.islice(_docs(spec, "train", out_dir, name), spec.bpe_documents)
+    tokenizer = load_tokenizer(spec.tokenizer, texts=texts, name=name("tokenizer"))
     save_tokenizer(tokenizer, os.path.join(out_dir, "tokenizer"))
     counts = {}
     for which in ("train", "val"):
         try:
-            meta = write_token_shards(_docs(spec, which, out_dir), tokenizer, os.path.join(out_dir, which),
+            meta = write_token_shards(_docs(spec, which, out_dir, name), tokenizer, os.path.join(out_dir, which),
                                       desc=f"tokenize {which}")
         except NoDocuments as err:
             raise ValueError(f"{err}: {_empty_split(spec, which, name)}") from None

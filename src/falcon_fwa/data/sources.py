@@ -21,7 +21,7 @@ import itertools
 import json
 import os
 import re
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -133,20 +133,21 @@ def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
                     raise ValueError(f"{path}:{n}: not a JSON record ({err})") from None
 
 
-def _record_text(where: str, record, text_field: str) -> Optional[str]:
+def _record_text(where: str, record, text_field: str,
+                 name: Callable[[str], str] = lambda field: field) -> Optional[str]:
     """The text of a JSON record (``None`` for null, empty or blank text, as a text file's blank parts
-    give no document), or a ``ValueError`` naming the record.
+    give no document), or a ``ValueError`` naming the record and the setting (``name('text_field')``).
     A lone surrogate (``"\\ud800"``, valid JSON but no Unicode text) becomes ``?``, as a text file's
     undecodable bytes become U+FFFD."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
     if text_field not in record:
-        raise ValueError(f"{where}: record has no text_field {text_field!r} (keys: {sorted(record)})")
+        raise ValueError(f"{where}: record has no {name('text_field')} {text_field!r} (keys: {sorted(record)})")
     text = record[text_field]
     if text is None:
         return None
     if not isinstance(text, str):
-        raise ValueError(f"{where}: text_field {text_field!r} must hold a string, got {type(text).__name__}")
+        raise ValueError(f"{where}: {name('text_field')} {text_field!r} must hold a string, got {type(text).__name__}")
     if not text.strip():
         return None
     try:
@@ -156,21 +157,21 @@ def _record_text(where: str, record, text_field: str) -> Optional[str]:
     return text
 
 
-def _iter_file(path: str, text_split: str, text_field: str) -> Iterator[str]:
+def _iter_file(path: str, text_split: str, text_field: str, name: Callable[[str], str]) -> Iterator[str]:
     lowered = path.lower()  # suffixes in any case
     if lowered.endswith(TEXT_SUFFIXES):
         with open(path, encoding="utf-8-sig", errors="replace") as f:
             yield from _split_text(f.read(), text_split)
     elif lowered.endswith(JSON_SUFFIXES):
         for where, record in _json_records(path):
-            text = _record_text(where, record, text_field)
+            text = _record_text(where, record, text_field, name)
             if text is not None:  # null, empty or blank text: no document (as in Parquet and text files)
                 yield text
     else:
-        yield from _parquet_texts(path, text_field)
+        yield from _parquet_texts(path, text_field, name)
 
 
-def _parquet_texts(path: str, text_field: str) -> Iterator[str]:
+def _parquet_texts(path: str, text_field: str, name: Callable[[str], str] = lambda field: field) -> Iterator[str]:
     """The strings of column ``text_field`` of a Parquet file that are not null, empty or blank."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -181,10 +182,10 @@ def _parquet_texts(path: str, text_field: str) -> Iterator[str]:
         raise ValueError(f"{path}: not a Parquet file ({err})") from None
     schema = pf.schema_arrow
     if text_field not in schema.names:
-        raise ValueError(f"{path}: no column text_field {text_field!r} (columns: {schema.names})")
+        raise ValueError(f"{path}: no column {name('text_field')} {text_field!r} (columns: {schema.names})")
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise ValueError(f"{path}: column text_field {text_field!r} must hold strings, got {kind}")
+        raise ValueError(f"{path}: column {name('text_field')} {text_field!r} must hold strings, got {kind}")
     try:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             values = batch.column(0)
@@ -209,7 +210,8 @@ def _hf_records(source: str, split: str):
         raise ValueError(f"data source {source!r} ({split} split): {err}") from None
 
 
-def _hf_texts(source: str, split: str, text_field: str) -> Iterator[str]:
+def _hf_texts(source: str, split: str, text_field: str,
+              name: Callable[[str], str] = lambda field: field) -> Iterator[str]:
     """The texts of the records of ``hf:NAME[:CONFIG]`` that are not null, empty or blank. A streamed
     dataset reads its files as it goes: one that cannot be read (bad JSON, no Parquet) is a ``ValueError``
     naming the source, as one that cannot be opened is."""
@@ -223,21 +225,24 @@ def _hf_texts(source: str, split: str, text_field: str) -> Iterator[str]:
             return
         except (ValueError, OSError, pa.ArrowException) as err:
             raise ValueError(f"data source {source!r} ({split} split), after {n} records: {err}") from None
-        text = _record_text(f"{source} ({split}) record {n}", record, text_field)
+        text = _record_text(f"{source} ({split}) record {n}", record, text_field, name)
         if text is not None:
             yield text
 
 
 def iter_documents(source: str, *, text_split: str = "file", text_field: str = "text",
                    split: str = "train", max_documents: Optional[int] = None,
-                   exclude: Optional[str] = None) -> Iterator[str]:
-    """Yield the documents of ``source`` (see the module docstring); ``exclude`` as in :func:`list_files`."""
+                   exclude: Optional[str] = None, name: Callable[[str], str] = lambda field: field) -> Iterator[str]:
+    """Yield the documents of ``source`` (see the module docstring); ``exclude`` as in :func:`list_files`.
+    ``name`` turns a setting into the name the caller knows it by, for errors (``text_field`` -> a command's
+    ``--text-field``, a recipe's ``data.text_field``)."""
     if text_split not in TEXT_SPLITS:
-        raise ValueError(f"text_split must be one of {TEXT_SPLITS}, got {text_split!r}")
+        raise ValueError(f"{name('text_split')} must be one of {TEXT_SPLITS}, got {text_split!r}")
     if source.startswith("hf:"):
-        stream = _hf_texts(source, split, text_field)
+        stream = _hf_texts(source, split, text_field, name)
     else:
-        stream = (doc for path in list_files(source, exclude) for doc in _iter_file(path, text_split, text_field))
+        stream = (doc for path in list_files(source, exclude)
+                  for doc in _iter_file(path, text_split, text_field, name))
     for n, doc in enumerate(stream):
         if max_documents is not None and n >= max_documents:
             return

@@ -87,42 +87,46 @@ def is_missing_folder(spec: str) -> bool:
     return not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1)
 
 
-def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None):
+def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None, name: str = "tokenizer"):
     """``spec``: ``"byte"``, ``"bpe:<vocab_size>"`` (trained on ``texts``), a local folder
-    holding a Hugging Face tokenizer, or a Hub tokenizer name (online)."""
+    holding a Hugging Face tokenizer, or a Hub tokenizer name (online, or from the Hugging Face cache).
+    ``name``: what errors call the setting (a command's ``--tokenizer``, a recipe's ``data.tokenizer``)."""
     if spec == "byte":
         return byte_tokenizer()
     if spec.startswith("bpe:"):
         if texts is None:
-            raise ValueError("tokenizer 'bpe:N' needs the corpus texts to train on")
+            raise ValueError(f"{name} 'bpe:N' needs the corpus texts to train on")
         try:
             size = bpe_vocab_size(spec)
         except ValueError as err:
-            raise ValueError(f"tokenizer {err}") from None
+            raise ValueError(f"{name} {err}") from None
         return train_bpe_tokenizer(texts, size)
     if not os.path.isdir(spec) and "/" not in spec:  # a misspelt built-in would otherwise go to the Hub
         meant = ("byte" if difflib.get_close_matches(spec.lower(), ["byte"], 1, 0.75)
                  else "bpe:<vocab_size>" if spec.lower().startswith("bpe") else None)
         if meant is not None:
-            raise ValueError(f"tokenizer {spec!r} is no tokenizer (did you mean {meant!r}?)")
+            raise ValueError(f"{name} {spec!r} is no tokenizer (did you mean {meant!r}?)")
     if is_missing_folder(spec):
-        raise ValueError(f"tokenizer folder {spec!r} does not exist (a Hub name is NAME or OWNER/NAME)")
+        raise ValueError(f"{name} folder {spec!r} does not exist (a Hub name is NAME or OWNER/NAME)")
     if os.path.isfile(spec):
-        raise ValueError(f"tokenizer {spec!r} is a file: give the folder that holds it (tokenizer.json and a "
+        raise ValueError(f"{name} {spec!r} is a file: give the folder that holds it (tokenizer.json and a "
                          "tokenizer_config.json naming its \"eos_token\")")
     from transformers import AutoTokenizer
 
     try:  # a local folder, or a Hugging Face Hub name when online
         tok = AutoTokenizer.from_pretrained(spec, local_files_only=os.path.isdir(spec), trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ValueError(f"tokenizer must be 'byte', 'bpe:<vocab_size>', a local tokenizer folder or a Hub "
-                         f"name; loading {spec!r} failed: {err}") from None
+        cache_only = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        hint = ("" if os.path.isdir(spec) or cache_only else " (a Hub name is read from the network, or from the "
+                "Hugging Face cache alone, without the network's retries, where HF_HUB_OFFLINE=1 is set)")
+        raise ValueError(f"{name} must be 'byte', 'bpe:<vocab_size>', a local tokenizer folder or a Hub "
+                         f"name{hint}; loading {spec!r} failed: {err}") from None
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer {spec!r} defines no eos_token (a folder holding only tokenizer.json needs a "
+        raise ValueError(f"{name} {spec!r} defines no eos_token (a folder holding only tokenizer.json needs a "
                          "tokenizer_config.json naming its \"eos_token\")")
     top = max(tok.get_vocab().values(), default=-1)
     if top >= len(tok):  # shards, model and perplexity size the vocabulary by len(tokenizer)
-        raise ValueError(f"tokenizer {spec!r} has ids up to {top} but {len(tok)} tokens: its ids must be 0..N-1")
+        raise ValueError(f"{name} {spec!r} has ids up to {top} but {len(tok)} tokens: its ids must be 0..N-1")
     return tok
 
 

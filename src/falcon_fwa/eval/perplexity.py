@@ -30,7 +30,7 @@ import glob
 import math
 import os
 from contextlib import nullcontext
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -100,10 +100,10 @@ def load_model(folder: str, *, device: str = "cpu", dtype: str = "fp32"):
 
 
 def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file", text_field: str = "text",
-                 max_tokens: Optional[int] = None) -> np.ndarray:
+                 max_tokens: Optional[int] = None, name: Callable[[str], str] = lambda field: field) -> np.ndarray:
     """All held-out tokens in order: text/JSONL/Parquet files, or token shard folders. Each text document
     opens with the end-of-text token, as in training, where the tokenizer has one (else it opens with
-    nothing)."""
+    nothing). ``name``: what errors call a setting (``text_field`` -> ``falcon-fwa ppl``'s ``--text-field``)."""
     parts: List[np.ndarray] = []
     total = 0
     for source in sources:
@@ -119,7 +119,7 @@ def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file",
             eos = np.asarray([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id], dtype=np.int64)
             byte_level = is_byte_tokenizer(tokenizer)
             docs = (np.concatenate([eos, ids]) for text in iter_documents(source, text_split=text_split,
-                                                                          text_field=text_field)
+                                                                          text_field=text_field, name=name)
                     for ids in encode_documents(tokenizer, [text], byte_level=byte_level))
         for ids in docs:
             parts.append(np.asarray(ids, dtype=np.int64))
@@ -131,14 +131,16 @@ def token_stream(sources: Sequence[str], tokenizer, *, text_split: str = "file",
     return np.concatenate(parts)
 
 
-def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None) -> torch.Tensor:
+def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None,
+            name: Callable[[str], str] = lambda field: field) -> torch.Tensor:
     """Windows [N, seq_len + 1] (inputs + next-token targets), N = (len(tokens) - 1) // seq_len: each token
-    is predicted in at most one of them, and the predictions after the last whole window are in none."""
+    is predicted in at most one of them, and the predictions after the last whole window are in none.
+    ``name``: what an error calls ``seq_len`` (``falcon-fwa ppl``'s ``--seq-len``)."""
     n = (len(tokens) - 1) // seq_len
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
-        raise ValueError(f"{len(tokens)} held-out tokens are fewer than one window of seq_len={seq_len}")
+        raise ValueError(f"{len(tokens)} held-out tokens are fewer than one window of {name('seq_len')}={seq_len}")
     idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return torch.from_numpy(tokens[idx])
 
@@ -201,10 +203,10 @@ def default_edges(seq_len: int, first: int = 64) -> List[int]:
     return edges + [seq_len]
 
 
-def check_edges(edges: Sequence[int], seq_len: int) -> None:
-    """Raise ``ValueError`` unless bucket ``edges`` rise strictly from 0 to ``seq_len``."""
+def check_edges(edges: Sequence[int], seq_len: int, name: Callable[[str], str] = lambda field: field) -> None:
+    """Raise ``ValueError`` unless bucket ``edges`` rise strictly from 0 to ``seq_len`` (called ``name('seq_len')``)."""
     if not edges or list(edges) != sorted(set(edges)) or edges[0] != 0 or edges[-1] != seq_len:
-        raise ValueError(f"buckets must rise strictly from 0 to seq_len={seq_len}, got {list(edges)}")
+        raise ValueError(f"buckets must rise strictly from 0 to {name('seq_len')}={seq_len}, got {list(edges)}")
 
 
 def bucket_report(total: torch.Tensor, count: Union[int, torch.Tensor], edges: Sequence[int], *,

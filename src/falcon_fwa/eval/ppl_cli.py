@@ -8,6 +8,7 @@ import os
 from ..atomic import write_json
 from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file,
                            check_tokenizer_in, dtype_option, resolve_device)
+from ..data.cli import option
 from ..data.shards import is_shard_folder
 from ..data.sources import TEXT_SPLITS, list_files
 from ..provenance import command_provenance
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-split", default=None, choices=TEXT_SPLITS,
                         help="how text files split into documents (default file; not for token shard folders)")
     parser.add_argument("--text-field", default=None,
-                        help="JSONL/Parquet column holding the text (default text; not for token shard folders)")
+                        help="JSON/JSONL/Parquet field holding the text (default text; changes nothing for text "
+                             "files; not for token shard folders)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], type=dtype_option(["fp32", "bf16"]),
                         help="bf16 runs under autocast (float32 and bfloat16 are taken too)")
@@ -41,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _edges(args: argparse.Namespace) -> list:
     """The bucket edges, checked before any work (a bad --buckets would otherwise end a long run)."""
     for name in ("seq_len", "train_len", "batch_size", "max_windows"):
-        at_least(f"--{name.replace('_', '-')}", getattr(args, name), 1)
+        at_least(option(name), getattr(args, name), 1)
     if not args.buckets:
         return default_edges(args.seq_len)
     try:
@@ -49,7 +51,7 @@ def _edges(args: argparse.Namespace) -> list:
     except ValueError:
         raise ValueError(f"--buckets must be comma-separated integers, got {args.buckets!r}") from None
     try:
-        check_edges(edges, args.seq_len)
+        check_edges(edges, args.seq_len, name=option)
     except ValueError as err:
         raise ValueError(f"--buckets: {err}") from None
     return edges
@@ -75,10 +77,10 @@ def _check_text_options(args: argparse.Namespace) -> None:
     source is a token shard folder (its documents were split and tokenized when it was written); then
     their defaults (``file``, ``text``)."""
     if all(is_shard_folder(source) for source in args.data):
-        for option, value in (("--text-split", args.text_split), ("--text-field", args.text_field)):
+        for flag, value in (("--text-split", args.text_split), ("--text-field", args.text_field)):
             if value is not None:
-                raise ValueError(f"{option} {value}: --data {' '.join(args.data)} is token shards, whose documents "
-                                 f"were split and tokenized when they were written; {option} applies to text, "
+                raise ValueError(f"{flag} {value}: --data {' '.join(args.data)} is token shards, whose documents "
+                                 f"were split and tokenized when they were written; {flag} applies to text, "
                                  "JSONL and Parquet files only")
     args.text_split = args.text_split or "file"
     args.text_field = args.text_field or "text"
@@ -100,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
     if args.documents == "reset" and eos_id is None:
         raise ValueError("--documents reset needs a tokenizer with an end-of-text token (eos_token_id is None)")
     tokens = token_stream(args.data, tokenizer, text_split=args.text_split, text_field=args.text_field,
-                          max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1)
-    rows = windows(tokens, args.seq_len, args.max_windows)
+                          max_tokens=None if args.max_windows is None else args.max_windows * args.seq_len + 1,
+                          name=option)
+    rows = windows(tokens, args.seq_len, args.max_windows, name=option)
     total, count = position_nll(model, rows, batch_size=args.batch_size, device=args.device,
                                 bf16=args.dtype == "bf16", eos_id=eos_id)
     report = bucket_report(total, count, edges, train_len=args.train_len, windows=len(rows))

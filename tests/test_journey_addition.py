@@ -198,3 +198,51 @@ def test_evaluations_equal_on_all_three_keep_the_first_as_the_best_step(tmp_path
     saved = torch.load(out / "best.pt", weights_only=False)
     last = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
     assert saved["step"] == 2 and all(torch.equal(saved["model"][k], last[k]) for k in last)
+
+
+@pytest.mark.parametrize("stop_at,evaluated", [(3, [3]), (6, [4, 6])])
+def test_a_stopped_run_ended_at_its_stop_by_a_shorter_steps_is_evaluated_at_its_last_step(
+        tmp_path, monkeypatch, capsys, stop_at, evaluated):
+    """Stopped by a SIGTERM at step 3 or 6 of 12 (evaluations every 4) and launched again with ``--steps`` at the
+    step reached (a budget cut to where the run stands, which ``--steps`` may do): the run ends evaluated at its
+    last step, as a run of that budget is, with that step's figures those of its weights; it is not marked
+    finished before that evaluation, so that ``addition-compare`` never takes a run without one for done."""
+    argv = ["--model", "Transformer", "--eval-every", "4", "--train-widths", "1", "2", "--ood-widths", "3", "3",
+            "--val-per-width", "5", "--ood-per-width", "3", *SIZE, "--out", str(tmp_path / "run")]
+    original = train.training_batch
+    calls = []
+
+    def stopping(seed, step, *args, **kw):
+        calls.append(step)
+        if len(calls) == stop_at:  # during the step that ends at stop_at
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(seed, step, *args, **kw)
+
+    monkeypatch.setattr(train, "training_batch", stopping)
+    assert cli.main(["--steps", "12", *argv]) == 128 + signal.SIGTERM
+    monkeypatch.setattr(train, "training_batch", original)
+    assert f"stopped by SIGTERM at step {stop_at} of 12" in capsys.readouterr().err
+
+    evaluate = train.evaluate
+
+    def failing(*args, **kw):
+        raise OSError("evaluation failed")
+
+    monkeypatch.setattr(train, "evaluate", failing)  # the relaunch ends before its evaluation...
+    with pytest.raises(OSError, match="evaluation failed"):
+        cli.main(["--steps", str(stop_at), *argv])
+    held = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert held["steps_done"] == stop_at and not held["finished"]  # ...and leaves the run unfinished
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    assert cli.main(["--steps", str(stop_at), *argv]) == 0
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["finished"] and res["steps_done"] == stop_at
+    assert [h["step"] for h in res["history"]] == evaluated
+    last = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert last["step"] == stop_at
+    hits = _score(res, last["model"])
+    h = res["history"][-1]
+    assert h["lr"] == pytest.approx(1e-2 * stop_at / 100, rel=1e-12)  # its last step's: in the 100 warm-up steps
+    assert h["val_acc"] == pytest.approx(
+        sum(_pct(hits[n][0].all(1).double().mean()) for n in (1, 2)) / 2, abs=1e-9)
+    assert h["digit_mean_acc_ood"] == pytest.approx(_pct(hits[3][0].double().mean()), abs=1e-9)

@@ -378,8 +378,12 @@ def _resume(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     state = {"step": ckpt["step"], "wall_time_s": held.get("wall_time_s", 0.0), "loss_sum": ckpt.get("loss_sum", 0.0),
              "loss_n": ckpt.get("loss_n", 0), "run_id": ckpt.get("run_id")}
     # the wall time too: a finished run launched again writes results.json without training
+    # finished only with an evaluation at its last step: a run stopped between evaluations and relaunched with
+    # --steps at the step reached is evaluated there first
+    evaluated = bool(held["history"]) and held["history"][-1]["step"] == ckpt["step"]
     results.update(history=held["history"], best=held["best"], steps_done=ckpt["step"],
-                   finished=ckpt["step"] == results["preset"]["steps"], wall_time_s=state["wall_time_s"])
+                   finished=ckpt["step"] == results["preset"]["steps"] and evaluated,
+                   wall_time_s=state["wall_time_s"])
     best = results["best"]
     if best is not None and best["step"] == ckpt["step"] and not _holds(out_dir / "best.pt", best["step"],
                                                                        state["run_id"]):
@@ -468,6 +472,25 @@ def _train(spec: RunSpec, out_dir: Path, *, progress: bool, resume: bool, log: C
 
         bar = tqdm(total=p.steps, initial=start, desc=f"{spec.model} s{spec.seed}", dynamic_ncols=True)
     done = start
+
+    def evaluate_at(lr: float) -> None:
+        nonlocal loss_sum, loss_n
+        tally, losses = evaluate(model, batches, device, autocast)
+        # val_loss (a tie-breaker of the best step) sees the training widths only
+        entry = {"step": done, "lr": lr, "train_loss": loss_sum / max(loss_n, 1),
+                 "val_loss": mean_loss(losses, val_widths), "ood_loss": mean_loss(losses, ood_widths),
+                 **_summary(tally, val_widths, ood_widths)}
+        loss_sum, loss_n = 0.0, 0
+        _record(entry, results, model, optimizer, spec, out_dir, elapsed_before + time.perf_counter() - t0, run_id)
+        msg = (f"step {done}: loss {entry['train_loss']:.3f} val {entry['val_acc']:.1f}% "
+               f"(digits {entry['val_digit_acc']:.1f}%) ood {entry['mean_acc_ood']:.1f}% "
+               f"(digits {entry['digit_mean_acc_ood']:.1f}%)")
+        if bar is not None:
+            bar.set_postfix_str(f"val {entry['val_acc']:.1f}% ood {entry['mean_acc_ood']:.1f}%")
+            bar.write(msg)
+        else:
+            log(msg)
+
     for step in range(start, p.steps):
         if signals.received:  # stop before the next step; the one in progress is done
             break
@@ -483,22 +506,12 @@ def _train(spec: RunSpec, out_dir: Path, *, progress: bool, resume: bool, log: C
         if bar is not None:
             bar.update(1)
         if done % p.eval_every == 0 or done == p.steps:
-            tally, losses = evaluate(model, batches, device, autocast)
-            # val_loss (a tie-breaker of the best step) sees the training widths only
-            entry = {"step": done, "lr": lr, "train_loss": loss_sum / max(loss_n, 1),
-                     "val_loss": mean_loss(losses, val_widths), "ood_loss": mean_loss(losses, ood_widths),
-                     **_summary(tally, val_widths, ood_widths)}
-            loss_sum, loss_n = 0.0, 0
-            _record(entry, results, model, optimizer, spec, out_dir, elapsed_before + time.perf_counter() - t0,
-                    run_id)
-            msg = (f"step {done}: loss {entry['train_loss']:.3f} val {entry['val_acc']:.1f}% "
-                   f"(digits {entry['val_digit_acc']:.1f}%) ood {entry['mean_acc_ood']:.1f}% "
-                   f"(digits {entry['digit_mean_acc_ood']:.1f}%)")
-            if bar is not None:
-                bar.set_postfix_str(f"val {entry['val_acc']:.1f}% ood {entry['mean_acc_ood']:.1f}%")
-                bar.write(msg)
-            else:
-                log(msg)
+            evaluate_at(lr)
+    if done == p.steps and not results["finished"]:
+        # resumed at its last step without an evaluation there (stopped between two, its --steps cut to the
+        # step reached): evaluated now, with the rate its last step ran at
+        group = optimizer.param_groups[0]
+        evaluate_at(group["lr"] / group.get("lr_multiplier", 1.0))
     if bar is not None:
         bar.close()
     if done < p.steps:  # a signal stopped the run: a checkpoint at the step reached (its files name the signal)

@@ -123,7 +123,7 @@ def test_a_limit_that_is_neither_a_count_nor_a_fraction_is_refused_by_name(folde
     calls = []
     monkeypatch.setattr(harness, "evaluate", lambda *a, **k: calls.append(k["limit"]) or {"results": {}})
     monkeypatch.setattr(lm_eval.utils, "make_table", lambda results: "")
-    for limit in ("1.5", "2.25"):
+    for limit in ("1.5", "2.25", "100000.5"):  # (the value as given: not rounded to six digits, '100000')
         capsys.readouterr()
         assert main(["lm-eval", "--model", path, "--tasks", "x", "--device", "cpu", "--limit", limit]) == 2
         err = capsys.readouterr().err

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include-path", default=None, help="folder of extra task YAML files")
     parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
-    parser.add_argument("--limit", type=float, default=None, help="documents per task (a whole number), or a fraction of them below 1")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="documents per task (a whole number), or a fraction of them below 1")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         type=dtype_option(["float32", "bfloat16", "float16"]),
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     finite_at_least("--limit", args.limit, 0, strict=True)
     if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):  # the harness would cut it
         raise ValueError(f"--limit takes a whole number of documents per task or a fraction of them below 1, "
-                         f"got {args.limit:g}")
+                         f"got {args.limit}")
     at_least("--max-length", args.max_length, 1)
     device = resolve_device(args.device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -56,6 +56,11 @@ def test_a_hugging_face_config_attribute_given_to_a_preset_is_named_as_such():
                f"config.{name} = ...)" in message
     with pytest.raises(ValueError, match=r"'return_dict' \(an attribute .*\), 'rul' \(did you mean 'rule'\?\)"):
         get_preset("tiny-retnet", rul="1", return_dict=False)  # each name with its own note
+    for method in ("to_dict", "update"):  # methods of the config, not attributes to set on it
+        with pytest.raises(ValueError) as err:
+            get_preset("tiny-retnet", **{method: 1})
+        assert f"'{method}'" in str(err.value) and "PretrainedConfig" not in str(err.value)
+        assert f"config.{method} =" not in str(err.value)
     config = get_preset("tiny-retnet")
     config.return_dict, config.output_hidden_states = False, True
     out = FalconForCausalLM(config).eval()(torch.randint(0, 64, (2, 5)), use_cache=False)

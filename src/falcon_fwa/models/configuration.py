@@ -140,7 +140,8 @@ def check_field_names(names: Iterable[str], where: str = "") -> None:
     unknown = sorted(set(names) - fields)
     if unknown:
         base = PretrainedConfig()
-        hf = [u for u in unknown if not u.startswith("_") and hasattr(base, u)]
+        hf = [u for u in unknown if not u.startswith("_") and hasattr(base, u)
+              and not callable(getattr(type(base), u, None))]  # (a method, to_dict or update, is set on nothing)
         hints = [f"{u!r}" + (" (an attribute of Hugging Face's PretrainedConfig: set it on the built config, "
                              f"config.{u} = ...)" if u in hf else
                              f" (did you mean {h!r}?)" if (h := _hint(u, fields)) else "") for u in unknown]

@@ -137,6 +137,24 @@ def test_a_local_hf_dataset_folder_changed_since_is_refused_not_reused(tmp_path,
     assert np.array_equal(shard_tokens(tmp_path / "d" / "train"), expected("doc 0", "doc 1", "doc 2", "doc 3"))
 
 
+def test_a_local_hf_dataset_folder_with_a_link_back_into_itself_records_each_file_once(tmp_path, capsys):
+    """A dataset folder holding a link to itself (a loop when followed) and a broken link: its two files are
+    recorded once each, by the paths under the folder, and a second run reuses the folder."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {n}"}) + "\n" for n in range(2)))
+    (ds / "validation.jsonl").write_text(json.dumps({"text": "held"}) + "\n")
+    (ds / "again").symlink_to(".")
+    (ds / "gone.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    argv = ["--train", f"hf:{ds}", "--val", f"hf:{ds}", "--out", tmp_path / "d"]
+    status, record, err = run_data(capsys, *argv)
+    assert status == 0, err
+    sizes = {str(ds / name): (ds / name).stat().st_size for name in ("train.jsonl", "validation.jsonl")}
+    assert record["files"] == {"train": sizes, "val": sizes}
+    assert np.array_equal(shard_tokens(tmp_path / "d" / "train"), expected("doc 0", "doc 1"))
+    assert run_data(capsys, *argv)[:2] == (0, record)
+
+
 def test_a_folder_whose_record_holds_no_files_of_an_hf_source_is_reused(tmp_path, capsys):
     """A record that lists no files for an ``hf:`` split (as written before such files were listed) is reused."""
     ds = tmp_path / "ds"

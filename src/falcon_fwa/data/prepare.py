@@ -101,8 +101,16 @@ def _dataset_folder_files(folder: str, out_dir: str) -> Optional[dict]:
     if not os.path.isdir(folder):
         return None
     skip = os.path.realpath(out_dir) + os.sep
-    paths = (os.path.join(root, f) for root, _, names in os.walk(folder, followlinks=True) for f in names)
-    return {path: os.path.getsize(path) for path in sorted(paths) if not os.path.realpath(path).startswith(skip)}
+    files, seen = {}, set()
+    for root, dirs, names in os.walk(folder, followlinks=True):  # a linked folder is searched once (list_files)
+        if os.path.realpath(root) in seen:  # (a link back to the folder or above it would nest without end)
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(root))
+        for path in (os.path.join(root, f) for f in names):
+            if os.path.isfile(path) and not os.path.realpath(path).startswith(skip):  # (a broken link: no file)
+                files[path] = os.path.getsize(path)
+    return dict(sorted(files.items()))
 
 
 def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> None:

@@ -62,19 +62,6 @@ def pair_ratios(rows: List[dict]) -> Tuple[Tuple[int, ...], List[dict], List[str
     return shape, pairs, skipped
 
 
-def _pyplot():
-    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (with a message) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'falcon-fwa[plot]')")
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _bars(ax, values, limits, labels):
     """Bars of ``values``, green within their limit (``None``: none), red past it, each value written on top."""
     colors = ["C0" if lim is None else "C2" if v <= lim else "C3" for v, lim in zip(values, limits)]
@@ -99,10 +86,12 @@ def plot_ratios(rows: List[dict], path, gpu: Optional[str] = None) -> Optional[P
     ``gpu``, if any) and the rows' commit. Prints the skipped pairs. Returns ``path``, or ``None`` (drawing
     nothing) without matplotlib; raises ``ValueError`` as :func:`pair_ratios` does."""
     from falcon_fwa.atomic import atomic_path
+    from falcon_fwa.plotting import pyplot
+
     shape, pairs, skipped = pair_ratios(rows)
     if skipped:
         print(f"plot: skipped {len(skipped)} pair(s): " + "; ".join(skipped))
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     mixed = any(p["device"] for p in pairs) and not all(p["device"] for p in pairs)

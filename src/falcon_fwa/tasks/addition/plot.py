@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ...atomic import atomic_path
+from ...plotting import pyplot as _pyplot
 
 
 def width_curve(runs: List[Dict[str, Any]], key: str) -> Dict[int, float]:
@@ -21,19 +22,6 @@ def position_curve(runs: List[Dict[str, Any]], width: int) -> Optional[List[floa
     if not all(str(width) in p for p in pers):
         return None
     return [sum(p[str(width)][k] for p in pers) / len(pers) for k in range(width + 1)]
-
-
-def _pyplot():
-    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (with a message) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'falcon-fwa[plot]')")
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _save(plt, fig, path, dpi: int) -> Path:

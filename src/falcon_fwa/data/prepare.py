@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
-from .sources import TEXT_SPLITS, iter_documents, list_files
+from .sources import TEXT_SPLITS, iter_documents, list_files, walk_files
 from .tokenizer import bpe_vocab_size, load_tokenizer
 
 
@@ -101,15 +101,8 @@ def _dataset_folder_files(folder: str, out_dir: str) -> Optional[dict]:
     if not os.path.isdir(folder):
         return None
     skip = os.path.realpath(out_dir) + os.sep
-    files, seen = {}, set()
-    for root, dirs, names in os.walk(folder, followlinks=True):  # a linked folder is searched once (list_files)
-        if os.path.realpath(root) in seen:  # (a link back to the folder or above it would nest without end)
-            dirs[:] = []
-            continue
-        seen.add(os.path.realpath(root))
-        for path in (os.path.join(root, f) for f in names):
-            if os.path.isfile(path) and not os.path.realpath(path).startswith(skip):  # (a broken link: no file)
-                files[path] = os.path.getsize(path)
+    files = {path: os.path.getsize(path) for path in walk_files(folder)
+             if os.path.isfile(path) and not os.path.realpath(path).startswith(skip)}  # (a broken link: no file)
     return dict(sorted(files.items()))
 
 

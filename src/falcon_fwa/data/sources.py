@@ -65,20 +65,30 @@ def _excluded(files: List[str], source: str, exclude: str) -> List[str]:
     return [f for f in files if not os.path.realpath(f).startswith(out + os.sep)]
 
 
+def walk_files(folder: str, prune: Optional[Callable[[str, List[str]], bool]] = None) -> Iterator[str]:
+    """Every path below ``folder`` (``os.walk`` order), linked folders searched too and each real folder once
+    (a link back to a folder above would nest without end); ``prune(root, names)`` true skips ``root`` and
+    what lies below it."""
+    seen = set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        if os.path.realpath(root) in seen or (prune is not None and prune(root, names)):
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(root))
+        yield from (os.path.join(root, f) for f in names)
+
+
 def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
     """The data files a path, folder or glob names, sorted (stable order = stable token stream).
     ``exclude``: the output folder, whose files never count (see :func:`_excluded`: a search of a folder that
     holds it skips it whole; a search inside it skips only what a preparation writes); below a source folder,
     a folder of tokenized data (holding ``prepared.json``) other than the output does not count either."""
     if os.path.isdir(source):
-        files, seen = [], set()
-        for root, dirs, names in os.walk(source, followlinks=True):  # a linked folder is searched too, once
-            own = exclude is not None and os.path.realpath(root) == os.path.realpath(exclude)  # (the output: above)
-            if ("prepared.json" in names and not own) or os.path.realpath(root) in seen:
-                dirs[:] = []
-                continue
-            seen.add(os.path.realpath(root))
-            files.extend(os.path.join(root, f) for f in names)
+        def other_output(root: str, names: List[str]) -> bool:  # (the output itself: see _excluded)
+            own = exclude is not None and os.path.realpath(root) == os.path.realpath(exclude)
+            return "prepared.json" in names and not own
+
+        files = list(walk_files(source, prune=other_output))
     elif os.path.isfile(source):
         files = [source]
     else:

@@ -18,10 +18,11 @@ and ``vocabulary`` say which; where the tokenizer is not here without a download
 
 Measurements go by sequence length first: every preset at the first length, then every preset
 at the next one, so a killed command still leaves one comparable row per preset. Each row is
-appended to ``--out`` (JSON lines) as soon as it is measured; its ``launch`` (the command's start,
-UTC) sets the rows of one command apart from those an earlier one left in the file. ``falcon_op`` says what computed
-the falcon layers: ``"triton"`` (the chunk kernels), ``"torch"`` (the PyTorch forms), ``"fla"``,
-``"none"`` (no falcon layers), or ``"mixed"``. A measurement that runs out of device memory gets a row with
+appended to ``--out`` (JSON lines; its folder made where missing) as soon as it is measured; its
+``launch`` (the command's start, UTC) sets the rows of one command apart from those an earlier one left
+in the file. ``falcon_op`` says what computed the falcon layers: ``"triton"`` (the chunk kernels),
+``"torch"`` (the PyTorch forms), ``"fla"``, ``"none"`` (no falcon layers), or ``"mixed"``. A measurement
+that runs out of device memory gets a row with
 ``"error": "out of memory: ..."`` (the message's first 200 characters) and the next one runs.
 A progress bar on standard error counts each measurement's ``--warmup`` + ``--steps`` steps, the last
 step's seconds beside it (``--no-progress``: none); standard output carries only the rows (JSON lines, for
@@ -397,6 +398,8 @@ def run(args: argparse.Namespace) -> int:
     deadline = None if args.deadline is None else _clock() + args.deadline
     launch = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
     jobs = list(_jobs(args))
+    if args.out:  # each row is appended as it is measured: its folder is made once every option has passed
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     width = max(len("preset"), *(len(job[0]) for job in jobs))
     if args.table:
         if not args.out:

@@ -73,3 +73,24 @@ def test_throughput_out_in_a_folder_not_made_yet_holds_every_row(tmp_path, capsy
         assert r["tokens_per_step"] == 16 and r["timed_steps"] == 2
         assert r["tokens_per_s"] == pytest.approx(16 / r["step_s"], rel=1e-12)
 
+
+
+@pytest.mark.parametrize("warmup", [1, 0])
+def test_the_first_step_counts_in_the_timing_only_under_warmup_0(monkeypatch, warmup):
+    """Steps of 10, 1, 1 and 1 s on the module's clock: with one warm-up step the 10-s first step is
+    ``first_step_s`` only and the three 1-s steps are timed (mean 1 s: 16 tokens per second); with
+    ``--warmup 0`` the first step is the first timed one and, 10 s against ``max_seconds`` 5, ends the
+    timing after it (16 tokens in 10 s)."""
+    from falcon_fwa.train import throughput
+
+    ticks = iter([0.0, 10.0, 11.0, 12.0, 13.0])  # the start, then the end of each step
+    monkeypatch.setattr(throughput, "_clock", lambda: next(ticks))
+    row = throughput.measure(throughput.parse_preset("tiny-transformer"), seq_len=8, batch_size=2, steps=3,
+                             warmup=warmup, min_steps=1, max_seconds=5.0, device="cpu", bf16=False)
+    assert row["first_step_s"] == 10.0
+    if warmup:
+        assert (row["timed_steps"], row["step_s"], row["stopped"], row["warmup_s"]) == (3, 1.0, None, 10.0)
+        assert row["tokens_per_s"] == 16.0
+    else:
+        assert (row["timed_steps"], row["step_s"], row["stopped"], row["warmup_s"]) == (1, 10.0, "max_seconds", 0.0)
+        assert row["tokens_per_s"] == 1.6

@@ -4,8 +4,8 @@
 ``falcon-fwa throughput --preset falcon-1a.3-130m transformer-124m --seq-len 2048 8192 --deadline 110``
 
 Every measurement runs ``--warmup`` untimed steps first (the first step compiles and autotunes
-kernels; its time is reported as ``first_step_s``, never counted against ``--max-seconds``),
-then up to ``--steps`` timed steps, each synchronized. Timing ends early once ``--max-seconds``
+kernels; its time is reported as ``first_step_s``, never counted against ``--max-seconds`` or in
+tokens/s, unless ``--warmup 0`` makes it the first timed step), then up to ``--steps`` timed steps, each synchronized. Timing ends early once ``--max-seconds``
 of timed steps have passed, but never before ``--min-steps`` of them. The one hard cap is
 ``--deadline`` (wall-clock seconds for the whole command): the measurement in progress ends at
 its next step boundary and its row says ``"stopped": "deadline"`` (``"steady": false`` when fewer

@@ -94,3 +94,38 @@ def test_the_first_step_counts_in_the_timing_only_under_warmup_0(monkeypatch, wa
     else:
         assert (row["timed_steps"], row["step_s"], row["stopped"], row["warmup_s"]) == (1, 10.0, "max_seconds", 0.0)
         assert row["tokens_per_s"] == 1.6
+
+
+@pytest.mark.parametrize("width", [64, 256])
+def test_mup_init_and_learning_rates_of_every_mixer_follow_the_width_multiplier(width):
+    """Width 64 and 256 over a base width of 16 (``m`` = 4 and 16), untied heads, ``initializer_range`` 0.05:
+    the ``matrices`` group is exactly every ``nn.Linear`` weight (output head included) at ``lr / m``, each drawn
+    with std ``0.05 / sqrt(m)`` (``o_proj`` and ``down_proj`` also ``/ sqrt(2L)``); the embedding keeps std 0.05
+    and ``lr``; the rest (gains, offsets, kernels) ``lr`` without weight decay."""
+    import math
+
+    import torch
+    from torch import nn
+
+    from falcon_fwa.models import FalconForCausalLM, get_preset
+    from falcon_fwa.train.model_factory import param_groups
+
+    m = width / 16
+    for mixer in MIXER:
+        torch.manual_seed(0)
+        config = get_preset(f"tiny-{mixer}", hidden_size=width, num_heads=2, mup_base_width=16, vocab_size=256,
+                            tie_word_embeddings=False, initializer_range=0.05)
+        model = FalconForCausalLM(config)
+        groups = {g["name"]: g for g in param_groups(model, lr=1e-3, weight_decay=0.1)}
+        linear = {name: mod.weight for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+        assert {id(p) for p in groups["matrices"]["params"]} == {id(p) for p in linear.values()}, mixer
+        assert "lm_head" in linear and groups["matrices"]["lr"] == pytest.approx(1e-3 / m, rel=1e-15)
+        assert (groups["matrices"]["weight_decay"], groups["embedding"]["lr"], groups["embedding"]["weight_decay"],
+                groups["vectors"]["lr"], groups["vectors"]["weight_decay"]) == (0.1, 1e-3, 0.1, 1e-3, 0.0)
+        assert groups["embedding"]["params"] == [model.model.embed_tokens.weight]
+        for name, w in linear.items():
+            want = 0.05 / math.sqrt(m) / (math.sqrt(2 * config.num_hidden_layers)
+                                          if name.endswith(("o_proj", "down_proj")) else 1.0)
+            if w.numel() >= 2000:  # enough draws for a std within 10 %
+                assert float(w.detach().double().std()) == pytest.approx(want, rel=0.1), (mixer, name)
+        assert float(model.model.embed_tokens.weight.detach().std()) == pytest.approx(0.05, rel=0.05)

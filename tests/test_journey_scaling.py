@@ -129,3 +129,27 @@ def test_mup_init_and_learning_rates_of_every_mixer_follow_the_width_multiplier(
             if w.numel() >= 2000:  # enough draws for a std within 10 %
                 assert float(w.detach().double().std()) == pytest.approx(want, rel=0.1), (mixer, name)
         assert float(model.model.embed_tokens.weight.detach().std()) == pytest.approx(0.05, rel=0.05)
+
+
+def test_a_sweep_of_recipes_of_two_sequence_lengths_names_each_models_length(tmp_path, monkeypatch, cpu_machine):
+    """Two recipes, rows of 32 and of 16 tokens: the table's header gives each model its own length (it gave
+    the first recipe's for every run); recipes of one length keep the single number."""
+    from conftest import tiny_lm_recipe
+    from falcon_fwa.train import scaling
+
+    recipe = json.loads(open(tiny_lm_recipe(tmp_path)).read())
+    recipe["data"]["seq_len"] = 16
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(recipe))
+    seen = {}
+    monkeypatch.setattr(scaling, "_sweep", lambda args, names, meta, micro, global_batch: seen.update(meta) or 0)
+    argv = ["scaling", "--names", "long", "short", "--gpus", "1", "--strategies", "ddp", "--noise-seeds", "0",
+            "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "RESULTS"), "--machine", "M", "--commit", "c"]
+    assert main([argv[0], "--configs", str(tmp_path / "recipe.json"), str(short), *argv[1:]]) == 0
+    head = scaling.markdown([], seen).splitlines()[2]
+    assert "2 rows x (long: 32, short: 16) tokens (micro batch 2 per process;" in head
+    assert "the same for every run of a model." in head
+    seen.clear()
+    assert main([argv[0], "--configs", str(tmp_path / "recipe.json"), str(tmp_path / "recipe.json"), *argv[1:]]) == 0
+    head = scaling.markdown([], seen).splitlines()[2]
+    assert "2 rows x 32 tokens (micro batch 2 per process;" in head and "the same for every run." in head

@@ -144,10 +144,14 @@ def efficiencies(rows: List[dict]) -> None:
 def markdown(rows: List[dict], meta: dict) -> str:
     """The results table, the noise band and the commands."""
     warm = ", ".join(f"{w['model']}: {w['status']}" for w in meta.get("warmup") or [])
+    seq_len = meta.get("seq_len")  # one length, or the length of each model where the recipes differ
+    per_model = isinstance(seq_len, dict)
+    tokens = "(" + ", ".join(f"{k}: {v}" for k, v in seq_len.items()) + ")" if per_model else seq_len
     out = ["# Multi-GPU scaling", "",
            f"Machine: {meta.get('machine', '?')}; commit {meta.get('commit', '?')}; {meta.get('steps')} steps of "
-           f"{meta.get('global_batch')} rows x {meta.get('seq_len')} tokens (micro batch {meta.get('micro_batch')} "
-           f"per process; fewer processes accumulate gradients), the same for every run. Efficiency: tokens/s over "
+           f"{meta.get('global_batch')} rows x {tokens} tokens (micro batch {meta.get('micro_batch')} "
+           f"per process; fewer processes accumulate gradients), the same for every run"
+           f"{' of a model' if per_model else ''}. Efficiency: tokens/s over "
            f"N times the mean one-process rate (all seeds) of the same model and strategy. Tokens/s excludes each "
            f"run's first steps (allocation and warm-up); OMP_NUM_THREADS={meta.get('omp_num_threads', '?')} in every run"
            + (f"; an untimed warm-up run of {meta.get('warmup_steps')} steps per model filled the kernel caches "
@@ -364,8 +368,10 @@ def run(args: argparse.Namespace) -> int:
     micro = args.micro_batch or first.train.micro_batch
     global_batch = shared_global_batch(micro, args.gpus)
     _check_recipes(args, names, micro, global_batch)
+    lengths = {name: load_config(config, args.overrides).data.seq_len for config, name in zip(args.configs, names)}
+    seq_len = first.data.seq_len if len(set(lengths.values())) == 1 else lengths
     meta = dict(machine=args.machine or device_description(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
-                global_batch=global_batch, micro_batch=micro, seq_len=first.data.seq_len,
+                global_batch=global_batch, micro_batch=micro, seq_len=seq_len,
                 warmup_steps=args.warmup_steps, warmup=[])
     try:
         with folder_lock(args.out, ".scaling.lock", wait=False):

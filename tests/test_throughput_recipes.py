@@ -91,3 +91,26 @@ def test_a_missing_tokenizer_folder_is_named_as_a_folder(tmp_path):
     raw["data"]["tokenizer"] = str(tmp_path / "no-such-folder")
     row, = _rows(tmp_path, raw)
     assert row["vocab_size"] == 64 and f"tokenizer folder {tmp_path / 'no-such-folder'} does not exist" in row["vocabulary"]
+
+
+@pytest.mark.parametrize("recipe_dtype,argv,bf16", [
+    ("fp32", [], False), ("bf16", [], True), ("float32", [], False), ("bfloat16", [], True),
+    ("fp32", ["--dtype", "bf16"], True), ("bf16", ["--fp32"], False), ("bf16", ["--dtype", "float32"], False)])
+def test_a_recipe_is_measured_in_its_training_dtype_unless_dtype_is_given(tmp_path, monkeypatch, recipe_dtype, argv,
+                                                                          bf16):
+    """Training a recipe runs its train.dtype (bf16 autocast or none); without --dtype its measurement does the
+    same, and a preset beside it keeps bf16; --dtype / --fp32 set both."""
+    from falcon_fwa.train import throughput
+    raw = recipe(tmp_path)
+    raw["train"]["dtype"] = recipe_dtype
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    seen = []
+    monkeypatch.setattr(throughput, "measure", lambda config, **kw: seen.append(kw["bf16"]) or {})
+    out = tmp_path / "rows.jsonl"
+    assert cli.main(["throughput", "--config", str(path), "--preset", "tiny-falcon", "--seq-len", "8", "--device",
+                     "cpu", "--no-progress", "--out", str(out), *argv]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    preset_bf16 = bf16 if argv else True
+    assert seen == [bf16, preset_bf16]
+    assert [row["dtype"] for row in rows] == ["bf16" if b else "fp32" for b in (bf16, preset_bf16)]

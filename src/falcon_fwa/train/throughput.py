@@ -11,10 +11,11 @@ of timed steps have passed, but never before ``--min-steps`` of them. The one ha
 its next step boundary and its row says ``"stopped": "deadline"`` (``"steady": false`` when fewer
 than ``--min-steps`` were timed); measurements not started get a row with ``"skipped"``.
 
-A recipe (``--config``) is measured at its ``data.seq_len`` and ``train.micro_batch`` with the model its
-training builds: the preset's vocabulary grown to the recipe's tokenizer (``byte``; the record of its prepared
-data folder; ``bpe:N`` not yet trained: N; a local tokenizer folder or a cached Hub name). Its row's ``vocab_size``
-and ``vocabulary`` say which; where the tokenizer is not here without a download, the preset's, and the row says so.
+A recipe (``--config``) is measured at its ``data.seq_len``, ``train.micro_batch`` and ``train.dtype`` (where
+``--dtype`` is not given) with the model its training builds: the preset's vocabulary grown to the recipe's
+tokenizer (``byte``; the record of its prepared data folder; ``bpe:N`` not yet trained: N; a local tokenizer folder
+or a cached Hub name). Its row's ``vocab_size`` and ``vocabulary`` say which; where the tokenizer is not here
+without a download, the preset's, and the row says so.
 
 Measurements go by sequence length first: every preset at the first length, then every preset
 at the next one, so a killed command still leaves one comparable row per preset. Each row is
@@ -46,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..cli_options import (DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_option, finite_at_least,
-                           resolve_device)
+from ..cli_options import (DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_name, dtype_option,
+                           finite_at_least, resolve_device)
 
 _clock = time.perf_counter  # every time in this module comes from here
 
@@ -235,8 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock seconds for the whole command (the only hard cap)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], type=dtype_option(["bf16", "fp32"]),
-                        help="bf16: the training step under bf16 autocast, fp32 weights (the default, as training "
-                             "runs); fp32: no autocast")
+                        help="bf16: the training step under bf16 autocast, fp32 weights (as training runs); fp32: "
+                             "no autocast (default: a recipe's train.dtype, bf16 for a preset)")
     parser.add_argument("--fp32", action="store_true", help="the same as --dtype fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does)")
     parser.add_argument("--activation-checkpointing", action="store_true",
@@ -323,17 +324,20 @@ def recipe_model_config(cfg) -> Tuple[object, dict]:
 
 
 def _jobs(args):
-    """``(name, config, seq_len, batch_size, row fields)``: recipes, then presets length by length."""
+    """``(name, config, seq_len, batch_size, row fields, bf16)``: recipes, then presets length by length.
+    ``bf16``: ``--dtype`` / ``--fp32`` where given, else a recipe's ``train.dtype`` (bf16 for a preset)."""
     from .config import load_config
 
+    given = None if args.dtype is None and not args.fp32 else not args.fp32 and args.dtype != "fp32"
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
         config, fields = recipe_model_config(cfg)
-        yield path, config, cfg.data.seq_len, cfg.train.micro_batch, fields
+        bf16 = given if given is not None else dtype_name(cfg.train.dtype, ["bf16", "fp32"]) == "bfloat16"
+        yield path, config, cfg.data.seq_len, cfg.train.micro_batch, fields, bf16
     configs = {spec: parse_preset(spec) for spec in args.preset}  # a bad spec fails before anything runs
     for seq_len in args.seq_len:
         for spec in args.preset:
-            yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len), {}
+            yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len), {}, given is not False
 
 
 _COLUMNS = (("seq_len", 7), ("batch", 5), ("params", 13), ("tokens/s", 11), ("peak MiB", 10))
@@ -393,7 +397,6 @@ def run(args: argparse.Namespace) -> int:
     finite_at_least("--deadline", args.deadline, 0, strict=True)
     if args.fp32 and args.dtype == "bf16":
         raise ValueError("--fp32 and --dtype bf16 contradict each other: give one")
-    bf16 = not args.fp32 and args.dtype != "fp32"
     args.device = resolve_device(args.device)
     deadline = None if args.deadline is None else _clock() + args.deadline
     launch = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
@@ -406,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
             print("falcon-fwa throughput: --table without --out keeps no rows (JSON lines: step times, warm-up, "
                   "profile)", file=sys.stderr, flush=True)
         print(_table_header(width), flush=True)
-    for name, config, seq_len, batch_size, fields in jobs:
+    for name, config, seq_len, batch_size, fields, bf16 in jobs:
         row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size, "dtype": "bf16" if bf16 else "fp32",
                      "launch": launch, **fields}
         if deadline is not None and _clock() >= deadline:

@@ -61,6 +61,15 @@ def test_a_hugging_face_config_attribute_given_to_a_preset_is_named_as_such():
             get_preset("tiny-retnet", **{method: 1})
         assert f"'{method}'" in str(err.value) and "PretrainedConfig" not in str(err.value)
         assert f"config.{method} =" not in str(err.value)
+    built = get_preset("tiny-retnet")
+    with pytest.raises(AttributeError):  # a property of the config read from return_dict: nothing to set
+        built.use_return_dict = False
+    built.num_labels = 3  # a property with a setter: set on the built config, as advised
+    assert len(built.id2label) == 3
+    for name, advised in (("use_return_dict", False), ("num_labels", True)):
+        with pytest.raises(ValueError) as err:
+            get_preset("tiny-retnet", **{name: 1})
+        assert f"'{name}'" in str(err.value) and (f"config.{name} = ..." in str(err.value)) == advised, name
     config = get_preset("tiny-retnet")
     config.return_dict, config.output_hidden_states = False, True
     out = FalconForCausalLM(config).eval()(torch.randint(0, 64, (2, 5)), use_cache=False)

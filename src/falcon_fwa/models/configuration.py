@@ -130,6 +130,13 @@ def _hint(name: str, fields: frozenset, cutoff: float = 0.6) -> Optional[str]:
     return close[0] if close else None
 
 
+def _settable(cls: type, name: str) -> bool:
+    """Can ``name``, an attribute of ``cls``'s instances, be set on one: not a method (``to_dict``, ``update``)
+    nor a property without a setter (``use_return_dict``, read from ``return_dict``)."""
+    attr = getattr(cls, name, None)
+    return not callable(attr) and not (isinstance(attr, property) and attr.fset is None)
+
+
 def check_field_names(names: Iterable[str], where: str = "") -> None:
     """A ``ValueError`` naming every one of ``names`` that is not a :class:`FalconConfig` field,
     with the field it most likely meant (a misspelt override would otherwise be stored unused
@@ -140,8 +147,7 @@ def check_field_names(names: Iterable[str], where: str = "") -> None:
     unknown = sorted(set(names) - fields)
     if unknown:
         base = PretrainedConfig()
-        hf = [u for u in unknown if not u.startswith("_") and hasattr(base, u)
-              and not callable(getattr(type(base), u, None))]  # (a method, to_dict or update, is set on nothing)
+        hf = [u for u in unknown if not u.startswith("_") and hasattr(base, u) and _settable(type(base), u)]
         hints = [f"{u!r}" + (" (an attribute of Hugging Face's PretrainedConfig: set it on the built config, "
                              f"config.{u} = ...)" if u in hf else
                              f" (did you mean {h!r}?)" if (h := _hint(u, fields)) else "") for u in unknown]

@@ -74,7 +74,6 @@ def test_throughput_out_in_a_folder_not_made_yet_holds_every_row(tmp_path, capsy
         assert r["tokens_per_s"] == pytest.approx(16 / r["step_s"], rel=1e-12)
 
 
-
 @pytest.mark.parametrize("warmup", [1, 0])
 def test_the_first_step_counts_in_the_timing_only_under_warmup_0(monkeypatch, warmup):
     """Steps of 10, 1, 1 and 1 s on the module's clock: with one warm-up step the 10-s first step is

@@ -28,7 +28,8 @@ def paper_learner(k, v, beta, lam, *, rule, window=4, eps=1e-6, decay_floor=1e-3
     V = v.shape[-1]
     step_shape = (B, T, H, V) if rule in PER_COLUMN else (B, T, H)
     out = dict(eta=torch.zeros(step_shape, dtype=torch.float64), gamma=torch.ones(step_shape, dtype=torch.float64),
-               clamped=torch.zeros(step_shape, dtype=torch.bool), prediction=torch.zeros(B, T, H, V, dtype=torch.float64),
+               clamped=torch.zeros(step_shape, dtype=torch.bool),
+               prediction=torch.zeros(B, T, H, V, dtype=torch.float64),
                valid=torch.ones(B, T, dtype=torch.bool), S=torch.zeros(B, H, k.shape[-1], V, dtype=torch.float64))
     width = window if rule in SLIDING else 1
     for b in range(B):

@@ -5,8 +5,9 @@
 
 Every measurement runs ``--warmup`` untimed steps first (the first step compiles and autotunes
 kernels; its time is reported as ``first_step_s``, never counted against ``--max-seconds`` or in
-tokens/s, unless ``--warmup 0`` makes it the first timed step), then up to ``--steps`` timed steps, each synchronized. Timing ends early once ``--max-seconds``
-of timed steps have passed, but never before ``--min-steps`` of them. The one hard cap is
+tokens/s, unless ``--warmup 0`` makes it the first timed step), then up to ``--steps`` timed steps,
+each synchronized. Timing ends early once ``--max-seconds`` of timed steps have passed, but never
+before ``--min-steps`` of them. The one hard cap is
 ``--deadline`` (wall-clock seconds for the whole command): the measurement in progress ends at
 its next step boundary and its row says ``"stopped": "deadline"`` (``"steady": false`` when fewer
 than ``--min-steps`` were timed); measurements not started get a row with ``"skipped"``.

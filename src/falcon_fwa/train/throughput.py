@@ -327,13 +327,13 @@ def recipe_model_config(cfg) -> Tuple[object, dict]:
 def _jobs(args):
     """``(name, config, seq_len, batch_size, row fields, bf16)``: recipes, then presets length by length.
     ``bf16``: ``--dtype`` / ``--fp32`` where given, else a recipe's ``train.dtype`` (bf16 for a preset)."""
-    from .config import load_config
+    from .config import DTYPES, load_config
 
     given = None if args.dtype is None and not args.fp32 else not args.fp32 and args.dtype != "fp32"
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
         config, fields = recipe_model_config(cfg)
-        bf16 = given if given is not None else dtype_name(cfg.train.dtype, ["bf16", "fp32"]) == "bfloat16"
+        bf16 = given if given is not None else dtype_name(cfg.train.dtype, DTYPES) == "bfloat16"
         yield path, config, cfg.data.seq_len, cfg.train.micro_batch, fields, bf16
     configs = {spec: parse_preset(spec) for spec in args.preset}  # a bad spec fails before anything runs
     for seq_len in args.seq_len:

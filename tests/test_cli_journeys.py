@@ -1,6 +1,8 @@
 """Command-line journeys end to end: option combinations that would be silently ignored, or fail only after
 the work, are refused naming the options before any model loads or any step trains; a folder of the wrong
 kind (a run folder for --model, a prepared data folder for --data) is answered with the folder to give."""
+import json
+
 import pytest
 
 from falcon_fwa import cli
@@ -226,3 +228,44 @@ def test_compare_refuses_a_micro_batch_that_does_not_split_the_batch_before_any_
         _compare(tmp_path, "--steps", "2")
     assert yaml.safe_load((tmp_path / "b.yaml").read_text())["train"]["global_batch"] == 4
     assert not (tmp_path / "cmp" / "compare.json").exists() and not (tmp_path / "cmp" / "data").exists()
+
+
+def test_ppl_refuses_a_plot_without_matplotlib_before_the_work(model_folder, tmp_path, monkeypatch, capsys):
+    """``--plot`` where matplotlib is not installed (an import of it fails) is refused by name before any window
+    is scored, instead of failing once the evaluation is done."""
+    import sys
+
+    from falcon_fwa.eval import ppl_cli
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(ppl_cli, "position_nll", lambda *a, **k: pytest.fail("scored before --plot was checked"))
+    corpus = tmp_path / "val.txt"
+    corpus.write_text("the state is a linear model trained online " * 20)
+    assert cli.main(["ppl", "--model", model_folder, "--data", str(corpus), "--seq-len", "16", "--device", "cpu",
+                     "--plot", str(tmp_path / "ppl.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("falcon-fwa ppl: error: --plot draws with matplotlib, which is not installed")
+    assert not (tmp_path / "ppl.png").exists()
+
+
+def test_compare_report_without_matplotlib_writes_its_rows_and_table_and_says_there_is_no_plot(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """The report's JSON rows and markdown table need no matplotlib: without it they are written, the command
+    ends with 0, and one line says no loss plot was drawn (it stopped with an ImportError after the table)."""
+    import sys
+
+    from falcon_fwa.train import compare_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    report = {"configs": ["a"], "steps": 2, "status": {"a": "done"},
+              "runs": {"a": {"steps": 2, "params": 10, "tokens": 64, "val_ppl": 3.5, "log": [
+                  {"step": 1, "tokens": 32, "loss": 1.5}, {"step": 2, "tokens": 64, "loss": 1.25, "val_loss": 1.3}]}}}
+    (tmp_path / "compare.json").write_text(json.dumps(report))
+    prefix = tmp_path / "rep" / "small"
+    assert compare_report.main([str(tmp_path / "compare.json"), str(prefix)]) == 0
+    rows = json.loads((tmp_path / "rep" / "small.json").read_text())
+    assert [(r["model"], r["status"], r["val_ppl"]) for r in rows] == [("a", "done", 3.5)]
+    assert "| a | done | 10 | 64 | 3.500 |" in (tmp_path / "rep" / "small_table.md").read_text()
+    assert "matplotlib is not installed: no plot" in capsys.readouterr().out
+    assert not (tmp_path / "rep" / "small_loss.png").exists()

@@ -42,6 +42,7 @@ from ..cli_options import dtype_name
 from ..data.shards import TokenShards, is_shard_folder
 from ..data.sources import iter_documents
 from ..data.tokenizer import encode_documents, is_byte_tokenizer
+from ..plotting import pyplot
 
 
 def check_model_folder(folder: str) -> None:
@@ -236,12 +237,10 @@ def bucket_report(total: torch.Tensor, count: Union[int, torch.Tensor], edges: S
 
 def plot_buckets(report: dict, path: str, label: str = "") -> None:
     """Perplexity against position (the buckets' midpoints) as a PNG at ``path`` (written atomically,
-    its folder created)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    its folder created); nothing (and a line saying so) without matplotlib (``ppl --plot`` checks for it first)."""
+    plt = pyplot()
+    if plt is None:
+        return
     filled = [b for b in report["buckets"] if b["ppl"] is not None]
     mids = [(b["start"] + b["end"]) / 2 for b in filled]
     fig, ax = plt.subplots(figsize=(5, 3.5))

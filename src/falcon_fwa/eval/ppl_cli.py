@@ -11,6 +11,7 @@ from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_outp
 from ..data.cli import option
 from ..data.shards import is_shard_folder
 from ..data.sources import TEXT_SPLITS, list_files
+from ..plotting import require as require_plotting
 from ..provenance import command_provenance
 from .perplexity import (bucket_report, check_edges, default_edges, load_model, plot_buckets, position_nll,
                          token_stream, windows)
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_file("--plot", args.plot)
     if args.plot and not args.plot.lower().endswith(".png"):  # its format follows the name: refused before the work
         raise ValueError(f"--plot {args.plot!r}: the plot is a PNG; give a path ending in .png")
+    if args.plot:
+        require_plotting("--plot")
     check_tokenizer_in("--model", args.model)
     model, tokenizer = load_model(args.model, device=args.device)
     eos_id = tokenizer.eos_token_id if args.documents == "reset" else None

@@ -12,15 +12,15 @@ import json
 import os
 
 from ..atomic import atomic_path, write_json, write_text
+from ..plotting import pyplot
 
 
 def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
-    """Training loss (lines) and validation loss (markers) against tokens, one colour per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Training loss (lines) and validation loss (markers) against tokens, one colour per run; nothing (and a
+    line saying so) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, run) in enumerate(runs.items()):
         log = run.get("log", [])

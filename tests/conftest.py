@@ -228,6 +228,34 @@ def fake_git_commit(short: bool = True, cwd=None) -> str:
     return commit[:7] if short else commit
 
 
+def save_tiny_falcon(folder):
+    """A tiny random float32 Falcon (``initializer_range`` 0.5: varied greedy tokens) saved into ``folder`` with
+    the byte tokenizer, as a training run exports one; the model, in eval mode."""
+    from falcon_fwa import FalconForCausalLM, get_preset
+    from falcon_fwa.data.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon", vocab_size=320, initializer_range=0.5)).eval()
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return model
+
+
+def signal_while_drawing(monkeypatch, module, sig, call: int) -> list:
+    """Wrap ``module.training_batch`` so that it records the step of each batch it draws and sends ``sig`` to
+    this process while drawing its ``call``-th one (counted from 1 over the test); the list of steps drawn."""
+    original, drawn = module.training_batch, []
+
+    def drawing(seed, step, *args, **kw):
+        drawn.append(step)
+        if len(drawn) == call:
+            os.kill(os.getpid(), sig)
+        return original(seed, step, *args, **kw)
+
+    monkeypatch.setattr(module, "training_batch", drawing)
+    return drawn
+
+
 def tiny_lm_recipe(folder) -> str:
     """A corpus of random word paragraphs and a one-step ``train`` recipe of the ``tiny-falcon`` preset on it
     (byte tokenizer, 32-token rows, fp32), written into ``folder`` (a ``pathlib.Path``); the recipe's path.

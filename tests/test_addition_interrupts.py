@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from conftest import signal_while_drawing
 
 from falcon_fwa.atomic import folder_lock
 from falcon_fwa.tasks.addition import cli, compare, train
@@ -115,16 +116,7 @@ def test_sigterm_stops_a_run_at_the_end_of_its_step_with_a_consistent_checkpoint
     straight, out = tmp_path / "straight", tmp_path / "run"
     argv = ["--eval-every", "2"]
     assert _run(straight, *argv) == 0
-    original = train.training_batch
-    drawn = []
-
-    def drawing(seed, step, *args, **kw):
-        drawn.append(step)
-        if step == 2 and len(drawn) == 3:  # the first launch, in its third step
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(seed, step, *args, **kw)
-
-    monkeypatch.setattr(train, "training_batch", drawing)
+    drawn = signal_while_drawing(monkeypatch, train, signal.SIGTERM, 3)  # the first launch, in its third step
     fallback = []  # the test's own handler: a signal the run does not catch is seen here
     previous = signal.signal(signal.SIGTERM, lambda *a: fallback.append(1))
     try:

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import save_tiny_falcon
 
-from falcon_fwa import FalconForCausalLM, get_preset
 from falcon_fwa.data.tokenizer import byte_tokenizer
 from falcon_fwa.eval import bucket_report, default_edges, load_model, token_stream
 from falcon_fwa.eval.perplexity import check_model_folder
@@ -23,12 +23,8 @@ EOS = 256  # the byte tokenizer's end-of-text id
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """(model, folder) of a tiny float32 Falcon saved with the byte tokenizer."""
-    torch.manual_seed(0)
-    model = FalconForCausalLM(get_preset("tiny-falcon", vocab_size=320, initializer_range=0.5)).eval()
     path = tmp_path_factory.mktemp("eval") / "m"
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return model, str(path)
+    return save_tiny_falcon(path), str(path)
 
 
 def test_default_edges_are_the_docs_buckets():

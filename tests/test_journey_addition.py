@@ -11,6 +11,7 @@ import signal
 
 import pytest
 import torch
+from conftest import signal_while_drawing
 
 from falcon_fwa.tasks.addition import cli, train
 from falcon_fwa.tasks.addition.lineup import DigitPositions, build_model
@@ -155,16 +156,7 @@ def test_a_run_stopped_by_sigint_mid_interval_resumes_to_the_straight_runs_weigh
             "--ood-widths", "4", "5", "--val-per-width", "6", "--ood-per-width", "4", *SIZE]
     straight, out = tmp_path / "straight", tmp_path / "run"
     assert cli.main([*argv, "--out", str(straight)]) == 0
-    original = train.training_batch
-    calls = []
-
-    def interrupting(seed, step, *args, **kw):
-        calls.append(step)
-        if step == 5 and len(calls) == 6:  # the first launch, during its sixth step
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(seed, step, *args, **kw)
-
-    monkeypatch.setattr(train, "training_batch", interrupting)
+    calls = signal_while_drawing(monkeypatch, train, signal.SIGINT, 6)  # the first launch, during its sixth step
     assert cli.main([*argv, "--out", str(out)]) == 128 + signal.SIGINT
     assert "stopped by SIGINT at step 6 of 12" in capsys.readouterr().err
     stopped = json.loads((out / "results.json").read_text())

@@ -3,9 +3,7 @@ requests is refused naming the option, where the harness would stop on a bare as
 scores the left-truncated context (log-likelihoods and greedy generation against direct computations)."""
 import pytest
 import torch
-
-from falcon_fwa import FalconForCausalLM, get_preset
-from falcon_fwa.data.tokenizer import byte_tokenizer
+from conftest import save_tiny_falcon
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("lm_eval")
@@ -15,13 +13,9 @@ EOS = 256  # the byte tokenizer's end-of-text id
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny random Falcon (initializer_range 0.5: varied greedy tokens) saved with the byte tokenizer."""
-    torch.manual_seed(0)
-    model = FalconForCausalLM(get_preset("tiny-falcon", vocab_size=320, initializer_range=0.5)).eval()
+    """(model, folder) of a tiny random Falcon saved with the byte tokenizer."""
     path = tmp_path_factory.mktemp("journey_serve") / "model"
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return model, str(path)
+    return save_tiny_falcon(path), str(path)
 
 
 def _lm(path, **kwargs):

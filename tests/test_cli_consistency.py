@@ -125,7 +125,8 @@ def _training_dtype(cfg):
     trainer = Trainer(cfg)
     try:
         with trainer.autocast():
-            return (torch.ones(4, 4) @ torch.ones(4, 4)).dtype
+            ones = torch.ones(4, 4, device=trainer.info.device)  # (on the device the trainer trains on)
+            return (ones @ ones).dtype
     finally:
         trainer.close()
 

@@ -2,6 +2,7 @@
 (``--out .`` beside the text files, or a project folder with the text in a subfolder), and option values that
 name nothing (``hf:`` without a name, an empty ``--out``) refused in one line naming the option. Shards are
 checked against the UTF-8 bytes of the files, worked out here."""
+import importlib.util
 import json
 import logging
 import os
@@ -14,6 +15,8 @@ from falcon_fwa.cli import main
 from falcon_fwa.data import TokenShards
 
 EOS = 256
+needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
+                                    reason="hf: sources load through the datasets package")
 
 
 def run_data(capsys, *argv):
@@ -113,6 +116,7 @@ def test_the_documented_byte_record_of_two_files_matches_their_bytes(tmp_path, c
     assert TokenShards(str(tmp_path / "d" / "train")).shards[0].doc_starts.tolist() == [0]
 
 
+@needs_datasets
 def test_a_local_hf_dataset_folder_changed_since_is_refused_not_reused(tmp_path, capsys):
     """``hf:/path`` is a local source: a record added to its train file since is refused as a file of another
     size, not reused from the old shards; ``--overwrite`` then tokenizes the new record. One folder gives both
@@ -137,6 +141,7 @@ def test_a_local_hf_dataset_folder_changed_since_is_refused_not_reused(tmp_path,
     assert np.array_equal(shard_tokens(tmp_path / "d" / "train"), expected("doc 0", "doc 1", "doc 2", "doc 3"))
 
 
+@needs_datasets
 def test_a_local_hf_dataset_folder_with_a_link_back_into_itself_records_each_file_once(tmp_path, capsys):
     """A dataset folder holding a link to itself (a loop when followed) and a broken link: its two files are
     recorded once each, by the paths under the folder, and a second run reuses the folder."""
@@ -155,6 +160,7 @@ def test_a_local_hf_dataset_folder_with_a_link_back_into_itself_records_each_fil
     assert run_data(capsys, *argv)[:2] == (0, record)
 
 
+@needs_datasets
 def test_a_folder_whose_record_holds_no_files_of_an_hf_source_is_reused(tmp_path, capsys):
     """A record that lists no files for an ``hf:`` split (as written before such files were listed) is reused."""
     ds = tmp_path / "ds"

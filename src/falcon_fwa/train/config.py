@@ -189,6 +189,12 @@ def _read_file(path: str) -> dict:
     return raw
 
 
+def trains_in_bf16(train: "TrainSection") -> bool:
+    """Whether ``train.dtype`` (any spelling the recipe takes: bf16/bfloat16, fp32/float32) trains under bf16
+    autocast; also for a config never validated. A ``ValueError`` naming ``train.dtype`` otherwise."""
+    return dtype_name(train.dtype, DTYPES, name="config field train.dtype") == "bfloat16"
+
+
 def _parent_path(path: str, parent) -> Optional[str]:
     """The file that recipe ``path``'s ``extends: parent`` names, resolved next to ``path`` (``None``: none); a
     value that is no file name, or a file not there, is a ValueError naming the recipe and its ``extends``."""

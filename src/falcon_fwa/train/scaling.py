@@ -342,23 +342,27 @@ def _run_dir(out: str, job: dict) -> str:
     return os.path.join(out, _folder_name(f"{job['model']}-{job['strategy']}-n{job['gpus']}-s{job['seed']}"))
 
 
-def _check_recipes(args: argparse.Namespace, names: List[str], micro: int, global_batch: int) -> None:
+def _check_recipes(args: argparse.Namespace, names: List[str], micro: int, global_batch: int) -> Dict[str, int]:
     """Every recipe as its runs will read it, before any run starts: a recipe or ``--set`` that does not
     load, or a local data source that names no file where a run would have to tokenize it (a run whose data
-    folder holds no tokenized data yet), is named here rather than in the log of each run that fails on it."""
+    folder holds no tokenized data yet), is named here rather than in the log of each run that fails on it.
+    The sequence length of each model's runs, by name."""
     from ..data.prepare import source_files
 
     jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
+    lengths = {}
     for config, name in zip(args.configs, names):
         own = [job for job in jobs if job["model"] == name]
         cfg = load_config(config, run_sets(own[0], steps=args.steps, micro_batch=micro, global_batch=global_batch,
                                            out_dir=_run_dir(args.out, own[0]), extra_sets=args.overrides))
+        lengths[name] = cfg.data.seq_len
         # (a run whose data folder holds tokens reads them, whether it is kept or runs again; an untimed
         # warm-up that fails is recorded and leaves the timed runs to go on)
         folders = {cfg.data.out_dir or os.path.join(_run_dir(args.out, job), "data") for job in own}
         if all(os.path.isfile(os.path.join(folder, "prepared.json")) for folder in folders):
             continue
         source_files(cfg.data.spec(), sorted(folders)[0], name=lambda field: f"--configs {config}: data.{field}")
+    return lengths
 
 
 def run(args: argparse.Namespace) -> int:
@@ -367,8 +371,7 @@ def run(args: argparse.Namespace) -> int:
     first = load_config(args.configs[0], args.overrides)
     micro = args.micro_batch or first.train.micro_batch
     global_batch = shared_global_batch(micro, args.gpus)
-    _check_recipes(args, names, micro, global_batch)
-    lengths = {name: load_config(config, args.overrides).data.seq_len for config, name in zip(args.configs, names)}
+    lengths = _check_recipes(args, names, micro, global_batch)
     seq_len = first.data.seq_len if len(set(lengths.values())) == 1 else lengths
     meta = dict(machine=args.machine or device_description(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=seq_len,

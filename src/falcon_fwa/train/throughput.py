@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..cli_options import (DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_name, dtype_option,
-                           finite_at_least, resolve_device)
+from ..cli_options import (DEVICE_HELP, at_least, check_input_files, check_output_file, dtype_option, finite_at_least,
+                           resolve_device)
 
 _clock = time.perf_counter  # every time in this module comes from here
 
@@ -327,13 +327,13 @@ def recipe_model_config(cfg) -> Tuple[object, dict]:
 def _jobs(args):
     """``(name, config, seq_len, batch_size, row fields, bf16)``: recipes, then presets length by length.
     ``bf16``: ``--dtype`` / ``--fp32`` where given, else a recipe's ``train.dtype`` (bf16 for a preset)."""
-    from .config import DTYPES, load_config
+    from .config import load_config, trains_in_bf16
 
     given = None if args.dtype is None and not args.fp32 else not args.fp32 and args.dtype != "fp32"
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
         config, fields = recipe_model_config(cfg)
-        bf16 = given if given is not None else dtype_name(cfg.train.dtype, DTYPES) == "bfloat16"
+        bf16 = given if given is not None else trains_in_bf16(cfg.train)
         yield path, config, cfg.data.seq_len, cfg.train.micro_batch, fields, bf16
     configs = {spec: parse_preset(spec) for spec in args.preset}  # a bad spec fails before anything runs
     for seq_len in args.seq_len:
@@ -405,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:  # each row is appended as it is measured: its folder is made once every option has passed
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     width = max(len("preset"), *(len(job[0]) for job in jobs))
+    table = [width] if args.table else []  # _append_row's table width, or none: JSON rows
     if args.table:
         if not args.out:
             print("falcon-fwa throughput: --table without --out keeps no rows (JSON lines: step times, warm-up, "
@@ -415,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
                      "launch": launch, **fields}
         if deadline is not None and _clock() >= deadline:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
-            _append_row(args.out, row, *([width] if args.table else []))
+            _append_row(args.out, row, *table)
             continue
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
@@ -426,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()
-        _append_row(args.out, row, *([width] if args.table else []))
+        _append_row(args.out, row, *table)
     return 0
 
 

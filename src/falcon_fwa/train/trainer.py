@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..atomic import folder_lock, fsync_folder, read_json, remove_temporaries, replaceable, sync_tree, write_json
-from ..cli_options import dtype_name
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from ..provenance import git_commit
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import DTYPES, RunConfig
+from .config import RunConfig, trains_in_bf16
 from .launch import LOCK_NAME, StopSignals
 from .logger import MetricLogger, read_log
 from .model_factory import build_model, enable_activation_checkpointing, param_groups
@@ -173,8 +172,7 @@ class Trainer:
         self.step = 0
         self.position = 0
         self.last_checkpoint: Optional[str] = None
-        # any spelling the recipe takes (bf16/bfloat16, fp32/float32), also where the config was never validated
-        self.use_bf16 = dtype_name(t.dtype, DTYPES, name="config field train.dtype") == "bfloat16"
+        self.use_bf16 = trains_in_bf16(t)  # (any spelling; also a config never validated)
         # one launch at a time in a run folder: two would delete each other's checkpoints in progress
         self._lock = ExitStack()
         if self.info.is_main:

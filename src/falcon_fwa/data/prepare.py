@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
-from .sources import TEXT_SPLITS, iter_documents, list_files, walk_files
+from .sources import TEXT_SPLITS, hf_dataset, iter_documents, list_files, walk_files
 from .tokenizer import bpe_vocab_size, load_tokenizer
 
 
@@ -45,7 +45,7 @@ class DataSpec:
         ``data.FIELD``; the ``data`` command passes its options, ``--val-every``)."""
         for field in ("train_source", "val_source"):  # (datasets fails on an empty NAME with an IndexError)
             source = getattr(self, field)
-            if source is not None and source.startswith("hf:") and not source[3:].partition(":")[0]:
+            if source is not None and source.startswith("hf:") and not hf_dataset(source)[0]:
                 raise ValueError(f"{name(field)} {source!r} names no dataset: give hf:NAME[:CONFIG] (a Hub name or "
                                  "a local dataset folder)")
         if self.text_split not in TEXT_SPLITS:
@@ -86,7 +86,7 @@ def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lamb
         if source is None:
             return None
         if source.startswith("hf:"):
-            return _dataset_folder_files(source[3:].partition(":")[0], out_dir)
+            return _dataset_folder_files(hf_dataset(source)[0], out_dir)
         try:
             return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
         except FileNotFoundError as err:

@@ -209,11 +209,17 @@ def _parquet_texts(path: str, text_field: str, name: Callable[[str], str] = lamb
         raise ValueError(f"{path}: unreadable Parquet data ({err})") from None
 
 
+def hf_dataset(source: str) -> Tuple[str, str]:
+    """``(NAME, CONFIG)`` of an ``hf:NAME[:CONFIG]`` source (``CONFIG`` ``""`` where none is given)."""
+    name, _, config = source[len("hf:"):].partition(":")
+    return name, config
+
+
 def _hf_records(source: str, split: str):
     """The streamed records of split ``split`` of ``hf:NAME[:CONFIG]``; ``ValueError`` naming the source."""
     from datasets import load_dataset
 
-    name, _, config = source[3:].partition(":")
+    name, config = hf_dataset(source)
     try:
         return load_dataset(name, config or None, split=split, streaming=True)
     except (ValueError, OSError) as err:  # no such dataset, config or split; the Hub out of reach

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, hf_dataset, iter_documents, list_files, walk_files
-from .tokenizer import bpe_vocab_size, load_tokenizer
+from .tokenizer import bpe_vocab_size, canonical_spec, load_tokenizer
 
 
 @dataclass
@@ -38,6 +38,11 @@ class DataSpec:
     val_every: int = 20
     max_documents: Optional[int] = None
     bpe_documents: int = 100_000
+
+    def __post_init__(self) -> None:
+        # one tokenizer, one recorded setting: "bpe:0300" or "bpe:" in other digits is "bpe:300" (see canonical_spec)
+        if isinstance(self.tokenizer, str):
+            self.tokenizer = canonical_spec(self.tokenizer)
 
     def check(self, name: Callable[[str], str] = lambda field: f"data.{field}") -> None:
         """Raise ``ValueError`` naming the first bad setting, before any document is read.

@@ -81,6 +81,18 @@ def bpe_vocab_size(spec: str) -> int:
     return int(size)
 
 
+def canonical_spec(spec: str) -> str:
+    """``spec`` as a preparation records it: a valid ``"bpe:N"`` spelt ``bpe:<N in ASCII digits>`` (``"bpe: 0300"``
+    and ``"bpe:\u0663\u0660\u0660"`` are ``"bpe:300"``, the one tokenizer they train); any other spec as given
+    (a bad ``bpe:N`` is left for :func:`bpe_vocab_size` to name)."""
+    if not spec.startswith("bpe:"):
+        return spec
+    try:
+        return f"bpe:{bpe_vocab_size(spec)}"
+    except ValueError:
+        return spec
+
+
 def is_missing_folder(spec: str) -> bool:
     """Whether a tokenizer ``spec`` names a local folder by its form (absolute, ``./`` or ``../``, or more than
     the one ``/`` of a Hub name ``OWNER/NAME``) that does not exist."""

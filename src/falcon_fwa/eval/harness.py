@@ -99,6 +99,15 @@ def lm_class():
             context_enc, continuation_enc = super()._encode_pair(context, continuation)
             return self._opening(context_enc) + list(context_enc), continuation_enc
 
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            # HFLM reads .logits: the output object is asked for, whatever the config's return_dict says (a
+            # folder saved with return_dict=False would otherwise give a tuple)
+            if attn_mask is not None or labels is not None:  # the seq2seq call, which a causal model never gets
+                return super()._model_call(inps, attn_mask, labels)
+            dtype = getattr(self, "mixed_precision_dtype", None)
+            with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=dtype, enabled=dtype is not None):
+                return self.model(inps, return_dict=True).logits
+
         def _select_cont_toks(self, logits, contlen=None, inplen=None):
             # the continuation's log-probabilities (taken over all ids): is_greedy is their argmax, which
             # is to be over the tokenizer's ids, the ones generation picks from

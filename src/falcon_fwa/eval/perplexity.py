@@ -146,6 +146,14 @@ def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None,
     return torch.from_numpy(tokens[idx])
 
 
+def _output_object(model) -> dict:
+    """``{"return_dict": True}`` for a transformers model, ``{}`` for any other module: a model whose config
+    says ``return_dict=False`` still returns ``.logits``, and a module without the keyword is called as before."""
+    from transformers import PreTrainedModel
+
+    return {"return_dict": True} if isinstance(model, PreTrainedModel) else {}
+
+
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
     """Logits to score: bf16/fp16 ones in float32, float32/float64 ones as they are."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -165,6 +173,7 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     seq_len = rows.shape[1] - 1
+    as_object = _output_object(model)
     total = torch.zeros(seq_len, dtype=torch.float64)
     count = torch.zeros(seq_len, dtype=torch.float64)
     autocast = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -173,7 +182,7 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if eos_id is None:
             with autocast:
-                logits = model(input_ids=inputs, use_cache=False).logits
+                logits = model(input_ids=inputs, use_cache=False, **as_object).logits
             nll = F.cross_entropy(_at_least_float32(logits).transpose(1, 2), targets, reduction="none")
             total += nll.double().sum(0).cpu()
             count += len(batch)
@@ -183,7 +192,7 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
         flat_starts = starts.flatten().nonzero()[:, 0]
         cu = torch.cat([flat_starts, flat_starts.new_tensor([inputs.numel()])])
         with autocast:
-            logits = model(input_ids=inputs.reshape(1, -1), cu_seqlens=cu, use_cache=False).logits
+            logits = model(input_ids=inputs.reshape(1, -1), cu_seqlens=cu, use_cache=False, **as_object).logits
         nll = F.cross_entropy(_at_least_float32(logits[0]), targets.reshape(-1), reduction="none").view_as(targets)
         keep = targets != eos_id
         step = torch.arange(seq_len, device=inputs.device).expand_as(inputs)

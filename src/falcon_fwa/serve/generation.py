@@ -34,7 +34,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from ..cli_options import check_seed
-from .graphs import GraphedDecoder, graphable
+from .graphs import GraphedDecoder, graphable, output_object
 from .stops import StopText, check_stop
 
 __all__ = ["Completion", "Timing", "Generation", "check_settings", "generate_text"]
@@ -203,6 +203,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         use_graphs = False
     else:
         timing_note = ""
+    as_object = output_object(model)  # .logits and the cache, whatever the config's return_dict
     vocab = len(tokenizer)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
@@ -240,7 +241,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
 
         sync()
         t0 = time.perf_counter()
-        out = model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **as_object)
         token = choose(out.logits)
         sync()
         t1 = time.perf_counter()
@@ -283,7 +284,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
                     break
                 if decoder is None:
                     logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True,
-                                   logits_to_keep=1).logits
+                                   logits_to_keep=1, **as_object).logits
                 else:
                     logits = decoder.step(token)[:, None]
                 token = torch.where(done, torch.full_like(token, pad), choose(logits))

@@ -26,6 +26,16 @@ from ..ops import FalconState
 __all__ = ["GraphedDecoder", "graphable"]
 
 
+def output_object(model) -> dict:
+    """``{"return_dict": True}`` for a transformers model, ``{}`` for any other module:
+    the keyword that makes a model return its output object (``.logits``, the cache) whatever its config's
+    ``return_dict`` says (``from_pretrained(..., return_dict=False)`` or a saved config with it would make it a
+    tuple), while a module that takes no such keyword is called as before."""
+    from transformers import PreTrainedModel
+
+    return {"return_dict": True} if isinstance(model, PreTrainedModel) else {}
+
+
 def graphable(model, device: torch.device) -> Tuple[bool, str]:
     """``(True, "")`` if decoding steps of ``model`` on ``device`` can be graphed, else
     ``(False, why)``."""
@@ -98,7 +108,8 @@ class GraphedDecoder:
         self._seen = cache.seen
 
     def _forward(self, cache):
-        out = self.model(input_ids=self.tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=self.tokens, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                         **output_object(self.model))
         return out.logits[:, -1]
 
     def _step_in_place(self) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """What ``prepared.json`` records of the settings and inputs of ``falcon-fwa data``, so that a later run on the same
-``--out`` reuses the shards exactly when they are what it would write: one spelling of a ``bpe:N`` tokenizer."""
+``--out`` reuses the shards exactly when they are what it would write: one spelling of a ``bpe:N`` tokenizer, the
+files of a tokenizer folder."""
 import json
 import os
+import shutil
 
 import pytest
 from test_data_sources import run_data, words
 
 from falcon_fwa.data import DataSpec, prepare_dataset
+from falcon_fwa.data.tokenizer import train_bpe_tokenizer
 
 
 def corpus(tmp_path, n=30):
@@ -54,3 +57,79 @@ def test_a_recipe_spelling_is_recorded_as_the_command_s(tmp_path):
     src = corpus(tmp_path)
     record = prepare_dataset(DataSpec(train_source=str(src), tokenizer="bpe:0300", val_every=5), str(tmp_path / "d"))
     assert record["spec"]["tokenizer"] == "bpe:300" and record["vocab_size"] <= 300
+
+
+def tokenizer_folder(folder, size):
+    """A byte-level BPE of ``size`` tokens, trained on a small corpus and saved as a tokenizer folder."""
+    train_bpe_tokenizer(words(80, 4), size).save_pretrained(folder)
+    return {str(folder / f): os.path.getsize(folder / f) for f in sorted(os.listdir(folder))}
+
+
+def test_a_tokenizer_folder_changed_since_is_refused_naming_the_option(tmp_path, capsys):
+    """The files of a ``--tokenizer`` folder are recorded with their sizes, as an ``hf:`` dataset folder's are: one
+    that changed (its vocabulary retrained), is new or is gone, while the folder is there, is named with
+    ``--tokenizer`` and the shards stay as they were; the same files again reuse them, ``--overwrite`` tokenizes
+    with the folder as it is now, and a folder gone whole leaves the shards usable (their tokenizer is saved)."""
+    src, out, tok = corpus(tmp_path), tmp_path / "out", tmp_path / "tok"
+    first = tokenizer_folder(tok, 300)
+    assert str(tok / "tokenizer.json") in first
+    argv = ["--train", src, "--val-every", 5, "--tokenizer", tok, "--out", out]
+    status, record, err = run_data(capsys, *argv)
+    assert status == 0, err
+    assert record["files"]["tokenizer"] == first and record["vocab_size"] == 300
+    before = written(out)
+    status, again, err = run_data(capsys, *argv)
+    assert (status, again) == (0, record) and written(out) == before, err
+
+    tokenizer_folder(tmp_path / "small", 280)  # another vocabulary, in a tokenizer.json of another size
+    old, new = first[str(tok / "tokenizer.json")], os.path.getsize(tmp_path / "small" / "tokenizer.json")
+    assert old != new
+    shutil.copy(tmp_path / "small" / "tokenizer.json", tok / "tokenizer.json")
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and written(out) == before
+    assert f"prepared with another --tokenizer '{tok}': its files have changed since" in err
+    assert f"{tok / 'tokenizer.json'} held {old:,} bytes, now {new:,}" in err
+
+    shutil.copy(tmp_path / "small" / "tokenizer.json", tmp_path / "keep.json")
+    tokenizer_folder(tok, 300)  # trained again as at first: the same files, the same sizes
+    status, again, err = run_data(capsys, *argv)
+    assert (status, again) == (0, record) and written(out) == before, err
+    (tok / "added_tokens.json").write_text("{}")
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and f"{tok / 'added_tokens.json'} is new" in err
+    (tok / "added_tokens.json").unlink()
+    (tok / "tokenizer_config.json").unlink()
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and f"{tok / 'tokenizer_config.json'} is gone" in err and "--tokenizer" in err
+
+    tokenizer_folder(tok, 300)
+    shutil.copy(tmp_path / "keep.json", tok / "tokenizer.json")
+    for f in src.iterdir():  # a corpus gone since hides no change of the tokenizer
+        f.unlink()
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and f"{tok / 'tokenizer.json'} held {old:,} bytes, now {new:,}" in err
+    for i, doc in enumerate(words(30, 3)):
+        (src / f"{i:02d}.txt").write_text(doc)
+    status, rebuilt, err = run_data(capsys, *argv, "--overwrite")
+    assert status == 0 and rebuilt["vocab_size"] == 280, err
+    assert rebuilt["files"]["tokenizer"] == {str(tok / f): os.path.getsize(tok / f) for f in sorted(os.listdir(tok))}
+
+    shutil.rmtree(tok)
+    status, again, err = run_data(capsys, *argv)
+    assert (status, again) == (0, rebuilt), err
+
+
+def test_the_recipe_route_names_data_tokenizer_and_other_tokenizers_record_no_folder(tmp_path):
+    """Through ``prepare_dataset`` (a recipe) the changed folder is named as ``data.tokenizer``; ``byte`` and
+    ``bpe:N`` record no tokenizer files (there is no folder to change)."""
+    src, tok = corpus(tmp_path), tmp_path / "tok"
+    tokenizer_folder(tok, 300)
+    spec = DataSpec(train_source=str(src), tokenizer=str(tok), val_every=5)
+    prepare_dataset(spec, str(tmp_path / "d"))
+    tokenizer_folder(tok, 280)
+    with pytest.raises(ValueError, match=r"prepared with another data\.tokenizer '.*tok': its files have changed since "
+                                         r"\(.*tokenizer\.json held [\d,]+ bytes, now [\d,]+\)"):
+        prepare_dataset(spec, str(tmp_path / "d"))
+    for name in ("byte", "bpe:300"):
+        record = prepare_dataset(DataSpec(train_source=str(src), tokenizer=name, val_every=5), str(tmp_path / name[:3]))
+        assert sorted(record["files"]) == ["train", "val"]

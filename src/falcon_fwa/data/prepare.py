@@ -1,8 +1,9 @@
 """Tokenize a corpus once: ``{out_dir}/tokenizer/``, ``{out_dir}/train/``, ``{out_dir}/val/``.
 
-``prepared.json`` records the settings and the source files' sizes; preparing again with the same
-settings reuses the folder; with different settings, or once a local source has gained a file or a
-file has changed size, it is an error (pass ``overwrite=True`` to rebuild). A source removed since does
+``prepared.json`` records the settings and the sizes of the source files and of a tokenizer folder's files;
+preparing again with the same settings reuses the folder; with different settings, or once a local source
+or the tokenizer folder has gained a file or a file has changed size (or, the tokenizer's, is gone), it is an
+error (pass ``overwrite=True`` to rebuild). A source removed since does
 not matter: its tokens are in the folder.
 Preparations of one folder are serialised by a lock file (``{out_dir}/.prepare.lock``): runs
 started together on one shared folder tokenize it once, the others wait and reuse it. A preparation
@@ -84,25 +85,38 @@ def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] =
 
 def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
     """``{"train": {path: bytes}, "val": ...}``: the files each local source names now (an ``hf:`` dataset
-    folder: every file in it; a Hub dataset and an unset ``val_source`` give ``None``), so that a reuse can tell
-    a corpus that has changed. ``FileNotFoundError`` naming the setting (``name``) of a source that names no file."""
+    folder: every file in it; a Hub dataset and an unset ``val_source`` give ``None``), and ``"tokenizer"``: every
+    file of a tokenizer folder (:func:`tokenizer_files`; no key for another tokenizer), so that a reuse can tell
+    a corpus or tokenizer that has changed. ``FileNotFoundError`` naming the setting (``name``) of a source that
+    names no file."""
     def sizes(field: str) -> Optional[dict]:
         source = getattr(spec, field)
         if source is None:
             return None
         if source.startswith("hf:"):
-            return _dataset_folder_files(hf_dataset(source)[0], out_dir)
+            return _folder_files(hf_dataset(source)[0], out_dir)
         try:
             return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
         except FileNotFoundError as err:
             raise FileNotFoundError(f"{name(field)}: {err}") from None
 
-    return {"train": sizes("train_source"), "val": sizes("val_source")}
+    files = {"train": sizes("train_source"), "val": sizes("val_source")}
+    tokenizer = tokenizer_files(spec, out_dir)
+    return files if tokenizer is None else {**files, "tokenizer": tokenizer}
 
 
-def _dataset_folder_files(folder: str, out_dir: str) -> Optional[dict]:
-    """``{path: bytes}`` of every file in the local dataset folder of an ``hf:`` source (the output folder's
-    excepted, should it lie inside), ``None`` where ``folder`` is no local folder (a Hub name)."""
+def tokenizer_files(spec: DataSpec, out_dir: str) -> Optional[dict]:
+    """``{path: bytes}`` of every file of a tokenizer folder ``spec.tokenizer`` as :func:`_folder_files` gives
+    them; ``None`` for ``byte``, ``bpe:N``, a Hub name and a folder gone since."""
+    if spec.tokenizer == "byte" or spec.tokenizer.startswith("bpe:"):  # (as load_tokenizer reads them)
+        return None
+    return _folder_files(spec.tokenizer, out_dir)
+
+
+def _folder_files(folder: str, out_dir: str) -> Optional[dict]:
+    """``{path: bytes}`` of every file in a local folder that is read whole (an ``hf:`` source's dataset folder,
+    a tokenizer folder), the output folder's excepted, should it lie inside; ``None`` where ``folder`` is no
+    local folder (a Hub name)."""
     if not os.path.isdir(folder):
         return None
     skip = os.path.realpath(out_dir) + os.sep
@@ -127,18 +141,22 @@ def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> 
                          f"{name('train_source')} files, a folder or a glob without the validation files")
 
 
-def _changed_files(held: dict, now: dict) -> str:
-    """What differs between two :func:`source_files` records, in words ('' if nothing)."""
+def _changed_files(held: dict, now: dict, kinds=("train", "val")) -> str:
+    """What differs between the ``kinds`` of two :func:`source_files` records, in words ('' if nothing).
+    A source's files gone since are no change (their tokens are here); a tokenizer folder's are, while the folder
+    is there: what it loads now is another tokenizer. A folder gone whole gives none (the saved copy is the one)."""
     changes = []
-    for which in ("train", "val"):
+    for which in kinds:
         if held.get(which) is None:  # none recorded (an hf: source, before its dataset folder's files were)
             continue
         before, after = held[which], now.get(which) or {}
-        for path in sorted(after):  # (files gone since are not asked for: their tokens are here)
+        for path in sorted(after):
             if path not in before:
                 changes.append(f"{path} is new")
             elif before[path] != after[path]:
                 changes.append(f"{path} held {before[path]:,} bytes, now {after[path]:,}")
+        if which == "tokenizer" and now.get(which) is not None:
+            changes += [f"{path} is gone" for path in sorted(before) if path not in after]
     if len(changes) > 3:
         changes = changes[:3] + [f"{len(changes) - 3} more"]
     return "; ".join(changes)
@@ -209,11 +227,16 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             try:
                 now = source_files(spec, out_dir)
             except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
-                now = {}
+                now = {"tokenizer": tokenizer_files(spec, out_dir)}
             changed = _changed_files(record["files"], now)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
+            changed = _changed_files(record["files"], now, ("tokenizer",))
+            if changed:
+                raise ValueError(f"data folder {out_dir!r} was prepared with another {name('tokenizer')} "
+                                 f"{spec.tokenizer!r}: its files have changed since ({changed}): rebuild it "
+                                 "(falcon-fwa data --overwrite) or choose another folder")
         for which in ("train", "val"):  # removed by hand since: the folder is no longer what it records
             if not is_shard_folder(os.path.join(out_dir, which)):
                 raise ValueError(f"data folder {out_dir!r} has lost its {which} split ({os.path.join(out_dir, which)!r}"

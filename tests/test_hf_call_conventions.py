@@ -134,3 +134,72 @@ def test_trainer_loss_is_the_same_with_return_dict_false(tmp_path):
     assert got == want and [s for s, _ in want] == [1, 2, 3, 3]
     for p, q in zip(a.core.parameters(), b.core.parameters()):
         assert torch.equal(p, q)
+
+
+# --- generate() and padding ------------------------------------------------------------------------------
+
+MIXERS = ["falcon", "transformer", "deltanet", "gated_deltanet", "mamba2", "retnet"]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
+PAD = 63
+
+
+def _tiny(mixer):
+    """A tiny float64 model whose greedy continuations vary (initializer_range 0.5)."""
+    torch.manual_seed(0)
+    return FalconForCausalLM(get_preset(f"tiny-{mixer}", initializer_range=0.5)).double().eval()
+
+
+def _greedy_alone(model, prompt, n):
+    """The row by itself, no padding and no cache: the whole sequence re-run for each new token."""
+    seq = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return seq[0, len(prompt):].tolist()
+
+
+def _batch(side):
+    width = max(map(len, PROMPTS))
+    ids = torch.full((len(PROMPTS), width), PAD)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(PROMPTS):
+        cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[i, cols], mask[i, cols] = torch.tensor(p), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_left_padded_generate_equals_each_row_alone_and_right_padding_is_refused(mixer):
+    model = _tiny(mixer)
+    n = 6
+    want = [_greedy_alone(model, p, n) for p in PROMPTS]
+    assert len({tuple(w) for w in want}) == len(PROMPTS)  # rows that differ: a mixed-up row would show
+    ids, mask = _batch("left")
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD)
+    assert out[:, ids.shape[1]:].tolist() == want
+    ids, mask = _batch("right")
+    for kw in ({}, {"prefill_chunk_size": 2}):
+        with pytest.raises(ValueError, match=r"attention_mask.*rows \[1, 2\].*padding_side='left'"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **kw)
+    # without a mask, generate() makes one from pad_token_id: rows ending in it are right-padded too
+    with pytest.raises(ValueError, match=r"attention_mask.*rows \[1, 2\].*padding_side='left'.*pad_token_id"):
+        model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD)
+
+
+@pytest.mark.parametrize("mixer", ["falcon", "transformer"])
+def test_right_padded_masks_still_run_forward_passes(mixer):
+    """Only generation is refused: a forward pass (with or without a cache) and the loss over a right-padded batch
+    give each row's real positions the logits of the row alone."""
+    model = _tiny(mixer)
+    ids, mask = _batch("right")
+    with torch.no_grad():
+        for use_cache in (False, True):
+            out = model(ids, attention_mask=mask, labels=ids, use_cache=use_cache)
+            for i, p in enumerate(PROMPTS):
+                alone = model(torch.tensor([p]), use_cache=False).logits[0]
+                torch.testing.assert_close(out.logits[i, :len(p)], alone, rtol=0, atol=1e-10)
+            assert torch.isfinite(out.loss)
+    model.train()
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    assert model.model.embed_tokens.weight.grad is not None

@@ -74,6 +74,22 @@ def _check_cache_type(cache) -> None:
                         f"got {type(cache).__name__}")
 
 
+def _check_left_padded(attention_mask, note: str = "") -> None:
+    """A ``ValueError`` naming ``attention_mask`` if generation would continue a row after a pad: a row whose last
+    column is 0 (right padding). ``generate()`` chooses each row's first new token from the last column's logits
+    and appends the new tokens after the last column, so such a row would be continued from its pads (and its
+    tokens would have pads in their midst); under left padding the last column is every row's last real token.
+    ``note``: said after the advice."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] == 0:
+        return  # a mask of another shape is the forward's to refuse
+    pads = ~attention_mask[:, -1].bool()
+    if bool(pads.any()):
+        rows = pads.nonzero()[:, 0].tolist()
+        raise ValueError(f"attention_mask ends in padding in rows {rows} (right padding): generate() continues "
+                         f"every row from its last column, so these rows would be continued from their pad tokens; "
+                         f"pad the prompts on the left (tokenizer padding_side='left'){note}")
+
+
 class FalconBlock(nn.Module):
     """``h + Mixer(RMSNorm(h))`` then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -266,7 +282,12 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         through the model ``n`` at a time (the first call reaches every row's first real token under left
         padding), the last ``n`` or fewer in ``generate()``'s first step, which continues that cache. Hugging
         Face's own chunked prefill needs a cache before the first step and, without padding, gives the chunks
-        no mask that says which columns they are."""
+        no mask that says which columns they are.
+
+        Prompts are padded on the left: an ``attention_mask`` whose last column has a 0 in some row (right padding,
+        or, without a mask, a row that ends in ``pad_token_id``) is a ``ValueError`` naming ``attention_mask``. Every
+        row's first new token is chosen from the last column's logits and the new tokens follow the last column, so
+        a right-padded row would be continued from its pads. The forward takes right padding (training, scoring)."""
         config = kwargs.get("generation_config") or self.generation_config
         for name in self._ASSISTED_OPTIONS:
             if kwargs.get(name) is not None or getattr(config, name, None) is not None:
@@ -275,6 +296,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                                  f"without them")
         if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
             raise ValueError(_NO_ATTENTIONS)
+        _check_left_padded(kwargs.get("attention_mask"))
         chunk = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
         if chunk is not None:
             args, kwargs = self._prefill_in_chunks(chunk, args, kwargs)
@@ -333,6 +355,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         _check_cache_type(cache)
         fresh = cache is None or cache.empty
+        if fresh:  # the prompt step: also a mask generate() made from pad_token_id, which generate() did not see
+            _check_left_padded(attention_mask, "; without an attention_mask, generate() takes every id equal to "
+                                               "pad_token_id for a pad")
         if is_first_iteration is None and inputs_embeds is not None and not fresh:
             is_first_iteration = inputs_embeds.shape[1] > cache.num_positions
         use_embeds = inputs_embeds is not None and (fresh or bool(is_first_iteration))

@@ -1,5 +1,6 @@
 """The inputs of ``falcon-fwa data``: every source kind counted independently, refused inputs named in
 one line, tokenizers against the ``tokenizers`` library, and a preparation killed mid-write."""
+import importlib.util
 import json
 import os
 import logging
@@ -271,3 +272,38 @@ def test_a_tokenizer_file_is_refused_naming_its_folder(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer\.json' is a file: give the folder that holds it"):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert load_tokenizer(str(tmp_path)).eos_token_id == 256
+
+
+needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
+                                    reason="hf: sources load through the datasets package")
+
+
+@needs_datasets
+def test_a_file_read_by_an_hf_folder_split_and_by_the_other_source_is_refused(tmp_path, capsys):
+    """An ``hf:`` dataset folder reads, for ``--train``, its train split's files and, for ``--val``, its validation
+    split's: a plain source that reads one of those files too is refused before ``--out`` is made, naming both
+    options; one that reads the other split's file, or the same folder as both sources, is no overlap."""
+    hub, plain = tmp_path / "hub", tmp_path / "plain"
+    hub.mkdir()
+    plain.mkdir()
+    (hub / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in words(30, 5)))
+    (hub / "validation.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in words(5, 6)))
+    (plain / "data.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in words(12, 7)))
+    out = tmp_path / "out"
+
+    status, _, err = run_data(capsys, "--train", hub, "--val", f"hf:{hub}", "--out", out)
+    assert status == 2 and not out.exists()
+    assert f"--val 'hf:{hub}' (its validation split) reads file '{hub / 'validation.jsonl'}', also read by " \
+           f"--train '{hub}': its documents would be in both splits" in err
+    status, _, err = run_data(capsys, "--train", f"hf:{hub}", "--val", hub / "train.jsonl", "--out", out)
+    assert status == 2 and not out.exists()
+    assert f"--val file '{hub / 'train.jsonl'}', also read by --train 'hf:{hub}' (its train split)" in err
+    # a folder of no split names is all train split: its file is the train split's
+    status, _, err = run_data(capsys, "--train", f"hf:{plain}", "--val", plain / "data.jsonl", "--out", out)
+    assert status == 2 and not out.exists() and "(its train split)" in err
+
+    for n, (train, val) in enumerate([(hub / "train.jsonl", f"hf:{hub}"), (f"hf:{hub}", hub / "validation.jsonl"),
+                                      (f"hf:{hub}", f"hf:{tmp_path}/./hub/")]):
+        status, record, err = run_data(capsys, "--train", train, "--val", val, "--out", tmp_path / f"ok{n}")
+        assert status == 0, err
+        assert (record["counts"]["train"]["n_docs"], record["counts"]["val"]["n_docs"]) == (30, 5)

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
-from .sources import TEXT_SPLITS, hf_dataset, iter_documents, list_files, walk_files
+from .sources import TEXT_SPLITS, hf_dataset, hf_split_files, iter_documents, list_files, walk_files
 from .tokenizer import bpe_vocab_size, canonical_spec, load_tokenizer
 
 
@@ -128,17 +128,30 @@ def _folder_files(folder: str, out_dir: str) -> Optional[dict]:
 def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> None:
     """``ValueError`` when a file of the val source is also one of the train source (the same file, or
     a folder of training data that holds the validation file): its documents would be in both splits.
-    (An ``hf:`` dataset folder gives each split its own files: one folder may be both sources.)"""
-    if any(source is not None and source.startswith("hf:") for source in (spec.train_source, spec.val_source)):
+    An ``hf:`` dataset folder counts the files of the split it is read for (``train``, ``validation``), as
+    ``datasets`` finds them (no network); an ``hf:`` Hub name has no files here. Train and val given as one
+    ``hf:NAME[:CONFIG]`` read its two splits, which ``datasets`` gives their own files: one folder may be both.
+    (A source names no split, so no two sources read the same split of one dataset.)"""
+    if spec.val_source is None:
         return
-    train, val = files["train"] or {}, files["val"] or {}
+    hf = [source.startswith("hf:") for source in (spec.train_source, spec.val_source)]
+    train = hf_split_files(spec.train_source, "train") if hf[0] else files["train"]
+    val = hf_split_files(spec.val_source, "validation") if hf[1] else files["val"]
+    if not train or not val:
+        return
     real = {os.path.realpath(path) for path in train}
     shared = [path for path in sorted(val) if os.path.realpath(path) in real]
     if shared:
         more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
-        raise ValueError(f"{name('val_source')} file {shared[0]!r}{more} is also read by {name('train_source')} "
-                         f"{spec.train_source!r}: its documents would be in both splits; give "
-                         f"{name('train_source')} files, a folder or a glob without the validation files")
+        if not any(hf):
+            raise ValueError(f"{name('val_source')} file {shared[0]!r}{more} is also read by {name('train_source')} "
+                             f"{spec.train_source!r}: its documents would be in both splits; give "
+                             f"{name('train_source')} files, a folder or a glob without the validation files")
+        val_reads = f"{spec.val_source!r} (its validation split) reads " if hf[1] else ""
+        train_split = " (its train split)" if hf[0] else ""
+        raise ValueError(f"{name('val_source')} {val_reads}file {shared[0]!r}{more}, also read by "
+                         f"{name('train_source')} {spec.train_source!r}{train_split}: its documents would be in both "
+                         "splits; give sources that share no file")
 
 
 def _changed_files(held: dict, now: dict, kinds=("train", "val")) -> str:

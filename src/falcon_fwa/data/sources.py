@@ -215,6 +215,23 @@ def hf_dataset(source: str) -> Tuple[str, str]:
     return name, config
 
 
+def hf_split_files(source: str, split: str) -> Optional[List[str]]:
+    """The files that split ``split`` of an ``hf:FOLDER[:CONFIG]`` source reads, as ``datasets`` finds them in
+    the local folder (no network); ``None`` for a Hub name, without ``datasets``, or where it finds none (the
+    load itself then names what is wrong)."""
+    name, config = hf_dataset(source)
+    if not os.path.isdir(name):
+        return None
+    try:
+        from datasets import load_dataset_builder
+
+        data_files = load_dataset_builder(name, config or None).config.data_files or {}
+    except Exception:  # (no datasets, no such config, a folder it cannot read: the load says so, by name)
+        return None
+    files = data_files.get(split)
+    return None if files is None else [str(path) for path in files]
+
+
 def _hf_records(source: str, split: str):
     """The streamed records of split ``split`` of ``hf:NAME[:CONFIG]``; ``ValueError`` naming the source."""
     from datasets import load_dataset

@@ -508,8 +508,8 @@ def test_compare_continues_runs_of_a_shorter_budget_and_refuses_another_size(tmp
     rows = json.loads((tmp_path / "res" / "t.json").read_text())
     assert meta["steps"] == 4 and rows[0]["steps_done"] == [4]
     # another model size (or eval set): the runs in --runs are not those of this command
-    for extra, field in ((["--hidden-size", "32"], "hidden_size"), (["--val-per-width", "3"], "val_per_width")):
-        with pytest.raises(ValueError, match=f"^{field}: "):
+    for extra, option in ((["--hidden-size", "32"], "--hidden-size"), (["--val-per-width", "3"], "--val-per-width")):
+        with pytest.raises(ValueError, match=f"^{option}: "):
             compare.main(args + ["--steps", "4", *extra])
 
 
@@ -518,10 +518,10 @@ def test_resume_refuses_another_evaluation_set(tmp_path):
     base = ["--model", "Transformer", "--eval-every", "2", "--out", str(out), "--no-progress", "--hidden-size", "16",
             "--num-hidden-layers", "1", "--num-heads", "2", *SMALL]
     assert cli.main(base + ["--steps", "2"]) == 0
-    for extra, field in ((["--ood-widths", "4", "6"], "ood_widths"), (["--eval-seed", "7"], "eval_seed"),
-                         (["--batch-size", "8"], "batch_size"), (["--seed", "5"], "seed"),
-                         (["--dtype", "bfloat16"], "dtype")):
-        with pytest.raises(ValueError, match=f"^{field}: "):
+    for extra, option in ((["--ood-widths", "4", "6"], "--ood-widths"), (["--eval-seed", "7"], "--eval-seed"),
+                          (["--batch-size", "8"], "--batch-size"), (["--seed", "5"], "--seed"),
+                          (["--dtype", "bfloat16"], "--dtype")):
+        with pytest.raises(ValueError, match=f"^{option}: "):
             cli.main(base + ["--steps", "4", *extra])
     assert json.loads((out / "results.json").read_text())["steps_done"] == 2
 

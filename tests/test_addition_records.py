@@ -39,15 +39,15 @@ def test_runs_of_another_initialization_are_still_refused():
     old = copy.deepcopy(held)  # the first GPU run: no fan-in scale (the config default 0.02)
     del old["preset"]["fan_in_init"]
     old["preset"]["model"] = {}
-    with pytest.raises(ValueError, match=r"^model: .*'initializer_range': 0\.0625"):
+    with pytest.raises(ValueError, match=r"^--preset: .*'initializer_range': 0\.0625"):
         check_same_setup(old, _wanted(paper), Path("run"), "advice")
     other = copy.deepcopy(held)  # an explicit scale other than the fan-in one
     other["preset"]["model"] = {"initializer_range": 0.02}
-    with pytest.raises(ValueError, match=r"^model: .*'initializer_range': 0\.02"):
+    with pytest.raises(ValueError, match=r"^--preset: .*'initializer_range': 0\.02"):
         check_same_setup(other, _wanted(paper), Path("run"), "advice")
     check_same_setup(held, _wanted(paper), Path("run"), "advice")  # the same preset passes
     wider = _wanted(paper.replace(hidden_size=512))  # a width is named as its own field
-    with pytest.raises(ValueError, match=r"^hidden_size: "):
+    with pytest.raises(ValueError, match=r"^--hidden-size: "):
         check_same_setup(held, wider, Path("run"), "advice")
 
 

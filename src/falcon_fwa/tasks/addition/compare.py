@@ -108,17 +108,23 @@ def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[
                 check_same_task(held_task(read_json(f)), task, f.parent, "give --runs another folder")
 
 
-def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, eval_seed: int, dtype: str) -> None:
+def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, eval_seed: int, dtype: str,
+                     preset_name: Optional[str] = None) -> None:
     """A ``ValueError`` if a run folder of the lineup holds a run of another model config, evaluation
     seed or preset (:func:`.train.check_same_setup`; a shorter budget is continued, not refused): it
-    would be skipped as finished, or summarized, under the budget and size of this command."""
+    would be skipped as finished, or summarized, under the budget and size of this command. The error names
+    the option as this command takes it (``--lr``, ``--seeds``, ``--models``); ``preset_name``, the
+    ``--preset`` given, lets it say where the run's preset was another."""
     for m in models:
         for s in seeds:
             f = _run_dir(runs, m, s) / "results.json"
             if f.exists():
                 wanted = {"config_fields": resolve_model(m), "eval_seed": eval_seed, "preset": preset.to_dict(),
-                          "seed": s, "dtype": dtype}
-                check_same_setup(read_json(f), wanted, f.parent, "give --runs another folder")
+                          "seed": s, "dtype": dtype, "model": m}
+                if preset_name is not None:
+                    wanted["preset_name"] = preset_name
+                check_same_setup(read_json(f), wanted, f.parent, "give --runs another folder",
+                                 options={"seed": "--seeds", "config_fields": "--models"})
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
@@ -443,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder("--results", args.results)
     name = args.name or "_".join([args.preset, *task_suffixes(task)])
     check_runs_task(runs, args.models, args.seeds, task)
-    check_runs_setup(runs, args.models, args.seeds, preset, args.eval_seed, args.dtype)
+    check_runs_setup(runs, args.models, args.seeds, preset, args.eval_seed, args.dtype, args.preset)
     # nothing to train (--no-train, or every run already finished): the summary has no wall time of its own
     trains = not args.no_train and any(not _finished(_run_dir(runs, m, s), preset.steps)
                                        for s in args.seeds for m in args.models)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
-from .lineup import DigitPositions, build_model
+from .lineup import LINEUP, DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset, preset_size
 from ...atomic import folder_lock, read_json, remove_temporaries, save_torch, write_json
@@ -301,11 +301,55 @@ def held_task(results: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_same_task(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, advice: str) -> None:
-    """A ``ValueError`` naming the first task field where the run in ``where`` (``held``) differs
-    from the one asked for (``wanted``)."""
+    """A ``ValueError`` naming the option of the first task field where the run in ``where`` (``held``)
+    differs from the one asked for (``wanted``): ``--operand-order: run holds a run with operand_order 'msd',
+    not 'lsd'; resume it with --operand-order msd, or ...`` (``advice``: how to start afresh instead)."""
     for k in TASK_DEFAULTS:
         if held[k] != wanted[k]:
-            raise ValueError(f"{k}: {where} holds a run with {k} {held[k]!r}, not {wanted[k]!r}; {advice}")
+            raise ValueError(_refusal(PRESET_OPTIONS[k], where, f"with {k} {held[k]!r}", repr(wanted[k]),
+                                      _restate(PRESET_OPTIONS[k], held[k]), advice))
+
+
+PRESET_OPTIONS: Dict[str, str] = {k: "--" + k.replace("_", "-") for k in (
+    "steps", "batch_size", "lr", "hidden_size", "num_hidden_layers", "num_heads", "matmul_precision", "eval_every",
+    "val_per_width", "ood_per_width", "train_widths", "ood_widths", "curriculum_steps", "operand_order", "base",
+    "abacus_offset")}
+"""The preset fields an option of ``falcon-fwa addition`` (and ``addition-compare``) sets, by the option's name
+(``cpu_threads`` is ``--threads``); the others (``warmup``, ``weight_decay``, ``model``...) come from ``--preset``
+alone."""
+PRESET_OPTIONS["cpu_threads"] = "--threads"
+
+RUN_OPTIONS: Dict[str, str] = {"seed": "--seed", "eval_seed": "--eval-seed", "dtype": "--dtype",
+                               "config_fields": "--model"}
+"""The options of ``falcon-fwa addition`` behind the run settings outside the preset."""
+
+MODEL_OPTIONS: Dict[str, str] = {"rule": "--rule", "window": "--window", "qk_norm": "--qk-norm", "gate": "--gate"}
+"""The options that change a mixer's config fields (:data:`.cli.FAST_WEIGHT_OPTIONS`)."""
+
+
+def _restate(option: str, value: Any) -> str:
+    """``option`` given ``value`` as typed on the command line: ``--train-widths 1 5``, ``--lr 0.003``; an
+    option whose value ``None`` is its absence, ``without --abacus-offset``."""
+    if value is None:
+        return f"without {option}"
+    if isinstance(value, (list, tuple)):
+        return f"with {option} {' '.join(map(str, value))}"
+    return f"with {option} {value}"
+
+
+def _refusal(option: str, where: Path, held: str, wanted: str, restate: Optional[str], advice: str) -> str:
+    """A refused resume: the option to change, what the run in ``where`` holds and what was asked for, how
+    to resume it (``restate``: the option with the run's value, or ``None`` where no option gives it) and
+    ``advice``: how to start afresh instead."""
+    fix = f"resume it {restate}, or " if restate else ""
+    return f"{option}: {where} holds a run {held}, not {wanted}; {fix}{advice}"
+
+
+def _preset_note(held: Dict[str, Any], wanted: Dict[str, Any]) -> str:
+    """Where the run in a folder was trained under another ``--preset`` than the one asked for: a note
+    saying so (its settings may differ through the preset, not an option given), else ``""``."""
+    h, w = held.get("preset_name"), wanted.get("preset_name")
+    return f" (the run's --preset is {h}, this command's {w})" if h is not None and w is not None and h != w else ""
 
 
 RESUMABLE_FIELDS = ("steps", "eval_every", "cpu_threads", "matmul_precision")
@@ -318,30 +362,70 @@ INIT_FIELDS = ("model", "fan_in_init")
 from before ``fan_in_init`` existed held the same fan-in scale in ``model`` as ``initializer_range``."""
 
 
-def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, advice: str) -> None:
+def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, advice: str, *,
+                     options: Optional[Dict[str, str]] = None) -> None:
     """A ``ValueError`` naming the first setting where the run in ``where`` (its results dict ``held``)
     differs from the one asked for (``wanted``: ``config_fields``, ``eval_seed``, ``preset`` and, where
-    given, the training ``seed`` and ``dtype``): the model's config fields, the evaluation seed, the
-    training seed, the dtype, a preset field outside :data:`RESUMABLE_FIELDS` (fields
-    the run predates are not compared; ``model`` and ``fan_in_init`` through the model config they give,
-    :func:`.presets.preset_size`), or a budget shorter than the steps the run has done."""
+    given, the training ``seed`` and ``dtype``, the ``model`` name and the ``preset_name``): the model's config
+    fields, the evaluation seed, the training seed, the dtype, a preset field outside :data:`RESUMABLE_FIELDS`
+    (fields the run predates are not compared; ``model`` and ``fan_in_init`` through the model config they give,
+    :func:`.presets.preset_size`), or a budget shorter than the steps the run has done.
+
+    The error names the setting by the option that sets it, as typed (``--lr``, ``--batch-size``; ``--model`` or
+    ``--rule`` and the like for the config fields; ``--preset`` for a field no option sets), with the run's value
+    and the one asked for, how to resume the run (the option with the run's value; the run's ``--preset`` where it
+    was trained under another) and ``advice``: how to start afresh instead. ``options`` renames the options of
+    :data:`RUN_OPTIONS` for another command (``addition-compare``'s ``--seeds``); a setting so named is not
+    restated (that option names several runs)."""
     held_preset = held.get("preset") or {}
     wanted_preset = json.loads(json.dumps(wanted["preset"]))  # tuples as lists, as results.json holds them
     fields = json.loads(json.dumps(wanted["config_fields"]))
+    named = {**RUN_OPTIONS, **(options or {})}
+    note = _preset_note(held, wanted)
+    held_name = held.get("preset_name")
+    by_preset = f"with --preset {held_name}" if note else None
+
+    def restate(k: str, value: Any) -> Optional[str]:
+        if options and k in options:
+            return None
+        return _restate(named[k], value)
+
     if "config_fields" in held and held["config_fields"] != fields:
-        raise ValueError(f"config_fields: {where} holds a run of {held['config_fields']!r}, not {fields!r}; {advice}")
+        h, w = held["config_fields"], fields
+        option, fix = named["config_fields"], None
+        same_name = "model" in held and held["model"] == wanted.get("model")
+        if not (options and "config_fields" in options) and "model" in held:
+            if held["model"] not in LINEUP:  # a mixer name: its fast-weight fields are the options given
+                if same_name:
+                    option = next((MODEL_OPTIONS[f] for f in MODEL_OPTIONS if h.get(f) != w.get(f)), option)
+                fix = f"with --model {held['model']}" + "".join(
+                    f" {o} {h[f]}" for f, o in MODEL_OPTIONS.items() if f in h)
+            elif not same_name:  # a paper name is its fields (one defined anew since: no option gives them back)
+                fix = f"with --model {held['model']}"
+        held_model = f"{held['model']} " if "model" in held else ""
+        wanted_model = f"{wanted['model']} " if "model" in wanted else ""
+        raise ValueError(_refusal(option, where, f"of {held_model}{h!r}", f"{wanted_model}{w!r}", fix, advice))
     for k in ("eval_seed", "seed", "dtype"):  # the evaluation set, the training draws, the arithmetic
         if k in held and k in wanted and held[k] != wanted[k]:
-            raise ValueError(f"{k}: {where} holds a run with {k} {held[k]!r}, not {wanted[k]!r}; {advice}")
+            raise ValueError(_refusal(named[k], where, f"with {k} {held[k]!r}", repr(wanted[k]),
+                                      restate(k, held[k]), advice))
     for k, v in wanted_preset.items():
         if k in held_preset and k not in RESUMABLE_FIELDS + INIT_FIELDS and held_preset[k] != v:
-            raise ValueError(f"{k}: {where} holds a run with {k} {held_preset[k]!r}, not {v!r}; {advice}")
+            if k in PRESET_OPTIONS:
+                fix = _restate(PRESET_OPTIONS[k], held_preset[k]) + (f" and --preset {held_name}" if note else "")
+                raise ValueError(_refusal(PRESET_OPTIONS[k], where, f"with {k} {held_preset[k]!r}", f"{v!r}{note}",
+                                          fix, advice))
+            raise ValueError(_refusal("--preset", where, f"with {k} {held_preset[k]!r}",
+                                      f"{v!r} ({k} is set by the preset alone, no option changes it){note}",
+                                      by_preset, advice))
     if "model" in held_preset and preset_size(held_preset) != preset_size(wanted_preset):
-        raise ValueError(f"model: {where} holds a run of {preset_size(held_preset)!r}, not "
-                         f"{preset_size(wanted_preset)!r}; {advice}")
+        raise ValueError(_refusal("--preset", where, f"of model {preset_size(held_preset)!r}",
+                                  f"{preset_size(wanted_preset)!r} (the preset's model config: its initialization "
+                                  f"and extra fields, which no option changes){note}", by_preset, advice))
     if held.get("steps_done", 0) > wanted_preset["steps"]:
-        raise ValueError(f"steps: {where} holds a run of {held['steps_done']} steps, more than "
-                         f"{wanted_preset['steps']}; {advice}")
+        done = held["steps_done"]
+        raise ValueError(f"--steps: {where} holds a run of {done} steps, more than {wanted_preset['steps']}; resume "
+                         f"it with --steps {done} or more, or {advice}")
 
 
 RESUME_ADVICE = "give another --out, or --no-resume to start over there"

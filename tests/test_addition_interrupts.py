@@ -261,3 +261,113 @@ def test_sigterm_before_the_first_step_says_no_checkpoint_was_written(tmp_path, 
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM and "before its first step (no checkpoint)" in err and "checkpoint in" not in err
     assert not (out / "checkpoint.pt").exists()
+
+
+_KILLED_WRITE = """
+import os, signal, sys
+from falcon_fwa.atomic import atomic_path
+with atomic_path(sys.argv[1]) as tmp:
+    with open(tmp, "w") as f:
+        f.write("[partial")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+"""A process killed (SIGKILL) in the middle of an atomic write of the file ``argv[1]``."""
+
+
+def _kill_during_write(path):
+    """Leave the temporary file of a write of ``path`` killed midway, as a killed command leaves it."""
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITE, str(path)])
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _hidden(folder):
+    return sorted(name for name in os.listdir(folder) if name.startswith("."))
+
+
+def test_a_lineup_removes_the_temporaries_of_its_summary_a_killed_one_left(tmp_path):
+    """A summary write killed midway leaves a hidden temporary file in --results, which no later command would
+    read: the next lineup of that name removes those of its own files (under the folder's summary lock, which
+    every such writer holds), and leaves those of other files and no lock file behind."""
+    res = tmp_path / "res"
+    argv = ["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2", "--runs",
+            str(tmp_path / "runs"), "--results", str(res), "--name", "t", *SMALL[:-1]]
+    assert compare.main(argv) == 0
+    written = {name: (res / name).read_bytes() for name in compare.summary_files("t")}
+    for name in ("t.json", "t_meta.json", "t.md", "t_meta.json"):  # one killed command after another
+        _kill_during_write(res / name)
+    killed = _hidden(res)
+    assert len(killed) == 4 and all(n.endswith(".tmp.json") or n.endswith(".tmp.md") for n in killed)
+    assert {name: (res / name).read_bytes() for name in written} == written  # the summary itself is whole
+    # by hand: temporaries of the other files of the summary, and of files that are not its own
+    ours = [".t.abcd_123.tmp.png", ".t_positions.zz99zz99.tmp.png", ".t.before.a1b2c3d4.tmp.md",
+            ".t.before-2.a1b2c3d4.tmp.md"]
+    others = [".t.x.abcd1234.tmp.json",  # the summary "t.x"
+              ".u.abcd1234.tmp.json", ".t_meta.short.tmp.json",  # another summary; not a name mkstemp gives
+              ".tt.abcd1234.tmp.json", ".t.abcd1234.tmp.txt", ".results.abcd1234.tmp.json"]
+    for name in ours + others:
+        (res / name).write_text("partial")
+    assert compare.main(argv + ["--no-train"]) == 0
+    assert _hidden(res) == sorted(others)
+    assert json.loads((res / "t.json").read_text())[0]["model"] == "Transformer"
+    # the temporary of a write killed now is removed by the next command in turn: none accumulate
+    _kill_during_write(res / "t.json")
+    assert len(_hidden(res)) == len(others) + 1
+    assert compare.main(argv + ["--no-train"]) == 0
+    assert _hidden(res) == sorted(others)
+
+
+def test_a_lineup_removes_a_finished_runs_temporaries_unless_a_live_process_holds_it(tmp_path):
+    """A finished run is skipped, not started again (which removes what a kill during its writes left): the
+    lineup removes those temporary files itself where no live process holds the run's lock; --no-train
+    writes nothing in --runs."""
+    runs = tmp_path / "runs"
+    argv = ["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2", "--runs", str(runs),
+            "--results", str(tmp_path / "res"), "--name", "t", *SMALL[:-1]]
+    assert compare.main(argv) == 0
+    run_dir = runs / "Transformer" / "seed0"
+    before = _hidden(run_dir)
+    assert before == [train.LOCK_NAME]
+    _kill_during_write(run_dir / "results.json")
+    stale = [".checkpoint.abcd1234.tmp.pt", ".best.abcd1234.tmp.pt", ".accuracy_vs_width.abcd1234.tmp.png",
+             ".accuracy_by_position.abcd1234.tmp.png"]
+    for name in stale:
+        (run_dir / name).write_text("partial")
+    left = _hidden(run_dir)
+    assert len(left) == len(stale) + 2
+    assert compare.main(argv + ["--no-train"]) == 0
+    assert _hidden(run_dir) == left
+    with folder_lock(run_dir, train.LOCK_NAME, wait=False):  # a live process holds the run: its files stand
+        assert compare.main(argv) == 0
+        assert _hidden(run_dir) == left
+    assert compare.main(argv) == 0
+    assert _hidden(run_dir) == before
+    assert json.loads((run_dir / "results.json").read_text())["finished"]
+
+
+def test_a_run_writes_its_plots_under_its_lock_and_a_relaunch_removes_their_temporaries(tmp_path, monkeypatch):
+    """The plots are written while the run still holds its folder (another process could not take it), so a
+    temporary file of theirs that a kill left is the next holder's to remove."""
+    from falcon_fwa.tasks.addition import plot
+
+    out = tmp_path / "run"
+    held = []
+    original = plot.plot_accuracy_vs_width
+
+    def drawing(*args, **kw):
+        try:
+            with folder_lock(out, train.LOCK_NAME, wait=False):
+                held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(plot, "plot_accuracy_vs_width", drawing)
+    assert cli.main(["--model", "Transformer", "--steps", "2", "--eval-every", "2", "--out", str(out), *SMALL]) == 0
+    assert held == [True] and (out / "accuracy_vs_width.png").stat().st_size > 0
+    _kill_during_write(out / "accuracy_by_position.png")
+    _kill_during_write(out / "accuracy_vs_width.png")
+    assert len(_hidden(out)) == 3
+    assert cli.main(["--model", "Transformer", "--steps", "2", "--eval-every", "2", "--out", str(out), *SMALL]) == 0
+    assert _hidden(out) == [train.LOCK_NAME]

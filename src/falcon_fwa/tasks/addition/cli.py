@@ -210,7 +210,15 @@ def run(args: argparse.Namespace) -> int:
           f"{f', base {preset.base}' if preset.base != 10 else ''}"
           f"{f', digit positions (offset <= {preset.abacus_offset})' if preset.abacus_offset is not None else ''}) "
           f"on {args.device} -> {out}")
-    res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume, stop_on_signal=True)
+    plots = []
+
+    def write_plots(res) -> None:  # under the run's lock, as its other files
+        plots.append(plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",
+                                            title=f"addition, preset {args.preset}, best step {res['best']['step']}"))
+        plots.append(plot_accuracy_by_position(res, out / "accuracy_by_position.png"))
+
+    res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume, stop_on_signal=True,
+                    finish=write_plots)
     if "signal" in res:  # stopped early, with a checkpoint: the same command resumes it
         if res["steps_done"]:
             print(f"stopped by {res['signal']} at step {res['steps_done']} of {preset.steps} (checkpoint in {out}); "
@@ -219,17 +227,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"stopped by {res['signal']} before its first step (no checkpoint); the same command starts it",
                   file=sys.stderr)
         return 128 + int(getattr(signal, res["signal"]))
-    plot = plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",
-                                  title=f"addition, preset {args.preset}, best step {res['best']['step']}")
     b = res["best"]
     lo, hi = preset.ood_widths
     print(f"{args.model}: {res['parameters']:,} parameters, {res['wall_time_s']:.0f} s; best step {b['step']}: "
           f"validation (widths {preset.train_widths[0]}-{preset.train_widths[1]}) exact {b['val_acc']:.1f}% "
           f"digits {b['val_digit_acc']:.1f}%; widths {lo}-{hi}: mean exact {b['mean_acc_ood']:.1f}% "
           f"digits {b['digit_mean_acc_ood']:.1f}%, d{lo}/d{hi} {b[f'acc_d{lo}']:.1f}/{b[f'acc_d{hi}']:.1f}")
-    by_position = plot_accuracy_by_position(res, out / "accuracy_by_position.png")
-    plots = ", ".join(str(p) for p in (plot, by_position) if p)
-    print(f"results: {out / 'results.json'}" + (f", plots: {plots}" if plots else ""))
+    written = ", ".join(str(p) for p in plots if p)
+    print(f"results: {out / 'results.json'}" + (f", plots: {written}" if written else ""))
     return 0
 
 

@@ -21,8 +21,11 @@ checkpoints stand).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -37,10 +40,10 @@ from .cli import add_model_arguments, check_machine_options, preset_from_args, s
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
-from .train import (check_same_setup, check_same_task, held_task, runs_folder, sample_fields, task_fields,
+from .train import (check_same_setup, check_same_task, held_task, run_lock, runs_folder, sample_fields, task_fields,
                     task_suffixes)
 from ...train.launch import StopSignals, end_with_parent
-from ...atomic import read_json, write_json, write_text
+from ...atomic import folder_lock, read_json, write_json, write_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,6 +128,72 @@ def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, ev
                     wanted["preset_name"] = preset_name
                 check_same_setup(read_json(f), wanted, f.parent, "give --runs another folder",
                                  options={"seed": "--seeds", "config_fields": "--models"})
+
+
+SUMMARY_LOCK = ".addition-compare.lock"
+"""The lock file that ``addition-compare`` holds in its ``--results`` folder while it writes a summary there
+(:func:`summary_lock`); removed when it lets go."""
+
+
+def summary_files(name: str) -> List[str]:
+    """The files a summary of stem ``name`` consists of (with the copies of replaced ones,
+    :func:`keep_replaced_notes`, ``{name}.before.md``, ``{name}.before-2.md``, ... beside them)."""
+    return [f"{name}.json", f"{name}_meta.json", f"{name}.md", f"{name}.png", f"{name}_positions.png"]
+
+
+def _temporary_pattern(stem: str, suffix: str) -> str:
+    """A regular expression of the names :func:`falcon_fwa.atomic.atomic_path` gives the temporary files of a
+    file ``stem + suffix`` (``stem`` given as a regular expression): ``.{stem}.``, then ``tempfile.mkstemp``'s 8
+    characters, then ``.tmp{suffix}``. No other file's temporaries match (``t`` does not take those of ``t.x``,
+    ``tt`` or ``t_meta``)."""
+    return rf"\.{stem}\.[a-z0-9_]{{8}}\.tmp{re.escape(suffix)}"
+
+
+def remove_stale_summary_temporaries(folder: Path, name: str) -> List[str]:
+    """Remove from ``folder`` the temporary files of the atomic writes of a summary ``name`` (its
+    :func:`summary_files` and the ``{name}.before*.md`` copies) that a command killed during the write left
+    there; the names removed. Only under :func:`summary_lock`: every writer of these files holds it, so none
+    is alive while it is held."""
+    patterns = [_temporary_pattern(re.escape(Path(f).stem), Path(f).suffix) for f in summary_files(name)]
+    patterns.append(_temporary_pattern(re.escape(name) + r"\.before(?:-[0-9]+)?", ".md"))
+    stale = re.compile("|".join(f"(?:{p})" for p in patterns))
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in sorted(os.listdir(folder)):
+            if stale.fullmatch(entry) and not os.path.isdir(folder / entry):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(folder / entry)
+                    removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def summary_lock(folder: Path, name: str):
+    """Hold ``folder``'s summary lock (:data:`SUMMARY_LOCK`; another ``addition-compare`` writing a summary
+    there makes this wait) for the block, and first remove the stale temporary files of the summary ``name``
+    (:func:`remove_stale_summary_temporaries`). The lock file is removed before the lock is let go, so that
+    none stays in the folder (a waiter then locks the one made again, :func:`falcon_fwa.atomic.folder_lock`)."""
+    with folder_lock(folder, SUMMARY_LOCK):
+        try:
+            remove_stale_summary_temporaries(folder, name)
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(folder / SUMMARY_LOCK)
+
+
+def remove_stale_run_temporaries(run_dir: Path) -> bool:
+    """Remove the temporary files that a run killed during a write left in ``run_dir`` (those of its own
+    files, :data:`.train._TEMPORARIES`), where no live process trains it (its lock, :func:`.train.run_lock`,
+    is free): a finished run that this command skips is not started again, which would remove them. False
+    where a live process holds the lock (nothing is removed), or there is no run in ``run_dir``."""
+    if not (run_dir / "results.json").exists():
+        return False
+    try:
+        with run_lock(run_dir):
+            return True
+    except ValueError:  # trained by another live process: its temporary files may be in use
+        return False
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
@@ -453,6 +522,11 @@ def run(args: argparse.Namespace) -> int:
     # nothing to train (--no-train, or every run already finished): the summary has no wall time of its own
     trains = not args.no_train and any(not _finished(_run_dir(runs, m, s), preset.steps)
                                        for s in args.seeds for m in args.models)
+    if not args.no_train:  # the finished runs are skipped: a run started again removes its own
+        for s in args.seeds:
+            for m in args.models:
+                if _finished(_run_dir(runs, m, s), preset.steps):
+                    remove_stale_run_temporaries(_run_dir(runs, m, s))
     t0 = time.perf_counter()
     failed, stopped_by = train_all(args, runs) if trains else ([], 0)
     wall = time.perf_counter() - t0 if trains else None
@@ -514,19 +588,22 @@ def run(args: argparse.Namespace) -> int:
         "eval_seed": args.eval_seed,
         "reference": _ood_reference(args.eval_seed, preset),
     }
-    kept = keep_replaced_notes(summary_file.with_suffix(".md")) if trains else None
-    if kept is not None:
-        print(f"addition-compare: the notes of {summary_file.with_suffix('.md')}, which this lineup replaces, "
-              f"are kept with that summary in {kept}")
-    write_json(summary_file, rows)
-    write_json(meta_file, meta)
-    write_text(summary_file.with_suffix(".md"), markdown(exact, meta))
-    plot = plot_accuracy_vs_width(results, summary_file.with_suffix(".png"),
-                                  title=f"addition, {args.preset} preset, seeds {seeds}")
-    # by answer position at the largest training width and the first and last OOD widths
-    positions = plot_lineup_positions(results, summary_file.with_name(f"{name}_positions.png"),
-                                      widths=sorted({preset.train_widths[1], *preset.ood_widths}),
-                                      title=f"addition, {args.preset} preset, seeds {seeds}: best step")
+    # under the folder's summary lock: the temporary files of this summary's writes that a command killed
+    # during them left there are removed first
+    with summary_lock(Path(args.results), name):
+        kept = keep_replaced_notes(summary_file.with_suffix(".md")) if trains else None
+        if kept is not None:
+            print(f"addition-compare: the notes of {summary_file.with_suffix('.md')}, which this lineup replaces, "
+                  f"are kept with that summary in {kept}")
+        write_json(summary_file, rows)
+        write_json(meta_file, meta)
+        write_text(summary_file.with_suffix(".md"), markdown(exact, meta))
+        plot = plot_accuracy_vs_width(results, summary_file.with_suffix(".png"),
+                                      title=f"addition, {args.preset} preset, seeds {seeds}")
+        # by answer position at the largest training width and the first and last OOD widths
+        positions = plot_lineup_positions(results, summary_file.with_name(f"{name}_positions.png"),
+                                          widths=sorted({preset.train_widths[1], *preset.ood_widths}),
+                                          title=f"addition, {args.preset} preset, seeds {seeds}: best step")
     print(markdown(exact, meta))
     plots = "".join(f", {p}" for p in (plot, positions) if p)
     print(f"wrote {summary_file}, {meta_file}, {summary_file.with_suffix('.md')}" + plots)

@@ -43,9 +43,10 @@ from ...provenance import git_commit
 from ...train import schedule
 from ...train.launch import LOCK_NAME, StopSignals
 
-_TEMPORARIES = ("checkpoint.pt", "best.pt", "results.json")
-"""The files the training writes under its lock whose atomic writes' temporary files
-(:func:`falcon_fwa.atomic.atomic_path`) a process killed during a write leaves behind."""
+_TEMPORARIES = ("checkpoint.pt", "best.pt", "results.json", "accuracy_vs_width.png", "accuracy_by_position.png")
+"""The files a run writes under its lock (the last two by ``falcon-fwa addition``'s ``finish``, :func:`train_run`)
+whose atomic writes' temporary files (:func:`falcon_fwa.atomic.atomic_path`) a process killed during a write
+leaves behind."""
 
 
 def metric_note(ood_widths: Tuple[int, int]) -> str:
@@ -200,9 +201,13 @@ def float32_matmul_precision(value: Optional[str]):
 
 
 def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = True,
-              log: Callable[[str], None] = print, stop_on_signal: bool = False) -> Dict[str, Any]:
+              log: Callable[[str], None] = print, stop_on_signal: bool = False,
+              finish: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Train ``spec`` and return the results dict (also written to ``out_dir/results.json``). On
     CUDA the preset's float32 matmul precision holds for the run; the previous one is restored.
+    ``finish`` is called with the results of a run that ended (not stopped by a signal) while the folder is
+    still locked, and its signals still held: what it writes there (the plots) is the run's, and a temporary
+    file that a kill during its writes leaves is removed by the next holder of the lock (:data:`_TEMPORARIES`).
 
     A folder that another process is training is refused (a ``ValueError`` naming it). With
     ``stop_on_signal``, a SIGTERM, SIGINT or SIGHUP ends the run at the end of the step in progress with a
@@ -213,7 +218,10 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
     # the handlers before the lock: a process seen holding the lock already stops cleanly on a signal
     with StopSignals(stop_on_signal) as signals, run_lock(out_dir), \
             float32_matmul_precision(spec.preset.matmul_precision if on_cuda else None):
-        return _train(spec, out_dir, progress=progress, resume=resume, log=log, signals=signals)
+        results = _train(spec, out_dir, progress=progress, resume=resume, log=log, signals=signals)
+        if finish is not None and "signal" not in results:
+            finish(results)
+        return results
 
 
 @contextlib.contextmanager

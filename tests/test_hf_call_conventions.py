@@ -203,3 +203,29 @@ def test_right_padded_masks_still_run_forward_passes(mixer):
     model.train()
     model(ids, attention_mask=mask, labels=ids).loss.backward()
     assert model.model.embed_tokens.weight.grad is not None
+
+
+@pytest.mark.parametrize("mixer", ["falcon", "transformer", "mamba2"])
+def test_prefill_in_chunks_without_a_mask_reads_pads_as_generate_does(mixer):
+    """Without an ``attention_mask``, ``generate()`` takes the ids equal to ``pad_token_id`` for pads (where it
+    differs from eos): a chunked prefill reads the same pads. A left-padded batch then gives each row's tokens
+    alone, as without chunks; a right-padded one is refused, as without chunks."""
+    model = _tiny(mixer)
+    n = 4
+    want = [_greedy_alone(model, p, n) for p in PROMPTS]
+    ids, _ = _batch("left")
+    with torch.no_grad():
+        for chunk in (None, 1, 2, 3):
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, prefill_chunk_size=chunk)
+            assert out[:, ids.shape[1]:].tolist() == want, chunk
+    ids, _ = _batch("right")
+    for chunk in (1, 2):
+        with pytest.raises(ValueError, match=r"attention_mask.*rows \[1, 2\].*padding_side='left'.*pad_token_id"):
+            model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=PAD, prefill_chunk_size=chunk)
+    # a pad id that is also eos is no pad to generate(): the rows are read whole, with or without chunks
+    row = [[5, 6, 7, PAD]]
+    with torch.no_grad():
+        got = [model.generate(torch.tensor(row), max_new_tokens=n, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=PAD, prefill_chunk_size=chunk)[0, 4:].tolist() for chunk in (None, 2)]
+    alone = _greedy_alone(model, row[0], n)
+    assert [g == alone[:len(g)] and len(g) >= 1 for g in got] == [True, True]

@@ -90,6 +90,27 @@ def _check_left_padded(attention_mask, note: str = "") -> None:
                          f"pad the prompts on the left (tokenizer padding_side='left'){note}")
 
 
+_NOTE_PAD_ID = "; without an attention_mask, generate() takes every id equal to pad_token_id for a pad"
+
+
+def _mask_from_pads(ids, config, kwargs):
+    """The ``attention_mask`` that ``generate()`` makes for ``ids`` given without one (its
+    ``_prepare_attention_mask_for_generation``): 0 where an id equals ``pad_token_id`` (``kwargs``' or the generation
+    config ``config``'s), 1 elsewhere; ``None`` where it makes one of ones (no pad id, a pad id that is also an eos
+    id, no pad id among ``ids``, or no ``input_ids``)."""
+    if not torch.is_tensor(ids) or ids.dim() != 2 or ids.is_floating_point() or kwargs.get("inputs_embeds") is not None:
+        return None
+    pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+    eos = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+    if pad is None:
+        return None
+    pad = int(torch.as_tensor(pad).flatten()[0])
+    if eos is not None and pad in torch.as_tensor(eos).flatten().tolist():
+        return None
+    pads = ids == pad
+    return (~pads).long() if bool(pads.any()) else None
+
+
 class FalconBlock(nn.Module):
     """``h + Mixer(RMSNorm(h))`` then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -280,7 +301,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
 
         ``prefill_chunk_size=n`` (or the generation config's): the prompt's columns the cache has not consumed go
         through the model ``n`` at a time (the first call reaches every row's first real token under left
-        padding), the last ``n`` or fewer in ``generate()``'s first step, which continues that cache. Hugging
+        padding), the last ``n`` or fewer in ``generate()``'s first step, which continues that cache; without an
+        ``attention_mask`` the chunks get the mask ``generate()`` makes (its ids equal to ``pad_token_id`` are pads,
+        where that id is no eos id). Hugging
         Face's own chunked prefill needs a cache before the first step and, without padding, gives the chunks
         no mask that says which columns they are.
 
@@ -296,8 +319,15 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                                  f"without them")
         if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
             raise ValueError(_NO_ATTENTIONS)
-        _check_left_padded(kwargs.get("attention_mask"))
         chunk = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
+        note = ""
+        if chunk is not None and kwargs.get("attention_mask") is None:
+            # the chunks go through the forward before generate() makes its mask: they are given that mask
+            mask = _mask_from_pads(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")), config,
+                                   kwargs)
+            if mask is not None:
+                kwargs, note = {**kwargs, "attention_mask": mask}, _NOTE_PAD_ID
+        _check_left_padded(kwargs.get("attention_mask"), note)
         if chunk is not None:
             args, kwargs = self._prefill_in_chunks(chunk, args, kwargs)
         return super().generate(*args, **kwargs)
@@ -356,8 +386,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         _check_cache_type(cache)
         fresh = cache is None or cache.empty
         if fresh:  # the prompt step: also a mask generate() made from pad_token_id, which generate() did not see
-            _check_left_padded(attention_mask, "; without an attention_mask, generate() takes every id equal to "
-                                               "pad_token_id for a pad")
+            _check_left_padded(attention_mask, _NOTE_PAD_ID)
         if is_first_iteration is None and inputs_embeds is not None and not fresh:
             is_first_iteration = inputs_embeds.shape[1] > cache.num_positions
         use_embeds = inputs_embeds is not None and (fresh or bool(is_first_iteration))

@@ -133,3 +133,21 @@ def test_the_recipe_route_names_data_tokenizer_and_other_tokenizers_record_no_fo
     for name in ("byte", "bpe:300"):
         record = prepare_dataset(DataSpec(train_source=str(src), tokenizer=name, val_every=5), str(tmp_path / name[:3]))
         assert sorted(record["files"]) == ["train", "val"]
+
+
+def test_a_folder_recorded_with_another_spelling_is_reused(tmp_path, capsys):
+    """A folder whose record spells the size otherwise (``bpe:0300``, as preparations wrote it before the record
+    held one spelling) is the same tokenizer: any spelling of 300 reuses it unwritten, another size is refused."""
+    src, out = corpus(tmp_path), tmp_path / "out"
+    status, record, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "bpe:300", "--out", out)
+    assert status == 0, err
+    held = json.loads((out / "prepared.json").read_text())
+    held["spec"]["tokenizer"] = "bpe:0300"
+    (out / "prepared.json").write_text(json.dumps(held))
+    before = written(out)
+    for spelling in ("bpe:0300", "bpe:300", "bpe:\u0663\u0660\u0660"):
+        status, again, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", spelling, "--out", out)
+        assert status == 0, err
+        assert again["counts"] == record["counts"] and written(out) == before
+    status, _, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "bpe:301", "--out", out)
+    assert status == 2 and "tokenizer 'bpe:300' there, 'bpe:301' here" in err

@@ -229,8 +229,10 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     wanted = asdict(spec)
     if os.path.isfile(record_path) and not overwrite:
         record = _read_record(record_path)
-        if record["spec"] != wanted:
-            held = record["spec"]
+        held = dict(record["spec"])
+        if isinstance(held.get("tokenizer"), str):  # a record written before a bpe:N was spelt one way
+            held["tokenizer"] = canonical_spec(held["tokenizer"])
+        if held != wanted:
             differ = ", ".join(f"{k} {held.get(k)!r} there, {wanted.get(k)!r} here"
                                for k in sorted(set(held) | set(wanted)) if held.get(k) != wanted.get(k))
             raise ValueError(f"data folder {out_dir!r} was prepared with other settings ({differ}): choose another "

@@ -371,3 +371,35 @@ def test_a_run_writes_its_plots_under_its_lock_and_a_relaunch_removes_their_temp
     assert len(_hidden(out)) == 3
     assert cli.main(["--model", "Transformer", "--steps", "2", "--eval-every", "2", "--out", str(out), *SMALL]) == 0
     assert _hidden(out) == [train.LOCK_NAME]
+
+
+def test_a_lineup_of_finished_runs_in_a_folder_it_may_not_write_is_summarized(tmp_path, monkeypatch):
+    """Finished runs in a ``--runs`` folder this command may not write (read-only, or another user's) are
+    summarized, as the same lineup with ``--no-train`` summarizes them: their temporary files are left there (none
+    can be removed), and the summary in ``--results`` is written."""
+    import errno
+
+    from falcon_fwa import atomic
+
+    runs, res = tmp_path / "runs", tmp_path / "res"
+    argv = ["--models", "Transformer", "--seeds", "0", "--steps", "2", "--eval-every", "2", "--runs", str(runs),
+            "--results", str(res), "--name", "t", *SMALL[:-1]]
+    assert compare.main(argv) == 0
+    run_dir = runs / "Transformer" / "seed0"
+    (run_dir / ".best.abcd1234.tmp.pt").write_text("partial")
+    held = sorted(os.listdir(run_dir))
+    want = json.loads((res / "t.json").read_text())
+    for name in compare.summary_files("t"):
+        (res / name).unlink()
+    opened = atomic._open_lock_file
+
+    def read_only(path):  # as opening a file for writing fails on a read-only file system
+        if str(path).startswith(str(runs)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return opened(path)
+
+    monkeypatch.setattr(atomic, "_open_lock_file", read_only)
+    for no_train in ([], ["--no-train"]):
+        assert compare.main(argv + no_train) == 0
+        assert json.loads((res / "t.json").read_text()) == want
+        assert sorted(os.listdir(run_dir)) == held

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import platform
@@ -186,7 +187,8 @@ def remove_stale_run_temporaries(run_dir: Path) -> bool:
     """Remove the temporary files that a run killed during a write left in ``run_dir`` (those of its own
     files, :data:`.train._TEMPORARIES`), where no live process trains it (its lock, :func:`.train.run_lock`,
     is free): a finished run that this command skips is not started again, which would remove them. False
-    where a live process holds the lock (nothing is removed), or there is no run in ``run_dir``."""
+    where a live process holds the lock (nothing is removed), where this command may not write ``run_dir`` (a
+    read-only folder, another user's: summarizing its runs writes nothing there), or there is no run in it."""
     if not (run_dir / "results.json").exists():
         return False
     try:
@@ -194,6 +196,10 @@ def remove_stale_run_temporaries(run_dir: Path) -> bool:
             return True
     except ValueError:  # trained by another live process: its temporary files may be in use
         return False
+    except OSError as err:
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return False
+        raise
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:

@@ -191,3 +191,24 @@ def test_concurrent_calibration_plans_with_the_slowest_recipes_rate(monkeypatch)
     monkeypatch.setattr(compare, "run_all", failing)
     with pytest.raises(RuntimeError, match="calibration failed"):
         compare._concurrent_steps(_args(time_budget=100.0, concurrent=True), ["a", "b"], [], {"tokens_per_step": 96})
+
+
+def test_the_calibration_does_not_warn_of_a_warmup_longer_than_its_few_steps(tmp_path, timed):
+    """A recipe warming up over 100 steps is calibrated over 2 + 3: its warm-up outlasting them is the plan, not a
+    mistake to warn of (one warning per recipe before). The same recipe loaded with train.steps=5 outside the
+    calibration still warns, and so does a real mistake the calibration does not cause."""
+    import warnings
+
+    from falcon_fwa.train.config import load_config
+
+    paths = recipes(tmp_path, {"a": "tiny-falcon", "b": "tiny-falcon"})
+    sets = [assign_text("data.out_dir", str(tmp_path / "data")), "optim.warmup_steps=100", "train.steps=1000"]
+    with pytest.warns(UserWarning, match=r"optim\.warmup_steps=100 exceeds train\.steps=5"):
+        load_config(paths[0], sets + ["train.steps=5"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal = compare.calibrate_sequential(paths, ["a", "b"], sets, out_dir=str(tmp_path / "cal"), warmup=2, steps=3)
+    assert set(cal) == {"a", "b"} and all(c["timed_steps"] == 3 for c in cal.values())
+    assert not [w for w in caught if "warmup_steps" in str(w.message)], [str(w.message) for w in caught]
+    with pytest.warns(UserWarning, match=r"optim\.warmup_steps=100 exceeds train\.steps=5"):
+        load_config(paths[0], sets + ["train.steps=5"])  # the filter ended with the calibration

@@ -73,6 +73,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from contextlib import nullcontext
 from typing import Iterator, List, Optional, Tuple
 
@@ -168,9 +169,13 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
             out[name] = {"stopped": _stopped_by(signals) or "deadline"}
             continue
         run_dir = _fresh_dir(os.path.join(out_dir, name))
-        cfg = load_config(path, sets + [assign_text("train.out_dir", run_dir), f"train.steps={warmup + steps}",
-                                        "train.eval_every=0", "train.save_every=0", "train.export_model=false",
-                                        "train.resume=none", f"log.every={warmup + steps}", "log.progress=false"])
+        with warnings.catch_warnings():  # the recipe's warm-up outlasts these few steps by design: no warning
+            warnings.filterwarnings("ignore", message=r"optim\.warmup_steps=\d+ exceeds train\.steps=",
+                                    category=UserWarning)
+            cfg = load_config(path, sets + [assign_text("train.out_dir", run_dir), f"train.steps={warmup + steps}",
+                                            "train.eval_every=0", "train.save_every=0", "train.export_model=false",
+                                            "train.resume=none", f"log.every={warmup + steps}",
+                                            "log.progress=false"])
         print(f"calibrating {name}: {warmup} + {steps} steps", flush=True)
         trainer = None
         try:

@@ -142,6 +142,8 @@ def test_ppl_refuses_text_options_by_name_for_token_shards(tmp_path, capsys, mon
     assert cli.main([*base, "--data", shards, option, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"falcon-fwa ppl: error: {option} {value}: --data {shards} is token shards")
+    reads = {"--text-split": "text files", "--text-field": "JSON, JSONL and Parquet files"}[option]
+    assert f"{option} applies to {reads} only" in err  # the files each option reads (sources._split_text, records)
     assert loaded == []
     assert cli.main([*base, "--data", shards]) == 0
     assert cli.main([*base, "--data", shards, str(corpus), option, value]) == 0  # the text file reads them

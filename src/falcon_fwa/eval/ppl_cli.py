@@ -78,11 +78,12 @@ def _check_text_options(args: argparse.Namespace) -> None:
     source is a token shard folder (its documents were split and tokenized when it was written); then
     their defaults (``file``, ``text``)."""
     if all(is_shard_folder(source) for source in args.data):
-        for flag, value in (("--text-split", args.text_split), ("--text-field", args.text_field)):
+        for flag, value, reads in (("--text-split", args.text_split, "text files"),
+                                   ("--text-field", args.text_field, "JSON, JSONL and Parquet files")):
             if value is not None:
                 raise ValueError(f"{flag} {value}: --data {' '.join(args.data)} is token shards, whose documents "
-                                 f"were split and tokenized when they were written; {flag} applies to text, "
-                                 "JSONL and Parquet files only")
+                                 f"were split and tokenized when they were written; {flag} applies to {reads} "
+                                 "only")
     args.text_split = args.text_split or "file"
     args.text_field = args.text_field or "text"
 

@@ -146,14 +146,6 @@ def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None,
     return torch.from_numpy(tokens[idx])
 
 
-def _output_object(model) -> dict:
-    """``{"return_dict": True}`` for a transformers model, ``{}`` for any other module: a model whose config
-    says ``return_dict=False`` still returns ``.logits``, and a module without the keyword is called as before."""
-    from transformers import PreTrainedModel
-
-    return {"return_dict": True} if isinstance(model, PreTrainedModel) else {}
-
-
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
     """Logits to score: bf16/fp16 ones in float32, float32/float64 ones as they are."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -173,7 +165,9 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     seq_len = rows.shape[1] - 1
-    as_object = _output_object(model)
+    from ..serve.graphs import output_object
+
+    as_object = output_object(model)  # .logits whatever the config's return_dict
     total = torch.zeros(seq_len, dtype=torch.float64)
     count = torch.zeros(seq_len, dtype=torch.float64)
     autocast = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16) if bf16 else nullcontext()

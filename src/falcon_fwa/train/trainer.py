@@ -101,11 +101,10 @@ def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.
     kwargs = {"input_ids": batch["input_ids"].to(device, non_blocking=True), "use_cache": False}
     if "cu_seqlens" in batch:
         kwargs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
-    from transformers import PreTrainedModel
+    from ..serve.graphs import output_object
 
     # a transformers model (under DDP its .module) returns .logits whatever its config's return_dict says
-    if isinstance(getattr(model, "module", model), PreTrainedModel):
-        kwargs["return_dict"] = True
+    kwargs.update(output_object(getattr(model, "module", model)))
     with autocast():
         logits = model(**kwargs).logits
     targets = batch["targets"].to(device, non_blocking=True)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .cli import FAST_WEIGHT_OPTIONS
 from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
 from .lineup import LINEUP, DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
@@ -331,7 +332,7 @@ RUN_OPTIONS: Dict[str, str] = {"seed": "--seed", "eval_seed": "--eval-seed", "dt
                                "config_fields": "--model"}
 """The options of ``falcon-fwa addition`` behind the run settings outside the preset."""
 
-MODEL_OPTIONS: Dict[str, str] = {"rule": "--rule", "window": "--window", "qk_norm": "--qk-norm", "gate": "--gate"}
+MODEL_OPTIONS: Dict[str, str] = FAST_WEIGHT_OPTIONS
 """The options that change a mixer's config fields (:data:`.cli.FAST_WEIGHT_OPTIONS`)."""
 
 

@@ -229,3 +229,25 @@ def test_prefill_in_chunks_without_a_mask_reads_pads_as_generate_does(mixer):
                               eos_token_id=PAD, prefill_chunk_size=chunk)[0, 4:].tolist() for chunk in (None, 2)]
     alone = _greedy_alone(model, row[0], n)
     assert [g == alone[:len(g)] and len(g) >= 1 for g in got] == [True, True]
+
+
+def test_the_keyword_reaches_a_model_inside_its_wrappers():
+    """``output_object`` looks through DDP's ``.module`` and ``torch.compile``'s ``._orig_mod`` (each alone and
+    nested), so a wrapped transformers model is still asked for its output object; a module that is no transformers
+    model (the tests' stand-ins, a bare layer) is called without the keyword, which it would not take."""
+    from torch import nn
+
+    from falcon_fwa.models.modeling import output_object
+
+    class DataParallelLike(nn.Module):  # the attribute DistributedDataParallel holds its model in
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = FalconForCausalLM(get_preset("tiny-falcon"))
+    wanted = {"return_dict": True}
+    for wrapped in (model, DataParallelLike(model), torch.compile(model), DataParallelLike(torch.compile(model)),
+                    torch.compile(DataParallelLike(model))):
+        assert output_object(wrapped) == wanted, type(wrapped).__name__
+    for other in (nn.Linear(2, 2), DataParallelLike(nn.Linear(2, 2)), torch.compile(nn.Linear(2, 2))):
+        assert output_object(other) == {}, other

@@ -165,7 +165,7 @@ def position_nll(model, rows: torch.Tensor, *, batch_size: int = 1, device="cpu"
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     seq_len = rows.shape[1] - 1
-    from ..serve.graphs import output_object
+    from ..models.modeling import output_object
 
     as_object = output_object(model)  # .logits whatever the config's return_dict
     total = torch.zeros(seq_len, dtype=torch.float64)

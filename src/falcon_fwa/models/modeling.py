@@ -74,6 +74,17 @@ def _check_cache_type(cache) -> None:
                         f"got {type(cache).__name__}")
 
 
+def output_object(model) -> dict:
+    """``{"return_dict": True}`` for a transformers model, ``{}`` for any other module: the keyword that makes a
+    model return its output object (``.logits``, the cache) whatever its config's ``return_dict`` says
+    (``from_pretrained(..., return_dict=False)`` or a saved config with it would make it a tuple), while a module
+    that takes no such keyword is called as before. A wrapper (DDP's ``.module``, ``torch.compile``'s
+    ``._orig_mod``) is looked through."""
+    inner = getattr(model, "module", model)  # DistributedDataParallel (a compiled one forwards it too)
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile's OptimizedModule
+    return {"return_dict": True} if isinstance(inner, PreTrainedModel) else {}
+
+
 def _check_left_padded(attention_mask, note: str = "") -> None:
     """A ``ValueError`` naming ``attention_mask`` if generation would continue a row after a pad: a row whose last
     column is 0 (right padding). ``generate()`` chooses each row's first new token from the last column's logits

@@ -34,7 +34,8 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from ..cli_options import check_seed
-from .graphs import GraphedDecoder, graphable, output_object
+from ..models.modeling import output_object
+from .graphs import GraphedDecoder, graphable
 from .stops import StopText, check_stop
 
 __all__ = ["Completion", "Timing", "Generation", "check_settings", "generate_text"]

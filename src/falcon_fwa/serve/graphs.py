@@ -21,19 +21,10 @@ from typing import Tuple
 
 import torch
 
+from ..models.modeling import output_object
 from ..ops import FalconState
 
 __all__ = ["GraphedDecoder", "graphable"]
-
-
-def output_object(model) -> dict:
-    """``{"return_dict": True}`` for a transformers model, ``{}`` for any other module:
-    the keyword that makes a model return its output object (``.logits``, the cache) whatever its config's
-    ``return_dict`` says (``from_pretrained(..., return_dict=False)`` or a saved config with it would make it a
-    tuple), while a module that takes no such keyword is called as before."""
-    from transformers import PreTrainedModel
-
-    return {"return_dict": True} if isinstance(model, PreTrainedModel) else {}
 
 
 def graphable(model, device: torch.device) -> Tuple[bool, str]:

@@ -101,10 +101,9 @@ def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.
     kwargs = {"input_ids": batch["input_ids"].to(device, non_blocking=True), "use_cache": False}
     if "cu_seqlens" in batch:
         kwargs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
-    from ..serve.graphs import output_object
+    from ..models.modeling import output_object
 
-    # a transformers model (under DDP its .module) returns .logits whatever its config's return_dict says
-    kwargs.update(output_object(getattr(model, "module", model)))
+    kwargs.update(output_object(model))  # .logits whatever the config's return_dict (DDP, compile looked through)
     with autocast():
         logits = model(**kwargs).logits
     targets = batch["targets"].to(device, non_blocking=True)

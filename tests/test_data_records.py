@@ -151,3 +151,106 @@ def test_a_folder_recorded_with_another_spelling_is_reused(tmp_path, capsys):
         assert again["counts"] == record["counts"] and written(out) == before
     status, _, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "bpe:301", "--out", out)
     assert status == 2 and "tokenizer 'bpe:300' there, 'bpe:301' here" in err
+
+
+def opened_files(folder, load):
+    """The files below ``folder`` that ``load()`` opens (Python's ``open`` audit event; the hook stays installed,
+    idle, once the call is over), as paths inside ``folder``."""
+    import sys
+
+    root, seen, active = os.path.realpath(folder) + os.sep, set(), [True]
+
+    def hook(event, args):
+        if active[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = os.path.realpath(os.fsdecode(args[0]))
+            if path.startswith(root):
+                seen.add(os.path.relpath(path, root))
+
+    sys.addaudithook(hook)
+    try:
+        load()
+    finally:
+        active[0] = False
+    return seen
+
+
+def test_a_model_folder_records_the_files_the_tokenizer_load_reads(tmp_path, capsys):
+    """A ``--tokenizer`` given as a model folder (the tokenizer saved beside a model's weights and configs, as a run
+    exports one) records the files loading the tokenizer opens there, ``config.json`` excepted (the model's, read for
+    the model type), and no other: new weights, another ``config.json``, a README or weights deleted since reuse the
+    shards; a tokenizer file changed or new since (a chat template the load reads) is refused naming
+    ``--tokenizer`` and the file."""
+    from conftest import save_tiny_falcon
+
+    from falcon_fwa import FalconForCausalLM, get_preset
+    from falcon_fwa.data.tokenizer import byte_tokenizer, load_tokenizer
+
+    src, out, tok = corpus(tmp_path), tmp_path / "out", tmp_path / "model"
+    save_tiny_falcon(tok)
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= set(os.listdir(tok))
+    read = opened_files(tok, lambda: load_tokenizer(str(tok)))
+    assert "tokenizer.json" in read and "config.json" in read
+    byte_tokenizer().save_pretrained(tmp_path / "alone")  # the files of the tokenizer saved by itself
+    assert read - {"config.json"} == set(os.listdir(tmp_path / "alone"))
+    argv = ["--train", src, "--val-every", 5, "--tokenizer", tok, "--out", out]
+    status, record, err = run_data(capsys, *argv)
+    assert status == 0 and record["vocab_size"] == 257, err
+    assert record["files"]["tokenizer"] == {str(tok / f): os.path.getsize(tok / f) for f in sorted(read - {"config.json"})}
+    before = written(out)
+
+    held = os.path.getsize(tok / "model.safetensors"), os.path.getsize(tok / "config.json")
+    FalconForCausalLM(get_preset("tiny-falcon", vocab_size=384, num_hidden_layers=1)).save_pretrained(tok)  # weights trained on
+    assert (os.path.getsize(tok / "model.safetensors"), os.path.getsize(tok / "config.json")) != held
+    (tok / "README.md").write_text("a tiny model\n")
+    (tok / "generation_config.json").unlink()
+    status, again, err = run_data(capsys, *argv)
+    assert (status, again) == (0, record) and written(out) == before, err
+    (tok / "model.safetensors").unlink()
+    status, again, err = run_data(capsys, *argv)
+    assert (status, again) == (0, record) and written(out) == before, err
+
+    templates = tok / "additional_chat_templates"
+    templates.mkdir()
+    (templates / "plain.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    read = opened_files(tok, lambda: load_tokenizer(str(tok)))
+    assert os.path.join("additional_chat_templates", "plain.jinja") in read  # the load reads it
+    assert load_tokenizer(str(tok)).chat_template == {"plain": (templates / "plain.jinja").read_text()}
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and written(out) == before
+    assert f"prepared with another --tokenizer '{tok}': its files have changed since ({templates / 'plain.jinja'} is new)" in err
+    shutil.rmtree(templates)
+
+    old = os.path.getsize(tok / "tokenizer.json")
+    train_bpe_tokenizer(words(80, 4), 300).save_pretrained(tok)  # another vocabulary, saved over the byte one
+    new = os.path.getsize(tok / "tokenizer.json")
+    assert new != old
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and written(out) == before
+    assert f"--tokenizer '{tok}': its files have changed since ({tok / 'tokenizer.json'} held {old:,} bytes, now {new:,}" in err
+
+
+def test_a_record_of_every_file_of_the_folder_counts_its_tokenizer_files(tmp_path, capsys):
+    """A record that holds every file of the tokenizer folder (as preparations wrote it before the record held the
+    tokenizer's files alone) is compared by its tokenizer files: the model's files there, resized or gone since,
+    reuse the shards; its tokenizer files changed since are refused."""
+    from conftest import save_tiny_falcon
+
+    src, out, tok = corpus(tmp_path), tmp_path / "out", tmp_path / "model"
+    save_tiny_falcon(tok)
+    argv = ["--train", src, "--val-every", 5, "--tokenizer", tok, "--out", out]
+    status, record, err = run_data(capsys, *argv)
+    assert status == 0, err
+    held = json.loads((out / "prepared.json").read_text())
+    every = {str(tok / f): os.path.getsize(tok / f) for f in sorted(os.listdir(tok))}
+    assert set(every) - set(held["files"]["tokenizer"]) == {str(tok / f) for f in
+                                                             ("config.json", "generation_config.json", "model.safetensors")}
+    held["files"]["tokenizer"] = every
+    (out / "prepared.json").write_text(json.dumps(held))
+    before = written(out)
+    (tok / "model.safetensors").write_bytes(b"0" * 10)
+    (tok / "generation_config.json").unlink()
+    status, again, err = run_data(capsys, *argv)
+    assert status == 0 and again["counts"] == record["counts"] and written(out) == before, err
+    (tok / "tokenizer_config.json").unlink()
+    status, _, err = run_data(capsys, *argv)
+    assert status == 2 and f"{tok / 'tokenizer_config.json'} is gone" in err and "--tokenizer" in err

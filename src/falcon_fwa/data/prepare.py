@@ -1,10 +1,10 @@
 """Tokenize a corpus once: ``{out_dir}/tokenizer/``, ``{out_dir}/train/``, ``{out_dir}/val/``.
 
-``prepared.json`` records the settings and the sizes of the source files and of a tokenizer folder's files;
-preparing again with the same settings reuses the folder; with different settings, or once a local source
-or the tokenizer folder has gained a file or a file has changed size (or, the tokenizer's, is gone), it is an
-error (pass ``overwrite=True`` to rebuild). A source removed since does
-not matter: its tokens are in the folder.
+``prepared.json`` records the settings and the sizes of the source files and of the tokenizer files of a
+tokenizer folder (those loading it reads, not a model's beside them); preparing again with the same settings
+reuses the folder; with different settings, or once a local source or the tokenizer folder has gained such a
+file or one has changed size (or, the tokenizer's, is gone), it is an error (pass ``overwrite=True`` to rebuild).
+A source removed since does not matter: its tokens are in the folder.
 Preparations of one folder are serialised by a lock file (``{out_dir}/.prepare.lock``): runs
 started together on one shared folder tokenize it once, the others wait and reuse it. A preparation
 refused or failed with an error leaves no folder or file of its own behind.
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, hf_dataset, hf_split_files, iter_documents, list_files, walk_files
-from .tokenizer import bpe_vocab_size, canonical_spec, load_tokenizer
+from .tokenizer import CHAT_TEMPLATE_DIR, bpe_vocab_size, canonical_spec, is_tokenizer_file, load_tokenizer
 
 
 @dataclass
@@ -85,10 +85,10 @@ def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] =
 
 def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
     """``{"train": {path: bytes}, "val": ...}``: the files each local source names now (an ``hf:`` dataset
-    folder: every file in it; a Hub dataset and an unset ``val_source`` give ``None``), and ``"tokenizer"``: every
-    file of a tokenizer folder (:func:`tokenizer_files`; no key for another tokenizer), so that a reuse can tell
-    a corpus or tokenizer that has changed. ``FileNotFoundError`` naming the setting (``name``) of a source that
-    names no file."""
+    folder: every file in it; a Hub dataset and an unset ``val_source`` give ``None``), and ``"tokenizer"``: the
+    tokenizer files of a tokenizer folder (:func:`tokenizer_files`; no key for another tokenizer), so that a reuse
+    can tell a corpus or tokenizer that has changed. ``FileNotFoundError`` naming the setting (``name``) of a source
+    that names no file."""
     def sizes(field: str) -> Optional[dict]:
         source = getattr(spec, field)
         if source is None:
@@ -101,21 +101,28 @@ def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lamb
             raise FileNotFoundError(f"{name(field)}: {err}") from None
 
     files = {"train": sizes("train_source"), "val": sizes("val_source")}
-    tokenizer = tokenizer_files(spec, out_dir)
+    tokenizer = tokenizer_files(spec)
     return files if tokenizer is None else {**files, "tokenizer": tokenizer}
 
 
-def tokenizer_files(spec: DataSpec, out_dir: str) -> Optional[dict]:
-    """``{path: bytes}`` of every file of a tokenizer folder ``spec.tokenizer`` as :func:`_folder_files` gives
-    them; ``None`` for ``byte``, ``bpe:N``, a Hub name and a folder gone since."""
-    if spec.tokenizer == "byte" or spec.tokenizer.startswith("bpe:"):  # (as load_tokenizer reads them)
-        return None
-    return _folder_files(spec.tokenizer, out_dir)
+def tokenizer_files(spec: DataSpec) -> Optional[dict]:
+    """``{path: bytes}`` of the files of a tokenizer folder ``spec.tokenizer`` that loading the tokenizer reads
+    (:func:`~falcon_fwa.data.tokenizer.is_tokenizer_file`: ``tokenizer.json``, ``tokenizer_config.json``, a
+    vocabulary, chat templates ...): a model's files beside them (a saved run's ``model/`` folder holds both)
+    change no token and are left out. ``None`` for ``byte``, ``bpe:N``, a Hub name and a folder gone since."""
+    folder = spec.tokenizer
+    if spec.tokenizer == "byte" or spec.tokenizer.startswith("bpe:") or not os.path.isdir(folder):
+        return None  # (as load_tokenizer reads them)
+    names = os.listdir(folder)
+    if os.path.isdir(os.path.join(folder, CHAT_TEMPLATE_DIR)):
+        names += [os.path.join(CHAT_TEMPLATE_DIR, n) for n in os.listdir(os.path.join(folder, CHAT_TEMPLATE_DIR))]
+    paths = [os.path.join(folder, n) for n in names if is_tokenizer_file(n)]
+    return {path: os.path.getsize(path) for path in sorted(paths) if os.path.isfile(path)}
 
 
 def _folder_files(folder: str, out_dir: str) -> Optional[dict]:
-    """``{path: bytes}`` of every file in a local folder that is read whole (an ``hf:`` source's dataset folder,
-    a tokenizer folder), the output folder's excepted, should it lie inside; ``None`` where ``folder`` is no
+    """``{path: bytes}`` of every file in a local folder that is read whole (an ``hf:`` source's dataset folder),
+    the output folder's excepted, should it lie inside; ``None`` where ``folder`` is no
     local folder (a Hub name)."""
     if not os.path.isdir(folder):
         return None
@@ -242,12 +249,16 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             try:
                 now = source_files(spec, out_dir)
             except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
-                now = {"tokenizer": tokenizer_files(spec, out_dir)}
+                now = {"tokenizer": tokenizer_files(spec)}
             changed = _changed_files(record["files"], now)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
-            changed = _changed_files(record["files"], now, ("tokenizer",))
+            held = record["files"]
+            if held.get("tokenizer"):  # (a record that held every file of the folder: its tokenizer files count)
+                held = {**held, "tokenizer": {path: size for path, size in held["tokenizer"].items()
+                                              if is_tokenizer_file(os.path.relpath(path, spec.tokenizer))}}
+            changed = _changed_files(held, now, ("tokenizer",))
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared with another {name('tokenizer')} "
                                  f"{spec.tokenizer!r}: its files have changed since ({changed}): rebuild it "

@@ -99,6 +99,41 @@ def is_missing_folder(spec: str) -> bool:
     return not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1)
 
 
+# The files of a folder that loading a tokenizer from it reads (AutoTokenizer.from_pretrained, as load_tokenizer calls
+# it): the files every tokenizer class looks for, and the vocabulary files (vocab_files_names) of the transformers
+# tokenizer classes that no pattern below covers.
+TOKENIZER_FILE_NAMES = frozenset({
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "merges.txt", "tekken.json", "bpe.codes", "dict.txt", "entity_vocab.json", "emoji.json", "normalizer.json",
+    "byte_maps.json", "word_shape.json", "word_pronunciation.json", "target_vocab.json", "prophetnet.tokenizer",
+})
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # (of a folder: its *.jinja files are the tokenizer's named templates)
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """Whether the file ``name`` (its path inside a tokenizer folder) is one that :func:`load_tokenizer` reads, or may
+    read, from the folder (``transformers.AutoTokenizer.from_pretrained`` on a local folder looks for these by name):
+
+    - ``tokenizer*``: ``tokenizer.json``, ``tokenizer_config.json``, a versioned ``tokenizer.<version>.json``
+      (``fast_tokenizer_files``), ``tokenizer.model`` (sentencepiece, tiktoken), ``tokenizer.model.v3``;
+    - ``special_tokens_map.json``, ``added_tokens.json``;
+    - chat templates: ``chat_template.jinja``, ``chat_template.json``, ``additional_chat_templates/*.jinja``;
+    - vocabularies: ``vocab*`` (``vocab.json``, ``vocab.txt``, ``vocab-src.json``), ``merges.txt``, ``*.model``
+      (sentencepiece: ``spiece.model``, ``sentencepiece.bpe.model``, ``spm.model``; ``tiktoken.model``),
+      ``*.tiktoken``, ``tekken.json``, and the rarer files of single classes (``bpe.codes``, ``dict.txt``,
+      ``entity_vocab.json``, ``emoji.json`` ...: :data:`TOKENIZER_FILE_NAMES`).
+
+    A model's files beside them are none: ``model.safetensors``, ``generation_config.json``, a README, and
+    ``config.json``, which ``AutoTokenizer`` reads for the model type (that picks the class to load where
+    ``tokenizer_config.json`` names no ``tokenizer_class``, as ``save_pretrained`` does, and for a few model types
+    over the one named) and which each save of a model into the folder rewrites. Other folders' files are none."""
+    parent, base = os.path.split(os.path.normpath(name))
+    if parent:
+        return parent == CHAT_TEMPLATE_DIR and base.endswith(".jinja")
+    return (base in TOKENIZER_FILE_NAMES or base.startswith(("tokenizer", "vocab"))
+            or base.endswith((".model", ".tiktoken")))
+
+
 def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None, name: str = "tokenizer"):
     """``spec``: ``"byte"``, ``"bpe:<vocab_size>"`` (trained on ``texts``), a local folder
     holding a Hugging Face tokenizer, or a Hub tokenizer name (online, or from the Hugging Face cache).

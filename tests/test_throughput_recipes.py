@@ -114,3 +114,23 @@ def test_a_recipe_is_measured_in_its_training_dtype_unless_dtype_is_given(tmp_pa
     preset_bf16 = bf16 if argv else True
     assert seen == [bf16, preset_bf16]
     assert [row["dtype"] for row in rows] == ["bf16" if b else "fp32" for b in (bf16, preset_bf16)]
+
+
+def test_a_record_spelling_its_bpe_otherwise_is_measured_as_training_builds_it(tmp_path):
+    """A data folder whose record spells the BPE ``bpe:0400`` (as preparations wrote it before the record held one
+    spelling) is the recipe's ``bpe:400``: training reuses it, and the row measures the model training builds from
+    its trained vocabulary, not the untrained BPE's largest one."""
+    raw = recipe(tmp_path)
+    raw["data"]["tokenizer"] = "bpe:400"
+    path = tmp_path / "data" / "prepared.json"
+    _trained_params(raw)  # prepares the data folder
+    record = json.loads(path.read_text())
+    record["spec"]["tokenizer"] = "bpe:0400"
+    path.write_text(json.dumps(record))
+    params, vocab = _trained_params(raw)  # trains on the folder as it is
+    assert json.loads(path.read_text())["spec"]["tokenizer"] == "bpe:0400"  # reused, not prepared again
+    assert vocab == 64 * -(-record["vocab_size"] // 64) < 448  # fewer tokens than 400 (rounded: 448) on this corpus
+    row, = _rows(tmp_path, raw)
+    assert row["params"] == params and row["vocab_size"] == vocab
+    assert row["vocabulary"] == f"tokenizer bpe:400, as prepared in {tmp_path / 'data'} ({record['vocab_size']} tokens), " \
+                                "as training sizes it"

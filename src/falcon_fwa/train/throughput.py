@@ -277,10 +277,11 @@ def parse_preset(spec: str, option: str = "--preset", **defaults):
 def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
     """``(vocab_size, eos_token_id, where from)`` of the tokenizer a recipe trains with, found without
     downloading: ``byte``; the record of the recipe's prepared data folder where it was prepared with this
-    tokenizer; ``bpe:N`` not trained yet (N, the most it has); a local tokenizer folder, or a Hub name in the
-    local cache. ``(None, None, why)`` where none of these gives it."""
+    tokenizer (a ``bpe:N`` in any spelling of N, as training reuses the folder); ``bpe:N`` not trained yet (N, the
+    most it has); a local tokenizer folder, or a Hub name in the local cache. ``(None, None, why)`` where none of
+    these gives it."""
     from ..atomic import read_json
-    from ..data.tokenizer import bpe_vocab_size, is_missing_folder, load_tokenizer
+    from ..data.tokenizer import bpe_vocab_size, canonical_spec, is_missing_folder, load_tokenizer
 
     spec = cfg.data.tokenizer
     if spec == "byte":
@@ -289,7 +290,8 @@ def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
     folder = cfg.data.out_dir or os.path.join(cfg.train.out_dir, "data")
     try:
         record = read_json(os.path.join(folder, "prepared.json"))
-        if record["spec"]["tokenizer"] == spec:
+        held = record["spec"]["tokenizer"]  # (bpe:0300 in a record written before one spelling: bpe:300)
+        if isinstance(held, str) and canonical_spec(held) == canonical_spec(spec):
             return int(record["vocab_size"]), int(record["eos_token_id"]), f"tokenizer {spec}, as prepared in {folder}"
     except (OSError, ValueError, KeyError, TypeError):
         pass

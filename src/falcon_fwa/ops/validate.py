@@ -54,7 +54,15 @@ def _check_values(ok: torch.Tensor, message: str) -> None:
     would take several."""
     if ok.is_cuda:
         torch._assert_async(ok, message)
-    elif not bool(ok):
+        return
+    try:
+        passed = bool(ok)
+    except RuntimeError as err:  # torch.func.vmap: one flag per batched call, which no host branch can take
+        name = message.split(" ", 1)[0]
+        raise RuntimeError(f"{name} cannot be checked under torch.func.vmap ({message}; the check reads its "
+                           f"result on the host): check the values before the vmap and call the op within "
+                           f"falcon_fwa.ops.validate.trusted_values()") from err
+    if not passed:
         raise ValueError(message)
 
 

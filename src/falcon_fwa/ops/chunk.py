@@ -17,7 +17,8 @@ with ``V`` (rule 2 at B=8, T=2048, H=16, K=V=128 would hold about 15e9 elements 
 Their columns are independent scans that share ``q`` and the write keys: when the blocks
 would exceed ``BLOCK_ELEMENTS`` elements, the form runs a few columns at a time, and under
 autograd recomputes each group's intermediates in the backward (activation checkpointing),
-so that one group's are alive at a time. The arithmetic of every column is unchanged.
+so that one group's are alive at a time (under ``torch.func``'s gradient transforms, which take no
+saved-tensor hooks, the groups keep theirs). The arithmetic of every column is unchanged.
 """
 from __future__ import annotations
 
@@ -70,8 +71,19 @@ def chunk_form(
         j = slice(c, c + cols)
         args = (q, xs, ys[..., j], eta_slots[..., j], None if kappa_slots is None else kappa_slots[..., j],
                 log_a[..., j], S0[..., j])
-        parts.append(checkpoint(form, *args, use_reentrant=False) if torch.is_grad_enabled() else form(*args))
+        parts.append(checkpoint(form, *args, use_reentrant=False) if _recomputable() else form(*args))
     return torch.cat([o for o, _ in parts], -1), torch.cat([s for _, s in parts], -1)
+
+
+def _recomputable() -> bool:
+    """Whether a column group's intermediates can be recomputed in the backward: autograd records
+    the call, and saved-tensor hooks (through which ``checkpoint`` drops and recomputes them) are
+    allowed. ``torch.func.grad``, ``vjp`` and ``jacrev`` disallow those hooks; there the groups keep
+    their intermediates, as one call of all columns would."""
+    if not torch.is_grad_enabled():
+        return False
+    hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return hooks_enabled is None or hooks_enabled()
 
 
 def _column_group(q: torch.Tensor, xs: torch.Tensor, log_a: torch.Tensor, *, regression: bool,

@@ -1,0 +1,221 @@
+"""Legitimate but unusual calls of the public op, each against the float64 recurrent form.
+
+Strided and broadcast views, aliased arguments, gradients of only some inputs, ``torch.func``
+transforms, ``inference_mode`` and deterministic algorithms, degenerate sizes, and decoding steps
+from a state that was cast, moved, cloned or detached between the steps.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.func as tfunc
+
+import falcon_fwa.ops.chunk as chunk_module
+from falcon_fwa import falcon_attention, falcon_step
+from falcon_fwa.ops.validate import trusted_values
+
+RULES = ["1", "2", "3", "1A", "2A", "3A"]
+PER_COLUMN = {"2", "2A"}
+FORMS = ["recurrent", "parallel", "chunk"]
+
+
+def _inputs(rule, B=2, T=9, H=2, K=4, V=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+    beta = 2 * torch.sigmoid(randn(B, T, H, V) if rule in PER_COLUMN else randn(B, T, H))
+    lam = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    log_gate = -torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    return q, k, v, beta, lam, log_gate
+
+
+def _reference(rule, q, k, v, beta, lam, log_gate=None, **options):
+    """The recurrent PyTorch form on contiguous float64 copies of the inputs."""
+    plain = [None if t is None else t.detach().to(torch.float64).contiguous() for t in (q, k, v, beta, lam, log_gate)]
+    return falcon_attention(*plain[:5], log_gate=plain[5], rule=rule, form="recurrent", backend="torch",
+                            output_final_state=True, **options)
+
+
+def _weights(o):
+    """Fixed, non-symmetric weights for a scalar loss of the output."""
+    return torch.cos(torch.arange(o.numel(), dtype=o.dtype)).reshape(o.shape)
+
+
+def _reference_gradients(rule, inputs, **options):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    o, _ = falcon_attention(*leaves[:5], log_gate=leaves[5], rule=rule, form="recurrent", backend="torch", **options)
+    return torch.autograd.grad((o * _weights(o)).sum(), leaves)
+
+
+def _close(a, b, rtol=1e-10):
+    err = (a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-300)
+    assert err <= rtol, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rule", RULES)
+def test_strided_broadcast_and_aliased_inputs(rule, form):
+    q, k, v, beta, lam, log_gate = _inputs(rule)
+    B, T, H, V = v.shape
+    # views whose memory is laid out otherwise: a transposed copy, a stepped slice, stride-0 broadcasts
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    spread = torch.zeros(B, 2 * T, H, 2 * V, dtype=v.dtype)
+    spread[:, ::2, :, ::2] = v
+    v_s = spread[:, ::2, :, ::2]
+    beta_b = beta[:, :1].expand_as(beta)
+    lam_b = lam[:1, :, :1].expand_as(lam)
+    gate_b = log_gate[:, :, :1].expand_as(log_gate)
+    assert not (q_t.is_contiguous() or v_s.is_contiguous() or beta_b.is_contiguous() or lam_b.is_contiguous())
+    want, want_state = _reference(rule, q, k, v, beta_b, lam_b, gate_b, window=3)
+    o, state = falcon_attention(q_t, k, v_s, beta_b, lam_b, log_gate=gate_b, rule=rule, window=3, form=form,
+                                chunk_size=4, backend="torch", output_final_state=True)
+    _close(o, want)
+    _close(state.S, want_state.S)
+    # one tensor passed as queries, keys and values (K == V)
+    x = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want, _ = _reference(rule, x, x.clone(), x.clone(), beta, lam, window=3)
+    _close(falcon_attention(x, x, x, beta, lam, rule=rule, window=3, form=form, chunk_size=4, backend="torch")[0],
+           want)
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunk"])
+@pytest.mark.parametrize("rule", RULES)
+def test_gradients_of_views_and_of_single_inputs(rule, form):
+    inputs = _inputs(rule)
+    want = _reference_gradients(rule, inputs, window=3)
+    q, k, v, beta, lam, log_gate = inputs
+    # the gradient of a stride-0 broadcast reaches its source summed over the broadcast axis
+    lam_src = lam[:, :, :1].clone().requires_grad_()
+    v_src = v.transpose(1, 3).contiguous().requires_grad_()
+    o, _ = falcon_attention(q, k, v_src.transpose(1, 3), beta, lam_src.expand_as(lam), log_gate=log_gate, rule=rule,
+                            window=3, form=form, chunk_size=4, backend="torch")
+    g_lam, g_v = torch.autograd.grad((o * _weights(o)).sum(), (lam_src, v_src))
+    ref = _reference_gradients(rule, (q, k, v, beta, lam[:, :, :1].expand_as(lam), log_gate), window=3)
+    _close(g_lam, ref[4].sum(-1, keepdim=True), 1e-9)
+    _close(g_v.transpose(1, 3), ref[2], 1e-9)
+    # only one input asks for a gradient
+    for i in range(6):
+        args = [t.detach().clone().requires_grad_(j == i) for j, t in enumerate(inputs)]
+        o, _ = falcon_attention(*args[:5], log_gate=args[5], rule=rule, window=3, form=form, chunk_size=4,
+                                backend="torch")
+        (g,) = torch.autograd.grad((o * _weights(o)).sum(), args[i])
+        _close(g, want[i], 1e-9)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_func_grad_and_vjp_are_the_autograd_gradients(rule):
+    inputs = _inputs(rule)
+    want = _reference_gradients(rule, inputs, window=3)
+
+    def loss(*args):
+        o, _ = falcon_attention(*args[:5], log_gate=args[5], rule=rule, window=3, chunk_size=4, backend="torch")
+        return (o * _weights(o)).sum()
+
+    for got, ref in zip(tfunc.grad(loss, argnums=tuple(range(6)))(*inputs), want):
+        _close(got, ref, 1e-9)
+    q, k, v, beta, lam, log_gate = inputs
+    o, pullback = tfunc.vjp(lambda v: falcon_attention(q, k, v, beta, lam, log_gate=log_gate, rule=rule, window=3,
+                                                        form="parallel", backend="torch")[0], v)
+    _close(pullback(_weights(o))[0], want[2], 1e-9)
+
+
+@pytest.mark.parametrize("rule", ["2", "2A"])
+def test_func_grad_of_the_per_column_rules_in_column_groups(rule, monkeypatch):
+    """Past ``BLOCK_ELEMENTS`` the per-column chunk form runs its columns in groups that the backward
+    recomputes; under ``torch.func.grad`` (which takes no saved-tensor hooks) it still gives the
+    gradients, as at a size where the columns run at once."""
+    monkeypatch.setattr(chunk_module, "BLOCK_ELEMENTS", 200)  # a few columns per group
+    inputs = _inputs(rule, V=7)
+    want = _reference_gradients(rule, inputs)
+
+    def loss(*args):
+        o, _ = falcon_attention(*args[:5], log_gate=args[5], rule=rule, chunk_size=4, backend="torch")
+        return (o * _weights(o)).sum()
+
+    for got, ref in zip(tfunc.grad(loss, argnums=tuple(range(6)))(*inputs), want):
+        _close(got, ref, 1e-9)
+    # and plain autograd, which recomputes the groups in the backward, the same
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    for got, ref in zip(torch.autograd.grad(loss(*leaves), leaves), want):
+        _close(got, ref, 1e-9)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_vmap_over_an_extra_leading_axis_with_trusted_values(rule):
+    first, second = _inputs(rule, seed=2), _inputs(rule, seed=3)
+    stacked = [torch.stack(pair) for pair in zip(first, second)]
+    batched = tfunc.vmap(lambda q, k, v, b, l, g: falcon_attention(q, k, v, b, l, log_gate=g, rule=rule, window=3,
+                                                                   chunk_size=4, backend="torch")[0])
+    # the value checks read lam and log_gate on the host, which vmap cannot batch: refused by name
+    with pytest.raises(RuntimeError, match=r"^lam cannot be checked under torch.func.vmap .*trusted_values\(\)"):
+        batched(*stacked)
+    with trusted_values():
+        out = batched(*stacked)
+    for row, inputs in zip(out, (first, second)):
+        _close(row, _reference(rule, *inputs, window=3)[0])
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_inference_mode_no_grad_and_deterministic_algorithms(rule):
+    inputs = _inputs(rule)
+    want, want_state = _reference(rule, *inputs[:5], inputs[5], window=3)
+    with torch.inference_mode():
+        o, state = falcon_attention(*inputs[:5], log_gate=inputs[5], rule=rule, window=3, chunk_size=4,
+                                    backend="torch", output_final_state=True)
+    _close(o, want)
+    _close(state.S, want_state.S)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with torch.no_grad():
+        o, _ = falcon_attention(*leaves[:5], log_gate=leaves[5], rule=rule, window=3, form="parallel",
+                                backend="torch")
+    assert not o.requires_grad
+    _close(o, want)
+    grads = _reference_gradients(rule, inputs, window=3)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        o, _ = falcon_attention(*leaves[:5], log_gate=leaves[5], rule=rule, window=3, chunk_size=4, backend="torch")
+        got = torch.autograd.grad((o * _weights(o)).sum(), leaves)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    _close(o, want)
+    for g, ref in zip(got, grads):
+        _close(g, ref, 1e-9)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 1, 1, 64), (1, 7, 1, 1, 1, 3), (1, 5, 1, 3, 1, 100), (2, 11, 1, 1, 3, 4)],
+                         ids=["T1-K1-V1", "K1-V1-ragged", "V1-chunk-over-T", "K1-odd"])
+@pytest.mark.parametrize("shift", [True, False])
+def test_degenerate_sizes(rule, sizes, shift):
+    B, T, H, K, V, chunk = sizes
+    inputs = _inputs(rule, B=B, T=T, H=H, K=K, V=V, seed=T + K)
+    want, want_state = _reference(rule, *inputs[:5], inputs[5], window=3, shift=shift)
+    for form in ("parallel", "chunk"):
+        o, state = falcon_attention(*inputs[:5], log_gate=inputs[5], rule=rule, window=3, form=form, shift=shift,
+                                    chunk_size=chunk, backend="torch", output_final_state=True)
+        _close(o, want)
+        _close(state.S, want_state.S)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_steps_from_a_state_cast_moved_cloned_and_detached(rule):
+    inputs = _inputs(rule, T=10)
+    want, want_state = _reference(rule, *inputs[:5], inputs[5], window=3)
+    o, state = falcon_attention(*(t[:, :4].float() for t in inputs[:5]), log_gate=inputs[5][:, :4].float(),
+                                rule=rule, window=3, chunk_size=3, backend="torch", output_final_state=True)
+    outs = [o.double()]
+    moves = [lambda s: s.to(torch.float64), lambda s: s.to(device="cpu"), lambda s: s.clone(),
+             lambda s: s.detach(), lambda s: s.to(dtype=torch.float32), lambda s: s.index_select([0, 1])]
+    for t, move in zip(range(4, 10), moves):
+        state = move(state)
+        o, state = falcon_step(*(x[:, t].float() for x in inputs[:5]), log_gate=inputs[5][:, t].float(),
+                               state=state, rule=rule, window=3, backend="torch")
+        outs.append(o[:, None].double())
+    _close(torch.cat(outs, 1), want, 2e-6)
+    _close(state.S, want_state.S, 2e-6)
+    assert state.S.dtype == torch.float32
+    assert state.tail_valid is None or state.tail_valid.dtype == torch.bool

@@ -158,6 +158,40 @@ def test_vmap_over_an_extra_leading_axis_with_trusted_values(rule):
         _close(row, _reference(rule, *inputs, window=3)[0])
 
 
+def test_per_sample_gradients_of_lam_name_the_check_then_match_one_sample_at_a_time():
+    """``vmap(grad(f))`` over ``lam`` (per-sample gradients): inside the vmap the flag is wrapped by grad's
+    transform, and the refusal still names ``lam`` and the way out; within ``trusted_values()`` each sample's
+    gradient is that of its own call."""
+    q, k, v, beta, lam, _ = _inputs("1", seed=4)
+    lams = torch.stack([lam, lam.flip(1)])
+
+    def loss(l):
+        o, _ = falcon_attention(q, k, v, beta, l, rule="1", chunk_size=4, backend="torch")
+        return (o * _weights(o)).sum()
+
+    per_sample = tfunc.vmap(tfunc.grad(loss))
+    with pytest.raises(RuntimeError, match=r"^lam cannot be checked under torch.func.vmap .*trusted_values\(\)"):
+        per_sample(lams)
+    with trusted_values():
+        got = per_sample(lams)
+    for row, l in zip(got, lams):  # each sample alone, by plain autograd
+        leaf = l.clone().requires_grad_()
+        _close(row, torch.autograd.grad(loss(leaf), leaf)[0], 1e-9)
+
+
+def test_a_host_read_that_fails_outside_vmap_keeps_its_own_error(monkeypatch):
+    """Only vmap's failure becomes the named refusal: another RuntimeError of the host read passes unchanged."""
+    from falcon_fwa.ops import validate
+
+    class Unreadable(torch.Tensor):
+        def __bool__(self):
+            raise RuntimeError("the device is gone")
+
+    flag = torch.tensor(True).as_subclass(Unreadable)
+    with pytest.raises(RuntimeError, match="^the device is gone$"):
+        validate._check_values(flag, "lam must be finite")
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_inference_mode_no_grad_and_deterministic_algorithms(rule):
     inputs = _inputs(rule)

@@ -46,6 +46,13 @@ def _values_checked() -> bool:
     return _VALUES_CHECKED.get() and not torch.compiler.is_compiling()
 
 
+def _under_vmap(t: torch.Tensor, err: RuntimeError) -> bool:
+    """Whether the host read of ``t`` failed because ``torch.func.vmap`` batches it (``t`` a batched tensor, or, under
+    another transform inside the vmap such as ``vmap(grad(f))``, vmap's own error); other failures pass unchanged."""
+    is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
+    return (is_batched is not None and bool(is_batched(t))) or str(err).startswith("vmap:")
+
+
 def _check_values(ok: torch.Tensor, message: str) -> None:
     """Raise ``ValueError(message)`` unless the one-element ``ok`` is true. On a GPU the check
     is a device-side assertion, so the host never waits for it (a failure surfaces as a
@@ -58,6 +65,8 @@ def _check_values(ok: torch.Tensor, message: str) -> None:
     try:
         passed = bool(ok)
     except RuntimeError as err:  # torch.func.vmap: one flag per batched call, which no host branch can take
+        if not _under_vmap(ok, err):
+            raise
         name = message.split(" ", 1)[0]
         raise RuntimeError(f"{name} cannot be checked under torch.func.vmap ({message}; the check reads its "
                            f"result on the host): check the values before the vmap and call the op within "

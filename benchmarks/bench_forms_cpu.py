@@ -1,6 +1,6 @@
 """CPU timings of the three forms of every rule, side by side in one process.
 
-    python benchmarks/bench_forms_cpu.py --out benchmarks/results --name cpu_forms
+    python benchmarks/bench_forms_cpu.py --out benchmarks/results --name cpu_forms --overwrite   # renews the record
 
 For each rule and each ``T`` (default 512, 2048, 8192) this times the recurrent,
 parallel and chunk forms of ``falcon_attention`` in float32 at ``B=1, H=2,
@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from falcon_fwa import falcon_attention
 from falcon_fwa.ops import RULES
+from falcon_fwa.provenance import committed_files
 
 FORMS = ("recurrent", "parallel", "chunk")
 MODES = ("fwd", "fwdbwd")
@@ -272,7 +273,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default="cpu_forms")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write over NAME.md / NAME.json where git tracks them (the default: the record in "
+                        "benchmarks/results)")
     args = p.parse_args(argv)
+    committed = [] if args.overwrite else committed_files([os.path.join(args.out, args.name + end)
+                                                           for end in (".md", ".json")])
+    if committed:
+        p.error(f"--out {args.out} --name {args.name} would write over {', '.join(committed)}, which git tracks (the "
+                "recorded results): give --out DIR for a run of your own, or --overwrite to renew the record")
     for option, value, least in (("--seq-lens", min(args.seq_lens), 1), ("--batch", args.batch, 1),
                                  ("--heads", args.heads, 1), ("--head-dim", args.head_dim, 1),
                                  ("--window", args.window, 1), ("--chunk-size", args.chunk_size, 1),

@@ -2,7 +2,7 @@
 PyTorch chunk form, flash-linear-attention's chunk kernels and torch's flash
 attention, bf16, forward and forward+backward, with peak memory.
 
-    python benchmarks/bench_kernels.py --out benchmarks/results --name h200
+    python benchmarks/bench_kernels.py --out OUT --name h200-COMMIT   # --overwrite to write over a tracked file
 
 Writes ``<out>/<name>.json`` (a list of rows ``{op, B, T, H, K, V, mode, ms,
 peak_mem_bytes, commit}``, ``mode`` ``"fwd"`` or ``"fwdbwd"``, plus ``window`` for the sliding rules,
@@ -58,6 +58,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from falcon_fwa.provenance import committed_files
 
 SHAPES = [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
 TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=2048)
@@ -640,7 +642,10 @@ def _graph_cell(row: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--name", default="h200")
+    p.add_argument("--name", default="kernels",
+                   help="file names: NAME.md, NAME.json (and NAME-autotune.json, ...) in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write over result files that git tracks (a run's record) where --out/--name name them")
     p.add_argument("--ops", nargs="*", default=list(OPS),
                    help=f"subset of {list(OPS)}; the baselines (fla-*, sdpa) are timed first at each shape")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
@@ -670,6 +675,12 @@ def main(argv=None) -> None:
                    help="seconds one row may take before it is skipped and reported (checked between calls: "
                         "one call that hangs is not interrupted)")
     args = p.parse_args(argv)
+    written = [os.path.join(args.out, args.name + end) for end in
+               (".md", ".json", ".png", "-autotune.json", "-paired.json", "-decode.json", "-sweep.json")]
+    committed = [] if args.overwrite else committed_files(written)
+    if committed:
+        p.error(f"--out {args.out} --name {args.name} would write over {', '.join(committed)}, which git tracks (a "
+                "record of earlier runs): give another --name or --out, or --overwrite")
     if not 0 < args.row_timeout < float("inf"):
         p.error(f"--row-timeout must be a positive number of seconds, got {args.row_timeout}")
     if args.paired < 0:

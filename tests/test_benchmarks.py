@@ -1154,3 +1154,45 @@ def test_sweep_launch_refuses_bad_arguments_by_name_before_asking_for_a_gpu(monk
         with pytest.raises(SystemExit) as exit_:
             sweep_launch.main(argv)
         _refused_naming(exit_, capsys, option)
+
+
+def _git_repo(folder):
+    subprocess.run(["git", "init", "-q", str(folder)], check=True)
+    subprocess.run(["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "0"], check=True)
+
+
+def test_committed_files_are_the_existing_ones_git_tracks(tmp_path):
+    """A tracked file counts; an untracked one, a missing one, and any file outside a repository do not."""
+    from falcon_fwa.provenance import committed_files
+
+    repo = tmp_path / "repo"
+    _git_repo(repo)
+    (repo / "results").mkdir()
+    for name in ("record.md", "scratch.md"):
+        (repo / "results" / name).write_text("x\n")
+    subprocess.run(["git", "-C", str(repo), "add", "results/record.md"], check=True)
+    outside = tmp_path / "elsewhere.md"
+    outside.write_text("x\n")
+    paths = [str(repo / "results" / n) for n in ("record.md", "scratch.md", "missing.md")] + [str(outside)]
+    assert committed_files(paths) == [paths[0]]
+
+
+@pytest.mark.parametrize("script", ["bench_forms_cpu", "bench_kernels"])
+def test_a_benchmark_does_not_write_over_a_tracked_record_without_overwrite(tmp_path, script, capsys):
+    """Run with --out a folder whose NAME.md git tracks: refused before any work, naming --out, --name and
+    --overwrite, and the record is unchanged (an untracked file is not refused: committed_files above)."""
+    import importlib
+
+    module = importlib.import_module(script)
+    repo = tmp_path / "repo"
+    _git_repo(repo)
+    record = repo / "rec.md"
+    record.write_text("the record of earlier runs\n")
+    subprocess.run(["git", "-C", str(repo), "add", "rec.md"], check=True)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--out", str(repo), "--name", "rec"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out {repo} --name rec would write over {record}" in err and "--overwrite" in err
+    assert record.read_text() == "the record of earlier runs\n"

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["git_commit", "source_checkout", "command_provenance"]
+__all__ = ["git_commit", "source_checkout", "command_provenance", "committed_files"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -49,3 +50,16 @@ def command_provenance(args: argparse.Namespace) -> dict:
     commit = None if root is None else git_commit(short=False, cwd=root)
     status = None if commit is None else _git(["status", "--porcelain", "--untracked-files=no"], root)
     return {"commit": commit, "dirty": None if status is None else bool(status), "options": dict(vars(args))}
+
+
+def committed_files(paths: List[str]) -> List[str]:
+    """Those of ``paths`` that exist and are tracked by the git repository holding them (a results file of record,
+    which a benchmark run with its default ``--out`` would write over); ``[]`` without git."""
+    found = []
+    for path in paths:
+        if os.path.isfile(path):
+            folder, name = os.path.split(os.path.abspath(path))
+            if _git(["ls-files", "--error-unmatch", "--", name], folder) is not None:
+                found.append(path)
+    return found
+

@@ -81,7 +81,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default=None)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the op-level comparison")
-    p.add_argument("--allow-fla-gated", action="store_true", help="time fla's chunk_gated_delta_rule beside")
+    p.add_argument("--allow-fla-gated", action="store_true", help="time fla's chunk_gated_delta_rule beside, its refusal of its gated backward on this Triton lifted "
+                        "(timings only: its gradients are not checked)")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--profile", action="store_true", help="per-kernel device time of each op with the two-launch pick")
     p.add_argument("--inverse", nargs="+", default=None, metavar="BK,WARPS,STAGES",

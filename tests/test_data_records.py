@@ -254,3 +254,25 @@ def test_a_record_of_every_file_of_the_folder_counts_its_tokenizer_files(tmp_pat
     (tok / "tokenizer_config.json").unlink()
     status, _, err = run_data(capsys, *argv)
     assert status == 2 and f"{tok / 'tokenizer_config.json'} is gone" in err and "--tokenizer" in err
+
+
+@pytest.mark.parametrize("first,second", [("./tok", "tok"), ("tok/", "./tok/."), ("tok", "sub/../tok")])
+def test_spellings_of_one_tokenizer_folder_reuse_one_folder(tmp_path, monkeypatch, capsys, first, second):
+    """A local tokenizer folder given as ``./tok``, ``tok/`` or ``sub/../tok`` is the one folder: recorded as
+    ``tok`` (with its files under that name), and another spelling reuses the shards unwritten; another folder
+    with the same files is another setting."""
+    monkeypatch.chdir(tmp_path)
+    src = corpus(tmp_path)
+    tokenizer_folder(tmp_path / "tok", 300)
+    (tmp_path / "sub").mkdir()
+    status, record, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", first, "--out", "out")
+    assert status == 0, err
+    assert record["spec"]["tokenizer"] == "tok"
+    assert sorted(record["files"]["tokenizer"]) == sorted(os.path.join("tok", f) for f in os.listdir("tok"))
+    before = written(tmp_path / "out")
+    status, again, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", second, "--out", "out")
+    assert status == 0, err
+    assert again == record and written(tmp_path / "out") == before
+    shutil.copytree(tmp_path / "tok", tmp_path / "other")
+    status, _, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "other", "--out", "out")
+    assert status == 2 and "tokenizer 'tok' there, 'other' here" in err

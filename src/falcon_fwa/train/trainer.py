@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import folder_lock, fsync_folder, read_json, remove_temporaries, replaceable, sync_tree, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
+from ..models.modeling import output_object
 from ..provenance import git_commit
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -101,8 +102,6 @@ def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.
     kwargs = {"input_ids": batch["input_ids"].to(device, non_blocking=True), "use_cache": False}
     if "cu_seqlens" in batch:
         kwargs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
-    from ..models.modeling import output_object
-
     kwargs.update(output_object(model))  # .logits whatever the config's return_dict (DDP, compile looked through)
     with autocast():
         logits = model(**kwargs).logits

@@ -332,10 +332,6 @@ RUN_OPTIONS: Dict[str, str] = {"seed": "--seed", "eval_seed": "--eval-seed", "dt
                                "config_fields": "--model"}
 """The options of ``falcon-fwa addition`` behind the run settings outside the preset."""
 
-MODEL_OPTIONS: Dict[str, str] = FAST_WEIGHT_OPTIONS
-"""The options that change a mixer's config fields (:data:`.cli.FAST_WEIGHT_OPTIONS`)."""
-
-
 def _restate(option: str, value: Any) -> str:
     """``option`` given ``value`` as typed on the command line: ``--train-widths 1 5``, ``--lr 0.003``; an
     option whose value ``None`` is its absence, ``without --abacus-offset``."""
@@ -406,9 +402,9 @@ def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, 
         if not (options and "config_fields" in options) and "model" in held:
             if held["model"] not in LINEUP:  # a mixer name: its fast-weight fields are the options given
                 if same_name:
-                    option = next((MODEL_OPTIONS[f] for f in MODEL_OPTIONS if h.get(f) != w.get(f)), option)
+                    option = next((FAST_WEIGHT_OPTIONS[f] for f in FAST_WEIGHT_OPTIONS if h.get(f) != w.get(f)), option)
                 fix = f"with --model {held['model']}" + "".join(
-                    f" {o} {h[f]}" for f, o in MODEL_OPTIONS.items() if f in h)
+                    f" {o} {h[f]}" for f, o in FAST_WEIGHT_OPTIONS.items() if f in h)
             elif not same_name:  # a paper name is its fields (one defined anew since: no option gives them back)
                 fix = f"with --model {held['model']}"
         held_model = f"{held['model']} " if "model" in held else ""

@@ -253,3 +253,76 @@ def test_steps_from_a_state_cast_moved_cloned_and_detached(rule):
     _close(state.S, want_state.S, 2e-6)
     assert state.S.dtype == torch.float32
     assert state.tail_valid is None or state.tail_valid.dtype == torch.bool
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rule", RULES)
+def test_a_state_and_inputs_made_under_inference_mode_take_gradients(rule, form):
+    """A state returned under ``inference_mode`` (a cache made while serving), and any input made there,
+    passed unchanged to a call that records gradients: autograd cannot save such a tensor for the backward,
+    so the call works on a copy. Outputs, final state and the gradients of q, k, v are those of the same call
+    from a normal copy of the state, and those of the float64 recurrent form."""
+    inputs = _inputs(rule, T=12)
+    head, tail = [t[:, :5] for t in inputs], [t[:, 5:] for t in inputs]
+    with torch.inference_mode():
+        _, state = falcon_attention(*head[:5], log_gate=head[5], rule=rule, window=3, chunk_size=4, backend="torch",
+                                    output_final_state=True)
+        made_there = [t.clone() for t in tail]
+    assert state.S.is_inference() and all(t.is_inference() for t in made_there)
+    normal = state.clone()
+    assert not normal.S.is_inference()
+    ref_leaves = [t.clone().requires_grad_() for t in tail[:3]]
+    ref_o, ref_state = falcon_attention(*ref_leaves, *tail[3:5], log_gate=tail[5], rule=rule, window=3,
+                                        form="recurrent", backend="torch", initial_state=normal,
+                                        output_final_state=True)
+    ref_grads = torch.autograd.grad((ref_o * _weights(ref_o)).sum() + ref_state.S.sum(), ref_leaves)
+
+    def call(args, initial_state, segments=1):
+        leaves = [t.clone().requires_grad_() if i < 3 and not t.is_inference() else t for i, t in enumerate(args)]
+        o, final = falcon_attention(*leaves[:5], log_gate=leaves[5], rule=rule, window=3, form=form, chunk_size=2,
+                                    backend="torch", initial_state=initial_state, output_final_state=True,
+                                    segments=segments)
+        wrt = [t for t in leaves[:3] if t.requires_grad]
+        return o, final, torch.autograd.grad((o * _weights(o)).sum() + final.S.sum(), wrt)
+
+    want_o, want_state, want_grads = call(tail, normal)
+    _close(want_o, ref_o)
+    _close(want_state.S, ref_state.S)
+    for g, ref in zip(want_grads, ref_grads):
+        _close(g, ref, 1e-9)
+    for segments in (1, 2):
+        o, final, grads = call(tail, state, segments)  # the state itself, as it came out of inference_mode
+        _close(o, want_o)
+        _close(final.S, want_state.S)
+        for g, ref in zip(grads, want_grads):
+            _close(g, ref, 1e-9)
+    for i in range(6):  # one input at a time made under inference_mode; the others of q, k, v take gradients
+        args = list(tail)
+        args[i] = made_there[i]
+        o, final, grads = call(args, state)
+        _close(o, want_o)
+        _close(final.S, want_state.S)
+        for g, ref in zip(grads, [r for j, r in enumerate(want_grads) if j != i]):
+            _close(g, ref, 1e-9)
+    assert state.S.is_inference()  # the caller's state is left as it was
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_steps_from_a_state_made_under_inference_mode_take_gradients(rule):
+    """``falcon_step`` from a state (and with gains) made under ``inference_mode``, with gradients recorded:
+    the step and the gradients of q, k, v are those from a normal copy, and those of the float64 recurrent form."""
+    inputs = _inputs(rule, T=6)
+    with torch.inference_mode():
+        _, state = falcon_attention(*(t[:, :5] for t in inputs[:5]), log_gate=inputs[5][:, :5], rule=rule,
+                                    window=3, backend="torch", output_final_state=True)
+        beta, lam = inputs[3][:, 5].clone(), inputs[4][:, 5].clone()
+    ref_leaves = [t[:, 5:].clone().requires_grad_() for t in inputs[:3]]
+    ref_o, _ = falcon_attention(*ref_leaves, inputs[3][:, 5:], inputs[4][:, 5:], log_gate=inputs[5][:, 5:], rule=rule,
+                                window=3, form="recurrent", backend="torch", initial_state=state.clone())
+    ref_grads = torch.autograd.grad((ref_o[:, 0] * _weights(ref_o[:, 0])).sum(), ref_leaves)
+    leaves = [t[:, 5].clone().requires_grad_() for t in inputs[:3]]
+    o, _ = falcon_step(*leaves, beta, lam, log_gate=inputs[5][:, 5], state=state, rule=rule, window=3,
+                       backend="torch")
+    _close(o, ref_o[:, 0])
+    for g, ref in zip(torch.autograd.grad((o * _weights(o)).sum(), leaves), ref_grads):
+        _close(g, ref[:, 0], 1e-9)

@@ -14,7 +14,7 @@ from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
 from .segments import run_segments
 from .seqlens import last_steps, packed_bounds, padded_rows
-from .state import FalconState
+from .state import TENSOR_FIELDS, FalconState
 from .step_sizes import step_sizes
 from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_sequence_tensors,
                        check_state, check_state_type, check_step_shapes, check_switches, check_tensor_types,
@@ -72,6 +72,24 @@ def _floor_gate(log_gate: Optional[torch.Tensor], dtype: torch.dtype) -> Optiona
 
 def _compute_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _outside_inference(tensors, state):
+    """``tensors`` and ``state`` with a copy of each tensor made under ``torch.inference_mode()`` (the state
+    of a call or a cache made during inference, an input made there), when gradients are recorded: autograd
+    cannot save an inference tensor for the backward, and the forms save their inputs and the state as they
+    are when they need no cast. Anything else passes as it is, so an ordinary call copies nothing."""
+    if not torch.is_grad_enabled():  # (also under inference_mode, where the tensors may stay as they are)
+        return tensors, state
+
+    def usable(t):
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+
+    tensors = tuple(map(usable, tensors))
+    if isinstance(state, FalconState) and any(isinstance(getattr(state, f), torch.Tensor)
+                                              and getattr(state, f).is_inference() for f in TENSOR_FIELDS):
+        state = state._map(usable)
+    return tensors, state
 
 
 # Left out of ``torch.compile`` graphs, as its Triton kernels always were (``ops.triton.api``): traced by
@@ -219,6 +237,7 @@ def falcon_attention(
         raise ValueError("backend='triton' runs the chunk form (its kernels) or the recurrent form (the fused "
                          "recurrent kernel, inference only); got form='parallel'")
     check_tensor_types(q, k, v, beta, lam, log_gate)
+    (q, k, v, beta, lam, log_gate), initial_state = _outside_inference((q, k, v, beta, lam, log_gate), initial_state)
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, output_final_state=output_final_state)
     check_positive_int("segments", segments)
     if segments > 1 and q.dim() == 4:  # (a q of another shape goes on, to be refused by the checks below)
@@ -404,6 +423,7 @@ def falcon_step(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_tensor_types(q, k, v, beta, lam, log_gate)
+    (q, k, v, beta, lam, log_gate), state = _outside_inference((q, k, v, beta, lam, log_gate), state)
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, validate=validate)
     if state is not None:
         check_state_type(state, "state")

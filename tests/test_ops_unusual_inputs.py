@@ -326,3 +326,59 @@ def test_steps_from_a_state_made_under_inference_mode_take_gradients(rule):
     _close(o, ref_o[:, 0])
     for g, ref in zip(torch.autograd.grad((o * _weights(o)).sum(), leaves), ref_grads):
         _close(g, ref[:, 0], 1e-9)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_func_transforms_of_segments_are_the_autograd_gradients(rule):
+    """``segments > 1`` under ``torch.func.grad``, ``vjp`` and ``jvp`` (which take no ``autograd.Function``
+    without ``setup_context``): the pieces run one after the other under the transform, and the gradients of
+    the inputs and of the initial state are those of the float64 recurrent form by ``torch.autograd.grad``."""
+    from dataclasses import replace
+    inputs = _inputs(rule, T=15)
+    _, start = _reference(rule, *(t[:, :3] for t in inputs[:5]), inputs[5][:, :3], window=3)
+    tail = [t[:, 3:] for t in inputs]
+
+    def loss(form, segments, S, *args):
+        o, final = falcon_attention(*args[:5], log_gate=args[5], rule=rule, window=3, form=form, chunk_size=3,
+                                    backend="torch", initial_state=replace(start, S=S), output_final_state=True,
+                                    segments=segments)
+        return (o * _weights(o)).sum() + (final.S * torch.sin(final.S)).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (start.S, *tail)]
+    want = torch.autograd.grad(loss("recurrent", 1, *leaves), leaves)
+    for form in ("chunk", "parallel"):
+        got = tfunc.grad(lambda *a: loss(form, 3, *a), argnums=tuple(range(7)))(start.S, *tail)
+        for g, ref in zip(got, want):
+            _close(g, ref, 1e-9)
+    value, pullback = tfunc.vjp(lambda v: loss("chunk", 4, start.S, *tail[:2], v, *tail[3:]), tail[2])
+    _close(value, loss("recurrent", 1, start.S, *tail))
+    _close(pullback(torch.ones((), dtype=value.dtype))[0], want[3], 1e-9)
+    direction = torch.cos(torch.arange(tail[0].numel(), dtype=torch.float64)).reshape(tail[0].shape)
+    _, slope = tfunc.jvp(lambda q: loss("chunk", 2, start.S, q, *tail[1:]), (tail[0],), (direction,))
+    _close(slope, (want[1] * direction).sum(), 1e-9)
+
+
+def test_func_grad_of_segments_over_packed_sequences():
+    """The packed pieces (groups of whole sequences) under ``torch.func.grad``: the gradients of one
+    packed call without pieces, by ``torch.autograd.grad``, and those of each sequence on its own."""
+    q, k, v, beta, lam, log_gate = (t[:1] for t in _inputs("3", T=13))
+    cu = torch.tensor([0, 4, 9, 13])
+
+    def loss(segments, *args):
+        o, _ = falcon_attention(*args[:5], log_gate=args[5], rule="3", window=3, chunk_size=2, backend="torch",
+                                cu_seqlens=cu, segments=segments)
+        return (o * _weights(o)).sum()
+
+    args = (q, k, v, beta, lam, log_gate)
+    got = tfunc.grad(lambda *a: loss(3, *a), argnums=tuple(range(6)))(*args)
+    leaves = [t.clone().requires_grad_() for t in args]
+    want = torch.autograd.grad(loss(1, *leaves), leaves)
+    for g, ref in zip(got, want):
+        _close(g, ref, 1e-9)
+    weights = _weights(v)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each sequence alone, by the recurrent form
+        parts = [t[:, a:b].clone().requires_grad_() for t in args]
+        o, _ = falcon_attention(*parts[:5], log_gate=parts[5], rule="3", window=3, form="recurrent", backend="torch")
+        ref = torch.autograd.grad((o * weights[:, a:b]).sum(), parts)
+        for g, r in zip(got, ref):
+            _close(g[:, a:b], r, 1e-9)

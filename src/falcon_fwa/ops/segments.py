@@ -20,7 +20,9 @@ Whatever the op keeps for its backward, and however its own nodes free it, lives
 inside one piece's graph. The pieces run again under the autocast the forward ran under, so the
 gradients are those of the function the forward computed. A second-order gradient
 (``create_graph=True``: the backward itself recorded) runs the pieces again as one graph from the
-node's inputs, whose gradients are then functions of them: the memory of one whole call.
+node's inputs, whose gradients are then functions of them: the memory of one whole call. Under
+``torch.func``'s transforms, which take no node without ``setup_context``, the pieces run one after the
+other without the node, recorded by the transform as one graph: the memory of one whole call too.
 
 Cuts fall on whole chunks (``segment_bounds``), so that only the last piece may end in a
 partial chunk, as the whole sequence would.
@@ -210,10 +212,19 @@ def _wants_state(ctx, j: int) -> bool:
     return ctx.needs_input_grad[N_OPTIONS + N_INPUTS + j]
 
 
+def _functorch_active() -> bool:
+    """Whether a ``torch.func`` transform is running (where ``_Pieces.apply`` would raise)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return active is not None and active()
+
+
 def _apply_pieces(call, bounds: Sequence[int], tensors, state: Optional[FalconState], want_final: bool):
     """``call`` over the pieces ``bounds`` of ``tensors`` from ``state``: under autograd as the node
-    ``_Pieces`` (each piece's forward runs again in the backward), else one piece after the other."""
-    if not torch.is_grad_enabled():
+    ``_Pieces`` (each piece's forward runs again in the backward), else one piece after the other.
+    Under ``torch.func``'s transforms (``grad``, ``vjp``, ``jvp``, ``jacrev``, ``vmap``), which take no
+    ``autograd.Function`` without ``setup_context``, the pieces also run one after the other, their graph
+    recorded by the transform as one call's: the same function and gradients, without the memory bound."""
+    if not torch.is_grad_enabled() or _functorch_active():
         o, _, state = _run_pieces(call, bounds, state, want_final, tensors)
         return o, state if want_final else None
     holder: dict = {}

@@ -382,3 +382,33 @@ def test_func_grad_of_segments_over_packed_sequences():
         ref = torch.autograd.grad((o * weights[:, a:b]).sum(), parts)
         for g, r in zip(got, ref):
             _close(g[:, a:b], r, 1e-9)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_meta_tensors_give_the_shapes_of_a_real_call(rule):
+    """On the meta device (tensors with shapes and no values, for shape inference) the value checks have
+    nothing to read and pass: every form, with pieces, gradients and a decoding step, returns what the same
+    call on the CPU returns, shape for shape and dtype for dtype. Packed sequences, laid out from the values of
+    ``cu_seqlens``, are refused by name."""
+    cpu = [t.float() for t in _inputs(rule)]
+    meta = [t.to("meta") for t in cpu]
+
+    def call(args, form, segments):
+        leaves = [t.clone().requires_grad_(i < 3) for i, t in enumerate(args)]
+        o, state = falcon_attention(*leaves[:5], log_gate=leaves[5], rule=rule, window=3, form=form, chunk_size=2,
+                                    backend="torch", output_final_state=True, segments=segments)
+        grads = torch.autograd.grad((o * o).sum() + state.S.sum(), leaves[:3])
+        o2, step = falcon_step(*(t[:, 0] for t in args[:5]), log_gate=args[5][:, 0], state=state, rule=rule,
+                               window=3, backend="torch")
+        tensors = [o, *grads, o2, *(getattr(s, f) for s in (state, step) for f in
+                                    ("S", "last_key", "tail_x", "tail_y", "tail_valid"))]
+        return [None if t is None else (tuple(t.shape), t.dtype, t.device.type) for t in tensors]
+
+    for form in FORMS:
+        for segments in (1, 3):
+            got, want = call(meta, form, segments), call(cpu, form, segments)
+            assert [None if g is None else g[:2] for g in got] == [None if w is None else w[:2] for w in want]
+            assert {g[2] for g in got if g is not None} == {"meta"}
+    with pytest.raises(ValueError, match="^cu_seqlens: .*meta device"):
+        falcon_attention(*(t[:1] for t in meta[:5]), log_gate=meta[5][:1], rule=rule, window=3, backend="torch",
+                         cu_seqlens=torch.tensor([0, 4, 9]))

@@ -238,6 +238,9 @@ def falcon_attention(
         raise ValueError("backend='triton' runs the chunk form (its kernels) or the recurrent form (the fused "
                          "recurrent kernel, inference only); got form='parallel'")
     check_tensor_types(q, k, v, beta, lam, log_gate)
+    if cu_seqlens is not None and (q.is_meta or getattr(cu_seqlens, "is_meta", False)):
+        raise ValueError("cu_seqlens: packed sequences are laid out from the values of their offsets, which the meta "
+                         "device does not hold; on it, run the op on [B, T, ...] rows without cu_seqlens")
     (q, k, v, beta, lam, log_gate), initial_state = _outside_inference((q, k, v, beta, lam, log_gate), initial_state)
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge, output_final_state=output_final_state)
     check_positive_int("segments", segments)

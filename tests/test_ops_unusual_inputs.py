@@ -412,3 +412,32 @@ def test_meta_tensors_give_the_shapes_of_a_real_call(rule):
     with pytest.raises(ValueError, match="^cu_seqlens: .*meta device"):
         falcon_attention(*(t[:1] for t in meta[:5]), log_gate=meta[5][:1], rule=rule, window=3, backend="torch",
                          cu_seqlens=torch.tensor([0, 4, 9]))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rule", RULES)
+def test_forward_mode_tangents_through_segments(rule, form):
+    """Dual tensors of ``torch.autograd.forward_ad`` (a tangent for q and for the initial state) through
+    ``segments > 1``: the output's tangent is the directional derivative that the reverse-mode gradients of the
+    float64 recurrent form give, and the backward of the same call still gives those gradients."""
+    import torch.autograd.forward_ad as fwAD
+    from dataclasses import replace
+    inputs = _inputs(rule, T=14)
+    _, start = _reference(rule, *(t[:, :2] for t in inputs[:5]), inputs[5][:, :2], window=3)
+    q, k, v, beta, lam, log_gate = (t[:, 2:] for t in inputs)
+    dq = torch.sin(torch.arange(q.numel(), dtype=q.dtype)).reshape(q.shape)
+    dS = torch.cos(torch.arange(start.S.numel(), dtype=q.dtype)).reshape(start.S.shape)
+    leaves = [q.clone().requires_grad_(), start.S.clone().requires_grad_()]
+    ref, _ = falcon_attention(leaves[0], k, v, beta, lam, log_gate=log_gate, rule=rule, window=3, form="recurrent",
+                              backend="torch", initial_state=replace(start, S=leaves[1]))
+    g_q, g_S = torch.autograd.grad((ref * _weights(ref)).sum(), leaves)
+    q_leaf = q.clone().requires_grad_()
+    with fwAD.dual_level():
+        o, _ = falcon_attention(fwAD.make_dual(q_leaf, dq), k, v, beta, lam, log_gate=log_gate, rule=rule, window=3,
+                                form=form, chunk_size=2, backend="torch", segments=3,
+                                initial_state=replace(start, S=fwAD.make_dual(start.S, dS)))
+        primal, tangent = fwAD.unpack_dual(o)
+        _close(primal, ref)
+        _close((tangent * _weights(ref)).sum(), (g_q * dq).sum() + (g_S * dS).sum(), 1e-9)
+    (g,) = torch.autograd.grad((o * _weights(o)).sum(), q_leaf)
+    _close(g, g_q, 1e-9)

@@ -217,7 +217,7 @@ def falcon_attention(
             the states at the cuts, and the backward runs each piece's forward again before its
             own backward, so the op's intermediates live for one piece at a time (about
             ``1/segments`` of the memory they take, for one more forward; under ``torch.func``'s
-            transforms the pieces run as one graph, with the memory of one call). The result is the
+            transforms and forward-mode AD the pieces run as one graph, with the memory of one call). The result is the
             same up to rounding. ``1`` (the default) runs the sequence whole. With
             ``cu_seqlens`` the pieces are groups of whole sequences, cut at the sequence
             boundaries nearest to equal parts (a sequence longer than a piece stays whole).

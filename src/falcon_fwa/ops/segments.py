@@ -22,7 +22,8 @@ gradients are those of the function the forward computed. A second-order gradien
 (``create_graph=True``: the backward itself recorded) runs the pieces again as one graph from the
 node's inputs, whose gradients are then functions of them: the memory of one whole call. Under
 ``torch.func``'s transforms, which take no node without ``setup_context``, the pieces run one after the
-other without the node, recorded by the transform as one graph: the memory of one whole call too.
+other without the node, recorded by the transform as one graph: the memory of one whole call too; so do
+they for dual tensors of forward-mode AD (``torch.autograd.forward_ad``; the node has no ``jvp``).
 
 Cuts fall on whole chunks (``segment_bounds``), so that only the last piece may end in a
 partial chunk, as the whole sequence would.
@@ -218,13 +219,20 @@ def _functorch_active() -> bool:
     return active is not None and active()
 
 
+def _has_tangents(tensors) -> bool:
+    """Whether one of ``tensors`` is a dual tensor of ``torch.autograd.forward_ad`` (a tangent at the current level)."""
+    from torch.autograd import forward_ad
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def _apply_pieces(call, bounds: Sequence[int], tensors, state: Optional[FalconState], want_final: bool):
     """``call`` over the pieces ``bounds`` of ``tensors`` from ``state``: under autograd as the node
     ``_Pieces`` (each piece's forward runs again in the backward), else one piece after the other.
     Under ``torch.func``'s transforms (``grad``, ``vjp``, ``jvp``, ``jacrev``, ``vmap``), which take no
     ``autograd.Function`` without ``setup_context``, the pieces also run one after the other, their graph
-    recorded by the transform as one call's: the same function and gradients, without the memory bound."""
-    if not torch.is_grad_enabled() or _functorch_active():
+    recorded by the transform as one call's: the same function and gradients, without the memory bound. So do
+    inputs that carry forward-mode tangents (``torch.autograd.forward_ad``), which the node (no ``jvp``) cannot take."""
+    if not torch.is_grad_enabled() or _functorch_active() or _has_tangents((*tensors, *_state_tensors(state))):
         o, _, state = _run_pieces(call, bounds, state, want_final, tensors)
         return o, state if want_final else None
     holder: dict = {}

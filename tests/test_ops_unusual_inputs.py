@@ -441,3 +441,38 @@ def test_forward_mode_tangents_through_segments(rule, form):
         _close((tangent * _weights(ref)).sum(), (g_q * dq).sum() + (g_S * dS).sum(), 1e-9)
     (g,) = torch.autograd.grad((o * _weights(o)).sum(), q_leaf)
     _close(g, g_q, 1e-9)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rule", RULES)
+def test_writing_into_the_initial_state_before_the_backward_never_changes_the_gradients(rule, form):
+    """A caller that writes into the initial state's tensors between the forward and the backward (a buffer
+    refilled in place): the backward either raises autograd's error for a saved tensor modified in place or
+    gives the gradients of the values the forward ran on, never those of the new values; with ``segments``
+    as in one call, whose backward runs its first piece again from that state."""
+    inputs = _inputs(rule, T=11)
+    _, start = _reference(rule, *(t[:, :3] for t in inputs[:5]), inputs[5][:, :3], window=3)
+    tail = [t[:, 3:] for t in inputs]
+
+    def forward(state, segments):
+        leaves = [t.clone().requires_grad_(i < 3) for i, t in enumerate(tail)]
+        o, _ = falcon_attention(*leaves[:5], log_gate=leaves[5], rule=rule, window=3, form=form, chunk_size=2,
+                                backend="torch", initial_state=state, segments=segments)
+        return leaves[:3], (o * _weights(o)).sum()
+
+    want = _reference_gradients(rule, tail, window=3, initial_state=start)[:3]
+    for segments in (1, 2):
+        for field in ("S", "last_key", "tail_x", "tail_y"):
+            if getattr(start, field) is None:
+                continue
+            state = start.clone()
+            leaves, loss = forward(state, segments)
+            with torch.no_grad():
+                getattr(state, field).mul_(0.5).add_(0.25)
+            try:
+                got = torch.autograd.grad(loss, leaves)
+            except RuntimeError as err:
+                assert "modified by an inplace operation" in str(err)
+                continue
+            for g, ref in zip(got, want):
+                _close(g, ref, 1e-9)

@@ -112,7 +112,9 @@ class _Pieces(torch.autograd.Function):
             o, cuts, state = _run_pieces(call, bounds, state, want_final, inputs)
         ctx.call, ctx.bounds, ctx.want_final, ctx.cuts = call, bounds, want_final, cuts
         ctx.autocast = _autocast_now(inputs[0].device.type)
-        ctx.save_for_backward(*inputs)
+        # the initial state's tensors saved as the inputs are: the backward reads them again (piece 1 runs from them),
+        # so writing into them in between is autograd's error, as for one call, not a gradient of other values
+        ctx.save_for_backward(*inputs, *start)
         holder["template"] = state
         # the final state's tensors may be views of the inputs (the last key): the node returns copies
         final = tuple(None if t is None else t.clone() for t in _state_tensors(state if want_final else None))
@@ -128,30 +130,39 @@ class _Pieces(torch.autograd.Function):
             return _backward_by_pieces(ctx, do, d_final)
 
 
+def _saved(ctx) -> Tuple[Tuple[Optional[torch.Tensor], ...], List[Optional[FalconState]]]:
+    """The node's saved inputs and its states at the cuts, the first one (the initial state) of its saved tensors."""
+    saved = ctx.saved_tensors
+    cuts = list(ctx.cuts)
+    if cuts[0] is not None:
+        cuts[0] = _with_tensors(cuts[0], saved[N_INPUTS:])
+    return saved[:N_INPUTS], cuts
+
+
 def _backward_by_pieces(ctx, do, d_final):
     """``_Pieces.backward``: the pieces last to first, each run again from the state at its entry."""
-    inputs = ctx.saved_tensors
+    inputs, cuts = _saved(ctx)
     wants = ctx.needs_input_grad[N_OPTIONS:N_OPTIONS + N_INPUTS]
     pieces: List[List[torch.Tensor]] = [[] for _ in inputs]  # the inputs' gradients, last piece first
     d_state = d_final if ctx.want_final else (None,) * len(TENSOR_FIELDS)
     for i in reversed(range(len(ctx.bounds) - 1)):
         # one piece per call: its output, graph and gradients are gone before the next piece runs
-        d_state = _piece_backward(ctx, i, inputs, wants, do, d_state, pieces)
+        d_state = _piece_backward(ctx, i, inputs, cuts[i], wants, do, d_state, pieces)
     # concatenated once every piece is done: buffers of the whole length taken at the start would add a
     # piece's worth of gradients to the peak, which lies inside a piece's backward
     grads = [torch.cat(p[::-1], dim=1) if p else None for p in pieces]
     return (*(None,) * N_OPTIONS, *grads, *d_state)
 
 
-def _piece_backward(ctx, i: int, inputs, wants, do, d_state, pieces) -> List[Optional[torch.Tensor]]:
-    """Piece ``i`` of ``_Pieces`` again, from the state at its entry, with a graph; backpropagate the
+def _piece_backward(ctx, i: int, inputs, entry: Optional[FalconState], wants, do, d_state,
+                    pieces) -> List[Optional[torch.Tensor]]:
+    """Piece ``i`` of ``_Pieces`` again, from the state ``entry`` at its entry, with a graph; backpropagate the
     output's gradient on the piece and ``d_state`` (that of the state it handed on) into it. Appends
     the inputs' gradients on the piece to ``pieces`` and returns that of its entry state."""
     a, b = ctx.bounds[i], ctx.bounds[i + 1]
     last = i == len(ctx.bounds) - 2
     with torch.enable_grad():
         leaves = [None if t is None else t[:, a:b].detach().requires_grad_(w) for t, w in zip(inputs, wants)]
-        entry = ctx.cuts[i]
         entry_leaves = [None if entry is None or getattr(entry, f) is None else
                         getattr(entry, f).detach().requires_grad_(f != "tail_valid" and (i > 0 or _wants_state(ctx, j)))
                         for j, f in enumerate(TENSOR_FIELDS)]
@@ -176,7 +187,8 @@ def _backward_with_graph(ctx, do, d_final):
     """``_Pieces.backward`` under ``create_graph=True``: the pieces again, one after the other from the
     node's own inputs and initial state with a graph through them all, and the gradients taken with a
     graph, so that they can be differentiated again."""
-    inputs, start = ctx.saved_tensors, ctx.cuts[0]
+    inputs, cuts = _saved(ctx)
+    start = cuts[0]
     o, _, final = _run_pieces(ctx.call, ctx.bounds, start, ctx.want_final, inputs)
     outputs, upstream = [o], [do]
     if ctx.want_final:

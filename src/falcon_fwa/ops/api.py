@@ -79,7 +79,7 @@ def _outside_inference(tensors, state):
     of a call or a cache made during inference, an input made there), when gradients are recorded: autograd
     cannot save an inference tensor for the backward, and the forms save their inputs and the state as they
     are when they need no cast. Anything else passes as it is, so an ordinary call copies nothing."""
-    if not torch.is_grad_enabled():  # (also under inference_mode, where the tensors may stay as they are)
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():  # nothing is recorded: they may stay
         return tensors, state
 
     def usable(t):

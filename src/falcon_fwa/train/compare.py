@@ -758,6 +758,8 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         report["steps"] = steps
         report.setdefault("plan", {})["steps"] = steps
     save()
+    # every run's planned count: the recipes' shared train.steps where no option sets one (_check_recipes)
+    planned = steps if steps is not None else load_config(args.configs[0], args.overrides).train.steps
     t0 = _clock()
     runner = (run_all(args.configs, names, args.out, sets, "main", signals) if args.concurrent else
               run_sequential(args.configs, names, args.out, sets, "main", deadline_at=deadline_at,
@@ -767,7 +769,7 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         report["status"][name] = status
         if result is not None:
             result.setdefault("status", status)
-            result.setdefault("planned_steps", steps)
+            result.setdefault("planned_steps", planned)
             report["runs"][name] = result
             finished += 1
             print(summary_line(name, result, finished, len(names))

@@ -11,7 +11,7 @@ import torch
 import torch.func as tfunc
 
 import falcon_fwa.ops.chunk as chunk_module
-from falcon_fwa import falcon_attention, falcon_step
+from falcon_fwa import falcon_attention, falcon_step, falcon_trace
 from falcon_fwa.ops.validate import trusted_values
 
 RULES = ["1", "2", "3", "1A", "2A", "3A"]
@@ -476,3 +476,29 @@ def test_writing_into_the_initial_state_before_the_backward_never_changes_the_gr
                 continue
             for g, ref in zip(got, want):
                 _close(g, ref, 1e-9)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_traces_of_a_state_and_gains_made_under_inference_mode_take_gradients(rule):
+    """``falcon_trace`` from a state, and with ``beta``, ``lam`` and ``log_gate``, made under ``inference_mode``, with
+    gradients recorded for ``k`` and ``v``: the trace and its gradients are those of normal copies."""
+    inputs = _inputs(rule, T=11)
+    with torch.inference_mode():
+        _, state = falcon_attention(*(t[:, :4] for t in inputs[:5]), log_gate=inputs[5][:, :4], rule=rule, window=3,
+                                    backend="torch", output_final_state=True)
+        gains = [t[:, 4:].clone() for t in inputs[3:]]
+
+    def trace(initial_state, beta, lam, log_gate):
+        k, v = (t[:, 4:].clone().requires_grad_() for t in inputs[1:3])
+        tr = falcon_trace(k, v, beta, lam, log_gate=log_gate, rule=rule, window=3, chunk_size=3, backend="torch",
+                          initial_state=initial_state)
+        weights = _weights(tr.prediction)
+        loss = (tr.prediction * weights).sum() + (tr.eta * torch.cos(tr.eta)).sum()
+        return tr, torch.autograd.grad(loss, (k, v))
+
+    want, want_grads = trace(state.clone(), *(t.clone() for t in gains))
+    got, grads = trace(state, *gains)
+    for field in ("eta", "gamma", "prediction", "loss"):
+        _close(getattr(got, field).nan_to_num(), getattr(want, field).nan_to_num())
+    for g, ref in zip(grads, want_grads):
+        _close(g, ref, 1e-9)

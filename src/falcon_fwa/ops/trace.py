@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .api import _compute_dtype, falcon_attention
+from .api import _compute_dtype, _outside_inference, falcon_attention
 from .pairs import write_side
 from .rules import get_rule
 from .state import FalconState
@@ -92,6 +92,8 @@ def falcon_trace(
     spec = get_rule(rule)
     W = window if spec.sliding else 1
     check_switches(shift=shift, normalize=normalize, scale_ridge=scale_ridge)
+    # tensors made under inference_mode copied where gradients are recorded, as the op does
+    (k, v, beta, lam, log_gate), initial_state = _outside_inference((k, v, beta, lam, log_gate), initial_state)
     check_inputs(k, k, v, beta, lam, log_gate, spec, window=W, form="chunk", chunk_size=chunk_size, eps=eps,
                  decay_floor=decay_floor, read="before", initial_state=initial_state, shift=shift, query="k")
     if backend == "triton":

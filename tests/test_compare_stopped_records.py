@@ -3,6 +3,7 @@ recipe's planned step count where the recipes' own ``train.steps`` sets it, a st
 figures only where they were measured at its last step, and a sweep's rows kept only from runs with the
 thread count its table names."""
 import json
+import os
 import signal
 
 import pytest
@@ -39,3 +40,54 @@ def test_a_concurrent_comparison_stopped_without_steps_records_the_recipes_own_s
     table = compare_report.markdown_table(compare_report.result_rows(report))
     assert "| a | stopped: 3 of 4 steps |" in table
     assert "[1/2] a: stopped 3/4 steps" in capsys.readouterr().out
+
+
+def test_a_recipe_stopped_between_two_evaluations_carries_no_validation_figures_of_an_earlier_step(
+        tmp_path, monkeypatch, capsys):
+    """``--steps 8`` evaluates every 8 // 4 = 2 steps; a SIGTERM during the second recipe's third step stops it
+    at step 3, not evaluated there (its log's last evaluation is of step 2): its result, console line and table
+    row give no validation loss or perplexity, rather than step 2's beside step 3's tokens. The first recipe,
+    done, keeps its step-8 evaluation."""
+    presets = {"first": "tiny-falcon", "second": "tiny-transformer"}
+    original, calls = trainer_module.causal_lm_loss, []
+
+    def loss(model, batch, device, autocast):
+        if torch.is_grad_enabled() and model.config.mixer == "transformer":
+            calls.append(1)
+            if len(calls) == 5:  # the first micro-step of step 3 (2 micro-steps per step)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return original(model, batch, device, autocast)
+
+    monkeypatch.setattr(trainer_module, "causal_lm_loss", loss)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("the signal reached the test's handler"))
+    try:
+        code, out = run_compare(tmp_path, presets, "--steps", "8")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + signal.SIGTERM
+    report = load(out)
+    second = report["runs"]["second"]
+    assert (report["status"]["second"], second["steps"]) == ("stopped", 3)
+    assert [r["step"] for r in second["log"] if "val_loss" in r] == [2]
+    assert "val_loss" not in second and "val_ppl" not in second
+    first = report["runs"]["first"]
+    assert first["val_loss"] == [r["val_loss"] for r in first["log"] if "val_loss" in r and r["step"] == 8][0]
+    assert "[2/2] second: stopped 3/8 steps" in capsys.readouterr().out
+    table = compare_report.markdown_table(compare_report.result_rows(report))
+    assert "| second | stopped: 3 of 8 steps | | | | | |" in table
+
+
+def test_a_concurrent_run_stopped_at_an_evaluation_step_keeps_that_evaluation(tmp_path, monkeypatch):
+    """With ``--concurrent``, a run stopped at step 3 whose log's last evaluation is of step 2 loses the summary's
+    validation figures; one stopped at step 2, evaluated there, keeps them."""
+    def run_all(configs, names, out_dir, sets, tag, signals=None):
+        log = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.9}, {"step": 2, "val_loss": 2.5, "val_ppl": 12.18}]
+        yield "a", "stopped", {"steps": 3, "val_loss": 2.5, "val_ppl": 12.18, "signal": "SIGTERM",
+                               "log": log + [{"step": 3, "loss": 2.8}]}
+        yield "b", "stopped", {"steps": 2, "val_loss": 2.5, "val_ppl": 12.18, "signal": "SIGTERM", "log": log}
+
+    monkeypatch.setattr(compare, "run_all", run_all)
+    assert _compare(tmp_path, "--concurrent", "--steps", "8") == 128 + signal.SIGTERM
+    runs = json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"]
+    assert "val_loss" not in runs["a"] and "val_ppl" not in runs["a"]
+    assert (runs["b"]["val_loss"], runs["b"]["val_ppl"]) == (2.5, 12.18)

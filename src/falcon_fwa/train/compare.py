@@ -770,6 +770,9 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         if result is not None:
             result.setdefault("status", status)
             result.setdefault("planned_steps", planned)
+            if status == "stopped" and not _evaluated_at_its_step(result):
+                for key in ("val_loss", "val_ppl"):  # (the summary's last evaluation, of an earlier step)
+                    result.pop(key, None)
             report["runs"][name] = result
             finished += 1
             print(summary_line(name, result, finished, len(names))
@@ -801,6 +804,11 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         print(f"failed: {', '.join(failed)} (the error is in {results_path})", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _evaluated_at_its_step(result: dict) -> bool:
+    """Whether the log of a run's ``result`` holds a validation record of the step the run ended at."""
+    return any(r.get("step") == result.get("steps") and "val_loss" in r for r in result.get("log") or [])
 
 
 def main(argv=None) -> int:

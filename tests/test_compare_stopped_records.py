@@ -91,3 +91,25 @@ def test_a_concurrent_run_stopped_at_an_evaluation_step_keeps_that_evaluation(tm
     runs = json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"]
     assert "val_loss" not in runs["a"] and "val_ppl" not in runs["a"]
     assert (runs["b"]["val_loss"], runs["b"]["val_ppl"]) == (2.5, 12.18)
+
+
+def test_a_relaunched_sweep_under_another_thread_count_runs_every_run_again(tmp_path, monkeypatch, cpu_machine):
+    """The table says every run had the one OMP_NUM_THREADS of this launch: a sweep launched again with another
+    keeps none of the runs timed under the first (their tokens/s are of another CPU setup), and one launched
+    again with the same keeps them all. Each row names the thread count it was timed with."""
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(recipe(tmp_path)))
+    results = str(tmp_path / "multigpu")
+    argv = ["--configs", str(path), "--names", "Tiny", "--gpus", "1", "2", "--strategies", "ddp", "--noise-seeds",
+            "0", "--steps", "3", "--warmup-steps", "0", "--out", str(tmp_path / "runs"), "--results", results]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, ["Tiny-ddp-n1-s0", "Tiny-ddp-n2-s0"])
+    first = json.load(open(results + ".json"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, ["Tiny-ddp-n1-s0", "Tiny-ddp-n2-s0"])
+    rows = json.load(open(results + ".json"))
+    assert [r["omp_num_threads"] for r in first] == ["1", "1"]
+    assert [r["omp_num_threads"] for r in rows] == ["2", "2"]
+    assert "OMP_NUM_THREADS=2 in every run" in open(results + ".md").read()
+    assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, [])  # the same thread count: every run kept
+    assert json.load(open(results + ".json")) == rows

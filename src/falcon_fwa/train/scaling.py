@@ -32,15 +32,16 @@ falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
 After every run, ``RESULTS.json`` (rows: ``model``, ``strategy``, ``gpus``, ``seed``,
 ``tokens_per_s``, ``efficiency``, ``peak_mem_bytes_per_gpu``, ``val_loss``, ``tokens``,
-``steps``, ``status``, ``command``, ``device``) and ``RESULTS.md`` are rewritten, so an interrupted sweep
-keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
+``steps``, ``status``, ``command``, ``device``, ``omp_num_threads``) and ``RESULTS.md`` are rewritten, so an
+interrupted sweep keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
 progress (the launcher and its workers: the whole process group). A SIGTERM or SIGINT stops the run
 in progress the same way (``stopped: SIGTERM``), starts no other and ends the command with status
 128 + signal; a launcher whose sweep is killed outright (SIGKILL) is sent SIGHUP by the system
 (``end_with_parent``), so no run goes on training unseen. One sweep runs in an ``--out`` folder at a time.
 
 Launched again with the same options, a sweep keeps the runs that finished before (``done`` in
-``RESULTS.json``, with the same command, on the same kind of machine (the row's ``device``), whose
+``RESULTS.json``, with the same command and ``OMP_NUM_THREADS`` (the row's ``omp_num_threads``), on the same kind
+of machine (the row's ``device``), whose
 ``summary.json`` in the run folder holds the recipe that command trains and the current commit) and runs the others afresh: an interrupted sweep goes
 on where it stopped, and no row of other settings or code is taken along.
 """
@@ -400,9 +401,11 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
             cmd = command(job, sets)
             row = dict(model=job["model"], strategy=job["strategy"], gpus=job["gpus"], seed=job["seed"],
                        tokens_per_s=None, efficiency=None, peak_mem_bytes_per_gpu=None, val_loss=None, tokens=None,
-                       steps=None, status="not run", command=" ".join(shlex.quote(c) for c in cmd), device=device)
+                       steps=None, status="not run", command=" ".join(shlex.quote(c) for c in cmd), device=device,
+                       omp_num_threads=env["OMP_NUM_THREADS"])
             same = earlier.get(row["command"])
-            same = same if same is not None and same.get("device") == device else None  # timed on this machine
+            same = same if same is not None and (same.get("device"), same.get("omp_num_threads")) == (
+                device, env["OMP_NUM_THREADS"]) else None  # timed on this machine, with the threads the table names
             kept = kept_result(same, run_dir, load_config(job["config"], sets).to_dict(), commit)
             if kept is not None:
                 rows.append(kept)

@@ -113,3 +113,30 @@ def test_a_relaunched_sweep_under_another_thread_count_runs_every_run_again(tmp_
     assert "OMP_NUM_THREADS=2 in every run" in open(results + ".md").read()
     assert _fake_sweep(tmp_path, monkeypatch, argv) == (0, [])  # the same thread count: every run kept
     assert json.load(open(results + ".json")) == rows
+
+
+def test_a_sequential_launch_keeps_no_run_of_an_earlier_concurrent_one(tmp_path, monkeypatch):
+    """The sequential runs train each recipe alone, their tokens/s and peak memory its own: launched again without
+    ``--concurrent`` into the ``--out`` of a finished ``--concurrent`` comparison of the very same recipes and step
+    count (same commit, same machine), every recipe trains again in this process rather than keep the rate it had
+    beside the others; the results file says which mode wrote it."""
+    monkeypatch.setattr(compare, "git_commit", lambda short=True, cwd=None: "c0" * 20)
+    assert _compare(tmp_path, "--concurrent", "--steps", "2") == 0
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert report["status"] == {"a": "done", "b": "done"} and report["concurrent"] is True
+    for name in "ab":  # the runs' own summaries, of this (stand-in) commit, as a checkout's would be
+        path = tmp_path / "cmp" / "main" / name / "summary.json"
+        summary = json.loads(path.read_text())
+        path.write_text(json.dumps(dict(summary, commit="c0" * 20)))
+    trained = []
+    original = trainer_module.Trainer.train
+
+    def train(self, *args, **kwargs):
+        trained.append(self.cfg.model.preset)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train", train)
+    assert _compare(tmp_path, "--steps", "2") == 0
+    assert trained == ["tiny-falcon", "tiny-transformer"]
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert report["concurrent"] is False and not any(r.get("kept") for r in report["runs"].values())

@@ -55,7 +55,8 @@ recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit, o
 machine (``device``): it is not trained
 again and its run says ``"kept": true``. Every other recipe trains afresh, so the results never mix
 runs of other settings. (A calibrated step count is measured anew, so it rarely matches; the
-``--concurrent`` runs always train afresh, their speeds depending on what runs beside them.)
+``--concurrent`` runs always train afresh, their speeds depending on what runs beside them, and a sequential
+launch keeps none of a ``--concurrent`` one's runs: ``compare.json``'s ``concurrent`` says which mode wrote it.)
 One command runs in an ``OUT`` folder at a time; a ``--concurrent`` run's processes end with it.
 The data are prepared before the results file is first written: a preparation that fails (a tokenizer that
 does not load, an empty split) leaves ``OUT`` as it was, without the lock file or the folders this command made.
@@ -647,11 +648,11 @@ def _prepare_data(args: argparse.Namespace, first) -> None:
 
 
 def _earlier_runs(path: str, configs: dict, device: str) -> dict:
-    """The finished runs (name -> result) of an earlier launch's results file at ``path`` on this ``device``,
-    of the names that stand for the same recipe files now (``configs``: name -> file)."""
+    """The finished runs (name -> result) of an earlier sequential launch's results file at ``path`` on this
+    ``device``, of the names that stand for the same recipe files now (``configs``: name -> file)."""
     try:
         report = read_json(path)
-        if report.get("device") != device:  # timed on another machine
+        if report.get("device") != device or report.get("concurrent"):  # timed on another machine, or beside others
             return {}
         return {n: r for n, r in report["runs"].items() if report["status"].get(n) == "done"
                 and report["configs"].get(n) == configs.get(n, "") and isinstance(r, dict)}
@@ -707,7 +708,7 @@ def _compare(args: argparse.Namespace, names: List[str], started: float, deadlin
     report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
               "time_budget_s": args.time_budget, "tokens_per_step": first.train.global_batch * d.seq_len,
               "status": {n: "pending" for n in names}, "runs": {}, "finished": False,
-              "device": device_description()}
+              "device": device_description(), "concurrent": args.concurrent}
     earlier = {} if args.concurrent else _earlier_runs(results_path, report["configs"], report["device"])
 
     def save() -> None:

@@ -140,3 +140,26 @@ def test_a_sequential_launch_keeps_no_run_of_an_earlier_concurrent_one(tmp_path,
     assert trained == ["tiny-falcon", "tiny-transformer"]
     report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert report["concurrent"] is False and not any(r.get("kept") for r in report["runs"].values())
+
+
+def test_a_sweep_from_two_processes_up_names_its_smallest_count_in_the_table_text():
+    """``--gpus 2 4``: the reference rate and the noise seeds are those of the two-process runs (efficiency
+    2,000 / (4 x mean(1,000, 1,200) / 2) = 90.9 %), and the table's text says so rather than "one-process"."""
+    from falcon_fwa.train import scaling
+
+    rows = [dict(model="A", strategy="ddp", gpus=2, seed=0, tokens_per_s=1000.0, val_loss=1.0, status="done",
+                 command="c1"),
+            dict(model="A", strategy="ddp", gpus=2, seed=1, tokens_per_s=1200.0, val_loss=1.25, status="done",
+                 command="c2"),
+            dict(model="A", strategy="ddp", gpus=4, seed=0, tokens_per_s=2000.0, val_loss=1.125, status="done",
+                 command="c3")]
+    scaling.efficiencies(rows)
+    assert rows[2]["efficiency"] == pytest.approx(2000.0 / (4 * 1100.0 / 2))
+    text = scaling.markdown(rows, dict(machine="M", commit="c0", steps=10, global_batch=8, seq_len=24,
+                                       micro_batch=2, omp_num_threads="1"))
+    assert "one-process" not in text
+    assert "N times the mean per-process rate of the 2-process runs (all seeds)" in text
+    assert "## Validation loss against the 2-process noise" in text.splitlines()
+    assert ("- A: 2-process seeds 1.0000, 1.2500 (spread 0.2500); against the 2-process run of the same strategy "
+            "and seed: ddp x4 +0.1250 (largest 0.1250: within the seed spread).") in text.splitlines()
+    assert "| A | ddp | 4 | 0 | 2,000 | 90.9 % | - | 1.1250 | done |" in text.splitlines()

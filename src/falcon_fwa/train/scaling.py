@@ -148,12 +148,15 @@ def markdown(rows: List[dict], meta: dict) -> str:
     seq_len = meta.get("seq_len")  # one length, or the length of each model where the recipes differ
     per_model = isinstance(seq_len, dict)
     tokens = "(" + ", ".join(f"{k}: {v}" for k, v in seq_len.items()) + ")" if per_model else seq_len
+    smallest = min((r["gpus"] for r in rows), default=1)  # the reference count (one process, normally)
+    reference = ("the mean one-process rate (all seeds)" if smallest == 1 else
+                 f"the mean per-process rate of the {smallest}-process runs (all seeds)")
     out = ["# Multi-GPU scaling", "",
            f"Machine: {meta.get('machine', '?')}; commit {meta.get('commit', '?')}; {meta.get('steps')} steps of "
            f"{meta.get('global_batch')} rows x {tokens} tokens (micro batch {meta.get('micro_batch')} "
            f"per process; fewer processes accumulate gradients), the same for every run"
            f"{' of a model' if per_model else ''}. Efficiency: tokens/s over "
-           f"N times the mean one-process rate (all seeds) of the same model and strategy. Tokens/s excludes each "
+           f"N times {reference} of the same model and strategy. Tokens/s excludes each "
            f"run's first steps (allocation and warm-up); OMP_NUM_THREADS={meta.get('omp_num_threads', '?')} in every run"
            + (f"; an untimed warm-up run of {meta.get('warmup_steps')} steps per model filled the kernel caches "
               f"first ({warm})." if warm else "."), "",
@@ -166,7 +169,7 @@ def markdown(rows: List[dict], meta: dict) -> str:
         val = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
         out.append(f"| {r['model']} | {r['strategy']} | {r['gpus']} | {r['seed']} | {tok} | {eff} | {mem} | {val} | "
                    f"{r['status']} |")
-    out += ["", "## Validation loss against the one-process noise", ""]
+    out += ["", f"## Validation loss against the {_processes(smallest)} noise", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model and r.get("val_loss") is not None]
         if not mine:
@@ -174,7 +177,7 @@ def markdown(rows: List[dict], meta: dict) -> str:
         low = min(r["gpus"] for r in mine)
         noise = [r["val_loss"] for r in mine if r["gpus"] == low and r["strategy"] == mine[0]["strategy"]]
         spread = max(noise) - min(noise) if len(noise) > 1 else None
-        line = f"- {model}: one-process seeds {', '.join(f'{v:.4f}' for v in noise)}"
+        line = f"- {model}: {_processes(low)} seeds {', '.join(f'{v:.4f}' for v in noise)}"
         if spread is not None:
             line += f" (spread {spread:.4f})"
         same = []
@@ -191,6 +194,11 @@ def markdown(rows: List[dict], meta: dict) -> str:
         out.append(line + ".")
     out += ["", "## Commands", ""] + [f"    {r['command']}" for r in rows]
     return "\n".join(out) + "\n"
+
+
+def _processes(n: int) -> str:
+    """``one-process``, ``2-process``, ..."""
+    return "one-process" if n == 1 else f"{n}-process"
 
 
 def _write(results: str, rows: List[dict], meta: dict) -> None:

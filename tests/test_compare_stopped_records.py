@@ -74,7 +74,9 @@ def test_a_recipe_stopped_between_two_evaluations_carries_no_validation_figures_
     assert first["val_loss"] == [r["val_loss"] for r in first["log"] if "val_loss" in r and r["step"] == 8][0]
     assert "[2/2] second: stopped 3/8 steps" in capsys.readouterr().out
     table = compare_report.markdown_table(compare_report.result_rows(report))
-    assert "| second | stopped: 3 of 8 steps | | | | | |" in table
+    tps = f"{second['tokens_per_s']:,.0f}" if second["tokens_per_s"] else "-"  # (None where too few steps were timed)
+    assert f"| second | stopped: 3 of 8 steps | {second['params']:,} | 288 | - | {tps} | - |" in table
+    assert second["tokens"] == 3 * 4 * 24  # 3 steps of 4 rows x 24 tokens
 
 
 def test_a_concurrent_run_stopped_at_an_evaluation_step_keeps_that_evaluation(tmp_path, monkeypatch):

@@ -80,13 +80,15 @@ def markdown_table(rows: list) -> str:
         if r.get("error"):
             lines.append(f"| {model} | {status}: {_cell(r['error'][:80])} | | | | | |")
             continue
-        if r.get("val_ppl") is None:
+        if r.get("val_ppl") is None and r.get("tokens") is None:
             lines.append(f"| {model} | {status} | | | | | |")
             continue
         mem = f"{r['peak_mem_bytes'] / 2**30:.2f} GiB" if r.get("peak_mem_bytes") else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
-        lines.append(f"| {model} | {status} | {r['params']:,} | {r['tokens']:,} | {r['val_ppl']:.3f} | {tps} "
-                     f"| {mem} |")
+        ppl = "-" if r.get("val_ppl") is None else f"{r['val_ppl']:.3f}"  # (a stopped run not evaluated at its step)
+        params = "-" if r.get("params") is None else f"{r['params']:,}"
+        tokens = "-" if r.get("tokens") is None else f"{r['tokens']:,}"
+        lines.append(f"| {model} | {status} | {params} | {tokens} | {ppl} | {tps} | {mem} |")
     done = [r for r in rows if r["status"] == "done" and r.get("val_ppl")]
     falcon = [r for r in done if r["model"].startswith("Falcon")]
     base = [r for r in done if not r["model"].startswith("Falcon")]

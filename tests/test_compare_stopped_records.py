@@ -165,3 +165,18 @@ def test_a_sweep_from_two_processes_up_names_its_smallest_count_in_the_table_tex
     assert ("- A: 2-process seeds 1.0000, 1.2500 (spread 0.2500); against the 2-process run of the same strategy "
             "and seed: ddp x4 +0.1250 (largest 0.1250: within the seed spread).") in text.splitlines()
     assert "| A | ddp | 4 | 0 | 2,000 | 90.9 % | - | 1.1250 | done |" in text.splitlines()
+
+
+def test_the_loss_plot_of_a_comparison_without_a_step_option_is_titled_with_the_recipes_step_count(
+        tmp_path, monkeypatch):
+    """Without ``--steps`` (the recipes' own ``train.steps``, 4 here) ``compare.json`` has no ``steps``; the plot's
+    title still gives the count every run planned, not "None steps"."""
+    report = {"configs": {"a": "a.yaml", "b": "b.yaml"}, "status": {"a": "done", "b": "done"},
+              "runs": {n: {"steps": 4, "planned_steps": 4, "params": 10, "tokens": 384, "val_ppl": 3.0, "log": []}
+                       for n in "ab"}}
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(report))
+    titles = []
+    monkeypatch.setattr(compare_report, "plot_curves", lambda runs, out, title="": titles.append(title))
+    assert compare_report.main([str(path), str(tmp_path / "report")]) == 0
+    assert titles == ["2 models, 4 steps"]

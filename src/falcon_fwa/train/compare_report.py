@@ -127,7 +127,9 @@ def _report(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     write_json(prefix + ".json", rows)
     write_text(prefix + "_table.md", markdown_table(rows))
-    plot_curves(report.get("runs", {}), prefix + "_loss.png", title=f"{len(rows)} models, {report.get('steps')} steps")
+    planned = {r["planned_steps"] for r in rows if r["planned_steps"] is not None}  # (one count: see compare)
+    steps = report.get("steps") or (planned.pop() if len(planned) == 1 else None)
+    plot_curves(report.get("runs", {}), prefix + "_loss.png", title=f"{len(rows)} models, {steps} steps")
     print(markdown_table(rows))
     return 0
 

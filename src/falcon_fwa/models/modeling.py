@@ -50,9 +50,21 @@ __all__ = ["FalconBlock", "FalconModel", "FalconForCausalLM", "FalconPreTrainedM
 
 
 def _copy_init(param: nn.Parameter, value: torch.Tensor) -> None:
-    """``param <- value`` unless ``param`` is already set (``transformers.initialization.copy_``)."""
+    """``param <- value`` unless ``param`` is already set (``transformers.initialization.copy_``). A ``DTensor``
+    ``param`` (FSDP2's ``fully_shard`` of a model built on the meta device, then ``to_empty`` and
+    ``init_weights()``) gets ``value`` laid out as it is: every process holds the whole deterministic ``value`` and
+    keeps its own part, with no communication."""
+    value = value.to(param.device, param.dtype)
+    placements = getattr(param, "placements", None)
+    if placements is not None and hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        try:
+            value = distribute_tensor(value, param.device_mesh, placements, src_data_rank=None)
+        except TypeError:  # pragma: no cover - torch < 2.7: sent from the first process (every process calls it)
+            value = distribute_tensor(value, param.device_mesh, placements)
     if hasattr(_init, "copy_"):
-        _init.copy_(param, value.to(param.device, param.dtype))
+        _init.copy_(param, value)
     else:  # pragma: no cover
         with torch.no_grad():
             param.copy_(value)

@@ -117,3 +117,45 @@ def test_low_cpu_mem_usage_loads_the_saved_model(tmp_path, mixer, overrides):
         for name, value in saved.state_dict().items():
             assert torch.equal(state[name], value), name
         assert torch.equal(loaded(ids, use_cache=False).logits, expected)
+
+
+def _outputs(model, device):
+    """Shapes and dtypes of a forward with labels and every block's input, a cached prompt, a decoding step
+    continuing it, a forward of embeddings, and the gradients of the loss, run on ``device``."""
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0)).to(device)
+    out = model(ids, labels=ids, use_cache=False, output_hidden_states=True)
+    seen = {"logits": out.logits, "loss": out.loss, **{f"hidden{i}": h for i, h in enumerate(out.hidden_states)}}
+    out.loss.backward()
+    seen.update({f"grad {n}": p.grad for n, p in model.named_parameters()})
+    with torch.no_grad():
+        prompt = model(ids, use_cache=True)
+        cache = getattr(prompt, "cache", None) or prompt.past_key_values
+        seen["step"] = model(ids[:, -1:], cache=cache, use_cache=True).logits
+        seen["last"] = model(ids, use_cache=False, logits_to_keep=1).logits
+        seen["embeds"] = model(inputs_embeds=torch.ones(2, 5, 32, device=device), use_cache=False).logits
+    return {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in seen.items()}
+
+
+@pytest.mark.parametrize("mixer,overrides", FAMILIES, ids=FAMILY_IDS)
+def test_a_forward_on_meta_gives_the_shapes_of_a_forward_on_the_cpu(mixer, overrides):
+    # the value checks of input_ids and labels (token ids in the vocabulary) have no values to read there
+    config = _config(mixer, overrides)
+    with torch.device("meta"):
+        model = FalconForCausalLM(config)
+    got = _outputs(model, "meta")
+    expected = _outputs(_built(config, 0), "cpu")
+    assert got == {k: (shape, dtype, "meta") for k, (shape, dtype, _) in expected.items()}
+
+
+@pytest.mark.parametrize("mask_on", ["meta", "cpu"])
+def test_on_meta_a_mask_or_packed_offsets_are_refused_by_name(mask_on):
+    # which tokens are pads or where documents start is read from these values
+    with torch.device("meta"):
+        model = FalconForCausalLM(_config("falcon", {}))
+    ids = torch.zeros(1, 6, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"^attention_mask: .*meta device"):
+        model(ids, attention_mask=torch.ones(1, 6, dtype=torch.long, device=mask_on), use_cache=False)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: .*meta device"):
+        model(ids, cu_seqlens=torch.tensor([0, 2, 6], device=mask_on), use_cache=False)
+    with pytest.raises(ValueError, match=r"attention_mask must have shape"):  # its shape is still checked first
+        model(ids, attention_mask=torch.ones(1, 7, dtype=torch.long, device=mask_on), use_cache=False)

@@ -288,6 +288,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     Returns ``CausalLMOutputWithPast`` (``loss``, ``logits`` ``[B, T, vocab]`` in
     at least float32, the cache, ``hidden_states``), or with ``return_dict=False`` (or
     ``config.return_dict = False``) the tuple of its fields that are not ``None``.
+    On the meta device (a model built under ``torch.device("meta")``, for shape inference) the forward returns
+    the shapes and dtypes of a real call (loss, cache and gradients included): the checks of the token ids in
+    ``input_ids`` and ``labels`` have no values to read there, and ``attention_mask`` and ``cu_seqlens``, whose
+    values lay the tokens out, are refused by name.
     ``generate()`` works with the recurrent cache. ``gradient_checkpointing_enable()`` (in transformers 5
     ``activation_checkpointing_enable()``) makes each block run again in the backward instead of keeping its
     activations; training then takes no cache.
@@ -494,6 +498,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         least). With ``cu_seqlens`` (``B = 1``) the documents' bounds say everything a mask could, so a mask
         there must be all ones, of that same shape ``[1, T]`` (``[1, T_past + T]`` at most when continuing)."""
         B, T = x.shape[:2]
+        if cu_seqlens is not None and (x.is_meta or getattr(cu_seqlens, "is_meta", False)):
+            raise ValueError("cu_seqlens: packed documents are laid out from the values of their offsets, which the "
+                             "meta device does not hold; on it, pass [B, T] rows without cu_seqlens")
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens)
             if B != 1:
@@ -506,6 +513,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                 raise ValueError(f"attention_mask must have shape [B, >= T] = [{B}, >= {T}] and at most "
                                  f"[B, T_past + T] = [{B}, {past + T}] ({name}'s first two axes, T_past = {past} "
                                  f"columns consumed by past_key_values), got {tuple(attention_mask.shape)}")
+            if x.is_meta or attention_mask.is_meta:
+                raise ValueError("attention_mask: which columns are padding is read from its values, which the meta "
+                                 "device does not hold; on it, call without attention_mask (the outputs have the "
+                                 "same shapes)")
         offsets = None if cache is None or cache.empty else cache.seen
         if offsets is not None:
             rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -568,8 +579,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
                 raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
             # the lookup's own error names no argument (on CUDA: a device assert); not traced, where the
-            # comparison would break the graph at every call
-            if not input_ids.is_cuda and not torch.compiler.is_compiling():
+            # comparison would break the graph at every call; not on the meta device, which holds no values
+            if not input_ids.is_cuda and not input_ids.is_meta and not torch.compiler.is_compiling():
                 low, high = torch.aminmax(input_ids)
                 V = self.model.embed_tokens.num_embeddings
                 if low < 0 or high >= V:
@@ -634,7 +645,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             raise ValueError(f"labels must hold integer token ids (-100: not scored), got {labels.dtype}")
         packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
         targets = None if labels is None else self._targets(labels, attention_mask, cu_seqlens, T)
-        if targets is not None and not targets.is_cuda and not torch.compiler.is_compiling():
+        if targets is not None and not targets.is_cuda and not targets.is_meta and not torch.compiler.is_compiling():
             self._check_label_range(targets[:, 1:])  # the scored ones: a pad's label is never read
         if index is not None:
             h = h.reshape(B * T, -1).index_select(0, index)[None]

@@ -180,3 +180,34 @@ def test_the_loss_plot_of_a_comparison_without_a_step_option_is_titled_with_the_
     monkeypatch.setattr(compare_report, "plot_curves", lambda runs, out, title="": titles.append(title))
     assert compare_report.main([str(path), str(tmp_path / "report")]) == 0
     assert titles == ["2 models, 4 steps"]
+
+
+def test_a_relaunch_under_another_torch_thread_count_trains_every_recipe_again(tmp_path, monkeypatch):
+    """The sequential runs train in this process with its torch threads: relaunched with another count, a finished
+    recipe's tokens/s is of another CPU setup and is not kept; with the same count it is."""
+    from conftest import fake_git_commit
+
+    for module in (compare, trainer_module):
+        monkeypatch.setattr(module, "git_commit", fake_git_commit)
+    trained = []
+    original = trainer_module.Trainer.train
+
+    def train(self, *args, **kwargs):
+        trained.append(self.cfg.model.preset)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train", train)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _compare(tmp_path, "--steps", "2") == 0 and trained == ["tiny-falcon", "tiny-transformer"]
+        torch.set_num_threads(2)
+        trained.clear()
+        assert _compare(tmp_path, "--steps", "2") == 0
+        assert trained == ["tiny-falcon", "tiny-transformer"]
+        trained.clear()
+        assert _compare(tmp_path, "--steps", "2") == 0 and trained == []  # the same count again: both kept
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert report["threads"] == 2 and all(r.get("kept") for r in report["runs"].values())

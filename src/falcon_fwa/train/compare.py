@@ -52,7 +52,7 @@ not_run), ``runs`` the finished ones, so a killed command loses at most the reci
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
 finished (``done``) with the very recipe this launch would train (the same step count, overrides and
 recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit, on the same kind of
-machine (``device``): it is not trained
+machine (``device``) with as many torch threads (``threads``): it is not trained
 again and its run says ``"kept": true``. Every other recipe trains afresh, so the results never mix
 runs of other settings. (A calibrated step count is measured anew, so it rarely matches; the
 ``--concurrent`` runs always train afresh, their speeds depending on what runs beside them, and a sequential
@@ -647,12 +647,15 @@ def _prepare_data(args: argparse.Namespace, first) -> None:
     prepare_dataset(first.data.spec(), _data_dir(args, first))
 
 
-def _earlier_runs(path: str, configs: dict, device: str) -> dict:
+def _earlier_runs(path: str, configs: dict, device: str, threads: Optional[int] = None) -> dict:
     """The finished runs (name -> result) of an earlier sequential launch's results file at ``path`` on this
-    ``device``, of the names that stand for the same recipe files now (``configs``: name -> file)."""
+    ``device`` (with this many torch ``threads`` where given), of the names that stand for the same recipe files now
+    (``configs``: name -> file)."""
     try:
         report = read_json(path)
         if report.get("device") != device or report.get("concurrent"):  # timed on another machine, or beside others
+            return {}
+        if threads is not None and report.get("threads") != threads:  # (the runs trained in its process)
             return {}
         return {n: r for n, r in report["runs"].items() if report["status"].get(n) == "done"
                 and report["configs"].get(n) == configs.get(n, "") and isinstance(r, dict)}
@@ -703,13 +706,16 @@ def _check_recipes(args: argparse.Namespace):
 
 def _compare(args: argparse.Namespace, names: List[str], started: float, deadline_at: Optional[float],
              first) -> int:
+    import torch
+
     d = first.data
     results_path = args.results or os.path.join(args.out, "compare.json")
     report = {"configs": dict(zip(names, args.configs)), "overrides": args.overrides, "deadline_s": args.deadline,
               "time_budget_s": args.time_budget, "tokens_per_step": first.train.global_batch * d.seq_len,
               "status": {n: "pending" for n in names}, "runs": {}, "finished": False,
-              "device": device_description(), "concurrent": args.concurrent}
-    earlier = {} if args.concurrent else _earlier_runs(results_path, report["configs"], report["device"])
+              "device": device_description(), "concurrent": args.concurrent, "threads": torch.get_num_threads()}
+    earlier = {} if args.concurrent else _earlier_runs(results_path, report["configs"], report["device"],
+                                                       report["threads"])
 
     def save() -> None:
         report["wall_s"] = _clock() - started

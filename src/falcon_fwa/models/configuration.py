@@ -317,8 +317,9 @@ class FalconFWAConfig(PretrainedConfig):
         self.initializer_range = _float("initializer_range", initializer_range)
         self.mup_base_width = None if mup_base_width is None else _int("mup_base_width", mup_base_width)
         self.use_cache = _bool("use_cache", use_cache)
-        if self.num_heads < 1:
-            raise ValueError(f"config field 'num_heads' must be >= 1, got {num_heads}")
+        for field in ("hidden_size", "num_heads"):  # before the head dims are derived from them
+            if getattr(self, field) < 1:
+                raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
         if head_k_dim is None or head_v_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -327,6 +328,9 @@ class FalconFWAConfig(PretrainedConfig):
         per_head = self.hidden_size // self.num_heads
         self.head_k_dim = per_head if head_k_dim is None else _int("head_k_dim", head_k_dim)
         self.head_v_dim = per_head if head_v_dim is None else _int("head_v_dim", head_v_dim)
+        for field in ("head_k_dim", "head_v_dim"):  # before head_k_dim ** -0.5 below reads it
+            if getattr(self, field) < 1:
+                raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
         if intermediate_size is None:
             intermediate_size = 64 * -(-(8 * self.hidden_size // 3) // 64)
         self.intermediate_size = _int("intermediate_size", intermediate_size)

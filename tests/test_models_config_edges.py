@@ -1,0 +1,29 @@
+"""Config values that used to fail outside the config's own checks: head sizes of zero or below for the
+mixers whose query scale is ``head_k_dim ** -0.5``."""
+import pytest
+import torch
+
+from falcon_fwa.models import FalconConfig, FalconForCausalLM, get_preset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MIXERS = ["falcon", "transformer", "deltanet", "gated_deltanet", "mamba2", "retnet"]
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("field,value", [("head_k_dim", 0), ("head_k_dim", -4), ("head_v_dim", 0),
+                                         ("hidden_size", 0), ("hidden_size", -32), ("num_heads", -2)])
+def test_a_size_below_one_is_named_for_every_mixer(mixer, field, value):
+    """Every mixer, whatever its query scale: the sizes the head dims come from and the head dims themselves
+    are refused by name (not the ``0 ** -0.5`` of the default query scale, or its complex value for a
+    negative head dim)."""
+    with pytest.raises(ValueError, match=f"config field '{field}' must be >= 1, got {value}"):
+        get_preset(f"tiny-{mixer}", **{field: value})
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_the_default_query_scale_follows_the_head_dim(mixer):
+    """The sizes that stay allowed: ``head_k_dim ** -0.5`` for the mixers without a scale of their own."""
+    config = get_preset(f"tiny-{mixer}", hidden_size=36, num_heads=3)  # heads of 12
+    assert config.head_k_dim == 12
+    assert config.query_scale == pytest.approx(1.0 if mixer in ("falcon", "mamba2") else 12 ** -0.5, rel=1e-15)

@@ -1,5 +1,5 @@
 """Config values that used to fail outside the config's own checks: head sizes of zero or below for the
-mixers whose query scale is ``head_k_dim ** -0.5``."""
+mixers whose query scale is ``head_k_dim ** -0.5``, and weight dtypes that are no floating-point torch dtype."""
 import pytest
 import torch
 
@@ -27,3 +27,17 @@ def test_the_default_query_scale_follows_the_head_dim(mixer):
     config = get_preset(f"tiny-{mixer}", hidden_size=36, num_heads=3)  # heads of 12
     assert config.head_k_dim == 12
     assert config.query_scale == pytest.approx(1.0 if mixer in ("falcon", "mamba2") else 12 ** -0.5, rel=1e-15)
+
+
+@pytest.mark.parametrize("field", ["dtype", "torch_dtype"])
+@pytest.mark.parametrize("value", ["float77", "int64", 5, torch.int32])
+def test_a_weight_dtype_that_is_no_floating_point_dtype_is_named(field, value):
+    with pytest.raises(ValueError, match=f"config field '{field}' must be None or a floating-point torch dtype"):
+        FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, **{field: value})
+
+
+@pytest.mark.parametrize("value,dtype", [("bfloat16", torch.bfloat16), ("float64", torch.float64),
+                                         (torch.float16, torch.float16), (None, None)])
+def test_a_floating_point_weight_dtype_is_kept(value, dtype):
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, dtype=value)
+    assert config.dtype == dtype

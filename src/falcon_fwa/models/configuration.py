@@ -168,6 +168,23 @@ def _refuse_misspelt(extra: Iterable[str]) -> None:
             raise ValueError(f"unknown config field {name!r} (did you mean {hint!r}?)")
 
 
+def _check_dtype(extra: dict) -> None:
+    """The weights' dtype that Hugging Face's ``dtype`` (or its older name ``torch_dtype``) may name: ``None``, a
+    floating-point ``torch.dtype`` or its name (``"bfloat16"``). Anything else is a ``ValueError`` naming the field
+    (``PretrainedConfig`` would look a misspelt name up as ``torch.<name>``, an ``AttributeError`` naming neither
+    the field nor the names it takes)."""
+    import torch
+
+    for field in ("dtype", "torch_dtype"):
+        value = extra.get(field)
+        if value is None:
+            continue
+        dtype = getattr(torch, value, None) if isinstance(value, str) else value
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"config field {field!r} must be None or a floating-point torch dtype or its name "
+                             f"('float32', 'bfloat16', 'float16', 'float64'), got {value!r}")
+
+
 class FalconFWAConfig(PretrainedConfig):
     r"""Configuration of :class:`~falcon_fwa.models.FalconForCausalLM`, also importable as ``FalconConfig``.
 
@@ -272,6 +289,7 @@ class FalconFWAConfig(PretrainedConfig):
         **kwargs,
     ):
         _refuse_misspelt(kwargs)
+        _check_dtype(kwargs)
         _choice("mixer", mixer, MIXERS)
         defaults = MIXER_DEFAULTS[mixer]
 

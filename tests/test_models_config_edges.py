@@ -1,5 +1,6 @@
 """Config values that used to fail outside the config's own checks: head sizes of zero or below for the
-mixers whose query scale is ``head_k_dim ** -0.5``, and weight dtypes that are no floating-point torch dtype."""
+mixers whose query scale is ``head_k_dim ** -0.5``, weight dtypes that are no floating-point torch dtype, and
+attention weights asked for through the config rather than the forward's argument."""
 import pytest
 import torch
 
@@ -41,3 +42,20 @@ def test_a_weight_dtype_that_is_no_floating_point_dtype_is_named(field, value):
 def test_a_floating_point_weight_dtype_is_kept(value, dtype):
     config = FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, dtype=value)
     assert config.dtype == dtype
+
+
+@pytest.mark.parametrize("mixer", ["falcon", "transformer"])
+def test_attention_weights_asked_for_through_the_config_are_refused(mixer):
+    """``output_attentions=None`` takes the config's value, as ``output_hidden_states`` does: a config that asks for
+    attention weights is refused as the argument is, instead of a forward that silently returns none."""
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset(f"tiny-{mixer}")).eval()
+    ids = torch.randint(0, 64, (1, 5))
+    plain = model(ids, use_cache=False).logits
+    model.config.output_attentions = True
+    with pytest.raises(ValueError, match="output_attentions=True: the model returns no attention weights"):
+        model(ids, use_cache=False)
+    # an explicit False outranks the config, and gives the same logits
+    assert torch.equal(model(ids, use_cache=False, output_attentions=False).logits, plain)
+    model.config.output_attentions = False
+    assert torch.equal(model(ids, use_cache=False).logits, plain)

@@ -612,6 +612,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         inputs_embeds: Optional[torch.Tensor] = None,
         output_attentions: Optional[bool] = None,
     ) -> CausalLMOutputWithPast:
+        if output_attentions is None:  # None: the config's, as output_hidden_states and return_dict are read
+            output_attentions = bool(getattr(self.config, "output_attentions", False))
         if output_attentions:
             raise ValueError(_NO_ATTENTIONS)
         h = self._input_embeddings(input_ids, inputs_embeds)

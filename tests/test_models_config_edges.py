@@ -1,6 +1,7 @@
 """Config values that used to fail outside the config's own checks: head sizes of zero or below for the
-mixers whose query scale is ``head_k_dim ** -0.5``, weight dtypes that are no floating-point torch dtype, and
-attention weights asked for through the config rather than the forward's argument."""
+mixers whose query scale is ``head_k_dim ** -0.5``, weight dtypes that are no floating-point torch dtype,
+attention weights asked for through the config rather than the forward's argument, and other libraries' RoPE
+scaling, which the Transformer here does not apply."""
 import pytest
 import torch
 
@@ -59,3 +60,26 @@ def test_attention_weights_asked_for_through_the_config_are_refused(mixer):
     assert torch.equal(model(ids, use_cache=False, output_attentions=False).logits, plain)
     model.config.output_attentions = False
     assert torch.equal(model(ids, use_cache=False).logits, plain)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 4.0}),  # positions / 4: a context 4 times longer
+    ("rope_scaling", {"type": "dynamic", "factor": 2.0}),  # the older spelling of the type
+    ("rope_parameters", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024}),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0}),  # another theta than rope_theta
+    ("rope_scaling", 2.0),
+])
+def test_rope_settings_the_transformer_does_not_apply_are_named(field, value):
+    """The Transformer rotates queries and keys by ``rope_theta`` alone: another library's RoPE scaling would be
+    stored, saved and reloaded while the model ran plain RoPE."""
+    with pytest.raises(ValueError, match=f"config field '{field}' = .*rotates by rope_theta alone"):
+        FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, mixer="transformer",
+                     **{field: value})
+
+
+@pytest.mark.parametrize("value", [None, {"rope_type": "default"}, {"rope_type": "default", "rope_theta": 10000.0}])
+def test_plain_rope_settings_pass(value):
+    """What the model computes: no scaling, and at most the config's own theta."""
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, mixer="transformer",
+                          rope_theta=10000.0, rope_parameters=value)
+    assert config.rope_theta == 10000.0

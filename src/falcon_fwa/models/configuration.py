@@ -185,6 +185,24 @@ def _check_dtype(extra: dict) -> None:
                              f"('float32', 'bfloat16', 'float16', 'float64'), got {value!r}")
 
 
+def _check_rope(extra: dict, rope_theta) -> None:
+    """Other libraries' RoPE settings (``rope_scaling``, ``rope_parameters``): the Transformer here rotates by
+    ``rope_theta`` alone, with no scaling (linear, dynamic, YaRN, ...), so a setting that asks for more than that
+    is a ``ValueError`` naming the field (``PretrainedConfig`` would store and validate it, and the model would run
+    plain RoPE). ``None``, and a ``"default"`` type with no other entry than a ``rope_theta`` equal to this
+    config's, pass."""
+    for field in ("rope_scaling", "rope_parameters"):
+        value = extra.get(field)
+        if value is None:
+            continue
+        plain = isinstance(value, dict) and value.get("rope_type", value.get("type")) == "default" and \
+            not set(value) - {"rope_type", "type", "rope_theta"} and \
+            as_float(value.get("rope_theta", rope_theta)) == as_float(rope_theta)
+        if not plain:
+            raise ValueError(f"config field {field!r} = {value!r}: the Transformer's RoPE rotates by rope_theta "
+                             f"alone, without scaling; set rope_theta and leave {field} unset")
+
+
 class FalconFWAConfig(PretrainedConfig):
     r"""Configuration of :class:`~falcon_fwa.models.FalconForCausalLM`, also importable as ``FalconConfig``.
 
@@ -290,6 +308,7 @@ class FalconFWAConfig(PretrainedConfig):
     ):
         _refuse_misspelt(kwargs)
         _check_dtype(kwargs)
+        _check_rope(kwargs, rope_theta)
         _choice("mixer", mixer, MIXERS)
         defaults = MIXER_DEFAULTS[mixer]
 

@@ -1,7 +1,7 @@
 """Config values that used to fail outside the config's own checks: head sizes of zero or below for the
 mixers whose query scale is ``head_k_dim ** -0.5``, weight dtypes that are no floating-point torch dtype,
-attention weights asked for through the config rather than the forward's argument, and other libraries' RoPE
-scaling, which the Transformer here does not apply."""
+attention weights asked for through the config rather than the forward's argument, other libraries' RoPE
+scaling, which the Transformer here does not apply, and chunk sizes the Triton chunk kernels lack."""
 import pytest
 import torch
 
@@ -83,3 +83,29 @@ def test_plain_rope_settings_pass(value):
     config = FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, mixer="transformer",
                           rope_theta=10000.0, rope_parameters=value)
     assert config.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("chunk_size", [8, 24, 256])
+def test_a_chunk_size_the_triton_kernels_lack_is_named_when_the_config_is_built(chunk_size):
+    """``backend="triton"`` with the chunk form: a chunk size the kernels lack was the op's error at the first
+    forward on a GPU; the recurrent form and the other backends take any chunk size."""
+    with pytest.raises(ValueError, match=f"config field 'chunk_size' = {chunk_size}: backend='triton'"):
+        get_preset("tiny-falcon", backend="triton", chunk_size=chunk_size)
+    assert get_preset("tiny-falcon", backend="triton", form="recurrent", chunk_size=chunk_size).chunk_size == chunk_size
+    assert get_preset("tiny-falcon", backend="native", chunk_size=chunk_size).chunk_size == chunk_size
+
+
+def test_the_triton_chunk_sizes_are_the_kernels():
+    """The config's list is the kernels' own (read from their module's source: importing it imports triton)."""
+    import ast
+    from pathlib import Path
+
+    import falcon_fwa
+    from falcon_fwa.models.configuration import TRITON_CHUNK_SIZES
+
+    source = Path(falcon_fwa.__file__).parent / "ops" / "triton" / "launch.py"
+    values = [ast.literal_eval(node.value) for node in ast.parse(source.read_text()).body
+              if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["SUPPORTED_CHUNK_SIZES"]]
+    assert values == [TRITON_CHUNK_SIZES]
+    for chunk_size in TRITON_CHUNK_SIZES:
+        assert get_preset("tiny-falcon", backend="triton", chunk_size=chunk_size).chunk_size == chunk_size

@@ -32,6 +32,9 @@ MIXERS = RECURRENT_MIXERS + ("transformer",)
 """The token mixers a config's ``mixer`` may name: the recurrent ones on ``FalconAttention``, and the
 Transformer baseline on ``CausalSelfAttention``."""
 BACKENDS = ("native", "torch", "triton", "fla")
+TRITON_CHUNK_SIZES = (16, 32, 64, 128)
+"""The chunk sizes of the Triton chunk kernels (``ops.triton.launch.SUPPORTED_CHUNK_SIZES``, whose package imports
+``triton``)."""
 
 # Switches of the recurrent mixers. ``gate``: how the context sets the write gain
 # (see FalconAttention); ``log_gate``: the extra state decay exp(g_t). The short
@@ -427,6 +430,10 @@ class FalconFWAConfig(PretrainedConfig):
         if self.backend == "triton" and self.form == "parallel":
             raise ValueError("config field 'backend' = 'triton' runs the chunk form (the kernels have no masked-parallel "
                              "form): set form='chunk' or backend='native'")
+        if self.backend == "triton" and self.form == "chunk" and self.chunk_size not in TRITON_CHUNK_SIZES:
+            raise ValueError(f"config field 'chunk_size' = {self.chunk_size}: backend='triton' runs the chunk form on "
+                             f"kernels for chunks of {', '.join(map(str, TRITON_CHUNK_SIZES))} tokens; choose one of "
+                             f"those or backend='native'")
         for field in ("lambda_scale", "eps", "initializer_range"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"config field {field!r} must be >= 0, got {getattr(self, field)}")

@@ -109,3 +109,26 @@ def test_the_triton_chunk_sizes_are_the_kernels():
     assert values == [TRITON_CHUNK_SIZES]
     for chunk_size in TRITON_CHUNK_SIZES:
         assert get_preset("tiny-falcon", backend="triton", chunk_size=chunk_size).chunk_size == chunk_size
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 4.0}),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024}),
+])
+def test_rope_settings_assigned_after_the_config_was_built_are_named_when_the_model_is_built(field, value):
+    """``config.rope_scaling = {...}`` after the config was built (the fields the model checks again when it is
+    built): a scaling the Transformer does not apply is refused then, not a model that runs plain RoPE whose
+    saved config no longer loads; plain RoPE of the config's theta still builds."""
+    import warnings
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_heads=2, num_hidden_layers=1, mixer="transformer")
+    with warnings.catch_warnings():  # (transformers 5 calls rope_scaling deprecated)
+        warnings.simplefilter("ignore", FutureWarning)
+        setattr(config, field, value)
+    # (transformers 5 keeps both under rope_parameters, which rope_scaling reads)
+    with pytest.raises(ValueError, match="config field 'rope_(scaling|parameters)' = .*rotates by rope_theta alone"):
+        FalconForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        setattr(config, field, {"rope_type": "default"})
+    assert FalconForCausalLM(config).config.rope_theta == 10000.0

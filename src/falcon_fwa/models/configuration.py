@@ -440,6 +440,9 @@ class FalconFWAConfig(PretrainedConfig):
         for field in ("rms_norm_eps", "rope_theta"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"config field {field!r} must be > 0, got {getattr(self, field)}")
+        # (also when assigned after the config was built: config.rope_scaling = {...} is stored as it is given)
+        _check_rope({field: getattr(self, field, None) for field in ("rope_scaling", "rope_parameters")},
+                    self.rope_theta)
         if not 0.0 < self.decay_floor < 1.0:
             raise ValueError(f"config field 'decay_floor' must lie in (0, 1), got {self.decay_floor}")
         if self.eps_attn is not None:

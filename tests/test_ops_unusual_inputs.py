@@ -502,3 +502,39 @@ def test_traces_of_a_state_and_gains_made_under_inference_mode_take_gradients(ru
         _close(getattr(got, field).nan_to_num(), getattr(want, field).nan_to_num())
     for g, ref in zip(grads, want_grads):
         _close(g, ref, 1e-9)
+
+
+def test_only_tensors_made_under_inference_mode_and_only_where_gradients_are_recorded_are_copied():
+    """The copies the op makes of tensors made under ``inference_mode`` (``ops.api._outside_inference``): outside
+    that mode with gradients on, each such tensor (an input, a state field) is copied and every other tensor passes
+    as the same object; with gradients off, and inside ``inference_mode`` even with ``enable_grad`` (where nothing
+    is recorded), nothing is copied, so an ordinary call or a serving one costs no copy."""
+    from falcon_fwa.ops.api import _outside_inference
+
+    q, k, v, beta, lam, log_gate = _inputs("3")
+    _, plain_state = falcon_attention(q, k, v, beta, lam, log_gate=log_gate, rule="3", window=3, backend="torch",
+                                      output_final_state=True)
+    with torch.inference_mode():
+        made_there = q.clone()
+        _, state = falcon_attention(q, k, v, beta, lam, log_gate=log_gate, rule="3", window=3, backend="torch",
+                                    output_final_state=True)
+    fields = [f for f in ("S", "last_key", "tail_x", "tail_y", "tail_valid", "z") if getattr(state, f) is not None]
+    assert len(fields) >= 4 and all(getattr(state, f).is_inference() for f in fields)
+    tensors = (made_there, k, v, beta, lam, None)
+
+    (got, got_state) = _outside_inference(tensors, state)  # gradients on, outside inference_mode
+    assert not got[0].is_inference() and got[0] is not made_there and torch.equal(got[0], made_there)
+    assert all(a is b for a, b in zip(got[1:], tensors[1:]))
+    for f in fields:
+        assert not getattr(got_state, f).is_inference() and torch.equal(getattr(got_state, f), getattr(state, f))
+    assert _outside_inference((q, k), plain_state)[1] is plain_state
+    assert all(a is b for a, b in zip(_outside_inference((q, k), None)[0], (q, k)))
+
+    def unchanged():
+        got, got_state = _outside_inference(tensors, state)
+        return got_state is state and all(a is b for a, b in zip(got, tensors))
+
+    with torch.no_grad():
+        assert unchanged()
+    with torch.inference_mode(), torch.enable_grad():
+        assert torch.is_grad_enabled() and unchanged()

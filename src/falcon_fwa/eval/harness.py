@@ -200,6 +200,42 @@ def paper_columns(results: dict) -> dict:
     return out
 
 
+def expand_tasks(manager, tasks: List[str], *, option: str = "tasks",
+                 include_option: Optional[str] = None) -> List[str]:
+    """``tasks`` with each pattern expanded, as lm-evaluation-harness's command line does (its
+    ``EvaluatorConfig.process_tasks``): each entry is matched (``fnmatch``: ``*``, ``?``, ``[...]``) against every
+    task, group and tag name ``manager`` (a ``TaskManager``) knows, those of its include path among them, and
+    gives its matches in sorted order; a plain name matches only itself. An entry that matches no name is kept
+    as it is when it is a file (a task YAML file), and one ending in ``.yaml`` gives the files it matches as a
+    path pattern, sorted. The result keeps the first of repeated names. Entries that match nothing are refused
+    in one ``ValueError`` naming ``option`` (and ``include_option``, where given, as what local task YAML files
+    need) and, for each, up to five close names (``difflib.get_close_matches``)."""
+    import difflib
+    import glob
+
+    expanded: List[str] = []
+    missing: List[str] = []
+    for spec in tasks:
+        matches = manager.match_tasks([spec])
+        if not matches and os.path.isfile(spec):
+            matches = [spec]
+        elif not matches and spec.endswith(".yaml"):
+            matches = sorted(path for path in glob.glob(spec) if os.path.isfile(path))
+        if not matches:
+            missing.append(spec)
+        for match in matches:
+            if match not in expanded:
+                expanded.append(match)
+    if missing:
+        close = {spec: difflib.get_close_matches(spec, manager.all_tasks, n=5) for spec in missing}
+        hints = "; ".join(f"{spec!r}: {', '.join(names)}" for spec, names in close.items() if names)
+        raise ValueError(f"{option}: unknown {', '.join(map(repr, missing))}"
+                         + (f" (local task YAML files need {include_option})" if include_option else "")
+                         + ": each entry is a task, group or tag name, or a pattern of them such as arc_* or "
+                           "hellaswag*, and must match at least one" + (f"; close matches of {hints}" if hints else ""))
+    return expanded
+
+
 def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = None,
              num_fewshot: Optional[int] = None, batch_size: int = 1, limit: Optional[float] = None,
              device: str = "cpu", dtype: str = "float32", log_samples: bool = False,
@@ -211,7 +247,10 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     harness: the model config's ``max_position_embeddings`` (falcon-fwa configs have none), else
     the tokenizer's ``model_max_length`` (1024 for GPT-2's; the byte and ``bpe:N`` tokenizers set
     none, 2**30), i.e. no cut at all. ``names``: what the errors call the arguments (``model_dir``,
-    ``tasks``, ``include_path``, ``max_length``), where a command takes them under its own options."""
+    ``tasks``, ``include_path``, ``max_length``), where a command takes them under its own options.
+
+    ``tasks`` may hold patterns (``arc_*``, ``hellaswag*``), expanded as the harness's own command line
+    expands them (:func:`expand_tasks`); the results dict's ``tasks`` is the expanded list that ran."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -227,11 +266,8 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
         raise FileNotFoundError(f"{name('include_path')} {include_path!r} is not a folder of task YAML files")
     register()
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    known = manager.match_tasks(list(tasks))
-    missing = [t for t in tasks if t not in known and not os.path.isfile(t)]
-    if missing:
-        raise ValueError(f"{name('tasks')}: unknown {', '.join(map(repr, missing))}"
-                         + ("" if include_path else f" (local task YAML files need {name('include_path')})"))
+    tasks = expand_tasks(manager, tasks, option=name("tasks"),
+                         include_option=None if include_path else name("include_path"))
     check_tokenizer_in(name("model_dir"), model_dir)  # the harness would load the model first, then fail naming neither
     # the model type is registered here (register()): no code from the folder runs
     model_args = {"pretrained": model_dir, "dtype": dtype_name(dtype, ("float32", "bfloat16", "float16")),
@@ -240,7 +276,10 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
         model_args["max_length"] = max_length
     if name("max_length") != "max_length":  # the harness model's errors name it as the caller does
         model_args["max_length_name"] = name("max_length")
-    return lm_eval.simple_evaluate(
+    results = lm_eval.simple_evaluate(
         model="falcon-fwa", model_args=model_args,
         tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, device=device,
         task_manager=manager, log_samples=log_samples)
+    if results is not None:  # (None on the processes of a distributed run other than the first)
+        results["tasks"] = tasks
+    return results

@@ -1,8 +1,9 @@
-"""``falcon-fwa lm-eval --model DIR --tasks piqa,hellaswag [--include-path TASK_DIR] [--num-fewshot 1]``:
+"""``falcon-fwa lm-eval --model DIR --tasks piqa,'arc_*' [--include-path TASK_DIR] [--num-fewshot 1]``:
 lm-evaluation-harness (its ``hf`` model: loglikelihood and cached, left-padded generation) on a
 saved model folder, with falcon-fwa's model type registered and each request opened by end-of-text, as
 in training. Local tasks are YAML files in ``--include-path`` (e.g. ``dataset_path: json`` with local
-``data_files``)."""
+``data_files``). Patterns in ``--tasks`` are expanded as lm-eval's own command line expands them
+(:func:`falcon_fwa.eval.harness.expand_tasks`); the results JSON's ``tasks`` is the expanded list."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,11 @@ OPTION_NAMES = {"model_dir": "--model", "tasks": "--tasks", "include_path": "--i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="saved model folder (save_pretrained + tokenizer)")
-    parser.add_argument("--tasks", required=True, help="comma-separated task names")
+    parser.add_argument("--tasks", required=True,
+                        help="comma-separated task, group or tag names, or patterns of them as lm-eval's own command "
+                             "line takes (arc_*, hellaswag*, arc_e?sy: quote them in the shell), expanded against "
+                             "the harness's tasks and those of --include-path; an entry matching none is refused "
+                             "with the close names. The results JSON records the expanded list under \"tasks\"")
     parser.add_argument("--include-path", default=None, help="folder of extra task YAML files")
     parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{title}:\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n"
                   f"| {' | '.join(fmt.format(v) for v in cols.values())} |")
     if args.out:
-        report = {k: results[k] for k in ("results", "versions", "n-shot", "config", "date") if k in results}
+        report = {k: results[k] for k in ("tasks", "results", "versions", "n-shot", "config", "date")
+                  if k in results}
         report["paper_tables"] = paper
         report["provenance"] = command_provenance(args)
         write_json(args.out, report, default=str)

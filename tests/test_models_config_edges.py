@@ -132,3 +132,22 @@ def test_rope_settings_assigned_after_the_config_was_built_are_named_when_the_mo
         warnings.simplefilter("ignore", FutureWarning)
         setattr(config, field, {"rope_type": "default"})
     assert FalconForCausalLM(config).config.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("settings", [dict(chunk_size=24), dict(chunk_size=256), dict(form="parallel")],
+                         ids=["chunk24", "chunk256", "parallel"])
+def test_the_transformer_takes_the_recurrent_ops_triton_settings_unread(settings):
+    """The Transformer keeps the recurrent op's ``backend``, ``form`` and ``chunk_size`` as given and reads none of
+    them (its attention is ``scaled_dot_product_attention``): ``backend="triton"`` with a chunk size or form the
+    kernels lack builds the same model, with the same logits, as ``backend="native"``."""
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for backend in ("native", "triton"):
+        config = get_preset("tiny-transformer", backend=backend, **settings)
+        assert (config.backend, *(getattr(config, k) for k in settings)) == (backend, *settings.values())
+        torch.manual_seed(0)
+        with torch.no_grad():
+            logits.append(FalconForCausalLM(config).eval()(ids, use_cache=False).logits)
+    assert torch.equal(logits[0], logits[1])
+    with pytest.raises(ValueError, match="config field '(backend|chunk_size)' = .*triton"):  # a recurrent mixer reads them
+        get_preset("tiny-falcon", backend="triton", **settings)

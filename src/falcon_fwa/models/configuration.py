@@ -427,10 +427,11 @@ class FalconFWAConfig(PretrainedConfig):
         _choice("feature_map", self.feature_map, FEATURE_MAPS)
         _choice("form", self.form, FORMS)
         _choice("backend", self.backend, BACKENDS)
-        if self.backend == "triton" and self.form == "parallel":
+        triton = self.backend == "triton" and self.mixer in RECURRENT_MIXERS  # (the Transformer reads neither field)
+        if triton and self.form == "parallel":
             raise ValueError("config field 'backend' = 'triton' runs the chunk form (the kernels have no masked-parallel "
                              "form): set form='chunk' or backend='native'")
-        if self.backend == "triton" and self.form == "chunk" and self.chunk_size not in TRITON_CHUNK_SIZES:
+        if triton and self.form == "chunk" and self.chunk_size not in TRITON_CHUNK_SIZES:
             raise ValueError(f"config field 'chunk_size' = {self.chunk_size}: backend='triton' runs the chunk form on "
                              f"kernels for chunks of {', '.join(map(str, TRITON_CHUNK_SIZES))} tokens; choose one of "
                              f"those or backend='native'")

@@ -184,11 +184,29 @@ def test_concurrent_calibration_plans_with_the_slowest_recipes_rate(monkeypatch)
         "tokens_per_step": 96})
     assert "train.steps=6" in seen[1] and "log.every=2" in seen[1]
 
+
+def test_concurrent_calibration_plans_with_the_recipes_that_calibrated(monkeypatch):
+    """A recipe whose concurrent calibration run failed is left out of the plan, as the sequential calibration
+    leaves it out (``plan_steps`` sums the measured recipes only), instead of ending the command with every recipe
+    pending: one broken recipe of a lineup must not cost the others their runs, and it is trained with them,
+    failing again there and recorded ``failed`` with its error. So with a at 96 tokens/s and b failed, 96 tokens a
+    step, a 100 s budget fits 100 x 96 / 96 = 100 steps, a's own count; the failure stays in the report's
+    calibration. A calibration in which no recipe measured a rate still ends the command: there is nothing to
+    plan from."""
     def failing(configs, names, out, sets, tag, signals=None):
         yield "a", "done", {"tokens_per_s": 96.0}
-        yield "b", "failed", {"error": "exit code 1"}
+        yield "b", "failed", {"error": "exit code 1", "stdout_tail": "ValueError: broken"}
 
     monkeypatch.setattr(compare, "run_all", failing)
+    report = {"tokens_per_step": 96}
+    assert compare._concurrent_steps(_args(time_budget=100.0, concurrent=True), ["a", "b"], [], report) == 100
+    assert report["calibration"]["b"] == {"error": "exit code 1", "stdout_tail": "ValueError: broken"}
+
+    def all_failing(configs, names, out, sets, tag, signals=None):
+        yield "a", "failed", {"error": "exit code 1"}
+        yield "b", "failed", {"error": "exit code 1"}
+
+    monkeypatch.setattr(compare, "run_all", all_failing)
     with pytest.raises(RuntimeError, match="calibration failed"):
         compare._concurrent_steps(_args(time_budget=100.0, concurrent=True), ["a", "b"], [], {"tokens_per_step": 96})
 

@@ -22,7 +22,10 @@ where the budget is the smaller of ``--time-budget`` and 90% of what ``--deadlin
 after calibration (whichever are given); at least 20, capped by ``--max-steps``. Compilation
 is paid once per process, during calibration (same shapes as the real runs), so it is recorded
 but not charged again. (With ``--concurrent``, calibration runs all recipes at once for
-``--calib-steps`` steps and the slowest one's tokens/s sets the count for ``--time-budget``.)
+``--calib-steps`` steps and the slowest one's tokens/s sets the count for ``--time-budget``.) In either
+mode a recipe whose calibration fails is left out of the plan (its error under ``calibration`` in the results
+file) and trained all the same: failing again, it is marked ``failed`` like any other; only a calibration
+that measures no recipe at all ends the command, every recipe left ``pending``.
 
 ``--deadline`` (wall-clock seconds for the whole command) is enforced as well: the recipe
 training when it passes stops at its next step boundary, is evaluated and is marked
@@ -594,7 +597,9 @@ class CalibrationStopped(Exception):
 
 def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
                       signals: Optional[StopSignals] = None) -> int:
-    """Run every recipe at once for ``--calib-steps`` steps; the slowest sets the step count.
+    """Run every recipe at once for ``--calib-steps`` steps; the slowest of those that measured a rate sets the
+    step count (one whose calibration failed is left out of it and trained all the same; ``RuntimeError`` where
+    none measured one).
     ``CalibrationStopped`` where a stop signal ended a calibration run, or where ``signals`` (what the command
     holds through calibration and main runs) received one while the calibration ran, even if every
     calibration run finished anyway (one that came as they ended, or that they did not take)."""
@@ -610,9 +615,14 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
         by = [_stopped_by(signals)]
     if by:
         raise CalibrationStopped(by[0])
-    slowest = min(r.get("tokens_per_s") or 0.0 for r in res.values())
-    if slowest <= 0:
+    rates = [r["tokens_per_s"] for r in res.values() if (r.get("tokens_per_s") or 0) > 0]
+    if not rates:  # (as plan_steps refuses a sequential calibration that measured no recipe)
         raise RuntimeError(f"calibration failed: {report['calibration']}")
+    slowest = min(rates)
+    failed = [n for n in names if (res.get(n, {}).get("tokens_per_s") or 0) <= 0]
+    if failed:  # trained all the same, as the sequential runs do: one that fails again is recorded failed
+        print(f"calibration failed for {', '.join(failed)} (its error is under calibration in the results "
+              "file): the step count is planned from the others, which it trains beside", flush=True)
     steps = int(args.time_budget * slowest / (report["tokens_per_step"]))
     print(f"calibrated: slowest {slowest:,.0f} tokens/s concurrently -> {steps} steps", flush=True)
     return steps

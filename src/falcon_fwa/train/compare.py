@@ -45,7 +45,8 @@ the signal named. Each run has a session of its own
 second SIGTERM or SIGINT kills the runs still going at once (SIGKILL to each one's process group), records each
 ``killed`` (no checkpoint of its last steps; its ``signal`` names the second signal) and ends the command with
 128 + that signal; a third ends this command as a second ends ``falcon-fwa train``. A recipe that
-fails is marked ``failed`` (with its error) and the others go on; the command then ends with status 1.
+fails is marked ``failed`` (with its error; a ``--concurrent`` run's is its exit code and the error it printed last,
+:func:`printed_error`) and the others go on; the command then ends with status 1.
 Without ``--steps``, ``--time-budget`` or ``--deadline`` the recipes must share ``train.steps``.
 
 ``OUT/compare.json`` (or ``--results``) is rewritten atomically when a recipe starts and when
@@ -458,14 +459,16 @@ def _outcome(returncode: int, run_dir: str, stop_signal: int) -> Tuple[str, dict
     by = summary.get("signal") if isinstance(summary, dict) else None
     stopped = by in signal.Signals.__members__ and returncode == 128 + signal.Signals[by]
     if summary is None or not (returncode == 0 or stopped):
-        with open(os.path.join(run_dir, "stdout.txt")) as f:
-            tail = f.read()[-2000:]
+        with open(os.path.join(run_dir, "stdout.txt"), errors="replace") as f:
+            printed = f.read()
+        tail = printed[-2000:]
         ended_by = {stop_signal} | ({PARENT_ENDED} if PARENT_ENDED is not None else set())
         if stop_signal and (-returncode in ended_by or returncode - 128 in ended_by):
             error = f"stopped by {signal.Signals(stop_signal).name} before its first step (no checkpoint)"
             return "stopped", {"signal": signal.Signals(stop_signal).name, "steps": 0, "error": error,
                                "stdout_tail": tail}
-        return "failed", {"error": f"exit code {returncode}", "stdout_tail": tail}
+        cause = printed_error(printed)
+        return "failed", {"error": f"exit code {returncode}" + (f": {cause}" if cause else ""), "stdout_tail": tail}
     result = dict(summary)
     log_path = os.path.join(run_dir, "log.jsonl")
     result["log"] = read_log(log_path) if os.path.isfile(log_path) else []
@@ -474,6 +477,29 @@ def _outcome(returncode: int, run_dir: str, stop_signal: int) -> Tuple[str, dict
             result["signal"] = signal.Signals(stop_signal).name
         return "stopped", result
     return "done", result
+
+
+TRAIN_ERROR = "falcon-fwa train: error: "  # how the train command prints the error it ends with (cli.run_command)
+
+
+def printed_error(text: str) -> Optional[str]:
+    """The error a launched run printed last in its output ``text``: the message of the train command's
+    ``falcon-fwa train: error: MESSAGE`` (its lines up to the ``(raised at ...)`` one), else the last line of the
+    last traceback (``TYPE: MESSAGE``); None where it printed neither."""
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith(TRAIN_ERROR):
+            message = [lines[i][len(TRAIN_ERROR):]]
+            for line in lines[i + 1:]:
+                if line.startswith("  (raised at "):
+                    break
+                message.append(line)
+            return "\n".join(message).strip() or None
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if starts:
+        last = [line for line in lines[starts[-1] + 1:] if line.strip() and not line[0].isspace()]
+        return last[-1].strip() if last else None
+    return None
 
 
 def summary_line(name: str, result: dict, index: int, total: int) -> str:

@@ -178,7 +178,7 @@ def test_concurrent_calibration_plans_with_the_slowest_recipes_rate(monkeypatch)
     report = {"tokens_per_step": 96}
     assert compare._concurrent_steps(_args(time_budget=100.0, concurrent=True), ["a", "b"], ["x=1"], report) == 50
     assert seen[0] == ["x=1", "train.steps=30", "train.eval_every=0", "train.save_every=0",
-                       "train.export_model=false", "log.every=10"]
+                       "train.export_model=false", "train.resume=none", "log.every=10"]
     assert report["calibration"] == {"a": {"tokens_per_s": 96.0}, "b": {"tokens_per_s": 48.0}}
     compare._concurrent_steps(_args(time_budget=100.0, concurrent=True, calib_steps=6), ["a", "b"], [], {
         "tokens_per_step": 96})

@@ -21,7 +21,7 @@ warm-up ones: steady state, compilation excluded) and one evaluation, checkpoint
 where the budget is the smaller of ``--time-budget`` and 90% of what ``--deadline`` leaves
 after calibration (whichever are given); at least 20, capped by ``--max-steps``. Compilation
 is paid once per process, during calibration (same shapes as the real runs), so it is recorded
-but not charged again. (With ``--concurrent``, calibration runs all recipes at once for
+but not charged again. (With ``--concurrent``, calibration runs all recipes at once, from step 0 as the sequential one (``train.resume=none``), for
 ``--calib-steps`` steps and the slowest one's tokens/s sets the count for ``--time-budget``.) In either
 mode a recipe whose calibration fails is left out of the plan (its error under ``calibration`` in the results
 file) and trained all the same: failing again, it is marked ``failed`` like any other; only a calibration
@@ -631,7 +631,8 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
     calibration run finished anyway (one that came as they ended, or that they did not take)."""
     calib_steps = args.calib_steps or 30
     calib = [f"train.steps={calib_steps}", "train.eval_every=0", "train.save_every=0",
-             "train.export_model=false", f"log.every={max(1, calib_steps // 3)}"]
+             "train.export_model=false", "train.resume=none",  # from step 0, as the sequential calibration
+             f"log.every={max(1, calib_steps // 3)}"]
     t0 = _clock()
     res = {n: r for n, _, r in run_all(args.configs, names, args.out, sets + calib, "calibration", signals) if r}
     report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}

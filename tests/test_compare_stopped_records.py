@@ -19,6 +19,19 @@ from test_train import recipe
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _presets_trained(monkeypatch) -> list:
+    """The presets the trainer trains from now on, in order (``Trainer.train`` recorded, then run as it is)."""
+    trained = []
+    original = trainer_module.Trainer.train
+
+    def train(self, *args, **kwargs):
+        trained.append(self.cfg.model.preset)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train", train)
+    return trained
+
+
 def test_a_concurrent_comparison_stopped_without_steps_records_the_recipes_own_step_count(tmp_path, monkeypatch,
                                                                                         capsys):
     """``--concurrent`` without ``--steps``: the recipes share their own ``train.steps`` (4 in test_train's
@@ -130,14 +143,7 @@ def test_a_sequential_launch_keeps_no_run_of_an_earlier_concurrent_one(tmp_path,
         path = tmp_path / "cmp" / "main" / name / "summary.json"
         summary = json.loads(path.read_text())
         path.write_text(json.dumps(dict(summary, commit="c0" * 20)))
-    trained = []
-    original = trainer_module.Trainer.train
-
-    def train(self, *args, **kwargs):
-        trained.append(self.cfg.model.preset)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(trainer_module.Trainer, "train", train)
+    trained = _presets_trained(monkeypatch)
     assert _compare(tmp_path, "--steps", "2") == 0
     assert trained == ["tiny-falcon", "tiny-transformer"]
     report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
@@ -189,14 +195,7 @@ def test_a_relaunch_under_another_torch_thread_count_trains_every_recipe_again(t
 
     for module in (compare, trainer_module):
         monkeypatch.setattr(module, "git_commit", fake_git_commit)
-    trained = []
-    original = trainer_module.Trainer.train
-
-    def train(self, *args, **kwargs):
-        trained.append(self.cfg.model.preset)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(trainer_module.Trainer, "train", train)
+    trained = _presets_trained(monkeypatch)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

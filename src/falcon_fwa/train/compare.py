@@ -558,6 +558,12 @@ def check_run_names(names: List[str], configs: List[str]) -> None:
         raise ValueError(f"--names must differ from each other, got {names}")
 
 
+# the train.resume values that leave the start to compare (a fresh folder either way); a checkpoint path is refused
+COMPARE_RESUMES = ("auto", "none")
+RESUME_REFUSED = ("compare trains each recipe from scratch in its own folder (--out's main/NAME) and resumes its "
+                  "own runs when launched again; train.resume takes 'auto' or 'none' here, not a checkpoint path")
+
+
 def _check_args(args: argparse.Namespace, names: List[str]) -> None:
     check_run_names(names, args.configs)
     if args.deadline is not None and args.concurrent:
@@ -583,6 +589,9 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
         if item.partition("=")[0] == "train.out_dir":
             raise ValueError(f"--set {item}: compare trains each recipe in --out's main/NAME folder, not in "
                              "train.out_dir; give --out (and --names) instead")
+        key, _, value = item.partition("=")
+        if key.strip() == "train.resume" and value.strip().strip("'\"") not in COMPARE_RESUMES:
+            raise ValueError(f"--set {item}: {RESUME_REFUSED}")
     check_input_files("--configs", args.configs)
     parents = {os.path.realpath(p): c for c in args.configs if (p := recipe_parent(c))}
     for c in args.configs:  # a glob such as configs/small/*.yaml also takes the recipes' shared base
@@ -724,6 +733,8 @@ def _check_recipes(args: argparse.Namespace):
     sets_steps = args.steps is not None or args.time_budget is not None or args.deadline is not None
     for c in args.configs:  # each trains in one process: a batch that does not split fails here, not after the others
         other = first if c == args.configs[0] else load_config(c, args.overrides)
+        if other.train.resume not in COMPARE_RESUMES:  # a run resumed there would count steps it did not train
+            raise ValueError(f"{c}: train.resume = {other.train.resume!r}: {RESUME_REFUSED}")
         if other.train.global_batch % other.train.micro_batch:
             raise ValueError(f"{c}: train.global_batch = {other.train.global_batch} is not a multiple of "
                              f"train.micro_batch = {other.train.micro_batch} (each recipe trains in one process)")

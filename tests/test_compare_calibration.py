@@ -112,8 +112,12 @@ def test_plan_steps_by_hand_with_fixed_costs():
                                                            "steps_fit": 37})
     for budget, fit in ((24.5, 0), (26.4, 0), (26.5, 1), (10.0, 0)):
         assert compare.plan_steps(calibration, budget)[0] == fit, budget
-    with pytest.raises(RuntimeError, match="calibration measured no recipe"):
+    # nothing to plan from: a CalibrationFailed (a ValueError, so the command ends with its one-line error and
+    # status 2, not a traceback) naming each recipe's error, or what stopped it, in calibration order
+    with pytest.raises(compare.CalibrationFailed, match="calibration measured no recipe: c: RuntimeError: out of "
+                       r"memory; d: stopped \(deadline\) before its timed steps$") as failed:
         compare.plan_steps({"c": calibration["c"], "d": calibration["d"]}, 100.0)
+    assert isinstance(failed.value, ValueError)
 
 
 def _args(**kw):
@@ -207,7 +211,9 @@ def test_concurrent_calibration_plans_with_the_recipes_that_calibrated(monkeypat
         yield "b", "failed", {"error": "exit code 1"}
 
     monkeypatch.setattr(compare, "run_all", all_failing)
-    with pytest.raises(RuntimeError, match="calibration failed"):
+    # (a CalibrationFailed, a ValueError: the command's one-line error, status 2, naming each recipe's error)
+    with pytest.raises(compare.CalibrationFailed,
+                       match="calibration measured no recipe: a: exit code 1; b: exit code 1$"):
         compare._concurrent_steps(_args(time_budget=100.0, concurrent=True), ["a", "b"], [], {"tokens_per_step": 96})
 
 

@@ -32,7 +32,8 @@ def test_the_plan_is_the_largest_count_whose_documented_sum_fits_the_budget():
         steps, plan = compare.plan_steps(calibration, budget)
         assert steps == fit and 25.0 + fit * 2.0 <= max(budget, 25.0) < 25.0 + (fit + 1) * 2.0, budget
         assert plan == {"budget_s": budget, "fixed_s": 25.0, "step_s_sum": 2.0, "steps_fit": fit}
-    with pytest.raises(RuntimeError, match="calibration measured no recipe"):
+    # a CalibrationFailed (a ValueError: the command ends with one error line, status 2, not a traceback)
+    with pytest.raises(compare.CalibrationFailed, match="calibration measured no recipe: late: stopped"):
         compare.plan_steps({"late": calibration["late"]}, 100.0)
 
 

@@ -222,11 +222,28 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
     return out
 
 
+class CalibrationFailed(ValueError):
+    """The calibration measured no recipe: nothing to plan the step count from. Its text names each recipe's
+    error briefly, on one line (the command's ``falcon-fwa compare: error:`` message)."""
+
+    def __init__(self, calibration: dict):
+        def brief(c) -> str:
+            text = c.get("error") if isinstance(c, dict) else None
+            if not text and isinstance(c, dict) and c.get("stopped"):
+                text = f"stopped ({c['stopped']}) before its timed steps"
+            text = " ".join(str(text or "no rate measured").split())
+            return text if len(text) <= 200 else text[:199] + "…"
+
+        super().__init__("calibration measured no recipe: "
+                         + "; ".join(f"{n}: {brief(c)}" for n, c in calibration.items()))
+
+
 def plan_steps(calibration: dict, budget_s: float) -> Tuple[int, dict]:
-    """The largest step count whose runs fit ``budget_s`` (see the module docstring), and how."""
+    """The largest step count whose runs fit ``budget_s`` (see the module docstring), and how;
+    :class:`CalibrationFailed` where the calibration measured no recipe."""
     measured = [c for c in calibration.values() if "step_s" in c]
     if not measured:
-        raise RuntimeError(f"calibration measured no recipe: {calibration}")
+        raise CalibrationFailed(calibration)
     fixed = sum(c["setup_s"] + EVALS_PER_RUN * c["eval_s"] + c["save_s"] + c["export_s"] for c in measured)
     per_step = sum(c["step_s"] for c in measured)
     fit = int((budget_s - fixed) // per_step) if budget_s > fixed else 0
@@ -633,8 +650,8 @@ class CalibrationStopped(Exception):
 def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
                       signals: Optional[StopSignals] = None) -> int:
     """Run every recipe at once for ``--calib-steps`` steps; the slowest of those that measured a rate sets the
-    step count (one whose calibration failed is left out of it and trained all the same; ``RuntimeError`` where
-    none measured one).
+    step count (one whose calibration failed is left out of it and trained all the same;
+    :class:`CalibrationFailed` where none measured one).
     ``CalibrationStopped`` where a stop signal ended a calibration run, or where ``signals`` (what the command
     holds through calibration and main runs) received one while the calibration ran, even if every
     calibration run finished anyway (one that came as they ended, or that they did not take)."""
@@ -653,7 +670,7 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
         raise CalibrationStopped(by[0])
     rates = [r["tokens_per_s"] for r in res.values() if (r.get("tokens_per_s") or 0) > 0]
     if not rates:  # (as plan_steps refuses a sequential calibration that measured no recipe)
-        raise RuntimeError(f"calibration failed: {report['calibration']}")
+        raise CalibrationFailed(report["calibration"])
     slowest = min(rates)
     failed = [n for n in names if (res.get(n, {}).get("tokens_per_s") or 0) <= 0]
     if failed:  # trained all the same, as the sequential runs do: one that fails again is recorded failed
@@ -790,6 +807,10 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
         try:
             steps = (_concurrent_steps(args, names, sets, report, signals) if args.concurrent else
                      _sequential_steps(args, names, sets, report, deadline_at, signals))
+        except CalibrationFailed as failed:  # the command's one-line error; every recipe's error in the results file
+            report.update(status={n: "not_run" for n in names}, error=str(failed))
+            save()
+            raise
         except CalibrationStopped as stop:
             report.update(status={n: "not_run" for n in names}, error=f"stopped by {stop} during calibration",
                           signal=str(stop))

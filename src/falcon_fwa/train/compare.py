@@ -661,7 +661,8 @@ def _concurrent_steps(args, names: List[str], sets: List[str], report: dict,
              f"log.every={max(1, calib_steps // 3)}"]
     t0 = _clock()
     res = {n: r for n, _, r in run_all(args.configs, names, args.out, sets + calib, "calibration", signals) if r}
-    report["calibration"] = {n: {k: v for k, v in r.items() if k != "log"} for n, r in res.items()}
+    # in the lineup's order (the runs end in any order)
+    report["calibration"] = {n: {k: v for k, v in res[n].items() if k != "log"} for n in names if n in res}
     report["calibration_wall_s"] = _clock() - t0
     by = [r["signal"] for r in res.values() if r.get("signal")]
     if _stopped_by(signals):

@@ -25,7 +25,8 @@ but not charged again. (With ``--concurrent``, calibration runs all recipes at o
 ``--calib-steps`` steps and the slowest one's tokens/s sets the count for ``--time-budget``.) In either
 mode a recipe whose calibration fails is left out of the plan (its error under ``calibration`` in the results
 file) and trained all the same: failing again, it is marked ``failed`` like any other; only a calibration
-that measures no recipe at all ends the command, every recipe left ``pending``.
+that measures no recipe at all ends the command (one error line, every recipe ``not_run``, each one's
+calibration error in the results file: :class:`CalibrationFailed`).
 
 ``--deadline`` (wall-clock seconds for the whole command) is enforced as well: the recipe
 training when it passes stops at its next step boundary, is evaluated and is marked

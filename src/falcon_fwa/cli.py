@@ -1,16 +1,19 @@
 """Command-line entry point: ``falcon-fwa <command> [options]``.
 
 Each command lives in its own module and exposes ``add_arguments(parser)`` and
-``run(args)``; this file only routes to them, importing a module when it is used.
+``run(args)``; this file only routes to them, importing a module when it is used. The command table and
+the top level (``--help``, ``--version``, an unknown command) are :mod:`falcon_fwa_launcher`'s, the
+console script's module, which answers them without importing this package (and so torch).
 
 A ``ValueError``, ``OSError`` or ``NotImplementedError`` that a command raises (a bad option
 value, a missing file or one it cannot write, an unsupported combination; the messages name the
 argument or the path) ends it with ``falcon-fwa COMMAND: error: MESSAGE`` and the place it was raised,
 exit status 2, instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it. A Ctrl-C that
 reaches a command as ``KeyboardInterrupt`` (one with no clean stop of its own, such as ``data``, or a
-second Ctrl-C during a training's clean stop) ends it with ``falcon-fwa COMMAND: interrupted`` and the
-status of SIGINT (130). Output piped into a reader that stops early (``falcon-fwa demo | head``) ends
-the command quietly, with the status of a process ended by SIGPIPE (141).
+second Ctrl-C during a training's clean stop), or while the command's module is imported, ends it with
+``falcon-fwa COMMAND: interrupted`` and the status of SIGINT (130). Output piped into a reader that
+stops early (``falcon-fwa demo | head``) ends the command quietly, with the status of a process ended by
+SIGPIPE (141).
 """
 from __future__ import annotations
 
@@ -22,20 +25,11 @@ import sys
 import traceback
 from typing import List, Optional
 
-COMMANDS = {
-    "demo": ("falcon_fwa.demo", "check the three forms of every rule on random inputs and time them"),
-    "addition": ("falcon_fwa.tasks.addition.cli", "train one model on variable-length addition (the paper's Table 3 task)"),
-    "addition-compare": ("falcon_fwa.tasks.addition.compare", "train the Table-3 lineup under one budget and tabulate it"),
-    "params": ("falcon_fwa.models.cli", "parameter counts of the model presets"),
-    "data": ("falcon_fwa.data.cli", "tokenize a corpus once into memory-mapped token shards"),
-    "train": ("falcon_fwa.train.cli", "train a language model from a recipe (torchrun for DDP/FSDP2)"),
-    "compare": ("falcon_fwa.train.compare", "train several recipes on the same tokens and tabulate them"),
-    "scaling": ("falcon_fwa.train.scaling", "DDP/FSDP2 scaling through torchrun: tokens/s, efficiency, memory, loss"),
-    "throughput": ("falcon_fwa.train.throughput", "training tokens/s and peak memory of model presets"),
-    "ppl": ("falcon_fwa.eval.ppl_cli", "perplexity of a saved model over held-out files, by position bucket"),
-    "lm-eval": ("falcon_fwa.eval.lm_eval_cli", "lm-evaluation-harness tasks on a saved model folder"),
-    "generate": ("falcon_fwa.serve.generate_cli", "continue prompts with a saved model folder (streamed, timed)"),
-}
+import falcon_fwa_launcher as launcher
+
+# the command table and the top level live in the launcher, which imports no torch (``falcon-fwa --help``
+# answers from it alone)
+COMMANDS = launcher.COMMANDS
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -50,38 +44,28 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def _version() -> str:
-    """The installed distribution's version (the package's own where it runs from a source tree)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("falcon-fwa")
-    except PackageNotFoundError:
-        from . import __version__
-        return __version__
+_version = launcher.version
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="falcon-fwa", description="Falcon fast-weight attention")
-    parser.add_argument("--version", action="store_true", help="print the installed version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+    """``falcon-fwa`` (the top level as :func:`falcon_fwa_launcher.top_level` answers it) and its commands.
+    A Ctrl-C while the command's module is imported or its options parsed ends it as one during the
+    command does: ``falcon-fwa COMMAND: interrupted``, status 130."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = launcher.top_level(argv)
+    if name is None:
         return 0
-    if argv[0] == "--version":
-        print(f"falcon-fwa {_version()}")
-        return 0
-    name = argv[0]
-    if name not in COMMANDS:
-        parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
-    module = importlib.import_module(COMMANDS[name][0])
-    cmd = argparse.ArgumentParser(prog=f"falcon-fwa {name}", description=COMMANDS[name][1],
-                                  formatter_class=_HelpFormatter)
-    module.add_arguments(cmd)
-    return run_command(f"falcon-fwa {name}", module.run, cmd.parse_args(argv[1:]))
+    prog = f"{launcher.PROG} {name}"
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        cmd = argparse.ArgumentParser(prog=prog, description=COMMANDS[name][1], formatter_class=_HelpFormatter)
+        module.add_arguments(cmd)
+        args = cmd.parse_args(argv[1:])
+    except KeyboardInterrupt:
+        if os.environ.get("FALCON_FWA_TRACEBACK"):
+            raise
+        return launcher.interrupted(prog)
+    return run_command(prog, module.run, args)
 
 
 def close_progress_bars() -> None:

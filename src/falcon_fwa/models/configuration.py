@@ -378,7 +378,7 @@ class FalconFWAConfig(PretrainedConfig):
         self.query_scale = float(self.head_k_dim ** -0.5) if qs is None else _float("query_scale", qs)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=_bool("tie_word_embeddings", tie_word_embeddings), **kwargs)
-        self.validate_fields()
+        self._check_fields(built=False)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -397,6 +397,12 @@ class FalconFWAConfig(PretrainedConfig):
         that NaN fails it). Numbers and switches assigned since the config was built are stored
         as Python's ``int``, ``float`` and ``bool`` (numpy's scalars too), as the constructor stores
         them, so that the config saves as JSON."""
+        self._check_fields(built=True)
+
+    def _check_fields(self, built: bool) -> None:
+        """:meth:`validate_fields`; ``built``: the config was built before (the fields derived from others when it
+        was, the Transformer's head dims and ``query_scale``, may have been left behind by a field assigned since),
+        else the constructor checks the fields it was given."""
         for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "intermediate_size", "head_k_dim",
                       "head_v_dim", "chunk_size", "segments", "conv_size"):
             setattr(self, field, _int(field, getattr(self, field)))
@@ -476,11 +482,22 @@ class FalconFWAConfig(PretrainedConfig):
                 raise ValueError(f"config field 'num_heads' = {self.num_heads} gives the Transformer the odd head dim "
                                  f"hidden_size / num_heads = {per_head}; RoPE rotates pairs of dimensions, so it must "
                                  f"be even")
+            if built and self.head_k_dim == self.head_v_dim != per_head:
+                # derived from hidden_size / num_heads when the config was built: a num_heads or hidden_size assigned
+                # since leaves them, and the query_scale of that head dim, as they were
+                raise ValueError(f"config fields 'head_k_dim' and 'head_v_dim' = {self.head_k_dim} differ from the "
+                                 f"Transformer's head dim hidden_size / num_heads = {self.hidden_size} / "
+                                 f"{self.num_heads} = {per_head}: the config took its head dims (and query_scale) "
+                                 f"from hidden_size / num_heads when it was built, and num_heads or hidden_size "
+                                 f"assigned since does not change them; set head_k_dim = head_v_dim = {per_head} and "
+                                 f"query_scale = {per_head ** -0.5!r} as well, or build the config again with the new "
+                                 f"num_heads / hidden_size (head_k_dim, head_v_dim and query_scale left unset)")
             for field in ("head_k_dim", "head_v_dim"):
                 if getattr(self, field) != per_head:
+                    fix = f"set it to {per_head}" if built else "leave them unset"
                     raise ValueError(f"config field {field!r} = {getattr(self, field)} differs from the Transformer's "
                                      f"head dim hidden_size / num_heads = {per_head} (head_k_dim and head_v_dim size "
-                                     f"the recurrent mixers' heads; leave them unset)")
+                                     f"the recurrent mixers' heads; {fix})")
             # softmax attention reads none of the recurrent mixers' switches: another value would be saved with a
             # model that ignores it
             own = {**MIXER_DEFAULTS["transformer"], "v_norm": False, "query_scale": float(per_head ** -0.5)}
@@ -488,9 +505,11 @@ class FalconFWAConfig(PretrainedConfig):
                 same = math.isclose(self.query_scale, value, rel_tol=1e-12) if field == "query_scale" else \
                     getattr(self, field) == value  # (a scale saved as 1 / sqrt(d) may differ in the last bit)
                 if not same:
+                    fix = "leave it unset" if not built else f"set it to {value!r}" + (
+                        f" (its head dim hidden_size / num_heads = {per_head} ** -0.5)" if field == "query_scale" else "")
                     raise ValueError(f"config field {field!r} = {getattr(self, field)!r} configures the recurrent "
                                      f"mixers only; the Transformer (softmax attention over RoPE queries and keys, "
-                                     f"scaled by head_dim ** -0.5) takes {value!r} there: leave it unset")
+                                     f"scaled by head_dim ** -0.5) takes {value!r} there: {fix}")
         if self.mup_base_width is not None and _int("mup_base_width", self.mup_base_width) < 1:
             raise ValueError(f"config field 'mup_base_width' must be >= 1, got {self.mup_base_width}")
 

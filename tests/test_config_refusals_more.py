@@ -1,0 +1,77 @@
+"""Config refusals that name what happened and what to do: fields derived when the config was built and left
+behind by a field assigned since, backend limits known from the config alone, token ids outside the vocabulary."""
+import re
+
+import pytest
+
+from falcon_fwa.models import FalconConfig, FalconForCausalLM
+
+
+def _transformer(**kw):
+    return FalconConfig(**{**dict(mixer="transformer", vocab_size=100, hidden_size=64, num_heads=4,
+                                  num_hidden_layers=1), **kw})
+
+
+def _same_fields(a: FalconConfig, b: FalconConfig) -> bool:
+    skip = {"transformers_version"}
+    return {k: v for k, v in a.to_dict().items() if k not in skip} == {k: v for k, v in b.to_dict().items()
+                                                                      if k not in skip}
+
+
+@pytest.mark.parametrize("field,value,per_head", [("num_heads", 2, 32), ("num_heads", 8, 8), ("hidden_size", 128, 32)])
+def test_a_transformer_shape_assigned_after_the_config_was_built_names_the_derived_head_dims(field, value, per_head):
+    """Built with hidden_size 64 and 4 heads, the config's head dims are 16 (64 / 4). Assigning num_heads or
+    hidden_size afterwards leaves them at 16: the refusal says so, with the new head dim (hand-computed
+    ``per_head``) and the way out, instead of telling to leave head dims unset that were never set."""
+    config = _transformer()
+    assert (config.head_k_dim, config.head_v_dim) == (16, 16)
+    setattr(config, field, value)
+    with pytest.raises(ValueError) as err:
+        config.validate_fields()
+    message = str(err.value)
+    assert "leave them unset" not in message
+    assert "'head_k_dim'" in message and "'head_v_dim'" in message and "= 16" in message
+    assert f"hidden_size / num_heads = {config.hidden_size} / {config.num_heads} = {per_head}" in message
+    assert "when it was built" in message
+    assert f"set head_k_dim = head_v_dim = {per_head}" in message and "build the config again" in message
+    with pytest.raises(ValueError, match=re.escape(f"= {per_head}")):  # the model refuses it the same way
+        FalconForCausalLM(config)
+
+    # following the message gives the config built with the new shape from the start (the MLP's width, derived
+    # from hidden_size too but any width the MLP takes, kept: 8 * 64 / 3 rounded up to 64)
+    config.head_k_dim = config.head_v_dim = per_head
+    config.query_scale = per_head ** -0.5
+    config.validate_fields()
+    assert _same_fields(config, _transformer(**{field: value}, intermediate_size=192))
+
+
+def test_following_the_head_dims_alone_then_names_query_scale_with_its_value():
+    """Head dims set right after num_heads changed, query_scale still the old head dim's 16 ** -0.5 = 0.25: the
+    refusal asks for 32 ** -0.5, not to leave a field unset on a built config."""
+    config = _transformer()
+    config.num_heads = 2
+    config.head_k_dim = config.head_v_dim = 32
+    with pytest.raises(ValueError) as err:
+        config.validate_fields()
+    message = str(err.value)
+    assert message.startswith("config field 'query_scale' = 0.25 ")
+    assert f"set it to {32 ** -0.5!r}" in message and "leave it unset" not in message
+
+
+def test_one_head_dim_assigned_after_the_config_was_built_is_named_with_the_value_to_set():
+    config = _transformer()
+    config.head_k_dim = 8
+    with pytest.raises(ValueError, match=re.escape("config field 'head_k_dim' = 8 differs from the Transformer's "
+                                                   "head dim hidden_size / num_heads = 16")) as err:
+        config.validate_fields()
+    assert "set it to 16" in str(err.value)
+
+
+def test_head_dims_given_to_the_constructor_are_still_asked_to_be_left_unset():
+    """Given when the config is built, the head dims are the caller's own: the refusal says to leave them unset
+    (nothing was derived)."""
+    with pytest.raises(ValueError, match=re.escape("config field 'head_k_dim' = 8 differs from the Transformer's "
+                                                   "head dim hidden_size / num_heads = 16")) as err:
+        _transformer(head_k_dim=8, head_v_dim=8)
+    assert "leave them unset" in str(err.value) and "when it was built" not in str(err.value)
+    assert (_transformer(head_k_dim=16, head_v_dim=16).head_k_dim, _transformer().head_v_dim) == (16, 16)

@@ -75,3 +75,72 @@ def test_head_dims_given_to_the_constructor_are_still_asked_to_be_left_unset():
         _transformer(head_k_dim=8, head_v_dim=8)
     assert "leave them unset" in str(err.value) and "when it was built" not in str(err.value)
     assert (_transformer(head_k_dim=16, head_v_dim=16).head_k_dim, _transformer().head_v_dim) == (16, 16)
+
+
+def _module_constant(relative: str, name: str):
+    """``name``'s value in the source of ``falcon_fwa/<relative>`` (the Triton modules import triton)."""
+    import ast
+    from pathlib import Path
+
+    import falcon_fwa
+
+    tree = ast.parse((Path(falcon_fwa.__file__).parent / relative).read_text())
+    values = [ast.literal_eval(node.value) for node in tree.body
+              if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]]
+    assert len(values) == 1, (relative, name)
+    return values[0]
+
+
+def test_the_triton_key_dim_limit_is_the_kernels():
+    """The config's limit is the one the kernels refuse past: the regression chunk kernels' and the fused
+    recurrent kernel's whole-key-dim tile."""
+    from falcon_fwa.models.configuration import TRITON_MAX_HEAD_K_DIM
+
+    assert TRITON_MAX_HEAD_K_DIM == _module_constant("ops/triton/api.py", "MAX_WY_HEAD_DIM") == 256
+    assert TRITON_MAX_HEAD_K_DIM == _module_constant("ops/triton/recurrent.py", "MAX_FUSED_HEAD_DIM")
+
+
+def _recurrent(**kw):
+    return FalconConfig(**{**dict(vocab_size=64, hidden_size=32, num_heads=1, num_hidden_layers=1), **kw})
+
+
+@pytest.mark.parametrize("rule,form", [("1", "chunk"), ("2", "chunk"), ("3", "chunk"), ("1A", "recurrent"),
+                                       ("1", "recurrent")])
+def test_triton_refuses_a_key_dim_its_kernels_do_not_hold_when_the_config_is_built(rule, form):
+    """backend='triton' with a key dim of 264 on the regression rules' chunk kernels or on the fused recurrent
+    kernel failed only in the first forward (NotImplementedError of the op); the config names head_k_dim and the
+    limit. 256 itself is taken, as is 264 on backend='native' (the PyTorch forms)."""
+    with pytest.raises(ValueError, match=r"config field 'head_k_dim' = 264: backend='triton'.* at most 256 wide"):
+        _recurrent(backend="triton", rule=rule, form=form, head_k_dim=264)
+    with pytest.raises(ValueError, match=r"config field 'head_k_dim' = 264: backend='triton'"):  # derived: 264 / 1
+        _recurrent(backend="triton", rule=rule, form=form, hidden_size=264)
+    assert _recurrent(backend="triton", rule=rule, form=form, head_k_dim=256).head_k_dim == 256
+    assert _recurrent(backend="native", rule=rule, form=form, head_k_dim=264).head_k_dim == 264
+    config = _recurrent(backend="triton", rule=rule, form=form, head_k_dim=16)
+    config.head_k_dim = 264  # assigned after the config was built: the model refuses it when it is built
+    with pytest.raises(ValueError, match=r"config field 'head_k_dim' = 264: backend='triton'"):
+        FalconForCausalLM(config)
+
+
+def test_triton_takes_wide_keys_where_its_kernels_do():
+    """The inner-product rules' chunk kernels tile the key dim: a key dim of 264 there is no refusal, nor is a
+    Transformer's (which reads no backend)."""
+    for rule in ("1A", "2A", "3A"):
+        assert _recurrent(backend="triton", rule=rule, head_k_dim=264).head_k_dim == 264
+    assert _transformer(backend="triton", hidden_size=528, num_heads=2).head_k_dim == 264
+
+
+def test_native_backend_runs_a_wide_regression_key_on_the_cpu():
+    """backend='native' with rule 1 and head_k_dim 264 (past the kernels) builds and runs; its logits are those
+    of the same weights with the PyTorch forms forced."""
+    import torch
+
+    torch.manual_seed(0)
+    native = FalconForCausalLM(_recurrent(backend="native", rule="1", head_k_dim=264)).double().eval()
+    forced = FalconForCausalLM(_recurrent(backend="torch", rule="1", head_k_dim=264)).double().eval()
+    forced.load_state_dict(native.state_dict())
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        got, want = native(ids).logits, forced(ids).logits
+    assert got.shape == (2, 7, 64) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

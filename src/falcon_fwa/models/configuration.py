@@ -35,6 +35,10 @@ BACKENDS = ("native", "torch", "triton", "fla")
 TRITON_CHUNK_SIZES = (16, 32, 64, 128)
 """The chunk sizes of the Triton chunk kernels (``ops.triton.launch.SUPPORTED_CHUNK_SIZES``, whose package imports
 ``triton``)."""
+TRITON_MAX_HEAD_K_DIM = 256
+"""The widest key dim of the Triton kernels that hold a head's whole key dimension in one tile: the chunk kernels of
+the regression rules 1, 2 and 3 (``ops.triton.api.MAX_WY_HEAD_DIM``) and the fused recurrent kernel of
+``form="recurrent"`` (``ops.triton.recurrent.MAX_FUSED_HEAD_DIM``)."""
 
 # Switches of the recurrent mixers. ``gate``: how the context sets the write gain
 # (see FalconAttention); ``log_gate``: the extra state decay exp(g_t). The short
@@ -247,8 +251,9 @@ class FalconFWAConfig(PretrainedConfig):
       ``RMSNorm(o * SiLU(g))``, Mamba-2's default), ``use_d_skip``;
     * ``backend``: "native" (the library's op, which picks its Triton kernels or PyTorch forms:
       ``falcon_attention(backend="auto")``), "torch" or "triton" (the op with that backend forced, for
-      every sequence and decoding step), or "fla" (flash-linear-attention kernels for the baselines
-      where installed; CUDA only).
+      every sequence and decoding step; with "triton", a regression rule or ``form="recurrent"`` takes a
+      ``head_k_dim`` of at most 256, ``TRITON_MAX_HEAD_K_DIM``), or "fla" (flash-linear-attention kernels for
+      the baselines where installed; CUDA only).
 
     Transformer: heads ``hidden_size / num_heads`` wide (an even number: RoPE rotates pairs; ``head_k_dim``
     and ``head_v_dim`` left unset), ``rope_theta``; attention through ``scaled_dot_product_attention``. It
@@ -441,6 +446,14 @@ class FalconFWAConfig(PretrainedConfig):
             raise ValueError(f"config field 'chunk_size' = {self.chunk_size}: backend='triton' runs the chunk form on "
                              f"kernels for chunks of {', '.join(map(str, TRITON_CHUNK_SIZES))} tokens; choose one of "
                              f"those or backend='native'")
+        if triton and self.head_k_dim > TRITON_MAX_HEAD_K_DIM and (RULES[self.rule].regression
+                                                                    or self.form == "recurrent"):
+            kernels = (f"the rule-{self.rule} kernels" if RULES[self.rule].regression and self.form != "recurrent"
+                       else "the fused recurrent kernel of form='recurrent'")
+            raise ValueError(f"config field 'head_k_dim' = {self.head_k_dim}: backend='triton' runs {kernels}, whose "
+                             f"one tile holds a head's whole key dim, at most {TRITON_MAX_HEAD_K_DIM} wide; set "
+                             f"head_k_dim <= {TRITON_MAX_HEAD_K_DIM} (left unset: hidden_size / num_heads) or "
+                             f"backend='native', which runs the PyTorch forms where the kernels do not reach")
         for field in ("lambda_scale", "eps", "initializer_range"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"config field {field!r} must be >= 0, got {getattr(self, field)}")

@@ -10,8 +10,10 @@ with the tokenizer's end-of-text token, as every document does in training, ``pp
 """
 from __future__ import annotations
 
+import collections
 import functools
 import os
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..cli_options import check_tokenizer_in, dtype_name
@@ -236,6 +238,45 @@ def expand_tasks(manager, tasks: List[str], *, option: str = "tasks",
     return expanded
 
 
+# TaskManager objects by (constructor, include folder and the state of its YAML files): the index of the harness's
+# own task library takes seconds to build, and the same one serves every call of the process
+_TASK_MANAGERS: "collections.OrderedDict" = collections.OrderedDict()
+_TASK_MANAGERS_KEPT = 4
+
+
+def _yaml_files_state(folder: str) -> tuple:
+    """The YAML files under ``folder`` (as the harness's index finds them), each with its size and modification
+    time: a file added, removed or edited changes it."""
+    root = Path(folder)
+    state = []
+    for path in sorted(root.glob("**/*.yaml")):
+        try:
+            stat = path.stat()
+        except OSError:  # (a dangling link: the index skips it too)
+            continue
+        state.append((path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns))
+    return tuple(state)
+
+
+def task_manager(include_path: Optional[str] = None):
+    """lm-evaluation-harness's ``TaskManager`` (its index of task, group and tag names) of its own tasks and, where
+    given, those of the folder ``include_path``. Built once per process for each include folder and reused by
+    later calls (building it reads every YAML file of the harness's task library, seconds); a folder whose YAML
+    files were added, removed or edited since gets a new one. The few last ones are kept."""
+    from lm_eval.tasks import TaskManager
+
+    key = (TaskManager, None if not include_path else
+           (os.path.realpath(include_path), _yaml_files_state(include_path)))
+    manager = _TASK_MANAGERS.get(key)
+    if manager is None:
+        manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+        _TASK_MANAGERS[key] = manager
+        while len(_TASK_MANAGERS) > _TASK_MANAGERS_KEPT:
+            _TASK_MANAGERS.popitem(last=False)
+    _TASK_MANAGERS.move_to_end(key)
+    return manager
+
+
 def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = None,
              num_fewshot: Optional[int] = None, batch_size: int = 1, limit: Optional[float] = None,
              device: str = "cpu", dtype: str = "float32", log_samples: bool = False,
@@ -250,9 +291,10 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     ``tasks``, ``include_path``, ``max_length``), where a command takes them under its own options.
 
     ``tasks`` may hold patterns (``arc_*``, ``hellaswag*``), expanded as the harness's own command line
-    expands them (:func:`expand_tasks`); the results dict's ``tasks`` is the expanded list that ran."""
+    expands them (:func:`expand_tasks`); the results dict's ``tasks`` is the expanded list that ran. The harness's
+    index of task names is built once per process for each ``include_path`` (:func:`task_manager`): a second call
+    skips its seconds."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from .perplexity import check_model_folder
 
@@ -265,7 +307,7 @@ def evaluate(model_dir: str, tasks: List[str], *, include_path: Optional[str] = 
     if include_path and not os.path.isdir(include_path):
         raise FileNotFoundError(f"{name('include_path')} {include_path!r} is not a folder of task YAML files")
     register()
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    manager = task_manager(include_path)
     tasks = expand_tasks(manager, tasks, option=name("tasks"),
                          include_option=None if include_path else name("include_path"))
     check_tokenizer_in(name("model_dir"), model_dir)  # the harness would load the model first, then fail naming neither

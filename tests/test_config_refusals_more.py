@@ -144,3 +144,48 @@ def test_native_backend_runs_a_wide_regression_key_on_the_cpu():
         got, want = native(ids).logits, forced(ids).logits
     assert got.shape == (2, 7, 64) and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+@pytest.mark.parametrize("field", TOKEN_FIELDS)
+@pytest.mark.parametrize("bad", [64, 1000, -1])
+def test_a_token_id_outside_the_vocabulary_is_refused_when_the_config_is_built(field, bad):
+    """vocab_size 64 has the ids 0..63 (the embedding's rows): 64, 1000 and -1 are no token's, refused naming the
+    field and vocab_size (transformers only logs a warning); 0, 63 and None are taken, stored as Python ints."""
+    import numpy as np
+    import torch
+
+    with pytest.raises(ValueError, match=rf"config field '{field}' = {bad} is no token id .*vocab_size = 64 "
+                                         r"\(ids 0 to 63\)"):
+        _recurrent(**{field: bad})
+    with pytest.raises(IndexError):  # the reason: the embedding has no row for it
+        torch.nn.Embedding(64, 4)(torch.tensor([bad]))
+    for good in (0, 63, np.int64(63), 63.0):
+        config = _recurrent(**{field: good})
+        assert getattr(config, field) == int(good) and type(getattr(config, field)) is int
+    assert getattr(_recurrent(**{field: None}), field) is None
+    with pytest.raises(ValueError, match=f"config field '{field}' must be an integer"):
+        _recurrent(**{field: True})
+
+
+def test_a_list_of_end_ids_is_checked_id_by_id():
+    assert _recurrent(eos_token_id=[0, 63]).eos_token_id == [0, 63]
+    with pytest.raises(ValueError, match=r"config field 'eos_token_id' = \[3, 64\] holds 64, which is no token id .*"
+                                         r"vocab_size = 64"):
+        _recurrent(eos_token_id=[3, 64])
+
+
+def test_a_vocabulary_shrunk_after_the_config_was_built_is_refused_by_the_token_id_it_drops(tmp_path):
+    """End id 50 in a vocabulary of 64, then vocab_size = 32 on the built config: the model refuses the config,
+    naming eos_token_id; ids within the vocabulary save and load as they were given."""
+    config = _recurrent(eos_token_id=50, pad_token_id=0, bos_token_id=1)
+    config.save_pretrained(tmp_path)
+    again = FalconConfig.from_pretrained(tmp_path)
+    assert (again.pad_token_id, again.bos_token_id, again.eos_token_id) == (0, 1, 50)
+    config.vocab_size = 32
+    with pytest.raises(ValueError, match=r"config field 'eos_token_id' = 50 is no token id .*vocab_size = 32"):
+        FalconForCausalLM(config)
+    with pytest.raises(ValueError, match=r"config field 'eos_token_id' = 40 .*vocab_size = 32"):
+        FalconConfig.from_pretrained(tmp_path, vocab_size=32, eos_token_id=40)

@@ -116,6 +116,30 @@ BOOL_FIELDS = ("shift", "normalize", "v_norm", "use_short_conv", "output_gate", 
 """The switches of :class:`FalconConfig`: each must be ``True`` or ``False``."""
 
 
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+"""The special tokens' ids of :class:`FalconConfig`: ``None`` or a token id of the vocabulary (``eos_token_id`` also
+a list of them, as generation takes it)."""
+
+
+def _token_ids(field: str, value, vocab_size: int):
+    """``value`` of the token id field ``field`` as Python ints: ``None``, or an id in ``0..vocab_size - 1`` (a list
+    of them for ``eos_token_id``). An id outside the vocabulary is a ``ValueError`` naming ``field`` and
+    ``vocab_size`` (the embedding has no row for it, and generation would stop on, or pad with, an id the model
+    never emits)."""
+    if value is None:
+        return None
+    many = field == "eos_token_id" and isinstance(value, (list, tuple))
+    ids = [_int(field, i) for i in value] if many else [_int(field, value)]
+    if many and not ids:
+        raise ValueError(f"config field {field!r} must be None, a token id or a list of token ids, got {value!r}")
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            held = f" holds {i}, which" if many else ""
+            raise ValueError(f"config field {field!r} = {value!r}{held} is no token id of the vocabulary of "
+                             f"vocab_size = {vocab_size} (ids 0 to {vocab_size - 1}): set an id within it, or None")
+    return ids if many else ids[0]
+
+
 def config_fields() -> frozenset:
     """The names :class:`FalconConfig` takes as its own fields (its ``__init__`` arguments)."""
     import inspect
@@ -381,6 +405,9 @@ class FalconFWAConfig(PretrainedConfig):
         self.intermediate_size = _int("intermediate_size", intermediate_size)
         qs = pick("query_scale", query_scale)
         self.query_scale = float(self.head_k_dim ** -0.5) if qs is None else _float("query_scale", qs)
+        if self.vocab_size >= 1:  # before PretrainedConfig, which only warns of an id outside the vocabulary
+            pad_token_id, bos_token_id, eos_token_id = (_token_ids(field, value, self.vocab_size) for field, value in
+                                                        zip(TOKEN_ID_FIELDS, (pad_token_id, bos_token_id, eos_token_id)))
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=_bool("tie_word_embeddings", tie_word_embeddings), **kwargs)
         self._check_fields(built=False)
@@ -413,6 +440,8 @@ class FalconFWAConfig(PretrainedConfig):
             setattr(self, field, _int(field, getattr(self, field)))
             if getattr(self, field) < 1:
                 raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
+        for field in TOKEN_ID_FIELDS:  # (also after vocab_size or an id was assigned on the built config)
+            setattr(self, field, _token_ids(field, getattr(self, field, None), self.vocab_size))
         for field in BOOL_FIELDS:
             setattr(self, field, _bool(field, getattr(self, field)))
         for field in ("lambda_scale", "query_scale", "eps", "decay_floor", "rope_theta", "rms_norm_eps",

@@ -98,7 +98,8 @@ def seed_everything(seed: int) -> None:
 
 
 def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch`` (float32)."""
+    """Mean next-token cross-entropy of ``batch``: float32 (lower-precision logits are widened to it), float64 for
+    a float64 model."""
     kwargs = {"input_ids": batch["input_ids"].to(device, non_blocking=True), "use_cache": False}
     if "cu_seqlens" in batch:
         kwargs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
@@ -106,7 +107,8 @@ def causal_lm_loss(model, batch: dict, device: torch.device, autocast) -> torch.
     with autocast():
         logits = model(**kwargs).logits
     targets = batch["targets"].to(device, non_blocking=True)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -368,7 +370,7 @@ class Trainer:
             lr = lr_at(self.step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps,
                        min_lr_ratio=o.min_lr_ratio)
             set_lr(self.optimizer, lr)
-            loss_sum = torch.zeros((), device=info.device)
+            loss_sum = torch.zeros((), device=info.device, dtype=torch.float64)  # (as the validation loss's)
             for micro in range(self.accum):
                 with D.set_grad_sync(self.model, info, micro == self.accum - 1):
                     loss = causal_lm_loss(self.model, next(stream), info.device, self.autocast)

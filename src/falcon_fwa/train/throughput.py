@@ -13,7 +13,9 @@ its next step boundary and its row says ``"stopped": "deadline"`` (``"steady": f
 than ``--min-steps`` were timed); measurements not started get a row with ``"skipped"``.
 
 A recipe (``--config``) is measured at its ``data.seq_len``, ``train.micro_batch`` and ``train.dtype`` (where
-``--dtype`` is not given) with the model its training builds: the preset's vocabulary grown to the recipe's
+``--dtype`` is not given), compiled where its ``train.compile`` is true and with activation checkpointing where its
+``train.activation_checkpointing`` is (as its training runs; ``--compile`` and ``--activation-checkpointing`` turn
+them on where it leaves them off), with the model its training builds: the preset's vocabulary grown to the recipe's
 tokenizer (``byte``; the record of its prepared data folder; ``bpe:N`` not yet trained: N; a local tokenizer folder
 or a cached Hub name). Its row's ``vocab_size`` and ``vocabulary`` say which; where the tokenizer is not here
 without a download, the preset's, and the row says so.
@@ -222,7 +224,8 @@ def _profile_step(step, cuda: bool, n: int) -> list:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", nargs="+", default=[], help="preset names (NAME or NAME:field=value,...)")
     parser.add_argument("--config", nargs="+", default=[], help="recipe files: their model at their seq_len "
-                        "and micro_batch (overrides --seq-len / --batch-tokens)")
+                        "and micro_batch (overrides --seq-len / --batch-tokens), train.dtype, train.compile and "
+                        "train.activation_checkpointing")
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048], help="sequence lengths to measure")
     parser.add_argument("--batch-tokens", type=int, default=16384,
                         help="tokens per step (batch = this // seq-len, at least 1)")
@@ -240,10 +243,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bf16: the training step under bf16 autocast, fp32 weights (as training runs); fp32: "
                              "no autocast (default: a recipe's train.dtype, bf16 for a preset)")
     parser.add_argument("--fp32", action="store_true", help="the same as --dtype fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every model (as train.compile does; "
+                        "a recipe whose train.compile is true is compiled without it)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="run each block again in the backward instead of keeping its activations (as "
-                             "train.activation_checkpointing does): peak memory against tokens/s")
+                             "train.activation_checkpointing does, which a recipe gets without it): peak memory "
+                             "against tokens/s")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step and keep its N most expensive kernels in the row")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) here")
@@ -327,20 +332,26 @@ def recipe_model_config(cfg) -> Tuple[object, dict]:
 
 
 def _jobs(args):
-    """``(name, config, seq_len, batch_size, row fields, bf16)``: recipes, then presets length by length.
-    ``bf16``: ``--dtype`` / ``--fp32`` where given, else a recipe's ``train.dtype`` (bf16 for a preset)."""
+    """``(name, config, seq_len, batch_size, row fields, settings)``: recipes, then presets length by length.
+    ``settings``, :func:`measure`'s: ``bf16`` (``--dtype`` / ``--fp32`` where given, else a recipe's ``train.dtype``,
+    bf16 for a preset), ``compile`` and ``activation_checkpointing`` (``--compile`` / ``--activation-checkpointing``,
+    or a recipe's ``train.compile`` / ``train.activation_checkpointing``: what its training runs)."""
     from .config import load_config, trains_in_bf16
 
     given = None if args.dtype is None and not args.fp32 else not args.fp32 and args.dtype != "fp32"
     for path in args.config:
         cfg = load_config(path, ["data.train_source=unused"])
         config, fields = recipe_model_config(cfg)
-        bf16 = given if given is not None else trains_in_bf16(cfg.train)
-        yield path, config, cfg.data.seq_len, cfg.train.micro_batch, fields, bf16
+        settings = {"bf16": given if given is not None else trains_in_bf16(cfg.train),
+                    "compile": args.compile or cfg.train.compile,
+                    "activation_checkpointing": args.activation_checkpointing or cfg.train.activation_checkpointing}
+        yield path, config, cfg.data.seq_len, cfg.train.micro_batch, fields, settings
     configs = {spec: parse_preset(spec) for spec in args.preset}  # a bad spec fails before anything runs
+    settings = {"bf16": given is not False, "compile": args.compile,
+                "activation_checkpointing": args.activation_checkpointing}
     for seq_len in args.seq_len:
         for spec in args.preset:
-            yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len), {}, given is not False
+            yield spec, configs[spec], seq_len, max(1, args.batch_tokens // seq_len), {}, settings
 
 
 _COLUMNS = (("seq_len", 7), ("batch", 5), ("params", 13), ("tokens/s", 11), ("peak MiB", 10))
@@ -413,8 +424,9 @@ def run(args: argparse.Namespace) -> int:
             print("falcon-fwa throughput: --table without --out keeps no rows (JSON lines: step times, warm-up, "
                   "profile)", file=sys.stderr, flush=True)
         print(_table_header(width), flush=True)
-    for name, config, seq_len, batch_size, fields, bf16 in jobs:
-        row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size, "dtype": "bf16" if bf16 else "fp32",
+    for name, config, seq_len, batch_size, fields, settings in jobs:
+        row: dict = {"preset": name, "seq_len": seq_len, "batch_size": batch_size,
+                     "dtype": "bf16" if settings["bf16"] else "fp32",
                      "launch": launch, **fields}
         if deadline is not None and _clock() >= deadline:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
@@ -423,8 +435,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
                                warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
-                               deadline=deadline, device=args.device, bf16=bf16, compile=args.compile,
-                               activation_checkpointing=args.activation_checkpointing, profile=args.profile,
+                               deadline=deadline, device=args.device, profile=args.profile, **settings,
                                progress=None if args.no_progress else f"{name} seq_len {seq_len}"))
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"

@@ -18,7 +18,7 @@ from .state import TENSOR_FIELDS, FalconState
 from .step_sizes import step_sizes
 from .validate import (check_chunk_size, check_inputs, check_options, check_positive_int, check_sequence_tensors,
                        check_state, check_state_type, check_step_shapes, check_switches, check_tensor_types,
-                       plain_number)
+                       keyword_hints, plain_number)
 
 __all__ = ["falcon_attention", "falcon_step"]
 
@@ -97,6 +97,7 @@ def _outside_inference(tensors, state):
 # out of bounds on the CPU (torch 2.13: ``free(): invalid next size``), while each piece compiled alone
 # was right. Untraced, the op runs as one eager call between the compiled regions around it.
 @torch.compiler.disable
+@keyword_hints(state="initial_state")
 def falcon_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -378,6 +379,7 @@ def _varlen(q, k, v, beta, lam, log_gate, initial_state, output_final_state, *, 
     return o[real][None], final
 
 
+@keyword_hints(initial_state="state")
 def falcon_step(
     q: torch.Tensor,
     k: torch.Tensor,

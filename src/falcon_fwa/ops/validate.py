@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
+import functools
+import inspect
 import math
 import numbers
 from typing import Iterator, Optional, Tuple
@@ -15,6 +18,40 @@ from .state import FalconState
 
 FORMS = ("recurrent", "parallel", "chunk")
 READS = ("after", "before")
+
+
+def keyword_hints(**aliases: str):
+    """A decorator for the public ops: a call with a keyword argument the op does not take raises ``TypeError`` naming
+    every such keyword with the argument it most likely meant: ``aliases`` (``state="initial_state"``: another op's
+    name for it), else a spelling at least 0.6 close (``difflib``; ``lamda``: ``lam``), else the op's arguments are
+    listed. Python checks the keywords when it calls the op, before the op runs; the wrapper reads them only after
+    that failed, so a call with the op's own keywords does nothing more, and a ``TypeError`` raised inside the op
+    passes unchanged. The op's signature is kept (``inspect.signature`` follows ``__wrapped__``)."""
+    def wrap(fn):
+        params = inspect.signature(fn).parameters
+        names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+        def hint(name: str) -> Optional[str]:
+            if aliases.get(name) in params:
+                return aliases[name]
+            close = difflib.get_close_matches(name, names, 1, 0.6)
+            return close[0] if close else None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except TypeError:
+                unknown = [n for n in kwargs if n not in params]
+                if not unknown:
+                    raise
+            hints = [(n, hint(n)) for n in unknown]
+            listed = ", ".join(f"{n!r}" + (f" (did you mean {h!r}?)" if h else "") for n, h in hints)
+            which = "an unexpected keyword argument" if len(unknown) == 1 else "unexpected keyword arguments"
+            takes = "" if all(h for _, h in hints) else f"; it takes {', '.join(names)}"
+            raise TypeError(f"{fn.__name__}() got {which} {listed}{takes}")
+        return call
+    return wrap
 
 
 def _shape(name: str, t: torch.Tensor, want: tuple, hint: str) -> None:

@@ -19,7 +19,9 @@ warm-up ones: steady state, compilation excluded) and one evaluation, checkpoint
     sum over recipes of (setup_s + 5 eval_s + save_s + export_s + N step_s) <= budget,
 
 where the budget is the smaller of ``--time-budget`` and 90% of what ``--deadline`` leaves
-after calibration (whichever are given); at least 20, capped by ``--max-steps``. Compilation
+after calibration (whichever are given); at least 20, capped by ``--max-steps``. A recipe whose calibration failed
+adds the seconds it took to fail to the fixed costs (its run, trained all the same, spends them again where it
+fails again). Compilation
 is paid once per process, during calibration (same shapes as the real runs), so it is recorded
 but not charged again. (With ``--concurrent``, calibration runs all recipes at once, from step 0 as the sequential one (``train.resume=none``), for
 ``--calib-steps`` steps and the slowest one's tokens/s sets the count for ``--time-budget``.) In either
@@ -162,7 +164,8 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
                          steps: int = 6, deadline_at: Optional[float] = None,
                          signals: Optional[StopSignals] = None) -> dict:
     """Each recipe's costs (name -> dict, see the module docstring), from ``warmup + steps``
-    steps of its real trainer in ``out_dir/NAME``. A recipe that fails gets ``{"error"}``; one
+    steps of its real trainer in ``out_dir/NAME``. A recipe that fails gets ``{"error", "wall_s"}`` (the seconds
+    from its start to the failure); one
     stopped by the deadline before its timed steps ``{"stopped": "deadline"}``. Once ``signals`` (what the
     command holds) has received a stop signal, the recipe calibrating stops at its step and the rest are not
     calibrated: ``"stopped"`` names the signal."""
@@ -183,9 +186,8 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
                                             "train.resume=none", f"log.every={warmup + steps}",
                                             "log.progress=false"])
         print(f"calibrating {name}: {warmup} + {steps} steps", flush=True)
-        trainer = None
+        trainer, t0 = None, _clock()
         try:
-            t0 = _clock()
             trainer = Trainer(cfg)
             clock = StepClock(deadline_at, signals)
             with falcon_op_calls(trainer.core) as counts:
@@ -210,7 +212,7 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
             if len(durations) < warmup + steps:
                 out[name]["stopped"] = _stopped_by(signals) or "deadline"
         except Exception as err:  # noqa: BLE001 - recorded; the main run shows the failure again
-            out[name] = _error(err)
+            out[name] = {**_error(err), "wall_s": _clock() - t0}  # what it took to fail (plan_steps charges it)
         finally:
             if trainer is not None:
                 trainer.close()
@@ -218,8 +220,9 @@ def calibrate_sequential(configs: List[str], names: List[str], sets: List[str], 
             _free_device()
             for sub in ("checkpoints", "model"):
                 shutil.rmtree(os.path.join(run_dir, sub), ignore_errors=True)
-        print(f"calibrated {name}: " + ("  ".join(f"{k} {v:.3f}" for k, v in out[name].items() if k.endswith("_s"))
-                                        or out[name].get("error", "")), flush=True)
+        times = "  ".join(f"{k} {v:.3f}" for k, v in out[name].items() if k.endswith("_s"))
+        print(f"calibrated {name}: " + (f"{out[name]['error']} (after {out[name]['wall_s']:.3f} s)"
+                                        if "error" in out[name] else times), flush=True)
     return out
 
 
@@ -241,11 +244,14 @@ class CalibrationFailed(ValueError):
 
 def plan_steps(calibration: dict, budget_s: float) -> Tuple[int, dict]:
     """The largest step count whose runs fit ``budget_s`` (see the module docstring), and how;
-    :class:`CalibrationFailed` where the calibration measured no recipe."""
+    :class:`CalibrationFailed` where the calibration measured no recipe. A recipe whose calibration failed is
+    trained all the same: the seconds it took to fail (its ``wall_s``) count among the fixed ones, as its run
+    spends them again where it fails again."""
     measured = [c for c in calibration.values() if "step_s" in c]
     if not measured:
         raise CalibrationFailed(calibration)
     fixed = sum(c["setup_s"] + EVALS_PER_RUN * c["eval_s"] + c["save_s"] + c["export_s"] for c in measured)
+    fixed += sum(c.get("wall_s") or 0.0 for c in calibration.values() if "error" in c and "step_s" not in c)
     per_step = sum(c["step_s"] for c in measured)
     fit = int((budget_s - fixed) // per_step) if budget_s > fixed else 0
     return fit, {"budget_s": budget_s, "fixed_s": fixed, "step_s_sum": per_step, "steps_fit": fit}

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from falcon_fwa.ops import falcon_attention, falcon_step
+from falcon_fwa.ops import falcon_attention, falcon_step, falcon_trace
 
 B, T, H, K, V = 1, 3, 2, 4, 3
 
@@ -39,6 +39,16 @@ def test_falcon_step_names_a_misspelt_keyword_with_the_one_meant(wrong, meant):
     with pytest.raises(TypeError, match=re.escape(f"falcon_step() got an unexpected keyword argument {wrong!r} "
                                                   f"(did you mean {meant!r}?)")):
         falcon_step(*args, **{wrong: value})
+
+
+@pytest.mark.parametrize("wrong,meant", [("lamda", "lam"), ("state", "initial_state"), ("rul", "rule")])
+def test_falcon_trace_names_a_misspelt_keyword_with_the_one_meant(wrong, meant):
+    _, k, v, beta, lam = _seq()
+    args = (k, v, beta) if wrong == "lamda" else (k, v, beta, lam)
+    value = {"lamda": lam, "state": None, "rul": "1"}[wrong]
+    with pytest.raises(TypeError, match=re.escape(f"falcon_trace() got an unexpected keyword argument {wrong!r} "
+                                                  f"(did you mean {meant!r}?)")):
+        falcon_trace(*args, **{wrong: value})
 
 
 def test_unknown_keywords_without_a_close_name_list_what_the_op_takes():

@@ -33,7 +33,7 @@ from .pairs import write_side
 from .rules import get_rule
 from .state import FalconState
 from .step_sizes import log_carry, step_sizes
-from .validate import check_inputs, check_switches, plain_number
+from .validate import check_inputs, check_switches, keyword_hints, plain_number
 
 __all__ = ["FalconTrace", "falcon_trace"]
 
@@ -57,6 +57,7 @@ class FalconTrace:
     valid: torch.Tensor
 
 
+@keyword_hints(state="initial_state")
 def falcon_trace(
     k: torch.Tensor,
     v: torch.Tensor,

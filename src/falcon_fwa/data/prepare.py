@@ -255,8 +255,9 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
             held = record["files"]
-            if held.get("tokenizer"):  # (a record that held every file of the folder: its tokenizer files count)
-                held = {**held, "tokenizer": {path: size for path, size in held["tokenizer"].items()
+            if held.get("tokenizer"):  # (a record that held every file of the folder: its tokenizer files count;
+                # one that held them relative, as the folder was named then: from the working folder, as it was)
+                held = {**held, "tokenizer": {os.path.abspath(path): size for path, size in held["tokenizer"].items()
                                               if is_tokenizer_file(os.path.relpath(path, spec.tokenizer))}}
             changed = _changed_files(held, now, ("tokenizer",))
             if changed:

@@ -39,6 +39,15 @@ TRITON_MAX_HEAD_K_DIM = 256
 """The widest key dim of the Triton kernels that hold a head's whole key dimension in one tile: the chunk kernels of
 the regression rules 1, 2 and 3 (``ops.triton.api.MAX_WY_HEAD_DIM``) and the fused recurrent kernel of
 ``form="recurrent"`` (``ops.triton.recurrent.MAX_FUSED_HEAD_DIM``)."""
+TRITON_RULE3_WINDOWS = (1, 2, 4, 8, 16)
+"""The windows of the rule-3 chunk kernels, which group a step's window writes into 16-row blocks
+(``ops.triton.delta.SLOT_COUNTS``)."""
+TRITON_MAX_WINDOW = 65
+"""The widest window of the rule-3A chunk kernels, whose gain kernels hold the band in registers
+(``ops.triton.sliding.MAX_WINDOW``)."""
+TRITON_MAX_FUSED_WINDOW = 16
+"""The widest window of the fused recurrent kernel of ``form="recurrent"``, which unrolls the window slots, for
+rules 3 and 3A (``ops.triton.recurrent.MAX_FUSED_WINDOW``)."""
 
 # Switches of the recurrent mixers. ``gate``: how the context sets the write gain
 # (see FalconAttention); ``log_gate``: the extra state decay exp(g_t). The short
@@ -276,7 +285,9 @@ class FalconFWAConfig(PretrainedConfig):
     * ``backend``: "native" (the library's op, which picks its Triton kernels or PyTorch forms:
       ``falcon_attention(backend="auto")``), "torch" or "triton" (the op with that backend forced, for
       every sequence and decoding step; with "triton", a regression rule or ``form="recurrent"`` takes a
-      ``head_k_dim`` of at most 256, ``TRITON_MAX_HEAD_K_DIM``), or "fla" (flash-linear-attention kernels for
+      ``head_k_dim`` of at most 256, ``TRITON_MAX_HEAD_K_DIM``; rule 3 a ``window`` of 1, 2, 4, 8 or 16,
+      ``TRITON_RULE3_WINDOWS``, rule 3A one of at most 65, ``TRITON_MAX_WINDOW``, and both at most 16 with
+      ``form="recurrent"``, ``TRITON_MAX_FUSED_WINDOW``), or "fla" (flash-linear-attention kernels for
       the baselines where installed; CUDA only).
 
     Transformer: heads ``hidden_size / num_heads`` wide (an even number: RoPE rotates pairs; ``head_k_dim``
@@ -483,6 +494,22 @@ class FalconFWAConfig(PretrainedConfig):
                              f"one tile holds a head's whole key dim, at most {TRITON_MAX_HEAD_K_DIM} wide; set "
                              f"head_k_dim <= {TRITON_MAX_HEAD_K_DIM} (left unset: hidden_size / num_heads) or "
                              f"backend='native', which runs the PyTorch forms where the kernels do not reach")
+        if triton and RULES[self.rule].sliding:
+            if self.form == "recurrent" and self.window > TRITON_MAX_FUSED_WINDOW:
+                kernels = "the fused recurrent kernel of form='recurrent', which unrolls the window's slots"
+                supported = f"at most {TRITON_MAX_FUSED_WINDOW}"
+            elif self.form != "recurrent" and self.rule == "3" and self.window not in TRITON_RULE3_WINDOWS:
+                kernels = "the rule-3 kernels, which group a step's window writes in blocks of 16 rows"
+                supported = f"one of {', '.join(map(str, TRITON_RULE3_WINDOWS))}"
+            elif self.form != "recurrent" and self.rule == "3A" and self.window > TRITON_MAX_WINDOW:
+                kernels = "the rule-3A kernels, which hold the window's band in one tile"
+                supported = f"at most {TRITON_MAX_WINDOW}"
+            else:
+                kernels = None
+            if kernels is not None:
+                raise ValueError(f"config field 'window' = {self.window}: backend='triton' runs {kernels}, taking a "
+                                 f"window of rule {self.rule!r} of {supported}; set window to {supported} or "
+                                 f"backend='native', which runs the PyTorch forms where the kernels do not reach")
         for field in ("lambda_scale", "eps", "initializer_range"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"config field {field!r} must be >= 0, got {getattr(self, field)}")

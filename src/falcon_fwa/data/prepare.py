@@ -1,9 +1,11 @@
 """Tokenize a corpus once: ``{out_dir}/tokenizer/``, ``{out_dir}/train/``, ``{out_dir}/val/``.
 
 ``prepared.json`` records the settings and the sizes of the source files and of the tokenizer files of a
-tokenizer folder (those loading it reads, not a model's beside them); preparing again with the same settings
-reuses the folder; with different settings, or once a local source or the tokenizer folder has gained such a
-file or one has changed size (or, the tokenizer's, is gone), it is an error (pass ``overwrite=True`` to rebuild).
+tokenizer folder (those loading it reads, not a model's beside them), and a stamp of each (:func:`file_stamps`: its
+modification time and the SHA-256 of its bytes, read again only where the time differs); preparing again with the
+same settings reuses the folder; with different settings, or once a local source or the tokenizer folder has gained
+such a file or one has changed size or bytes (or, the tokenizer's, is gone), it is an error (pass
+``overwrite=True`` to rebuild).
 A source removed since does not matter: its tokens are in the folder.
 Preparations of one folder are serialised by a lock file (``{out_dir}/.prepare.lock``): runs
 started together on one shared folder tokenize it once, the others wait and reuse it. A preparation
@@ -11,6 +13,7 @@ refused or failed with an error leaves no folder or file of its own behind.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -120,6 +123,42 @@ def tokenizer_files(spec: DataSpec) -> Optional[dict]:
     return {path: os.path.getsize(path) for path in sorted(paths) if os.path.isfile(path)}
 
 
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _stamp(path: str) -> Optional[list]:
+    """``[modification time in ns, SHA-256 of the bytes]`` of a file; ``None`` for one gone."""
+    try:
+        return [os.stat(path).st_mtime_ns, _sha256(path)]
+    except OSError:
+        return None
+
+
+def _same_bytes(path: str, stamp) -> bool:
+    """Whether the file at ``path`` (of the recorded size) still holds the bytes its :func:`_stamp` ``stamp`` was
+    taken of: so where its modification time is the recorded one (as ``make`` and ``git`` take it, so that a reuse
+    reads no byte of a large corpus); else where its SHA-256 is the recorded one (a file written again with the
+    same bytes, a copy, a save of the same tokenizer: no change). A stamp of another form counts as none."""
+    if not (isinstance(stamp, list) and len(stamp) == 2):
+        return True
+    try:
+        return os.stat(path).st_mtime_ns == stamp[0] or _sha256(path) == stamp[1]
+    except OSError:
+        return False
+
+
+def file_stamps(files: dict) -> dict:
+    """The stamps (:func:`_stamp`) of the files of a :func:`source_files` record, in its shape: ``prepared.json``
+    keeps them beside the sizes, so that a file rewritten to the same size with other bytes is a change too."""
+    return {which: None if paths is None else {path: _stamp(path) for path in paths}
+            for which, paths in files.items()}
+
+
 def _folder_files(folder: str, out_dir: str) -> Optional[dict]:
     """``{path: bytes}`` of every file in a local folder that is read whole (an ``hf:`` source's dataset folder),
     the output folder's excepted, should it lie inside; ``None`` where ``folder`` is no
@@ -161,20 +200,25 @@ def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> 
                          "splits; give sources that share no file")
 
 
-def _changed_files(held: dict, now: dict, kinds=("train", "val")) -> str:
-    """What differs between the ``kinds`` of two :func:`source_files` records, in words ('' if nothing).
-    A source's files gone since are no change (their tokens are here); a tokenizer folder's are, while the folder
-    is there: what it loads now is another tokenizer. A folder gone whole gives none (the saved copy is the one)."""
+def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Optional[dict] = None) -> str:
+    """What differs between the ``kinds`` of two :func:`source_files` records, in words ('' if nothing); ``stamps``:
+    the :func:`file_stamps` recorded with ``held``, which a file of the same size must still have (none recorded, by
+    a preparation before they were: the sizes alone count). A source's files gone since are no change (their tokens
+    are here); a tokenizer folder's are, while the folder is there: what it loads now is another tokenizer. A folder
+    gone whole gives none (the saved copy is the one)."""
     changes = []
     for which in kinds:
         if held.get(which) is None:  # none recorded (an hf: source, before its dataset folder's files were)
             continue
         before, after = held[which], now.get(which) or {}
+        stamped = (stamps or {}).get(which) or {}
         for path in sorted(after):
             if path not in before:
                 changes.append(f"{path} is new")
             elif before[path] != after[path]:
                 changes.append(f"{path} held {before[path]:,} bytes, now {after[path]:,}")
+            elif path in stamped and not _same_bytes(path, stamped[path]):
+                changes.append(f"{path} holds other bytes since (as many: {after[path]:,})")
         if which == "tokenizer" and now.get(which) is not None:
             changes += [f"{path} is gone" for path in sorted(before) if path not in after]
     if len(changes) > 3:
@@ -250,7 +294,8 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
                 now = source_files(spec, out_dir)
             except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
                 now = {"tokenizer": tokenizer_files(spec)}
-            changed = _changed_files(record["files"], now)
+            stamps = record.get("stamps") if isinstance(record.get("stamps"), dict) else None
+            changed = _changed_files(record["files"], now, stamps=stamps)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
@@ -259,7 +304,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
                 # one that held them relative, as the folder was named then: from the working folder, as it was)
                 held = {**held, "tokenizer": {os.path.abspath(path): size for path, size in held["tokenizer"].items()
                                               if is_tokenizer_file(os.path.relpath(path, spec.tokenizer))}}
-            changed = _changed_files(held, now, ("tokenizer",))
+            changed = _changed_files(held, now, ("tokenizer",), stamps)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared with another {name('tokenizer')} "
                                  f"{spec.tokenizer!r}: its files have changed since ({changed}): rebuild it "
@@ -270,6 +315,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
                                  " is no token shard folder): rebuild it (falcon-fwa data --overwrite)")
         return record
     files = source_files(spec, out_dir, name)
+    stamps = file_stamps(files)  # before a document is read: a file written while it is tokenized counts as changed
     _check_disjoint(files, spec, name)
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
@@ -288,7 +334,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             raise ValueError(f"{err}: {_empty_split(spec, which, name)}") from None
         counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
     record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts,
-              "files": files}
+              "files": files, "stamps": stamps}
     write_json(record_path, record)
     return record
 

@@ -7,7 +7,7 @@ import os
 
 from test_data_sources import run_data, words
 
-from falcon_fwa.data import DataSpec
+from falcon_fwa.data import DataSpec, TokenShards
 from falcon_fwa.data.tokenizer import train_bpe_tokenizer
 
 
@@ -78,3 +78,18 @@ def test_a_record_of_a_relative_folder_written_earlier_is_reused_from_its_folder
     before = written(out)
     status, again, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "tok", "--out", out)
     assert status == 0 and again["counts"] == record["counts"] and written(out) == before, err
+
+
+def test_byte_stays_the_byte_tokenizer_beside_a_folder_named_byte(tmp_path, monkeypatch, capsys):
+    """``--tokenizer byte`` run from a folder that holds a folder ``byte`` (an earlier ``--out byte``) is the byte
+    tokenizer: recorded as ``byte``, ids the UTF-8 bytes and end-of-text 256."""
+    src = layout(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "byte", "--out", "byte")
+    assert status == 0, err
+    assert DataSpec(train_source="c", tokenizer="byte").tokenizer == "byte"
+    status, record, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "byte", "--out", "again")
+    assert status == 0, err
+    assert record["spec"]["tokenizer"] == "byte" and (record["vocab_size"], record["eos_token_id"]) == (257, 256)
+    first = (src / "00.txt").read_text().encode()
+    assert next(TokenShards(str(tmp_path / "again" / "train")).documents()).tolist() == [256, *first]

@@ -86,10 +86,11 @@ def canonical_spec(spec: str) -> str:
     and ``"bpe:\u0663\u0660\u0660"`` are ``"bpe:300"``, the one tokenizer they train); a local folder's absolute
     path (``"./tok/"`` run from ``/work`` is ``"/work/tok"``, as ``os.path.abspath`` writes it): the folder it names
     from the working folder now, which a command run later from another folder finds by the same name; any other
-    spec as given (a Hub name, a folder that does not exist; a bad ``bpe:N`` is left for :func:`bpe_vocab_size` to
-    name)."""
+    spec as given (``byte``, which names the byte tokenizer even beside a folder of that name, as
+    :func:`load_tokenizer` reads it; a Hub name, a folder that does not exist; a bad ``bpe:N`` is left for
+    :func:`bpe_vocab_size` to name)."""
     if not spec.startswith("bpe:"):
-        return os.path.abspath(spec) if spec and os.path.isdir(spec) else spec
+        return os.path.abspath(spec) if spec and spec != "byte" and os.path.isdir(spec) else spec
     try:
         return f"bpe:{bpe_vocab_size(spec)}"
     except ValueError:

@@ -35,6 +35,7 @@ import torch
 
 from ..cli_options import check_seed
 from ..models.modeling import output_object
+from ..ops.validate import as_float, as_int
 from .graphs import GraphedDecoder, graphable
 from .stops import StopText, check_stop
 
@@ -96,7 +97,16 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p
                    seed: Optional[int] = None, stop: Union[None, str, Sequence[str]] = None,
                    name: Callable[[str], str] = str) -> None:
     """Raise ``ValueError`` naming the first bad setting (``name`` turns a parameter name into the
-    name the caller knows it by, e.g. a command-line option)."""
+    name the caller knows it by, e.g. a command-line option). The counts (``max_new_tokens``, ``top_k``,
+    ``batch_size``, ``seed``) must be integers (numpy's too; not a bool or a float such as ``2.5``, which the
+    decoding loop, counting its steps, would never reach) and ``temperature`` and ``top_p`` real numbers."""
+    for field, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("batch_size", batch_size),
+                         ("seed", seed)):
+        if as_int(value) is None and not (field == "seed" and value is None):
+            raise ValueError(f"{name(field)} must be an integer, got {value!r}")
+    for field, value in (("temperature", temperature), ("top_p", top_p)):
+        if as_float(value) is None:
+            raise ValueError(f"{name(field)} must be a real number, got {value!r}")
     if max_new_tokens < 1:
         raise ValueError(f"{name('max_new_tokens')} must be >= 1, got {max_new_tokens}")
     if not 0 <= temperature < math.inf:  # also catches nan
@@ -186,6 +196,8 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     """
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    batch_size=batch_size, seed=seed, stop=stop)
+    max_new_tokens, top_k, batch_size = int(max_new_tokens), int(top_k), int(batch_size)  # (numpy's: torch's too)
+    temperature, top_p, seed = float(temperature), float(top_p), None if seed is None else int(seed)
     stops = check_stop(stop)
     if isinstance(prompts, str):  # its characters would be taken as prompts
         raise TypeError(f"prompts must be a sequence of strings, got one str ({prompts[:40]!r}); pass [prompt]")

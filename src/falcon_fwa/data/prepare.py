@@ -116,11 +116,16 @@ def tokenizer_files(spec: DataSpec) -> Optional[dict]:
     folder = spec.tokenizer
     if spec.tokenizer == "byte" or spec.tokenizer.startswith("bpe:") or not os.path.isdir(folder):
         return None  # (as load_tokenizer reads them)
+    return {path: os.path.getsize(path) for path in _tokenizer_paths(folder)}
+
+
+def _tokenizer_paths(folder: str) -> list:
+    """The files of ``folder`` that loading a tokenizer from it reads (:func:`is_tokenizer_file`), sorted."""
     names = os.listdir(folder)
     if os.path.isdir(os.path.join(folder, CHAT_TEMPLATE_DIR)):
         names += [os.path.join(CHAT_TEMPLATE_DIR, n) for n in os.listdir(os.path.join(folder, CHAT_TEMPLATE_DIR))]
     paths = [os.path.join(folder, n) for n in names if is_tokenizer_file(n)]
-    return {path: os.path.getsize(path) for path in sorted(paths) if os.path.isfile(path)}
+    return [path for path in sorted(paths) if os.path.isfile(path)]
 
 
 def _sha256(path: str) -> str:
@@ -341,14 +346,23 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
 
 def save_tokenizer(tokenizer, folder: str) -> None:
     """``tokenizer.save_pretrained(folder)``; a write the disk refuses is an ``OSError`` naming ``folder``
-    (the fast tokenizers report it as a plain ``Exception``, "No space left on device (os error 28)")."""
+    (the fast tokenizers report it as a plain ``Exception``, "No space left on device (os error 28)").
+    The files loading a tokenizer reads (:func:`_tokenizer_paths`) that the save did not write are removed: those
+    an earlier preparation saved of another tokenizer (a chat template, a vocabulary) would be read with this one.
+    Files of other kinds stay."""
+    earlier = _tokenizer_paths(folder) if os.path.isdir(folder) else []
     try:
         with naming(folder):
-            tokenizer.save_pretrained(folder)
+            saved = tokenizer.save_pretrained(folder)
     except Exception as err:
         if type(err) is not Exception or "os error" not in str(err):
             raise
         raise OSError(f"cannot write the tokenizer into {folder!r}: {err}") from err
+    written = {os.path.realpath(path) for path in saved}
+    for path in earlier:
+        if os.path.realpath(path) not in written:
+            with naming(path):
+                os.remove(path)
 
 
 def _read_record(path: str) -> dict:

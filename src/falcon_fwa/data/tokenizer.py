@@ -98,9 +98,10 @@ def canonical_spec(spec: str) -> str:
 
 
 def is_missing_folder(spec: str) -> bool:
-    """Whether a tokenizer ``spec`` names a local folder by its form (absolute, ``./`` or ``../``, or more than
-    the one ``/`` of a Hub name ``OWNER/NAME``) that does not exist."""
-    return not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1)
+    """Whether a tokenizer ``spec`` names a local folder by its form (absolute, ``./`` or ``../``, a trailing ``/``,
+    or more than the one ``/`` of a Hub name ``OWNER/NAME``) that does not exist."""
+    return not os.path.exists(spec) and (os.path.isabs(spec) or spec.startswith(("./", "../")) or spec.count("/") > 1
+                                         or spec.endswith("/"))
 
 
 # The files of a folder that loading a tokenizer from it reads (AutoTokenizer.from_pretrained, as load_tokenizer calls

@@ -99,7 +99,7 @@ def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lamb
         if source.startswith("hf:"):
             return _folder_files(hf_dataset(source)[0], out_dir)
         try:
-            return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir)}
+            return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir, name=name)}
         except FileNotFoundError as err:
             raise FileNotFoundError(f"{name(field)}: {err}") from None
 

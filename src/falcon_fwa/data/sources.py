@@ -78,11 +78,14 @@ def walk_files(folder: str, prune: Optional[Callable[[str, List[str]], bool]] = 
         yield from (os.path.join(root, f) for f in names)
 
 
-def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
+def list_files(source: str, exclude: Optional[str] = None,
+               name: Callable[[str], str] = lambda field: field) -> List[str]:
     """The data files a path, folder or glob names, sorted (stable order = stable token stream).
     ``exclude``: the output folder, whose files never count (see :func:`_excluded`: a search of a folder that
     holds it skips it whole; a search inside it skips only what a preparation writes); below a source folder,
-    a folder of tokenized data (holding ``prepared.json``) other than the output does not count either."""
+    a folder of tokenized data (holding ``prepared.json``) other than the output does not count either. A source
+    whose every file is skipped so is a ``FileNotFoundError`` naming them and the output folder (as ``name``
+    calls ``out_dir``), not one that names no files."""
     if os.path.isdir(source):
         def other_output(root: str, names: List[str]) -> bool:  # (the output itself: see _excluded)
             own = exclude is not None and os.path.realpath(root) == os.path.realpath(exclude)
@@ -96,7 +99,13 @@ def list_files(source: str, exclude: Optional[str] = None) -> List[str]:
     suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
     files = sorted(f for f in files if f.lower().endswith(suffixes))  # (A.TXT is a text file too)
     if exclude is not None:
-        files = _excluded(files, source, exclude)
+        kept = _excluded(files, source, exclude)
+        if files and not kept:
+            more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+            raise FileNotFoundError(f"data source {source!r} holds files only where {name('out_dir')} {exclude!r} is "
+                                    f"written ({files[0]!r}{more}; a preparation writes its train, val and tokenizer "
+                                    f"there): give {name('out_dir')} a folder apart from the sources")
+        files = kept
     if not files:
         if not glob.has_magic(source) and not os.path.exists(source):
             raise FileNotFoundError(f"data source {source!r} does not exist")
@@ -274,7 +283,7 @@ def iter_documents(source: str, *, text_split: str = "file", text_field: str = "
     if source.startswith("hf:"):
         stream = _hf_texts(source, split, text_field, name)
     else:
-        stream = (doc for path in list_files(source, exclude)
+        stream = (doc for path in list_files(source, exclude, name)
                   for doc in _iter_file(path, text_split, text_field, name))
     for n, doc in enumerate(stream):
         if max_documents is not None and n >= max_documents:

@@ -330,6 +330,11 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         texts = itertools.islice(_docs(spec, "train", out_dir, name), spec.bpe_documents)
     tokenizer = load_tokenizer(spec.tokenizer, texts=texts, name=name("tokenizer"))
     save_tokenizer(tokenizer, os.path.join(out_dir, "tokenizer"))
+    if files.get("tokenizer") is not None and os.path.samefile(spec.tokenizer, os.path.join(out_dir, "tokenizer")):
+        # the tokenizer was loaded from the folder it is saved into (tokenized again with the copy an earlier
+        # preparation saved): the folder as this save left it, which the next run finds
+        files["tokenizer"] = tokenizer_files(spec)
+        stamps["tokenizer"] = file_stamps({"tokenizer": files["tokenizer"]})["tokenizer"]
     counts = {}
     for which in ("train", "val"):
         try:

@@ -43,3 +43,23 @@ def test_a_rebuild_with_another_tokenizer_saves_that_tokenizer_alone(tmp_path):
     loaded = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     assert loaded.chat_template is None and len(loaded) == 257 and loaded.eos_token_id == 256
     assert (out / "tokenizer" / "README.md").read_text() == "notes"
+
+
+def test_a_folder_that_lost_its_tokenizer_copy_is_refused_on_reuse(tmp_path):
+    """The tokenizer copy is part of what a prepared folder records (training exports it with the model): one
+    removed by hand since is named, as a lost split is, rather than reused until an export finds it gone."""
+    import shutil
+
+    import pytest
+
+    corpus(tmp_path / "c")
+    spec = DataSpec(train_source=str(tmp_path / "c"), tokenizer="byte", val_every=5)
+    out = tmp_path / "out"
+    record = prepare_dataset(spec, str(out))
+    assert prepare_dataset(spec, str(out)) == record
+    shutil.rmtree(out / "tokenizer")
+    lost = r"has lost its tokenizer \('.*/out/tokenizer' holds no tokenizer files\).*--overwrite"
+    with pytest.raises(ValueError, match=lost):
+        prepare_dataset(spec, str(out))
+    assert prepare_dataset(spec, str(out), overwrite=True)["counts"] == record["counts"]
+    assert len(AutoTokenizer.from_pretrained(str(out / "tokenizer"))) == 257

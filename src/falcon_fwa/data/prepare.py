@@ -318,6 +318,10 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             if not is_shard_folder(os.path.join(out_dir, which)):
                 raise ValueError(f"data folder {out_dir!r} has lost its {which} split ({os.path.join(out_dir, which)!r}"
                                  " is no token shard folder): rebuild it (falcon-fwa data --overwrite)")
+        copy = os.path.join(out_dir, "tokenizer")  # (exported with a trained model: found gone now, not then)
+        if not os.path.isdir(copy) or not _tokenizer_paths(copy):
+            raise ValueError(f"data folder {out_dir!r} has lost its tokenizer ({copy!r} holds no tokenizer files): "
+                             "rebuild it (falcon-fwa data --overwrite)")
         return record
     files = source_files(spec, out_dir, name)
     stamps = file_stamps(files)  # before a document is read: a file written while it is tokenized counts as changed

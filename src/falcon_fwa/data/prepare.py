@@ -226,6 +226,7 @@ def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Option
                 changes.append(f"{path} holds other bytes since (as many: {after[path]:,})")
         if which == "tokenizer" and now.get(which) is not None:
             changes += [f"{path} is gone" for path in sorted(before) if path not in after]
+    changes = list(dict.fromkeys(changes))  # a file both sources read (one hf: folder) changed once
     if len(changes) > 3:
         changes = changes[:3] + [f"{len(changes) - 3} more"]
     return "; ".join(changes)

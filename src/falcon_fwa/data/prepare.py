@@ -205,6 +205,22 @@ def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> 
                          "splits; give sources that share no file")
 
 
+def _check_copies(files: dict, stamps: dict, spec: DataSpec, name: Callable[[str], str]) -> None:
+    """``ValueError`` when a file of a local val source holds the same bytes (its SHA-256, :func:`file_stamps`) as
+    a file of a local train source under another name, a copy: its documents would be in both splits, as those of
+    one file both read would (:func:`_check_disjoint`). Empty files hold no document and pass; ``hf:`` sources
+    are left to :func:`_check_disjoint` (one dataset folder may be both, its splits' files apart)."""
+    if spec.val_source is None or any(s.startswith("hf:") for s in (spec.train_source, spec.val_source)):
+        return
+    train = {stamp[1]: path for path, stamp in (stamps.get("train") or {}).items()
+             if stamp is not None and files["train"].get(path)}
+    for path, stamp in sorted((stamps.get("val") or {}).items()):
+        if stamp is not None and files["val"].get(path) and stamp[1] in train:
+            raise ValueError(f"{name('val_source')} file {path!r} holds the same bytes as {train[stamp[1]]!r}, read "
+                             f"by {name('train_source')} {spec.train_source!r}: its documents would be in both "
+                             f"splits; give {name('val_source')} files that are no copy of a training file")
+
+
 def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Optional[dict] = None) -> str:
     """What differs between the ``kinds`` of two :func:`source_files` records, in words ('' if nothing); ``stamps``:
     the :func:`file_stamps` recorded with ``held``, which a file of the same size must still have (none recorded, by
@@ -327,6 +343,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     files = source_files(spec, out_dir, name)
     stamps = file_stamps(files)  # before a document is read: a file written while it is tokenized counts as changed
     _check_disjoint(files, spec, name)
+    _check_copies(files, stamps, spec, name)
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
-from .shards import NoDocuments, TokenShards, is_shard_folder, write_token_shards
+from .shards import NoDocuments, TokenShards, check_replaceable, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, hf_dataset, hf_split_files, iter_documents, list_files, walk_files
 from .tokenizer import CHAT_TEMPLATE_DIR, bpe_vocab_size, canonical_spec, is_tokenizer_file, load_tokenizer
 
@@ -344,6 +344,8 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     stamps = file_stamps(files)  # before a document is read: a file written while it is tokenized counts as changed
     _check_disjoint(files, spec, name)
     _check_copies(files, stamps, spec, name)
+    for which in ("train", "val"):  # before the tokenizer is trained or saved into a folder of something else
+        check_replaceable(os.path.join(out_dir, which))
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)

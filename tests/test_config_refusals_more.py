@@ -1,5 +1,6 @@
 """Config refusals that name what happened and what to do: fields derived when the config was built and left
 behind by a field assigned since, backend limits known from the config alone, token ids outside the vocabulary."""
+import importlib.util
 import re
 
 import pytest
@@ -77,31 +78,51 @@ def test_head_dims_given_to_the_constructor_are_still_asked_to_be_left_unset():
     assert (_transformer(head_k_dim=16, head_v_dim=16).head_k_dim, _transformer().head_v_dim) == (16, 16)
 
 
-def _module_constant(relative: str, name: str):
-    """``name``'s value in the source of ``falcon_fwa/<relative>`` (the Triton modules import triton)."""
-    import ast
-    from pathlib import Path
-
-    import falcon_fwa
-
-    tree = ast.parse((Path(falcon_fwa.__file__).parent / relative).read_text())
-    values = [ast.literal_eval(node.value) for node in tree.body
-              if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]]
-    assert len(values) == 1, (relative, name)
-    return values[0]
-
-
-def test_the_triton_key_dim_limit_is_the_kernels():
-    """The config's limit is the one the kernels refuse past: the regression chunk kernels' and the fused
-    recurrent kernel's whole-key-dim tile."""
-    from falcon_fwa.models.configuration import TRITON_MAX_HEAD_K_DIM
-
-    assert TRITON_MAX_HEAD_K_DIM == _module_constant("ops/triton/api.py", "MAX_WY_HEAD_DIM") == 256
-    assert TRITON_MAX_HEAD_K_DIM == _module_constant("ops/triton/recurrent.py", "MAX_FUSED_HEAD_DIM")
-
-
 def _recurrent(**kw):
     return FalconConfig(**{**dict(vocab_size=64, hidden_size=32, num_heads=1, num_hidden_layers=1), **kw})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("rule,form", [("1", "chunk"), ("2", "chunk"), ("3", "chunk"), ("1A", "chunk"),
+                                       ("1A", "recurrent"), ("1", "recurrent")])
+def test_the_config_refuses_exactly_the_key_dims_the_triton_op_refuses(rule, form):
+    """At the limit, the config refuses a key dim exactly where the op on its Triton kernels refuses it
+    (``NotImplementedError`` naming the head dim): the regression rules' chunk kernels and the fused recurrent
+    kernel hold a head's whole key dim in one tile, the inner-product rules' chunk kernels tile it. A key dim both
+    take gives the outputs of the PyTorch forms (through Triton's interpreter on the CPU)."""
+    import os
+
+    import torch
+
+    from falcon_fwa.ops import falcon_attention
+
+    from conftest import random_inputs, rel_err
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton was imported")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    taken = []
+    for K in (256, 257, 264):
+        try:
+            _recurrent(backend="triton", rule=rule, form=form, head_k_dim=K)
+            config_takes = True
+        except ValueError as err:
+            assert f"config field 'head_k_dim' = {K}: backend='triton'" in str(err), str(err)
+            config_takes = False
+        x = {name: t.to(device) for name, t in random_inputs(rule, B=1, T=3, H=1, K=K, V=4,
+                                                             dtype=torch.float32).items()}
+        args = (x["q"], x["k"], x["v"], x["beta"], x["lam"])
+        try:
+            o, _ = falcon_attention(*args, rule=rule, window=4, form=form, chunk_size=16, backend="triton")
+        except NotImplementedError as err:
+            assert f"head dim K={K}" in str(err), str(err)
+            assert not config_takes, K
+            continue
+        assert config_takes, K
+        ref, _ = falcon_attention(*args, rule=rule, window=4, form=form, chunk_size=16, backend="torch")
+        assert rel_err(o, ref) < 2e-3, (K, rel_err(o, ref))
+        taken.append(K)
+    assert taken == ([256, 257, 264] if rule == "1A" and form == "chunk" else [256])
 
 
 @pytest.mark.parametrize("rule,form", [("1", "chunk"), ("2", "chunk"), ("3", "chunk"), ("1A", "recurrent"),

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from ..layers.falcon_attention import FEATURE_MAPS
 from ..layers.gates import GATES, LOG_GATES
 from ..layers.norms import QK_NORMS
+from ..ops import kernel_limits
 from ..ops.rules import RULES, get_rule
 from ..ops.validate import FORMS, as_float, as_int
 
@@ -32,22 +33,6 @@ MIXERS = RECURRENT_MIXERS + ("transformer",)
 """The token mixers a config's ``mixer`` may name: the recurrent ones on ``FalconAttention``, and the
 Transformer baseline on ``CausalSelfAttention``."""
 BACKENDS = ("native", "torch", "triton", "fla")
-TRITON_CHUNK_SIZES = (16, 32, 64, 128)
-"""The chunk sizes of the Triton chunk kernels (``ops.triton.launch.SUPPORTED_CHUNK_SIZES``, whose package imports
-``triton``)."""
-TRITON_MAX_HEAD_K_DIM = 256
-"""The widest key dim of the Triton kernels that hold a head's whole key dimension in one tile: the chunk kernels of
-the regression rules 1, 2 and 3 (``ops.triton.api.MAX_WY_HEAD_DIM``) and the fused recurrent kernel of
-``form="recurrent"`` (``ops.triton.recurrent.MAX_FUSED_HEAD_DIM``)."""
-TRITON_RULE3_WINDOWS = (1, 2, 4, 8, 16)
-"""The windows of the rule-3 chunk kernels, which group a step's window writes into 16-row blocks
-(``ops.triton.delta.SLOT_COUNTS``)."""
-TRITON_MAX_WINDOW = 65
-"""The widest window of the rule-3A chunk kernels, whose gain kernels hold the band in registers
-(``ops.triton.sliding.MAX_WINDOW``)."""
-TRITON_MAX_FUSED_WINDOW = 16
-"""The widest window of the fused recurrent kernel of ``form="recurrent"``, which unrolls the window slots, for
-rules 3 and 3A (``ops.triton.recurrent.MAX_FUSED_WINDOW``)."""
 
 # Switches of the recurrent mixers. ``gate``: how the context sets the write gain
 # (see FalconAttention); ``log_gate``: the extra state decay exp(g_t). The short
@@ -285,9 +270,9 @@ class FalconFWAConfig(PretrainedConfig):
     * ``backend``: "native" (the library's op, which picks its Triton kernels or PyTorch forms:
       ``falcon_attention(backend="auto")``), "torch" or "triton" (the op with that backend forced, for
       every sequence and decoding step; with "triton", a regression rule or ``form="recurrent"`` takes a
-      ``head_k_dim`` of at most 256, ``TRITON_MAX_HEAD_K_DIM``; rule 3 a ``window`` of 1, 2, 4, 8 or 16,
-      ``TRITON_RULE3_WINDOWS``, rule 3A one of at most 65, ``TRITON_MAX_WINDOW``, and both at most 16 with
-      ``form="recurrent"``, ``TRITON_MAX_FUSED_WINDOW``), or "fla" (flash-linear-attention kernels for
+      ``head_k_dim`` of at most 256, ``MAX_WY_HEAD_DIM`` and ``MAX_FUSED_HEAD_DIM`` of ``ops.kernel_limits``;
+      rule 3 a ``window`` of 1, 2, 4, 8 or 16, ``SLOT_COUNTS``, rule 3A one of at most 65, ``MAX_WINDOW``, and
+      both at most 16 with ``form="recurrent"``, ``MAX_FUSED_WINDOW``), or "fla" (flash-linear-attention kernels for
       the baselines where installed; CUDA only).
 
     Transformer: heads ``hidden_size / num_heads`` wide (an even number: RoPE rotates pairs; ``head_k_dim``
@@ -482,28 +467,32 @@ class FalconFWAConfig(PretrainedConfig):
         if triton and self.form == "parallel":
             raise ValueError("config field 'backend' = 'triton' runs the chunk form (the kernels have no masked-parallel "
                              "form): set form='chunk' or backend='native'")
-        if triton and self.form == "chunk" and self.chunk_size not in TRITON_CHUNK_SIZES:
+        # the kernels' own limits (ops.kernel_limits, which the kernel modules import)
+        if triton and self.form == "chunk" and self.chunk_size not in kernel_limits.SUPPORTED_CHUNK_SIZES:
             raise ValueError(f"config field 'chunk_size' = {self.chunk_size}: backend='triton' runs the chunk form on "
-                             f"kernels for chunks of {', '.join(map(str, TRITON_CHUNK_SIZES))} tokens; choose one of "
-                             f"those or backend='native'")
-        if triton and self.head_k_dim > TRITON_MAX_HEAD_K_DIM and (RULES[self.rule].regression
-                                                                    or self.form == "recurrent"):
-            kernels = (f"the rule-{self.rule} kernels" if RULES[self.rule].regression and self.form != "recurrent"
-                       else "the fused recurrent kernel of form='recurrent'")
+                             f"kernels for chunks of {', '.join(map(str, kernel_limits.SUPPORTED_CHUNK_SIZES))} "
+                             f"tokens; choose one of those or backend='native'")
+        if triton and self.form == "recurrent":
+            kernels, widest = "the fused recurrent kernel of form='recurrent'", kernel_limits.MAX_FUSED_HEAD_DIM
+        elif triton and RULES[self.rule].regression:
+            kernels, widest = f"the rule-{self.rule} kernels", kernel_limits.MAX_WY_HEAD_DIM
+        else:
+            kernels = widest = None
+        if kernels is not None and self.head_k_dim > widest:
             raise ValueError(f"config field 'head_k_dim' = {self.head_k_dim}: backend='triton' runs {kernels}, whose "
-                             f"one tile holds a head's whole key dim, at most {TRITON_MAX_HEAD_K_DIM} wide; set "
-                             f"head_k_dim <= {TRITON_MAX_HEAD_K_DIM} (left unset: hidden_size / num_heads) or "
+                             f"one tile holds a head's whole key dim, at most {widest} wide; set "
+                             f"head_k_dim <= {widest} (left unset: hidden_size / num_heads) or "
                              f"backend='native', which runs the PyTorch forms where the kernels do not reach")
         if triton and RULES[self.rule].sliding:
-            if self.form == "recurrent" and self.window > TRITON_MAX_FUSED_WINDOW:
+            if self.form == "recurrent" and self.window > kernel_limits.MAX_FUSED_WINDOW:
                 kernels = "the fused recurrent kernel of form='recurrent', which unrolls the window's slots"
-                supported = f"at most {TRITON_MAX_FUSED_WINDOW}"
-            elif self.form != "recurrent" and self.rule == "3" and self.window not in TRITON_RULE3_WINDOWS:
+                supported = f"at most {kernel_limits.MAX_FUSED_WINDOW}"
+            elif self.form != "recurrent" and self.rule == "3" and self.window not in kernel_limits.SLOT_COUNTS:
                 kernels = "the rule-3 kernels, which group a step's window writes in blocks of 16 rows"
-                supported = f"one of {', '.join(map(str, TRITON_RULE3_WINDOWS))}"
-            elif self.form != "recurrent" and self.rule == "3A" and self.window > TRITON_MAX_WINDOW:
+                supported = f"one of {', '.join(map(str, kernel_limits.SLOT_COUNTS))}"
+            elif self.form != "recurrent" and self.rule == "3A" and self.window > kernel_limits.MAX_WINDOW:
                 kernels = "the rule-3A kernels, which hold the window's band in one tile"
-                supported = f"at most {TRITON_MAX_WINDOW}"
+                supported = f"at most {kernel_limits.MAX_WINDOW}"
             else:
                 kernels = None
             if kernels is not None:

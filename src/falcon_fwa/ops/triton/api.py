@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..kernel_limits import MAX_WY_HEAD_DIM
 from ..rules import get_rule
 from ..seqlens import last_steps, packed_bounds, padded_rows
 from ..state import FalconState
@@ -40,7 +41,6 @@ TRITON_RULES = ("1", "1A", "2", "2A", "3", "3A")  # rules with chunk kernels
 # cases); benchmarks/results/h200_tests.md lists them and what ran where.
 GPU_CHECKED_RULES: tuple = ("1A", "1", "2A", "2", "3A", "3")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_WY_HEAD_DIM = 256  # the regression kernels (rules 1, 2, 3) keep the whole key dimension in one tile
 
 
 def _interpreting() -> bool:

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..kernel_limits import SLOT_COUNTS
 from . import delta_kernels as wy
 from . import scalar_decay_kernels as sd
 from .chunk_index import ChunkLayout, chunk_layout
@@ -21,7 +22,6 @@ from .window_sum import axis_concat, window_sum
 
 __all__ = ["delta_chunk", "SLOT_COUNTS"]
 
-SLOT_COUNTS = (1, 2, 4, 8, 16)  # writes per step the WY kernels group (16-row blocks of the inverse)
 # Warps of ``wy_bwd`` for four-byte inputs, which take no launch table (module-level so that a diagnosis
 # can vary them). Triton 3.4-3.7.0 is known to miscompile fla's WY backward at chunk 64 with 4 warps on
 # Hopper; this kernel runs 4 warps for 16-bit inputs (FULL_K_16BIT*), checked on an H200 against float64.

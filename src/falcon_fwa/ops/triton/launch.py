@@ -6,12 +6,11 @@ from typing import Optional
 
 import torch
 
+from ..kernel_limits import SUPPORTED_CHUNK_SIZES
 from .chunk_index import ChunkLayout
 
 __all__ = ["SUPPORTED_CHUNK_SIZES", "LAUNCH", "cdiv", "next_power_of_2", "dot_precision", "launch_config", "empty_buffer",
            "layout_args", "interpreted"]
-
-SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 
 # Per kernel: key/value block sizes (capped by the head dims), warps, pipeline stages.
 LAUNCH = {

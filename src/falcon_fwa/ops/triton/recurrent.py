@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..kernel_limits import MAX_FUSED_HEAD_DIM, MAX_FUSED_WINDOW
 from ..rules import get_rule
 from ..seqlens import last_steps, packed_bounds
 from ..state import FalconState
@@ -30,8 +31,6 @@ STEP_RULES: tuple = ("1", "1A", "2", "2A", "3", "3A")
 # B * T * H once the programs fill the GPU, while the chunk kernels' time stays near their launch cost.
 SHORT_PROMPT_LIMITS: dict = {"1": (128, 12288), "1A": (256, 24576), "2": (128, 12288), "2A": (128, 12288),
                             "3": (128, 6144), "3A": (256, 24576)}
-MAX_FUSED_WINDOW = 16  # window slots are unrolled in the kernel
-MAX_FUSED_HEAD_DIM = 256  # the program holds the whole key dimension of its state columns
 _EIGEN_SQUARINGS = 20  # rule 3's window statistic, as ops.step_sizes.top_eigenvalue_by_squaring
 
 

@@ -46,6 +46,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..kernel_limits import MAX_WINDOW
 from . import sliding_kernels as kern
 from .chunk_index import chunk_layout
 from .launch import cdiv, next_power_of_2
@@ -54,7 +55,6 @@ from .scalar_decay import scan_backward, scan_forward
 __all__ = ["sliding_chunk", "window_gains", "window_prefix", "MAX_WINDOW"]
 
 _BT = 64  # rows per program of the step-size and gain kernels
-MAX_WINDOW = 65  # the widest window tested on the GPU (the gain kernels hold [_BT, W] tiles in registers)
 _BR = 64  # rows per energy program
 
 

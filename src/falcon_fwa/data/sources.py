@@ -130,6 +130,32 @@ def _split_text(text: str, text_split: str) -> Iterator[str]:
             yield part
 
 
+def _split_lines(f, text_split: str) -> Iterator[str]:
+    """The documents of an open text file ``f`` split by ``"line"`` or ``"paragraph"``, read a line at a time (a
+    file of one document per line may be larger than the memory): those :func:`_split_text` gives of its whole text.
+    A paragraph ends at a blank line (all whitespace, as ``\\s`` matches) that ends in a line end: its own last line
+    end and the blank lines are the separator ``\\n\\s*\\n``; a blank last line without one is part of it."""
+    if text_split == "line":
+        for line in f:
+            part = line[:-1] if line.endswith("\n") else line
+            if part.strip():
+                yield part
+        return
+    lines: List[str] = []
+    parted = False  # whether a separator came: a blank first line followed by text is part of the first paragraph
+    for line in f:
+        if line.strip() or not line.endswith("\n") or not (lines or parted):
+            lines.append(line)
+        elif lines:  # (the line before it ends in "\n": a line that did not would be the file's last)
+            text = "".join(lines)[:-1]
+            if text.strip():
+                yield text
+            lines, parted = [], True
+    text = "".join(lines)
+    if text.strip():
+        yield text
+
+
 def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
     """``(where, record)`` of a JSON Lines file, or of a ``.json`` file holding one array of records."""
     with open(path, encoding="utf-8-sig", errors="replace") as f:  # as a text file: no UTF-8 -> U+FFFD, no BOM
@@ -180,7 +206,7 @@ def _iter_file(path: str, text_split: str, text_field: str, name: Callable[[str]
     lowered = path.lower()  # suffixes in any case
     if lowered.endswith(TEXT_SUFFIXES):
         with open(path, encoding="utf-8-sig", errors="replace") as f:
-            yield from _split_text(f.read(), text_split)
+            yield from (_split_text(f.read(), text_split) if text_split == "file" else _split_lines(f, text_split))
     elif lowered.endswith(JSON_SUFFIXES):
         for where, record in _json_records(path):
             text = _record_text(where, record, text_field, name)

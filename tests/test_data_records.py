@@ -267,12 +267,12 @@ def test_spellings_of_one_tokenizer_folder_reuse_one_folder(tmp_path, monkeypatc
     (tmp_path / "sub").mkdir()
     status, record, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", first, "--out", "out")
     assert status == 0, err
-    assert record["spec"]["tokenizer"] == "tok"
-    assert sorted(record["files"]["tokenizer"]) == sorted(os.path.join("tok", f) for f in os.listdir("tok"))
+    assert record["spec"]["tokenizer"] == str(tmp_path / "tok")
+    assert sorted(record["files"]["tokenizer"]) == sorted(str(tmp_path / "tok" / f) for f in os.listdir("tok"))
     before = written(tmp_path / "out")
     status, again, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", second, "--out", "out")
     assert status == 0, err
     assert again == record and written(tmp_path / "out") == before
     shutil.copytree(tmp_path / "tok", tmp_path / "other")
     status, _, err = run_data(capsys, "--train", src, "--val-every", 5, "--tokenizer", "other", "--out", "out")
-    assert status == 2 and "tokenizer 'tok' there, 'other' here" in err
+    assert status == 2 and f"tokenizer {str(tmp_path / 'tok')!r} there, {str(tmp_path / 'other')!r} here" in err

@@ -8,6 +8,7 @@ from conftest import padded_and_packed_loss
 from test_triton_interpreter import FRESH_PROCESS_REASON, prepare_interpreter
 
 from falcon_fwa import falcon_attention, falcon_step
+from falcon_fwa.models import FalconForCausalLM, get_preset
 
 KERNELS_RUN = prepare_interpreter()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -358,4 +359,71 @@ def test_model_backend_field_forces_the_op_backend(rule, monkeypatch):
                          else out.cache)
         assert {b for _, b in seen} == {backend} and {n for n, _ in seen} == {"falcon_attention", "falcon_step"}
         logits[backend] = torch.cat([out.logits, step.logits], 1)
+    assert (logits["triton"] - logits["torch"]).abs().max() <= 1e-4 * logits["torch"].abs().max()
+
+
+def _spy_on_the_layer_ops(monkeypatch) -> list:
+    """``(op name, backend)`` of every call the layers make to ``falcon_attention`` and ``falcon_step``."""
+    from falcon_fwa.layers import falcon_attention as layer_module
+
+    seen = []
+    for name in ("falcon_attention", "falcon_step"):
+        real = getattr(layer_module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, kwargs["backend"]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(layer_module, name, spy)
+    return seen
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
+@pytest.mark.parametrize("shape", [dict(rule="3A", window=17), dict(rule="1A", head_k_dim=264)],
+                         ids=["3A-window-17", "1A-keys-264"])
+def test_a_triton_model_the_fused_step_kernel_does_not_hold_decodes_on_the_pytorch_step(shape, monkeypatch):
+    """Rule 3A's window of 17 (the chunk kernels take up to 65, the fused step kernel unrolls 16 slots) and rule
+    1A's key dim of 264 (the inner-product chunk kernels tile the keys, the fused step kernel holds 256): a
+    ``backend="triton"`` model of such a shape trains on the chunk kernels and used to fail at its first decoding
+    step. Its prompt runs on the chunk kernels and its steps on the PyTorch step, and it generates the tokens,
+    with the scores, of the same weights on ``backend="torch"``."""
+    seen = _spy_on_the_layer_ops(monkeypatch)
+    ids = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        cfg = get_preset("tiny-falcon", chunk_size=16, backend=backend, initializer_range=0.5, **shape)
+        model = FalconForCausalLM(cfg).to(DEVICE).eval()
+        seen.clear()
+        with torch.no_grad():
+            out[backend] = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                          return_dict_in_generate=True, output_scores=True)
+        prompts = {b for n, b in seen if n == "falcon_attention"}
+        steps = [b for n, b in seen if n == "falcon_step"]
+        assert prompts == {backend} and steps == ["torch"] * (2 * 5), seen  # 2 layers, 5 steps after the prompt
+    assert torch.equal(out["triton"].sequences, out["torch"].sequences)
+    assert len(set(out["torch"].sequences[:, 21:].flatten().tolist())) > 2  # the tokens vary
+    for got, want in zip(out["triton"].scores, out["torch"].scores):
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason=FRESH_PROCESS_REASON)
+@pytest.mark.parametrize("shape", [dict(rule="3A", window=16), dict(rule="1A", head_k_dim=256)],
+                         ids=["3A-window-16", "1A-keys-256"])
+def test_a_triton_model_at_the_fused_step_kernels_limits_decodes_on_it(shape, monkeypatch):
+    """At the fused step kernel's widest window and key dim, a ``backend="triton"`` model's decoding steps stay
+    on that kernel, with the logits of the same weights on ``backend="torch"``."""
+    seen = _spy_on_the_layer_ops(monkeypatch)
+    ids = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    logits = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        cfg = get_preset("tiny-falcon", chunk_size=16, backend=backend, initializer_range=0.5, **shape)
+        model = FalconForCausalLM(cfg).to(DEVICE).eval()
+        seen.clear()
+        with torch.no_grad():
+            prompt = model(ids[:, :-1], use_cache=True)
+            step = model(ids[:, -1:], past_key_values=prompt.past_key_values)
+        assert seen == [("falcon_attention", backend)] * 2 + [("falcon_step", backend)] * 2, seen
+        logits[backend] = torch.cat([prompt.logits, step.logits], 1)
     assert (logits["triton"] - logits["torch"]).abs().max() <= 1e-4 * logits["torch"].abs().max()

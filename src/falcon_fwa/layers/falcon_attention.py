@@ -18,7 +18,8 @@ Gated DeltaNet (+ data-dependent ``g_t``), Mamba-2 SSD (rule 1A, ``beta = dt``,
 ``g_t = -dt exp(A_log)``, ``D`` skip) and RetNet/Lightning (rule 1A, fixed per-head decay).
 
 Training and prefill use ``form`` (``"chunk"`` by default); a cached forward over
-one token per row uses ``falcon_step`` (``O(1)`` per token). Packed input
+one token per row uses ``falcon_step`` (``O(1)`` per token; with ``backend="triton"``, on the fused
+step kernel, or on the PyTorch step for a shape that kernel does not hold: ``step_backend``). Packed input
 (``packing.cu_seqlens``) goes to the op's varlen path with one state per sequence.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import falcon_attention, falcon_step
+from ..ops import falcon_attention, falcon_step, kernel_limits
 from ..ops.api import cast_to
 from ..ops.rules import get_rule
 from ..ops.validate import trusted_values
@@ -101,6 +102,17 @@ class FalconAttention(nn.Module):
                                     has_ridge=self.gates.lambda_scale > 0, log_gate=self.gates.log_gate_kind,
                                     read=self.read, normalized_read=self.eps_attn is not None)
 
+    def step_backend(self) -> str:
+        """The op backend of a one-token decoding step: the layer's, except that with ``backend="triton"`` a key
+        dim above ``kernel_limits.MAX_FUSED_HEAD_DIM`` or a sliding window above ``MAX_FUSED_WINDOW``, which the
+        fused step kernel does not hold but the chunk kernels train with (the inner-product rules' tiled keys,
+        rule 3A's windows up to ``MAX_WINDOW``), decodes on the PyTorch step."""
+        backend = self.backend if self.backend in ("torch", "triton") else "auto"
+        if backend == "triton" and (self.head_k_dim > kernel_limits.MAX_FUSED_HEAD_DIM
+                                    or (self.spec.sliding and self.window > kernel_limits.MAX_FUSED_WINDOW)):
+            return "torch"
+        return backend
+
     def _project(self, h, packing, cache):
         B, T, _ = h.shape
         out = {}
@@ -158,7 +170,7 @@ class FalconAttention(nn.Module):
         """The recurrence; reads and writes ``cache.state`` when a cache is given."""
         opts = dict(rule=self.rule, window=self.window, eps=self.eps, decay_floor=self.decay_floor,
                     shift=self.shift, normalize=self.normalize, read=self.read, scale_ridge=self.normalize,
-                    eps_attn=self.eps_attn, backend=self.backend if self.backend in ("torch", "triton") else "auto")
+                    eps_attn=self.eps_attn)
         state = None if cache is None else cache.state
         want_state = cache is not None
         if packing.packed:
@@ -168,7 +180,8 @@ class FalconAttention(nn.Module):
         if not packing.packed and q.shape[1] == 1 and init is not None:
             # the layer's projections make valid inputs (lam >= 0, log_gate <= 0, its own state)
             o, final = falcon_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state=init,
-                                   log_gate=None if log_gate is None else log_gate[:, 0], validate=False, **opts)
+                                   log_gate=None if log_gate is None else log_gate[:, 0], validate=False,
+                                   backend=self.step_backend(), **opts)
             o = o[:, None]
         elif self.backend == "fla" and q.is_cuda:
             o, final = fla_backend.run(self.core_kind(), q, k, v, beta, log_gate, initial_state=init,
@@ -178,7 +191,9 @@ class FalconAttention(nn.Module):
             with trusted_values():  # the gates' ranges hold by construction; a NaN goes on to the loss
                 o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
                                             log_gate=log_gate, initial_state=init, output_final_state=want_state,
-                                            cu_seqlens=packing.cu_seqlens, segments=self.segments, **opts)
+                                            cu_seqlens=packing.cu_seqlens, segments=self.segments,
+                                            backend=self.backend if self.backend in ("torch", "triton") else "auto",
+                                            **opts)
         if cache is not None:
             cache.store_state(final, packing.rows)
         return o

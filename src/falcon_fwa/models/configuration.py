@@ -273,7 +273,9 @@ class FalconFWAConfig(PretrainedConfig):
       ``head_k_dim`` of at most 256, ``MAX_WY_HEAD_DIM`` and ``MAX_FUSED_HEAD_DIM`` of ``ops.kernel_limits``;
       rule 3 a ``window`` of 1, 2, 4, 8 or 16, ``SLOT_COUNTS``, rule 3A one of at most 65, ``MAX_WINDOW``, and
       both at most 16 with ``form="recurrent"``, ``MAX_FUSED_WINDOW``), or "fla" (flash-linear-attention kernels for
-      the baselines where installed; CUDA only).
+      the baselines where installed; CUDA only). A "triton" model whose shape the fused step kernel does not hold
+      but the chunk kernels do (an inner-product rule's ``head_k_dim`` above 256, a rule-3A ``window`` above 16)
+      runs its decoding steps on the PyTorch step (``FalconAttention.step_backend``).
 
     Transformer: heads ``hidden_size / num_heads`` wide (an even number: RoPE rotates pairs; ``head_k_dim``
     and ``head_v_dim`` left unset), ``rope_theta``; attention through ``scaled_dot_product_attention``. It

@@ -3,7 +3,9 @@
 The kernel modules (``ops.triton``: their package imports ``triton``) refuse past these limits and keep
 each name as a module attribute (``ops.triton.launch.SUPPORTED_CHUNK_SIZES``, ``ops.triton.delta.SLOT_COUNTS``,
 ``ops.triton.sliding.MAX_WINDOW``, ``ops.triton.api.MAX_WY_HEAD_DIM``, ``ops.triton.recurrent.MAX_FUSED_WINDOW``
-and ``MAX_FUSED_HEAD_DIM``); the model config refuses a ``backend="triton"`` model past them when it is built.
+and ``MAX_FUSED_HEAD_DIM``); the model config refuses a ``backend="triton"`` model past them when it is built,
+and its layers decode on the PyTorch step where the fused step kernel does not hold a shape the chunk kernels take
+(``FalconAttention.step_backend``).
 """
 from __future__ import annotations
 

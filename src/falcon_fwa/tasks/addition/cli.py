@@ -185,6 +185,20 @@ def model_fields(args: argparse.Namespace) -> dict:
             if value != defined:
                 raise ValueError(f"{option} {value}: {args.model} is defined with {field} {defined}; for another "
                                  f"variant name the mixer (--model {LINEUP[args.model]['mixer']} {option} {value})")
+    return paper_fields(args.model, fields)
+
+
+def paper_fields(model: str, fields: dict) -> dict:
+    """The config fields a run of ``model`` is recorded and compared by: for a paper name whose ``fields`` hold
+    its definition and restate the rest of it only (``--window 4`` on Falcon-3A.3, ``--rule 1A`` on Mamba-2),
+    the definition itself (:data:`.lineup.LINEUP`), so that the run is the one the name alone trains; else
+    ``fields`` as they are."""
+    if model not in LINEUP:
+        return fields
+    definition = LINEUP[model]
+    if all(fields.get(k) == v for k, v in definition.items()) and all(
+            k in definition or (k in FAST_WEIGHT_OPTIONS and v == _defined(model, k)) for k, v in fields.items()):
+        return dict(definition)
     return fields
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .cli import FAST_WEIGHT_OPTIONS
+from .cli import FAST_WEIGHT_OPTIONS, paper_fields
 from .data import VOCAB, AdditionBatch, collate, training_batch, width_set
 from .lineup import LINEUP, DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
@@ -395,8 +395,14 @@ def check_same_setup(held: Dict[str, Any], wanted: Dict[str, Any], where: Path, 
             return None
         return _restate(named[k], value)
 
-    if "config_fields" in held and held["config_fields"] != fields:
-        h, w = held["config_fields"], fields
+    # a paper name's run recorded with options that restated its definition (as earlier versions kept them)
+    held_fields = held.get("config_fields")
+    if held_fields is not None and held.get("model") in LINEUP:
+        held_fields = paper_fields(held["model"], held_fields)
+    if wanted.get("model") in LINEUP:
+        fields = paper_fields(wanted["model"], fields)
+    if held_fields is not None and held_fields != fields:
+        h, w = held_fields, fields
         option, fix = named["config_fields"], None
         same_name = "model" in held and held["model"] == wanted.get("model")
         if not (options and "config_fields" in options) and "model" in held:

@@ -100,13 +100,13 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_k: int, top_p
     name the caller knows it by, e.g. a command-line option). The counts (``max_new_tokens``, ``top_k``,
     ``batch_size``, ``seed``) must be integers (numpy's too; not a bool or a float such as ``2.5``, which the
     decoding loop, counting its steps, would never reach) and ``temperature`` and ``top_p`` real numbers."""
-    for field, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("batch_size", batch_size),
+    for setting, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("batch_size", batch_size),
                          ("seed", seed)):
-        if as_int(value) is None and not (field == "seed" and value is None):
-            raise ValueError(f"{name(field)} must be an integer, got {value!r}")
-    for field, value in (("temperature", temperature), ("top_p", top_p)):
+        if as_int(value) is None and not (setting == "seed" and value is None):
+            raise ValueError(f"{name(setting)} must be an integer, got {value!r}")
+    for setting, value in (("temperature", temperature), ("top_p", top_p)):
         if as_float(value) is None:
-            raise ValueError(f"{name(field)} must be a real number, got {value!r}")
+            raise ValueError(f"{name(setting)} must be a real number, got {value!r}")
     if max_new_tokens < 1:
         raise ValueError(f"{name('max_new_tokens')} must be >= 1, got {max_new_tokens}")
     if not 0 <= temperature < math.inf:  # also catches nan

@@ -202,6 +202,25 @@ def paper_fields(model: str, fields: dict) -> dict:
     return fields
 
 
+def check_model_config(args: argparse.Namespace, model: str, fields: dict, preset, *, option: str = "--model") -> None:
+    """A ``ValueError`` before anything is written where the model config of ``model`` (its ``fields`` at the
+    ``preset``'s size) is refused, such as a Transformer head dim made odd by ``--hidden-size`` / ``--num-heads``:
+    it names the width, head and fast-weight options given, as typed (``option`` and the model where none was),
+    and the config's reason. Building the config draws no weights."""
+    from ...models.configuration import FalconConfig
+    from .data import VOCAB
+
+    try:
+        FalconConfig(vocab_size=len(VOCAB), **preset.size(), **fields)
+    except ValueError as err:
+        given = [f"--{name.replace('_', '-')} {getattr(args, name)}"
+                 for name in ("hidden_size", "num_heads", *FAST_WEIGHT_OPTIONS)
+                 if getattr(args, name, None) is not None]
+        named = " and ".join(given) or f"{option} {model}"
+        raise ValueError(f"{named}: model {model!r} cannot be built at width {preset.hidden_size} with "
+                         f"{preset.num_heads} heads: {err}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from .plot import plot_accuracy_by_position, plot_accuracy_vs_width
     from .train import RunSpec, runs_folder, task_fields, train_run
@@ -210,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     check_seed("--seed", args.seed)  # torch.manual_seed's range
     fields = model_fields(args)
     preset = preset_from_args(args)
+    check_model_config(args, args.model, fields, preset)
     threads = args.threads or (preset.cpu_threads if args.device == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 
 from ...provenance import git_commit
 from ...cli_options import at_least, check_output_folder, check_seed, finite_at_least
-from .cli import add_model_arguments, check_machine_options, preset_from_args, slug
+from .cli import add_model_arguments, check_machine_options, check_model_config, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
@@ -518,6 +518,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--models: unknown {m!r}; choose from {', '.join(LINEUP)}")
         resolve_model(m, name="--models")
     preset = preset_from_args(args)
+    for m in args.models:  # a model the size options do not fit is refused before any run starts
+        check_model_config(args, m, resolve_model(m), preset, option="--models")
     task = task_fields(preset)  # runs and summaries of another task get their own default names
     runs = Path(args.runs or runs_folder(args.preset, task))
     check_output_folder("--runs", str(runs))

@@ -217,8 +217,8 @@ def check_model_config(args: argparse.Namespace, model: str, fields: dict, prese
                  for name in ("hidden_size", "num_heads", *FAST_WEIGHT_OPTIONS)
                  if getattr(args, name, None) is not None]
         named = " and ".join(given) or f"{option} {model}"
-        raise ValueError(f"{named}: model {model!r} cannot be built at width {preset.hidden_size} with "
-                         f"{preset.num_heads} heads: {err}") from None
+        raise ValueError(f"{named}: model {model!r} (width {preset.hidden_size}, {preset.num_heads} heads) cannot "
+                         f"be built: {err}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,8 +12,8 @@ Training widths are uniform in 1..32; the out-of-distribution widths are 33..48.
 
 Modules: :mod:`.data` (tokenizer, seeded generator, exact checker, batches),
 :mod:`.metrics` (teacher-forced accuracies, by width and by answer position), :mod:`.lineup` (the paper's model
-names and the presets), :mod:`.train` (one training run), :mod:`.compare` (the
-Table-3 lineup), :mod:`.plot` and :mod:`.cli`.
+names), :mod:`.presets` (model sizes and budgets), :mod:`.reference` (what simple rules score),
+:mod:`.train` (one training run), :mod:`.compare` (the Table-3 lineup), :mod:`.plot` and :mod:`.cli`.
 """
 from .data import (
     BASES,

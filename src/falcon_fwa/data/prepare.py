@@ -166,7 +166,8 @@ def file_stamps(files: dict) -> dict:
 
 def _folder_files(folder: str, out_dir: str) -> Optional[dict]:
     """``{path: bytes}`` of every file in a local folder that is read whole (an ``hf:`` source's dataset folder),
-    the output folder's excepted, should it lie inside; ``None`` where ``folder`` is no
+    the output folder's excepted, should it lie inside, and hidden ones (:func:`walk_files`: ``datasets`` reads no
+    ``.git/`` or ``.cache/`` either); ``None`` where ``folder`` is no
     local folder (a Hub name)."""
     if not os.path.isdir(folder):
         return None

@@ -1,7 +1,8 @@
 """Document sources: plain text, JSONL and Parquet files, or a Hugging Face dataset.
 
 ``iter_documents(source)`` yields one string per document. ``source`` is
-- a file or a folder (searched recursively, into linked folders too) of ``.txt``/``.md``/``.rst``,
+- a file or a folder (searched recursively, into linked folders too, passing over hidden names: ``.git/``,
+  ``.ipynb_checkpoints/``, ``.DS_Store``) of ``.txt``/``.md``/``.rst``,
   ``.jsonl``/``.json`` (JSON Lines, or one array of records) and ``.parquet`` files (suffixes in any
   case), or a glob pattern of such files; records whose text is null, empty or blank yield no document;
 - ``hf:NAME`` or ``hf:NAME:CONFIG`` for ``datasets.load_dataset(NAME, CONFIG, split=..., streaming=True)``
@@ -68,14 +69,17 @@ def _excluded(files: List[str], source: str, exclude: str) -> List[str]:
 def walk_files(folder: str, prune: Optional[Callable[[str, List[str]], bool]] = None) -> Iterator[str]:
     """Every path below ``folder`` (``os.walk`` order), linked folders searched too and each real folder once
     (a link back to a folder above would nest without end); ``prune(root, names)`` true skips ``root`` and
-    what lies below it."""
+    what lies below it. Hidden names below ``folder`` (starting with ``.``: ``.git/``, ``.ipynb_checkpoints/``,
+    ``.DS_Store``), files and folders, are passed over, as a glob's wildcards pass them; ``folder`` itself may be
+    one (``.``, ``~/.corpus``)."""
     seen = set()
     for root, dirs, names in os.walk(folder, followlinks=True):
         if os.path.realpath(root) in seen or (prune is not None and prune(root, names)):
             dirs[:] = []
             continue
         seen.add(os.path.realpath(root))
-        yield from (os.path.join(root, f) for f in names)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        yield from (os.path.join(root, f) for f in names if not f.startswith("."))
 
 
 def list_files(source: str, exclude: Optional[str] = None,

@@ -111,6 +111,7 @@ def preset_from_args(args: argparse.Namespace):
     finite_at_least("--lr", args.lr, 0, strict=True)
     preset = get_addition_preset(args.preset)
     check_shape_options(args, preset)
+    check_curriculum_options(args, preset)
     return preset.replace(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, num_heads=args.num_heads,
@@ -141,6 +142,26 @@ def check_shape_options(args: argparse.Namespace, preset) -> None:
         named = " and ".join(f"{option} {value}" for option, value in
                              (("--hidden-size", args.hidden_size), ("--num-heads", args.num_heads)) if value)
         raise ValueError(f"{named}: the width {hidden} is not a multiple of the number of heads {heads}")
+
+
+def check_curriculum_options(args: argparse.Namespace, preset) -> None:
+    """A ``ValueError`` naming ``--curriculum-steps`` and ``--steps`` with their values (the preset's where an
+    option is left out) where the curriculum is longer than the run: the largest training width would reach
+    the top of ``--train-widths`` only after the last step, so that the widest widths are trained little or
+    never, yet the validation that chooses the best step scores them."""
+    curriculum = preset.curriculum_steps if args.curriculum_steps is None else args.curriculum_steps
+    steps = args.steps or preset.steps
+    if curriculum > steps:
+        lo, hi = tuple(args.train_widths) if args.train_widths else preset.train_widths
+
+        def named(option: str, value: int, given) -> str:
+            return f"{option} {value}" + ("" if given is not None else f" (the {args.preset} preset's)")
+
+        raise ValueError(f"{named('--curriculum-steps', curriculum, args.curriculum_steps)} is more than "
+                         f"{named('--steps', steps, args.steps)}: the widths would still be growing to {hi} at "
+                         f"the last step, the widest of {lo}-{hi} trained little or never, yet validated in "
+                         f"choosing the best step; give --curriculum-steps {steps} or fewer, or --steps "
+                         f"{curriculum} or more")
 
 
 def check_machine_options(args: argparse.Namespace) -> None:

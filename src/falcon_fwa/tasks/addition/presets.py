@@ -67,7 +67,8 @@ class AdditionPreset:
     curriculum_steps: int = 0
     """Steps over which the largest training width grows linearly from ``train_widths[0]`` to
     ``train_widths[1]`` (:meth:`max_train_width`); 0 (the paper's setting) draws from the whole range
-    from the first step."""
+    from the first step. At most ``steps``: a longer curriculum would end after the run, its widest
+    widths trained little or never, yet scored in the validation that chooses the best step."""
     matmul_precision: str = "highest"
     """``torch.set_float32_matmul_precision`` on CUDA: "high" runs float32 matrix products (cuBLAS and
     the Falcon kernels' dots) on TF32 tensor cores; "highest" keeps exact fp32 products, which on a
@@ -96,6 +97,9 @@ class AdditionPreset:
                              f"{self.num_heads}")
         if self.curriculum_steps < 0:
             raise ValueError(f"preset field 'curriculum_steps' must be >= 0, got {self.curriculum_steps}")
+        if self.curriculum_steps > self.steps:  # the widest widths would be validated but never reached
+            raise ValueError(f"preset fields: curriculum_steps {self.curriculum_steps} is more than steps "
+                             f"{self.steps}; the curriculum must end by the last step")
         if self.operand_order not in OPERAND_ORDERS:
             raise ValueError(f"preset field 'operand_order' must be 'msd' or 'lsd', got {self.operand_order!r}")
         try:

@@ -2,7 +2,8 @@
 
 ``prepared.json`` records the settings and the sizes of the source files and of the tokenizer files of a
 tokenizer folder (those loading it reads, not a model's beside them), and a stamp of each (:func:`file_stamps`: its
-modification time and the SHA-256 of its bytes, read again only where the time differs); preparing again with the
+modification time and the SHA-256 of its bytes, read again only where the time differs, and then, the same bytes,
+kept with its new time); preparing again with the
 same settings reuses the folder; with different settings, or once a local source or the tokenizer folder has gained
 such a file or one has changed size or bytes (or, the tokenizer's, is gone), it is an error (pass
 ``overwrite=True`` to rebuild).
@@ -144,17 +145,26 @@ def _stamp(path: str) -> Optional[list]:
         return None
 
 
-def _same_bytes(path: str, stamp) -> bool:
+def _same_bytes(path: str, stamp, retimed: Optional[list] = None) -> bool:
     """Whether the file at ``path`` (of the recorded size) still holds the bytes its :func:`_stamp` ``stamp`` was
     taken of: so where its modification time is the recorded one (as ``make`` and ``git`` take it, so that a reuse
     reads no byte of a large corpus); else where its SHA-256 is the recorded one (a file written again with the
-    same bytes, a copy, a save of the same tokenizer: no change). A stamp of another form counts as none."""
+    same bytes, a copy, a save of the same tokenizer: no change). A stamp of another form counts as none.
+    A file found the same by its SHA-256 adds ``(stamp, its time)`` to ``retimed``: the time taken before it was
+    read, which the record may keep from then on (a file written while it was read has a later one)."""
     if not (isinstance(stamp, list) and len(stamp) == 2):
         return True
     try:
-        return os.stat(path).st_mtime_ns == stamp[0] or _sha256(path) == stamp[1]
+        mtime = os.stat(path).st_mtime_ns
+        if mtime == stamp[0]:
+            return True
+        if _sha256(path) != stamp[1]:
+            return False
     except OSError:
         return False
+    if retimed is not None:
+        retimed.append((stamp, mtime))
+    return True
 
 
 def file_stamps(files: dict) -> dict:
@@ -222,12 +232,13 @@ def _check_copies(files: dict, stamps: dict, spec: DataSpec, name: Callable[[str
                              f"splits; give {name('val_source')} files that are no copy of a training file")
 
 
-def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Optional[dict] = None) -> str:
+def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Optional[dict] = None,
+                   retimed: Optional[list] = None) -> str:
     """What differs between the ``kinds`` of two :func:`source_files` records, in words ('' if nothing); ``stamps``:
     the :func:`file_stamps` recorded with ``held``, which a file of the same size must still have (none recorded, by
-    a preparation before they were: the sizes alone count). A source's files gone since are no change (their tokens
-    are here); a tokenizer folder's are, while the folder is there: what it loads now is another tokenizer. A folder
-    gone whole gives none (the saved copy is the one)."""
+    a preparation before they were: the sizes alone count; ``retimed`` as in :func:`_same_bytes`). A source's files
+    gone since are no change (their tokens are here); a tokenizer folder's are, while the folder is there: what it
+    loads now is another tokenizer. A folder gone whole gives none (the saved copy is the one)."""
     changes = []
     for which in kinds:
         if held.get(which) is None:  # none recorded (an hf: source, before its dataset folder's files were)
@@ -239,7 +250,7 @@ def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Option
                 changes.append(f"{path} is new")
             elif before[path] != after[path]:
                 changes.append(f"{path} held {before[path]:,} bytes, now {after[path]:,}")
-            elif path in stamped and not _same_bytes(path, stamped[path]):
+            elif path in stamped and not _same_bytes(path, stamped[path], retimed):
                 changes.append(f"{path} holds other bytes since (as many: {after[path]:,})")
         if which == "tokenizer" and now.get(which) is not None:
             changes += [f"{path} is gone" for path in sorted(before) if path not in after]
@@ -312,13 +323,14 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             raise ValueError(f"data folder {out_dir!r} was prepared with other settings ({differ}): choose another "
                              "folder (falcon-fwa data --out, or a recipe's data.out_dir) or rebuild this one "
                              "(falcon-fwa data --overwrite)")
+        retimed: list = []  # files of a time other than the recorded one, found the same bytes by their SHA-256
         if "files" in record:  # (folders prepared before the files were recorded are reused as they are)
             try:
                 now = source_files(spec, out_dir)
             except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
                 now = {"tokenizer": tokenizer_files(spec)}
             stamps = record.get("stamps") if isinstance(record.get("stamps"), dict) else None
-            changed = _changed_files(record["files"], now, stamps=stamps)
+            changed = _changed_files(record["files"], now, stamps=stamps, retimed=retimed)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
@@ -327,7 +339,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
                 # one that held them relative, as the folder was named then: from the working folder, as it was)
                 held = {**held, "tokenizer": {os.path.abspath(path): size for path, size in held["tokenizer"].items()
                                               if is_tokenizer_file(os.path.relpath(path, spec.tokenizer))}}
-            changed = _changed_files(held, now, ("tokenizer",), stamps)
+            changed = _changed_files(held, now, ("tokenizer",), stamps, retimed)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared with another {name('tokenizer')} "
                                  f"{spec.tokenizer!r}: its files have changed since ({changed}): rebuild it "
@@ -340,6 +352,8 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         if not os.path.isdir(copy) or not _tokenizer_paths(copy):
             raise ValueError(f"data folder {out_dir!r} has lost its tokenizer ({copy!r} holds no tokenizer files): "
                              "rebuild it (falcon-fwa data --overwrite)")
+        if retimed:  # (touched, or written again with the same bytes: read once, not each reuse)
+            _retime(record_path, record, retimed)
         return record
     files = source_files(spec, out_dir, name)
     stamps = file_stamps(files)  # before a document is read: a file written while it is tokenized counts as changed
@@ -372,6 +386,20 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
               "files": files, "stamps": stamps}
     write_json(record_path, record)
     return record
+
+
+def _retime(record_path: str, record: dict, retimed: list) -> None:
+    """Keep in ``record`` (written to ``record_path`` atomically, as a preparation writes it) the times of the
+    ``retimed`` files (:func:`_same_bytes`): the next reuse takes them by their time, without reading them again.
+    A record the disk refuses to write is left as it was (the reuse needs none: it reads those files again)."""
+    held = [stamp[0] for stamp, _ in retimed]
+    for stamp, mtime in retimed:
+        stamp[0] = mtime
+    try:
+        write_json(record_path, record)
+    except OSError:
+        for (stamp, _), mtime in zip(retimed, held):  # the record returned is the one kept
+            stamp[0] = mtime
 
 
 def save_tokenizer(tokenizer, folder: str) -> None:

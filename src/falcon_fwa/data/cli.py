@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a text file is one document (file), one per line, or one per blank-line paragraph")
     parser.add_argument("--text-field", default="text",
                         help="JSON/JSONL/Parquet (and hf:) field holding the text (changes nothing for text files)")
-    parser.add_argument("--val-every", type=int, default=20, help="without --val: hold out every N-th document")
+    parser.add_argument("--val-every", type=int, default=20,
+                        help="without --val: hold out every N-th document (counted after --text-split: with line, "
+                             "every N-th line)")
     parser.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
     parser.add_argument("--bpe-documents", type=int, default=100_000, help="documents that train a bpe:N tokenizer")
     parser.add_argument("--out", required=True, help="output folder (DIR/train, DIR/val, DIR/tokenizer)")

@@ -32,7 +32,8 @@ class DataSpec:
     """Where the documents come from and how they become tokens.
 
     train_source / val_source: see ``sources.iter_documents``; a file that both read is refused. Without
-    ``val_source`` every ``val_every``-th training document is held out. tokenizer: ``"byte"``, ``"bpe:<vocab>"``
+    ``val_source`` every ``val_every``-th training document is held out, counted after ``text_split`` (a ``line``
+    split holds out lines whose neighbours of the same file are trained on). tokenizer: ``"byte"``, ``"bpe:<vocab>"``
     or a tokenizer folder. bpe_documents: how many training documents train the BPE.
     """
     train_source: str

@@ -158,7 +158,10 @@ def test_prepare_refuses_a_corpus_changed_since_and_reuses_one_removed(tmp_path)
     with pytest.raises(ValueError, match=r"other source files \(.*b\.txt held 5 bytes, now 11\): rebuild it"):
         prepare_dataset(spec, out)
     (src / "b.txt").write_text("gamma")
-    assert prepare_dataset(spec, out) == rec  # as it was: reused
+    again = prepare_dataset(spec, out)  # as it was: reused, the record keeping b.txt's new time
+    assert {**again, "stamps": None} == {**rec, "stamps": None}
+    assert again["stamps"]["train"][str(src / "b.txt")] == [(src / "b.txt").stat().st_mtime_ns,
+                                                           rec["stamps"]["train"][str(src / "b.txt")][1]]
     (src / "c.txt").write_text("new")
     with pytest.raises(ValueError, match=r"c\.txt is new"):
         prepare_dataset(spec, out)

@@ -60,8 +60,12 @@ def test_a_source_file_rewritten_to_the_same_size_is_refused_then_rebuilt(tmp_pa
     assert (status, again) == (0, rebuilt) and written(out) == after, err
     (src / "1.txt").write_text(edited)  # written again, later, with the same bytes: no change
     later(src / "1.txt", 4)
-    status, again, err = run_data(capsys, *argv)
-    assert (status, again) == (0, rebuilt) and written(out) == after, err
+    status, again, err = run_data(capsys, *argv)  # the record alone is written again, keeping the file's new time
+    assert status == 0 and {**again, "stamps": None} == {**rebuilt, "stamps": None}, err
+    assert again["stamps"]["train"][str(src / "1.txt")][0] == os.stat(src / "1.txt").st_mtime_ns
+    record = str(out / "prepared.json")
+    assert {k: v for k, v in written(out).items() if k != record} == {k: v for k, v in after.items() if k != record}
+    after = written(out)
 
     val.write_text("KAPPA LAMBDA")  # the validation source counts the same way
     later(val)
@@ -97,8 +101,11 @@ def test_a_tokenizer_file_with_other_bytes_of_the_same_size_is_refused_then_rebu
 
     # the same file rewritten with the same bytes (a copy, a save of the same tokenizer): no change
     later(tok / "tokenizer.json")
-    status, again, err = run_data(capsys, *argv)
-    assert (status, again) == (0, record) and written(out) == before, err
+    status, again, err = run_data(capsys, *argv)  # the record alone is written again, keeping the file's new time
+    assert status == 0 and {**again, "stamps": None} == {**record, "stamps": None}, err
+    kept = str(out / "prepared.json")
+    assert {k: v for k, v in written(out).items() if k != kept} == {k: v for k, v in before.items() if k != kept}
+    before = written(out)
 
     path = tok / "tokenizer.json"
     text = path.read_text()

@@ -40,7 +40,7 @@ CHANGES = [
     (["--ood-widths", "4", "6"], "--ood-widths", "ood_widths [4, 5]", "[4, 6]", "--ood-widths 4 5"),
     (["--val-per-width", "3"], "--val-per-width", "val_per_width 2", "3", "--val-per-width 2"),
     (["--ood-per-width", "3"], "--ood-per-width", "ood_per_width 2", "3", "--ood-per-width 2"),
-    (["--curriculum-steps", "5"], "--curriculum-steps", "curriculum_steps 0", "5", "--curriculum-steps 0"),
+    (["--curriculum-steps", "2"], "--curriculum-steps", "curriculum_steps 0", "2", "--curriculum-steps 0"),
     (["--operand-order", "lsd"], "--operand-order", "operand_order 'msd'", "'lsd'", "--operand-order msd"),
     (["--base", "2"], "--base", "base 10", "2", "--base 10"),
     (["--seed", "3"], "--seed", "seed 0", "3", "--seed 0"),

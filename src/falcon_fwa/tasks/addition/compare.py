@@ -112,6 +112,37 @@ def check_runs_task(runs: Path, models: List[str], seeds: List[int], task: Dict[
                 check_same_task(held_task(read_json(f)), task, f.parent, "give --runs another folder")
 
 
+def _wanted_setup(model: str, seed: int, preset, eval_seed: int, dtype: str,
+                  preset_name: Optional[str] = None) -> Dict[str, Any]:
+    """The settings of the lineup's run of ``model`` and ``seed``, as :func:`.train.check_same_setup` takes them."""
+    wanted = {"config_fields": resolve_model(model), "eval_seed": eval_seed, "preset": preset.to_dict(),
+              "seed": seed, "dtype": dtype, "model": model}
+    if preset_name is not None:
+        wanted["preset_name"] = preset_name
+    return wanted
+
+
+def completed_run(run_dir: Path, model: str, seed: int, preset, eval_seed: int, dtype: str,
+                  preset_name: Optional[str] = None) -> bool:
+    """Does ``run_dir`` hold the finished run of ``model`` and ``seed`` that the lineup asked for: a
+    ``results.json`` finished at the ``preset``'s steps (:func:`_finished`, what a relaunch skips) that names
+    this model and seed and holds this task and setup (:func:`.train.check_same_task`,
+    :func:`.train.check_same_setup`)? How a launched run whose process ended with a status other than 0 is
+    judged: a signal that comes once its results are written (a stop passed on as it ends, the deadline's)
+    ends it by that signal, or with 128 + its number, yet the run is done."""
+    if not _finished(run_dir, preset.steps):
+        return False
+    held = read_json(run_dir / "results.json")
+    if held.get("model") != model or held.get("seed") != seed:
+        return False
+    try:
+        check_same_task(held_task(held), task_fields(preset), run_dir, "")
+        check_same_setup(held, _wanted_setup(model, seed, preset, eval_seed, dtype, preset_name), run_dir, "")
+    except ValueError:
+        return False
+    return True
+
+
 def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, eval_seed: int, dtype: str,
                      preset_name: Optional[str] = None) -> None:
     """A ``ValueError`` if a run folder of the lineup holds a run of another model config, evaluation
@@ -123,10 +154,7 @@ def check_runs_setup(runs: Path, models: List[str], seeds: List[int], preset, ev
         for s in seeds:
             f = _run_dir(runs, m, s) / "results.json"
             if f.exists():
-                wanted = {"config_fields": resolve_model(m), "eval_seed": eval_seed, "preset": preset.to_dict(),
-                          "seed": s, "dtype": dtype, "model": m}
-                if preset_name is not None:
-                    wanted["preset_name"] = preset_name
+                wanted = _wanted_setup(m, s, preset, eval_seed, dtype, preset_name)
                 check_same_setup(read_json(f), wanted, f.parent, "give --runs another folder",
                                  options={"seed": "--seeds", "config_fields": "--models"})
 
@@ -221,7 +249,9 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
 
 def train_all(args: argparse.Namespace, runs: Path) -> tuple:
     """Run every missing (model, seed) with at most ``args.jobs`` processes; return the failures and
-    the signal number that stopped the command (0 if none did).
+    the signal number that stopped the command (0 if none did). A run fails where its process ends with a
+    status other than 0 and its ``results.json`` is not the finished run asked for (:func:`completed_run`):
+    one that a signal ended after its results were written is finished, as a relaunch, which skips it, finds.
 
     A SIGTERM, SIGINT or SIGHUP is passed on to the runs in progress (each stops at the end of its step with a
     checkpoint) and waited for; nothing more is started. The runs are started in sessions of their own,
@@ -231,12 +261,19 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
     from tqdm.auto import tqdm
 
     # seed-major order: every model's first seed is trained before any second seed
-    steps = preset_from_args(args).steps
+    preset = preset_from_args(args)
+    steps = preset.steps
     todo = [(m, s) for s in args.seeds for m in args.models if not _finished(_run_dir(runs, m, s), steps)]
     failed: List[str] = []
     running: List[tuple] = []
     bar = tqdm(total=len(todo), desc="addition runs", dynamic_ncols=True)
     t0 = time.perf_counter()
+
+    def done(proc, model: str, seed: int) -> bool:
+        """Has the run ended finished: status 0, or its complete results written before its process ended
+        otherwise (:func:`completed_run`: a signal that came as it was ending)?"""
+        return proc.returncode == 0 or completed_run(_run_dir(runs, model, seed), model, seed, preset,
+                                                     args.eval_seed, args.dtype, args.preset)
 
     def stop(how, signum, why: str) -> None:
         for proc, _, _, _ in running:
@@ -245,7 +282,7 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
             proc.wait()
             logf.close()
             bar.update(1)
-            if proc.returncode != 0:  # (0: it ended its last step meanwhile)
+            if not done(proc, model, seed):  # (done: it ended its last step meanwhile)
                 failed.append(f"{model} seed {seed} ({why}, exit {proc.returncode})")
         running.clear()
 
@@ -283,14 +320,16 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
                     logf.close()
                     running.remove(item)
                     bar.update(1)
-                    if proc.returncode != 0:
+                    if not done(proc, model, seed):
                         failed.append(f"{model} seed {seed} (exit {proc.returncode}, see "
                                       f"{_run_dir(runs, model, seed)}/log.txt)")
                         bar.write(f"FAILED: {failed[-1]}")
                     else:
                         best = read_json(_run_dir(runs, model, seed) / "results.json")["best"]
+                        late = (f" (finished; its process then ended with exit {proc.returncode})"
+                                if proc.returncode else "")
                         bar.write(f"{model} seed {seed}: val {best['val_acc']:.1f}% "
-                                  f"ood mean {best['mean_acc_ood']:.1f}%")
+                                  f"ood mean {best['mean_acc_ood']:.1f}%{late}")
         finally:
             for proc, _, _, logf in running:  # ended otherwise: no run goes on training unseen
                 if proc.poll() is None:

@@ -24,7 +24,8 @@ from typing import Callable, Optional
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, check_replaceable, is_shard_folder, write_token_shards
 from .sources import TEXT_SPLITS, hf_dataset, hf_split_files, iter_documents, list_files, walk_files
-from .tokenizer import CHAT_TEMPLATE_DIR, bpe_vocab_size, canonical_spec, is_tokenizer_file, load_tokenizer
+from .tokenizer import (CHAT_TEMPLATE_DIR, bpe_vocab_size, canonical_spec, is_tokenizer_file, load_tokenizer,
+                        same_spec)
 
 
 @dataclass
@@ -316,8 +317,10 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     if os.path.isfile(record_path) and not overwrite:
         record = _read_record(record_path)
         held = dict(record["spec"])
-        if isinstance(held.get("tokenizer"), str):  # a record written before a bpe:N was spelt one way
-            held["tokenizer"] = canonical_spec(held["tokenizer"])
+        if isinstance(held.get("tokenizer"), str):  # a record written before a bpe:N was spelt one way, or a
+            # folder gone since, which the spec given names by a relative path (see same_spec)
+            held["tokenizer"] = spec.tokenizer if same_spec(held["tokenizer"], spec.tokenizer) else \
+                canonical_spec(held["tokenizer"])
         if held != wanted:
             differ = ", ".join(f"{k} {held.get(k)!r} there, {wanted.get(k)!r} here"
                                for k in sorted(set(held) | set(wanted)) if held.get(k) != wanted.get(k))

@@ -97,6 +97,17 @@ def canonical_spec(spec: str) -> str:
         return spec
 
 
+def same_spec(recorded: str, spec: str) -> bool:
+    """Whether the tokenizer setting ``recorded`` that a preparation kept names the tokenizer ``spec`` names now: the
+    same as :func:`canonical_spec` writes both, or a local folder kept by its absolute path and gone since, which
+    ``spec`` names from the working folder (``tok``, ``./tok/``: a folder deleted whole is the setting it was, its
+    copy saved with the shards). ``byte`` and ``bpe:N`` name no folder."""
+    if canonical_spec(recorded) == canonical_spec(spec):
+        return True
+    return (os.path.isabs(recorded) and not os.path.exists(recorded) and spec not in ("", "byte")
+            and not spec.startswith("bpe:") and os.path.abspath(spec) == os.path.abspath(recorded))
+
+
 def is_missing_folder(spec: str) -> bool:
     """Whether a tokenizer ``spec`` names a local folder by its form (absolute, ``./`` or ``../``, a trailing ``/``,
     or more than the one ``/`` of a Hub name ``OWNER/NAME``) that does not exist."""

@@ -286,7 +286,7 @@ def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
     most it has); a local tokenizer folder, or a Hub name in the local cache. ``(None, None, why)`` where none of
     these gives it."""
     from ..atomic import read_json
-    from ..data.tokenizer import bpe_vocab_size, canonical_spec, is_missing_folder, load_tokenizer
+    from ..data.tokenizer import bpe_vocab_size, is_missing_folder, load_tokenizer, same_spec
 
     spec = cfg.data.tokenizer
     if spec == "byte":
@@ -295,8 +295,9 @@ def recipe_vocabulary(cfg) -> Tuple[Optional[int], Optional[int], str]:
     folder = cfg.data.out_dir or os.path.join(cfg.train.out_dir, "data")
     try:
         record = read_json(os.path.join(folder, "prepared.json"))
-        held = record["spec"]["tokenizer"]  # (bpe:0300 in a record written before one spelling: bpe:300)
-        if isinstance(held, str) and canonical_spec(held) == canonical_spec(spec):
+        held = record["spec"]["tokenizer"]  # (bpe:0300 in a record written before one spelling: bpe:300; a folder
+        # deleted since, named by a relative path: as the preparation's reuse compares them)
+        if isinstance(held, str) and same_spec(held, spec):
             return int(record["vocab_size"]), int(record["eos_token_id"]), f"tokenizer {spec}, as prepared in {folder}"
     except (OSError, ValueError, KeyError, TypeError):
         pass

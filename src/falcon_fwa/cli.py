@@ -109,8 +109,7 @@ def run_command(prog: str, run, args: argparse.Namespace) -> int:
               "FALCON_FWA_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 2
     # interrupted: said once the exception is gone, with the frames that held progress bars open
-    print(f"{prog}: interrupted", file=sys.stderr)
-    return 128 + signal.SIGINT
+    return launcher.interrupted(prog)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import signal
 
 import torch as _torch
 
@@ -31,6 +32,13 @@ if _WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
     torch.set_num_threads(_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
+# A suite started with SIGINT or SIGHUP ignored (in the background of a shell without job control, under nohup)
+# would pass that on to the commands it starts and runs in-process, which keep a signal ignored at launch ignored
+# (as a run under nohup should): their stop tests would then see no stop. The tests get the usual dispositions.
+for _signal, _handler in (("SIGINT", signal.default_int_handler), ("SIGHUP", signal.SIG_DFL)):
+    if hasattr(signal, _signal) and signal.getsignal(getattr(signal, _signal)) == signal.SIG_IGN:
+        signal.signal(getattr(signal, _signal), _handler)
 
 RULE_NAMES = ("1", "2", "3", "1A", "2A", "3A")
 PER_COLUMN = ("2", "2A")

@@ -8,8 +8,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from falcon_fwa.tasks.addition import cli, compare
 
 STEPS = 2

@@ -80,6 +80,12 @@ def top_level(argv: Sequence[str]) -> Optional[str]:
     return name
 
 
+def traceback_requested() -> bool:
+    """Whether ``FALCON_FWA_TRACEBACK`` asks for tracebacks: set to anything but empty, ``0``, ``false``, ``no``
+    or ``off`` (any case)."""
+    return os.environ.get("FALCON_FWA_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def interrupted(prog: str) -> int:
     """``PROG: interrupted`` on stderr, and the status of SIGINT."""
     print(f"{prog}: interrupted", file=sys.stderr)
@@ -95,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         from falcon_fwa import cli
     except KeyboardInterrupt:
-        if os.environ.get("FALCON_FWA_TRACEBACK"):
+        if traceback_requested():
             raise
         return interrupted(f"{PROG} {name}")
     return cli.main(argv)

@@ -62,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         module.add_arguments(cmd)
         args = cmd.parse_args(argv[1:])
     except KeyboardInterrupt:
-        if os.environ.get("FALCON_FWA_TRACEBACK"):
+        if launcher.traceback_requested():
             raise
         return launcher.interrupted(prog)
     return run_command(prog, module.run, args)
@@ -98,10 +98,10 @@ def run_command(prog: str, run, args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
-        if os.environ.get("FALCON_FWA_TRACEBACK"):
+        if launcher.traceback_requested():
             raise
     except (ValueError, OSError, NotImplementedError) as e:
-        if os.environ.get("FALCON_FWA_TRACEBACK"):
+        if launcher.traceback_requested():
             raise
         where = traceback.extract_tb(e.__traceback__)[-1]
         close_progress_bars()

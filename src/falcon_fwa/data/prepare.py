@@ -2,8 +2,9 @@
 
 ``prepared.json`` records the settings and the sizes of the source files and of the tokenizer files of a
 tokenizer folder (those loading it reads, not a model's beside them), and a stamp of each (:func:`file_stamps`: its
-modification time and the SHA-256 of its bytes, read again only where the time differs, and then, the same bytes,
-kept with its new time); preparing again with the
+modification time and the SHA-256 of its bytes, read again only where the time differs or lies within the
+filesystem's timestamp step of the moment the stamps were taken, which the record's own modification time keeps
+(:func:`_racy`), and then, the same bytes, kept with its new time); preparing again with the
 same settings reuses the folder; with different settings, or once a local source or the tokenizer folder has gained
 such a file or one has changed size or bytes (or, the tokenizer's, is gone), it is an error (pass
 ``overwrite=True`` to rebuild).
@@ -18,6 +19,7 @@ import hashlib
 import itertools
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -147,18 +149,31 @@ def _stamp(path: str) -> Optional[list]:
         return None
 
 
-def _same_bytes(path: str, stamp, retimed: Optional[list] = None) -> bool:
+RACY_NS = 2 * 10**9  # the coarsest timestamp step of a filesystem kept: FAT's 2 s (ext3, HFS+: 1 s)
+
+
+def _racy(mtime: int, stamped: Optional[int]) -> bool:
+    """Whether a file's modification time ``mtime`` cannot vouch for its bytes as hashed at ``stamped`` (ns, taken
+    before the hash), git's "racy clean" entry: a time not clearly older than the hash (within a timestamp step of
+    the coarsest filesystems, or later) may be kept by a later write of other bytes of the same size (written,
+    stamped and written again in one step). ``stamped`` ``None``: unknown, the time vouches as it is."""
+    return stamped is not None and mtime >= stamped - RACY_NS
+
+
+def _same_bytes(path: str, stamp, retimed: Optional[list] = None, stamped: Optional[int] = None) -> bool:
     """Whether the file at ``path`` (of the recorded size) still holds the bytes its :func:`_stamp` ``stamp`` was
-    taken of: so where its modification time is the recorded one (as ``make`` and ``git`` take it, so that a reuse
-    reads no byte of a large corpus); else where its SHA-256 is the recorded one (a file written again with the
-    same bytes, a copy, a save of the same tokenizer: no change). A stamp of another form counts as none.
+    taken of: so where its modification time is the recorded one and clearly older than ``stamped``, the time the
+    stamp was taken (:func:`_racy`; as ``make`` and ``git`` take it, so that a reuse reads no byte of a large
+    corpus); else where its SHA-256 is the recorded one (a file written again with the same bytes, a copy, a save
+    of the same tokenizer: no change). A stamp of another form counts as none.
     A file found the same by its SHA-256 adds ``(stamp, its time)`` to ``retimed``: the time taken before it was
-    read, which the record may keep from then on (a file written while it was read has a later one)."""
+    read, which the record may keep from then on (a file written while it was read has a later one), with the
+    time of this check as the one its stamp was taken at (a file of the recorded time, too near ``stamped``)."""
     if not (isinstance(stamp, list) and len(stamp) == 2):
         return True
     try:
         mtime = os.stat(path).st_mtime_ns
-        if mtime == stamp[0]:
+        if mtime == stamp[0] and not _racy(mtime, stamped):
             return True
         if _sha256(path) != stamp[1]:
             return False
@@ -235,12 +250,13 @@ def _check_copies(files: dict, stamps: dict, spec: DataSpec, name: Callable[[str
 
 
 def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Optional[dict] = None,
-                   retimed: Optional[list] = None) -> str:
+                   retimed: Optional[list] = None, stamp_time: Optional[int] = None) -> str:
     """What differs between the ``kinds`` of two :func:`source_files` records, in words ('' if nothing); ``stamps``:
     the :func:`file_stamps` recorded with ``held``, which a file of the same size must still have (none recorded, by
-    a preparation before they were: the sizes alone count; ``retimed`` as in :func:`_same_bytes`). A source's files
-    gone since are no change (their tokens are here); a tokenizer folder's are, while the folder is there: what it
-    loads now is another tokenizer. A folder gone whole gives none (the saved copy is the one)."""
+    a preparation before they were: the sizes alone count; ``retimed``, and ``stamp_time`` as ``stamped``, as in
+    :func:`_same_bytes`). A source's files gone since are no change (their tokens are here); a tokenizer folder's
+    are, while the folder is there: what it loads now is another tokenizer. A folder gone whole gives none (the
+    saved copy is the one)."""
     changes = []
     for which in kinds:
         if held.get(which) is None:  # none recorded (an hf: source, before its dataset folder's files were)
@@ -252,7 +268,7 @@ def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Option
                 changes.append(f"{path} is new")
             elif before[path] != after[path]:
                 changes.append(f"{path} held {before[path]:,} bytes, now {after[path]:,}")
-            elif path in stamped and not _same_bytes(path, stamped[path], retimed):
+            elif path in stamped and not _same_bytes(path, stamped[path], retimed, stamp_time):
                 changes.append(f"{path} holds other bytes since (as many: {after[path]:,})")
         if which == "tokenizer" and now.get(which) is not None:
             changes += [f"{path} is gone" for path in sorted(before) if path not in after]
@@ -327,14 +343,18 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             raise ValueError(f"data folder {out_dir!r} was prepared with other settings ({differ}): choose another "
                              "folder (falcon-fwa data --out, or a recipe's data.out_dir) or rebuild this one "
                              "(falcon-fwa data --overwrite)")
-        retimed: list = []  # files of a time other than the recorded one, found the same bytes by their SHA-256
+        retimed: list = []  # files of a time other than the recorded one (or one too near the time the stamps were
+        # taken to vouch for them), found the same bytes by their SHA-256
+        checked = time.time_ns()  # before a file is read: the time the stamps of the files read now are taken at
+        stamped = os.stat(record_path).st_mtime_ns  # the time the stamps were taken at (_keep_record); a record
+        # written before it was kept: the time it was written, no earlier
         if "files" in record:  # (folders prepared before the files were recorded are reused as they are)
             try:
                 now = source_files(spec, out_dir)
             except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
                 now = {"tokenizer": tokenizer_files(spec)}
             stamps = record.get("stamps") if isinstance(record.get("stamps"), dict) else None
-            changed = _changed_files(record["files"], now, stamps=stamps, retimed=retimed)
+            changed = _changed_files(record["files"], now, stamps=stamps, retimed=retimed, stamp_time=stamped)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared from other source files ({changed}): "
                                  "rebuild it (falcon-fwa data --overwrite) or choose another folder")
@@ -343,7 +363,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
                 # one that held them relative, as the folder was named then: from the working folder, as it was)
                 held = {**held, "tokenizer": {os.path.abspath(path): size for path, size in held["tokenizer"].items()
                                               if is_tokenizer_file(os.path.relpath(path, spec.tokenizer))}}
-            changed = _changed_files(held, now, ("tokenizer",), stamps, retimed)
+            changed = _changed_files(held, now, ("tokenizer",), stamps, retimed, stamped)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared with another {name('tokenizer')} "
                                  f"{spec.tokenizer!r}: its files have changed since ({changed}): rebuild it "
@@ -356,10 +376,14 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         if not os.path.isdir(copy) or not _tokenizer_paths(copy):
             raise ValueError(f"data folder {out_dir!r} has lost its tokenizer ({copy!r} holds no tokenizer files): "
                              "rebuild it (falcon-fwa data --overwrite)")
-        if retimed:  # (touched, or written again with the same bytes: read once, not each reuse)
-            _retime(record_path, record, retimed)
+        # (touched, or written again with the same bytes: read once, not each reuse; of the recorded time, read
+        # again until that time is clearly older than this reuse, which a record kept then lets the next one see)
+        retimed = [(stamp, mtime) for stamp, mtime in retimed if stamp[0] != mtime or not _racy(mtime, checked)]
+        if retimed:
+            _retime(record_path, record, retimed, checked)
         return record
     files = source_files(spec, out_dir, name)
+    stamped = time.time_ns()  # before a file is hashed (see _racy)
     stamps = file_stamps(files)  # before a document is read: a file written while it is tokenized counts as changed
     _check_disjoint(files, spec, name)
     _check_copies(files, stamps, spec, name)
@@ -388,19 +412,33 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
     record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts,
               "files": files, "stamps": stamps}
-    write_json(record_path, record)
+    _keep_record(record_path, record, stamped)
     return record
 
 
-def _retime(record_path: str, record: dict, retimed: list) -> None:
+def _keep_record(record_path: str, record: dict, stamped: int) -> None:
+    """Write ``record`` to ``record_path`` atomically, its modification time set to ``stamped``, the time taken
+    before the stamps it holds were (:func:`_racy`: a file whose time is not clearly older is read on reuse).
+    A time the disk refuses to set leaves the one of the write, later."""
+    write_json(record_path, record)
+    try:
+        os.utime(record_path, ns=(stamped, stamped))
+    except OSError:
+        pass
+
+
+def _retime(record_path: str, record: dict, retimed: list, checked: int) -> None:
     """Keep in ``record`` (written to ``record_path`` atomically, as a preparation writes it) the times of the
-    ``retimed`` files (:func:`_same_bytes`): the next reuse takes them by their time, without reading them again.
-    A record the disk refuses to write is left as it was (the reuse needs none: it reads those files again)."""
+    ``retimed`` files (:func:`_same_bytes`) and ``checked``, the time taken before the reuse read them, as the one
+    the stamps were taken at (each file either read since, or vouched for by a time older than the earlier one):
+    the next reuse takes them by their time, without reading them again, once that time is clearly older
+    (:func:`_racy`). A record the disk refuses to write is left as it was (the reuse needs none: it reads those
+    files again)."""
     held = [stamp[0] for stamp, _ in retimed]
     for stamp, mtime in retimed:
         stamp[0] = mtime
     try:
-        write_json(record_path, record)
+        _keep_record(record_path, record, checked)
     except OSError:
         for (stamp, _), mtime in zip(retimed, held):  # the record returned is the one kept
             stamp[0] = mtime

@@ -34,7 +34,13 @@ def corpus(tmp_path):
     for i, text in enumerate(["alpha beta gamma", "delta epsilon", "zeta eta theta iota"]):
         (src / f"{i}.txt").write_text(text)
     val.write_text("kappa lambda")
+    age(src / "0.txt", src / "1.txt", src / "2.txt", val)
     return src, val
+
+
+def age(*paths):
+    for path in paths:
+        os.utime(path, ns=(0, os.stat(path).st_mtime_ns - 3600 * 10**9))
 
 
 def kept_times(out):
@@ -90,6 +96,7 @@ def test_a_touched_tokenizer_file_is_read_by_one_reuse_only(tmp_path, capsys, mo
     src, val = corpus(tmp_path)
     out, tok = tmp_path / "out", tmp_path / "tok"
     train_bpe_tokenizer(words(80, 4), 300).save_pretrained(tok)
+    age(*(tok / n for n in os.listdir(tok)))
     argv = ["--train", src, "--val", val, "--tokenizer", tok, "--out", out]
     status, record, err = run_data(capsys, *argv)
     assert status == 0, err

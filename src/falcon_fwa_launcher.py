@@ -4,7 +4,7 @@ standard library only.
 ``falcon-fwa``, ``falcon-fwa --help`` (``-h``) and ``falcon-fwa --version`` are answered here, and an
 unknown command is refused here (argparse's error naming it, exit status 2), all without importing the
 package: ``import falcon_fwa`` imports torch and transformers (it registers the models' Auto classes),
-which takes seconds. A command is run by :func:`falcon_fwa.cli.main`, imported only then. A Ctrl-C
+which takes seconds. A command is run by :func:`falcon_fwa.cli.run_named`, imported only then. A Ctrl-C
 during those imports (the package's, then the command's module) ends the command with
 ``falcon-fwa COMMAND: interrupted`` and the status of SIGINT (130), as a Ctrl-C during the command does,
 instead of a traceback; ``FALCON_FWA_TRACEBACK=1`` re-raises it.
@@ -104,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if traceback_requested():
             raise
         return interrupted(f"{PROG} {name}")
-    return cli.main(argv)
+    return cli.run_named(name, argv[1:])
 
 
 if __name__ == "__main__":

@@ -44,23 +44,23 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-_version = launcher.version
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    """``falcon-fwa`` (the top level as :func:`falcon_fwa_launcher.top_level` answers it) and its commands.
-    A Ctrl-C while the command's module is imported or its options parsed ends it as one during the
-    command does: ``falcon-fwa COMMAND: interrupted``, status 130."""
+    """``falcon-fwa`` (the top level as :func:`falcon_fwa_launcher.top_level` answers it) and its commands."""
     argv = sys.argv[1:] if argv is None else list(argv)
     name = launcher.top_level(argv)
-    if name is None:
-        return 0
+    return 0 if name is None else run_named(name, argv[1:])
+
+
+def run_named(name: str, argv: List[str]) -> int:
+    """The command ``name`` of :data:`COMMANDS` on its options ``argv``, as an exit status (:func:`run_command`).
+    A Ctrl-C while the command's module is imported or its options parsed ends it as one during the
+    command does: ``falcon-fwa COMMAND: interrupted``, status 130."""
     prog = f"{launcher.PROG} {name}"
     try:
         module = importlib.import_module(COMMANDS[name][0])
         cmd = argparse.ArgumentParser(prog=prog, description=COMMANDS[name][1], formatter_class=_HelpFormatter)
         module.add_arguments(cmd)
-        args = cmd.parse_args(argv[1:])
+        args = cmd.parse_args(argv)
     except KeyboardInterrupt:
         if launcher.traceback_requested():
             raise

@@ -102,12 +102,17 @@ class FalconAttention(nn.Module):
                                     has_ridge=self.gates.lambda_scale > 0, log_gate=self.gates.log_gate_kind,
                                     read=self.read, normalized_read=self.eps_attn is not None)
 
+    def op_backend(self) -> str:
+        """The op backend of the layer's ``backend``: "torch" and "triton" forced, "auto" otherwise (the op picks;
+        "fla" runs the op where flash-linear-attention does not)."""
+        return self.backend if self.backend in ("torch", "triton") else "auto"
+
     def step_backend(self) -> str:
         """The op backend of a one-token decoding step: the layer's, except that with ``backend="triton"`` a key
         dim above ``kernel_limits.MAX_FUSED_HEAD_DIM`` or a sliding window above ``MAX_FUSED_WINDOW``, which the
         fused step kernel does not hold but the chunk kernels train with (the inner-product rules' tiled keys,
         rule 3A's windows up to ``MAX_WINDOW``), decodes on the PyTorch step."""
-        backend = self.backend if self.backend in ("torch", "triton") else "auto"
+        backend = self.op_backend()
         if backend == "triton" and (self.head_k_dim > kernel_limits.MAX_FUSED_HEAD_DIM
                                     or (self.spec.sliding and self.window > kernel_limits.MAX_FUSED_WINDOW)):
             return "torch"
@@ -192,8 +197,7 @@ class FalconAttention(nn.Module):
                 o, final = falcon_attention(q, k, v, beta, lam, form=self.form, chunk_size=self.chunk_size,
                                             log_gate=log_gate, initial_state=init, output_final_state=want_state,
                                             cu_seqlens=packing.cu_seqlens, segments=self.segments,
-                                            backend=self.backend if self.backend in ("torch", "triton") else "auto",
-                                            **opts)
+                                            backend=self.op_backend(), **opts)
         if cache is not None:
             cache.store_state(final, packing.rows)
         return o

@@ -118,6 +118,31 @@ def test_full_k_of_16_bit_inputs_takes_the_tables(name):
             assert delta._full_k(name, 16, 8, dtype, slots)[1] == 16  # BV follows V, at least 16
 
 
+@pytest.mark.parametrize("name", ["state_fwd", "state_bwd", "wy_bwd"])
+def test_full_k_small_grid_entries_below_small_grid(name):
+    bf16 = torch.bfloat16
+    for slots, table, small in ((1, delta.FULL_K_16BIT, delta.FULL_K_16BIT_SMALL_GRID),
+                                (4, delta.FULL_K_16BIT_GROUPED, delta.FULL_K_16BIT_GROUPED_SMALL_GRID)):
+        wide = table[name]
+        c = small.get(name, wide)  # an entry the small-grid table lacks keeps the wide-grid setting
+        settings = (128, c["BV"], c["num_warps"], c["num_stages"])
+        assert delta._full_k(name, 128, 128, bf16, slots, delta.SMALL_GRID - 1) == settings
+        for n in (delta.SMALL_GRID, None):  # at SMALL_GRID sequences x heads, or unknown: the wide grid
+            assert delta._full_k(name, 128, 128, bf16, slots, n) == (128, wide["BV"], wide["num_warps"],
+                                                                     wide["num_stages"])
+        c256 = delta.FULL_K_16BIT_256[name]  # a 256-row key tile: its own table whatever the grid
+        assert delta._full_k(name, 256, 128, bf16, slots, 1) == (256, c256["BV"], c256["num_warps"],
+                                                                 c256["num_stages"])
+        assert delta._full_k(name, 128, 128, torch.float32, slots, 1) == delta._full_k(name, 128, 128,
+                                                                                       torch.float32, slots)
+    # by hand, the values the tables hold: rule 1 at B=2, H=16 (32 sequences x heads) and rule 3 at B=4
+    assert delta._full_k("state_fwd", 128, 128, bf16, 1, 32) == (128, 16, 2, 2)
+    assert delta._full_k("state_bwd", 128, 128, bf16, 1, 32) == (128, 32, 4, 2)
+    assert delta._full_k("state_fwd", 128, 128, bf16, 4, 64) == (128, 32, 2, 2)
+    assert delta._full_k("state_bwd", 128, 128, bf16, 4, 64) == (128, 64, 4, 2)
+    assert delta._full_k("state_fwd", 100, 24, bf16, 1, 32)[1] == 16  # BV follows V
+
+
 def test_full_k_of_four_byte_inputs_by_hand():
     f32 = torch.float32
     # BV = clamp(next_pow2(V), 16, min(32, 4096 // BK)); stages 3 to BK 64, 2 at 128, 1 at 256;

@@ -14,7 +14,7 @@ import torch
 from kernel_checks import DEVICE, check_kernel, check_segments_continue, in_this_process, needs_cuda, rel_norm
 
 from falcon_fwa import FalconState, falcon_attention
-from falcon_fwa.ops.triton import falcon_chunk_triton, falcon_recurrent_triton
+from falcon_fwa.ops.triton import delta, falcon_chunk_triton, falcon_recurrent_triton
 
 pytestmark = in_this_process
 each_rule = pytest.mark.parametrize("rule", ["1A", "1"])
@@ -128,6 +128,14 @@ def test_fp16_inputs(rule):
     check_kernel(rule, (1, 40, 2, 32, 32), torch.float16, seed=6)
 
 
+@pytest.mark.parametrize("small_grid", [delta.SMALL_GRID, 0])
+def test_fp16_state_kernels_at_either_grid_setting(small_grid, monkeypatch):
+    # 16-bit inputs: two sequences x two heads take the state kernels' small-grid settings (16 or 32
+    # value columns: V = 40 over three or two blocks); SMALL_GRID 0 gives them the wide-grid ones (64)
+    monkeypatch.setattr(delta, "SMALL_GRID", small_grid)
+    check_kernel("1", (2, 40, 2, 32, 40), torch.float16, state=True, output_final_state=True, seed=16)
+
+
 @each_rule
 def test_two_segments_continue_exactly(rule):
     check_segments_continue(rule, seed=7, cut=23)
@@ -161,6 +169,14 @@ def test_unsupported_switches_name_themselves():
 def test_cuda_benchmark_head_dims(rule, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     check_kernel(rule, (1, 2048, 2, 128, 128), dtype, chunk_size=64, output_final_state=True, state=True, device="cuda")
+
+
+@needs_cuda
+def test_cuda_bf16_state_kernels_at_wide_grid_settings(monkeypatch):
+    # the benchmark shapes' B x H is at or above SMALL_GRID: the wide-grid launch settings, here on 2 x 2
+    monkeypatch.setattr(delta, "SMALL_GRID", 0)
+    check_kernel("1", (1, 2048, 2, 128, 128), torch.bfloat16, chunk_size=64, output_final_state=True, state=True,
+                 device="cuda")
 
 
 @needs_cuda

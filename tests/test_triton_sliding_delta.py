@@ -19,6 +19,7 @@ from kernel_checks import (DEVICE, check_kernel, check_public_op_routing, check_
                            needs_cuda)
 
 from falcon_fwa.ops.triton import falcon_chunk_triton
+from falcon_fwa.ops.triton import delta
 from falcon_fwa.ops.triton.delta import delta_chunk
 
 pytestmark = in_this_process
@@ -203,8 +204,11 @@ def test_key_dim_above_128():
     _check((1, 12, 1, 136, 24), window=2, chunk_size=16, state=True, seed=61)
 
 
-def test_fp16_inputs():
-    _check((1, 33, 2, 32, 32), torch.float16, window=4, seed=60)
+@pytest.mark.parametrize("small_grid", [delta.SMALL_GRID, 0])
+def test_fp16_inputs(small_grid, monkeypatch):
+    # one sequence x two heads takes state_fwd's small-grid setting (32 value columns), SMALL_GRID 0 the wide one
+    monkeypatch.setattr(delta, "SMALL_GRID", small_grid)
+    _check((1, 33, 2, 32, 48), torch.float16, window=4, seed=60)
 
 
 def test_garbage_in_empty_tail_slots_and_short_segment():
@@ -303,6 +307,12 @@ def test_public_op_routes_3_to_the_kernels_only_when_asked():
 def test_cuda_benchmark_head_dims(dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     _check((1, 2048, 2, 128, 128), dtype, window=4, chunk_size=64, state=True, device="cuda")
+
+
+@needs_cuda
+def test_cuda_bf16_state_kernels_at_wide_grid_settings(monkeypatch):
+    monkeypatch.setattr(delta, "SMALL_GRID", 0)  # the settings of B x H at or above SMALL_GRID, here on 1 x 2
+    _check((1, 2048, 2, 128, 128), torch.bfloat16, window=4, chunk_size=64, state=True, device="cuda")
 
 
 @needs_cuda

@@ -68,6 +68,17 @@ FULL_K_16BIT = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2), "state_bwd"
 FULL_K_16BIT_GROUPED = {"state_fwd": dict(BV=64, num_warps=4, num_stages=2),
                         "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
                         "wy_bwd": dict(BV=64, num_warps=4, num_stages=3)}
+# Where the state kernels' grid is small: fewer than SMALL_GRID sequences x heads (B=4 or B=2 at H=16;
+# B=8 is 128), whose ``cdiv(V, 64)`` programs per sequence and head leave most of the 132 SMs of an H100
+# or H200 idle, narrower value blocks. From H100 sweeps (bf16, K = V = 128, forward+backward, device ms
+# inside the op): rule 1 at B=2, T=8192 (benchmarks/results/h100_rule1_b2_state_sweep_c374794.txt):
+# state_fwd 0.321 -> 0.263 ms at 16 columns and 2 warps, state_bwd 0.663 -> 0.487 at 32 columns and 4
+# warps (op 2.145 -> about 1.90); rule 3 at B=4 (h100_rule3_b4_state_sweep_c992b76.txt): state_fwd
+# 0.387 -> 0.335 at 32 columns and 2 warps, state_bwd fastest at the wide-grid setting (kept).
+SMALL_GRID = 128
+FULL_K_16BIT_SMALL_GRID = {"state_fwd": dict(BV=16, num_warps=2, num_stages=2),
+                           "state_bwd": dict(BV=32, num_warps=4, num_stages=2)}
+FULL_K_16BIT_GROUPED_SMALL_GRID = {"state_fwd": dict(BV=32, num_warps=2, num_stages=2)}
 # The same for 16-bit inputs at 128 < K <= 256 (a 256-row key tile), one write per step or grouped, from a
 # sweep of falcon-1 at B=4, T=2048, H=16, K=V=256 (h200_launch_sweep_2ae1a89.txt): state_fwd 0.722 -> 0.386
 # ms, state_bwd 1.946 -> 0.990, wy_bwd 0.583 -> 0.435, against (16, 8, 2). At most two stages: at three,
@@ -94,17 +105,23 @@ def _scalar(name: str, K: int, V: int, slots: int) -> dict:
     return launch_config(name, K, V, SCALAR_LAUNCH["one" if slots == 1 else "grouped"])
 
 
-def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int) -> Tuple[int, int, int, int]:
+def _full_k(name: str, K: int, V: int, dtype: torch.dtype, slots: int,
+            sequences_heads: Optional[int] = None) -> Tuple[int, int, int, int]:
     """Kernel ``name`` (``state_fwd``, ``state_bwd`` or ``wy_bwd``), which holds the whole key
     dimension: ``BK >= K``, ``BV``, warps and pipeline stages. 16-bit inputs take ``FULL_K_16BIT``
     (one write per step: rule 1 and the delta-rule baselines) or ``FULL_K_16BIT_GROUPED`` (grouped
-    writes: rule 3) at ``K <= 128``, ``FULL_K_16BIT_256`` above. Four-byte inputs run ``wy_bwd`` at
+    writes: rule 3) at ``K <= 128``, ``FULL_K_16BIT_256`` above; the state kernels, one program per
+    sequence, head and value block, take the ``*_SMALL_GRID`` entry of their table, where it has
+    one, when ``sequences_heads`` (sequences x heads) is below ``SMALL_GRID``. Four-byte inputs run ``wy_bwd`` at
     ``WY_WARPS``' warps, and take fewer pipeline stages than Triton's three where ``state_bwd`` would
     need more shared memory than the 227 KB of an sm_90 block: two at ``BK = 128`` (246 KB at three),
     one at ``BK = 256`` (266 KB at two) (``benchmarks/kernel_resources.py``)."""
     BK = max(16, next_power_of_2(K))
     if dtype.itemsize == 2 and BK <= 256:
         c = (FULL_K_16BIT_256 if BK > 128 else FULL_K_16BIT if slots == 1 else FULL_K_16BIT_GROUPED)[name]
+        if BK <= 128 and sequences_heads is not None and sequences_heads < SMALL_GRID:
+            small = FULL_K_16BIT_SMALL_GRID if slots == 1 else FULL_K_16BIT_GROUPED_SMALL_GRID
+            c = small.get(name, c)
         return BK, max(16, min(c["BV"], next_power_of_2(V))), c["num_warps"], c["num_stages"]
     BV = max(16, min(32, next_power_of_2(V), 4096 // BK))
     stages = 3 if BK <= 64 or dtype.itemsize < 4 else 2 if BK <= 128 else 1
@@ -177,7 +194,7 @@ def _forward(q, x, v, eta, kappa, log_a, S0, layout: ChunkLayout, read_after: bo
     h = q.new_empty(layout.num_chunks, H, K, V)
     D = torch.empty_like(U)
     S_T = q.new_empty(layout.N, H, K, V, dtype=torch.float32) if want_final else None
-    BK, BV, warps, stages = _full_k("state_fwd", K, V, q.dtype, slots)
+    BK, BV, warps, stages = _full_k("state_fwd", K, V, q.dtype, slots, layout.N * H)
     wy.state_fwd[(cdiv(V, BV), layout.N * H)](
         x, U, W, log_a, h, D, S0, S_T, H=H, K=K, V=V, BK=BK, BV=BV, HAS_S0=S0 is not None,
         STORE_FINAL=want_final, PRECISION=prec, num_warps=warps, num_stages=stages, **meta, **xa)
@@ -201,7 +218,7 @@ def _backward(q, x, v, eta, kappa, log_a, S0, A, W, h, D, do, dS_T, layout: Chun
     dD = torch.empty_like(D)
     dh = q.new_empty(layout.num_chunks, H, K, V)
     dS0 = torch.empty_like(S0, dtype=torch.float32) if S0 is not None else None
-    BK, BV, warps, stages = _full_k("state_bwd", K, V, q.dtype, slots)
+    BK, BV, warps, stages = _full_k("state_bwd", K, V, q.dtype, slots, layout.N * H)
     wy.state_bwd[(cdiv(V, BV), layout.N * H)](
         q, x, W, do, log_a, dD, dh, dS_T, dS0, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_DS_FINAL=dS_T is not None, STORE_DS0=dS0 is not None, READ_AFTER=read_after, PRECISION=prec,

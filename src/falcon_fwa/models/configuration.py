@@ -438,8 +438,9 @@ class FalconFWAConfig(PretrainedConfig):
             setattr(self, field, _int(field, getattr(self, field)))
             if getattr(self, field) < 1:
                 raise ValueError(f"config field {field!r} must be >= 1, got {getattr(self, field)}")
-        for field in TOKEN_ID_FIELDS:  # (also after vocab_size or an id was assigned on the built config)
-            setattr(self, field, _token_ids(field, getattr(self, field, None), self.vocab_size))
+        if built:  # after vocab_size or an id was assigned on the built config (the constructor checked the ids
+            for field in TOKEN_ID_FIELDS:  # it was given before PretrainedConfig stored them)
+                setattr(self, field, _token_ids(field, getattr(self, field, None), self.vocab_size))
         for field in BOOL_FIELDS:
             setattr(self, field, _bool(field, getattr(self, field)))
         for field in ("lambda_scale", "query_scale", "eps", "decay_floor", "rope_theta", "rms_norm_eps",

@@ -24,27 +24,24 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                  reason="needs torch.distributed with gloo")]
 
-# Trains each recipe of argv[1] with the model in float64 and a float64 loss (the trainer's loss without
-# its float32 cast of the logits), and saves, from rank 0, each step's gradients as the optimizer steps
-# with them and the weights after the step, gathered whole, by parameter name.
+# Trains each recipe of argv[1] with the model in float64 (whose loss the trainer computes and logs in float64), and
+# saves, from rank 0, the dtype and value of each micro-batch's loss as the trainer computes it, each step's
+# gradients as the optimizer steps with them and the weights after the step, gathered whole, by parameter name.
 WORKER = """
 import json, sys, torch
-import torch.nn.functional as F
-from falcon_fwa.models.modeling import output_object
 from falcon_fwa.train import Trainer, config_from_dict, distributed
 from falcon_fwa.train import trainer as trainer_module
 from falcon_fwa.train.model_factory import build_model
 from falcon_fwa.train.trainer import _full
 
-def loss64(model, batch, device, autocast):
-    kwargs = {"input_ids": batch["input_ids"].to(device), "use_cache": False, **output_object(model)}
-    if "cu_seqlens" in batch:
-        kwargs["cu_seqlens"] = batch["cu_seqlens"].to(device)
-    logits = model(**kwargs).logits
-    assert logits.dtype == torch.float64
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].to(device).reshape(-1))
+micro, loss = [], trainer_module.causal_lm_loss
 
-trainer_module.causal_lm_loss = loss64
+def observed(*args):
+    value = loss(*args)
+    micro.append((str(value.dtype), value.item()))
+    return value
+
+trainer_module.causal_lm_loss = observed
 for path, out in json.loads(sys.argv[1]):
     cfg = config_from_dict(json.load(open(path)))
     trainer = Trainer(cfg, model_fn=lambda v, e: build_model(cfg.model, vocab_size=v, eos_token_id=e).double())
@@ -59,8 +56,9 @@ for path, out in json.loads(sys.argv[1]):
     first = whole()
     trainer.train()
     if trainer.info.is_main:
-        torch.save({"init": first, "steps": steps, "world_size": trainer.info.world_size,
+        torch.save({"init": first, "steps": steps, "micro": micro, "world_size": trainer.info.world_size,
                     "strategy": trainer.info.strategy}, out)
+    micro.clear()
     trainer.close()
 distributed.teardown()
 """
@@ -82,7 +80,8 @@ def test_ddp_and_fsdp2_train_the_one_process_runs_gradients_and_weights_in_float
     """Six steps of global batch 4 (one process: four micro-steps of one row; two processes: two each),
     clipping at 1.0 reached, weight decay 0.1 on the matrices and the tied embedding, the gate offsets and
     decays in the vector group: each step's clipped gradients and the weights after it are one process's
-    to 1e-9 (in float32, rounding alone moves the first step's gradients by 1e-7 to 1e-6)."""
+    to 1e-9 (in float32, rounding alone moves the first step's gradients by 1e-7 to 1e-6). The model is float64
+    and so is the trainer's own loss, which each run logs: the same at every step to 1e-9."""
     (tmp_path / "worker.py").write_text(WORKER)
     paths, outs = {}, {}
     for strategy in ("single", "ddp", "fsdp2"):
@@ -99,13 +98,28 @@ def test_ddp_and_fsdp2_train_the_one_process_runs_gradients_and_weights_in_float
     weights = one["steps"][0]["weight"]
     assert all(v.dtype == torch.float64 for v in weights.values())
     # clipping acts: the logged norms (before clipping) pass 1.0 at some steps, whose gradients are scaled to 1.0
-    logged = [r["grad_norm"] for r in read_log(str(tmp_path / "single" / "log.jsonl"))]
+    records = {s: [r for r in read_log(str(tmp_path / s / "log.jsonl")) if "loss" in r] for s in outs}
+    logged = [r["grad_norm"] for r in records["single"]]
     clipped = [torch.cat([g.reshape(-1) for g in s["grad"].values()]).norm().item() for s in one["steps"]]
     assert len(logged) == 6 and any(n > 1.0 for n in logged), logged
     for before, after in zip(logged, clipped):
         assert abs(after - min(before, 1.0)) <= 1e-5, (logged, clipped)
+    # the trainer's loss of each micro-step is float64, and each step logs the mean of its four to 1e-15
+    # (a loss rounded to float32 is 1e-8 to 1e-7 off)
+    assert len(one["micro"]) == 24 and {dtype for dtype, _ in one["micro"]} == {"torch.float64"}, one["micro"]
+    loss = [r["loss"] for r in records["single"]]
+    for i, step_loss in enumerate(loss):
+        assert abs(step_loss - sum(v for _, v in one["micro"][4 * i:4 * i + 4]) / 4) <= 1e-15 * step_loss
     for strategy in ("ddp", "fsdp2"):
         two = torch.load(outs[strategy])
+        # rank 0's two rows of each step are two of the one process's four, and the logged mean over both ranks is
+        # the one process's mean, in float64 (to 1e-9, as the gradients and weights)
+        assert len(two["micro"]) == 12 and {dtype for dtype, _ in two["micro"]} == {"torch.float64"}, strategy
+        for i in range(6):
+            for _, v in two["micro"][2 * i:2 * i + 2]:
+                assert min(abs(v - w) for _, w in one["micro"][4 * i:4 * i + 4]) <= 1e-9 * v, (strategy, i)
+        assert [r["step"] for r in records[strategy]] == [r["step"] for r in records["single"]]
+        assert max(abs(r["loss"] - w) / w for r, w in zip(records[strategy], loss)) <= 1e-9, strategy
         assert (two["world_size"], two["strategy"], len(two["steps"])) == (2, strategy, 6)
         assert sorted(two["init"]) == sorted(one["init"])
         assert all(torch.equal(two["init"][k], v) for k, v in one["init"].items()), strategy

@@ -16,12 +16,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
-from ..cli_options import dtype_name, dtype_option
+from ..cli_options import dtype_name
 from ..data.packing import PACKINGS
 from ..data.prepare import DataSpec
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 DTYPES = ("bf16", "fp32")
+_DTYPE_SPELLING = {dtype_name(c, DTYPES): c for c in DTYPES}  # torch's name -> the recipe's (bfloat16 -> bf16)
 
 
 @dataclass
@@ -103,8 +104,7 @@ class RunConfig:
         d, o, t = self.data, self.optim, self.train
         # any spelling the commands' --dtype take (bf16/bfloat16, fp32/float32), kept in the recipe's own
         # (bf16, fp32), which the trainer reads; another value is refused with the accepted spellings
-        dtype_name(t.dtype, DTYPES, name="config field train.dtype")
-        t.dtype = dtype_option(DTYPES)(t.dtype)
+        t.dtype = _DTYPE_SPELLING[dtype_name(t.dtype, DTYPES, name="config field train.dtype")]
         checks = [
             (bool(d.train_source), "data.train_source", "must name the training documents"),
             (d.seq_len >= 1, "data.seq_len", "must be >= 1"),

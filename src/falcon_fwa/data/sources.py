@@ -86,16 +86,22 @@ def list_files(source: str, exclude: Optional[str] = None,
                name: Callable[[str], str] = lambda field: field) -> List[str]:
     """The data files a path, folder or glob names, sorted (stable order = stable token stream).
     ``exclude``: the output folder, whose files never count (see :func:`_excluded`: a search of a folder that
-    holds it skips it whole; a search inside it skips only what a preparation writes); below a source folder,
-    a folder of tokenized data (holding ``prepared.json``) other than the output does not count either. A source
-    whose every file is skipped so is a ``FileNotFoundError`` naming them and the output folder (as ``name``
-    calls ``out_dir``), not one that names no files."""
+    holds it skips it whole; a search inside it skips only what a preparation writes); in a source folder, or a
+    folder below it, that holds the record of another preparation (``prepared.json``, an earlier ``--out``), what
+    a preparation writes there does not count either (the record, its split and tokenizer folders), the other
+    files do (the corpus beside an earlier ``--out .``). A source whose every file is skipped so is a
+    ``FileNotFoundError`` naming them and the output folder (as ``name`` calls ``out_dir``), or naming the
+    record, not one that names no files."""
+    own = None if exclude is None else os.path.realpath(exclude)
     if os.path.isdir(source):
-        def other_output(root: str, names: List[str]) -> bool:  # (the output itself: see _excluded)
-            own = exclude is not None and os.path.realpath(root) == os.path.realpath(exclude)
-            return "prepared.json" in names and not own
 
-        files = list(walk_files(source, prune=other_output))
+        def other_output(root: str, names: List[str]) -> bool:  # (the output itself: see _excluded)
+            parent, base = os.path.split(os.path.normpath(root))
+            return (root != source and base in _OUTPUT_NAMES and os.path.realpath(parent or ".") != own
+                    and os.path.isfile(os.path.join(parent, "prepared.json")))
+
+        files = [f for f in walk_files(source, prune=other_output)
+                 if os.path.basename(f) != "prepared.json" or os.path.realpath(os.path.dirname(f)) == own]
     elif os.path.isfile(source):
         files = [source]
     else:
@@ -116,6 +122,11 @@ def list_files(source: str, exclude: Optional[str] = None,
         if os.path.isfile(source):
             raise FileNotFoundError(f"data source {source!r} is no {'/'.join(suffixes)} file (files are read by "
                                     "their suffix)")
+        record = os.path.join(source, "prepared.json")
+        if os.path.isfile(record) and os.path.realpath(source) != own:
+            raise FileNotFoundError(f"data source {source!r} holds no {'/'.join(suffixes)} files but those of the "
+                                    f"preparation {record!r} records (its train, val and tokenizer are no corpus): "
+                                    "give the files it was prepared from")
         raise FileNotFoundError(f"data source {source!r} names no {'/'.join(suffixes)} files")
     return files
 

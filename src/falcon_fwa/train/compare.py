@@ -415,10 +415,11 @@ def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str],
     checkpoint; its result's ``signal`` names what stopped the command), done or failed. Recipes not launched
     yet are not_run (their result's ``signal`` names it too). A second SIGTERM or SIGINT kills the runs still
     going at once (their process groups, SIGKILL): each is yielded killed, its ``signal`` naming that second
-    signal. What a run leaves in its process group (a data-loader worker, a grandchild) is killed as the run is
+    signal. Each launched run's result has its ``wall_s``: the seconds from its launch to its end (as
+    :func:`_collect` saw it), done, stopped, killed or failed. What a run leaves in its process group (a data-loader worker, a grandchild) is killed as the run is
     collected, and on any other way out of this generator, where ``os.waitid`` can see a run's end without
     reaping it (not on macOS: there what outlives a run's first process is not reached)."""
-    procs = {}
+    procs, launched = {}, {}
     if signals is None:
         signals = _active_run_signals()
     with (RunSignals(True) if signals is None else nullcontext(signals)) as signals:
@@ -430,8 +431,11 @@ def run_all(configs: List[str], names: List[str], out_dir: str, sets: List[str],
                     continue
                 run_dir = _fresh_dir(os.path.join(out_dir, tag, name))
                 procs[name] = (_launch(cfg, run_dir, sets, os.path.join(run_dir, "stdout.txt")), run_dir)
+                launched[name] = _clock()
                 yield name, "running", None
-            yield from _collect(procs, signals)
+            for name, status, result in _collect(procs, signals):
+                result["wall_s"] = _clock() - launched[name]  # from its launch to its end, whatever the end
+                yield name, status, result
         finally:  # ended otherwise (an error, a third Ctrl-C, the caller gone): no run goes on unseen
             _kill_runs([proc for proc, _ in procs.values()])
             for proc, _ in procs.values():
@@ -530,8 +534,9 @@ def summary_line(name: str, result: dict, index: int, total: int) -> str:
     """``[3/7] DeltaNet: partial 212/330 steps  val_ppl 4.123  45,678 tok/s  peak 1.23 GiB  61 s (first step 2.1 s)``"""
     r = result
     head = f"[{index}/{total}] {name}: {r['status']}"
-    if r.get("error"):
-        return f"{head}  {r['error'][:200]}"
+    if r.get("error"):  # (a failed run's line says how long it ran too; a run never started has no wall_s)
+        took = f" after {r['wall_s']:.0f} s" if r.get("wall_s") is not None else ""
+        return f"{head}{took}  {r['error'][:200]}"
     parts = [head + (f" {r.get('steps')}/{r.get('planned_steps')} steps" if r.get("planned_steps") else "")]
     if r.get("val_ppl") is not None:
         parts.append(f"val_ppl {r['val_ppl']:.3f}")

@@ -16,6 +16,7 @@ refused or failed with an error leaves no folder or file of its own behind.
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -25,7 +26,8 @@ from typing import Callable, Optional
 
 from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, check_replaceable, is_shard_folder, write_token_shards
-from .sources import TEXT_SPLITS, hf_dataset, hf_split_files, iter_documents, list_files, walk_files
+from .sources import (JSON_SUFFIXES, TEXT_SPLITS, TEXT_SUFFIXES, hf_dataset, hf_split_files, iter_documents,
+                      list_files, walk_files)
 from .tokenizer import (CHAT_TEMPLATE_DIR, bpe_vocab_size, canonical_spec, is_tokenizer_file, load_tokenizer,
                         same_spec)
 
@@ -77,14 +79,17 @@ class DataSpec:
                 raise ValueError(f"{name('tokenizer')} {err}") from None
 
 
-def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}"):
+def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}",
+          opener=None):
     """The documents of split ``which``; files under ``out_dir`` (the output, should it lie inside a
-    source folder) are no documents. Errors name the settings as ``name`` gives them."""
+    source folder) are no documents. Errors name the settings as ``name`` gives them; ``opener``: as in
+    :func:`~falcon_fwa.data.sources.iter_documents`."""
+    read = {} if opener is None else {"opener": opener}
     if which == "val" and spec.val_source is not None:
         return iter_documents(spec.val_source, text_split=spec.text_split, text_field=spec.text_field,
-                              split="validation", max_documents=spec.max_documents, exclude=out_dir, name=name)
+                              split="validation", max_documents=spec.max_documents, exclude=out_dir, name=name, **read)
     docs = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,
-                          split="train", max_documents=spec.max_documents, exclude=out_dir, name=name)
+                          split="train", max_documents=spec.max_documents, exclude=out_dir, name=name, **read)
     if spec.val_source is not None:
         return docs
     held_out = lambda i: i % spec.val_every == spec.val_every - 1  # noqa: E731
@@ -147,6 +152,110 @@ def _stamp(path: str) -> Optional[list]:
         return [os.stat(path).st_mtime_ns, _sha256(path)]
     except OSError:
         return None
+
+
+class _HashingFile(io.RawIOBase):
+    """A file open for reading whose bytes are hashed (SHA-256) as they are read, each once: a read past the
+    bytes hashed so far adds those it brings (a seek back, as a ``.json`` file's first look at its head takes,
+    reads them again unhashed). Closed, it gives its :class:`_ReadStamps` the hash of the bytes it has read from
+    the start, where they are the file's first ones, and its modification time taken when it was opened."""
+
+    def __init__(self, path: str, stamps: "_ReadStamps"):
+        super().__init__()
+        self._path, self._stamps = path, stamps
+        self._file = open(path, "rb", buffering=0)
+        self._mtime = os.fstat(self._file.fileno()).st_mtime_ns  # before a byte is read
+        self._digest, self._hashed, self._whole = hashlib.sha256(), 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        at = self._file.tell()
+        n = self._file.readinto(buffer)
+        if n == 0 and at == self._hashed:  # the end, every byte before it hashed
+            self._whole = True
+        elif at <= self._hashed < at + n:
+            with memoryview(buffer) as view:
+                self._digest.update(view[self._hashed - at:n])
+            self._hashed = at + n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._stamps.read(self._path, self._mtime, self._digest, None if self._whole else self._hashed)
+            finally:
+                self._file.close()
+        super().close()
+
+
+class _ReadStamps:
+    """The stamps (:func:`_stamp`) of a fresh preparation's source files, taken as they are read to be
+    tokenized, so that the corpus is read once: :meth:`open` is the ``opener`` of
+    :func:`~falcon_fwa.data.sources.iter_documents`, whose first read of a file hashes it (the modification time
+    taken before, as :func:`_stamp` takes it); a file read again (without ``val_source`` the training files are
+    read for each split) is read plainly. :meth:`stamp` gives a file's stamp: a file whose reading stopped before
+    its end (``max_documents``, the documents that train a BPE) is hashed on from there, one no document was read
+    from (past ``max_documents``, a Parquet file, which ``pyarrow`` reads in no order) is stamped whole."""
+
+    def __init__(self):
+        self._stamps: dict = {}  # path -> stamp of a file read whole, or [mtime, digest, bytes hashed]
+        self._reading: set = set()  # paths open now, hashed
+
+    def open(self, path: str):
+        if path in self._stamps or path in self._reading:
+            return open(path, "rb")
+        self._reading.add(path)
+        try:
+            return io.BufferedReader(_HashingFile(path, self))
+        except BaseException:
+            self._reading.discard(path)
+            raise
+
+    def read(self, path: str, mtime: int, digest, hashed: Optional[int]) -> None:
+        """What a :class:`_HashingFile` of ``path`` read, closed: the hash of its first ``hashed`` bytes, or
+        (``None``) of them all."""
+        self._reading.discard(path)
+        self._stamps[path] = [mtime, digest.hexdigest()] if hashed is None else [mtime, digest, hashed]
+
+    def retake(self, paths) -> None:
+        """Stamp ``paths`` again now (the files of a tokenizer folder a save has written again)."""
+        for path in paths:
+            self._stamps[path] = _stamp(path)
+
+    def stamp(self, path: str) -> Optional[list]:
+        """The stamp of ``path`` (:func:`_stamp`; ``None`` for a file gone), kept for a later call."""
+        held = self._stamps.get(path)
+        if held is None:
+            self._stamps[path] = _stamp(path)
+        elif len(held) == 3:  # read in part: the bytes past those hashed
+            mtime, digest, hashed = held
+            try:
+                with open(path, "rb") as f:
+                    f.seek(hashed)
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(block)
+                self._stamps[path] = [mtime, digest.hexdigest()]
+            except OSError:
+                self._stamps[path] = None  # gone since
+        return self._stamps[path]
+
+
+def _read_on_tokenizing(path: str, source: Optional[str]) -> bool:
+    """Whether a file of a local ``source`` is read through the opener of ``iter_documents`` (a text or JSON file;
+    ``pyarrow`` reads a Parquet one, ``datasets`` an ``hf:`` dataset folder's)."""
+    return source is not None and not source.startswith("hf:") and \
+        path.lower().endswith(TEXT_SUFFIXES + JSON_SUFFIXES)
 
 
 RACY_NS = 2 * 10**9  # the coarsest timestamp step of a filesystem kept: FAT's 2 s (ext3, HFS+: 1 s)
@@ -233,17 +342,21 @@ def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> 
                          "splits; give sources that share no file")
 
 
-def _check_copies(files: dict, stamps: dict, spec: DataSpec, name: Callable[[str], str]) -> None:
-    """``ValueError`` when a file of a local val source holds the same bytes (its SHA-256, :func:`file_stamps`) as
-    a file of a local train source under another name, a copy: its documents would be in both splits, as those of
-    one file both read would (:func:`_check_disjoint`). Empty files hold no document and pass; ``hf:`` sources
-    are left to :func:`_check_disjoint` (one dataset folder may be both, its splits' files apart)."""
+def _check_copies(files: dict, reads: "_ReadStamps", spec: DataSpec, name: Callable[[str], str]) -> None:
+    """``ValueError`` when a file of a local val source holds the same bytes (its SHA-256, as ``reads`` stamps it:
+    :meth:`_ReadStamps.stamp`) as a file of a local train source under another name, a copy: its documents would be
+    in both splits, as those of one file both read would (:func:`_check_disjoint`). Only files of one size in both
+    sources are hashed (read) here, before the others are read to be tokenized. Empty files hold no document and
+    pass; ``hf:`` sources are left to :func:`_check_disjoint` (one dataset folder may be both, its splits' files
+    apart)."""
     if spec.val_source is None or any(s.startswith("hf:") for s in (spec.train_source, spec.val_source)):
         return
-    train = {stamp[1]: path for path, stamp in (stamps.get("train") or {}).items()
-             if stamp is not None and files["train"].get(path)}
-    for path, stamp in sorted((stamps.get("val") or {}).items()):
-        if stamp is not None and files["val"].get(path) and stamp[1] in train:
+    sizes = set(files["train"].values()) & set(files["val"].values()) - {0}
+    stamps = {which: {path: reads.stamp(path) for path, size in files[which].items() if size in sizes}
+              for which in ("train", "val")}
+    train = {stamp[1]: path for path, stamp in stamps["train"].items() if stamp is not None}
+    for path, stamp in sorted(stamps["val"].items()):
+        if stamp is not None and stamp[1] in train:
             raise ValueError(f"{name('val_source')} file {path!r} holds the same bytes as {train[stamp[1]]!r}, read "
                              f"by {name('train_source')} {spec.train_source!r}: its documents would be in both "
                              f"splits; give {name('val_source')} files that are no copy of a training file")
@@ -384,32 +497,44 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         return record
     files = source_files(spec, out_dir, name)
     stamped = time.time_ns()  # before a file is hashed (see _racy)
-    stamps = file_stamps(files)  # before a document is read: a file written while it is tokenized counts as changed
     _check_disjoint(files, spec, name)
-    _check_copies(files, stamps, spec, name)
+    # each file stamped before a document of it is read (a file written while it is tokenized counts as changed):
+    # the text and JSON files of a local source as they are read to be tokenized (the corpus is read once), the
+    # others (Parquet, an hf: dataset folder's, the tokenizer folder's) now
+    reads, sources = _ReadStamps(), {"train": spec.train_source, "val": spec.val_source}
+    for which, paths in files.items():
+        for path in paths or ():
+            if not _read_on_tokenizing(path, sources.get(which)):
+                reads.stamp(path)
+    _check_copies(files, reads, spec, name)
     for which in ("train", "val"):  # before the tokenizer is trained or saved into a folder of something else
         check_replaceable(os.path.join(out_dir, which))
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)
-    texts = None
+    texts = bpe_docs = None
     if spec.tokenizer.startswith("bpe:"):  # the training documents only: none held out for validation
-        texts = itertools.islice(_docs(spec, "train", out_dir, name), spec.bpe_documents)
+        bpe_docs = _docs(spec, "train", out_dir, name, reads.open)
+        texts = itertools.islice(bpe_docs, spec.bpe_documents)
     tokenizer = load_tokenizer(spec.tokenizer, texts=texts, name=name("tokenizer"))
+    if bpe_docs is not None:
+        bpe_docs.close()  # the file it stopped in: its hash goes on from there (_ReadStamps)
     save_tokenizer(tokenizer, os.path.join(out_dir, "tokenizer"))
     if files.get("tokenizer") is not None and os.path.samefile(spec.tokenizer, os.path.join(out_dir, "tokenizer")):
         # the tokenizer was loaded from the folder it is saved into (tokenized again with the copy an earlier
         # preparation saved): the folder as this save left it, which the next run finds
         files["tokenizer"] = tokenizer_files(spec)
-        stamps["tokenizer"] = file_stamps({"tokenizer": files["tokenizer"]})["tokenizer"]
+        reads.retake(files["tokenizer"])
     counts = {}
     for which in ("train", "val"):
         try:
-            meta = write_token_shards(_docs(spec, which, out_dir, name), tokenizer, os.path.join(out_dir, which),
-                                      desc=f"tokenize {which}")
+            meta = write_token_shards(_docs(spec, which, out_dir, name, reads.open), tokenizer,
+                                      os.path.join(out_dir, which), desc=f"tokenize {which}")
         except NoDocuments as err:
             raise ValueError(f"{err}: {_empty_split(spec, which, name)}") from None
         counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
+    stamps = {which: None if paths is None else {path: reads.stamp(path) for path in paths}
+              for which, paths in files.items()}
     record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts,
               "files": files, "stamps": stamps}
     _keep_record(record_path, record, stamped)

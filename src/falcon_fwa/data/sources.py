@@ -18,11 +18,12 @@ strings.
 from __future__ import annotations
 
 import glob
+import io
 import itertools
 import json
 import os
 import re
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import BinaryIO, Callable, Iterator, List, Optional, Tuple
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -171,9 +172,22 @@ def _split_lines(f, text_split: str) -> Iterator[str]:
         yield text
 
 
-def _json_records(path: str) -> Iterator[Tuple[str, dict]]:
+Opener = Callable[[str], BinaryIO]
+
+
+def _open_binary(path: str) -> BinaryIO:
+    return open(path, "rb")
+
+
+def _open_text(path: str, opener: Opener):
+    """``path`` as ``open(path, encoding="utf-8-sig", errors="replace")`` reads it (no UTF-8 -> U+FFFD, no BOM,
+    ``\r\n`` and ``\r`` -> ``\n``), its bytes read through ``opener``."""
+    return io.TextIOWrapper(opener(path), encoding="utf-8-sig", errors="replace")
+
+
+def _json_records(path: str, opener: Opener = _open_binary) -> Iterator[Tuple[str, dict]]:
     """``(where, record)`` of a JSON Lines file, or of a ``.json`` file holding one array of records."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:  # as a text file: no UTF-8 -> U+FFFD, no BOM
+    with _open_text(path, opener) as f:  # as a text file
         if path.lower().endswith(".json"):
             head = f.read(4096).lstrip()
             f.seek(0)
@@ -217,13 +231,14 @@ def _record_text(where: str, record, text_field: str,
     return text
 
 
-def _iter_file(path: str, text_split: str, text_field: str, name: Callable[[str], str]) -> Iterator[str]:
+def _iter_file(path: str, text_split: str, text_field: str, name: Callable[[str], str],
+               opener: Opener = _open_binary) -> Iterator[str]:
     lowered = path.lower()  # suffixes in any case
     if lowered.endswith(TEXT_SUFFIXES):
-        with open(path, encoding="utf-8-sig", errors="replace") as f:
+        with _open_text(path, opener) as f:
             yield from (_split_text(f.read(), text_split) if text_split == "file" else _split_lines(f, text_split))
     elif lowered.endswith(JSON_SUFFIXES):
-        for where, record in _json_records(path):
+        for where, record in _json_records(path, opener):
             text = _record_text(where, record, text_field, name)
             if text is not None:  # null, empty or blank text: no document (as in Parquet and text files)
                 yield text
@@ -315,17 +330,20 @@ def _hf_texts(source: str, split: str, text_field: str,
 
 def iter_documents(source: str, *, text_split: str = "file", text_field: str = "text",
                    split: str = "train", max_documents: Optional[int] = None,
-                   exclude: Optional[str] = None, name: Callable[[str], str] = lambda field: field) -> Iterator[str]:
+                   exclude: Optional[str] = None, name: Callable[[str], str] = lambda field: field,
+                   opener: Opener = _open_binary) -> Iterator[str]:
     """Yield the documents of ``source`` (see the module docstring); ``exclude`` as in :func:`list_files`.
     ``name`` turns a setting into the name the caller knows it by, for errors (``text_field`` -> a command's
-    ``--text-field``, a recipe's ``data.text_field``)."""
+    ``--text-field``, a recipe's ``data.text_field``). ``opener(path)`` opens a local text or JSON file for
+    reading, as ``open(path, "rb")`` (a preparation hashes the bytes as they are read); Parquet files and
+    ``hf:`` datasets are read by ``pyarrow`` and ``datasets``."""
     if text_split not in TEXT_SPLITS:
         raise ValueError(f"{name('text_split')} must be one of {TEXT_SPLITS}, got {text_split!r}")
     if source.startswith("hf:"):
         stream = _hf_texts(source, split, text_field, name)
     else:
         stream = (doc for path in list_files(source, exclude, name)
-                  for doc in _iter_file(path, text_split, text_field, name))
+                  for doc in _iter_file(path, text_split, text_field, name, opener))
     for n, doc in enumerate(stream):
         if max_documents is not None and n >= max_documents:
             return

@@ -1,9 +1,13 @@
-"""A failed recipe's time: its one-line result says how long it ran, and a --concurrent run records its wall_s
-(from its launch to its end) whether it fails or finishes."""
+"""A failed recipe's time: its one-line result says how long it ran, a --concurrent run records its wall_s
+(from its launch to its end) whether it fails or finishes, and so does a throughput row that ran out of memory."""
+import json
 import subprocess
 import sys
 
-from falcon_fwa.train import compare
+import torch
+
+from falcon_fwa import cli
+from falcon_fwa.train import compare, throughput
 
 # a run that takes half a second, then finishes (exit 0 with its summary) or fails (exit 3, printing an error)
 RUN = """
@@ -48,3 +52,26 @@ def test_a_concurrent_run_records_its_wall_time_failed_or_done(tmp_path, monkeyp
         assert 0.5 <= result["wall_s"] < 30, result
     line = compare.summary_line("broken", {**ended["broken"][1], "status": "failed"}, 2, 2)
     assert line.startswith("[2/2] broken: failed after ") and line.endswith(" s  exit code 3: RuntimeError: boom")
+
+
+def test_a_throughput_measurement_out_of_memory_records_its_wall_time(tmp_path, monkeypatch):
+    """On a clock that measure moves on by 2.5 s (then runs out of memory) and 4 s (then measures): each row's
+    wall_s is what its measurement took."""
+    clock = {"now": 100.0}
+    monkeypatch.setattr(throughput, "_clock", lambda: clock["now"])
+
+    def measure(config, **kw):
+        if kw["seq_len"] == 16:
+            clock["now"] += 2.5
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        clock["now"] += 4.0
+        return {"tokens_per_s": 10.0}
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    out = tmp_path / "rows.jsonl"
+    assert cli.main(["throughput", "--preset", "tiny-falcon", "--seq-len", "16", "8", "--device", "cpu",
+                     "--no-progress", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["seq_len"] for r in rows] == [16, 8]
+    assert rows[0]["error"].startswith("out of memory: CUDA out of memory") and rows[0]["wall_s"] == 2.5
+    assert "error" not in rows[1] and rows[1]["wall_s"] == 4.0

@@ -27,7 +27,8 @@ appended to ``--out`` (JSON lines; its folder made where missing) as soon as it 
 in the file. ``falcon_op`` says what computed the falcon layers: ``"triton"`` (the chunk kernels),
 ``"torch"`` (the PyTorch forms), ``"fla"``, ``"none"`` (no falcon layers), or ``"mixed"``. A measurement
 that runs out of device memory gets a row with
-``"error": "out of memory: ..."`` (the message's first 200 characters) and the next one runs.
+``"error": "out of memory: ..."`` (the message's first 200 characters) and the next one runs. Each measured
+row's ``wall_s`` is the seconds its measurement took, from building the model (out of memory or not).
 A progress bar on standard error counts each measurement's ``--warmup`` + ``--steps`` steps, the last
 step's seconds beside it (``--no-progress``: none); standard output carries only the rows (JSON lines, for
 scripts). ``--table``: standard output carries a table instead, a line per row as it is measured: preset,
@@ -433,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
             row["skipped"] = f"--deadline {args.deadline:g} s passed before this measurement"
             _append_row(args.out, row, *table)
             continue
+        started = _clock()
         try:
             row.update(measure(config, seq_len=seq_len, batch_size=batch_size, steps=args.steps,
                                warmup=args.warmup, min_steps=args.min_steps, max_seconds=args.max_seconds,
@@ -441,6 +443,7 @@ def run(args: argparse.Namespace) -> int:
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()
+        row["wall_s"] = _clock() - started  # the model's building included; also where it ran out of memory
         _append_row(args.out, row, *table)
     return 0
 

@@ -346,8 +346,9 @@ def _check_copies(files: dict, reads: "_ReadStamps", spec: DataSpec, name: Calla
     """``ValueError`` when a file of a local val source holds the same bytes (its SHA-256, as ``reads`` stamps it:
     :meth:`_ReadStamps.stamp`) as a file of a local train source under another name, a copy: its documents would be
     in both splits, as those of one file both read would (:func:`_check_disjoint`). Only files of one size in both
-    sources are hashed (read) here, before the others are read to be tokenized. Empty files hold no document and
-    pass; ``hf:`` sources are left to :func:`_check_disjoint` (one dataset folder may be both, its splits' files
+    sources are hashed (read) here, before the others are read to be tokenized. A copy that holds no document
+    (an empty file, one of blank lines, a JSON ``[]``, as ``text_split`` and ``text_field`` read it) adds none to
+    either split, and passes; ``hf:`` sources are left to :func:`_check_disjoint` (one dataset folder may be both, its splits' files
     apart)."""
     if spec.val_source is None or any(s.startswith("hf:") for s in (spec.train_source, spec.val_source)):
         return
@@ -356,10 +357,19 @@ def _check_copies(files: dict, reads: "_ReadStamps", spec: DataSpec, name: Calla
               for which in ("train", "val")}
     train = {stamp[1]: path for path, stamp in stamps["train"].items() if stamp is not None}
     for path, stamp in sorted(stamps["val"].items()):
-        if stamp is not None and stamp[1] in train:
+        if stamp is not None and stamp[1] in train and _holds_document(path, spec, name):
             raise ValueError(f"{name('val_source')} file {path!r} holds the same bytes as {train[stamp[1]]!r}, read "
                              f"by {name('train_source')} {spec.train_source!r}: its documents would be in both "
                              f"splits; give {name('val_source')} files that are no copy of a training file")
+
+
+def _holds_document(path: str, spec: DataSpec, name: Callable[[str], str]) -> bool:
+    """Whether the file at ``path`` yields a document as ``spec`` reads it."""
+    docs = iter_documents(path, text_split=spec.text_split, text_field=spec.text_field, max_documents=1, name=name)
+    try:
+        return next(docs, None) is not None
+    finally:
+        docs.close()
 
 
 def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Optional[dict] = None,

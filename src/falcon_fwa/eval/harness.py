@@ -244,12 +244,20 @@ _TASK_MANAGERS: "collections.OrderedDict" = collections.OrderedDict()
 _TASK_MANAGERS_KEPT = 4
 
 
+# the folders whose YAML files the harness's index leaves out (lm_eval.tasks._index._IGNORE_DIRS): a notebook's
+# checkpoint copies, Python's caches
+INDEX_IGNORED_FOLDERS = frozenset({"__pycache__", ".ipynb_checkpoints"})
+
+
 def _yaml_files_state(folder: str) -> tuple:
-    """The YAML files under ``folder`` (as the harness's index finds them), each with its size and modification
-    time: a file added, removed or edited changes it."""
+    """The YAML files under ``folder`` (as the harness's index finds them: none under a folder of
+    :data:`INDEX_IGNORED_FOLDERS`), each with its size and modification time: a file added, removed or edited
+    changes it; one the index leaves out (a notebook's checkpoint copy) does not."""
     root = Path(folder)
     state = []
     for path in sorted(root.glob("**/*.yaml")):
+        if INDEX_IGNORED_FOLDERS.intersection(path.relative_to(root).parts[:-1]):
+            continue
         try:
             stat = path.stat()
         except OSError:  # (a dangling link: the index skips it too)

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from ..atomic import folder_lock, make_folders, naming, remove_created, remove_temporaries, write_json
+from ..atomic import folder_lock, fsync_folder, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, check_replaceable, is_shard_folder, write_token_shards
 from .sources import (JSON_SUFFIXES, TEXT_SPLITS, TEXT_SUFFIXES, hf_dataset, hf_split_files, iter_documents,
                       list_files, walk_files)
@@ -109,13 +109,36 @@ def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lamb
         if source.startswith("hf:"):
             return _folder_files(hf_dataset(source)[0], out_dir)
         try:
-            return {path: os.path.getsize(path) for path in list_files(source, exclude=out_dir, name=name)}
+            paths = list_files(source, exclude=out_dir, name=name)
         except FileNotFoundError as err:
             raise FileNotFoundError(f"{name(field)}: {err}") from None
+        _refuse_shard_folders(paths, source, name(field))
+        return {path: os.path.getsize(path) for path in paths}
 
     files = {"train": sizes("train_source"), "val": sizes("val_source")}
     tokenizer = tokenizer_files(spec)
     return files if tokenizer is None else {**files, "tokenizer": tokenizer}
+
+
+def _refuse_shard_folders(paths: list, source: str, option: str) -> None:
+    """``ValueError`` naming ``option`` and ``source`` where a file of ``paths`` is the ``meta.json`` of a token shard
+    folder (a split that a preparation wrote: ``prep/train`` of ``--out prep``, a glob over it): its tokens are no
+    text to tokenize, and its ``meta.json`` no JSON Lines. What a preparation wrote is trained on as it is, by a
+    recipe's ``data.out_dir``."""
+    for path in paths:
+        folder = os.path.dirname(path) or "."
+        if os.path.basename(path) != "meta.json" or not is_shard_folder(folder):
+            continue
+        what = "is a prepared token shard folder" if os.path.normpath(folder) == os.path.normpath(source) else \
+            f"names the prepared token shard folder {folder!r}"
+        prepared = os.path.dirname(os.path.normpath(folder)) or "."
+        if os.path.isfile(os.path.join(prepared, "prepared.json")):
+            instead = (f"to train on it, give its preparation {prepared!r} as the recipe's data.out_dir (falcon-fwa "
+                       f"train --set data.out_dir={prepared}), with the settings its prepared.json records; to "
+                       "tokenize again, give the files it was prepared from")
+        else:
+            instead = "give the text, JSON or Parquet files it was tokenized from"
+        raise ValueError(f"{option} {source!r} {what} (meta.json, tokens-*.bin), no text to tokenize: {instead}")
 
 
 def tokenizer_files(spec: DataSpec) -> Optional[dict]:
@@ -522,6 +545,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(record_path):  # a rebuild: until it completes, the folder holds no prepared dataset
         os.remove(record_path)
+        fsync_folder(out_dir)  # the removal on disk before a new shard is: a power loss leaves no stale record
     texts = bpe_docs = None
     if spec.tokenizer.startswith("bpe:"):  # the training documents only: none held out for validation
         bpe_docs = _docs(spec, "train", out_dir, name, reads.open)

@@ -103,3 +103,32 @@ def test_a_file_read_in_part_is_hashed_whole(tmp_path):
         record = prepare_dataset(spec, str(tmp_path / "out"), overwrite=True)
         assert {path: stamp[1] for path, stamp in record["stamps"]["train"].items()} == \
             {str(path): _sha(path) for path in sorted(src.iterdir())}
+
+
+@pytest.mark.parametrize("text_split", ["file", "line"])
+def test_without_val_each_training_file_is_opened_once_for_both_splits(tmp_path, opened, text_split):
+    """Without --val the held-out documents are kept aside as the training files are read for the train split: no
+    file is read a second time for the val split, and the splits hold what every --val-every-th document gives."""
+    src, _ = _files(tmp_path)
+    sources = sorted(src.iterdir())
+    spec = DataSpec(train_source=str(src), text_split=text_split, val_every=3)
+    record = prepare_dataset(spec, str(tmp_path / "out"))
+    for path in sources:
+        assert opened.count(os.path.realpath(path)) == 1, (path, opened.count(os.path.realpath(path)))
+    for path in sources:
+        assert record["stamps"]["train"][str(path)][1] == _sha(path), path
+    # the documents, read here as Python reads the files, every third held out
+    docs = []
+    for path in sources:
+        if path.suffix in (".txt", ".md"):
+            with open(path, encoding="utf-8-sig", errors="replace") as f:
+                text = f.read()
+            docs += [part for part in ([text] if text_split == "file" else text.split("\n")) if part.strip()]
+        elif path.suffix == ".jsonl":
+            docs += [json.loads(line)["text"] for line in path.read_text().splitlines()]
+        else:
+            docs += [r["text"] for r in json.loads(path.read_text())]
+    assert len(docs) == (1 if text_split == "file" else 4) + 300 + 200
+    assert stored(tmp_path / "out" / "val") == [(256, d.encode()) for d in docs[2::3]]
+    assert stored(tmp_path / "out" / "train") == [(256, d.encode()) for i, d in enumerate(docs) if i % 3 != 2]
+    assert sorted(os.listdir(tmp_path / "out")) == [".prepare.lock", "prepared.json", "tokenizer", "train", "val"]

@@ -15,14 +15,16 @@ refused or failed with an error leaves no folder or file of its own behind.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
 import json
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ..atomic import folder_lock, fsync_folder, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, check_replaceable, is_shard_folder, write_token_shards
@@ -81,8 +83,8 @@ class DataSpec:
 
 def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}",
           opener=None):
-    """The documents of split ``which``; files under ``out_dir`` (the output, should it lie inside a
-    source folder) are no documents. Errors name the settings as ``name`` gives them; ``opener``: as in
+    """The documents of split ``which`` (``"all"``: every document of the training source, none held out); files
+    under ``out_dir`` (the output, should it lie inside a source folder) are no documents. Errors name the settings as ``name`` gives them; ``opener``: as in
     :func:`~falcon_fwa.data.sources.iter_documents`."""
     read = {} if opener is None else {"opener": opener}
     if which == "val" and spec.val_source is not None:
@@ -90,10 +92,36 @@ def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] =
                               split="validation", max_documents=spec.max_documents, exclude=out_dir, name=name, **read)
     docs = iter_documents(spec.train_source, text_split=spec.text_split, text_field=spec.text_field,
                           split="train", max_documents=spec.max_documents, exclude=out_dir, name=name, **read)
-    if spec.val_source is not None:
+    if spec.val_source is not None or which == "all":
         return docs
-    held_out = lambda i: i % spec.val_every == spec.val_every - 1  # noqa: E731
-    return (d for i, d in enumerate(docs) if held_out(i) == (which == "val"))
+    return (d for i, d in enumerate(docs) if _is_held_out(i, spec.val_every) == (which == "val"))
+
+
+def _is_held_out(i: int, val_every: int) -> bool:
+    """Whether the ``i``-th document (from 0) of a training source is held out for validation (no ``val_source``)."""
+    return i % val_every == val_every - 1
+
+
+def _hold_out(docs, val_every: int, spill) -> Iterator[str]:
+    """The training documents of ``docs`` (all documents of the training source, in order); every ``val_every``-th,
+    held out for validation, is written to the binary file ``spill`` instead (:func:`_held_out`), so that without
+    ``val_source`` the source is read once for both splits."""
+    for i, doc in enumerate(docs):
+        if _is_held_out(i, val_every):
+            data = doc.encode("utf-8", "surrogatepass")  # (each document as it was, whatever its text)
+            spill.write(len(data).to_bytes(8, "little") + data)
+        else:
+            yield doc
+
+
+def _held_out(spill) -> Iterator[str]:
+    """The documents :func:`_hold_out` wrote to ``spill``, in order."""
+    spill.seek(0)
+    while True:
+        size = spill.read(8)
+        if not size:
+            return
+        yield spill.read(int.from_bytes(size, "little")).decode("utf-8", "surrogatepass")
 
 
 def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
@@ -226,8 +254,8 @@ class _ReadStamps:
     """The stamps (:func:`_stamp`) of a fresh preparation's source files, taken as they are read to be
     tokenized, so that the corpus is read once: :meth:`open` is the ``opener`` of
     :func:`~falcon_fwa.data.sources.iter_documents`, whose first read of a file hashes it (the modification time
-    taken before, as :func:`_stamp` takes it); a file read again (without ``val_source`` the training files are
-    read for each split) is read plainly. :meth:`stamp` gives a file's stamp: a file whose reading stopped before
+    taken before, as :func:`_stamp` takes it); a file read again (the documents that train a BPE are read again to
+    be tokenized) is read plainly. :meth:`stamp` gives a file's stamp: a file whose reading stopped before
     its end (``max_documents``, the documents that train a BPE) is hashed on from there, one no document was read
     from (past ``max_documents``, a Parquet file, which ``pyarrow`` reads in no order) is stamped whole."""
 
@@ -560,13 +588,22 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         files["tokenizer"] = tokenizer_files(spec)
         reads.retake(files["tokenizer"])
     counts = {}
-    for which in ("train", "val"):
-        try:
-            meta = write_token_shards(_docs(spec, which, out_dir, name, reads.open), tokenizer,
-                                      os.path.join(out_dir, which), desc=f"tokenize {which}")
-        except NoDocuments as err:
-            raise ValueError(f"{err}: {_empty_split(spec, which, name)}") from None
-        counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
+    # without val_source the documents held out are kept aside (a file of no name in out_dir) as the training source
+    # is read for the train split, and tokenized from there: the source is read once
+    with contextlib.ExitStack() as stack:
+        spill = None if spec.val_source is not None else stack.enter_context(tempfile.TemporaryFile(dir=out_dir))
+        for which in ("train", "val"):
+            if spill is None:
+                docs = _docs(spec, which, out_dir, name, reads.open)
+            elif which == "train":
+                docs = _hold_out(_docs(spec, "all", out_dir, name, reads.open), spec.val_every, spill)
+            else:
+                docs = _held_out(spill)
+            try:
+                meta = write_token_shards(docs, tokenizer, os.path.join(out_dir, which), desc=f"tokenize {which}")
+            except NoDocuments as err:
+                raise ValueError(f"{err}: {_empty_split(spec, which, name)}") from None
+            counts[which] = {"n_tokens": meta["n_tokens"], "n_docs": meta["n_docs"]}
     stamps = {which: None if paths is None else {path: reads.stamp(path) for path in paths}
               for which, paths in files.items()}
     record = {"spec": wanted, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "counts": counts,

@@ -281,7 +281,7 @@ class FalconFWAConfig(PretrainedConfig):
     and ``head_v_dim`` left unset), ``rope_theta``; attention through ``scaled_dot_product_attention``. It
     reads none of the recurrent mixers' switches above: one of the rule, gate and feature switches set to
     another value than the Transformer's own (``qk_norm="rmsnorm"``, ``use_short_conv=True``, ...) is refused
-    by name; the settings of the recurrent op (``window``, ``form``, ``chunk_size``, ``segments``, ``eps``,
+    by name (assigned after the config was built: when it is saved or a model is built from it); the settings of the recurrent op (``window``, ``form``, ``chunk_size``, ``segments``, ``eps``,
     ``decay_floor``, ``conv_size``, ``backend``) are kept as given and not read.
 
     Scaling (muP): ``initializer_range`` (std at the base width), ``mup_base_width``
@@ -421,6 +421,15 @@ class FalconFWAConfig(PretrainedConfig):
         _refuse_misspelt(kwargs)  # a keyword one letter off a field would be dropped, leaving the field as stored
         return super().from_dict({**config_dict, **own}, **kwargs)
 
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """``PretrainedConfig.save_pretrained`` of a config that passes :meth:`validate_fields` first: a field
+        assigned since the config was built that the constructor refuses (``config.qk_norm = "rmsnorm"`` on a
+        Transformer, ``config.dtype = "int64"``) is a ``ValueError`` naming it here, as when a model is built from
+        the config, instead of a ``config.json`` that ``from_pretrained`` refuses. A config that saves loads back
+        equal."""
+        self.validate_fields()
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first inconsistent field (also after fields were
         assigned one by one: the types are checked again, and every range check is written so
@@ -441,6 +450,9 @@ class FalconFWAConfig(PretrainedConfig):
         if built:  # after vocab_size or an id was assigned on the built config (the constructor checked the ids
             for field in TOKEN_ID_FIELDS:  # it was given before PretrainedConfig stored them)
                 setattr(self, field, _token_ids(field, getattr(self, field, None), self.vocab_size))
+            # the weights' dtype assigned since (config.dtype = ..., or torch_dtype, which transformers 5 stores as
+            # dtype): the constructor checked the one it was given; read from the instance, not the deprecated property
+            _check_dtype({field: vars(self).get(field) for field in ("dtype", "torch_dtype")})
         for field in BOOL_FIELDS:
             setattr(self, field, _bool(field, getattr(self, field)))
         for field in ("lambda_scale", "query_scale", "eps", "decay_floor", "rope_theta", "rms_norm_eps",

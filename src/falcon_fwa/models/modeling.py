@@ -645,6 +645,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                              f"{tuple(labels.shape)}")
         if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
             raise ValueError(f"labels must hold integer token ids (-100: not scored), got {labels.dtype}")
+        if labels is not None and labels.is_meta and not h.is_meta:  # (labels on another real device are moved)
+            raise ValueError(f"labels are on the meta device, which holds no values to score, and {name} on "
+                             f"{x.device}: pass labels on {x.device} (labels on another device are moved to the "
+                             f"logits'), or the model, {name} and labels all on the meta device for a call's shapes")
         packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
         targets = None if labels is None else self._targets(labels, attention_mask, cu_seqlens, T)
         if targets is not None and not targets.is_cuda and not targets.is_meta and not torch.compiler.is_compiling():

@@ -281,8 +281,9 @@ class FalconFWAConfig(PretrainedConfig):
     and ``head_v_dim`` left unset), ``rope_theta``; attention through ``scaled_dot_product_attention``. It
     reads none of the recurrent mixers' switches above: one of the rule, gate and feature switches set to
     another value than the Transformer's own (``qk_norm="rmsnorm"``, ``use_short_conv=True``, ...) is refused
-    by name (assigned after the config was built: when it is saved or a model is built from it); the settings of the recurrent op (``window``, ``form``, ``chunk_size``, ``segments``, ``eps``,
-    ``decay_floor``, ``conv_size``, ``backend``) are kept as given and not read.
+    by name (assigned after the config was built: when it is saved or a model is built from it); the settings
+    of the recurrent op (``window``, ``form``, ``chunk_size``, ``segments``, ``eps``, ``decay_floor``,
+    ``conv_size``, ``backend``) are kept as given and not read.
 
     Scaling (muP): ``initializer_range`` (std at the base width), ``mup_base_width``
     (width of the proxy whose hyperparameters transfer; ``None``: this width), see

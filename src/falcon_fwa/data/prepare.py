@@ -84,8 +84,8 @@ class DataSpec:
 def _docs(spec: DataSpec, which: str, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}",
           opener=None):
     """The documents of split ``which`` (``"all"``: every document of the training source, none held out); files
-    under ``out_dir`` (the output, should it lie inside a source folder) are no documents. Errors name the settings as ``name`` gives them; ``opener``: as in
-    :func:`~falcon_fwa.data.sources.iter_documents`."""
+    under ``out_dir`` (the output, should it lie inside a source folder) are no documents. Errors name the settings
+    as ``name`` gives them; ``opener``: as in :func:`~falcon_fwa.data.sources.iter_documents`."""
     read = {} if opener is None else {"opener": opener}
     if which == "val" and spec.val_source is not None:
         return iter_documents(spec.val_source, text_split=spec.text_split, text_field=spec.text_field,
@@ -102,14 +102,16 @@ def _is_held_out(i: int, val_every: int) -> bool:
     return i % val_every == val_every - 1
 
 
-def _hold_out(docs, val_every: int, spill) -> Iterator[str]:
+def _hold_out(docs, val_every: int, spill, folder: str) -> Iterator[str]:
     """The training documents of ``docs`` (all documents of the training source, in order); every ``val_every``-th,
     held out for validation, is written to the binary file ``spill`` instead (:func:`_held_out`), so that without
-    ``val_source`` the source is read once for both splits."""
+    ``val_source`` the source is read once for both splits. A write the disk refuses names ``folder``, the spill's
+    (a file of no name)."""
     for i, doc in enumerate(docs):
         if _is_held_out(i, val_every):
             data = doc.encode("utf-8", "surrogatepass")  # (each document as it was, whatever its text)
-            spill.write(len(data).to_bytes(8, "little") + data)
+            with naming(folder):
+                spill.write(len(data).to_bytes(8, "little") + data)
         else:
             yield doc
 
@@ -596,7 +598,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             if spill is None:
                 docs = _docs(spec, which, out_dir, name, reads.open)
             elif which == "train":
-                docs = _hold_out(_docs(spec, "all", out_dir, name, reads.open), spec.val_every, spill)
+                docs = _hold_out(_docs(spec, "all", out_dir, name, reads.open), spec.val_every, spill, out_dir)
             else:
                 docs = _held_out(spill)
             try:

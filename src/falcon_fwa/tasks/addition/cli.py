@@ -14,7 +14,9 @@ preset's folder named with ``-lsd`` / ``-base<b>`` / ``-abacus<K>`` for another 
 digit places); an interrupted
 run resumes from its last checkpoint when started again with the same ``--out``. A SIGTERM,
 SIGINT or SIGHUP ends the run at the end of the step in progress with a checkpoint, exit status 128 +
-the signal number (a second SIGTERM or SIGINT interrupts at once); a folder another process is training is refused.
+the signal number (a second SIGTERM or SIGINT interrupts at once); one that comes once the run has finished
+(as it draws its plots) ends the command with 0, its results complete. Plots that failed after the results
+were written are drawn by the next command over the run. A folder another process is training is refused.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from ...models.configuration import MIXER_DEFAULTS, FalconConfig
 from ...ops.rules import get_rule
 from .data import BASES, OPERAND_ORDERS
 from .lineup import LINEUP, MIXERS, resolve_model
-from .presets import MATMUL_PRECISIONS, PRESETS, get_addition_preset
+from .presets import MATMUL_PRECISIONS, PRESETS, check_curriculum, get_addition_preset
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,23 +147,16 @@ def check_shape_options(args: argparse.Namespace, preset) -> None:
 
 
 def check_curriculum_options(args: argparse.Namespace, preset) -> None:
-    """A ``ValueError`` naming ``--curriculum-steps`` and ``--steps`` with their values (the preset's where an
-    option is left out) where the curriculum is longer than the run: the largest training width would reach
-    the top of ``--train-widths`` only after the last step, so that the widest widths are trained little or
-    never, yet the validation that chooses the best step scores them."""
+    """The preset's curriculum check (:func:`.presets.check_curriculum`) on the run the options ask for: a
+    ``ValueError`` naming ``--curriculum-steps`` and ``--steps`` with their values (the preset's where an option
+    is left out) where the curriculum is longer than the run."""
     curriculum = preset.curriculum_steps if args.curriculum_steps is None else args.curriculum_steps
     steps = args.steps or preset.steps
-    if curriculum > steps:
-        lo, hi = tuple(args.train_widths) if args.train_widths else preset.train_widths
-
-        def named(option: str, value: int, given) -> str:
-            return f"{option} {value}" + ("" if given is not None else f" (the {args.preset} preset's)")
-
-        raise ValueError(f"{named('--curriculum-steps', curriculum, args.curriculum_steps)} is more than "
-                         f"{named('--steps', steps, args.steps)}: the widths would still be growing to {hi} at "
-                         f"the last step, the widest of {lo}-{hi} trained little or never, yet validated in "
-                         f"choosing the best step; give --curriculum-steps {steps} or fewer, or --steps "
-                         f"{curriculum} or more")
+    widths = tuple(args.train_widths) if args.train_widths else preset.train_widths
+    preset_note = f" (the {args.preset} preset's)"
+    check_curriculum(curriculum, steps, widths, names=("--curriculum-steps", "--steps"),
+                     notes=tuple("" if given is not None else preset_note for given in (args.curriculum_steps,
+                                                                                       args.steps)))
 
 
 def check_machine_options(args: argparse.Namespace) -> None:
@@ -243,7 +238,8 @@ def check_model_config(args: argparse.Namespace, model: str, fields: dict, prese
 
 
 def run(args: argparse.Namespace) -> int:
-    from .plot import plot_accuracy_by_position, plot_accuracy_vs_width
+    from ...train.launch import StopSignals
+    from .plot import plot_run
     from .train import RunSpec, runs_folder, task_fields, train_run
 
     check_machine_options(args)
@@ -268,29 +264,33 @@ def run(args: argparse.Namespace) -> int:
     plots = []
 
     def write_plots(res) -> None:  # under the run's lock, as its other files
-        plots.append(plot_accuracy_vs_width({args.model: [res]}, out / "accuracy_vs_width.png",
-                                            title=f"addition, preset {args.preset}, best step {res['best']['step']}"))
-        plots.append(plot_accuracy_by_position(res, out / "accuracy_by_position.png"))
+        plots.extend(plot_run(res, out))
 
-    res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume, stop_on_signal=True,
-                    finish=write_plots)
-    if "signal" in res:  # stopped early, with a checkpoint: the same command resumes it
-        if res["steps_done"]:
-            print(f"stopped by {res['signal']} at step {res['steps_done']} of {preset.steps} (checkpoint in {out}); "
-                  "the same command resumes it", file=sys.stderr)
-        else:  # no step was trained, so no checkpoint was written
-            print(f"stopped by {res['signal']} before its first step (no checkpoint); the same command starts it",
-                  file=sys.stderr)
-        return 128 + int(getattr(signal, res["signal"]))
-    b = res["best"]
-    lo, hi = preset.ood_widths
-    print(f"{args.model}: {res['parameters']:,} parameters, {res['wall_time_s']:.0f} s; best step {b['step']}: "
-          f"validation (widths {preset.train_widths[0]}-{preset.train_widths[1]}) exact {b['val_acc']:.1f}% "
-          f"digits {b['val_digit_acc']:.1f}%; widths {lo}-{hi}: mean exact {b['mean_acc_ood']:.1f}% "
-          f"digits {b['digit_mean_acc_ood']:.1f}%, d{lo}/d{hi} {b[f'acc_d{lo}']:.1f}/{b[f'acc_d{hi}']:.1f}")
-    written = ", ".join(str(p) for p in plots if p)
-    print(f"results: {out / 'results.json'}" + (f", plots: {written}" if written else ""))
-    return 0
+    # the command's signals are held to its end: one that comes once the results are complete (as the run
+    # draws its plots or says how it ended) changes nothing, and the status is 0
+    with StopSignals(True) as signals:
+        res = train_run(spec, out, progress=not args.no_progress, resume=not args.no_resume, signals=signals,
+                        finish=write_plots)
+        if "signal" in res:  # stopped early, with a checkpoint: the same command resumes it
+            if res["steps_done"]:
+                print(f"stopped by {res['signal']} at step {res['steps_done']} of {preset.steps} (checkpoint in "
+                      f"{out}); the same command resumes it", file=sys.stderr)
+            else:  # no step was trained, so no checkpoint was written
+                print(f"stopped by {res['signal']} before its first step (no checkpoint); the same command starts "
+                      "it", file=sys.stderr)
+            return 128 + int(getattr(signal, res["signal"]))
+        b = res["best"]
+        lo, hi = preset.ood_widths
+        print(f"{args.model}: {res['parameters']:,} parameters, {res['wall_time_s']:.0f} s; best step {b['step']}: "
+              f"validation (widths {preset.train_widths[0]}-{preset.train_widths[1]}) exact {b['val_acc']:.1f}% "
+              f"digits {b['val_digit_acc']:.1f}%; widths {lo}-{hi}: mean exact {b['mean_acc_ood']:.1f}% "
+              f"digits {b['digit_mean_acc_ood']:.1f}%, d{lo}/d{hi} {b[f'acc_d{lo}']:.1f}/{b[f'acc_d{hi}']:.1f}")
+        written = ", ".join(str(p) for p in plots)
+        print(f"results: {out / 'results.json'}" + (f", plots: {written}" if written else ""))
+        if signals.received:
+            print(f"{signal.Signals(signals.received).name} came as the run finished: its results are complete "
+                  "and written, nothing was lost", file=sys.stderr)
+        return 0
 
 
 def main(argv=None) -> int:

@@ -128,8 +128,9 @@ def completed_run(run_dir: Path, model: str, seed: int, preset, eval_seed: int, 
     ``results.json`` finished at the ``preset``'s steps (:func:`_finished`, what a relaunch skips) that names
     this model and seed and holds this task and setup (:func:`.train.check_same_task`,
     :func:`.train.check_same_setup`)? How a launched run whose process ended with a status other than 0 is
-    judged: a signal that comes once its results are written (a stop passed on as it ends, the deadline's)
-    ends it by that signal, or with 128 + its number, yet the run is done."""
+    judged: a signal that comes as it exits, once its results are written (a stop passed on as it ends, the
+    deadline's), ends it by that signal, and plots that fail after the results end it with an error, yet the
+    run is done (its missing plots are drawn then, :func:`tidy_finished_run`)."""
     if not _finished(run_dir, preset.steps):
         return False
     held = read_json(run_dir / "results.json")
@@ -211,23 +212,55 @@ def summary_lock(folder: Path, name: str):
                 os.remove(folder / SUMMARY_LOCK)
 
 
-def remove_stale_run_temporaries(run_dir: Path) -> bool:
-    """Remove the temporary files that a run killed during a write left in ``run_dir`` (those of its own
-    files, :data:`.train._TEMPORARIES`), where no live process trains it (its lock, :func:`.train.run_lock`,
-    is free): a finished run that this command skips is not started again, which would remove them. False
-    where a live process holds the lock (nothing is removed), where this command may not write ``run_dir`` (a
-    read-only folder, another user's: summarizing its runs writes nothing there), or there is no run in it."""
+def tidy_finished_run(run_dir: Path) -> Optional[List[Path]]:
+    """Put right, where no live process trains it (its lock, :func:`.train.run_lock`, is free), the folder of a
+    finished run that this command skips (not started again, which would do it) or whose process ended after
+    its results were complete: remove the temporary files a kill during its writes left (those of its own
+    files, :data:`.train._TEMPORARIES`), and draw the plots its results call for and it lacks
+    (:func:`.plot.missing_run_plots`: they failed, or a signal cut them short, after the results were written).
+    The plots drawn; ``None`` where a live process holds the lock (nothing is touched), where this command may
+    not write ``run_dir`` (a read-only folder, another user's: summarizing its runs writes nothing there), or
+    there is no run in it. A plot that fails again is reported and left for the next command."""
+    from .plot import missing_run_plots, plot_run
+
     if not (run_dir / "results.json").exists():
-        return False
+        return None
     try:
         with run_lock(run_dir):
-            return True
+            results = read_json(run_dir / "results.json")
+            if not missing_run_plots(results, run_dir):
+                return []
+            try:
+                return plot_run(results, run_dir)
+            except Exception as err:  # the summary still comes; the next command tries again
+                print(f"addition-compare: the plots of {run_dir} could not be drawn ({type(err).__name__}: {err}); "
+                      "the next addition-compare, or the run's own command, draws them", file=sys.stderr)
+                return []
     except ValueError:  # trained by another live process: its temporary files may be in use
-        return False
+        return None
     except OSError as err:
         if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return False
+            return None
         raise
+
+
+def report_missing_plots(runs: Path, models: List[str], seeds: List[int], steps: int) -> List[str]:
+    """Lines naming the finished runs of the lineup in ``runs`` whose folder lacks plots its results call for
+    (:func:`.plot.missing_run_plots`), and how to draw them: what ``--no-train``, which writes nothing in
+    ``--runs``, says of them."""
+    from .plot import missing_run_plots
+
+    lines = []
+    for s in seeds:
+        for m in models:
+            run_dir = _run_dir(runs, m, s)
+            if _finished(run_dir, steps):
+                missing = missing_run_plots(read_json(run_dir / "results.json"), run_dir)
+                if missing:
+                    lines.append(f"addition-compare: {run_dir}: {', '.join(missing)} missing (the run's plots "
+                                 "failed after its results were written); the lineup without --no-train, or the "
+                                 "run's own command, draws them")
+    return lines
 
 
 def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List[str]:
@@ -569,11 +602,6 @@ def run(args: argparse.Namespace) -> int:
     # nothing to train (--no-train, or every run already finished): the summary has no wall time of its own
     trains = not args.no_train and any(not _finished(_run_dir(runs, m, s), preset.steps)
                                        for s in args.seeds for m in args.models)
-    if not args.no_train:  # the finished runs are skipped: a run started again removes its own
-        for s in args.seeds:
-            for m in args.models:
-                if _finished(_run_dir(runs, m, s), preset.steps):
-                    remove_stale_run_temporaries(_run_dir(runs, m, s))
     t0 = time.perf_counter()
     failed, stopped_by = train_all(args, runs) if trains else ([], 0)
     wall = time.perf_counter() - t0 if trains else None
@@ -581,6 +609,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"addition-compare: stopped by {signal.Signals(stopped_by).name}; the runs in progress stopped at "
               f"their checkpoints, and the same command resumes them (no summary written)", file=sys.stderr)
         return 128 + stopped_by
+    if args.no_train:  # --runs is left alone: the plots a finished run lacks are named
+        for line in report_missing_plots(runs, args.models, args.seeds, preset.steps):
+            print(line)
+    else:  # the finished runs, skipped or ended after their results: their temporaries and missing plots
+        for s in args.seeds:
+            for m in args.models:
+                if _finished(_run_dir(runs, m, s), preset.steps):
+                    for drawn in tidy_finished_run(_run_dir(runs, m, s)) or []:
+                        print(f"addition-compare: drew {drawn}, which the finished run lacked")
 
     usable = _started if args.partial else (lambda run_dir: _finished(run_dir, preset.steps))
     # the table uses the seeds that every model finished, so all rows average the same seeds

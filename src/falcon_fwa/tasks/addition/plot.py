@@ -2,6 +2,7 @@
 for a lineup (one line per model, one panel per width) and for one run (a heat map)."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -135,3 +136,30 @@ def plot_lineup_positions(runs: Dict[str, List[Dict[str, Any]]], path, widths: S
         fig.suptitle(title)
     fig.tight_layout()
     return _save(plt, fig, path, dpi=120)
+
+
+RUN_PLOTS = ("accuracy_by_position.png", "accuracy_vs_width.png")
+"""The plots a finished run draws in its folder (:func:`plot_run`)."""
+
+
+def plot_run(result: Dict[str, Any], out) -> List[Path]:
+    """Draw one run's plots into its folder ``out`` from its results dict: accuracy against width
+    (``accuracy_vs_width.png``) and the heat map by answer position (``accuracy_by_position.png``); the paths
+    drawn (none without matplotlib, no heat map for a run without ``per_position``)."""
+    out = Path(out)
+    title = f"addition, preset {result.get('preset_name', '?')}, best step {result['best']['step']}"
+    drawn = [plot_accuracy_vs_width({result["model"]: [result]}, out / "accuracy_vs_width.png", title=title),
+             plot_accuracy_by_position(result, out / "accuracy_by_position.png")]
+    return [p for p in drawn if p is not None]
+
+
+def missing_run_plots(result: Dict[str, Any], out) -> List[str]:
+    """The names of :data:`RUN_PLOTS` that the finished run whose results dict is ``result`` should have in its
+    folder ``out`` and has not (its plots failed, or were cut short, after its results were written): none
+    without matplotlib, which draws them; the heat map only where the best step recorded ``per_position``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    wanted = ["accuracy_vs_width.png"]
+    if (result.get("best") or {}).get("per_position"):
+        wanted.append("accuracy_by_position.png")
+    return sorted(name for name in wanted if not (Path(out) / name).exists())

@@ -31,6 +31,22 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 """The values of ``torch.set_float32_matmul_precision``."""
 
 
+def check_curriculum(curriculum_steps: int, steps: int, train_widths: Tuple[int, int], *,
+                     names: Tuple[str, str] = ("curriculum_steps", "steps"), notes: Tuple[str, str] = ("", "")) -> None:
+    """A ``ValueError`` where a curriculum of ``curriculum_steps`` is longer than a run of ``steps``: the largest
+    training width would reach the top of ``train_widths`` only after the last step, so that the widest widths
+    are trained little or never, yet the validation that chooses the best step scores them. The one check of
+    the preset's fields and of the options that set them: ``names`` name the two values (the fields, or the
+    options as typed), and ``notes`` follow each value (where it came from, such as the preset's)."""
+    if curriculum_steps <= steps:
+        return
+    (lo, hi), (curriculum_name, steps_name) = train_widths, names
+    raise ValueError(f"{curriculum_name} {curriculum_steps}{notes[0]} is more than {steps_name} {steps}{notes[1]}: "
+                     f"the widths would still be growing to {hi} at the last step, the widest of {lo}-{hi} trained "
+                     f"little or never, yet validated in choosing the best step; give {curriculum_name} {steps} or "
+                     f"fewer, or {steps_name} {curriculum_steps} or more")
+
+
 @dataclass(frozen=True)
 class AdditionPreset:
     """Model size and optimisation budget of one run.
@@ -97,9 +113,7 @@ class AdditionPreset:
                              f"{self.num_heads}")
         if self.curriculum_steps < 0:
             raise ValueError(f"preset field 'curriculum_steps' must be >= 0, got {self.curriculum_steps}")
-        if self.curriculum_steps > self.steps:  # the widest widths would be validated but never reached
-            raise ValueError(f"preset fields: curriculum_steps {self.curriculum_steps} is more than steps "
-                             f"{self.steps}; the curriculum must end by the last step")
+        check_curriculum(self.curriculum_steps, self.steps, self.train_widths)
         if self.operand_order not in OPERAND_ORDERS:
             raise ValueError(f"preset field 'operand_order' must be 'msd' or 'lsd', got {self.operand_order!r}")
         try:

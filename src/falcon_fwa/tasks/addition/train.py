@@ -45,7 +45,8 @@ from ...train import schedule
 from ...train.launch import LOCK_NAME, StopSignals
 
 _TEMPORARIES = ("checkpoint.pt", "best.pt", "results.json", "accuracy_vs_width.png", "accuracy_by_position.png")
-"""The files a run writes under its lock (the last two by ``falcon-fwa addition``'s ``finish``, :func:`train_run`)
+"""The files a run writes under its lock (the last two by ``falcon-fwa addition``'s ``finish``, :func:`train_run`,
+or by ``addition-compare`` for a finished run that lacks them)
 whose atomic writes' temporary files (:func:`falcon_fwa.atomic.atomic_path`) a process killed during a write
 leaves behind."""
 
@@ -203,7 +204,8 @@ def float32_matmul_precision(value: Optional[str]):
 
 def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = True,
               log: Callable[[str], None] = print, stop_on_signal: bool = False,
-              finish: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+              finish: Optional[Callable[[Dict[str, Any]], None]] = None,
+              signals: Optional[StopSignals] = None) -> Dict[str, Any]:
     """Train ``spec`` and return the results dict (also written to ``out_dir/results.json``). On
     CUDA the preset's float32 matmul precision holds for the run; the previous one is restored.
     ``finish`` is called with the results of a run that ended (not stopped by a signal) while the folder is
@@ -213,11 +215,15 @@ def train_run(spec: RunSpec, out_dir, *, progress: bool = True, resume: bool = T
     A folder that another process is training is refused (a ``ValueError`` naming it). With
     ``stop_on_signal``, a SIGTERM, SIGINT or SIGHUP ends the run at the end of the step in progress with a
     checkpoint (a second SIGTERM or SIGINT interrupts at once, as in ``falcon-fwa train``); the results of a run so
-    stopped before its last step name the signal (``"signal": "SIGTERM"``), and the same call resumes it."""
+    stopped before its last step name the signal (``"signal": "SIGTERM"``), and the same call resumes it.
+    ``signals``, instead of ``stop_on_signal``: the caller's :class:`~falcon_fwa.train.launch.StopSignals`,
+    active and held by it past this call (a command that takes a signal coming after the run has finished as
+    a stop that cost nothing)."""
     out_dir = Path(out_dir)
     on_cuda = torch.device(spec.device).type == "cuda"
+    held = contextlib.nullcontext(signals) if signals is not None else StopSignals(stop_on_signal)
     # the handlers before the lock: a process seen holding the lock already stops cleanly on a signal
-    with StopSignals(stop_on_signal) as signals, run_lock(out_dir), \
+    with held as signals, run_lock(out_dir), \
             float32_matmul_precision(spec.preset.matmul_precision if on_cuda else None):
         results = _train(spec, out_dir, progress=progress, resume=resume, log=log, signals=signals)
         if finish is not None and "signal" not in results:

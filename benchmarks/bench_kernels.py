@@ -535,30 +535,21 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
         g = f" {_graph_cell(r)} |" if graphs else ""
         out.append(f"| {op} | {r['B']} | {r['T']} | {r['H']} | {r['K']} | {r['V']} | {r['mode']} | "
                    f"{r['ms']:.3f} |{g} {r['peak_mem_bytes'] / 2**20:.0f} |")
-    index = {(r["op"], _shape(r), r["mode"]): r for r in table if "error" not in r}
-    lost = {(r["op"], _shape(r), r["mode"]) for r in table if "error" in r}
-    shapes = list(dict.fromkeys(_shape(r) for r in table))  # in the order they ran
     g_head, g_rule = (" graph time ratio |", "---|") if graphs else ("", "")
     out += ["", "## Ratios against the fla counterparts (fwd+bwd, time and peak memory)", "",
             f"| Falcon op | fla op | B | T | H | K | V | time ratio |{g_head} target | peak-memory ratio |",
             f"|---|---|---|---|---|---|---|---|{g_rule}---|---|"]
-    for ours, theirs, target in TARGETS:
-        for shape in shapes:
-            a, b = index.get((ours, shape, "fwdbwd")), index.get((theirs, shape, "fwdbwd"))
-            gone = [op for op in (ours, theirs) if (op, shape, "fwdbwd") in lost]
-            if gone and (a or b or len(gone) == 2):  # a side failed: the pair is listed, without a ratio
-                g = " - |" if graphs else ""
-                out.append(f"| {ours} | {theirs} | {' | '.join(map(str, shape))} | failed ({', '.join(gone)}) |{g} "
-                           f"{f'<= {target}' if shape == SHAPES[0] else '-'} | - |")
-            elif a and b:
-                tgt = f"<= {target}" if shape == SHAPES[0] else "-"
-                g = ""
-                if graphs:
-                    g = (f" {a['graph_ms'] / b['graph_ms']:.2f} |" if a.get("graph_ms") and b.get("graph_ms")
-                         else " - |")
-                dims = " | ".join(map(str, shape))
-                out.append(f"| {ours} | {theirs} | {dims} | {a['ms'] / b['ms']:.2f} |{g} {tgt} | "
-                           f"{a['peak_mem_bytes'] / max(b['peak_mem_bytes'], 1):.2f} |")
+    for pair in fwdbwd_ratios(table):
+        dims, target = " | ".join(map(str, pair["shape"])), pair["target"]
+        tgt = "-" if target is None else f"<= {target}"
+        gone = pair["failed"]
+        if gone and (len(pair["missing"]) < 2 or len(gone) == 2):  # a side failed: listed, without a ratio
+            g = " - |" if graphs else ""
+            out.append(f"| {pair['op']} | {pair['fla_op']} | {dims} | failed ({', '.join(gone)}) |{g} {tgt} | - |")
+        elif not pair["missing"]:
+            g = "" if not graphs else " - |" if pair["graph_ratio"] is None else f" {pair['graph_ratio']:.2f} |"
+            out.append(f"| {pair['op']} | {pair['fla_op']} | {dims} | {pair['eager_ratio']:.2f} |{g} {tgt} | "
+                       f"{pair['mem_ratio']:.2f} |")
     paired = [r for r in rows if r["mode"] == "fwdbwd-paired"]
     if paired:
         out += ["", "## Paired ratios (fwd+bwd, the two ops timed in alternation)", "",
@@ -576,6 +567,45 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
     if errors:
         out += ["", "## Failures", ""] + [f"- {e}" for e in errors]
     return "\n".join(out) + "\n"
+
+
+def fwdbwd_ratios(rows: List[dict]) -> List[dict]:
+    """The Falcon / fla ratios of the fwd+bwd rows among ``rows`` (timed rows and :func:`failed_row` ones; rows
+    of other modes are passed over, a shape of fwd rows only keeping its place): one dict per pair of :data:`TARGETS` and shape of ``rows``, pairs in the order of
+    :data:`TARGETS`, shapes in the order they first come in ``rows``. The table of ``<name>.md`` and the plot
+    (``plot_kernels.pair_ratios``) both read them. Each dict: ``op``, ``fla_op``, ``shape`` (B, T, H, K, V),
+    ``window`` (of the Falcon row, else ``None``), ``target`` (``None`` away from the benchmark shape
+    ``SHAPES[0]``), ``missing`` (the pair's ops without a timed row), ``failed`` (those of them with a failed row)
+    and, when both rows are timed, ``eager_ratio`` (``ms`` over ``ms``), ``graph_ratio`` (``graph_ms`` over
+    ``graph_ms`` where both rows have one, else ``None``) and ``mem_ratio`` (peak memory over peak memory);
+    those are ``None`` when a row is missing. An op timed twice at a shape counts its first row."""
+    index, lost, shapes = {}, set(), {}
+    for r in rows:
+        if r.get("mode") not in ("fwd", "fwdbwd"):
+            continue
+        shapes.setdefault(_shape(r), None)
+        if r.get("mode") != "fwdbwd":
+            continue
+        if "error" in r:
+            lost.add((r["op"], _shape(r)))
+        else:
+            index.setdefault((r["op"], _shape(r)), r)
+    found = []
+    for ours, theirs, target in TARGETS:
+        for shape in shapes:
+            a, b = index.get((ours, shape)), index.get((theirs, shape))
+            missing = [op for op, r in ((ours, a), (theirs, b)) if r is None]
+            pair = dict(op=ours, fla_op=theirs, shape=shape, window=None if a is None else a.get("window"),
+                        target=target if shape == SHAPES[0] else None, missing=missing,
+                        failed=[op for op in missing if (op, shape) in lost],
+                        eager_ratio=None, graph_ratio=None, mem_ratio=None)
+            if a is not None and b is not None:
+                pair["eager_ratio"] = a["ms"] / b["ms"]
+                if a.get("graph_ms") and b.get("graph_ms"):
+                    pair["graph_ratio"] = a["graph_ms"] / b["graph_ms"]
+                pair["mem_ratio"] = a["peak_mem_bytes"] / max(b["peak_mem_bytes"], 1)
+            found.append(pair)
+    return found
 
 
 def timing_row(op: str, shape, mode: str, ms: float, peak: int, commit: str, tag: Optional[str] = None) -> dict:

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from bench_kernels import SHAPES, TARGETS
+from bench_kernels import fwdbwd_ratios
 
 PEAK_TARGET = 1.1  # peak memory at most this times the fla counterpart's
 
@@ -27,8 +27,9 @@ def _shape(row: dict) -> Tuple[int, int, int, int, int]:
 
 
 def pair_ratios(rows: List[dict]) -> Tuple[Tuple[int, ...], List[dict], List[str]]:
-    """``(shape, pairs, skipped)`` of the fwd+bwd rows at the first shape among them. ``pairs``: one dict per
-    pair of :data:`TARGETS` with both rows, ``{op, fla_op, window, time_ratio, device, target, mem_ratio}``
+    """``(shape, pairs, skipped)`` of the fwd+bwd rows at the first shape among them: the ratios of
+    ``bench_kernels.fwdbwd_ratios`` (those of the table of ``<name>.md``) at that shape. ``pairs``: one dict per
+    pair of ``bench_kernels.TARGETS`` with both rows, ``{op, fla_op, window, time_ratio, device, target, mem_ratio}``
     (``device``: the times are ``graph_ms``, which both rows have; else ``ms``; ``target`` is ``None``
     away from the benchmark shape ``SHAPES[0]``, as in the table). ``skipped``: the pairs with a row
     missing, each naming it. Raises ``ValueError`` when there is no fwd+bwd row, when the rows come from
@@ -40,22 +41,17 @@ def pair_ratios(rows: List[dict]) -> Tuple[Tuple[int, ...], List[dict], List[str
     if len(processes) > 1:
         raise ValueError(f"rows of {len(processes)} processes {processes}: ratios are only taken within one")
     shape = _shape(fwdbwd[0])
-    index = {}
-    for r in fwdbwd:
-        if _shape(r) == shape:
-            index.setdefault(r["op"], r)
     pairs, skipped = [], []
-    for ours, theirs, target in TARGETS:
-        a, b = index.get(ours), index.get(theirs)
-        if a is None or b is None:
-            missing = [op for op, r in ((ours, a), (theirs, b)) if r is None]
-            skipped.append(f"{ours} / {theirs} (no row of {' or '.join(missing)})")
+    for pair in fwdbwd_ratios(rows):  # (the ratios of the table of bench_kernels.py's <name>.md)
+        if pair["shape"] != shape:
             continue
-        device = a.get("graph_ms") is not None and b.get("graph_ms") is not None
-        key = "graph_ms" if device else "ms"
-        pairs.append(dict(op=ours, fla_op=theirs, window=a.get("window"), time_ratio=a[key] / b[key], device=device,
-                          target=target if shape == SHAPES[0] else None,
-                          mem_ratio=a["peak_mem_bytes"] / max(b["peak_mem_bytes"], 1)))
+        if pair["missing"]:
+            skipped.append(f"{pair['op']} / {pair['fla_op']} (no row of {' or '.join(pair['missing'])})")
+            continue
+        device = pair["graph_ratio"] is not None
+        pairs.append(dict(op=pair["op"], fla_op=pair["fla_op"], window=pair["window"],
+                          time_ratio=pair["graph_ratio"] if device else pair["eager_ratio"], device=device,
+                          target=pair["target"], mem_ratio=pair["mem_ratio"]))
     if not pairs:
         raise ValueError(f"no Falcon op with its fla counterpart in the fwd+bwd rows at B, T, H, K, V = {shape}: "
                          + "; ".join(skipped))

@@ -171,3 +171,57 @@ def test_kernel_benchmark_plot_option_draws_its_rows_through_the_same_function(t
     bk.main(["--out", str(tmp_path), "--name", "m", "--shapes", "0", "--ops", "falcon-1", "fla-gated-delta-rule",
              "--commit", "x"])
     assert not drawn and not (tmp_path / "m.png").exists()
+
+
+def _markdown_ratio_lines(text):
+    """``{(op, fla_op, (B, T, H, K, V)): cells after the shape}`` of the ratio table of ``bench_kernels._markdown``."""
+    section = text.split("## Ratios against the fla counterparts")[1].split("\n## ")[0]
+    found = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 7 and cells[0].startswith("falcon"):
+            found[(cells[0], cells[1], tuple(int(c) for c in cells[2:7]))] = cells[7:]
+    return found
+
+
+def test_plot_ratios_are_the_markdown_table_ratios():
+    """On one set of rows, the plot draws the ratios the table of ``<name>.md`` lists at the plot's shape: a
+    pair with graph times on both sides (their ratio), one with a graph time on one side (eager medians), an
+    op timed twice at a shape (its first row, in both), a pair with a failed side (listed as failed, not
+    drawn) and a second shape (in the table, not in the plot)."""
+    import bench_kernels
+    import plot_kernels
+    versions = dict(gpu="GPU", torch="t", triton="tr", fla="f", cuda="c", python="p")
+    other = dict(B=2, T=8192, H=16, K=128, V=128)
+    rows = [
+        _row("fla-gated-delta-rule", 4.0, 8, mode="fwd"),
+        _row("fla-gated-delta-rule", 2.0, 4, graph_ms=1.6),
+        _row("fla-simple-gla", 1.0, 2, graph_ms=0.8),
+        _row("fla-gla", 4.0, 5),
+        _row("falcon-1", 1.5, 3),
+        _row("falcon-1", 3.0, 30),  # the same op again at the same shape: its first row counts
+        _row("falcon-2", 9.0, 4.4, graph_ms=2.4),
+        _row("falcon-1a", 0.5, 1, graph_ms=0.6),
+        _row("falcon-2a", 3.0, 1, graph_ms=1.0),
+        dict(op="falcon-3", mode="fwdbwd", error="RuntimeError: out of memory", **BENCH_SHAPE),
+        _row("fla-gated-delta-rule", 7.0, 8, **other),
+        _row("falcon-1", 14.0, 80, **other),
+    ]
+    table = _markdown_ratio_lines(bench_kernels._markdown(rows, versions, "x", [], []))
+    shape, pairs, _ = plot_kernels.pair_ratios(bench_kernels.timed(rows))
+    assert shape == (8, 2048, 16, 128, 128)
+    drawn = {(p["op"], p["fla_op"]): p for p in pairs}
+    listed = {(op, fla): cells for (op, fla, s), cells in table.items() if s == shape and not cells[0].startswith("failed")}
+    assert set(drawn) == set(listed) == {("falcon-1a", "fla-simple-gla"), ("falcon-1", "fla-gated-delta-rule"),
+                                         ("falcon-2a", "fla-gla"), ("falcon-2", "fla-gated-delta-rule")}
+    for key, p in drawn.items():
+        eager, graph, target, mem = listed[key]
+        assert f"{p['time_ratio']:.2f}" == (graph if p["device"] else eager), key
+        assert f"{p['mem_ratio']:.2f}" == mem, key
+        assert target == f"<= {p['target']}", key
+    # hand-computed: graph 0.6 / 0.8 and 2.4 / 1.6; eager 1.5 / 2.0 (falcon-1's first row) and 3.0 / 4.0
+    assert [(p["op"], round(p["time_ratio"], 4), p["device"]) for p in pairs] == [
+        ("falcon-1a", 0.75, True), ("falcon-1", 0.75, False), ("falcon-2a", 0.75, False), ("falcon-2", 1.5, True)]
+    assert drawn[("falcon-1", "fla-gated-delta-rule")]["mem_ratio"] == pytest.approx(3 / 4)
+    assert table[("falcon-3", "fla-gated-delta-rule", shape)][0] == "failed (falcon-3)"
+    assert table[("falcon-1", "fla-gated-delta-rule", (2, 8192, 16, 128, 128))] == ["2.00", "-", "-", "10.00"]

@@ -10,6 +10,7 @@ changes: ``shift``, ``read``, ``qk_norm``, ``gate``, ``lambda_scale``.
 """
 from __future__ import annotations
 
+import contextvars
 import difflib
 import math
 from typing import Iterable, Optional
@@ -66,6 +67,22 @@ MIXER_DEFAULTS = {
                         lambda_scale=0.0, qk_norm="none", feature_map="identity", query_scale=None,
                         use_short_conv=False, output_gate=False, use_d_skip=False, norm_before_gate=True),
 }
+
+
+_LOADING: contextvars.ContextVar = contextvars.ContextVar("falcon_fwa_config_loading", default=None)
+"""While :meth:`FalconFWAConfig.from_dict` builds a config from saved fields (``from_pretrained`` reads
+``config.json`` and calls it): the file, as a refusal names it (``None``: a config built by hand)."""
+
+
+def _fix(field: str, value, built: bool, unset: str = "leave it unset") -> str:
+    """How to clear a refused field ``field`` that should be ``value``: ``unset`` in a constructor call, "set it to"
+    on a built config, and on a config loaded from a saved file, remove it from the file, set it there, or pass the
+    value to ``from_pretrained`` (which gives its fields to the constructor over the saved ones)."""
+    source = None if built else _LOADING.get()
+    if source is not None:
+        return (f"the saved value comes from {source}: remove {field!r} from it or set it to {value!r} there, or pass "
+                f"{field}={value!r} to from_pretrained")
+    return f"set it to {value!r}" if built else unset
 
 
 def _choice(field: str, value, allowed) -> None:
@@ -266,7 +283,8 @@ class FalconFWAConfig(PretrainedConfig):
       ``query_scale`` (``None``: the mixer's default, 1.0 for "falcon" and "mamba2", else
       ``head_k_dim ** -0.5``), ``use_short_conv``, ``conv_size``, ``output_gate`` (SiLU-gated output RMSNorm),
       ``norm_before_gate`` (``True``: ``RMSNorm(o) * SiLU(g)`` as in Gated DeltaNet / RetNet; ``False``:
-      ``RMSNorm(o * SiLU(g))``, Mamba-2's default), ``use_d_skip``;
+      ``RMSNorm(o * SiLU(g))``, Mamba-2's default; read with the output gate only, so with ``output_gate=False``
+      another value than the mixer's own is refused by name), ``use_d_skip``;
     * ``backend``: "native" (the library's op, which picks its Triton kernels or PyTorch forms:
       ``falcon_attention(backend="auto")``), "torch" or "triton" (the op with that backend forced, for
       every sequence and decoding step; with "triton", a regression rule or ``form="recurrent"`` takes a
@@ -416,11 +434,28 @@ class FalconFWAConfig(PretrainedConfig):
         """``PretrainedConfig.from_dict``, with the keyword arguments that are fields of this config (as
         ``from_pretrained(path, window=2)`` passes them) given to the constructor along with the stored ones,
         so they are converted, canonicalized and checked as in ``FalconConfig(...)`` (Hugging Face sets them
-        on the built config afterwards, unchecked)."""
+        on the built config afterwards, unchecked). A stored field that the constructor refuses (one written
+        before the refusal existed) is refused naming the saved file, with the value to write there or to pass."""
         fields = config_fields()
         own = {name: kwargs.pop(name) for name in list(kwargs) if name in fields}
         _refuse_misspelt(kwargs)  # a keyword one letter off a field would be dropped, leaving the field as stored
-        return super().from_dict({**config_dict, **own}, **kwargs)
+        # a field the constructor refuses is a saved value here: the refusal says to change the file
+        token = _LOADING.set(_LOADING.get() or "the saved config (config.json)")
+        try:
+            return super().from_dict({**config_dict, **own}, **kwargs)
+        finally:
+            _LOADING.reset(token)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """``PretrainedConfig.from_pretrained``, whose refusal of a saved field names the folder's ``config.json``
+        (:meth:`from_dict`)."""
+        import os
+        token = _LOADING.set(f"the config.json of {os.fspath(pretrained_model_name_or_path)!r}")
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        finally:
+            _LOADING.reset(token)
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
         """``PretrainedConfig.save_pretrained`` of a config that passes :meth:`validate_fields` first: a field
@@ -568,7 +603,7 @@ class FalconFWAConfig(PretrainedConfig):
                                  f"num_heads / hidden_size (head_k_dim, head_v_dim and query_scale left unset)")
             for field in ("head_k_dim", "head_v_dim"):
                 if getattr(self, field) != per_head:
-                    fix = f"set it to {per_head}" if built else "leave them unset"
+                    fix = _fix(field, per_head, built, "leave them unset")
                     raise ValueError(f"config field {field!r} = {getattr(self, field)} differs from the Transformer's "
                                      f"head dim hidden_size / num_heads = {per_head} (head_k_dim and head_v_dim size "
                                      f"the recurrent mixers' heads; {fix})")
@@ -579,11 +614,22 @@ class FalconFWAConfig(PretrainedConfig):
                 same = math.isclose(self.query_scale, value, rel_tol=1e-12) if field == "query_scale" else \
                     getattr(self, field) == value  # (a scale saved as 1 / sqrt(d) may differ in the last bit)
                 if not same:
-                    fix = "leave it unset" if not built else f"set it to {value!r}" + (
-                        f" (its head dim hidden_size / num_heads = {per_head} ** -0.5)" if field == "query_scale" else "")
+                    fix = _fix(field, value, built) + (
+                        f" (its head dim hidden_size / num_heads = {per_head} ** -0.5)"
+                        if field == "query_scale" and (built or _LOADING.get()) else "")
                     raise ValueError(f"config field {field!r} = {getattr(self, field)!r} configures the recurrent "
                                      f"mixers only; the Transformer (softmax attention over RoPE queries and keys, "
                                      f"scaled by head_dim ** -0.5) takes {value!r} there: {fix}")
+        if self.mixer in RECURRENT_MIXERS and not self.output_gate:
+            # the output norm orders itself and the gate only when there is a gate (layers.norms.RMSNorm): without
+            # one, another value than the mixer's own would be saved with a model that ignores it
+            own = MIXER_DEFAULTS[self.mixer]["norm_before_gate"]
+            if self.norm_before_gate != own:
+                fix = _fix("norm_before_gate", own, built, f"leave it unset (the mixer's own is {own!r})")
+                raise ValueError(f"config field 'norm_before_gate' = {self.norm_before_gate!r} orders the output "
+                                 f"RMSNorm and the SiLU output gate, and the {self.mixer!r} mixer has no output gate "
+                                 f"here (output_gate=False), so it would not be read: keep it with output_gate=True, "
+                                 f"or {fix}")
         if self.mup_base_width is not None and _int("mup_base_width", self.mup_base_width) < 1:
             raise ValueError(f"config field 'mup_base_width' must be >= 1, got {self.mup_base_width}")
 

@@ -133,7 +133,7 @@ def test_segments_on_padded_and_packed_batches_change_nothing(name):
 SAVED = {
     "falcon": ("falcon", dict(rule="3", window=5, shift=False, read="before", gate="ctx-beta", log_gate="data",
                               lambda_scale=0.3, qk_norm="none", feature_map="elu1", v_norm=True, query_scale=0.9,
-                              conv_size=2, output_gate=False, use_d_skip=True, norm_before_gate=False, chunk_size=5,
+                              conv_size=2, output_gate=False, use_d_skip=True, chunk_size=5,
                               segments=2, eps=1e-5, decay_floor=0.01, head_k_dim=6, head_v_dim=4)),
     "falcon-normalized-read": ("falcon", dict(rule="2A", eps_attn=1e-2, feature_map="relu", form="parallel",
                                               use_short_conv=False, tie_word_embeddings=False)),

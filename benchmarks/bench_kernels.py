@@ -571,13 +571,14 @@ def _markdown(rows, versions, commit, notes, errors) -> str:
 
 def fwdbwd_ratios(rows: List[dict]) -> List[dict]:
     """The Falcon / fla ratios of the fwd+bwd rows among ``rows`` (timed rows and :func:`failed_row` ones; rows
-    of other modes are passed over, a shape of fwd rows only keeping its place): one dict per pair of :data:`TARGETS` and shape of ``rows``, pairs in the order of
-    :data:`TARGETS`, shapes in the order they first come in ``rows``. The table of ``<name>.md`` and the plot
-    (``plot_kernels.pair_ratios``) both read them. Each dict: ``op``, ``fla_op``, ``shape`` (B, T, H, K, V),
-    ``window`` (of the Falcon row, else ``None``), ``target`` (``None`` away from the benchmark shape
-    ``SHAPES[0]``), ``missing`` (the pair's ops without a timed row), ``failed`` (those of them with a failed row)
-    and, when both rows are timed, ``eager_ratio`` (``ms`` over ``ms``), ``graph_ratio`` (``graph_ms`` over
-    ``graph_ms`` where both rows have one, else ``None``) and ``mem_ratio`` (peak memory over peak memory);
+    of other modes are passed over, a shape of fwd rows only keeping its place): one dict per pair of
+    :data:`TARGETS` and shape of ``rows``, pairs in the order of :data:`TARGETS`, shapes in the order they first
+    come in ``rows``. The table of ``<name>.md`` and the plot (``plot_kernels.pair_ratios``) both read them.
+    Each dict: ``op``, ``fla_op``, ``shape`` (B, T, H, K, V), ``window`` (of the Falcon row, else ``None``),
+    ``target`` (``None`` away from the benchmark shape ``SHAPES[0]``), ``missing`` (the pair's ops without a
+    timed row), ``failed`` (those of them with a failed row) and, when both rows are timed, ``eager_ratio``
+    (``ms`` over ``ms``), ``graph_ratio`` (``graph_ms`` over ``graph_ms`` where both rows have one, else
+    ``None``) and ``mem_ratio`` (peak memory over peak memory);
     those are ``None`` when a row is missing. An op timed twice at a shape counts its first row."""
     index, lost, shapes = {}, set(), {}
     for r in rows:

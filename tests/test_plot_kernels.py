@@ -211,7 +211,8 @@ def test_plot_ratios_are_the_markdown_table_ratios():
     shape, pairs, _ = plot_kernels.pair_ratios(bench_kernels.timed(rows))
     assert shape == (8, 2048, 16, 128, 128)
     drawn = {(p["op"], p["fla_op"]): p for p in pairs}
-    listed = {(op, fla): cells for (op, fla, s), cells in table.items() if s == shape and not cells[0].startswith("failed")}
+    listed = {(op, fla): cells for (op, fla, s), cells in table.items()
+              if s == shape and not cells[0].startswith("failed")}
     assert set(drawn) == set(listed) == {("falcon-1a", "fla-simple-gla"), ("falcon-1", "fla-gated-delta-rule"),
                                          ("falcon-2a", "fla-gla"), ("falcon-2", "fla-gated-delta-rule")}
     for key, p in drawn.items():

@@ -1,5 +1,6 @@
-"""A Ctrl-C during ``falcon-fwa throughput``: the rows measured before it stay in ``--out``, the measurement it
-cut gets a row saying so (no timings), those not started get none, and the command ends with SIGINT's status."""
+"""A Ctrl-C during ``falcon-fwa throughput``: the rows measured before it stay in ``--out`` (each is written as it
+is measured), the measurement it cut and those not started get no row, standard error names the cut one and counts
+the others, and the command ends with SIGINT's status."""
 import json
 import signal
 
@@ -25,7 +26,7 @@ def _measure_until(n):
 
 
 @pytest.mark.parametrize("table", [[], ["--table"]])
-def test_ctrl_c_in_the_second_measurement_keeps_the_first_row_and_marks_the_second(tmp_path, monkeypatch, capsys,
+def test_ctrl_c_in_the_second_measurement_keeps_the_first_row_and_names_the_second(tmp_path, monkeypatch, capsys,
                                                                                    table):
     measure, calls = _measure_until(2)
     monkeypatch.setattr(throughput, "measure", measure)
@@ -35,18 +36,22 @@ def test_ctrl_c_in_the_second_measurement_keeps_the_first_row_and_marks_the_seco
     assert status == 128 + signal.SIGINT
     assert calls == [8, 16]  # the third measurement never started
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["preset"], r["seq_len"]) for r in rows] == [("tiny-falcon", 8), ("tiny-falcon", 16)]
-    first, cut = rows
-    assert first["tokens_per_s"] == 1000.0 and "interrupted" not in first
-    assert "interrupted" in cut and "tokens_per_s" not in cut and cut["wall_s"] >= 0
+    assert [(r["preset"], r["seq_len"], r["tokens_per_s"]) for r in rows] == [("tiny-falcon", 8, 1000.0)]
     printed = capsys.readouterr()
-    assert "interrupted during tiny-falcon at seq_len 16" in printed.err
-    assert "1 measurement(s) after it not run" in printed.err and str(out) in printed.err
-    lines = printed.out.splitlines()  # standard output: the two rows, as JSON or as lines of the table
-    assert len(lines) == 2 + bool(table)
-    assert lines[-1].endswith("interrupted (Ctrl-C)") if table else json.loads(lines[-1]) == cut
+    assert (f"interrupted during tiny-falcon at seq_len 16, which has no row; 1 measurement(s) after it not run; "
+            f"the 1 row(s) before it are in {out}") in printed.err
+    lines = printed.out.splitlines()  # standard output: the first row alone, as JSON or as a line of the table
+    assert len(lines) == 1 + bool(table)
+    if not table:
+        assert json.loads(lines[0]) == rows[0]
 
 
-def test_the_table_line_of_an_interrupted_row_says_so():
-    line = throughput._table_line({"preset": "p", "seq_len": 8, "batch_size": 2, "interrupted": "Ctrl-C"}, 6)
-    assert line.endswith("interrupted (Ctrl-C)") and line.startswith("p ")
+def test_ctrl_c_in_the_first_measurement_leaves_no_row_and_says_so(tmp_path, monkeypatch, capsys):
+    measure, _ = _measure_until(1)
+    monkeypatch.setattr(throughput, "measure", measure)
+    out = tmp_path / "rows.jsonl"
+    assert cli.main(["throughput", "--preset", "tiny-falcon", "--seq-len", "8", "--device", "cpu", "--no-progress",
+                     "--out", str(out)]) == 128 + signal.SIGINT
+    assert not out.exists() or out.read_text() == ""
+    err = capsys.readouterr().err
+    assert "interrupted during tiny-falcon at seq_len 8, which has no row\n" in err

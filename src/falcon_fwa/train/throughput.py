@@ -28,8 +28,8 @@ in the file. ``falcon_op`` says what computed the falcon layers: ``"triton"`` (t
 ``"torch"`` (the PyTorch forms), ``"fla"``, ``"none"`` (no falcon layers), or ``"mixed"``. A measurement
 that runs out of device memory gets a row with
 ``"error": "out of memory: ..."`` (the message's first 200 characters) and the next one runs. A Ctrl-C ends the
-command (status 130): the rows measured before it stay in ``--out``, the measurement it cut gets a row with
-``"interrupted"`` and no timings, and those not started get none (standard error counts them). Each measured
+command (status 130): the rows measured before it stay in ``--out``; the measurement it cut and those not started
+get no row, and standard error names the one cut and counts the others. Each measured
 row's ``wall_s`` is the seconds its measurement took, from building the model (out of memory or not).
 A progress bar on standard error counts each measurement's ``--warmup`` + ``--steps`` steps, the last
 step's seconds beside it (``--no-progress``: none); standard output carries only the rows (JSON lines, for
@@ -377,8 +377,6 @@ def _table_line(row: dict, width: int) -> str:
              "-" if peak is None else f"{peak / 2 ** 20:,.1f}"]
     if "skipped" in row:
         note = f"skipped: {row['skipped']}"
-    elif "interrupted" in row:
-        note = "interrupted (Ctrl-C)"
     elif "error" in row:
         note = row["error"][:80]
     elif row.get("stopped"):
@@ -447,14 +445,11 @@ def run(args: argparse.Namespace) -> int:
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:200]}"
             torch.cuda.empty_cache()
-        except KeyboardInterrupt:  # the rows measured before it are in --out already; this one says where it ended
-            row["interrupted"] = "Ctrl-C (SIGINT) during this measurement: no timings"
-            row["wall_s"] = _clock() - started
-            _append_row(args.out, row, *table)
+        except KeyboardInterrupt:  # the rows measured before it are in --out already; this one has none
             left = len(jobs) - index - 1
-            print(f"falcon-fwa throughput: interrupted during {name} at seq_len {seq_len}"
+            print(f"falcon-fwa throughput: interrupted during {name} at seq_len {seq_len}, which has no row"
                   + (f"; {left} measurement(s) after it not run" if left else "")
-                  + (f"; the rows measured before it are in {args.out}" if args.out else ""),
+                  + (f"; the {index} row(s) before it are in {args.out}" if args.out and index else ""),
                   file=sys.stderr, flush=True)
             raise
         row["wall_s"] = _clock() - started  # the model's building included; also where it ran out of memory

@@ -1,6 +1,8 @@
 """Tables and plots of a ``compare`` run: ``python -m falcon_fwa.train.compare_report
 runs/compare/compare.json results/lm/small`` writes ``small.json`` (rows: model, status, steps,
-params, tokens, val_ppl, tokens_per_s, peak_mem_bytes), ``small_table.md`` and ``small_loss.png``.
+params, tokens, val_ppl, tokens_per_s, peak_mem_bytes, commit), ``small_table.md`` and ``small_loss.png``.
+The table ends with the commits the runs trained at (their ``commit``) and the commit of the code that wrote it,
+with whether that checkout had uncommitted changes to tracked files (:func:`falcon_fwa.provenance.command_provenance`).
 
 A ``compare.json`` of a command that was stopped early reads too: recipes that trained only
 part of the steps (``partial``) are shown with their step count and left out of the verdict
@@ -10,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Optional
 
 from ..atomic import atomic_path, write_json, write_text
 from ..plotting import pyplot
+from ..provenance import command_provenance
 
 
 def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
@@ -49,7 +53,8 @@ def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
 
 def result_rows(report: dict) -> list:
     """Rows: model, status, steps, planned_steps, params, tokens, val_ppl, tokens_per_s,
-    peak_mem_bytes, error; one per recipe of ``report["configs"]``, in that order."""
+    peak_mem_bytes, error, commit (the one the run trained at, ``None`` where its result names none); one per
+    recipe of ``report["configs"]``, in that order."""
     runs = report.get("runs", {})
     statuses = report.get("status", {})
     rows = []
@@ -60,7 +65,7 @@ def result_rows(report: dict) -> list:
                      "planned_steps": run.get("planned_steps", report.get("steps")), "params": run.get("params"),
                      "tokens": run.get("tokens"), "val_ppl": run.get("val_ppl"),
                      "tokens_per_s": run.get("tokens_per_s"), "peak_mem_bytes": run.get("peak_mem_bytes"),
-                     "error": run.get("error")})
+                     "error": run.get("error"), "commit": run.get("commit")})
     return rows
 
 
@@ -70,7 +75,23 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def markdown_table(rows: list) -> str:
+def _provenance_lines(rows: list, provenance: Optional[dict]) -> list:
+    """The table's closing lines: the commits the rows' runs trained at, and (with ``provenance``, as
+    :func:`falcon_fwa.provenance.command_provenance` gives it) the commit that wrote the table, dirty or not."""
+    trained = sorted({r["commit"] for r in rows if r.get("commit")})
+    lines = [f"Runs trained at commit {', '.join(f'`{c}`' for c in trained)}."] if trained else []
+    if provenance is not None:
+        commit, dirty = provenance.get("commit"), provenance.get("dirty")
+        state = ("" if dirty is False else " with uncommitted changes to tracked files" if dirty else
+                 " (uncommitted changes unknown)")
+        lines.append(f"Table written at commit `{commit}`{state}." if commit else
+                     "Table written outside a git checkout (commit unknown).")
+    return ["", *lines] if lines else []
+
+
+def markdown_table(rows: list, provenance: Optional[dict] = None) -> str:
+    """The table of ``rows`` (:func:`result_rows`), the verdict, the recipes left out and the commits (the runs'
+    and, with ``provenance``, the writer's: :func:`_provenance_lines`)."""
     lines = ["| model | status | params | tokens | val ppl | tokens/s | peak memory |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -101,6 +122,7 @@ def markdown_table(rows: list) -> str:
     left_out = [r["model"] for r in rows if r["status"] != "done"]
     if left_out:
         lines.append(f"\nNot in the comparison (fewer or no tokens trained): {', '.join(left_out)}.")
+    lines += _provenance_lines(rows, provenance)
     return "\n".join(lines) + "\n"
 
 
@@ -126,11 +148,12 @@ def _report(args: argparse.Namespace) -> int:
     prefix = args.prefix
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     write_json(prefix + ".json", rows)
-    write_text(prefix + "_table.md", markdown_table(rows))
+    table = markdown_table(rows, command_provenance(args))
+    write_text(prefix + "_table.md", table)
     planned = {r["planned_steps"] for r in rows if r["planned_steps"] is not None}  # (one count: see compare)
     steps = report.get("steps") or (planned.pop() if len(planned) == 1 else None)
     plot_curves(report.get("runs", {}), prefix + "_loss.png", title=f"{len(rows)} models, {steps} steps")
-    print(markdown_table(rows))
+    print(table)
     return 0
 
 

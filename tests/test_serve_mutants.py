@@ -121,9 +121,10 @@ def test_a_token_without_text_leaves_the_next_ones_leading_space():
     assert (row.text, row.ids) == ("hello world", [0, 2, 1])
 
 
-def test_each_token_is_decoded_with_one_token_of_context_not_the_whole_completion():
-    """The cost stated for ``StopText``: two decodes of a few tokens per step, not one of the whole completion
-    (ASCII bytes: the new token and the one before it, at most two)."""
+def test_each_token_decodes_a_window_of_the_last_tokens_not_the_whole_completion():
+    """The cost stated for ``StopText``: per token one decode of the last at most ``2 * WINDOW + 1 + CONTEXT``
+    tokens (41) and, every ``WINDOW`` tokens, two more to move the window on; not one of the whole completion
+    (300 ASCII bytes), whose text is still the whole decode."""
     tok, lengths = byte_tokenizer(), []
 
     class Counting:
@@ -131,11 +132,13 @@ def test_each_token_is_decoded_with_one_token_of_context_not_the_whole_completio
             lengths.append(len(ids))
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    text = (b"fast weights hold the state of the online learner " * 6)[:300]
     row = StopText(Counting(), ["###"])
-    for t in b"fast weights hold the state of the online learner":
+    for t in text:
         assert not row.add(t)
-    assert row.text == "fast weights hold the state of the online learner"
-    assert max(lengths) == 2 and len(lengths) == 2 * len(row.ids)
+    assert row.text == text.decode()
+    assert max(lengths) == 2 * StopText.WINDOW + 1 + StopText.CONTEXT == 41
+    assert len(lengths) <= len(text) + 2 * (len(text) // StopText.WINDOW) and sum(lengths) < 41 * 2 * len(text)
 
 
 def test_a_stopped_text_is_taken_whole_before_finish():

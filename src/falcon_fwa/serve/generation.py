@@ -168,8 +168,8 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     ``stop_at_eos`` a row ends at its first end-of-text token and a batch when all its rows have.
 
     ``stop``: a string or a sequence of strings (none empty: ``ValueError`` naming ``stop``). A row also
-    ends at the first token after which its decoded text (``serve.stops.StopText``: decoded token by token on
-    the host) holds any of them, wherever the token boundaries fall in it; its ``text`` is cut just before the
+    ends at the first token after which its text (``serve.stops.StopText``: the decode of all its tokens so far,
+    on the host) holds any of them, wherever the token boundaries fall in it; its ``text`` is cut just before the
     earliest occurrence, its ``token_ids`` keep the tokens up to that one, and ``finish_reason`` is
     ``"stop"``. A row that has ended is fed pad tokens while the others of its batch go on, which leaves their
     tokens as they would be alone (each row's cache is its own), and the batch ends when all its rows have.

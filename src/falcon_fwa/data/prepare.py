@@ -28,8 +28,8 @@ from typing import Callable, Iterator, Optional
 
 from ..atomic import folder_lock, fsync_folder, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, check_replaceable, is_shard_folder, write_token_shards
-from .sources import (JSON_SUFFIXES, TEXT_SPLITS, TEXT_SUFFIXES, hf_dataset, hf_split_files, iter_documents,
-                      list_files, walk_files)
+from .sources import (JSON_SUFFIXES, TEXT_SPLITS, TEXT_SUFFIXES, hf_data_files, hf_dataset, hf_split_files,
+                      iter_documents, list_files, source_folder_files)
 from .tokenizer import (CHAT_TEMPLATE_DIR, bpe_vocab_size, canonical_spec, is_tokenizer_file, load_tokenizer,
                         same_spec)
 
@@ -137,6 +137,10 @@ def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lamb
         if source is None:
             return None
         if source.startswith("hf:"):
+            try:  # (refused before anything is written where the dataset folder holds nothing but a preparation)
+                hf_data_files(source, out_dir)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"{name(field)}: {err}") from None
             return _folder_files(hf_dataset(source)[0], out_dir)
         try:
             paths = list_files(source, exclude=out_dir, name=name)
@@ -355,18 +359,15 @@ def file_stamps(files: dict) -> dict:
 
 def _folder_files(folder: str, out_dir: str) -> Optional[dict]:
     """``{path: bytes}`` of every file in a local folder that is read whole (an ``hf:`` source's dataset folder),
-    the output folder's excepted, should it lie inside, and hidden ones (:func:`walk_files`: ``datasets`` reads no
-    ``.git/`` or ``.cache/`` either); ``None`` where ``folder`` is no
-    local folder (a Hub name)."""
+    but what a preparation wrote there, the output folder's entries too, should it lie inside, and hidden ones
+    (:func:`~falcon_fwa.data.sources.source_folder_files`: ``datasets`` reads no ``.git/`` or ``.cache/`` either,
+    nor a broken link); ``None`` where ``folder`` is no local folder (a Hub name)."""
     if not os.path.isdir(folder):
         return None
-    skip = os.path.realpath(out_dir) + os.sep
-    files = {path: os.path.getsize(path) for path in walk_files(folder)
-             if os.path.isfile(path) and not os.path.realpath(path).startswith(skip)}  # (a broken link: no file)
-    return dict(sorted(files.items()))
+    return {path: os.path.getsize(path) for path in source_folder_files(folder, out_dir)}
 
 
-def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> None:
+def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str], out_dir: Optional[str] = None) -> None:
     """``ValueError`` when a file of the val source is also one of the train source (the same file, or
     a folder of training data that holds the validation file): its documents would be in both splits.
     An ``hf:`` dataset folder counts the files of the split it is read for (``train``, ``validation``), as
@@ -376,8 +377,8 @@ def _check_disjoint(files: dict, spec: DataSpec, name: Callable[[str], str]) -> 
     if spec.val_source is None:
         return
     hf = [source.startswith("hf:") for source in (spec.train_source, spec.val_source)]
-    train = hf_split_files(spec.train_source, "train") if hf[0] else files["train"]
-    val = hf_split_files(spec.val_source, "validation") if hf[1] else files["val"]
+    train = hf_split_files(spec.train_source, "train", out_dir) if hf[0] else files["train"]
+    val = hf_split_files(spec.val_source, "validation", out_dir) if hf[1] else files["val"]
     if not train or not val:
         return
     real = {os.path.realpath(path) for path in train}
@@ -463,7 +464,7 @@ def check_sources(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lam
     names files and that no file is in both splits. Errors name the settings as ``name`` gives them."""
     spec.check(name)
     if not os.path.isfile(os.path.join(out_dir, "prepared.json")):  # (a reuse takes a corpus gone since)
-        _check_disjoint(source_files(spec, out_dir, name), spec, name)
+        _check_disjoint(source_files(spec, out_dir, name), spec, name, out_dir)
 
 
 def prepare_dataset(spec: DataSpec, out_dir: str, *, overwrite: bool = False,
@@ -560,7 +561,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         return record
     files = source_files(spec, out_dir, name)
     stamped = time.time_ns()  # before a file is hashed (see _racy)
-    _check_disjoint(files, spec, name)
+    _check_disjoint(files, spec, name, out_dir)
     # each file stamped before a document of it is read (a file written while it is tokenized counts as changed):
     # the text and JSON files of a local source as they are read to be tokenized (the corpus is read once), the
     # others (Parquet, an hf: dataset folder's, the tokenizer folder's) now

@@ -4,9 +4,11 @@
 - a file or a folder (searched recursively, into linked folders too, passing over hidden names: ``.git/``,
   ``.ipynb_checkpoints/``, ``.DS_Store``) of ``.txt``/``.md``/``.rst``,
   ``.jsonl``/``.json`` (JSON Lines, or one array of records) and ``.parquet`` files (suffixes in any
-  case), or a glob pattern of such files; records whose text is null, empty or blank yield no document;
+  case), or a glob pattern of such files; records whose text is null, empty or blank yield no document; a file
+  that is a link to nothing is a ``FileNotFoundError`` naming the link and its target, before a document is read;
 - ``hf:NAME`` or ``hf:NAME:CONFIG`` for ``datasets.load_dataset(NAME, CONFIG, split=..., streaming=True)``
-  (needs internet or a local cache).
+  (needs internet or a local cache); a local dataset folder's files but what a preparation wrote there
+  (:func:`hf_data_files`).
 Text files are split into documents by ``text_split``: ``"file"`` (the whole file is one
 document), ``"line"`` (one per non-empty line) or ``"paragraph"`` (separated by blank lines).
 Bytes that are no UTF-8 (in a text or JSON file, or a Parquet string) become U+FFFD; a leading
@@ -83,6 +85,43 @@ def walk_files(folder: str, prune: Optional[Callable[[str, List[str]], bool]] = 
         yield from (os.path.join(root, f) for f in names if not f.startswith("."))
 
 
+def _folder_walk(folder: str, exclude: Optional[str]) -> List[str]:
+    """Every path below ``folder`` that a search of it counts, of any suffix (:func:`walk_files`): not what another
+    preparation wrote in a folder that holds its record (``prepared.json``, an earlier ``--out``), nor the record;
+    the output folder ``exclude``'s own entries are left to :func:`_excluded`."""
+    own = None if exclude is None else os.path.realpath(exclude)
+
+    def other_output(root: str, names: List[str]) -> bool:  # (the output itself: see _excluded)
+        parent, base = os.path.split(os.path.normpath(root))
+        return (root != folder and base in _OUTPUT_NAMES and os.path.realpath(parent or ".") != own
+                and os.path.isfile(os.path.join(parent, "prepared.json")))
+
+    return [f for f in walk_files(folder, prune=other_output)
+            if os.path.basename(f) != "prepared.json" or os.path.realpath(os.path.dirname(f)) == own]
+
+
+def source_folder_files(folder: str, exclude: Optional[str] = None) -> List[str]:
+    """The files below ``folder`` that a source reads, of any suffix, sorted: those a search of the folder counts
+    (:func:`list_files`: hidden names, what a preparation wrote and the output folder ``exclude`` passed over), not
+    broken links (an ``hf:`` dataset folder's: ``datasets`` lists none)."""
+    files = _folder_walk(folder, exclude)
+    if exclude is not None:
+        files = _excluded(files, folder, exclude)
+    return sorted(f for f in files if os.path.isfile(f))
+
+
+def _refuse_broken_links(files: List[str], source: str) -> None:
+    """``FileNotFoundError`` naming the first of ``files`` that is a link to nothing (its target gone, or a loop of
+    links), its target and ``source``: its documents cannot be read, and a corpus of such links (a ``git annex``
+    checkout whose content is not fetched) would be tokenized in part."""
+    for path in files:
+        if os.path.islink(path) and not os.path.exists(path):
+            more = sum(1 for f in files if os.path.islink(f) and not os.path.exists(f)) - 1
+            also = f" ({more} more like it)" if more else ""
+            raise FileNotFoundError(f"data source {source!r} names the link {path!r} to {os.readlink(path)!r}, which "
+                                    f"does not exist{also}: restore what it links to, or remove the link")
+
+
 def list_files(source: str, exclude: Optional[str] = None,
                name: Callable[[str], str] = lambda field: field) -> List[str]:
     """The data files a path, folder or glob names, sorted (stable order = stable token stream).
@@ -93,16 +132,8 @@ def list_files(source: str, exclude: Optional[str] = None,
     files do (the corpus beside an earlier ``--out .``). A source whose every file is skipped so is a
     ``FileNotFoundError`` naming them and the output folder (as ``name`` calls ``out_dir``), or naming the
     record, not one that names no files."""
-    own = None if exclude is None else os.path.realpath(exclude)
     if os.path.isdir(source):
-
-        def other_output(root: str, names: List[str]) -> bool:  # (the output itself: see _excluded)
-            parent, base = os.path.split(os.path.normpath(root))
-            return (root != source and base in _OUTPUT_NAMES and os.path.realpath(parent or ".") != own
-                    and os.path.isfile(os.path.join(parent, "prepared.json")))
-
-        files = [f for f in walk_files(source, prune=other_output)
-                 if os.path.basename(f) != "prepared.json" or os.path.realpath(os.path.dirname(f)) == own]
+        files = _folder_walk(source, exclude)
     elif os.path.isfile(source):
         files = [source]
     else:
@@ -117,6 +148,7 @@ def list_files(source: str, exclude: Optional[str] = None,
                                     f"written ({files[0]!r}{more}; a preparation writes its train, val and tokenizer "
                                     f"there): give {name('out_dir')} a folder apart from the sources")
         files = kept
+    _refuse_broken_links(files, source)
     if not files:
         if not glob.has_magic(source) and not os.path.exists(source):
             raise FileNotFoundError(f"data source {source!r} does not exist")
@@ -124,7 +156,7 @@ def list_files(source: str, exclude: Optional[str] = None,
             raise FileNotFoundError(f"data source {source!r} is no {'/'.join(suffixes)} file (files are read by "
                                     "their suffix)")
         record = os.path.join(source, "prepared.json")
-        if os.path.isfile(record) and os.path.realpath(source) != own:
+        if os.path.isfile(record) and (exclude is None or os.path.realpath(source) != os.path.realpath(exclude)):
             raise FileNotFoundError(f"data source {source!r} holds no {'/'.join(suffixes)} files but those of the "
                                     f"preparation {record!r} records (its train, val and tokenizer are no corpus): "
                                     "give the files it was prepared from")
@@ -280,42 +312,114 @@ def hf_dataset(source: str) -> Tuple[str, str]:
     return name, config
 
 
-def hf_split_files(source: str, split: str) -> Optional[List[str]]:
+def hf_data_files(source: str, exclude: Optional[str] = None) -> Optional[dict]:
+    """``{split: [path, ...]}`` for ``datasets.load_dataset(..., data_files=...)`` of an ``hf:FOLDER[:CONFIG]``
+    source whose folder holds what a preparation wrote (the output folder ``exclude``, ``--out`` inside the dataset
+    folder or the folder itself, or an earlier preparation's record): the files ``datasets`` finds in the folder
+    without those (:func:`source_folder_files`), by its own split patterns (or the config's ``data_files`` of the
+    folder's ``README.md``), so that no record, token shard or temporary of a preparation is read as data. ``None``
+    where the folder holds none of them (``datasets`` then lists it itself), for a Hub name and without ``datasets``.
+    ``FileNotFoundError`` naming the source where nothing else is left."""
+    folder, config = hf_dataset(source)
+    if not os.path.isdir(folder):
+        return None
+    passed = {os.path.realpath(f) for f in walk_files(folder) if os.path.isfile(f)}
+    passed -= {os.path.realpath(f) for f in source_folder_files(folder, exclude)}
+    if not passed:
+        return None
+    try:
+        from datasets.data_files import _get_data_files_patterns, resolve_pattern, sanitize_patterns
+    except ImportError:  # (no datasets, or one that finds its files otherwise: the load says what is wrong)
+        return None
+    from pathlib import Path
+
+    base = Path(folder).expanduser().resolve().as_posix()
+
+    def resolve(pattern: str) -> List[str]:
+        return [path for path in resolve_pattern(pattern, base_path=base) if os.path.realpath(path) not in passed]
+
+    patterns = _card_patterns(folder, config)
+    try:
+        patterns = sanitize_patterns(patterns) if patterns is not None else _get_data_files_patterns(resolve)
+        files = {str(split): sorted({path for pattern in split_patterns for path in _resolved(resolve, pattern)})
+                 for split, split_patterns in patterns.items()}
+    except FileNotFoundError:
+        files = {}
+    files = {split: paths for split, paths in files.items() if paths}
+    if not files:
+        raise FileNotFoundError(f"data source {source!r} holds no data files but what a preparation writes "
+                                f"({sorted(passed)[0]!r}: a record, token shards, a tokenizer): give the dataset "
+                                "folder apart from the output")
+    return files
+
+
+def _resolved(resolve: Callable[[str], List[str]], pattern: str) -> List[str]:
+    try:
+        return resolve(pattern)
+    except FileNotFoundError:  # (a split pattern that names no file: as datasets, none for it)
+        return []
+
+
+def _card_patterns(folder: str, config: str):
+    """The ``data_files`` that the dataset card (``README.md``, ``.huggingface.yaml``) of ``folder`` gives config
+    ``config`` (its default config where ``""``), as ``datasets`` reads them; ``None`` where it gives none."""
+    try:
+        import yaml
+        from datasets.utils.metadata import MetadataConfigs
+        from huggingface_hub import DatasetCard, DatasetCardData
+    except ImportError:
+        return None
+    readme, standalone = os.path.join(folder, "README.md"), os.path.join(folder, ".huggingface.yaml")
+    data = DatasetCard.load(readme).data.to_dict() if os.path.isfile(readme) else {}
+    if os.path.isfile(standalone):
+        with open(standalone, encoding="utf-8") as f:
+            data.update(yaml.safe_load(f.read()) or {})
+    configs = MetadataConfigs.from_dataset_card_data(DatasetCardData(**data))
+    chosen = configs.get(config or configs.get_default_config_name() or "")
+    return None if chosen is None else chosen.get("data_files")
+
+
+def hf_split_files(source: str, split: str, exclude: Optional[str] = None) -> Optional[List[str]]:
     """The files that split ``split`` of an ``hf:FOLDER[:CONFIG]`` source reads, as ``datasets`` finds them in
-    the local folder (no network); ``None`` for a Hub name, without ``datasets``, or where it finds none (the
-    load itself then names what is wrong)."""
+    the local folder (no network; what a preparation wrote there passed over, :func:`hf_data_files`); ``None`` for a
+    Hub name, without ``datasets``, or where it finds none (the load itself then names what is wrong)."""
     name, config = hf_dataset(source)
     if not os.path.isdir(name):
         return None
     try:
-        from datasets import load_dataset_builder
+        data_files = hf_data_files(source, exclude)
+        if data_files is None:
+            from datasets import load_dataset_builder
 
-        data_files = load_dataset_builder(name, config or None).config.data_files or {}
+            data_files = load_dataset_builder(name, config or None).config.data_files or {}
     except Exception:  # (no datasets, no such config, a folder it cannot read: the load says so, by name)
         return None
     files = data_files.get(split)
     return None if files is None else [str(path) for path in files]
 
 
-def _hf_records(source: str, split: str):
-    """The streamed records of split ``split`` of ``hf:NAME[:CONFIG]``; ``ValueError`` naming the source."""
+def _hf_records(source: str, split: str, exclude: Optional[str] = None):
+    """The streamed records of split ``split`` of ``hf:NAME[:CONFIG]`` (a local folder's files but what a
+    preparation wrote there: :func:`hf_data_files`); ``ValueError`` naming the source."""
     from datasets import load_dataset
 
     name, config = hf_dataset(source)
     try:
-        return load_dataset(name, config or None, split=split, streaming=True)
+        data_files = hf_data_files(source, exclude)
+        files = {} if data_files is None else {"data_files": data_files}
+        return load_dataset(name, config or None, split=split, streaming=True, **files)
     except (ValueError, OSError) as err:  # no such dataset, config or split; the Hub out of reach
         raise ValueError(f"data source {source!r} ({split} split): {err}") from None
 
 
 def _hf_texts(source: str, split: str, text_field: str,
-              name: Callable[[str], str] = lambda field: field) -> Iterator[str]:
+              name: Callable[[str], str] = lambda field: field, exclude: Optional[str] = None) -> Iterator[str]:
     """The texts of the records of ``hf:NAME[:CONFIG]`` that are not null, empty or blank. A streamed
     dataset reads its files as it goes: one that cannot be read (bad JSON, no Parquet) is a ``ValueError``
     naming the source, as one that cannot be opened is."""
     import pyarrow as pa
 
-    records = iter(_hf_records(source, split))
+    records = iter(_hf_records(source, split, exclude))
     for n in itertools.count():
         try:
             record = next(records)
@@ -340,7 +444,7 @@ def iter_documents(source: str, *, text_split: str = "file", text_field: str = "
     if text_split not in TEXT_SPLITS:
         raise ValueError(f"{name('text_split')} must be one of {TEXT_SPLITS}, got {text_split!r}")
     if source.startswith("hf:"):
-        stream = _hf_texts(source, split, text_field, name)
+        stream = _hf_texts(source, split, text_field, name, exclude)
     else:
         stream = (doc for path in list_files(source, exclude, name)
                   for doc in _iter_file(path, text_split, text_field, name, opener))

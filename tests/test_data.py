@@ -205,7 +205,7 @@ def test_preparations_started_together_on_one_folder_tokenize_it_once(tmp_path, 
         t.join()
     assert not errors, errors
     assert len(results) == 2 and results[0] == results[1]
-    assert tokenized == ["train", "train"]  # one preparation (train, then val held out of train); the other reuses
+    assert tokenized == ["train"]  # one preparation (one read: val held out of train as it goes); the other reuses
     docs = list(TokenShards(str(tmp_path / "d" / "train")).documents())
     assert len(docs) == 36 and [len(d) for d in docs] == [len(t.encode()) + 1 for i, t in enumerate(corpus(40))
                                                           if i % 10 != 9]

@@ -7,7 +7,8 @@ import subprocess
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["git_commit", "source_checkout", "command_provenance", "committed_files"]
+__all__ = ["git_commit", "source_checkout", "command_provenance", "uncommitted_note", "written_at_line",
+           "committed_files"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -50,6 +51,25 @@ def command_provenance(args: argparse.Namespace) -> dict:
     commit = None if root is None else git_commit(short=False, cwd=root)
     status = None if commit is None else _git(["status", "--porcelain", "--untracked-files=no"], root)
     return {"commit": commit, "dirty": None if status is None else bool(status), "options": dict(vars(args))}
+
+
+def uncommitted_note(dirty: Optional[bool]) -> str:
+    """What follows a commit named in a record, from :func:`command_provenance`'s ``dirty``: nothing for a clean
+    checkout, " with uncommitted changes to tracked files" for a dirty one, " (uncommitted changes unknown)"
+    when git could not tell."""
+    if dirty is False:
+        return ""
+    return " with uncommitted changes to tracked files" if dirty else " (uncommitted changes unknown)"
+
+
+def written_at_line(provenance: dict, what: str = "Table") -> str:
+    """The sentence that ends a written table or report, from :func:`command_provenance`'s ``commit`` and
+    ``dirty``: "Table written at commit `C`." (with :func:`uncommitted_note` before the full stop), or
+    "Table written outside a git checkout (commit unknown)." without a commit; ``what`` names the thing written."""
+    commit = provenance.get("commit")
+    if not commit:
+        return f"{what} written outside a git checkout (commit unknown)."
+    return f"{what} written at commit `{commit}`{uncommitted_note(provenance.get('dirty'))}."
 
 
 def committed_files(paths: List[str]) -> List[str]:

@@ -1,10 +1,13 @@
-"""``falcon-fwa params``: parameter counts of presets (markdown table, optionally written to a file)."""
+"""``falcon-fwa params``: parameter counts of presets (markdown table, optionally written to a file). The table
+ends with the commit of the code that counted, and whether that checkout had uncommitted changes to tracked files
+(:func:`falcon_fwa.provenance.command_provenance`, in :func:`falcon_fwa.provenance.written_at_line`'s words)."""
 from __future__ import annotations
 
 import argparse
 
 from ..atomic import write_text
 from ..cli_options import at_least, check_output_file
+from ..provenance import command_provenance, written_at_line
 from .params import parameter_table
 from .presets import PRESETS
 
@@ -26,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train.throughput import parse_preset  # the NAME:field=value,... form of throughput's --preset
 
     table = parameter_table(names, [parse_preset(n, "PRESET", **overrides) for n in names])
+    table += "\n\n" + written_at_line(command_provenance(args))
     print(table)
     if args.out:
         text = "# Parameter counts of the presets\n\nProduced by `falcon-fwa params" + \

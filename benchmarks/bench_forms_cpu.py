@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from typing import Dict, List, Optional
@@ -38,7 +37,7 @@ from tqdm import tqdm
 
 from falcon_fwa import falcon_attention
 from falcon_fwa.ops import RULES
-from falcon_fwa.provenance import committed_files
+from falcon_fwa.provenance import command_provenance, committed_files, uncommitted_note
 
 FORMS = ("recurrent", "parallel", "chunk")
 MODES = ("fwd", "fwdbwd")
@@ -55,7 +54,10 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _machine() -> Dict[str, str]:
+def _machine(args: argparse.Namespace) -> Dict[str, str]:
+    """The machine, the versions and the commit of the falcon_fwa code that runs (:func:`command_provenance`'s full
+    commit, with :func:`uncommitted_note` when its checkout had uncommitted changes to tracked files; "unknown"
+    outside a git checkout)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -64,16 +66,9 @@ def _machine() -> Dict[str, str]:
             cpu = names[0]
     except OSError:
         pass
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
-        if dirty:
-            commit += " (with uncommitted changes in src/)"
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    provenance = command_provenance(args)  # the falcon_fwa checkout that is timed, whatever the working directory
+    commit = provenance["commit"]
+    commit = commit + uncommitted_note(provenance["dirty"]) if commit else "unknown"
     return {"cpu": cpu, "cores": str(os.cpu_count()), "threads": str(torch.get_num_threads()),
             "torch": torch.__version__, "python": platform.python_version(), "commit": commit}
 
@@ -130,8 +125,8 @@ def run(args: argparse.Namespace) -> Dict:
         torch.set_num_threads(args.threads)
     B, H, D = args.batch, args.heads, args.head_dim
     options = dict(window=args.window, chunk_size=args.chunk_size)
-    report = {"machine": _machine(), "shape": {"B": B, "H": H, "K": D, "V": D, "window": args.window,
-                                                "chunk_size": args.chunk_size, "dtype": "float32"},
+    report = {"machine": _machine(args), "shape": {"B": B, "H": H, "K": D, "V": D, "window": args.window,
+                                                    "chunk_size": args.chunk_size, "dtype": "float32"},
               "limits": {"time_s_per_call": args.time_limit, "memory_gib": args.memory_limit_gib,
                          "repeats": args.repeats},
               "cells": []}

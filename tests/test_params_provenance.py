@@ -76,6 +76,9 @@ def test_the_recorded_table_names_a_commit_of_this_repository_written_clean():
     assert found, lines[-1]
     assert lines[-3].startswith("| ") and lines[-2] == ""
     commit = found.group(1)
-    assert _git(ROOT, "cat-file", "-t", commit) == "commit"
+    known = subprocess.run(["git", "-C", ROOT, "cat-file", "-t", commit], capture_output=True, text=True)
+    if known.returncode and _git(ROOT, "rev-parse", "--is-shallow-repository") == "true":
+        pytest.skip("a shallow clone: the recorded commit may lie outside its history")
+    assert known.stdout.strip() == "commit", known.stderr
     # the code of that commit printed this table: the params command there writes the line
     assert "written_at_line" in _git(ROOT, "show", f"{commit}:src/falcon_fwa/models/cli.py")

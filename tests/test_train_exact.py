@@ -166,8 +166,7 @@ def test_resume_refuses_a_validation_source_that_moves_documents_into_training(t
     run_trainer(recipe(tmp_path, "held-out"), stop_at=2)
     raw = recipe(tmp_path, "held-out")
     raw["data"].update(val_source=str(tmp_path / "val.jsonl"), out_dir=str(tmp_path / "data-val"))
-    with pytest.raises(ValueError, match=r"^data\.val_source: the checkpoint was trained with None, this recipe "
-                                         r"has '.*val\.jsonl'"):
+    with pytest.raises(ValueError, match=r"\(data\.val_source None there, '.*val\.jsonl' here\)"):
         Trainer(config_from_dict(raw))
 
     run_trainer(raw | {"train": raw["train"] | {"out_dir": str(tmp_path / "own")}}, stop_at=2)
@@ -179,8 +178,7 @@ def test_resume_refuses_a_validation_source_that_moves_documents_into_training(t
     finally:
         trainer.close()
     raw2["data"].update(val_source=None, out_dir=str(tmp_path / "data-none"))
-    with pytest.raises(ValueError, match=r"^data\.val_source: the checkpoint was trained with '.*val\.jsonl', "
-                                         r"this recipe has None"):
+    with pytest.raises(ValueError, match=r"\(data\.val_source '.*val\.jsonl' there, None here[;)]"):
         Trainer(config_from_dict(raw2))
 
 

@@ -95,6 +95,11 @@ def _complete(path: str) -> bool:
     return isinstance(meta, dict) and bool(meta.get("complete")) and os.path.isfile(os.path.join(path, "state.pt"))
 
 
+def is_complete(path: str) -> bool:
+    """Whether ``path`` is a complete checkpoint folder (one :func:`load_checkpoint` loads)."""
+    return _complete(path)
+
+
 def list_checkpoints(checkpoint_dir: str) -> list:
     """Complete checkpoints, oldest first (by step: ``step-100000000`` comes after ``step-99999999``)."""
     if not os.path.isdir(checkpoint_dir):

@@ -44,9 +44,15 @@ def _resume_step(cfg) -> Optional[int]:
     return None if path is None else checkpoint_step(path)
 
 
+def _traceback_requested() -> bool:
+    import falcon_fwa_launcher
+
+    return falcon_fwa_launcher.traceback_requested()
+
+
 def run(args: argparse.Namespace) -> int:
     from . import distributed
-    from .trainer import NonFiniteLoss, Trainer
+    from .trainer import NonFiniteLoss, ResumeRefused, Trainer
 
     if args.stop_at is not None and args.stop_at < 1:
         raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
@@ -63,7 +69,16 @@ def run(args: argparse.Namespace) -> int:
                  f"a longer train.steps (it is {cfg.train.steps}) and a step from {at}")
         raise ValueError(f"--stop-at {args.stop_at} is before the run's checkpoint at step {at}, where it resumes: "
                          f"give {later}, or train.resume=none to start afresh")
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except ResumeRefused:
+        # every process of a launch refuses alike: the main one (rank 0) reports it, the others end with its
+        # exit status and say nothing, so that torchrun's output holds the message once
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or _traceback_requested():
+            raise
+        distributed.teardown()
+        return 2
     if args.stop_at is not None and trainer.step == args.stop_at < cfg.train.steps and trainer.info.is_main:
         print(f"the run's checkpoint is at --stop-at {args.stop_at} already: nothing to train (a later --stop-at, "
               "or none, continues the run)")

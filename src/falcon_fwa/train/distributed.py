@@ -133,6 +133,15 @@ def peak_memory_bytes(info: DistInfo) -> "int | None":
     return int(all_reduce_max(peak, info).item())
 
 
+def broadcast_object(obj, info: DistInfo):
+    """The main process's ``obj`` (any picklable object), on every process."""
+    if info.world_size == 1 or not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()

@@ -26,7 +26,7 @@ from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from ..models.modeling import output_object
 from ..provenance import git_commit
 from . import distributed as D
-from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import is_complete, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, trains_in_bf16
 from .launch import LOCK_NAME, StopSignals
 from .logger import MetricLogger, read_log
@@ -85,6 +85,42 @@ def _model_fields(section: dict) -> dict:
     return {k: getattr(config, k) for k in sorted(config_fields() - _NOT_MODEL_FIELDS)}
 
 
+def resume_differences(saved: dict, cfg: RunConfig) -> list:
+    """The settings of the recipe ``saved`` (a checkpoint's ``config``) that a resume under ``cfg`` cannot take,
+    as ``"FIELD WAS there, NOW here"``: those that decide which samples the data position counts
+    (``train.seed``, :data:`_SAMPLE_FIELDS`), then the model's fields (:func:`_model_fields`)."""
+    differ = []
+    for section, key in (("train", "seed"), *(("data", k) for k in _SAMPLE_FIELDS)):
+        if key not in saved[section]:  # a checkpoint older than the field
+            continue
+        was, now = saved[section][key], getattr(getattr(cfg, section), key)
+        if not _same_samples(key, was, now, saved["data"], cfg.data):
+            differ.append(f"{section}.{key} {was!r} there, {now!r} here")
+    was, now = _model_fields(saved["model"]), _model_fields(cfg.to_dict()["model"])
+    differ += [f"model.{k} {was.get(k)!r} there, {now.get(k)!r} here"
+               for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    return differ
+
+
+def refusal_message(where: str, differ: list, *, out_dir: Optional[str] = None) -> str:
+    """Why ``where`` (a checkpoint, or the run folder that holds it) is not resumed: the first few of the
+    settings ``differ`` and the ways out: ``out_dir``'s, where the run was found there by ``train.resume=auto``."""
+    shown = "; ".join(differ[:5]) + (f"; and {len(differ) - 5} more" if len(differ) > 5 else "")
+    if out_dir is not None:
+        ways = (f"train into another train.out_dir, give the recipe that run's settings to resume it, or set "
+                f"train.resume=none to start afresh in {out_dir!r} over that run's checkpoints and log")
+    else:
+        ways = "give the recipe that run's settings, another train.resume, or train.resume=none to start afresh"
+    return (f"{where} holds a run of other settings than this recipe's ({shown}): its weights and data position "
+            f"fit only its own, so it is not resumed and nothing is written; {ways}")
+
+
+class ResumeRefused(ValueError):
+    """``train.resume`` finds a checkpoint this recipe cannot resume (another run's: other data or another
+    model), or names no checkpoint. The main process decides and tells the others of a launch, so that every
+    process refuses alike, before anything is written; a launcher reports it once (``train.cli``)."""
+
+
 class NonFiniteLoss(RuntimeError):
     """Raised when a step's loss or gradient norm is NaN or Inf."""
 
@@ -132,6 +168,7 @@ class Trainer:
         self.info = D.setup(t.strategy)
         self.out_dir = t.out_dir
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
+        self._resume_path = self._resume_target()  # refused before anything is written
         per_step = t.micro_batch * self.info.world_size
         if t.global_batch % per_step:
             raise ValueError(f"config field train.global_batch = {t.global_batch} is not a multiple of "
@@ -215,22 +252,11 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        # the data position counts samples of one order: the same documents, tokens, rows and shuffle
-        saved = state["config"]
-        for section, key in (("train", "seed"), *(("data", k) for k in _SAMPLE_FIELDS)):
-            if key not in saved[section]:  # a checkpoint older than the field
-                continue
-            was, now = saved[section][key], getattr(getattr(self.cfg, section), key)
-            if not _same_samples(key, was, now, saved["data"], self.cfg.data):
-                raise ValueError(f"{section}.{key}: the checkpoint was trained with {was!r}, this recipe has {now!r}, "
-                                 "so its data position would point into other samples; use the checkpoint's value, "
-                                 "or train.resume=none to start afresh")
-        was, now = _model_fields(saved["model"]), _model_fields(self.cfg.to_dict()["model"])
-        if was != now:
-            differ = ", ".join(f"{k} {was.get(k)!r} there, {now.get(k)!r} here"
-                               for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
-            raise ValueError(f"model: the checkpoint holds another model than this recipe's ({differ}); use the "
-                             "checkpoint's model section, or train.resume=none to start afresh")
+        # the data position counts samples of one order: the same documents, tokens, rows and shuffle; the
+        # weights are of one model
+        differ = resume_differences(state["config"], self.cfg)
+        if differ:
+            raise ResumeRefused(refusal_message("the checkpoint", differ))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
         # The optimizer state dict brings the saved run's hyperparameters back into the param groups;
@@ -253,17 +279,50 @@ class Trainer:
         self.position = consumed // per_micro_step
         set_rng_state(state["rng"])
 
-    def _maybe_resume(self) -> None:
+    def _resume_target(self) -> Optional[str]:
+        """The checkpoint this launch resumes from (``None``: it starts at step 0), as the main process finds
+        it; ``ResumeRefused`` on every process where it names no checkpoint, or one of another run."""
         resume = self.cfg.train.resume
-        path = None
-        if resume != "none":
+        if resume == "none":
+            return None
+        path = message = None
+        if self.info.is_main or self.info.world_size == 1:
             path = latest_checkpoint(self.ckpt_dir) if resume == "auto" else resume
+            message = self._refusal(path, found=resume == "auto")
+        path, message = D.broadcast_object((path, message), self.info)
+        if message is not None:
+            raise ResumeRefused(message)
+        return path
+
+    def _refusal(self, path: Optional[str], *, found: bool) -> Optional[str]:
+        """Why the checkpoint ``path`` cannot be resumed (``found``: by ``train.resume=auto`` in the run
+        folder), else ``None``. Only the checkpoint's recipe is read (its tensors are mapped, not loaded)."""
+        if path is None:
+            return None
+        no_checkpoint = (f"train.resume={path!r} is no complete checkpoint (a checkpoints/step-* folder of a run); "
+                         "'auto' resumes this run's latest, 'none' starts afresh")
+        if not found and not is_complete(path):
+            return no_checkpoint
+        try:
+            saved = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False,
+                               mmap=True)["config"]
+        except (OSError, RuntimeError, KeyError, TypeError):  # (a checkpoint unreadable here is named as it loads)
+            return None
+        differ = resume_differences(saved, self.cfg)
+        if not differ:
+            return None
+        if found:
+            return refusal_message(f"train.out_dir={self.out_dir!r}", differ, out_dir=self.out_dir)
+        return refusal_message(f"train.resume={path!r}", differ)
+
+    def _maybe_resume(self) -> None:
+        path = self._resume_path
         if path is not None:
             try:
                 state = load_checkpoint(path)
             except FileNotFoundError:
-                raise ValueError(f"train.resume={path!r} is no complete checkpoint (a checkpoints/step-* folder "
-                                 "of a run); 'auto' resumes this run's latest, 'none' starts afresh") from None
+                raise ResumeRefused(f"train.resume={path!r} is no complete checkpoint (a checkpoints/step-* folder "
+                                    "of a run); 'auto' resumes this run's latest, 'none' starts afresh") from None
             self.load_state_dict(state)
             self.last_checkpoint = path
         # steps after the starting point (the checkpoint, or step 0 when there is none: a run that

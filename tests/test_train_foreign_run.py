@@ -9,6 +9,8 @@ import pytest
 
 from falcon_fwa.train import Trainer, config_from_dict
 from falcon_fwa.train import cli as train_cli
+from falcon_fwa.train import distributed
+from falcon_fwa.train import trainer as trainer_module
 from test_train import ROOT, recipe, run_trainer
 
 
@@ -74,12 +76,12 @@ def test_the_same_recipe_with_a_longer_run_still_resumes(tmp_path):
         trainer.close()
 
 
-def _launch(tmp_path, monkeypatch, capsys, rank):
+def _launch(tmp_path, monkeypatch, capsys, rank, world_size=1):
     path = tmp_path / "other.json"
     path.write_text(json.dumps(other_run(tmp_path)))
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
     capsys.readouterr()
     status = train_cli.main(["--config", str(path)])
@@ -93,8 +95,22 @@ def test_only_rank_0_reports_a_refused_resume(tmp_path, monkeypatch, capsys):
     run_trainer(recipe(tmp_path, "run"), stop_at=2)
     status, said = _launch(tmp_path, monkeypatch, capsys, rank=0)
     assert status == 2 and said.count("falcon-fwa train: error: train.out_dir=") == 1, said
+    waits = []
+    monkeypatch.setattr(train_cli.time, "sleep", waits.append)
     status, said = _launch(tmp_path, monkeypatch, capsys, rank=1)
     assert status == 2 and said == "", said
+    assert waits == []  # one process: nobody to wait for
+    # in a launch of several, a process other than rank 0 leaves rank 0 the time to print before it ends
+    # (torchrun stops the rest as soon as one process ends)
+    # (the trainer's refusal stands in for the one a process group of two would make)
+    def refused(cfg):
+        raise trainer_module.ResumeRefused("train.out_dir='run' holds a run of other settings")
+
+    monkeypatch.setattr(trainer_module, "Trainer", refused)
+    monkeypatch.setattr(distributed, "teardown", lambda: waits.append("teardown"))
+    status, said = _launch(tmp_path, monkeypatch, capsys, rank=1, world_size=2)
+    assert status == 2 and said == "", said
+    assert waits == [train_cli.REPORT_GRACE_S, "teardown"] and train_cli.REPORT_GRACE_S >= 1
 
 
 @pytest.mark.slow

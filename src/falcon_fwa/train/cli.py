@@ -13,10 +13,14 @@ import argparse
 import os
 import signal
 import sys
+import time
 from typing import Optional
 
 from ..cli_options import check_input_files, check_output_folder
 from .config import load_config
+
+# Seconds a process other than rank 0 waits, after a refused resume, before it ends (torchrun then stops the rest).
+REPORT_GRACE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or _traceback_requested():
             raise
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # torchrun stops the other processes as soon as one ends: leave rank 0 the time to print its report
+            time.sleep(REPORT_GRACE_S)
         distributed.teardown()
         return 2
     if args.stop_at is not None and trainer.step == args.stop_at < cfg.train.steps and trainer.info.is_main:

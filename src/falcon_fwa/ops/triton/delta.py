@@ -93,10 +93,14 @@ FULL_K_16BIT_256 = {"state_fwd": dict(BV=32, num_warps=4, num_stages=2),
 # (``launch.LAUNCH``, where they started) so that each can be set for its own row layout. Values from an
 # H200 sweep inside each op at the shape above, bf16 (``benchmarks/sweep_launch.py``;
 # benchmarks/results/h200_wy_scalar_launch_sweep_9ef2ca8.txt): rule 3 output_fwd 0.428 -> 0.404 ms,
-# rule 1 output_fwd 0.122 -> 0.112 ms; dqk_bwd fastest at rule 1A's setting for both.
+# rule 1 output_fwd 0.122 -> 0.112 ms; dqk_bwd fastest at rule 1A's setting for both. Swept again on an
+# H100 at 2800565 (benchmarks/results/h100_rule3_scalar_sweep_2800565.txt): rule 3's dqk_bwd over the whole
+# key dimension (BK=128) 1.257 -> 1.012 ms at B=8 and 0.632 -> 0.509 at B=4, its output_fwd at 64 x 128
+# blocks 0.392 -> 0.362 and 0.198 -> 0.181; rule 1's unchanged (dqk_bwd at BK=128: 0.352 -> 0.488 ms).
 SCALAR_LAUNCH = {
     "one": dict(output_fwd=dict(BK=64, BV=128, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
-    "grouped": dict(output_fwd=dict(BK=128, BV=64, num_warps=4, num_stages=2), dqk_bwd=dict(LAUNCH["dqk_bwd"])),
+    "grouped": dict(output_fwd=dict(BK=64, BV=128, num_warps=4, num_stages=2),
+                    dqk_bwd=dict(BK=128, BV=64, num_warps=4, num_stages=2)),
 }
 
 

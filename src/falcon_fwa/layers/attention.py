@@ -75,6 +75,9 @@ class CausalSelfAttention(nn.Module):
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
+        if cache is not None and not isinstance(cache, LayerCache):
+            raise TypeError(f"cache must be a LayerCache (or None: no keys carried to the next call), "
+                            f"got {type(cache).__name__}")
         packing = layout_of(packing, h, None if cache is None else cache.lengths)
         B, T, D = h.shape
         H, d = self.num_heads, self.head_dim

@@ -150,6 +150,9 @@ class FalconAttention(nn.Module):
         dense rows (each row one sequence, continuing its cache row)."""
         if h.dim() != 3 or h.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"h must have shape [B, T, hidden_size={self.q_proj.in_features}], got {tuple(h.shape)}")
+        if cache is not None and not isinstance(cache, LayerCache):
+            raise TypeError(f"cache must be a LayerCache (or None: no state carried to the next call), "
+                            f"got {type(cache).__name__}")
         B, T, _ = h.shape
         if isinstance(packing, Packing) and packing.packed and (
                 B != 1 or (packing.bounds is not None and T != packing.bounds[-1])):

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..ops.seqlens import sequence_bounds
+from ..ops.seqlens import check_cu_seqlens, sequence_bounds
 
 __all__ = ["Packing", "unpad", "repad", "cu_seqlens_from_lengths", "layout_of"]
 
@@ -64,9 +64,27 @@ class Packing:
     def from_cu_seqlens(cu_seqlens: torch.Tensor, rows: torch.Tensor, offsets: Optional[torch.Tensor],
                         bounds: Optional[Sequence[int]] = None) -> "Packing":
         """Packed sequences; ``offsets`` ``[B]`` tokens already cached per cache row; ``bounds``:
-        ``cu_seqlens``'s values if the caller holds them (else read here, once)."""
+        ``cu_seqlens``'s values if the caller holds them (else read here, once).
+
+        ``cu_seqlens`` must be a 1-D integer tensor rising strictly from 0 (every sequence at least one
+        token) and ``rows`` a 1-D integer tensor of one cache row per sequence: otherwise a ``TypeError`` or
+        ``ValueError`` naming the argument (checked on the host, from ``bounds``)."""
+        check_cu_seqlens(cu_seqlens)
         cu = cu_seqlens.to(torch.int64)
-        bounds = sequence_bounds(cu) if bounds is None else tuple(bounds)
+        bounds = sequence_bounds(cu) if bounds is None else tuple(int(b) for b in bounds)
+        if len(bounds) != cu.shape[0]:
+            raise ValueError(f"bounds must hold the {cu.shape[0]} values of cu_seqlens, got {len(bounds)}")
+        if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 (every sequence at least one token), "
+                             f"got {list(bounds)}")
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"rows must be a 1-D integer torch.Tensor (one cache row per sequence), "
+                            f"got {type(rows).__name__}")
+        if rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
+            raise TypeError(f"rows must hold integers (one cache row per sequence), got {rows.dtype}")
+        if tuple(rows.shape) != (len(bounds) - 1,):
+            raise ValueError(f"rows must have shape [N] = ({len(bounds) - 1},), one cache row for each of the "
+                             f"{len(bounds) - 1} sequences of cu_seqlens, got {tuple(rows.shape)}")
         lengths = cu[1:] - cu[:-1]
         total = bounds[-1]
         seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)

@@ -7,6 +7,7 @@ in training. Local tasks are YAML files in ``--include-path`` (e.g. ``dataset_pa
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from ..atomic import write_json
 from ..cli_options import (DEVICE_HELP, at_least, check_model_option, check_output_file, dtype_option, finite_at_least,
@@ -43,6 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the results JSON here")
 
 
+def require_harness() -> None:
+    """``ValueError`` where lm-evaluation-harness (``lm_eval``) or ``accelerate``, which its ``hf`` model
+    imports, is not installed: the command then ends with one line saying what to install, before the model
+    loads, instead of a ``ModuleNotFoundError`` traceback."""
+    for module, package in (("lm_eval", "lm-eval"), ("accelerate", "accelerate")):
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            missing = err.name or module
+            raise ValueError(f"lm-eval runs on the {package!r} package, which is not installed here (no module "
+                             f"{missing!r}): pip install 'falcon-fwa[eval]' (lm-eval and accelerate)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     # the options first: a bad value is named before lm-eval is imported or the model loaded
     at_least("--batch-size", args.batch_size, 1)
@@ -58,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tasks must name at least one task, got {args.tasks!r}")
     check_model_option(args.model)
     check_output_file("--out", args.out)
+    require_harness()
     from lm_eval.utils import make_table
 
     from .harness import evaluate, paper_columns

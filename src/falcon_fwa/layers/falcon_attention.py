@@ -43,12 +43,16 @@ from .short_conv import ShortConv
 
 __all__ = ["FEATURE_MAPS", "FalconAttention"]
 
-_FEATURE_MAPS = {
-    "identity": lambda x: x,
-    "silu": F.silu,
-    "elu1": lambda x: F.elu(x) + 1.0,
-    "relu": F.relu,
-}
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _elu1(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1.0
+
+
+# module-level functions, not lambdas: a layer holds one, and a model must pickle (torch.save(model))
+_FEATURE_MAPS = {"identity": _identity, "silu": F.silu, "elu1": _elu1, "relu": F.relu}
 FEATURE_MAPS = tuple(_FEATURE_MAPS)
 """The feature maps ``phi`` a config's ``feature_map`` may name."""
 

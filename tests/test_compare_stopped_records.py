@@ -193,8 +193,9 @@ def test_a_relaunch_under_another_torch_thread_count_trains_every_recipe_again(t
     recipe's tokens/s is of another CPU setup and is not kept; with the same count it is."""
     from conftest import fake_git_commit
 
-    for module in (compare, trainer_module):
-        monkeypatch.setattr(module, "git_commit", fake_git_commit)
+    monkeypatch.setattr(compare, "git_commit", fake_git_commit)
+    monkeypatch.setattr(trainer_module, "command_provenance",
+                        lambda args: {"commit": fake_git_commit(short=False), "dirty": False, "options": vars(args)})
     trained = _presets_trained(monkeypatch)
     threads = torch.get_num_threads()
     try:

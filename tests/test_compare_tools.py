@@ -407,8 +407,9 @@ def test_a_second_compare_into_the_same_folder_is_refused_while_the_first_runs(t
 
 
 def test_relaunch_keeps_the_recipes_finished_with_the_same_settings_and_trains_the_rest(tmp_path, monkeypatch):
-    for module in (compare, trainer_module):
-        monkeypatch.setattr(module, "git_commit", fake_git_commit)
+    monkeypatch.setattr(compare, "git_commit", fake_git_commit)
+    monkeypatch.setattr(trainer_module, "command_provenance",
+                        lambda args: {"commit": fake_git_commit(short=False), "dirty": False, "options": vars(args)})
     presets = {"first": "tiny-falcon", "second": "tiny-transformer"}
     original = trainer_module.Trainer.train
     trained, kill = [], {"second"}

@@ -1,8 +1,9 @@
 """Tables and plots of a ``compare`` run: ``python -m falcon_fwa.train.compare_report
 runs/compare/compare.json results/lm/small`` writes ``small.json`` (rows: model, status, steps,
-params, tokens, val_ppl, tokens_per_s, peak_mem_bytes, commit), ``small_table.md`` and ``small_loss.png``.
-The table ends with the commits the runs trained at (their ``commit``) and the commit of the code that wrote it,
-with whether that checkout had uncommitted changes to tracked files (:func:`falcon_fwa.provenance.command_provenance`).
+params, tokens, val_ppl, tokens_per_s, peak_mem_bytes, commit, dirty), ``small_table.md`` and ``small_loss.png``.
+The table ends with the commits the runs trained at (their ``commit``, with whether its checkout had uncommitted
+changes to tracked files: ``dirty``) and the commit of the code that wrote it, with whether that checkout had
+uncommitted changes (:func:`falcon_fwa.provenance.command_provenance`).
 
 A ``compare.json`` of a command that was stopped early reads too: recipes that trained only
 part of the steps (``partial``) are shown with their step count and left out of the verdict
@@ -16,7 +17,7 @@ from typing import Optional
 
 from ..atomic import atomic_path, write_json, write_text
 from ..plotting import pyplot
-from ..provenance import command_provenance
+from ..provenance import command_provenance, uncommitted_note, written_at_line
 
 
 def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
@@ -53,8 +54,9 @@ def plot_curves(runs: dict, path: str, *, title: str = "") -> None:
 
 def result_rows(report: dict) -> list:
     """Rows: model, status, steps, planned_steps, params, tokens, val_ppl, tokens_per_s,
-    peak_mem_bytes, error, commit (the one the run trained at, ``None`` where its result names none); one per
-    recipe of ``report["configs"]``, in that order."""
+    peak_mem_bytes, error, commit (the one the run trained at, ``None`` where its result names none), dirty
+    (whether that checkout had uncommitted changes to tracked files; ``None`` where unknown, as in the result of a
+    run trained before summaries recorded it); one per recipe of ``report["configs"]``, in that order."""
     runs = report.get("runs", {})
     statuses = report.get("status", {})
     rows = []
@@ -65,7 +67,7 @@ def result_rows(report: dict) -> list:
                      "planned_steps": run.get("planned_steps", report.get("steps")), "params": run.get("params"),
                      "tokens": run.get("tokens"), "val_ppl": run.get("val_ppl"),
                      "tokens_per_s": run.get("tokens_per_s"), "peak_mem_bytes": run.get("peak_mem_bytes"),
-                     "error": run.get("error"), "commit": run.get("commit")})
+                     "error": run.get("error"), "commit": run.get("commit"), "dirty": run.get("dirty")})
     return rows
 
 
@@ -76,16 +78,16 @@ def _cell(text: str) -> str:
 
 
 def _provenance_lines(rows: list, provenance: Optional[dict]) -> list:
-    """The table's closing lines: the commits the rows' runs trained at, and (with ``provenance``, as
-    :func:`falcon_fwa.provenance.command_provenance` gives it) the commit that wrote the table, dirty or not."""
-    trained = sorted({r["commit"] for r in rows if r.get("commit")})
-    lines = [f"Runs trained at commit {', '.join(f'`{c}`' for c in trained)}."] if trained else []
+    """The table's closing lines: the commits the rows' runs trained at, each followed by
+    :func:`falcon_fwa.provenance.uncommitted_note` where runs of it trained with uncommitted changes to tracked
+    files (a commit of clean and edited runs is named twice; a run whose result does not say, ``dirty`` ``None``,
+    adds no note), and (with ``provenance``, as :func:`falcon_fwa.provenance.command_provenance` gives it) the
+    commit that wrote the table, dirty or not (:func:`falcon_fwa.provenance.written_at_line`)."""
+    trained = sorted({(r["commit"], uncommitted_note(r.get("dirty")) if r.get("dirty") is not None else "")
+                      for r in rows if r.get("commit")})
+    lines = [f"Runs trained at commit {', '.join(f'`{c}`{note}' for c, note in trained)}."] if trained else []
     if provenance is not None:
-        commit, dirty = provenance.get("commit"), provenance.get("dirty")
-        state = ("" if dirty is False else " with uncommitted changes to tracked files" if dirty else
-                 " (uncommitted changes unknown)")
-        lines.append(f"Table written at commit `{commit}`{state}." if commit else
-                     "Table written outside a git checkout (commit unknown).")
+        lines.append(written_at_line(provenance, "Table"))
     return ["", *lines] if lines else []
 
 

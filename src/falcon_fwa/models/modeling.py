@@ -266,7 +266,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
 
     ``forward(input_ids, attention_mask=None, labels=None, past_key_values=None,
     use_cache=None, cu_seqlens=None, return_dict=None, output_hidden_states=None, logits_to_keep=0,
-    inputs_embeds=None)``:
+    inputs_embeds=None, position_ids=None)``:
 
     * ``input_ids`` ``[B, T]``, or instead ``inputs_embeds`` ``[B, T, hidden_size]`` (soft prompts,
       continuous inputs: they replace ``embed_tokens(input_ids)``, cast to its dtype, so the two give identical
@@ -278,6 +278,11 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
       documents; each starts fresh (sentinel, conv, positions); logits keep the
       packed shape and the loss skips the boundary targets; an ``attention_mask`` with it can only be
       ones of the packed row's shape (any other mask is refused);
+    * ``position_ids`` ``[B, T]`` (or ``[1, T]``): ``None`` or the positions the model counts itself change
+      nothing; positions that restart at 0 inside a row (``DataCollatorWithFlattening``'s padding-free batches:
+      examples flattened into a row, each numbered from 0, in one row or several) delimit packed sequences as
+      ``cu_seqlens`` does, and the loss skips each one's first token; any other positions, positions that restart
+      where ``cu_seqlens`` disagrees, or restarts with a cache that has consumed tokens are refused by name;
     * ``labels`` ``[B, T]`` integer ids (``-100`` ignored; pads are ignored anyway): mean
       next-token cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``;
     * ``past_key_values`` (or ``cache``): a :class:`FalconCache` to continue;
@@ -358,9 +363,39 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             if mask is not None:
                 kwargs, note = {**kwargs, "attention_mask": mask}, _NOTE_PAD_ID
         _check_left_padded(kwargs.get("attention_mask"), note)
+        if kwargs.get("position_ids") is not None:
+            self._check_generate_positions(kwargs["position_ids"], kwargs.get("attention_mask"),
+                                           kwargs.get("cache", kwargs.get("past_key_values")))
         if chunk is not None:
             args, kwargs = self._prefill_in_chunks(chunk, args, kwargs)
         return super().generate(*args, **kwargs)
+
+    @staticmethod
+    def _check_generate_positions(position_ids, attention_mask, cache) -> None:
+        """A ``ValueError`` naming ``position_ids`` given to ``generate()`` unless they number each row's real
+        tokens (the ``attention_mask``'s last columns, or all) one after another, from 0 without a filled cache:
+        ``generate()`` continues one sequence per row and the model counts those positions itself (the
+        ``position_ids`` that ``generate()`` passes on are not read), so positions that restart (packed examples) or
+        skip would be silently replaced."""
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+            raise ValueError(f"position_ids given to generate() must be an integer tensor [B, T], got "
+                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+        pos = position_ids.long()
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= pos.shape[1]:
+            real = attention_mask[:, -pos.shape[1]:].bool().to(pos.device).expand(pos.shape[0], -1) \
+                if attention_mask.shape[0] in (1, pos.shape[0]) else None
+        else:
+            real = None
+        fresh = cache is None or getattr(cache, "empty", True)
+        for r in range(pos.shape[0]):
+            row = (pos[r] if real is None or real.shape[0] <= r else pos[r][real[r]]).tolist()
+            bad = bool(row) and fresh and row[0] != 0
+            bad = bad or any(b != a + 1 for a, b in zip(row, row[1:]))
+            if bad:
+                raise ValueError(f"position_ids given to generate() must number each row's real tokens 0, 1, 2, "
+                                 f"... (continuing past_key_values' count), as generate() makes them; row {r} has "
+                                 f"{row[:8]}{' ...' if len(row) > 8 else ''}: generate() continues one sequence per "
+                                 f"row (packed examples, whose position_ids restart at 0, are for the forward)")
 
     def _prefill_in_chunks(self, chunk, args, kwargs):
         """``generate()``'s arguments after the prompt's columns but the last went through the cache ``chunk`` at
@@ -408,7 +443,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         last column). The prompt step is the one transformers 5 passes ``is_first_iteration`` for; transformers 4
         passes none, and there it is the step whose embeddings reach past the columns the cache consumed (after
         the prompt step the cache has consumed all of them). ``next_sequence_length``, which transformers 5 passes,
-        is not relied on: its value at the prompt step differs between versions."""
+        is not relied on: its value at the prompt step differs between versions. Nor are the ``position_ids`` that
+        ``generate()`` makes from the mask and passes here: the forward counts the same positions from the mask and
+        the cache (:meth:`generate` checks those given to it)."""
         if kwargs.get("cu_seqlens") is not None:
             raise ValueError("generate() does not take cu_seqlens: pass the prompts as a padded batch with "
                              "attention_mask (left padding)")
@@ -546,6 +583,74 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         real = torch.full((B,), T, dtype=torch.int64, device=x.device)
         return Packing.dense(B, T, offsets, x.device), None, real
 
+    _POSITIONS_ACCEPTED = ("position_ids must be the positions the model counts itself (0, 1, 2, ... along each "
+                           "row's real tokens, after the tokens past_key_values holds; any value at a pad), or, for "
+                           "examples packed into a row (DataCollatorWithFlattening), restart at 0 at each example's "
+                           "first token and rise by 1 within it")
+
+    def _position_layout(self, position_ids, x, packing: Packing, index, real, cu_seqlens,
+                         cache: Optional[FalconCache]):
+        """The layout of :meth:`_layout` (``packing``, ``index``, ``real``) checked against ``position_ids``
+        ``[B, T]`` (or ``[1, T]``, shared by every row), and the flat indices into ``B * T`` of the first tokens
+        of the sequences they delimit (``None`` where they change nothing).
+
+        Positions equal to the ones the layout counts (real tokens only: a pad's position is never read) leave it
+        as it is. Positions that restart at 0 inside a row (padding-free training: examples flattened into one
+        row, each numbered from 0) split the rows' real tokens into packed sequences there, as ``cu_seqlens``
+        would: each starts fresh (state, short convolutions, RoPE positions, attention span) and its first token
+        is not scored. Anything else is a ``ValueError`` naming ``position_ids``: so are positions that restart
+        with ``cu_seqlens`` given (which then says where sequences start) or with a cache that has consumed tokens
+        (which continues one sequence per row)."""
+        B, T = x.shape[:2]
+        if not isinstance(position_ids, torch.Tensor):
+            raise TypeError(f"position_ids must be an integer torch.Tensor of shape [B, T], got "
+                            f"{type(position_ids).__name__}")
+        if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+            raise TypeError(f"position_ids must hold integers, got {position_ids.dtype}")
+        if position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
+            raise ValueError(f"position_ids must have shape [B, T] = [{B}, {T}] (or [1, {T}], shared by every row; "
+                             f"the positions of these columns only), got {tuple(position_ids.shape)}")
+        if x.is_meta or position_ids.is_meta:
+            raise ValueError("position_ids: where sequences start is read from their values, which the meta device "
+                             "does not hold; on it, call without position_ids")
+        pos = position_ids.to(device=x.device, dtype=torch.int64).expand(B, T).reshape(-1)
+        flat = pos if index is None else pos.index_select(0, index)  # the real tokens, in the layout's order
+        if bool((flat == packing.positions.reshape(-1)).all()):
+            return packing, index, real, None
+
+        def where(i: int) -> str:  # the entry of position_ids at the layout's token i
+            row, col = divmod(i if index is None else int(index[i]), T)
+            return f"position_ids[{row if position_ids.shape[0] == B else 0}, {col}] = {int(flat[i])}"
+
+        if cu_seqlens is not None:
+            bad = int((flat != packing.positions.reshape(-1)).nonzero()[0])
+            raise ValueError(f"position_ids disagree with cu_seqlens: {where(bad)}, but cu_seqlens puts that token "
+                             f"at position {int(packing.positions.reshape(-1)[bad])} of its sequence; pass one of "
+                             f"them, or position_ids that restart at 0 exactly where cu_seqlens starts a sequence")
+        if cache is not None and not cache.empty:
+            bad = int((flat != packing.positions.reshape(-1)).nonzero()[0])
+            raise ValueError(f"position_ids must continue the positions of past_key_values, which continues one "
+                             f"sequence per row: {where(bad)}, where the model counts "
+                             f"{int(packing.positions.reshape(-1)[bad])} (packed examples need a fresh cache); "
+                             + self._POSITIONS_ACCEPTED)
+        # every row's first real token starts a sequence; so does every other token at position 0
+        first = packing.cu_seqlens[:-1] if packing.packed else torch.arange(B, device=x.device) * T
+        is_start = flat == 0
+        ok = (flat[1:] == flat[:-1] + 1) | is_start[1:]
+        ok = torch.cat([is_start[:1], ok])
+        ok[first] = is_start[first]
+        if not bool(ok.all()):
+            bad = int((~ok).nonzero()[0])
+            raise ValueError(f"position_ids cannot be read as sequences: {where(bad)} (a sequence's first position "
+                             f"must be 0 and each next one 1 more); " + self._POSITIONS_ACCEPTED)
+        heads = is_start.nonzero().flatten()
+        cu = torch.cat([heads, heads.new_tensor([flat.numel()])])
+        bounds = sequence_bounds(cu, flat.numel())
+        packing = Packing.from_cu_seqlens(cu, torch.arange(cu.numel() - 1, device=x.device), None, bounds)
+        if index is None and B > 1:  # several rows: run as one packed row, put back in [B, T] after
+            index = torch.arange(B * T, device=x.device)
+        return packing, index, cu[1:] - cu[:-1], heads if index is None else index[heads]
+
     def _check_cache_fits(self, cache: FalconCache) -> None:
         """A ``ValueError`` naming ``past_key_values`` unless ``cache`` has one layer per block and, once filled,
         holds in each what the block's mixer stores there: keys and values for attention, a recurrent state and
@@ -614,6 +719,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         inputs_embeds: Optional[torch.Tensor] = None,
         output_attentions: Optional[bool] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> CausalLMOutputWithPast:
         if output_attentions is None:  # None: the config's, as output_hidden_states and return_dict are read
             output_attentions = bool(getattr(self.config, "output_attentions", False))
@@ -653,7 +759,11 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                              f"{x.device}: pass labels on {x.device} (labels on another device are moved to the "
                              f"logits'), or the model, {name} and labels all on the meta device for a call's shapes")
         packing, index, real = self._layout(x, name, attention_mask, cu_seqlens, cache)
-        targets = None if labels is None else self._targets(labels, attention_mask, cu_seqlens, T)
+        starts = None
+        if position_ids is not None:
+            packing, index, real, starts = self._position_layout(position_ids, x, packing, index, real, cu_seqlens,
+                                                                 cache)
+        targets = None if labels is None else self._targets(labels, attention_mask, cu_seqlens, T, starts)
         if targets is not None and not targets.is_cuda and not targets.is_meta and not torch.compiler.is_compiling():
             self._check_label_range(targets[:, 1:])  # the scored ones: a pad's label is never read
         if index is not None:
@@ -703,9 +813,10 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
                              f"[0, {V}) (-100: not scored)")
 
     @staticmethod
-    def _targets(labels, attention_mask, cu_seqlens, T):
+    def _targets(labels, attention_mask, cu_seqlens, T, starts=None):
         """``labels`` as int64 on their device, with ``-100`` (not scored) wherever the loss reads no
-        prediction: pads, the token after a pad and each packed document's first token. Column ``t`` is
+        prediction: pads, the token after a pad and each packed document's first token (``starts``: the flat
+        indices into ``B * T`` of the first tokens of the sequences ``position_ids`` delimit). Column ``t`` is
         scored against the logits of column ``t - 1``."""
         targets = labels.to(torch.int64, copy=True)  # int32 ids score as int64 ones
         if attention_mask is not None:
@@ -716,4 +827,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             targets[:, 1:] = targets[:, 1:].masked_fill(~real[:, :-1], -100)
         if cu_seqlens is not None:  # the first token of a document is not predicted from the previous one
             targets[:, cu_seqlens[1:-1].to(targets.device).long()] = -100
+        if starts is not None:  # the same for the sequences position_ids restart
+            starts = starts.to(targets.device)
+            targets[starts // T, starts % T] = -100
         return targets

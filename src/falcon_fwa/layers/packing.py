@@ -74,7 +74,8 @@ class Packing:
         bounds = sequence_bounds(cu) if bounds is None else tuple(int(b) for b in bounds)
         if len(bounds) != cu.shape[0]:
             raise ValueError(f"bounds must hold the {cu.shape[0]} values of cu_seqlens, got {len(bounds)}")
-        if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        # [0] is a call of no sequence (every column of a padded batch a pad)
+        if not bounds or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens must rise strictly from 0 (every sequence at least one token), "
                              f"got {list(bounds)}")
         if not isinstance(rows, torch.Tensor):

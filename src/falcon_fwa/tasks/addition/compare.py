@@ -569,8 +569,15 @@ def _git_commit() -> Optional[str]:
 def check_compare_options(args: argparse.Namespace) -> None:
     """A ``ValueError`` naming the option for ``--jobs`` < 1 (nothing would ever start), a ``--deadline``
     that is not a finite number > 0, or a model or seed given twice in ``--models`` / ``--seeds`` (the
-    same run would be trained by two processes at once, and counted as two seeds)."""
+    same run would be trained by two processes at once, and counted as two seeds), or a ``--name`` that is
+    not a plain file stem (empty, ``.`` or ``..``, or holding a path separator: its files would go outside
+    ``--results``, or fail after the training, half written)."""
     at_least("--jobs", args.jobs, 1)
+    name = getattr(args, "name", None)
+    if name is not None and (name in ("", ".", "..") or "\0" in name
+                             or any(sep and sep in name for sep in (os.sep, os.altsep, "/"))):
+        raise ValueError(f"--name must be a file stem without a path separator (its files go to --results), "
+                         f"got {name!r}")
     finite_at_least("--deadline", args.deadline, 0, strict=True)
     for seed in args.seeds:
         check_seed("--seeds", seed)

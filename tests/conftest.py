@@ -14,6 +14,7 @@ import math
 import os
 import random
 import signal
+import subprocess
 
 import torch as _torch
 
@@ -227,6 +228,28 @@ def cpu_machine():
         patch.setattr(torch.cuda, "is_available", lambda: False)
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
         yield
+
+
+def git(repo, *args) -> str:
+    """The standard output of ``git -C repo ARGS``, stripped (a failing command raises)."""
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A git repository of one commit (``code.py``, ``README``, ``src/code.py``) standing in for the package's
+    checkout (``provenance.source_checkout``), for tests of the commit and uncommitted changes a record names."""
+    from falcon_fwa import provenance
+
+    repo = tmp_path / "checkout"
+    (repo / "src").mkdir(parents=True)
+    git(repo, "init", "-q")
+    for name, text in (("code.py", "x = 1\n"), ("README", "a\n"), ("src/code.py", "x = 1\n")):
+        (repo / name).write_text(text)
+    git(repo, "add", "code.py", "README", "src/code.py")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    monkeypatch.setattr(provenance, "source_checkout", lambda: str(repo))
+    return repo
 
 
 def fake_git_commit(short: bool = True, cwd=None) -> str:

@@ -4,10 +4,10 @@ directory, with whether that checkout had uncommitted changes to tracked files, 
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from conftest import git
 
 from falcon_fwa import provenance
 
@@ -17,24 +17,6 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_forms_cpu as bf  # noqa: E402
 
 
-def _git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
-@pytest.fixture
-def checkout(tmp_path, monkeypatch):
-    """A git repository of one commit standing in for the package's checkout."""
-    repo = tmp_path / "checkout"
-    (repo / "src").mkdir(parents=True)
-    _git(repo, "init", "-q")
-    (repo / "README").write_text("a\n")
-    (repo / "src" / "code.py").write_text("x = 1\n")
-    _git(repo, "add", "README", "src/code.py")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
-    monkeypatch.setattr(provenance, "source_checkout", lambda: str(repo))
-    return repo
-
-
 @pytest.mark.parametrize("edit", [None, "README", "src/code.py"])
 def test_the_record_names_the_packages_full_commit_and_its_uncommitted_changes(tmp_path, checkout, monkeypatch,
                                                                                edit):
@@ -42,7 +24,7 @@ def test_the_record_names_the_packages_full_commit_and_its_uncommitted_changes(t
         (checkout / edit).write_text("changed\n")
     (checkout / "src" / "new.py").write_text("y = 1\n")  # an untracked file is no uncommitted change
     monkeypatch.chdir(tmp_path)  # the working directory plays no part
-    head = _git(checkout, "rev-parse", "HEAD")
+    head = git(checkout, "rev-parse", "HEAD")
     expected = head + (" with uncommitted changes to tracked files" if edit else "")
     out = tmp_path / "out"
     assert bf.main(["--seq-lens", "4", "--rules", "1", "--heads", "1", "--head-dim", "2", "--chunk-size", "2",

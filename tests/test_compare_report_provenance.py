@@ -2,9 +2,9 @@
 at (``small.json``'s ``commit``, a line of ``small_table.md``) and the commit of the code that wrote the table,
 with whether that checkout had uncommitted changes (``falcon_fwa.provenance.command_provenance``)."""
 import json
-import subprocess
 
 import pytest
+from conftest import git
 
 from falcon_fwa import provenance
 from falcon_fwa.train import compare_report
@@ -23,28 +23,11 @@ def _compare_json(tmp_path):
     return path
 
 
-def _git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
-@pytest.fixture
-def checkout(tmp_path, monkeypatch):
-    """A git repository of one commit standing in for the package's checkout."""
-    repo = tmp_path / "checkout"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    (repo / "code.py").write_text("x = 1\n")
-    _git(repo, "add", "code.py")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
-    monkeypatch.setattr(provenance, "source_checkout", lambda: str(repo))
-    return repo
-
-
 @pytest.mark.parametrize("edited", [False, True])
 def test_the_table_names_the_runs_commit_and_the_writers_commit_and_dirty_state(tmp_path, checkout, edited):
     if edited:
         (checkout / "code.py").write_text("x = 2\n")
-    head = _git(checkout, "rev-parse", "HEAD")
+    head = git(checkout, "rev-parse", "HEAD")
     prefix = tmp_path / "rep" / "small"
     assert compare_report.main([str(_compare_json(tmp_path)), str(prefix)]) == 0
     table = (tmp_path / "rep" / "small_table.md").read_text()

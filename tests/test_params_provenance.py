@@ -7,27 +7,11 @@ import re
 import subprocess
 
 import pytest
+from conftest import git
 
 from falcon_fwa import cli, provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
-@pytest.fixture
-def checkout(tmp_path, monkeypatch):
-    """A git repository of one commit standing in for the package's checkout."""
-    repo = tmp_path / "checkout"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    (repo / "code.py").write_text("x = 1\n")
-    _git(repo, "add", "code.py")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
-    monkeypatch.setattr(provenance, "source_checkout", lambda: str(repo))
-    return repo
 
 
 @pytest.mark.parametrize("edited", [False, True])
@@ -35,7 +19,7 @@ def test_the_table_printed_and_written_ends_with_the_commit_that_counted(tmp_pat
     if edited:
         (checkout / "code.py").write_text("x = 2\n")
     (checkout / "untracked.py").write_text("y = 1\n")  # an untracked file is no uncommitted change
-    head = _git(checkout, "rev-parse", "HEAD")
+    head = git(checkout, "rev-parse", "HEAD")
     out = tmp_path / "params.md"
     assert cli.main(["params", "tiny-transformer", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -77,8 +61,8 @@ def test_the_recorded_table_names_a_commit_of_this_repository_written_clean():
     assert lines[-3].startswith("| ") and lines[-2] == ""
     commit = found.group(1)
     known = subprocess.run(["git", "-C", ROOT, "cat-file", "-t", commit], capture_output=True, text=True)
-    if known.returncode and _git(ROOT, "rev-parse", "--is-shallow-repository") == "true":
+    if known.returncode and git(ROOT, "rev-parse", "--is-shallow-repository") == "true":
         pytest.skip("a shallow clone: the recorded commit may lie outside its history")
     assert known.stdout.strip() == "commit", known.stderr
     # the code of that commit printed this table: the params command there writes the line
-    assert "written_at_line" in _git(ROOT, "show", f"{commit}:src/falcon_fwa/models/cli.py")
+    assert "written_at_line" in git(ROOT, "show", f"{commit}:src/falcon_fwa/models/cli.py")

@@ -3,30 +3,13 @@ changes to tracked files (``dirty``, from ``falcon_fwa.provenance.command_proven
 ``python -m falcon_fwa.train.compare_report`` says so after the commit of each run trained with changes; a summary
 written before ``dirty`` was recorded still reads, with nothing said about changes."""
 import json
-import subprocess
 
 import pytest
+from conftest import git
 from test_train import recipe, run_trainer
 
 from falcon_fwa import provenance
 from falcon_fwa.train import compare_report
-
-
-def _git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
-@pytest.fixture
-def checkout(tmp_path, monkeypatch):
-    """A git repository of one commit standing in for the package's checkout."""
-    repo = tmp_path / "checkout"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    (repo / "code.py").write_text("x = 1\n")
-    _git(repo, "add", "code.py")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
-    monkeypatch.setattr(provenance, "source_checkout", lambda: str(repo))
-    return repo
 
 
 @pytest.mark.parametrize("edited", [False, True])
@@ -36,7 +19,7 @@ def test_the_summary_records_the_commit_and_whether_its_checkout_was_edited(tmp_
     (checkout / "untracked.py").write_text("y = 1\n")  # an untracked file is no change to tracked files
     run_trainer(recipe(tmp_path, "run", steps=2, save_every=0))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["commit"], summary["dirty"]) == (_git(checkout, "rev-parse", "HEAD"), edited)
+    assert (summary["commit"], summary["dirty"]) == (git(checkout, "rev-parse", "HEAD"), edited)
     report = {"configs": ["Falcon-1A"], "runs": {"Falcon-1A": dict(summary, status="done")}}
     table = compare_report.markdown_table(compare_report.result_rows(report))
     note = " with uncommitted changes to tracked files" if edited else ""
@@ -61,7 +44,7 @@ def test_the_report_notes_each_commit_of_runs_with_changes_and_reads_results_wit
     (tmp_path / "compare.json").write_text(json.dumps(report))
     prefix = tmp_path / "rep" / "small"
     assert compare_report.main([str(tmp_path / "compare.json"), str(prefix)]) == 0
-    head = _git(checkout, "rev-parse", "HEAD")
+    head = git(checkout, "rev-parse", "HEAD")
     assert (tmp_path / "rep" / "small_table.md").read_text().splitlines()[-2:] == [
         "Runs trained at commit `c1`, `c1` with uncommitted changes to tracked files, `c2`, `c3`.",
         f"Table written at commit `{head}`."]

@@ -280,6 +280,11 @@ def _command(args: argparse.Namespace, model: str, seed: int, out: Path) -> List
     return cmd
 
 
+def _runs(n: int) -> str:
+    """``n`` runs, in words: ``1 run``, ``2 runs``, ``0 runs``."""
+    return f"{n} run" + ("" if n == 1 else "s")
+
+
 def train_all(args: argparse.Namespace, runs: Path) -> tuple:
     """Run every missing (model, seed) with at most ``args.jobs`` processes; return the failures and
     the signal number that stopped the command (0 if none did). A run fails where its process ends with a
@@ -308,16 +313,22 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
         return proc.returncode == 0 or completed_run(_run_dir(runs, model, seed), model, seed, preset,
                                                      args.eval_seed, args.dtype, args.preset)
 
-    def stop(how, signum, why: str) -> None:
+    def stop(how, signum, why: str) -> int:
+        """Stop the runs going and wait for them; return how many stopped unfinished. The bar counts
+        only those that ended their last step meanwhile."""
         for proc, _, _, _ in running:
             how(proc, signum)
+        stopped = 0
         for proc, model, seed, logf in running:
             proc.wait()
             logf.close()
-            bar.update(1)
-            if not done(proc, model, seed):  # (done: it ended its last step meanwhile)
+            if done(proc, model, seed):  # it ended its last step meanwhile
+                bar.update(1)
+            else:
+                stopped += 1
                 failed.append(f"{model} seed {seed} ({why}, exit {proc.returncode})")
         running.clear()
+        return stopped
 
     stopped_by = 0
     with StopSignals(True) as signals:
@@ -326,16 +337,15 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
                 if signals.received:
                     stopped_by = signals.received
                     name = signal.Signals(stopped_by).name
-                    n = len(running)
-                    stop(lambda proc, sig: proc.send_signal(sig), stopped_by, f"stopped by {name}")
+                    n = stop(lambda proc, sig: proc.send_signal(sig), stopped_by, f"stopped by {name}")
                     failed += [f"{m} seed {s} (not started: stopped by {name})" for m, s in todo]
-                    bar.write(f"{name}: stopped {n} runs at their checkpoints, {len(todo)} not started")
+                    bar.write(f"{name}: stopped {_runs(n)} at {'its checkpoint' if n == 1 else 'their checkpoints'}, "
+                              f"{len(todo)} not started")
                     break
                 if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
-                    n = len(running)
-                    stop(lambda proc, sig: proc.terminate(), None, "stopped at the deadline")
+                    n = stop(lambda proc, sig: proc.terminate(), None, "stopped at the deadline")
                     failed += [f"{m} seed {s} (not started before the deadline)" for m, s in todo]
-                    bar.write(f"deadline of {args.deadline:.0f} s reached: stopped {n} runs, {len(todo)} not started")
+                    bar.write(f"deadline of {args.deadline:.0f} s reached: stopped {_runs(n)}, {len(todo)} not started")
                     break
                 while todo and len(running) < args.jobs:
                     model, seed = todo.pop(0)

@@ -149,7 +149,8 @@ def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
     (the recipe it was given, this commit) and exits 0; the ``kill_at``-th launch is interrupted."""
     from falcon_fwa.train.config import load_config
 
-    monkeypatch.setattr(scaling, "git_commit", fake_git_commit)
+    monkeypatch.setattr(scaling, "command_provenance",  # this commit, also where the tests run outside a checkout
+                        lambda args: dict(commit=fake_git_commit(short=False), dirty=False, options=vars(args)))
     launched = []
 
     def fake_run_group(cmd, env, log, timeout, grace=30.0, signals=None):

@@ -32,12 +32,19 @@ falcon_fwa.train.cli --config ... --set train.strategy=...``, with NCCL's NVLink
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
 After every run, ``RESULTS.json`` (rows: ``model``, ``strategy``, ``gpus``, ``seed``,
 ``tokens_per_s``, ``efficiency``, ``peak_mem_bytes_per_gpu``, ``val_loss``, ``tokens``,
-``steps``, ``status``, ``command``, ``device``, ``omp_num_threads``) and ``RESULTS.md`` are rewritten, so an
-interrupted sweep keeps what finished. ``--deadline`` (seconds) starts no run after it and stops the one in
-progress (the launcher and its workers: the whole process group). A SIGTERM or SIGINT stops the run
+``steps``, ``status``, ``command``, ``device``, ``omp_num_threads``, ``commit``, ``dirty``) and ``RESULTS.md``
+are rewritten, so an interrupted sweep keeps what finished. ``--deadline`` (seconds) starts no run after it
+and stops the one in progress (the launcher and its workers: the whole process group). A SIGTERM or SIGINT stops the run
 in progress the same way (``stopped: SIGTERM``), starts no other and ends the command with status
 128 + signal; a launcher whose sweep is killed outright (SIGKILL) is sent SIGHUP by the system
 (``end_with_parent``), so no run goes on training unseen. One sweep runs in an ``--out`` folder at a time.
+
+A sweep records the full commit of the falcon-fwa checkout it runs from, or ``--commit``, and whether that
+checkout had uncommitted changes to tracked files (``dirty``, from
+:func:`falcon_fwa.provenance.command_provenance`; ``None`` where git cannot tell, and for a ``--commit`` that does
+not name the checkout's own commit): in every row it runs and in the header of ``RESULTS.md``, which adds
+:func:`falcon_fwa.provenance.uncommitted_note` after the commit. A row kept from an earlier sweep keeps its own
+(a row of a sweep that recorded neither still reads), and a header without ``dirty`` says nothing about changes.
 
 Launched again with the same options, a sweep keeps the runs that finished before (``done`` in
 ``RESULTS.json``, with the same command and ``OMP_NUM_THREADS`` (the row's ``omp_num_threads``), on the same kind
@@ -60,7 +67,7 @@ from typing import Dict, List, Optional
 
 from ..atomic import folder_lock, read_json, write_json, write_text
 from ..cli_options import check_input_files, check_output_file, check_output_folder, finite_at_least
-from ..provenance import git_commit
+from ..provenance import command_provenance, uncommitted_note
 from .compare import check_run_names, kept_result
 from .config import assign_text, load_config
 from .launch import StopSignals, device_description, end_with_parent
@@ -151,8 +158,9 @@ def markdown(rows: List[dict], meta: dict) -> str:
     smallest = min((r["gpus"] for r in rows), default=1)  # the reference count (one process, normally)
     reference = ("the mean one-process rate (all seeds)" if smallest == 1 else
                  f"the mean per-process rate of the {smallest}-process runs (all seeds)")
+    note = uncommitted_note(meta["dirty"]) if "dirty" in meta else ""  # (a header recorded before dirty was)
     out = ["# Multi-GPU scaling", "",
-           f"Machine: {meta.get('machine', '?')}; commit {meta.get('commit', '?')}; {meta.get('steps')} steps of "
+           f"Machine: {meta.get('machine', '?')}; commit {_commit_text(meta)}{note}; {meta.get('steps')} steps of "
            f"{meta.get('global_batch')} rows x {tokens} tokens (micro batch {meta.get('micro_batch')} "
            f"per process; fewer processes accumulate gradients), the same for every run"
            f"{' of a model' if per_model else ''}. Efficiency: tokens/s over "
@@ -196,6 +204,13 @@ def markdown(rows: List[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _commit_text(meta: dict) -> str:
+    """The commit a table names: `` `C` ``, ``unknown`` outside a git checkout, ``?`` where ``meta`` names none."""
+    if "commit" not in meta:
+        return "?"
+    return f"`{meta['commit']}`" if meta["commit"] else "unknown"
+
+
 def _processes(n: int) -> str:
     """``one-process``, ``2-process``, ..."""
     return "one-process" if n == 1 else f"{n}-process"
@@ -231,7 +246,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", default="results/multigpu", help="writes RESULTS.json and RESULTS.md")
     parser.add_argument("--deadline", type=float, default=None, help="seconds: no run starts after, the current stops")
     parser.add_argument("--machine", default=None, help="machine description for the table")
-    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    parser.add_argument("--commit", default=None,
+                        help="commit to record (default: the full commit of the checkout falcon-fwa runs from)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a recipe field in every run (repeatable; not one the sweep sets: "
                              + ", ".join(SWEEP_FIELDS) + ")")
@@ -374,6 +390,17 @@ def _check_recipes(args: argparse.Namespace, names: List[str], micro: int, globa
     return lengths
 
 
+def recorded_commit(given: Optional[str], source: dict) -> dict:
+    """The ``commit`` and ``dirty`` a sweep records, from :func:`falcon_fwa.provenance.command_provenance`'s
+    ``source``: its own, or the ``--commit`` ``given``, whose ``dirty`` is the checkout's where it names the
+    checkout's commit (in full or a prefix of it) and ``None`` (unknown) where not; ``commit`` ``None`` outside a
+    git checkout without ``--commit``."""
+    commit, dirty = source.get("commit"), source.get("dirty")
+    if not given:
+        return {"commit": commit, "dirty": dirty}
+    return {"commit": given, "dirty": dirty if commit and commit.startswith(given) else None}
+
+
 def run(args: argparse.Namespace) -> int:
     names = args.names or [os.path.splitext(os.path.basename(c))[0] for c in args.configs]
     _check(args, names)
@@ -382,9 +409,10 @@ def run(args: argparse.Namespace) -> int:
     global_batch = shared_global_batch(micro, args.gpus)
     lengths = _check_recipes(args, names, micro, global_batch)
     seq_len = first.data.seq_len if len(set(lengths.values())) == 1 else lengths
-    meta = dict(machine=args.machine or device_description(), commit=args.commit or git_commit() or "unknown", steps=args.steps,
+    source = command_provenance(args)
+    meta = dict(machine=args.machine or device_description(), **recorded_commit(args.commit, source), steps=args.steps,
                 global_batch=global_batch, micro_batch=micro, seq_len=seq_len,
-                warmup_steps=args.warmup_steps, warmup=[])
+                warmup_steps=args.warmup_steps, warmup=[], checkout_commit=source["commit"])
     try:
         with folder_lock(args.out, ".scaling.lock", wait=False):
             return _sweep(args, names, meta, micro, global_batch)
@@ -396,7 +424,8 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
     env = launch_env(os.environ)
     meta["omp_num_threads"] = env["OMP_NUM_THREADS"]
-    earlier, commit, device = _earlier_rows(args.results), git_commit(short=False), device_description()
+    # a run is kept only where its summary.json names the commit of this checkout (which the trainer records)
+    earlier, commit, device = _earlier_rows(args.results), meta.get("checkout_commit"), device_description()
     rows: List[dict] = []
     jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
     stopped_by = 0
@@ -410,7 +439,7 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
             row = dict(model=job["model"], strategy=job["strategy"], gpus=job["gpus"], seed=job["seed"],
                        tokens_per_s=None, efficiency=None, peak_mem_bytes_per_gpu=None, val_loss=None, tokens=None,
                        steps=None, status="not run", command=" ".join(shlex.quote(c) for c in cmd), device=device,
-                       omp_num_threads=env["OMP_NUM_THREADS"])
+                       omp_num_threads=env["OMP_NUM_THREADS"], commit=meta.get("commit"), dirty=meta.get("dirty"))
             same = earlier.get(row["command"])
             same = same if same is not None and (same.get("device"), same.get("omp_num_threads")) == (
                 device, env["OMP_NUM_THREADS"]) else None  # timed on this machine, with the threads the table names

@@ -392,7 +392,7 @@ def test_a_seed_torch_does_not_take_is_refused_naming_seeds(seed):
     args = _compare_args(["--seeds", "0", str(seed)])
     with pytest.raises(ValueError, match=rf"^--seeds must lie in \[-2\^63, 2\^64\), got {seed}$"):
         compare.check_compare_options(args)
-    compare.check_compare_options(_compare_args(["--seeds", "0", str(2 ** 64 - 1)]))
+    compare.check_compare_options(_compare_args(["--seeds", "0", str(-2 ** 63), str(2 ** 64 - 1)]))
 
 
 def test_a_runs_seed_torch_does_not_take_is_refused_before_anything_is_written(tmp_path):

@@ -237,22 +237,13 @@ def check_model_config(args: argparse.Namespace, model: str, fields: dict, prese
                          f"be built: {err}") from None
 
 
-def check_run_seed(option: str, value: int) -> None:
-    """``ValueError`` naming ``option`` unless ``value`` is a training seed of a run: an integer >= 0 that
-    torch takes (< 2^64). A run's folder is ``seed<seed>``, where a negative seed's ``seed-1`` would read as
-    seed 1's."""
-    if -2 ** 63 <= value < 0:
-        raise ValueError(f"{option} must be an integer >= 0 (a run's folder is named seed<seed>), got {value}")
-    check_seed(option, value)  # torch.manual_seed's range
-
-
 def run(args: argparse.Namespace) -> int:
     from ...train.launch import StopSignals
     from .plot import plot_run
     from .train import RunSpec, runs_folder, task_fields, train_run
 
     check_machine_options(args)
-    check_run_seed("--seed", args.seed)
+    check_seed("--seed", args.seed)  # torch.manual_seed's range
     fields = model_fields(args)
     preset = preset_from_args(args)
     check_model_config(args, args.model, fields, preset)

@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ...provenance import git_commit
-from ...cli_options import at_least, check_output_folder, finite_at_least
-from .cli import (add_model_arguments, check_machine_options, check_model_config, check_run_seed, preset_from_args,
-                  slug)
+from ...cli_options import at_least, check_output_folder, check_seed, finite_at_least
+from .cli import add_model_arguments, check_machine_options, check_model_config, preset_from_args, slug
 from .data import width_set
 from .lineup import BASELINES, LINEUP, PAPER_TABLE3, resolve_model
 from .reference import reference_scores
@@ -591,7 +590,7 @@ def check_compare_options(args: argparse.Namespace) -> None:
                          f"got {name!r}")
     finite_at_least("--deadline", args.deadline, 0, strict=True)
     for seed in args.seeds:
-        check_run_seed("--seeds", seed)
+        check_seed("--seeds", seed)
     for option, values in (("--models", args.models), ("--seeds", args.seeds)):
         twice = [v for i, v in enumerate(values) if v in values[:i]]
         if twice:

@@ -180,9 +180,6 @@ class FalconPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FalconBlock"]
     _is_stateful = True
     supports_gradient_checkpointing = True
-    # The Transformer mixer's attention is torch's scaled_dot_product_attention (the recurrent mixers have none):
-    # attn_implementation="sdpa", which scripts pass to from_pretrained and from_config, names what runs.
-    _supports_sdpa = True
 
     def __init__(self, config: FalconConfig, *inputs, **kwargs):
         if isinstance(config, FalconConfig):  # fields set on the config after it was built are checked here

@@ -33,6 +33,8 @@ def _table(capsys, argv):
     lines = capsys.readouterr().out.strip().splitlines()[2:]
     rows = {}
     for line in lines:
+        if not line.startswith("|"):  # the closing line that names the commit
+            continue
         cells = [c.strip() for c in line.strip("|").split("|")]
         rows[cells[1]] = [int(c.split()[0].replace(",", "")) for c in cells[7:12]]
     return rows

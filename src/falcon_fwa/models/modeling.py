@@ -181,6 +181,18 @@ class FalconPreTrainedModel(PreTrainedModel):
     _is_stateful = True
     supports_gradient_checkpointing = True
 
+    def get_correct_attn_implementation(self, requested_attention, is_init_check: bool = False) -> str:
+        """transformers' choice of ``attn_implementation``: ``"sdpa"``, which scripts pass to ``from_pretrained``
+        and ``from_config``, is taken, as it names what the Transformer mixer runs (torch's
+        ``scaled_dot_product_attention``; the recurrent mixers have none), and builds the same model; nothing
+        asked stays ``"eager"`` (where transformers would pick ``"sdpa"`` and then refuse ``output_attentions``
+        with its own message before the model's); any other request is transformers' to judge."""
+        if requested_attention is None:
+            return "eager"
+        if requested_attention == "sdpa":
+            return "sdpa"
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
+
     def __init__(self, config: FalconConfig, *inputs, **kwargs):
         if isinstance(config, FalconConfig):  # fields set on the config after it was built are checked here
             config.validate_fields()

@@ -8,21 +8,8 @@ import json
 import os
 import time
 
+from test_data_followups_retime import hashed
 from test_data_sources import run_data
-
-import falcon_fwa.data.prepare as prepare
-
-
-def hashed(monkeypatch):
-    """The paths whose SHA-256 the data command computes from now on (the hash itself unchanged)."""
-    calls, real = [], prepare._sha256
-
-    def counting(path):
-        calls.append(str(path))
-        return real(path)
-
-    monkeypatch.setattr(prepare, "_sha256", counting)
-    return calls
 
 
 def set_mtime(path, ns):

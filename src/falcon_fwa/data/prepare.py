@@ -1,7 +1,7 @@
 """Tokenize a corpus once: ``{out_dir}/tokenizer/``, ``{out_dir}/train/``, ``{out_dir}/val/``.
 
 ``prepared.json`` records the settings and the sizes of the source files and of the tokenizer files of a
-tokenizer folder (those loading it reads, not a model's beside them), and a stamp of each (:func:`file_stamps`: its
+tokenizer folder (those loading it reads, not a model's beside them), and a stamp of each (:func:`_stamp`: its
 modification time and the SHA-256 of its bytes, read again only where the time differs or lies within the
 filesystem's timestamp step of the moment the stamps were taken, which the record's own modification time keeps
 (:func:`_racy`), and then, the same bytes, kept with its new time); preparing again with the
@@ -350,13 +350,6 @@ def _same_bytes(path: str, stamp, retimed: Optional[list] = None, stamped: Optio
     return True
 
 
-def file_stamps(files: dict) -> dict:
-    """The stamps (:func:`_stamp`) of the files of a :func:`source_files` record, in its shape: ``prepared.json``
-    keeps them beside the sizes, so that a file rewritten to the same size with other bytes is a change too."""
-    return {which: None if paths is None else {path: _stamp(path) for path in paths}
-            for which, paths in files.items()}
-
-
 def _folder_files(folder: str, out_dir: str) -> Optional[dict]:
     """``{path: bytes}`` of every file in a local folder that is read whole (an ``hf:`` source's dataset folder),
     but what a preparation wrote there, the output folder's entries too, should it lie inside, and hidden ones
@@ -429,7 +422,7 @@ def _holds_document(path: str, spec: DataSpec, name: Callable[[str], str]) -> bo
 def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Optional[dict] = None,
                    retimed: Optional[list] = None, stamp_time: Optional[int] = None) -> str:
     """What differs between the ``kinds`` of two :func:`source_files` records, in words ('' if nothing); ``stamps``:
-    the :func:`file_stamps` recorded with ``held``, which a file of the same size must still have (none recorded, by
+    the stamps (:func:`_stamp`) recorded with ``held``, which a file of the same size must still have (none recorded, by
     a preparation before they were: the sizes alone count; ``retimed``, and ``stamp_time`` as ``stamped``, as in
     :func:`_same_bytes`). A source's files gone since are no change (their tokens are here); a tokenizer folder's
     are, while the folder is there: what it loads now is another tokenizer. A folder gone whole gives none (the

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..ops.seqlens import check_cu_seqlens, sequence_bounds
+from ..ops.seqlens import check_cu_seqlens, check_sequence_bounds, sequence_bounds
 
 __all__ = ["Packing", "unpad", "repad", "cu_seqlens_from_lengths", "layout_of"]
 
@@ -74,10 +74,8 @@ class Packing:
         bounds = sequence_bounds(cu) if bounds is None else tuple(int(b) for b in bounds)
         if len(bounds) != cu.shape[0]:
             raise ValueError(f"bounds must hold the {cu.shape[0]} values of cu_seqlens, got {len(bounds)}")
-        # [0] is a call of no sequence (every column of a padded batch a pad)
-        if not bounds or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 (every sequence at least one token), "
-                             f"got {list(bounds)}")
+        if bounds != (0,):  # [0]: a call of no sequence (every column of a padded batch a pad)
+            check_sequence_bounds(bounds, bounds[-1] if bounds else 0)
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"rows must be a 1-D integer torch.Tensor (one cache row per sequence), "
                             f"got {type(rows).__name__}")

@@ -195,12 +195,16 @@ def _tokenizer_paths(folder: str) -> list:
     return [path for path in sorted(paths) if os.path.isfile(path)]
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+def _hash_rest(f, digest) -> str:
+    """``digest`` updated with the bytes of the open binary file ``f`` from where it stands, as hex."""
+    for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
     return digest.hexdigest()
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return _hash_rest(f, hashlib.sha256())
 
 
 def _stamp(path: str) -> Optional[list]:
@@ -300,9 +304,7 @@ class _ReadStamps:
             try:
                 with open(path, "rb") as f:
                     f.seek(hashed)
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
-                self._stamps[path] = [mtime, digest.hexdigest()]
+                    self._stamps[path] = [mtime, _hash_rest(f, digest)]
             except OSError:
                 self._stamps[path] = None  # gone since
         return self._stamps[path]

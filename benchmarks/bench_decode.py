@@ -20,8 +20,9 @@ cache, SDPA) is the reference. A failing row is reported and the others still ru
 rewritten after every row.
 
 Writes ``<out>/<name>.json`` (rows ``{preset, impl, batch, prompt, new_tokens, tokens_per_s,
-ms_per_step}``, plus ``same_tokens`` and ``max_logit_diff`` on a preset's second row) and
-``<out>/<name>.md``.
+ms_per_step, commit, dirty}``, plus ``same_tokens`` and ``max_logit_diff`` on a preset's second row; ``commit``
+and ``dirty``: the full commit of the falcon_fwa checkout that runs and whether it had uncommitted changes to
+tracked files, as ``bench_kernels.source`` gives them) and ``<out>/<name>.md``.
 """
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
-from bench_kernels import _atomic_write, failure
+from bench_kernels import _atomic_write, commit_words, failure, source
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int, cuda_graphs: bool = False):
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     from falcon_fwa.ops import falcon_step
 
     dtype = getattr(torch, args.dtype)
+    recorded = source(None)  # the code that is timed, as the run starts
     rows: List[Dict] = []
     errors: List[str] = []
     try:
@@ -136,15 +138,15 @@ def main(argv=None) -> int:
                         row["max_logit_diff"] = float((logits - first["logits"]).abs().max())
                     else:
                         first = dict(tokens=tokens, logits=logits)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    _write(rows, errors, args)
+                    rows.append({**row, **recorded})
+                    print(json.dumps(rows[-1]), flush=True)
+                    _write(rows, errors, args, recorded)
             del model
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     finally:
         layer_module.falcon_step = falcon_step
-        _write(rows, errors, args)
+        _write(rows, errors, args, recorded)
     return 0
 
 
@@ -170,20 +172,20 @@ def _measure(model, prompt, args, preset, impl):
     return row, tokens, logits
 
 
-def _write(rows: List[Dict], errors: List[str], args) -> None:
+def _write(rows: List[Dict], errors: List[str], args, recorded: Optional[Dict] = None) -> None:
     """Both files, rewritten after every row (each replaced in one rename)."""
     if not args.out:
         return
     os.makedirs(args.out, exist_ok=True)
-    for suffix, text in (("json", json.dumps(rows, indent=1) + "\n"), ("md", report(rows, args, errors))):
+    for suffix, text in (("json", json.dumps(rows, indent=1) + "\n"), ("md", report(rows, args, errors, recorded))):
         _atomic_write(os.path.join(args.out, f"{args.name}.{suffix}"), text)
 
 
-def report(rows: List[Dict], args, errors: List[str] = ()) -> str:
-    from falcon_fwa.provenance import git_commit
+def report(rows: List[Dict], args, errors: List[str] = (), recorded: Optional[Dict] = None) -> str:
+    """The table of ``rows``, after the commit ``recorded`` (``bench_kernels.source``'s; taken now if not given)."""
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     out = [f"# Decoding speed: {dev}", "",
-           f"commit `{git_commit()}`; torch {torch.__version__}; {args.dtype}; prompt {args.prompt} tokens, "
+           f"{commit_words(**(recorded or source(None)))}; torch {torch.__version__}; {args.dtype}; prompt {args.prompt} tokens, "
            f"{args.new_tokens} greedy tokens per row, median of {args.repeats} loops; random weights; "
            f"torch.compile: {args.compile}; CUDA graphs: {'on' if args.cuda_graphs else 'off'}.", "",
            "| preset | step op | batch | tokens/s | ms/step | vs torch step | same tokens | max logit diff |",

@@ -5,7 +5,7 @@ attention, bf16, forward and forward+backward, with peak memory.
     python benchmarks/bench_kernels.py --out OUT --name h200-COMMIT   # --overwrite to write over a tracked file
 
 Writes ``<out>/<name>.json`` (a list of rows ``{op, B, T, H, K, V, mode, ms,
-peak_mem_bytes, commit}``, ``mode`` ``"fwd"`` or ``"fwdbwd"``, plus ``window`` for the sliding rules,
+peak_mem_bytes, commit, dirty}``, ``mode`` ``"fwd"`` or ``"fwdbwd"``, plus ``window`` for the sliding rules,
 ``process`` with ``--tag`` and ``graph_ms`` with ``--cudagraph``) and ``<out>/<name>.md`` (the table, GPU,
 versions, commit and the ratios against the fla counterparts); ``--plot`` also draws those ratios with their
 targets into ``<out>/<name>.png`` (``plot_kernels.py``, which draws the same from a ``<name>.json``). ``ms`` is
@@ -20,7 +20,12 @@ A row that fails (fla not installed, out of memory, past ``--row-timeout``) is l
 
 ``--paired ROUNDS`` also times each Falcon op against its fla counterpart in alternation
 (:func:`paired_ratio`) and writes ``<out>/<name>-paired.json``: rows ``{op, fla_op, B, T, H, K, V,
-mode: "fwdbwd-paired", ms, fla_ms, ratio, ratio_min, ratio_max, rounds, target, commit}``.
+mode: "fwdbwd-paired", ms, fla_ms, ratio, ratio_min, ratio_max, rounds, target, commit, dirty}``.
+
+``commit`` is the full commit of the falcon_fwa checkout that runs, and ``dirty`` whether that checkout had
+uncommitted changes to tracked files (:func:`falcon_fwa.provenance.command_provenance`); ``--commit`` names the
+commit on a machine without git metadata, and ``dirty`` is then ``null`` (unknown), as it is outside a checkout,
+where ``commit`` is ``"unknown"`` (:func:`source`). The table's first line says the same (:func:`commit_words`).
 
 ``--decode`` also times one decoding step of one layer's mixer op, the fused step kernel against the
 PyTorch step (rules 1A and 1, batch 1 and 64), into ``<out>/<name>-decode.json``: rows ``{op, B, T: 1, H, K, V,
@@ -54,12 +59,12 @@ import sys
 import tempfile
 import traceback
 from statistics import median
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from falcon_fwa.provenance import committed_files
+from falcon_fwa.provenance import command_provenance, committed_files, uncommitted_note
 
 SHAPES = [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
 TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=2048)
@@ -504,16 +509,33 @@ def _versions() -> Dict[str, str]:
     return v
 
 
-def _commit(given: Optional[str]) -> str:
-    from falcon_fwa.provenance import git_commit
-    return given or git_commit() or "unknown"
+def source(given: Optional[str]) -> Dict[str, Any]:
+    """The ``commit`` and ``dirty`` a record names: :func:`falcon_fwa.provenance.command_provenance`'s full commit
+    of the falcon_fwa checkout that runs and whether it had uncommitted changes to tracked files (``"unknown"`` and
+    ``None`` outside a checkout), or the ``--commit`` ``given`` (for a machine without git metadata), whose
+    ``dirty`` is the checkout's where it names the checkout's commit (in full or a prefix of it) and ``None``
+    (unknown) where not, as ``falcon-fwa scaling --commit`` records it."""
+    found = command_provenance(argparse.Namespace())
+    commit, dirty = found["commit"], found["dirty"]
+    if given:
+        return {"commit": given, "dirty": dirty if commit and commit.startswith(given) else None}
+    return {"commit": commit or "unknown", "dirty": dirty}
 
 
-def _markdown(rows, versions, commit, notes, errors) -> str:
+def commit_words(commit: str, dirty: Optional[bool]) -> str:
+    """How a report names :func:`source`'s commit: "commit `C`" with
+    :func:`falcon_fwa.provenance.uncommitted_note` (" (uncommitted changes unknown)" for a ``--commit`` other
+    than the checkout's), or "commit unknown (outside a git checkout)"."""
+    if commit == "unknown":
+        return "commit unknown (outside a git checkout)"
+    return f"commit `{commit}`{uncommitted_note(dirty)}"
+
+
+def _markdown(rows, versions, commit, notes, errors, dirty: Optional[bool] = None) -> str:
     """The report of ``rows``: timing, paired and decode rows, and the rows that failed (:func:`failed_row`),
-    listed in the table in the order they ran."""
+    listed in the table in the order they ran; ``commit`` and ``dirty`` as :func:`source` gives them."""
     out = [f"# Kernel benchmark: {versions['gpu']}", "",
-           f"commit `{commit}`; torch {versions['torch']}, triton {versions['triton']}, "
+           f"{commit_words(commit, dirty)}; torch {versions['torch']}, triton {versions['triton']}, "
            f"flash-linear-attention {versions['fla']}, CUDA {versions['cuda']}, python {versions['python']}.", "",
            "bf16 inputs; median ms of `triton.testing.do_bench`; peak = extra memory allocated during one call "
            "(inputs excluded). `fwd` under `torch.no_grad()`; `fwdbwd` = forward + backward.", ""]
@@ -609,11 +631,14 @@ def fwdbwd_ratios(rows: List[dict]) -> List[dict]:
     return found
 
 
-def timing_row(op: str, shape, mode: str, ms: float, peak: int, commit: str, tag: Optional[str] = None) -> dict:
-    """One row of ``<name>.json``: ``{op, B, T, H, K, V, mode, ms, peak_mem_bytes, commit}``, ``window``
-    for the sliding ops (rules 3, 3A), ``process`` with ``--tag``."""
+def timing_row(op: str, shape, mode: str, ms: float, peak: int, commit: str, tag: Optional[str] = None,
+               dirty: Optional[bool] = None) -> dict:
+    """One row of ``<name>.json``: ``{op, B, T, H, K, V, mode, ms, peak_mem_bytes, commit, dirty}`` (``commit``
+    and ``dirty`` as :func:`source` gives them), ``window`` for the sliding ops (rules 3, 3A), ``process`` with
+    ``--tag``."""
     B, T, H, K, V = shape
-    row = dict(op=op, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=int(peak), commit=commit)
+    row = dict(op=op, B=B, T=T, H=H, K=K, V=V, mode=mode, ms=round(ms, 4), peak_mem_bytes=int(peak), commit=commit,
+               dirty=dirty)
     if op in SLIDING_OPS:
         row["window"] = WINDOW
     if tag:
@@ -679,7 +704,10 @@ def main(argv=None) -> None:
                    help="write over result files that git tracks (a run's record) where --out/--name name them")
     p.add_argument("--ops", nargs="*", default=list(OPS),
                    help=f"subset of {list(OPS)}; the baselines (fla-*, sdpa) are timed first at each shape")
-    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    p.add_argument("--commit", default=None,
+                   help="commit to record, on a machine without git metadata (uncommitted changes then unknown, "
+                        "unless it names the checkout's commit; default: the full commit of the falcon_fwa checkout "
+                        "that runs)")
     p.add_argument("--allow-fla-gated", action="store_true",
                    help="lift fla's refusal of its gated backward on Triton 3.4-3.7.0 (timing only)")
     p.add_argument("--sweep", action="store_true",
@@ -738,7 +766,8 @@ def main(argv=None) -> None:
                          "were not checked.")
     shapes = [tuple(s) for s in args.shape] if args.shape else [SHAPES[i] for i in args.shapes]
     os.makedirs(args.out, exist_ok=True)
-    versions, commit = _versions(), _commit(args.commit)
+    versions, recorded = _versions(), source(args.commit)
+    commit, dirty = recorded["commit"], recorded["dirty"]
     if args.sweep:
         found = sweep(SHAPES[0])
         _atomic_write(os.path.join(args.out, f"{args.name}-sweep.json"), json.dumps(found, indent=1) + "\n")
@@ -752,7 +781,7 @@ def main(argv=None) -> None:
         if decode:
             _atomic_write(os.path.join(args.out, f"{args.name}-decode.json"), json.dumps(decode, indent=1) + "\n")
         _atomic_write(os.path.join(args.out, f"{args.name}.md"),
-                      _markdown(rows + paired + decode, versions, commit, notes, errors))
+                      _markdown(rows + paired + decode, versions, commit, notes, errors, dirty))
 
     def fail(what: str, e: BaseException) -> str:
         message = recovered(e)
@@ -771,7 +800,7 @@ def main(argv=None) -> None:
                     save()
                     continue
                 B, T = shape[:2]
-                rows.append(timing_row(name, shape, mode, ms, peak, commit, args.tag))
+                rows.append(timing_row(name, shape, mode, ms, peak, commit, args.tag, dirty))
                 graph = ""
                 if args.cudagraph:
                     try:
@@ -807,7 +836,7 @@ def main(argv=None) -> None:
                                ms=round(found["ms"], 4), fla_ms=round(found["fla_ms"], 4),
                                ratio=round(found["ratio"], 4), ratio_min=round(found["ratio_min"], 4),
                                ratio_max=round(found["ratio_max"], 4), rounds=found["rounds"], target=target,
-                               commit=commit, **({"process": args.tag} if args.tag else {})))
+                               commit=commit, dirty=dirty, **({"process": args.tag} if args.tag else {})))
             print(f"paired {ours} / {theirs}: ratio {found['ratio']:.3f} ({found['ratio_min']:.3f}-"
                   f"{found['ratio_max']:.3f}) over {found['rounds']} rounds", flush=True)
             drift = paired_drift(paired[-1], timed(rows))

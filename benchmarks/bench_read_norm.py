@@ -3,7 +3,8 @@
 The normalized read runs the rule on ``V + 1`` value columns (``2 V`` for 2A; padded to a multiple of 16) and divides.
 This times ``falcon_attention`` (``backend="auto"``: the Triton kernels) with ``eps_attn=None``
 and ``eps_attn=1e-6`` side by side, in alternating rounds, bf16, forward and forward+backward,
-with peak memory, and writes ``<out>/<name>.md`` and ``.json``.
+with peak memory, and writes ``<out>/<name>.md`` and ``.json`` (``{commit, dirty, versions, rows}``: the full
+commit and uncommitted changes of the falcon_fwa checkout, as ``bench_kernels.source`` gives them).
 
     python benchmarks/bench_read_norm.py --out benchmarks/results --name h200-read-norm
 """
@@ -19,7 +20,7 @@ from typing import Callable, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import WINDOW, _atomic_write, _commit, _falcon_inputs, _versions  # noqa: E402
+from bench_kernels import WINDOW, _atomic_write, _falcon_inputs, _versions, commit_words, source  # noqa: E402
 
 RULES = ("1A", "2A", "3A")
 
@@ -60,7 +61,9 @@ def main(argv=None) -> None:
     p.add_argument("--name", default="h200-read-norm")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per rule and mode (median reported)")
     p.add_argument("--shape", type=int, nargs=5, default=[8, 2048, 16, 128, 128], metavar=("B", "T", "H", "K", "V"))
-    p.add_argument("--commit", default=None)
+    p.add_argument("--commit", default=None,
+                   help="commit to record, on a machine without git metadata (default: the full commit of the "
+                        "falcon_fwa checkout that runs, with whether it had uncommitted changes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_read_norm.py needs a CUDA GPU")
@@ -86,10 +89,10 @@ def main(argv=None) -> None:
                        ratio_range=[min(ratios), max(ratios)], peak_plain=peak[None], peak_normalized=peak[1e-6])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    versions, commit = _versions(), _commit(args.commit)
+    versions, recorded = _versions(), source(args.commit)
     B, T, H, K, V = shape
     md = [f"# The normalized read's cost: {versions['gpu']}", "",
-          f"commit `{commit}`; torch {versions['torch']}, triton {versions['triton']}. "
+          f"{commit_words(**recorded)}; torch {versions['torch']}, triton {versions['triton']}. "
           f"`falcon_attention` on the Triton kernels, bf16, B={B}, T={T}, H={H}, K={K}, V={V}, chunk 64, "
           f"window {WINDOW} for 3A, nonnegative features; medians of {args.rounds} alternating rounds "
           "(`triton.testing.do_bench` medians each). Command: `python benchmarks/bench_read_norm.py "
@@ -103,7 +106,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     _atomic_write(os.path.join(args.out, f"{args.name}.md"), "\n".join(md) + "\n")
     _atomic_write(os.path.join(args.out, f"{args.name}.json"),
-                  json.dumps(dict(commit=commit, versions=versions, rows=rows), indent=1) + "\n")
+                  json.dumps(dict(**recorded, versions=versions, rows=rows), indent=1) + "\n")
 
 
 if __name__ == "__main__":

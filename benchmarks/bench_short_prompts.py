@@ -13,8 +13,9 @@ kernels), median ms of ``triton.testing.do_bench``, one after the other in the s
 are set below the crossovers of every batch size measured. The two outputs are also compared (max relative difference).
 
 Writes ``<out>/<name>.json`` (rows ``{rule, B, T, fused_ms, chunk_ms, ratio, rel_diff}``, or ``{rule, B, T,
-error}`` for a shape that failed, out of memory say: the others still run) and ``<out>/<name>.md``, both
-rewritten after every row.
+error}`` for a shape that failed, out of memory say: the others still run; every row with ``commit`` and
+``dirty``, the full commit of the falcon_fwa checkout that runs and whether it had uncommitted changes to tracked
+files, as ``bench_kernels.source`` gives them) and ``<out>/<name>.md``, both rewritten after every row.
 """
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
-from bench_kernels import _atomic_write, recovered
+from bench_kernels import _atomic_write, commit_words, recovered, source
 
 RULES = ("1", "1A", "2", "2A", "3", "3A")
 
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
 
     from falcon_fwa import falcon_attention
     H, D = args.heads, args.head_dim
+    recorded = source(None)  # the code that is timed, as the run starts
     rows: List[Dict] = []
     for rule in args.rules:
         for B in args.batch:
@@ -105,27 +107,26 @@ def main(argv=None) -> int:
                 else:
                     row = dict(rule=rule, B=B, T=T, H=H, K=D, V=D, fused_ms=round(fused, 4), chunk_ms=round(chunk, 4),
                                ratio=round(fused / chunk, 3), rel_diff=float(f"{rel:.3g}"))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                _write(rows, args)
+                rows.append({**row, **recorded})
+                print(json.dumps(rows[-1]), flush=True)
+                _write(rows, args, recorded)
     return 0
 
 
-def _write(rows: List[Dict], args) -> None:
+def _write(rows: List[Dict], args, recorded: Optional[Dict] = None) -> None:
     if not args.out:
         return
     os.makedirs(args.out, exist_ok=True)
-    for suffix, text in (("json", json.dumps(rows, indent=1) + "\n"), ("md", report(rows, args))):
+    for suffix, text in (("json", json.dumps(rows, indent=1) + "\n"), ("md", report(rows, args, recorded))):
         _atomic_write(os.path.join(args.out, f"{args.name}.{suffix}"), text)
 
 
-def report(rows: List[Dict], args) -> str:
+def report(rows: List[Dict], args, recorded: Optional[Dict] = None) -> str:
+    """The tables of ``rows``, after the commit ``recorded`` (``bench_kernels.source``'s; taken now if not given)."""
     import triton
-
-    from falcon_fwa.provenance import git_commit
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     out = [f"# Prompt passes without gradients: fused recurrent kernel vs chunk kernels ({dev})", "",
-           f"commit `{git_commit()}`; torch {torch.__version__}, triton {triton.__version__}; bf16; H={args.heads}, "
+           f"{commit_words(**(recorded or source(None)))}; torch {torch.__version__}, triton {triton.__version__}; bf16; H={args.heads}, "
            f"K=V={args.head_dim}, window {args.window} (rules 3, 3A); final state returned; median ms of "
            "`triton.testing.do_bench`, both forms one after the other in the same process.", "",
            "| rule | B | T | fused ms | chunk ms | fused / chunk | max rel. diff |", "|---|---|---|---|---|---|---|"]

@@ -13,7 +13,8 @@ place from the extended axis) at B=8, T=2048, H=16, K=V=128 in bf16:
 
     python benchmarks/bench_wy_forward.py --out OUT [--commit SHA] [--allow-fla-gated]
 
-Writes ``OUT/wy_forward.json`` (every row) and ``OUT/wy_forward.md``.
+Writes ``OUT/wy_forward.json`` (every row, with ``commit`` and ``dirty``: the full commit of the falcon_fwa checkout
+and whether it had uncommitted changes, as ``bench_kernels.source`` gives them) and ``OUT/wy_forward.md``.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import OPS, SHAPES, _commit, _versions, lift_fla_gated_guard, measure_graph, profile  # noqa: E402
+from bench_kernels import (OPS, SHAPES, _versions, commit_words, lift_fla_gated_guard, measure_graph,  # noqa: E402
+                           profile, source)
 
 ONE = {"wy_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3)}  # the fastest one-launch setting (bf16)
 INVERSE = [dict(BK=BK, num_warps=w, num_stages=s) for BK in (64, 128) for w in (2, 4) for s in (2, 3)]
@@ -79,7 +81,9 @@ def time_forward(delta, slots: int, key: str, entry: dict, reference=None):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--commit", default=None)
+    p.add_argument("--commit", default=None,
+                   help="commit to record, on a machine without git metadata (default: the full commit of the "
+                        "falcon_fwa checkout that runs, with whether it had uncommitted changes)")
     p.add_argument("--rounds", type=int, default=3, help="alternations of the op-level comparison")
     p.add_argument("--allow-fla-gated", action="store_true", help="time fla's chunk_gated_delta_rule beside, its refusal of its gated backward on this Triton lifted "
                         "(timings only: its gradients are not checked)")
@@ -151,10 +155,10 @@ def main(argv=None) -> None:
             rows += [dict(r, form="two launches", profile=True) for r in profile(LAYOUTS[name]["op"], SHAPES[0])]
         finally:
             delta.WY_FWD_LAUNCH[key] = saved
-    versions, commit = _versions(), _commit(args.commit)
+    versions, recorded = _versions(), source(args.commit)
     with open(os.path.join(args.out, "wy_forward.json"), "w") as f:
-        json.dump(dict(versions=versions, commit=commit, shape=SHAPES[0], rows=rows, best=best), f, indent=1)
-    lines = [f"# WY forward: one launch against two ({versions.get('gpu', '')}, commit `{commit}`)", "",
+        json.dump(dict(versions=versions, **recorded, shape=SHAPES[0], rows=rows, best=best), f, indent=1)
+    lines = [f"# WY forward: one launch against two ({versions.get('gpu', '')}, {commit_words(**recorded)})", "",
              "| layout | form | setting | ms | err |", "|---|---|---|---|---|"]
     lines += [f"| {r['layout']} | {r['form']} | `{r['setting']}` | {r['ms']:.4f} | {r['err']:.1e} |"
               for r in rows if "layout" in r]

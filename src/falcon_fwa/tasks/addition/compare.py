@@ -7,7 +7,8 @@ started again, so an interrupted comparison resumes. The summary goes to
 ``<results>/<name>.json`` (a list of rows with ``model``, ``mean_acc_33_48``,
 ``acc_d33``, ``acc_d48``, ``val_acc``, ``best_step``, ``seeds``: means over seeds, with
 ``*_std`` and per-seed values), ``<name>_meta.json`` (budget, operand order, base, seeds,
-device, wall time, command, commit, and the reference scores of :mod:`.reference` on the OOD set),
+device, wall time, command, commit, ``dirty`` (whether that commit's checkout had uncommitted changes to tracked
+files) and the reference scores of :mod:`.reference` on the OOD set),
 ``<name>.md`` (the table next to the paper's numbers),
 ``<name>.png`` (accuracy against digit width) and ``<name>_positions.png`` (accuracy by answer
 position at the largest training width and the first and last OOD widths).
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ...provenance import git_commit
+from ...provenance import command_provenance, uncommitted_note
 from ...cli_options import at_least, check_output_folder, check_seed, finite_at_least
 from .cli import add_model_arguments, check_machine_options, check_model_config, preset_from_args, slug
 from .data import width_set
@@ -524,7 +525,7 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
               + f"), {meta['val_per_width']} validation samples per "
               f"training width, {meta['ood_per_width']} test samples per OOD width",
               f"- device: {meta['device']}; " + _wall_time(rows, meta),
-              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}"]
+              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}{_uncommitted(meta)}"]
     if meta.get("trained_by"):
         lines.append(f"- the runs were trained by: `{meta['trained_by']}`")
     if meta.get("failed"):
@@ -532,6 +533,12 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     if meta.get("notes"):
         lines += [NOTES_HEADING.rstrip("\n"), "", meta["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _uncommitted(meta: Dict[str, Any]) -> str:
+    """:func:`falcon_fwa.provenance.uncommitted_note` of the summary's ``dirty``; nothing for a summary written
+    before ``dirty`` was recorded, or without a commit."""
+    return uncommitted_note(meta["dirty"]) if "dirty" in meta and meta.get("commit") else ""
 
 
 def written_notes(md_file: Path) -> str:
@@ -570,10 +577,6 @@ def _invocation() -> str:
     if argv[:1] == ["addition-compare"]:  # through the falcon-fwa command or python -m falcon_fwa.cli
         argv = argv[1:]
     return "falcon-fwa addition-compare " + " ".join(shlex.quote(a) for a in argv)
-
-
-def _git_commit() -> Optional[str]:
-    return git_commit(short=False)
 
 
 def check_compare_options(args: argparse.Namespace) -> None:
@@ -680,7 +683,9 @@ def run(args: argparse.Namespace) -> int:
         "torch": first["torch"],
         "wall_time_s": wall,
         "command": _invocation(),
-        "commit": _git_commit(),
+        # the full commit of the falcon_fwa checkout that wrote the summary, and whether it had uncommitted
+        # changes to tracked files (None where git cannot tell)
+        **{k: v for k, v in command_provenance(args).items() if k in ("commit", "dirty")},
         "trained_by": trained_by,
         "platform": platform.platform(),
         # what this command's training left undone, or, with nothing trained, the runs' own state

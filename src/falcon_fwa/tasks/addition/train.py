@@ -21,6 +21,7 @@ when the checkpoint's step is the best one. One process at a time trains a folde
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import platform
@@ -40,7 +41,7 @@ from .lineup import LINEUP, DigitPositions, build_model
 from .metrics import AccuracyTally, position_hits, score_predictions
 from .presets import AdditionPreset, preset_size
 from ...atomic import folder_lock, read_json, remove_temporaries, save_torch, write_json
-from ...provenance import git_commit
+from ...provenance import command_provenance
 from ...train import schedule
 from ...train.launch import LOCK_NAME, StopSignals
 
@@ -261,7 +262,9 @@ def _new_results(spec: RunSpec, device: torch.device, n_params: int) -> Dict[str
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "dtype": spec.dtype,
         "torch": torch.__version__,
-        "commit": git_commit(short=False),
+        # the full commit of the falcon_fwa checkout that trains, and whether it had uncommitted changes to
+        # tracked files (None where git cannot tell)
+        **{k: v for k, v in command_provenance(argparse.Namespace()).items() if k in ("commit", "dirty")},
         "parameters": n_params,
         "metric": metric_note(spec.preset.ood_widths),
         "history": [],

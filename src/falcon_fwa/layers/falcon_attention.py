@@ -163,7 +163,7 @@ class FalconAttention(nn.Module):
             total = "N_tok" if packing.bounds is None else packing.bounds[-1]
             raise ValueError(f"h must have shape [1, {total}, hidden_size] for packed sequences (packing.cu_seqlens), "
                              f"got {tuple(h.shape)}")
-        packing = layout_of(packing, h)
+        packing = layout_of(packing, h, cache=cache)
         if cache is not None and not packing.packed:
             held = cache.state.S.shape[0] if cache.state is not None else next(
                 (buf.shape[0] for buf in cache.conv.values()), B)

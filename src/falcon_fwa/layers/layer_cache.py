@@ -40,6 +40,15 @@ class LayerCache:
     values: Optional[torch.Tensor] = None
     lengths: Optional[List[int]] = None
 
+    @property
+    def num_rows(self) -> Optional[int]:
+        """The rows the cache holds (``None`` while it holds nothing: the first call fills it)."""
+        if self.state is not None:
+            return self.state.S.shape[0]
+        for buf in self.conv.values():
+            return buf.shape[0]
+        return None if self.keys is None else self.keys.shape[0]
+
     def store_state(self, new: FalconState, rows: Optional[torch.Tensor]) -> None:
         """Store a state returned for the cache rows ``rows`` (``None``: all rows)."""
         if rows is None:

@@ -154,3 +154,15 @@ def test_packed_rows_in_any_order_equal_each_sequence_alone(mixer):
         assert got.keys() == want.keys() and got
         for name in want:
             assert torch.allclose(got[name].to(want[name].dtype), want[name], atol=1e-12, rtol=0), (r, name)
+
+
+def test_host_rows_given_by_the_caller_are_kept_and_their_length_checked():
+    """The model, which builds ``rows`` as ``arange(N)``, passes their values as ``host_rows`` so that no
+    device read is made for them; a copy of another length is refused by name."""
+    cu = cu_seqlens_from_lengths(torch.tensor([2, 3, 1]))
+    p = Packing.from_cu_seqlens(cu, torch.tensor([2, 0, 1]), None, host_rows=[2, 0, 1])
+    assert p.host_rows == (2, 0, 1)
+    with pytest.raises(ValueError, match=r"host_rows must hold the 3 values of rows, got 2"):
+        Packing.from_cu_seqlens(cu, torch.tensor([2, 0, 1]), None, host_rows=[2, 0])
+    with pytest.raises(ValueError, match=r"rows must name a different cache row"):
+        Packing.from_cu_seqlens(cu, torch.tensor([2, 0, 1]), None, host_rows=[2, 2, 1])

@@ -109,7 +109,8 @@ class CausalSelfAttention(nn.Module):
         """``(batch index, start, end, cache row)`` of every sequence in the layout."""
         if packing.packed:
             bounds = sequence_bounds(packing.cu_seqlens)  # the model's declared copy inside its pass
-            return [(0, a, b, int(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), packing.rows.tolist())]
+            rows = packing.host_rows if packing.host_rows is not None else packing.rows.tolist()
+            return [(0, a, b, int(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), rows)]
         return [(b, 0, q.shape[2], b) for b in range(q.shape[0])]
 
     def _store_prefix(self, k, v, packing: Packing, cache: LayerCache) -> None:

@@ -71,9 +71,11 @@ class Packing:
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens: torch.Tensor, rows: torch.Tensor, offsets: Optional[torch.Tensor],
-                        bounds: Optional[Sequence[int]] = None) -> "Packing":
-        """Packed sequences; ``offsets`` ``[B]`` tokens already cached per cache row; ``bounds``:
-        ``cu_seqlens``'s values if the caller holds them (else read here, once).
+                        bounds: Optional[Sequence[int]] = None,
+                        host_rows: Optional[Sequence[int]] = None) -> "Packing":
+        """Packed sequences; ``offsets`` ``[B]`` tokens already cached per cache row; ``bounds`` and
+        ``host_rows``: ``cu_seqlens``'s and ``rows``' values if the caller holds them (else read here,
+        once each; they are taken as given, as the caller's copies of the tensors).
 
         ``cu_seqlens`` must be a 1-D integer tensor rising strictly from 0 (every sequence at least one
         token) and ``rows`` a 1-D integer tensor of one cache row per sequence, distinct and ``>= 0`` (below
@@ -94,7 +96,12 @@ class Packing:
         if tuple(rows.shape) != (len(bounds) - 1,):
             raise ValueError(f"rows must have shape [N] = ({len(bounds) - 1},), one cache row for each of the "
                              f"{len(bounds) - 1} sequences of cu_seqlens, got {tuple(rows.shape)}")
-        host_rows = tuple(int(r) for r in rows.tolist())
+        if host_rows is None:
+            host_rows = tuple(int(r) for r in rows.tolist())
+        else:
+            host_rows = tuple(int(r) for r in host_rows)
+            if len(host_rows) != rows.shape[0]:
+                raise ValueError(f"host_rows must hold the {rows.shape[0]} values of rows, got {len(host_rows)}")
         first = {}
         for n, r in enumerate(host_rows):
             if r < 0:

@@ -578,7 +578,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
             bounds = sequence_bounds(cu, T)
             rows = torch.arange(cu.numel() - 1, device=x.device)
-            return Packing.from_cu_seqlens(cu, rows, offsets, bounds), None, cu[1:] - cu[:-1]
+            packing = Packing.from_cu_seqlens(cu, rows, offsets, bounds, host_rows=range(cu.numel() - 1))
+            return packing, None, cu[1:] - cu[:-1]
         if attention_mask is not None:
             mask = attention_mask[:, -T:].to(device=x.device, dtype=torch.bool)
             if not bool(mask.all()):
@@ -655,7 +656,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
         heads = is_start.nonzero().flatten()
         cu = torch.cat([heads, heads.new_tensor([flat.numel()])])
         bounds = sequence_bounds(cu, flat.numel())
-        packing = Packing.from_cu_seqlens(cu, torch.arange(cu.numel() - 1, device=x.device), None, bounds)
+        packing = Packing.from_cu_seqlens(cu, torch.arange(cu.numel() - 1, device=x.device), None, bounds,
+                                          host_rows=range(cu.numel() - 1))
         if index is None and B > 1:  # several rows: run as one packed row, put back in [B, T] after
             index = torch.arange(B * T, device=x.device)
         return packing, index, cu[1:] - cu[:-1], heads if index is None else index[heads]

@@ -109,7 +109,7 @@ def plot_ratios(rows: List[dict], path, gpu: Optional[str] = None) -> Optional[P
     ax_m.set_title(f"peak-memory ratio (green: within {PEAK_TARGET}x)")
     ax_m.legend(fontsize=8, loc="upper left")
     gpu = gpu or next((r["gpu"] for r in rows if r.get("gpu")), None)
-    commits = sorted({str(r["commit"]) for r in rows if r.get("commit")})
+    commits = sorted({str(r["commit"])[:12] for r in rows if r.get("commit")})  # full hashes in the rows; short in a title
     where = ([gpu] if gpu else []) + ([f"commit {', '.join(commits)}"] if commits else [])
     B, T, H, K, V = shape
     fig.suptitle(f"Falcon vs flash-linear-attention, bf16 fwd+bwd, B={B} T={T} H={H} K={K} V={V}"

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from falcon_fwa.provenance import CLEAN_TREE
 from falcon_fwa.train import compare, throughput
 from falcon_fwa.train import trainer as trainer_module
 from falcon_fwa.train.config import assign_text
@@ -281,8 +282,9 @@ def test_a_result_of_code_of_unknown_commit_is_never_kept(tmp_path):
     earlier = {"status": "done", "tokens": 96, "tokens_per_s": 10.0}
     (tmp_path / "summary.json").write_text(json.dumps({"config": config, "commit": None, "tokens": 96,
                                                        "tokens_per_s": 10.0}))
-    assert compare.kept_result(earlier, str(tmp_path), config, None) is None
-    assert compare.kept_result(earlier, str(tmp_path), config, "c0") is None
+    assert compare.kept_result(earlier, str(tmp_path), config, None, None) is None
+    assert compare.kept_result(earlier, str(tmp_path), config, None, CLEAN_TREE) is None
+    assert compare.kept_result(earlier, str(tmp_path), config, "c0", CLEAN_TREE) is None
 
 
 # ----------------------------------------------------------------------------- throughput

@@ -108,7 +108,8 @@ def test_a_concurrent_run_stopped_at_an_evaluation_step_keeps_that_evaluation(tm
     assert (runs["b"]["val_loss"], runs["b"]["val_ppl"]) == (2.5, 12.18)
 
 
-def test_a_relaunched_sweep_under_another_thread_count_runs_every_run_again(tmp_path, monkeypatch, cpu_machine):
+def test_a_relaunched_sweep_under_another_thread_count_runs_every_run_again(tmp_path, monkeypatch, cpu_machine,
+                                                                             checkout):
     """The table says every run had the one OMP_NUM_THREADS of this launch: a sweep launched again with another
     keeps none of the runs timed under the first (their tokens/s are of another CPU setup), and one launched
     again with the same keeps them all. Each row names the thread count it was timed with."""
@@ -188,7 +189,7 @@ def test_the_loss_plot_of_a_comparison_without_a_step_option_is_titled_with_the_
     assert titles == ["2 models, 4 steps"]
 
 
-def test_a_relaunch_under_another_torch_thread_count_trains_every_recipe_again(tmp_path, monkeypatch):
+def test_a_relaunch_under_another_torch_thread_count_trains_every_recipe_again(tmp_path, monkeypatch, checkout):
     """The sequential runs train in this process with its torch threads: relaunched with another count, a finished
     recipe's tokens/s is of another CPU setup and is not kept; with the same count it is."""
     from conftest import fake_git_commit

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from falcon_fwa.provenance import CLEAN_TREE
 from falcon_fwa.train import compare, compare_report, throughput
 from falcon_fwa.train import latest_checkpoint, load_checkpoint
 from falcon_fwa.train import trainer as trainer_module
@@ -406,7 +407,8 @@ def test_a_second_compare_into_the_same_folder_is_refused_while_the_first_runs(t
     assert not (tmp_path / "cmp" / "compare.json").exists()
 
 
-def test_relaunch_keeps_the_recipes_finished_with_the_same_settings_and_trains_the_rest(tmp_path, monkeypatch):
+def test_relaunch_keeps_the_recipes_finished_with_the_same_settings_and_trains_the_rest(tmp_path, monkeypatch,
+                                                                                       checkout):
     monkeypatch.setattr(compare, "git_commit", fake_git_commit)
     monkeypatch.setattr(trainer_module, "command_provenance",
                         lambda args: {"commit": fake_git_commit(short=False), "dirty": False, "options": vars(args)})
@@ -452,16 +454,17 @@ def test_a_result_is_kept_only_with_its_own_summary_recipe_and_commit(tmp_path):
     earlier = {"status": "done", "tokens": 96, "tokens_per_s": 10.0, "val_ppl": 3.0}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    assert compare.kept_result(earlier, str(run_dir), config, "c0") is None  # no summary in the folder
+    assert compare.kept_result(earlier, str(run_dir), config, "c0", CLEAN_TREE) is None  # no summary in the folder
     (run_dir / "summary.json").write_text(json.dumps({"config": config, "commit": "c0", "tokens": 96,
                                                       "tokens_per_s": 10.0}))
-    assert compare.kept_result(earlier, str(run_dir), config, "c0") == earlier
-    assert compare.kept_result(earlier, str(run_dir), config, "c1") is None  # other code
-    assert compare.kept_result(earlier, str(run_dir), config, None) is None  # code of unknown commit
-    assert compare.kept_result(earlier, str(run_dir), {**config, "train": {"steps": 5}}, "c0") is None
-    assert compare.kept_result(dict(earlier, tokens_per_s=11.0), str(run_dir), config, "c0") is None  # another run
-    assert compare.kept_result(dict(earlier, status="partial"), str(run_dir), config, "c0") is None
-    assert compare.kept_result(None, str(run_dir), config, "c0") is None
+    assert compare.kept_result(earlier, str(run_dir), config, "c0", CLEAN_TREE) == earlier
+    assert compare.kept_result(earlier, str(run_dir), config, "c1", CLEAN_TREE) is None  # other code
+    assert compare.kept_result(earlier, str(run_dir), config, None, CLEAN_TREE) is None  # code of unknown commit
+    assert compare.kept_result(earlier, str(run_dir), {**config, "train": {"steps": 5}}, "c0", CLEAN_TREE) is None
+    assert compare.kept_result(dict(earlier, tokens_per_s=11.0), str(run_dir), config, "c0",
+                               CLEAN_TREE) is None  # another run
+    assert compare.kept_result(dict(earlier, status="partial"), str(run_dir), config, "c0", CLEAN_TREE) is None
+    assert compare.kept_result(None, str(run_dir), config, "c0", CLEAN_TREE) is None
 
 
 def test_a_launched_run_ends_with_the_command_that_started_it_even_when_that_is_killed(tmp_path):

@@ -173,7 +173,8 @@ def _fake_sweep(tmp_path, monkeypatch, argv, *, kill_at=None):
     return scaling.run(parser.parse_args(argv)), launched
 
 
-def test_a_relaunched_sweep_keeps_the_finished_runs_and_only_those_of_the_same_settings(tmp_path, monkeypatch, cpu_machine):
+def test_a_relaunched_sweep_keeps_the_finished_runs_and_only_those_of_the_same_settings(tmp_path, monkeypatch, cpu_machine,
+        checkout):
     raw = recipe(tmp_path)
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(raw))
@@ -504,7 +505,8 @@ def test_the_console_gives_a_runs_rate_and_loss_or_the_error_its_log_ends_with(t
             in capsys.readouterr().out)
 
 
-def test_a_finished_sweep_whose_corpus_is_gone_relaunches_without_a_run(tmp_path, monkeypatch, cpu_machine):
+def test_a_finished_sweep_whose_corpus_is_gone_relaunches_without_a_run(tmp_path, monkeypatch, cpu_machine,
+        checkout):
     """Recipes without data.out_dir tokenize in each run's folder: where every run's folder holds its tokens,
     the corpus is not needed again, kept runs or not; a missing one is named where a run would tokenize it,
     also for a sweep of other settings (a new data.out_dir) over finished run folders."""

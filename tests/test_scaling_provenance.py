@@ -20,8 +20,8 @@ EDITED = " with uncommitted changes to tracked files"
 
 def _sweep(tmp_path, monkeypatch, *extra, name="multigpu"):
     """``scaling.run`` of one model, one process, one seed, its launch replaced by a run that writes the summary a
-    real one would (at the checkout's commit), into ``runs-NAME`` and ``NAME``; the rows of ``RESULTS.json``, the
-    text of ``RESULTS.md`` and the runs launched."""
+    real one would (at the checkout's commit, with its uncommitted changes), into ``runs-NAME`` and ``NAME``; the
+    rows of ``RESULTS.json``, the text of ``RESULTS.md`` and the runs launched."""
     launched = []
 
     def fake_run_group(cmd, env, log, timeout, grace=30.0, signals=None):
@@ -31,7 +31,7 @@ def _sweep(tmp_path, monkeypatch, *extra, name="multigpu"):
         summary = dict(tokens=cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len, steps=cfg.train.steps,
                        tokens_per_s=100.0, val_loss=1.0, peak_mem_bytes=None,
                        commit=provenance.git_commit(short=False, cwd=provenance.source_checkout()),
-                       config=cfg.to_dict())
+                       diff_sha256=provenance.uncommitted_changes(), config=cfg.to_dict())
         with open(os.path.join(cfg.train.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f)
         return 0
@@ -88,10 +88,10 @@ def test_results_recorded_before_dirty_still_read_with_nothing_said_about_change
     commit nor dirty is kept (its run folder holds this checkout's summary) and written back as it was."""
     meta = dict(machine="M", commit="c0", steps=2, global_batch=2, micro_batch=2, seq_len=32, omp_num_threads="1")
     assert scaling.markdown([], meta).splitlines()[2].startswith("Machine: M; commit `c0`; 2 steps of ")
+    (checkout / "code.py").write_text("x = 2\n")  # (the run's changes and this sweep's: it is kept)
     rows, _, _ = _sweep(tmp_path, monkeypatch)
     old = [{k: v for k, v in r.items() if k not in ("commit", "dirty")} for r in rows]
     (tmp_path / "multigpu.json").write_text(json.dumps(old))
-    (checkout / "code.py").write_text("x = 2\n")
     rows, text, launched = _sweep(tmp_path, monkeypatch)
     assert launched == [] and rows == old  # kept, as the earlier sweep wrote it
     head = git(checkout, "rev-parse", "HEAD")

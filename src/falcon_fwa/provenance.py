@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 from pathlib import Path
 from typing import List, Optional
 
 __all__ = ["git_commit", "source_checkout", "command_provenance", "uncommitted_note", "written_at_line",
-           "committed_files"]
+           "committed_files", "uncommitted_changes", "CLEAN_TREE", "unlike_code"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+CLEAN_TREE = hashlib.sha256(b"").hexdigest()  # uncommitted_changes of a checkout without any
 
 
 def _git(args: List[str], cwd: str) -> Optional[str]:
@@ -51,6 +53,57 @@ def command_provenance(args: argparse.Namespace) -> dict:
     commit = None if root is None else git_commit(short=False, cwd=root)
     status = None if commit is None else _git(["status", "--porcelain", "--untracked-files=no"], root)
     return {"commit": commit, "dirty": None if status is None else bool(status), "options": dict(vars(args))}
+
+
+def uncommitted_changes(root: Optional[str] = None) -> Optional[str]:
+    """The fingerprint of the uncommitted changes to tracked files of the checkout this package is imported from
+    (:func:`source_checkout`), or of the repository at ``root`` when given: the SHA-256 (hex) of the output of
+    ``git diff HEAD --binary`` there, staged and unstaged changes alike, so :data:`CLEAN_TREE` for a checkout
+    without any. Untracked files do not count, as for ``dirty`` (:func:`command_provenance`): a run's own output
+    folder or data inside the checkout would otherwise make every run's code differ from the next one's; a new
+    source file counts once it is added (``git add -N`` is enough). ``None`` outside a git checkout, or where git
+    cannot tell."""
+    where = root if root is not None else source_checkout()
+    if where is None:
+        return None
+    try:  # the diff's bytes as they are (no text decoding), whatever the user's diff settings
+        out = subprocess.run(["git", "-c", "core.quotePath=true", "diff", "HEAD", "--binary", "--no-color",
+                              "--no-ext-diff", "--no-textconv", "--no-renames", "--diff-algorithm=myers",
+                              "--src-prefix=a/", "--dst-prefix=b/"],
+                             cwd=where, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return hashlib.sha256(out.stdout).hexdigest() if out.returncode == 0 else None
+
+
+def unlike_code(summary: dict, commit: Optional[str], changes: Optional[str]) -> Optional[str]:
+    """Why the run of ``summary`` (its ``summary.json``: ``commit``, ``dirty`` and ``diff_sha256``, the
+    :func:`uncommitted_changes` it trained with) may have trained with other code than the checkout now, at
+    ``commit`` with the uncommitted changes ``changes``; ``None`` where both are the same: the same commit, and
+    both clean or both with the same changes. A summary written before ``diff_sha256`` was recorded is of a clean
+    checkout where its ``dirty`` is false (or absent, as before that was recorded), else of unknown changes.
+    Outside a git checkout (``commit`` ``None``) the code that trained a run cannot be told from this one's: the
+    reason says so."""
+    if commit is None:
+        return "this code is outside a git checkout, so the code the run trained with cannot be told from it"
+    if summary.get("commit") != commit:
+        was = summary.get("commit")
+        return f"trained at commit {was[:12] if was else 'unknown'}, this checkout is at {commit[:12]}"
+    if changes is None:
+        return "the uncommitted changes of this checkout cannot be read (git diff HEAD failed)"
+    if "diff_sha256" in summary:
+        recorded = summary["diff_sha256"]
+    else:
+        recorded = CLEAN_TREE if summary.get("dirty", False) is False else None
+    if recorded is None:
+        return "its summary does not fingerprint the uncommitted changes it trained with"
+    if recorded == changes:
+        return None
+    if recorded == CLEAN_TREE:
+        return "trained without uncommitted changes, this checkout has some"
+    if changes == CLEAN_TREE:
+        return "trained with uncommitted changes to tracked files, this checkout has none"
+    return "trained with other uncommitted changes to tracked files than this checkout has"
 
 
 def uncommitted_note(dirty: Optional[bool]) -> str:

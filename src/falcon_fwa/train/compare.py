@@ -58,10 +58,14 @@ not_run), ``runs`` the finished ones, so a killed command loses at most the reci
 (``signal`` names the stop signal that ended the command).
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
 finished (``done``) with the very recipe this launch would train (the same step count, overrides and
-recipe file, read from its ``OUT/main/NAME/summary.json``) at the same commit, on the same kind of
+recipe file, read from its ``OUT/main/NAME/summary.json``) of the same code, on the same kind of
 machine (``device``) with as many torch threads (``threads``): it is not trained
-again and its run says ``"kept": true``. Every other recipe trains afresh, so the results never mix
-runs of other settings. (A calibrated step count is measured anew, so it rarely matches; the
+again and its run says ``"kept": true``. The same code is the same commit with the same uncommitted changes to
+tracked files (the summary's ``diff_sha256``, :func:`falcon_fwa.provenance.uncommitted_changes`), or none on
+either side; a summary without ``diff_sha256`` counts only where it is not ``dirty``. Outside a git checkout
+nothing tells the code of a run from this one's, so every recipe trains again. Every other recipe trains afresh,
+so the results never mix runs of other settings or code; one that an earlier launch finished is said in one line
+(its name, and why it is not kept). (A calibrated step count is measured anew, so it rarely matches; the
 ``--concurrent`` runs always train afresh, their speeds depending on what runs beside them, and a sequential
 launch keeps none of a ``--concurrent`` one's runs: ``compare.json``'s ``concurrent`` says which mode wrote it.)
 One command runs in an ``OUT`` folder at a time; a ``--concurrent`` run's processes end with it.
@@ -87,7 +91,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from ..atomic import folder_lock, make_folders, read_json, remove_created, write_json
 from ..cli_options import at_least, check_input_files, check_output_file, check_output_folder, finite_at_least
-from ..provenance import git_commit
+from ..provenance import git_commit, uncommitted_changes, unlike_code
 from .config import assign_text, load_config, recipe_parent
 from .launch import LOCK_NAME as RUN_LOCK_NAME
 from .launch import PARENT_ENDED, StopSignals, device_description, end_with_parent
@@ -272,10 +276,11 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
     from .trainer import Trainer
 
     commit, stopped_by = git_commit(short=False), None
+    changes = uncommitted_changes() if earlier else None  # (only an earlier result needs it)
     for cfg_path, name in zip(configs, names):
         run_dir = os.path.join(out_dir, tag, name)
         cfg = load_config(cfg_path, sets + [assign_text("train.out_dir", run_dir)])
-        kept = kept_result((earlier or {}).get(name), run_dir, cfg.to_dict(), commit)
+        kept = kept_result((earlier or {}).get(name), run_dir, cfg.to_dict(), commit, changes, name)
         if kept is not None:
             yield name, "done", dict(kept, kept=True)
             continue
@@ -322,23 +327,42 @@ def run_sequential(configs: List[str], names: List[str], out_dir: str, sets: Lis
         yield name, status, result
 
 
-def kept_result(earlier: Optional[dict], run_dir: str, config: dict, commit: Optional[str]) -> Optional[dict]:
+def kept_result(earlier: Optional[dict], run_dir: str, config: dict, commit: Optional[str],
+                changes: Optional[str], name: Optional[str] = None) -> Optional[dict]:
     """``earlier`` (a finished run's result, status done) if ``run_dir`` still holds its ``summary.json``,
-    of this ``config`` (``RunConfig.to_dict()`` of the recipe about to train there) at this ``commit``;
-    else None: the run goes again."""
-    if earlier is None or earlier.get("status", "done") != "done" or commit is None:
-        return None
+    of this ``config`` (``RunConfig.to_dict()`` of the recipe about to train there) and of the same code: this
+    ``commit`` with these uncommitted changes (``changes``, :func:`falcon_fwa.provenance.uncommitted_changes`;
+    the rule is :func:`falcon_fwa.provenance.unlike_code`'s); else None: the run goes again. With ``name``, an
+    ``earlier`` result not kept is said in one line: the run's name and why."""
+    why = _not_kept(earlier, run_dir, config, commit, changes)
+    if why is None:
+        return dict(earlier)
+    if name is not None and earlier is not None:
+        print(f"{name}: trained again, not kept from the earlier launch: {why}", flush=True)
+    return None
+
+
+def _not_kept(earlier: Optional[dict], run_dir: str, config: dict, commit: Optional[str],
+              changes: Optional[str]) -> Optional[str]:
+    """Why :func:`kept_result` does not keep ``earlier``; ``None`` where it does."""
+    if earlier is None:
+        return "no earlier result"
+    if earlier.get("status", "done") != "done":
+        return f"the earlier launch left it {earlier.get('status')}"
     try:
         summary = read_json(os.path.join(run_dir, "summary.json"))
     except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("commit") != commit:
-        return None
+        return f"{run_dir} holds no readable summary.json"
+    if not isinstance(summary, dict):
+        return f"{run_dir}/summary.json is not a summary"
     if json.loads(json.dumps(summary.get("config"))) != json.loads(json.dumps(config)):
-        return None
+        return "its summary.json holds another recipe than this launch trains"
+    unlike = unlike_code(summary, commit, changes)
+    if unlike is not None:
+        return unlike
     if (summary.get("tokens"), summary.get("tokens_per_s")) != (earlier.get("tokens"), earlier.get("tokens_per_s")):
-        return None  # the folder holds another run than the result's
-    return dict(earlier)
+        return "its folder holds another run than the earlier result's"
+    return None
 
 
 def _launch(config: str, out_dir: str, sets: List[str], log_path: str):

@@ -1,6 +1,7 @@
 """Tables and plots of a ``compare`` run: ``python -m falcon_fwa.train.compare_report
 runs/compare/compare.json results/lm/small`` writes ``small.json`` (rows: model, status, steps,
-params, tokens, val_ppl, tokens_per_s, peak_mem_bytes, commit, dirty), ``small_table.md`` and ``small_loss.png``.
+params, tokens, val_ppl, tokens_per_s, peak_mem_bytes, commit, dirty, diff_sha256), ``small_table.md`` and
+``small_loss.png``.
 The table ends with the commits the runs trained at (their ``commit``, with whether its checkout had uncommitted
 changes to tracked files: ``dirty``) and the commit of the code that wrote it, with whether that checkout had
 uncommitted changes (:func:`falcon_fwa.provenance.command_provenance`).
@@ -56,7 +57,9 @@ def result_rows(report: dict) -> list:
     """Rows: model, status, steps, planned_steps, params, tokens, val_ppl, tokens_per_s,
     peak_mem_bytes, error, commit (the one the run trained at, ``None`` where its result names none), dirty
     (whether that checkout had uncommitted changes to tracked files; ``None`` where unknown, as in the result of a
-    run trained before summaries recorded it); one per recipe of ``report["configs"]``, in that order."""
+    run trained before summaries recorded it), diff_sha256 (the fingerprint of those changes,
+    :func:`falcon_fwa.provenance.uncommitted_changes`: runs of one commit with the same are of the same code;
+    ``None`` where unknown); one per recipe of ``report["configs"]``, in that order."""
     runs = report.get("runs", {})
     statuses = report.get("status", {})
     rows = []
@@ -67,7 +70,8 @@ def result_rows(report: dict) -> list:
                      "planned_steps": run.get("planned_steps", report.get("steps")), "params": run.get("params"),
                      "tokens": run.get("tokens"), "val_ppl": run.get("val_ppl"),
                      "tokens_per_s": run.get("tokens_per_s"), "peak_mem_bytes": run.get("peak_mem_bytes"),
-                     "error": run.get("error"), "commit": run.get("commit"), "dirty": run.get("dirty")})
+                     "error": run.get("error"), "commit": run.get("commit"), "dirty": run.get("dirty"),
+                     "diff_sha256": run.get("diff_sha256")})
     return rows
 
 

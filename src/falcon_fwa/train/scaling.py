@@ -49,8 +49,11 @@ not name the checkout's own commit): in every row it runs and in the header of `
 Launched again with the same options, a sweep keeps the runs that finished before (``done`` in
 ``RESULTS.json``, with the same command and ``OMP_NUM_THREADS`` (the row's ``omp_num_threads``), on the same kind
 of machine (the row's ``device``), whose
-``summary.json`` in the run folder holds the recipe that command trains and the current commit) and runs the others afresh: an interrupted sweep goes
-on where it stopped, and no row of other settings or code is taken along.
+``summary.json`` in the run folder holds the recipe that command trains, trained with the checkout's code: its commit
+and the same uncommitted changes to tracked files, or none on either side, as
+:func:`falcon_fwa.train.compare.kept_result` keeps a recipe's run) and runs the others afresh: an interrupted sweep
+goes on where it stopped, and no row of other settings or code is taken along. A finished run not kept is said in
+one line, with why; outside a git checkout every run goes again.
 """
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ from typing import Dict, List, Optional
 
 from ..atomic import folder_lock, read_json, write_json, write_text
 from ..cli_options import check_input_files, check_output_file, check_output_folder, finite_at_least
-from ..provenance import command_provenance, uncommitted_note
+from ..provenance import command_provenance, uncommitted_changes, uncommitted_note
 from .compare import check_run_names, kept_result
 from .config import assign_text, load_config
 from .launch import StopSignals, device_description, end_with_parent
@@ -424,8 +427,10 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
     deadline_at = None if args.deadline is None else time.monotonic() + args.deadline
     env = launch_env(os.environ)
     meta["omp_num_threads"] = env["OMP_NUM_THREADS"]
-    # a run is kept only where its summary.json names the commit of this checkout (which the trainer records)
+    # a run is kept only where its summary.json names the commit of this checkout and its uncommitted changes
+    # (which the trainer records)
     earlier, commit, device = _earlier_rows(args.results), meta.get("checkout_commit"), device_description()
+    changes = uncommitted_changes() if earlier else None
     rows: List[dict] = []
     jobs = plan(args.configs, names, args.gpus, args.strategies, args.noise_seeds)
     stopped_by = 0
@@ -443,7 +448,8 @@ def _sweep(args: argparse.Namespace, names: List[str], meta: dict, micro: int, g
             same = earlier.get(row["command"])
             same = same if same is not None and (same.get("device"), same.get("omp_num_threads")) == (
                 device, env["OMP_NUM_THREADS"]) else None  # timed on this machine, with the threads the table names
-            kept = kept_result(same, run_dir, load_config(job["config"], sets).to_dict(), commit)
+            kept = kept_result(same, run_dir, load_config(job["config"], sets).to_dict(), commit, changes,
+                               f"[{i + 1}/{len(jobs)}] {what}")
             if kept is not None:
                 rows.append(kept)
                 print(f"[{i + 1}/{len(jobs)}] {what}: kept from the earlier sweep", flush=True)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..atomic import folder_lock, fsync_folder, read_json, remove_temporaries, replaceable, sync_tree, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
 from ..models.modeling import output_object
-from ..provenance import command_provenance
+from ..provenance import command_provenance, uncommitted_changes
 from . import distributed as D
 from .checkpoint import is_complete, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, trains_in_bf16
@@ -520,12 +520,14 @@ class Trainer:
         if found is not None:  # of the launch that trained the run's last steps: its measures
             tokens_per_s, peak_mem = found.get("tokens_per_s"), found.get("peak_mem_bytes")
         # the commit of the code that trained and whether its checkout had uncommitted changes to tracked files
-        # (None: unknown), as every command records them
+        # (None: unknown), as every command records them, and the fingerprint of those changes, by which compare
+        # and scaling keep a run only for the same code
         source = command_provenance(argparse.Namespace())
         summary = {"params": self.n_params, "steps": self.step, "tokens": self._tokens_seen(),
                    "tokens_per_s": tokens_per_s, "peak_mem_bytes": peak_mem,
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,
-                   "commit": source["commit"], "dirty": source["dirty"], "config": cfg.to_dict()}
+                   "commit": source["commit"], "dirty": source["dirty"],
+                   "diff_sha256": uncommitted_changes(), "config": cfg.to_dict()}
         if stopped_by is not None and self.step < t.steps:  # in summary.json too: why the run ended early
             summary["signal"] = signal.Signals(stopped_by).name
         if info.is_main:

@@ -162,3 +162,25 @@ def test_a_sweep_relaunched_with_uncommitted_changes_runs_again_what_a_clean_che
     for i, gpus in ((1, 1), (2, 2)):
         assert (f"[{i}/2] Tiny ddp x{gpus} seed 0: trained again, not kept from the earlier launch: trained without "
                 "uncommitted changes, this checkout has some\n") in out
+
+
+def test_a_run_records_the_code_it_started_with_not_edits_made_while_it_trains(tmp_path, checkout):
+    """The summary's commit, ``dirty`` and fingerprint are those of the checkout when the launch started: a
+    tracked file edited during training (after the code was imported) is not put down to the run, which
+    compare and scaling would otherwise keep for that edited code."""
+    from falcon_fwa.train import Trainer, config_from_dict
+    from test_train import recipe
+
+    raw = recipe(tmp_path, steps=3, save_every=0, eval_every=0)
+    trainer = Trainer(config_from_dict(raw))
+
+    def edit_after_the_first_step(step):
+        if step == 1:
+            (checkout / "code.py").write_text("x = 2\n")
+        return False
+
+    summary = trainer.train(should_stop=edit_after_the_first_step)
+    trainer.close()
+    assert uncommitted_changes() != CLEAN_TREE  # the checkout is dirty now
+    assert summary["commit"] == git(checkout, "rev-parse", "HEAD")
+    assert summary["dirty"] is False and summary["diff_sha256"] == CLEAN_TREE

@@ -411,6 +411,12 @@ class Trainer:
         if stop_at is not None and stop_at < self.step:  # the run is past it: no step to stop after
             raise ValueError(f"stop_at={stop_at} is before step {self.step}, where this run resumed from "
                              f"{self.last_checkpoint}: it would stop after no step")
+        # the commit of the code that trains and whether its checkout has uncommitted changes to tracked files
+        # (None: unknown), as every command records them, and the fingerprint of those changes, by which compare
+        # and scaling keep a run only for the same code: taken as the launch starts, from the code it imported,
+        # so that edits made while it trains are not put down to it
+        source = command_provenance(argparse.Namespace())
+        source["diff_sha256"] = uncommitted_changes()
         stream = BatchStream(self.train_rows, micro_batch=t.micro_batch, packing=cfg.data.packing, seed=t.seed,
                              rank=info.rank, world_size=info.world_size, position=self.position)
         tokens_per_step = t.global_batch * cfg.data.seq_len
@@ -519,15 +525,11 @@ class Trainer:
         peak_mem = D.peak_memory_bytes(info)
         if found is not None:  # of the launch that trained the run's last steps: its measures
             tokens_per_s, peak_mem = found.get("tokens_per_s"), found.get("peak_mem_bytes")
-        # the commit of the code that trained and whether its checkout had uncommitted changes to tracked files
-        # (None: unknown), as every command records them, and the fingerprint of those changes, by which compare
-        # and scaling keep a run only for the same code
-        source = command_provenance(argparse.Namespace())
         summary = {"params": self.n_params, "steps": self.step, "tokens": self._tokens_seen(),
                    "tokens_per_s": tokens_per_s, "peak_mem_bytes": peak_mem,
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,
                    "commit": source["commit"], "dirty": source["dirty"],
-                   "diff_sha256": uncommitted_changes(), "config": cfg.to_dict()}
+                   "diff_sha256": source["diff_sha256"], "config": cfg.to_dict()}
         if stopped_by is not None and self.step < t.steps:  # in summary.json too: why the run ended early
             summary["signal"] = signal.Signals(stopped_by).name
         if info.is_main:

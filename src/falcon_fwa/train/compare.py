@@ -58,7 +58,8 @@ not_run), ``runs`` the finished ones, so a killed command loses at most the reci
 (``signal`` names the stop signal that ended the command).
 Launched again into the same ``OUT``, the sequential runs keep each recipe that an earlier launch
 finished (``done``) with the very recipe this launch would train (the same step count, overrides and
-recipe file, read from its ``OUT/main/NAME/summary.json``) of the same code, on the same kind of
+recipe file, read from its ``OUT/main/NAME/summary.json`` and compared setting by setting, the model as the one
+it builds: an override restating the preset's own value is no other recipe) of the same code, on the same kind of
 machine (``device``) with as many torch threads (``threads``): it is not trained
 again and its run says ``"kept": true``. The same code is the same commit with the same uncommitted changes to
 tracked files (the summary's ``diff_sha256``, :func:`falcon_fwa.provenance.uncommitted_changes`), or none on
@@ -92,7 +93,7 @@ from typing import Iterator, List, Optional, Tuple
 from ..atomic import folder_lock, make_folders, read_json, remove_created, write_json
 from ..cli_options import at_least, check_input_files, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit, uncommitted_changes, unlike_code
-from .config import assign_text, load_config, recipe_parent
+from .config import assign_text, load_config, recipe_differences, recipe_parent
 from .launch import LOCK_NAME as RUN_LOCK_NAME
 from .launch import PARENT_ENDED, StopSignals, device_description, end_with_parent
 from .logger import read_log
@@ -355,8 +356,16 @@ def _not_kept(earlier: Optional[dict], run_dir: str, config: dict, commit: Optio
         return f"{run_dir} holds no readable summary.json"
     if not isinstance(summary, dict):
         return f"{run_dir}/summary.json is not a summary"
-    if json.loads(json.dumps(summary.get("config"))) != json.loads(json.dumps(config)):
-        return "its summary.json holds another recipe than this launch trains"
+    # the recipes as recorded (JSON), compared setting by setting: the model as the one each builds, so that an
+    # override restating the preset's value is the same recipe (config.recipe_differences)
+    recorded, now = json.loads(json.dumps(summary.get("config"))), json.loads(json.dumps(config))
+    if not isinstance(recorded, dict):
+        return "its summary.json holds another recipe than this launch trains (it records none)"
+    differ = recipe_differences(recorded, now)
+    if differ:
+        shown = "; ".join(f"{k} {a!r} there, {b!r} here" for k, a, b in differ[:5])
+        more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
+        return f"its summary.json holds another recipe than this launch trains ({shown}{more})"
     unlike = unlike_code(summary, commit, changes)
     if unlike is not None:
         return unlike

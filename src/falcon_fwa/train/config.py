@@ -155,6 +155,59 @@ class RunConfig:
                              f"{e}") from None
 
 
+def resolved_model(section: dict, leave_out: frozenset = frozenset()) -> dict:
+    """A recipe's model section (``RunConfig.to_dict()["model"]``, or one an earlier run recorded) as the model
+    it builds: every field of the preset's config with the overrides applied, but those in ``leave_out`` (left
+    out of the overrides too). So ``rule: 3a`` and ``3A``, or an override equal to the preset's own value
+    (``mixer: falcon`` on ``tiny-falcon``), give the same fields as the section without it. A section that does
+    not resolve (a preset this version does not have, an override it does not take) is given as written: the
+    preset and each override (``overrides.NAME``)."""
+    from ..models import get_preset
+    from ..models.configuration import config_fields
+
+    preset = section.get("preset", ModelSection.preset)
+    overrides = {k: v for k, v in (section.get("overrides") or {}).items() if k not in leave_out}
+    try:
+        config = get_preset(preset, **overrides)
+    except (ValueError, TypeError, KeyError):
+        return {"preset": preset, **{f"overrides.{k}": v for k, v in overrides.items()}}
+    return {k: getattr(config, k) for k in sorted(config_fields() - frozenset(leave_out))}
+
+
+class _Absent:
+    """A field one recorded recipe has and the other does not (a recipe of a version without it)."""
+
+    def __repr__(self) -> str:
+        return "absent"
+
+
+ABSENT = _Absent()
+
+
+def recipe_differences(was: dict, now: dict) -> List[tuple]:
+    """``(field, was's value, now's value)`` for each setting where the recipes ``was`` and ``now``
+    (``RunConfig.to_dict()`` mappings, or a part of one; either may be one an earlier run recorded) differ,
+    :data:`ABSENT` for a field one of them lacks. The model section is compared as the model it builds
+    (:func:`resolved_model`, every field: those that only change how it computes too), so an override that
+    restates the preset's value is no difference. The other sections (data, optim, train, log) are compared
+    field by field as recorded: ``to_dict`` writes every field, its default included, so a field set to its
+    default and one left out of the recipe are recorded alike, and the fields that take several spellings are
+    recorded in one (``train.dtype``, ``data.tokenizer``); a field one recipe lacks is one of another version,
+    whose default may have been another, so it differs."""
+    differ = []
+    for section in sorted(set(was) | set(now), key=str):
+        a, b = was.get(section, ABSENT), now.get(section, ABSENT)
+        if section == "model" and isinstance(a, dict) and isinstance(b, dict):
+            a, b = resolved_model(a), resolved_model(b)
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            if a != b:
+                differ.append((str(section), a, b))
+            continue
+        differ += [(f"{section}.{k}", a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b), key=str)
+                   if k not in a or k not in b or a[k] != b[k]]
+    return differ
+
+
 def _get(cfg, dotted: str):
     obj = cfg
     for part in dotted.split("."):

@@ -28,7 +28,7 @@ from ..models.modeling import output_object
 from ..provenance import command_provenance, uncommitted_changes
 from . import distributed as D
 from .checkpoint import is_complete, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import RunConfig, trains_in_bf16
+from .config import RunConfig, resolved_model, trains_in_bf16
 from .launch import LOCK_NAME, StopSignals
 from .logger import MetricLogger, read_log
 from .model_factory import build_model, enable_activation_checkpointing, param_groups
@@ -72,24 +72,20 @@ _NOT_MODEL_FIELDS = frozenset(COMPUTE_FIELDS) | {"use_cache", "pad_token_id", "b
 
 def _model_fields(section: dict) -> dict:
     """A recipe's model section as the fields that define the model: the preset's config with the
-    overrides applied, without :data:`COMPUTE_FIELDS` (so ``rule: 3a`` and ``3A``, or an override equal
-    to the preset's value, are the same model). A section that does not resolve (a preset this version
-    does not have) is compared as written: the preset and each override (``overrides.NAME``)."""
-    from ..models import get_preset
-    from ..models.configuration import config_fields
-
-    overrides = {k: v for k, v in (section.get("overrides") or {}).items() if k not in COMPUTE_FIELDS}
-    try:
-        config = get_preset(section.get("preset"), **overrides)
-    except (ValueError, TypeError, KeyError):
-        return {"preset": section.get("preset"), **{f"overrides.{k}": v for k, v in overrides.items()}}
-    return {k: getattr(config, k) for k in sorted(config_fields() - _NOT_MODEL_FIELDS)}
+    overrides applied, without :data:`_NOT_MODEL_FIELDS` (:func:`~falcon_fwa.train.config.resolved_model`; so
+    ``rule: 3a`` and ``3A``, or an override equal to the preset's value, are the same model). A section that
+    does not resolve (a preset this version does not have) is compared as written: the preset and each
+    override (``overrides.NAME``)."""
+    return resolved_model(section, _NOT_MODEL_FIELDS)
 
 
 def resume_differences(saved: dict, cfg: RunConfig) -> list:
     """The settings of the recipe ``saved`` (a checkpoint's ``config``) that a resume under ``cfg`` cannot take,
     as ``"FIELD WAS there, NOW here"``: those that decide which samples the data position counts
-    (``train.seed``, :data:`_SAMPLE_FIELDS`), then the model's fields (:func:`_model_fields`)."""
+    (``train.seed``, :data:`_SAMPLE_FIELDS`), then the model's fields (:func:`_model_fields`). The data fields are
+    compared as recorded: ``to_dict`` writes every field, its default included, so one set to its default and
+    one left out are alike (a checkpoint older than a field is not asked about it); ``data.tokenizer`` is
+    recorded in one spelling. The optim section is not compared: a resume trains with the recipe's."""
     differ = []
     for section, key in (("train", "seed"), *(("data", k) for k in _SAMPLE_FIELDS)):
         if key not in saved[section]:  # a checkpoint older than the field

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 from ..atomic import folder_lock, fsync_folder, make_folders, naming, remove_created, remove_temporaries, write_json
 from .shards import NoDocuments, TokenShards, check_replaceable, is_shard_folder, write_token_shards
 from .sources import (JSON_SUFFIXES, TEXT_SPLITS, TEXT_SUFFIXES, hf_data_files, hf_dataset, hf_split_files,
-                      iter_documents, list_files, source_folder_files)
+                      iter_documents, list_files, same_setting, source_folder_files)
 from .tokenizer import (CHAT_TEMPLATE_DIR, bpe_vocab_size, canonical_spec, is_tokenizer_file, load_tokenizer,
                         same_spec)
 
@@ -193,6 +193,11 @@ def _tokenizer_paths(folder: str) -> list:
         names += [os.path.join(CHAT_TEMPLATE_DIR, n) for n in os.listdir(os.path.join(folder, CHAT_TEMPLATE_DIR))]
     paths = [os.path.join(folder, n) for n in names if is_tokenizer_file(n)]
     return [path for path in sorted(paths) if os.path.isfile(path)]
+
+
+def _inside(path: str, folder: str) -> str:
+    """The path of the file ``path`` inside ``folder``, each as its real path (a folder named by a link to it)."""
+    return os.path.relpath(os.path.realpath(path), os.path.realpath(folder))
 
 
 def _hash_rest(f, digest) -> str:
@@ -433,17 +438,22 @@ def _changed_files(held: dict, now: dict, kinds=("train", "val"), stamps: Option
     for which in kinds:
         if held.get(which) is None:  # none recorded (an hf: source, before its dataset folder's files were)
             continue
-        before, after = held[which], now.get(which) or {}
-        stamped = (stamps or {}).get(which) or {}
+        # each file by its real path: the record names the files as the source was spelt then (corpus.jsonl),
+        # which may be spelt otherwise now (./corpus.jsonl, its absolute path): the same file
+        before = {os.path.realpath(path): size for path, size in held[which].items()}
+        after = now.get(which) or {}
+        stamped = {os.path.realpath(path): stamp for path, stamp in ((stamps or {}).get(which) or {}).items()}
         for path in sorted(after):
-            if path not in before:
+            real = os.path.realpath(path)
+            if real not in before:
                 changes.append(f"{path} is new")
-            elif before[path] != after[path]:
-                changes.append(f"{path} held {before[path]:,} bytes, now {after[path]:,}")
-            elif path in stamped and not _same_bytes(path, stamped[path], retimed, stamp_time):
+            elif before[real] != after[path]:
+                changes.append(f"{path} held {before[real]:,} bytes, now {after[path]:,}")
+            elif real in stamped and not _same_bytes(path, stamped[real], retimed, stamp_time):
                 changes.append(f"{path} holds other bytes since (as many: {after[path]:,})")
         if which == "tokenizer" and now.get(which) is not None:
-            changes += [f"{path} is gone" for path in sorted(before) if path not in after]
+            real_after = {os.path.realpath(path) for path in after}
+            changes += [f"{path} is gone" for path in sorted(held[which]) if os.path.realpath(path) not in real_after]
     changes = list(dict.fromkeys(changes))  # a file both sources read (one hf: folder) changed once
     if len(changes) > 3:
         changes = changes[:3] + [f"{len(changes) - 3} more"]
@@ -509,9 +519,12 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             # folder gone since, which the spec given names by a relative path (see same_spec)
             held["tokenizer"] = spec.tokenizer if same_spec(held["tokenizer"], spec.tokenizer) else \
                 canonical_spec(held["tokenizer"])
-        if held != wanted:
-            differ = ", ".join(f"{k} {held.get(k)!r} there, {wanted.get(k)!r} here"
-                               for k in sorted(set(held) | set(wanted)) if held.get(k) != wanted.get(k))
+        # the sources and tokenizer as the paths they name (./corpus.jsonl and corpus.jsonl are one source): the
+        # record keeps them as the preparation that wrote it was given them (sources.resolved_setting)
+        differ = ", ".join(f"{k} {held.get(k)!r} there, {wanted.get(k)!r} here"
+                           for k in sorted(set(held) | set(wanted))
+                           if not same_setting(k, held.get(k), wanted.get(k)))
+        if differ:
             raise ValueError(f"data folder {out_dir!r} was prepared with other settings ({differ}): choose another "
                              "folder (falcon-fwa data --out, or a recipe's data.out_dir) or rebuild this one "
                              "(falcon-fwa data --overwrite)")
@@ -534,7 +547,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
             if held.get("tokenizer"):  # (a record that held every file of the folder: its tokenizer files count;
                 # one that held them relative, as the folder was named then: from the working folder, as it was)
                 held = {**held, "tokenizer": {os.path.abspath(path): size for path, size in held["tokenizer"].items()
-                                              if is_tokenizer_file(os.path.relpath(path, spec.tokenizer))}}
+                                              if is_tokenizer_file(_inside(path, spec.tokenizer))}}
             changed = _changed_files(held, now, ("tokenizer",), stamps, retimed, stamped)
             if changed:
                 raise ValueError(f"data folder {out_dir!r} was prepared with another {name('tokenizer')} "

@@ -312,6 +312,34 @@ def hf_dataset(source: str) -> Tuple[str, str]:
     return name, config
 
 
+# The data settings that name local paths: compared as the files and folders they name, not as typed.
+PATH_SETTINGS = ("train_source", "val_source", "tokenizer")
+
+
+def resolved_setting(field: str, value):
+    """The data setting ``field`` (a name of :data:`PATH_SETTINGS`) at ``value`` as it is compared: a local path
+    (a source file, folder or glob) as :func:`os.path.realpath` gives it, read from the working folder, as the data
+    commands and a training launch open it (a recipe's data paths are not read from the recipe file's folder:
+    only its ``extends`` is); so ``corpus.jsonl``, ``./corpus.jsonl``, ``data/../corpus.jsonl``, its absolute
+    path and a link to it are one. An ``hf:`` name, ``None`` and an empty setting are compared as given, and so
+    is a tokenizer that is no absolute path (``byte``, ``bpe:N``, a Hub name; a local tokenizer folder is kept by
+    its absolute path, ``tokenizer.canonical_spec``). Records keep the settings as typed, readable as the recipe
+    or command wrote them (records written before this comparison too); they are resolved only to be compared,
+    from the working folder then."""
+    if not isinstance(value, str) or not value or value.startswith("hf:"):
+        return value
+    if field == "tokenizer" and not os.path.isabs(value):
+        return value
+    return os.path.realpath(value)
+
+
+def same_setting(field: str, was, now) -> bool:
+    """Whether the data setting ``field`` at ``was`` (a record's) and at ``now`` name the same thing: the same
+    value, or, for a local path (:data:`PATH_SETTINGS`), another spelling of the same path
+    (:func:`resolved_setting`). Any other field is compared as given."""
+    return was == now or (field in PATH_SETTINGS and resolved_setting(field, was) == resolved_setting(field, now))
+
+
 def hf_data_files(source: str, exclude: Optional[str] = None) -> Optional[dict]:
     """``{split: [path, ...]}`` for ``datasets.load_dataset(..., data_files=...)`` of an ``hf:FOLDER[:CONFIG]``
     source whose folder holds what a preparation wrote (the output folder ``exclude``, ``--out`` inside the dataset

@@ -357,7 +357,8 @@ def _not_kept(earlier: Optional[dict], run_dir: str, config: dict, commit: Optio
     if not isinstance(summary, dict):
         return f"{run_dir}/summary.json is not a summary"
     # the recipes as recorded (JSON), compared setting by setting: the model as the one each builds, so that an
-    # override restating the preset's value is the same recipe (config.recipe_differences)
+    # override restating the preset's value is the same recipe, the data paths as the files they name, so that
+    # ./corpus.jsonl and corpus.jsonl are the same source (config.recipe_differences)
     recorded, now = json.loads(json.dumps(summary.get("config"))), json.loads(json.dumps(config))
     if not isinstance(recorded, dict):
         return "its summary.json holds another recipe than this launch trains (it records none)"

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_t
 from ..cli_options import dtype_name
 from ..data.packing import PACKINGS
 from ..data.prepare import DataSpec
+from ..data.sources import same_setting
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 DTYPES = ("bf16", "fp32")
@@ -192,8 +193,11 @@ def recipe_differences(was: dict, now: dict) -> List[tuple]:
     restates the preset's value is no difference. The other sections (data, optim, train, log) are compared
     field by field as recorded: ``to_dict`` writes every field, its default included, so a field set to its
     default and one left out of the recipe are recorded alike, and the fields that take several spellings are
-    recorded in one (``train.dtype``, ``data.tokenizer``); a field one recipe lacks is one of another version,
-    whose default may have been another, so it differs."""
+    recorded in one (``train.dtype``, ``data.tokenizer``); the data section's paths (its sources, tokenizer and
+    ``out_dir``) are compared as the files and folders they name from the working folder
+    (:func:`~falcon_fwa.data.sources.same_setting`: ``corpus.jsonl``, ``./corpus.jsonl`` and its absolute path are
+    one), ``hf:`` names as text; a field one recipe lacks is one of another version, whose default may have been
+    another, so it differs."""
     differ = []
     for section in sorted(set(was) | set(now), key=str):
         a, b = was.get(section, ABSENT), now.get(section, ABSENT)
@@ -203,9 +207,19 @@ def recipe_differences(was: dict, now: dict) -> List[tuple]:
             if a != b:
                 differ.append((str(section), a, b))
             continue
+        same = _same_data_setting if section == "data" else (lambda k, x, y: x == y)
         differ += [(f"{section}.{k}", a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b), key=str)
-                   if k not in a or k not in b or a[k] != b[k]]
+                   if k not in a or k not in b or not same(k, a[k], b[k])]
     return differ
+
+
+def _same_data_setting(field: str, was, now) -> bool:
+    """Whether the data field ``field`` at ``was`` and ``now`` is one setting: a source, the tokenizer or
+    ``out_dir`` as the local path it names (records keep them as typed: see
+    :func:`~falcon_fwa.data.sources.resolved_setting`), any other field as given."""
+    if field == "out_dir":  # a folder named as a source is (empty: the run folder's data/, compared as text)
+        return same_setting("train_source", was, now)
+    return same_setting(field, was, now)
 
 
 def _get(cfg, dotted: str):

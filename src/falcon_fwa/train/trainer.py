@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import folder_lock, fsync_folder, read_json, remove_temporaries, replaceable, sync_tree, write_json
 from ..data import BatchStream, PackedRows, open_split, prepare_dataset
+from ..data.sources import same_setting
 from ..models.modeling import output_object
 from ..provenance import command_provenance, uncommitted_changes
 from . import distributed as D
@@ -63,7 +64,8 @@ def _same_samples(key: str, was, now, saved_data: dict, data) -> bool:
         return (was is None) == (now is None)
     if key == "val_every" and saved_data.get("val_source") is not None and data.val_source is not None:
         return True
-    return was == now
+    # a local path in another spelling (./corpus.jsonl, corpus.jsonl, its absolute path) names the same file
+    return same_setting(key, was, now)
 
 
 # config fields that do not define the model's weights or what they compute
@@ -85,7 +87,9 @@ def resume_differences(saved: dict, cfg: RunConfig) -> list:
     (``train.seed``, :data:`_SAMPLE_FIELDS`), then the model's fields (:func:`_model_fields`). The data fields are
     compared as recorded: ``to_dict`` writes every field, its default included, so one set to its default and
     one left out are alike (a checkpoint older than a field is not asked about it); ``data.tokenizer`` is
-    recorded in one spelling. The optim section is not compared: a resume trains with the recipe's."""
+    recorded in one spelling, and the sources and tokenizer are compared as the paths they name
+    (:func:`~falcon_fwa.data.sources.same_setting`: ``corpus.jsonl`` and ``./corpus.jsonl`` are one). The
+    optim section is not compared: a resume trains with the recipe's."""
     differ = []
     for section, key in (("train", "seed"), *(("data", k) for k in _SAMPLE_FIELDS)):
         if key not in saved[section]:  # a checkpoint older than the field

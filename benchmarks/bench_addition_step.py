@@ -9,8 +9,10 @@ clipping, AdamW) on fixed training
 batches after ``--warmup`` untimed ones; device-synchronized, median ms per step. With ``--profile N``
 the N most expensive device (or CPU) kernels of one extra step are kept per row. Rows go to
 ``<out>/<name>.json`` after every row: ``{model, batch, matmul_precision, ms_per_step, tokens_per_step, steps,
-top_kernels}``. ``--matmul-precision highest high`` times each row under both float32 matmul settings
-(exact fp32 products vs TF32 tensor cores; default: the preset's), side by side in one run.
+top_kernels, commit, dirty}`` (``commit`` and ``dirty``: the full commit of the falcon_fwa checkout that runs and
+whether it had uncommitted changes to tracked files, as ``bench_kernels.source`` gives them).
+``--matmul-precision highest high`` times each row under both float32 matmul settings (exact fp32 products vs
+TF32 tensor cores; default: the preset's), side by side in one run.
 Use it to see whether a budget's wall time comes from the model or from the way it is run.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Dict, List
 
 import torch
 
-from bench_kernels import _atomic_write
+from bench_kernels import _atomic_write, source
 
 
 def time_steps(name: str, preset, batch: int, steps: int, warmup: int, device: str, profile: int) -> Dict:
@@ -106,13 +108,15 @@ def main(argv=None) -> int:
     preset = get_addition_preset(args.preset)
     if args.threads:
         torch.set_num_threads(args.threads)
+    recorded = source(None)  # the code that is timed, as the run starts
     rows: List[Dict] = []
     for name in args.models:
         for batch in args.batch:
             for precision in args.matmul_precision or [preset.matmul_precision]:
                 with float32_matmul_precision(precision):
                     row = {"matmul_precision": precision,
-                           **time_steps(name, preset, batch, args.steps, args.warmup, args.device, args.profile)}
+                           **time_steps(name, preset, batch, args.steps, args.warmup, args.device, args.profile),
+                           **recorded}
                 rows.append(row)
                 print(f"{name:12s} batch {batch:5d} {precision:7s}: {row['ms_per_step']:9.2f} ms/step "
                       f"({row['tokens_per_step']:,} tokens)", flush=True)

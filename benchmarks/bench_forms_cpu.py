@@ -16,7 +16,10 @@ column for rule 2) or its time, extrapolated from the same cell at the previous
 ``T`` (linearly for the recurrent and chunk forms, quadratically for the parallel
 form), exceeds ``--time-limit`` seconds per call.
 
-Writes ``<out>/<name>.json`` (after every cell, so a crash loses nothing) and
+Writes ``<out>/<name>.json`` (after every cell, so a crash loses nothing; ``commit`` and ``dirty``: the full
+commit of the falcon_fwa checkout that is timed and whether it had uncommitted changes to tracked files, as
+``falcon_fwa.provenance.command_provenance`` gives them, ``"unknown"`` and ``null`` outside a checkout; the
+machine's ``commit`` says the same in words) and
 ``<out>/<name>.md`` (the tables, machine, versions and commit), and prints the
 chunk-over-recurrent speedups and the chunk form's growth ratio between the two
 largest ``T``.
@@ -54,10 +57,10 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _machine(args: argparse.Namespace) -> Dict[str, str]:
+def _machine(args: argparse.Namespace, provenance: Optional[Dict] = None) -> Dict[str, str]:
     """The machine, the versions and the commit of the falcon_fwa code that runs (:func:`command_provenance`'s full
     commit, with :func:`uncommitted_note` when its checkout had uncommitted changes to tracked files; "unknown"
-    outside a git checkout)."""
+    outside a git checkout), from ``provenance`` (taken now if not given)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -66,7 +69,8 @@ def _machine(args: argparse.Namespace) -> Dict[str, str]:
             cpu = names[0]
     except OSError:
         pass
-    provenance = command_provenance(args)  # the falcon_fwa checkout that is timed, whatever the working directory
+    if provenance is None:  # the falcon_fwa checkout that is timed, whatever the working directory
+        provenance = command_provenance(args)
     commit = provenance["commit"]
     commit = commit + uncommitted_note(provenance["dirty"]) if commit else "unknown"
     return {"cpu": cpu, "cores": str(os.cpu_count()), "threads": str(torch.get_num_threads()),
@@ -125,8 +129,11 @@ def run(args: argparse.Namespace) -> Dict:
         torch.set_num_threads(args.threads)
     B, H, D = args.batch, args.heads, args.head_dim
     options = dict(window=args.window, chunk_size=args.chunk_size)
-    report = {"machine": _machine(args), "shape": {"B": B, "H": H, "K": D, "V": D, "window": args.window,
-                                                    "chunk_size": args.chunk_size, "dtype": "float32"},
+    provenance = command_provenance(args)  # the code that is timed, as the run starts
+    report = {"commit": provenance["commit"] or "unknown", "dirty": provenance["dirty"],
+              "machine": _machine(args, provenance),
+              "shape": {"B": B, "H": H, "K": D, "V": D, "window": args.window, "chunk_size": args.chunk_size,
+                        "dtype": "float32"},
               "limits": {"time_s_per_call": args.time_limit, "memory_gib": args.memory_limit_gib,
                          "repeats": args.repeats},
               "cells": []}

@@ -29,7 +29,7 @@ where ``commit`` is ``"unknown"`` (:func:`source`). The table's first line says 
 
 ``--decode`` also times one decoding step of one layer's mixer op, the fused step kernel against the
 PyTorch step (rules 1A and 1, batch 1 and 64), into ``<out>/<name>-decode.json``: rows ``{op, B, T: 1, H, K, V,
-mode: "decode", ms, tokens_per_s_12_layers}``.
+mode: "decode", ms, tokens_per_s_12_layers, commit, dirty}``.
 
 ``--cudagraph`` also times every row from a CUDA graph (``triton.testing.do_bench_cudagraph``:
 the calls replayed from one captured graph) and adds ``graph_ms`` to the row (``graph_error`` where
@@ -676,13 +676,14 @@ def timed(rows: List[dict]) -> List[dict]:
     return [r for r in rows if "error" not in r]
 
 
-def decode_row(impl: str, rule: str, B: int, ms: float) -> dict:
+def decode_row(impl: str, rule: str, B: int, ms: float, commit: Optional[str] = None,
+               dirty: Optional[bool] = None) -> dict:
     """One row of ``<name>-decode.json``: one decoding step of one layer's mixer op (``T`` = 1; no peak
-    memory is measured, and none is written)."""
+    memory is measured, and none is written), with ``commit`` and ``dirty`` as :func:`source` gives them."""
     layers = DECODE_PRESET["layers"]
     return dict(op=f"falcon-step-{impl}-{rule.lower()}", B=B, T=1, H=DECODE_PRESET["H"], K=DECODE_PRESET["K"],
                 V=DECODE_PRESET["V"], mode="decode", ms=round(ms, 4),
-                tokens_per_s_12_layers=round(B / (layers * ms / 1e3)))
+                tokens_per_s_12_layers=round(B / (layers * ms / 1e3)), commit=commit, dirty=dirty)
 
 
 def _shape(row: dict) -> Tuple[int, int, int, int, int]:
@@ -865,7 +866,7 @@ def main(argv=None) -> None:
                     except Exception as e:
                         fail(f"decode {impl} {rule} B={B}", e)
                     else:
-                        decode.append(decode_row(impl, rule, B, ms))
+                        decode.append(decode_row(impl, rule, B, ms, commit, dirty))
                         print(f"decode {impl:6s} rule {rule:2s} B={B:3d}: {ms * 1e3:8.1f} us/step/layer", flush=True)
                     save()
     picks = autotune_picks("fla")

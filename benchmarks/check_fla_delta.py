@@ -15,7 +15,9 @@ run step by step in float64 on the CPU. Each configuration runs in a process of 
 that faults (an illegal memory access leaves the CUDA context unusable) is reported and the others still
 run. Prints one line per configuration: the relative error ``||a - b|| / ||b||`` of the output and of each
 gradient, or the error the call raised (fla refuses float32 in ``chunk_delta_rule`` and, on Hopper with
-Triton 3.4-3.7.0, the gated backward).
+Triton 3.4-3.7.0, the gated backward). ``--out`` writes the rows as JSON, each with ``commit`` and ``dirty``: the
+full commit of the falcon_fwa checkout that runs and whether it had uncommitted changes to tracked files, as
+``bench_kernels.source`` gives them.
 """
 from __future__ import annotations
 
@@ -120,6 +122,8 @@ def main(argv=None) -> int:
         p.error(f"--timeout must be a positive number of seconds, got {a.timeout}")
     if not torch.cuda.is_available():
         raise SystemExit("check_fla_delta.py needs a CUDA GPU")
+    from bench_kernels import source
+    recorded = source(None)  # the code that runs the checks, as the run starts
     rows = []
     for op, dtype, K, V, T in itertools.product(a.ops, a.dtypes, a.keys, a.values, a.lengths):
         cfg = dict(op=op, dtype=dtype, B=a.batch, T=T, H=a.heads, K=K, V=V)
@@ -129,7 +133,7 @@ def main(argv=None) -> int:
             result = child_result(done.stdout, done.stderr, f"exit status {done.returncode}")
         except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= said
             result = child_result((e.stdout or b"").decode(errors="replace"), "", f"no result in {a.timeout:g} s")
-        rows.append(dict(cfg, **result))
+        rows.append(dict(cfg, **result, **recorded))
         errs = " ".join(f"{k} {v:.2e}" for k, v in result.items() if k != "error")
         print(f"{op:5s} {dtype} B={a.batch} T={T} H={a.heads} K={K} V={V}: {errs}"
               + (f"  [{result['error']}]" if "error" in result else ""), flush=True)

@@ -6,6 +6,8 @@ cut, for one rule, dtype and shape, under several warp counts of the WY kernels 
 Prints one line per configuration: the relative error (``||a - b|| / ||b||``) of the output, the final
 state and the gradient of every input, as ``tests/kernel_checks.check_kernel`` measures them. Use it
 when a kernel test fails on a GPU, to see which quantity is off and whether a launch setting moves it.
+``--out`` writes the rows as JSON, each with ``commit`` and ``dirty``: the full commit of the falcon_fwa checkout
+that runs and whether it had uncommitted changes to tracked files, as ``bench_kernels.source`` gives them.
 """
 from __future__ import annotations
 
@@ -43,10 +45,11 @@ def main(argv=None) -> int:
         if value < 1:
             p.error(f"{option} sizes must be at least 1, got {value}")
     import kernel_checks as kc  # switches the interpreter on without CUDA, before triton is imported
-    from bench_kernels import failure
+    from bench_kernels import failure, source
     from falcon_fwa.ops.triton import delta
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    recorded = source(None)  # the code that is checked, as the run starts
     rows = []
     for fwd, bwd in warps:
         for entry in delta.WY_FWD_LAUNCH.values():
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
         delta.WY_WARPS.update(wy_bwd=bwd)  # four-byte inputs; the 16-bit tables name their own warps
         for table in (delta.FULL_K_16BIT, delta.FULL_K_16BIT_GROUPED, delta.FULL_K_16BIT_256):
             table["wy_bwd"]["num_warps"] = bwd
-        row = dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd)
+        row = dict(rule=args.rule, dtype=args.dtype, shape=args.shape, wy_fwd_warps=fwd, wy_bwd_warps=bwd,
+                   **recorded)
         rows.append(row)
         try:
             errors = kc.check_kernel(args.rule, tuple(args.shape), DTYPES[args.dtype], window=args.window,

@@ -6,7 +6,9 @@ enqueue time per call (ten calls with no synchronization: the GPU queue absorbs 
 wall time per call of those ten, and the device busy time per call (sum of the kernels'
 times in the profiler); then a ``cProfile`` of the host side of 20 calls of Falcon-1A and of
 fla's chunk_simple_gla. A row whose host enqueue time exceeds its device busy time is bound
-by the host: its median measures Python and launch overhead, not the kernels.
+by the host: its median measures Python and launch overhead, not the kernels. The first line names the full
+commit of the falcon_fwa checkout that runs, with whether it had uncommitted changes to tracked files
+(``bench_kernels.source`` and ``commit_words``), and the torch and Triton versions.
 
     python benchmarks/host_overhead.py > host.txt     # CUDA, fla 0.6.0 for the fla rows
     python benchmarks/host_overhead.py --ops falcon-1 fla-gated-delta-rule --profile falcon-1
@@ -20,6 +22,7 @@ import sys
 import time
 
 import torch
+import triton
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
@@ -46,6 +49,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("host_overhead.py needs a CUDA GPU")
+    print(f"{bk.commit_words(**bk.source(None))}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     for name in args.ops:
         try:
             row(name, args.profile)

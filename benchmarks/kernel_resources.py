@@ -12,7 +12,9 @@ architecture's limit, the registers per thread and the bytes spilled to local me
 (``blocks_per_sm``). A kernel that needs more shared memory than the limit
 fails at launch on the GPU with ``OutOfResources``; this finds it before the GPU does. Spills are
 local-memory traffic inside the kernel's loops: a change that adds them is worth a second look
-before it is timed.
+before it is timed. ``--out`` writes the rows as JSON, each with ``commit`` and ``dirty``: the full commit of the
+falcon_fwa checkout that compiles and whether it had uncommitted changes to tracked files, as
+``bench_kernels.source`` gives them.
 """
 from __future__ import annotations
 
@@ -133,11 +135,13 @@ def main(argv=None) -> int:
     if limit is None:
         p.error(f"--arch {args.arch}: no known shared-memory limit; give --limit")
 
+    from bench_kernels import source
     from triton.runtime.jit import JITFunction
     from falcon_fwa.ops.triton import api, launch
     from falcon_fwa.ops.triton.api import MAX_WY_HEAD_DIM, falcon_chunk_triton
     from falcon_fwa.ops.rules import get_rule
 
+    recorded = source(None)  # the code that is compiled, as the run starts
     rows: List[Dict] = []
     context: Dict = {}
     # Every launch compiles instead of running, for the rest of this process (a command-line tool).
@@ -187,7 +191,7 @@ def main(argv=None) -> int:
           f"({limit} bytes); {failures} configurations failed")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump([{**r, **recorded} for r in rows], f, indent=1)
     return 1 if over or failures or not rows else 0
 
 

@@ -10,8 +10,9 @@ the upstream gradient are allocated before the recording and are not counted, as
     python benchmarks/memory_breakdown.py --ops falcon-2 fla-gated-delta-rule --allow-fla-gated --out OUT
 
 Writes ``OUT/memory_breakdown.json`` (a list of ``{op, shape, peak_bytes, groups: [{where,
-bytes, blocks}]}``, or ``{op, shape, error}`` for an op that failed: the others still run) and prints the
-groups of each op, largest first.
+bytes, blocks}], commit, dirty}``, or ``{op, shape, error, commit, dirty}`` for an op that failed: the others still
+run; ``commit`` and ``dirty``: the full commit of the falcon_fwa checkout that runs and whether it had uncommitted
+changes to tracked files, as ``bench_kernels.source`` gives them) and prints the groups of each op, largest first.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import OPS, SHAPES, _atomic_write, failure, lift_fla_gated_guard, recovered  # noqa: E402
+from bench_kernels import OPS, SHAPES, _atomic_write, failure, lift_fla_gated_guard, recovered, source  # noqa: E402
 
 _OURS = (os.sep + "falcon_fwa" + os.sep, os.sep + "fla" + os.sep)
 
@@ -109,6 +110,7 @@ def main(argv=None) -> None:
         if name not in OPS:
             sys.exit(f"--ops: unknown op {name!r}; choose from {', '.join(OPS)}")
     os.makedirs(a.out, exist_ok=True)
+    recorded = source(None)  # the code that is measured, as the run starts
     results = []
     for name in a.ops:
         try:
@@ -122,7 +124,7 @@ def main(argv=None) -> None:
             print(f"{name}: peak {r['peak_bytes'] / 2**20:.0f} MiB above the inputs", flush=True)
             for g in r["groups"]:
                 print(f"  {g['bytes'] / 2**20:8.1f} MiB  x{g['blocks']:<3d} {g['where']}", flush=True)
-        results.append(r)
+        results.append({**r, **recorded})
         _atomic_write(os.path.join(a.out, "memory_breakdown.json"), json.dumps(results, indent=1))
 
 

@@ -18,7 +18,9 @@ calls under ``torch.profiler``), the op's total device time, and ``err``, the la
         --candidates BR=32 BR=128,num_warps=8 BK=64 --out OUT   # named keys of the kernel's own entry
 
 Prints one line per setting and ``PICK``: per kernel, the fastest setting with ``err < 1e-3``
-that is at least 3 % faster than the table's own; writes ``OUT/sweep_<op>.json``.
+that is at least 3 % faster than the table's own; writes ``OUT/sweep_<op>.json`` (``{op, table, default, base_ms,
+rows, pick, commit, dirty}``; ``commit`` and ``dirty``: the full commit of the falcon_fwa checkout that runs and
+whether it had uncommitted changes to tracked files, as ``bench_kernels.source`` gives them).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import OPS, SHAPES  # noqa: E402
+from bench_kernels import OPS, SHAPES, source  # noqa: E402
 
 CANDIDATES = [  # (BK, BV, num_warps, num_stages)
     (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 4, 2),
@@ -152,6 +154,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         sys.exit("sweep_launch.py needs a CUDA GPU")
     os.makedirs(a.out, exist_ok=True)
+    recorded = source(None)  # the code that is timed, as the run starts
     start = time.time()
     shape = tuple(a.shape)
     ref, base = run(a.op, a.calls, shape)
@@ -185,7 +188,7 @@ def main(argv=None) -> None:
     print("PICK " + json.dumps(pick), flush=True)
     with open(os.path.join(a.out, f"sweep_{a.op}.json"), "w") as f:
         json.dump(dict(op=a.op, table=a.table, default={k: table[k] for k in a.kernels}, base_ms=base, rows=rows,
-                       pick=pick), f, indent=1)
+                       pick=pick, **recorded), f, indent=1)
     print(f"done in {time.time() - start:.0f} s", flush=True)
 
 

@@ -755,7 +755,7 @@ def test_host_overhead_reports_a_failing_op_and_times_the_next(monkeypatch, caps
     monkeypatch.setattr(ho, "profile", profile)
     monkeypatch.setattr(ho, "OPS", {"a": missing, "b": oom, "c": cpu_op})
     ho.main(["--ops", "a", "b", "c", "--profile"])
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()[1:]  # after the commit, torch and Triton
     assert lines[0] == f"{'a':22s} failed: ModuleNotFoundError: No module named 'fla'"
     assert lines[1] == f"{'b':22s} failed: OutOfMemoryError: CUDA out of memory"
     assert lines[2].startswith(f"{'c':22s} do_bench  0.500 ms | host enqueue") and lines[2].endswith(
@@ -907,7 +907,8 @@ def test_memory_breakdown_reports_a_failing_op_and_breaks_down_the_next(tmp_path
     monkeypatch.setattr(mb, "lift_fla_gated_guard", no_fla)
     monkeypatch.setattr(mb, "breakdown", breakdown)
     mb.main(["--ops", "fla-gated-delta-rule", "falcon-3", "--allow-fla-gated", "--out", str(tmp_path)])
-    found = json.loads((tmp_path / "memory_breakdown.json").read_text())
+    found = [{k: v for k, v in r.items() if k not in ("commit", "dirty")}  # (test_record_provenance_more.py)
+             for r in json.loads((tmp_path / "memory_breakdown.json").read_text())]
     assert found[0] == dict(op="fla-gated-delta-rule", shape=list(mb.SHAPES[0]),
                             error="ModuleNotFoundError: No module named 'fla'")
     assert found[1]["op"] == "falcon-3" and found[1]["peak_bytes"] == 3 * 2**20
@@ -944,12 +945,14 @@ def test_check_fla_delta_keeps_the_forward_of_a_configuration_whose_backward_fau
         subprocess.CompletedProcess(
             [], 0, stdout='{"forward": {"o": 0.005}}\n{"result": {"o": 0.005, "dq": 0.006}}\n', stderr=""),
     ])
-    seen = []
-    monkeypatch.setattr(cfd.subprocess, "run", lambda argv, **kw: seen.append(argv[3:]) or next(outputs))
+    seen, real = [], subprocess.run
+    monkeypatch.setattr(cfd.subprocess, "run", lambda argv, **kw: real(argv, **kw) if argv[0] == "git"
+                        else seen.append(argv[3:]) or next(outputs))  # git: the record's commit
     out = str(tmp_path / "r.json")
     assert cfd.main(["--ops", "delta", "--keys", "32", "64", "--lengths", "100", "--out", out]) == 0
     assert seen == [["delta", "2", "100", "2", "32", "64", "bf16"], ["delta", "2", "100", "2", "64", "64", "bf16"]]
-    rows = json.loads((tmp_path / "r.json").read_text())
+    rows = [{k: v for k, v in r.items() if k not in ("commit", "dirty")}  # (test_record_provenance_more.py)
+            for r in json.loads((tmp_path / "r.json").read_text())]
     assert rows[0]["o"] == 0.28 and rows[0]["error"].startswith("torch.AcceleratorError: CUDA error: an illegal")
     assert rows[1] == dict(op="delta", dtype="bf16", B=2, T=100, H=2, K=64, V=64, o=0.005, dq=0.006)
     with pytest.raises(SystemExit):
@@ -964,13 +967,18 @@ def test_check_fla_delta_keeps_the_forward_of_a_configuration_that_runs_out_of_t
     import check_fla_delta as cfd
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
+    real = subprocess.run
+
     def run(argv, **kw):
+        if argv[0] == "git":  # the record's commit
+            return real(argv, **kw)
         raise subprocess.TimeoutExpired(argv, kw["timeout"], output=b'{"forward": {"o": 0.28}}\n', stderr=b"")
 
     monkeypatch.setattr(cfd.subprocess, "run", run)
     out = str(tmp_path / "r.json")
     assert cfd.main(["--ops", "delta", "--keys", "32", "--lengths", "100", "--timeout", "5", "--out", out]) == 0
-    rows = json.loads((tmp_path / "r.json").read_text())
+    rows = [{k: v for k, v in r.items() if k not in ("commit", "dirty")}  # (test_record_provenance_more.py)
+            for r in json.loads((tmp_path / "r.json").read_text())]
     assert rows == [dict(op="delta", dtype="bf16", B=2, T=100, H=2, K=32, V=64, o=0.28, error="no result in 5 s")]
 
 

@@ -126,8 +126,13 @@ def log_carry(alpha_raw: torch.Tensor, decay_floor: float) -> torch.Tensor:
     ``log gamma_t = log1p(-alpha_t)`` (``gamma_t = 1 - alpha_t``), same shape.
     ``1 - decay_floor`` rounds to 1 in float32 for ``decay_floor < 2**-25`` (float64: ``< 2**-54``),
     which would leave ``gamma = 0`` and ``log gamma = -inf``: the clamp holds in log space too, so
-    ``gamma_t >= decay_floor``."""
-    return torch.log1p(-alpha_raw.clamp(max=1.0 - decay_floor)).clamp(min=math.log(decay_floor))
+    ``gamma_t >= decay_floor``. Where the clamped fraction is 1 (``alpha_raw >= 1`` there) the result is
+    ``log decay_floor`` with a zero gradient: ``log1p`` is not evaluated at -1, whose gradient ``0 / 0`` would
+    be NaN at ``alpha_raw = 1`` exactly (``normalize=False`` with ``beta = lam = 1``, say)."""
+    alpha = alpha_raw.clamp(max=1.0 - decay_floor)
+    at_one = alpha >= 1.0  # false for a NaN, which passes through
+    log_gamma = torch.log1p(-torch.where(at_one, 0.0, alpha))
+    return torch.where(at_one, -math.inf, log_gamma).clamp(min=math.log(decay_floor))
 
 
 def gains_from_statistic(

@@ -3,7 +3,7 @@ byte tokenizer: each row is end-of-text + the text's ids followed by pads, its m
 and 0 over the pads after them (also after left truncation, which keeps each row's last tokens, the opening
 among them only where it fits), and the model's forward on that batch with that mask gives each row's
 log-probabilities and the mean next-token loss over its real targets, as a float64 computation of each row
-alone does."""
+alone does. The model's loss never reads ``labels[:, 0]``: any value there gives the loss of ``labels[:, 1:]``."""
 import pytest
 import torch
 

@@ -13,7 +13,6 @@ import types
 
 import pytest
 import torch
-from conftest import git
 
 from falcon_fwa import provenance
 
@@ -28,19 +27,8 @@ import diagnose_kernels  # noqa: E402
 import kernel_resources  # noqa: E402
 import memory_breakdown  # noqa: E402
 import sweep_launch  # noqa: E402
+from test_record_provenance import EDITS, _state  # noqa: E402
 
-EDITS = [None, "README", "src/code.py"]  # clean; a tracked file changed outside src/ and in it
-
-
-def _state(checkout, edit):
-    """Edit ``edit`` (a tracked file) of the checkout, add an untracked file (no uncommitted change), and give its
-    full commit (40 hex digits, by git itself) and the dirty flag a record must name."""
-    if edit:
-        (checkout / edit).write_text("changed\n")
-    (checkout / "src" / "new.py").write_text("y = 1\n")
-    head = git(checkout, "rev-parse", "HEAD")
-    assert len(head) == 40 and set(head) <= set("0123456789abcdef")
-    return head, bool(edit)
 
 
 def _named(rows, head, dirty):

@@ -39,8 +39,13 @@ def test_resume_takes_overrides_that_restate_the_preset_and_refuses_another_mode
 
 @pytest.fixture
 def finished(tmp_path):
-    """A finished run of the tiny recipe without overrides: its folder and its result as compare records it;
-    its summary names commit ``c0`` with no uncommitted changes (whatever the checkout's own)."""
+    """A finished run of the tiny recipe without overrides (:func:`finished_run`)."""
+    return finished_run(tmp_path)
+
+
+def finished_run(tmp_path):
+    """A finished run of the tiny recipe: its folder and its result as compare records it; its summary names
+    commit ``c0`` with no uncommitted changes (whatever the checkout's own)."""
     run_trainer(recipe(tmp_path, "run"))
     path = tmp_path / "run" / "summary.json"
     summary = json.loads(path.read_text())

@@ -3,21 +3,25 @@
 resumed by a recipe that names the other, ``falcon-fwa compare`` and ``scaling`` keep a finished run of one for the
 other (``compare.kept_result``), and a prepared data folder of one is reused for the other. Another file, even one of
 the same bytes, is still another source, refused and named as before; ``hf:`` names are compared as text."""
-import json
 import os
 import re
 import shutil
 
 import pytest
+from test_resume_same_model_spelled_twice import finished_run, kept
 from test_train import recipe, run_trainer
 
 from falcon_fwa.data import DataSpec, prepare_dataset
-from falcon_fwa.provenance import CLEAN_TREE
-from falcon_fwa.train import compare
 from falcon_fwa.train.config import config_from_dict
 from falcon_fwa.train.trainer import ResumeRefused, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def finished(tmp_path):
+    """A finished run of the tiny recipe (its source by its absolute path): :func:`finished_run`."""
+    return finished_run(tmp_path)
 
 
 def spellings(tmp_path, name="corpus.jsonl"):
@@ -49,23 +53,6 @@ def test_resume_takes_another_spelling_of_the_source_and_refuses_another_file(tm
         Trainer(config_from_dict(with_source(recipe(tmp_path, "run"), "other.jsonl")))
 
 
-@pytest.fixture
-def finished(tmp_path):
-    """A finished run of the tiny recipe (its source by its absolute path): its folder and its result as compare
-    records it; its summary names commit ``c0`` with no uncommitted changes (whatever the checkout's own)."""
-    run_trainer(recipe(tmp_path, "run"))
-    path = tmp_path / "run" / "summary.json"
-    summary = json.loads(path.read_text())
-    summary.update(commit="c0", dirty=False, diff_sha256=CLEAN_TREE)
-    path.write_text(json.dumps(summary))
-    earlier = {"status": "done", "tokens": summary["tokens"], "tokens_per_s": summary["tokens_per_s"]}
-    return tmp_path / "run", earlier
-
-
-def kept(earlier, run_dir, raw, capsys):
-    """``compare.kept_result`` for the recipe ``raw`` (as compare and scaling pass it) and the line it says."""
-    result = compare.kept_result(earlier, str(run_dir), config_from_dict(raw).to_dict(), "c0", CLEAN_TREE, "a")
-    return result, capsys.readouterr().out
 
 
 def test_compare_keeps_a_run_whose_source_is_spelt_otherwise_and_trains_another_file_again(tmp_path, finished,

@@ -159,6 +159,12 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, model_fn: Optional[Callable] = None):
         self.cfg = cfg
+        # the commit of the code that trains and whether its checkout has uncommitted changes to tracked files
+        # (None: unknown), as every command records them, and the fingerprint of those changes, by which compare
+        # and scaling keep a run only for the same code: taken as the launch starts, from the code it imported, so
+        # that edits made while it trains are not put down to it (and before any stop handler is in place: no git
+        # process of the run's own is left running when a stop signal comes)
+        self._source = dict(command_provenance(argparse.Namespace()), diff_sha256=uncommitted_changes())
         t = cfg.train
         if cfg.log.wandb_project:  # found before the data is tokenized, not as the logger opens
             try:
@@ -411,12 +417,6 @@ class Trainer:
         if stop_at is not None and stop_at < self.step:  # the run is past it: no step to stop after
             raise ValueError(f"stop_at={stop_at} is before step {self.step}, where this run resumed from "
                              f"{self.last_checkpoint}: it would stop after no step")
-        # the commit of the code that trains and whether its checkout has uncommitted changes to tracked files
-        # (None: unknown), as every command records them, and the fingerprint of those changes, by which compare
-        # and scaling keep a run only for the same code: taken as the launch starts, from the code it imported,
-        # so that edits made while it trains are not put down to it
-        source = command_provenance(argparse.Namespace())
-        source["diff_sha256"] = uncommitted_changes()
         stream = BatchStream(self.train_rows, micro_batch=t.micro_batch, packing=cfg.data.packing, seed=t.seed,
                              rank=info.rank, world_size=info.world_size, position=self.position)
         tokens_per_step = t.global_batch * cfg.data.seq_len
@@ -528,8 +528,8 @@ class Trainer:
         summary = {"params": self.n_params, "steps": self.step, "tokens": self._tokens_seen(),
                    "tokens_per_s": tokens_per_s, "peak_mem_bytes": peak_mem,
                    "world_size": info.world_size, "strategy": info.strategy, **last_val,
-                   "commit": source["commit"], "dirty": source["dirty"],
-                   "diff_sha256": source["diff_sha256"], "config": cfg.to_dict()}
+                   "commit": self._source["commit"], "dirty": self._source["dirty"],
+                   "diff_sha256": self._source["diff_sha256"], "config": cfg.to_dict()}
         if stopped_by is not None and self.step < t.steps:  # in summary.json too: why the run ended early
             summary["signal"] = signal.Signals(stopped_by).name
         if info.is_main:

@@ -159,12 +159,6 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, model_fn: Optional[Callable] = None):
         self.cfg = cfg
-        # the commit of the code that trains and whether its checkout has uncommitted changes to tracked files
-        # (None: unknown), as every command records them, and the fingerprint of those changes, by which compare
-        # and scaling keep a run only for the same code: taken as the launch starts, from the code it imported, so
-        # that edits made while it trains are not put down to it (and before any stop handler is in place: no git
-        # process of the run's own is left running when a stop signal comes)
-        self._source = dict(command_provenance(argparse.Namespace()), diff_sha256=uncommitted_changes())
         t = cfg.train
         if cfg.log.wandb_project:  # found before the data is tokenized, not as the logger opens
             try:
@@ -176,6 +170,12 @@ class Trainer:
         self.out_dir = t.out_dir
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
         self._resume_path = self._resume_target()  # refused before anything is written
+        # the commit of the code that trains and whether its checkout has uncommitted changes to tracked files
+        # (None: unknown), as every command records them, and the fingerprint of those changes, by which compare
+        # and scaling keep a run only for the same code: taken as the launch starts (once it is not refused), from
+        # the code it imported, so that edits made while it trains are not put down to it (and before any stop
+        # handler is in place: no git process of the run's own is left running when a stop signal comes)
+        self._source = dict(command_provenance(argparse.Namespace()), diff_sha256=uncommitted_changes())
         per_step = t.micro_batch * self.info.world_size
         if t.global_batch % per_step:
             raise ValueError(f"config field train.global_batch = {t.global_batch} is not a multiple of "

@@ -236,6 +236,16 @@ def git(repo, *args) -> str:
 
 
 @pytest.fixture
+def fake_gpu(monkeypatch):
+    """The benchmark scripts' GPU checks pass on this machine (for tests of their records); their measurements
+    are the tests' own."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+
+
+@pytest.fixture
 def checkout(tmp_path, monkeypatch):
     """A git repository of one commit (``code.py``, ``README``, ``src/code.py``) standing in for the package's
     checkout (``provenance.source_checkout``), for tests of the commit and uncommitted changes a record names."""

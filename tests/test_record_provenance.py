@@ -42,15 +42,6 @@ def _words(head, dirty):
     return f"commit `{head}`" + (" with uncommitted changes to tracked files" if dirty else "")
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """The GPU scripts' checks pass on this machine; their measurements are the tests' own."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
-
-
 def _kernels(tmp_path, monkeypatch, *extra):
     monkeypatch.setattr(bk, "_versions", lambda: dict(VERSIONS))
     monkeypatch.setattr(bk, "autotune_picks", lambda prefix="fla": {})

@@ -38,15 +38,6 @@ def _named(rows, head, dirty):
         assert r["commit"] == head and r["dirty"] is dirty, r
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """The GPU scripts' checks pass on this machine; their measurements are the tests' own."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
-
-
 @pytest.mark.parametrize("edit", EDITS)
 def test_addition_step_rows_name_the_full_commit_and_its_changes(tmp_path, checkout, monkeypatch, edit):
     head, dirty = _state(checkout, edit)

@@ -312,8 +312,9 @@ def hf_dataset(source: str) -> Tuple[str, str]:
     return name, config
 
 
-# The data settings that name local paths: compared as the files and folders they name, not as typed.
-PATH_SETTINGS = ("train_source", "val_source", "tokenizer")
+# The data settings that name local paths: compared as the files and folders they name, not as typed (out_dir: a
+# recipe's prepared data folder; empty, the run folder's data/, compared as given).
+PATH_SETTINGS = ("train_source", "val_source", "tokenizer", "out_dir")
 
 
 def resolved_setting(field: str, value):

@@ -207,19 +207,10 @@ def recipe_differences(was: dict, now: dict) -> List[tuple]:
             if a != b:
                 differ.append((str(section), a, b))
             continue
-        same = _same_data_setting if section == "data" else (lambda k, x, y: x == y)
+        same = same_setting if section == "data" else (lambda k, x, y: x == y)
         differ += [(f"{section}.{k}", a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b), key=str)
                    if k not in a or k not in b or not same(k, a[k], b[k])]
     return differ
-
-
-def _same_data_setting(field: str, was, now) -> bool:
-    """Whether the data field ``field`` at ``was`` and ``now`` is one setting: a source, the tokenizer or
-    ``out_dir`` as the local path it names (records keep them as typed: see
-    :func:`~falcon_fwa.data.sources.resolved_setting`), any other field as given."""
-    if field == "out_dir":  # a folder named as a source is (empty: the run folder's data/, compared as text)
-        return same_setting("train_source", was, now)
-    return same_setting(field, was, now)
 
 
 def _get(cfg, dotted: str):

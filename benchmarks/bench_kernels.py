@@ -64,7 +64,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from falcon_fwa.provenance import command_provenance, committed_files, uncommitted_note
+from falcon_fwa.provenance import command_provenance, committed_files, recorded_commit, uncommitted_note
 
 SHAPES = [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
 TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=2048)
@@ -514,12 +514,9 @@ def source(given: Optional[str]) -> Dict[str, Any]:
     of the falcon_fwa checkout that runs and whether it had uncommitted changes to tracked files (``"unknown"`` and
     ``None`` outside a checkout), or the ``--commit`` ``given`` (for a machine without git metadata), whose
     ``dirty`` is the checkout's where it names the checkout's commit (in full or a prefix of it) and ``None``
-    (unknown) where not, as ``falcon-fwa scaling --commit`` records it."""
-    found = command_provenance(argparse.Namespace())
-    commit, dirty = found["commit"], found["dirty"]
-    if given:
-        return {"commit": given, "dirty": dirty if commit and commit.startswith(given) else None}
-    return {"commit": commit or "unknown", "dirty": dirty}
+    (unknown) where not (:func:`falcon_fwa.provenance.recorded_commit`, as ``falcon-fwa scaling --commit``)."""
+    recorded = recorded_commit(given, command_provenance(argparse.Namespace()))
+    return dict(recorded, commit=recorded["commit"] or "unknown")
 
 
 def commit_words(commit: str, dirty: Optional[bool]) -> str:

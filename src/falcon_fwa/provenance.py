@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import List, Optional
 
 __all__ = ["git_commit", "source_checkout", "command_provenance", "uncommitted_note", "written_at_line",
-           "committed_files", "uncommitted_changes", "CLEAN_TREE", "unlike_code"]
+           "committed_files", "uncommitted_changes", "CLEAN_TREE", "unlike_code", "recorded_commit"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CLEAN_TREE = hashlib.sha256(b"").hexdigest()  # uncommitted_changes of a checkout without any
@@ -53,6 +53,17 @@ def command_provenance(args: argparse.Namespace) -> dict:
     commit = None if root is None else git_commit(short=False, cwd=root)
     status = None if commit is None else _git(["status", "--porcelain", "--untracked-files=no"], root)
     return {"commit": commit, "dirty": None if status is None else bool(status), "options": dict(vars(args))}
+
+
+def recorded_commit(given: Optional[str], source: dict) -> dict:
+    """The ``commit`` and ``dirty`` a record names, from :func:`command_provenance`'s ``source``: its own, or a
+    commit ``given`` by hand (``--commit``, for a machine without git metadata), whose ``dirty`` is the
+    checkout's where it names the checkout's commit (in full or a prefix of it) and ``None`` (unknown) where not;
+    ``commit`` ``None`` outside a git checkout with none given."""
+    commit, dirty = source.get("commit"), source.get("dirty")
+    if not given:
+        return {"commit": commit, "dirty": dirty}
+    return {"commit": given, "dirty": dirty if commit and commit.startswith(given) else None}
 
 
 def uncommitted_changes(root: Optional[str] = None) -> Optional[str]:

@@ -70,7 +70,7 @@ from typing import Dict, List, Optional
 
 from ..atomic import folder_lock, read_json, write_json, write_text
 from ..cli_options import check_input_files, check_output_file, check_output_folder, finite_at_least
-from ..provenance import command_provenance, uncommitted_changes, uncommitted_note
+from ..provenance import command_provenance, recorded_commit, uncommitted_changes, uncommitted_note
 from .compare import check_run_names, kept_result
 from .config import assign_text, load_config
 from .launch import StopSignals, device_description, end_with_parent
@@ -391,17 +391,6 @@ def _check_recipes(args: argparse.Namespace, names: List[str], micro: int, globa
             continue
         source_files(cfg.data.spec(), sorted(folders)[0], name=lambda field: f"--configs {config}: data.{field}")
     return lengths
-
-
-def recorded_commit(given: Optional[str], source: dict) -> dict:
-    """The ``commit`` and ``dirty`` a sweep records, from :func:`falcon_fwa.provenance.command_provenance`'s
-    ``source``: its own, or the ``--commit`` ``given``, whose ``dirty`` is the checkout's where it names the
-    checkout's commit (in full or a prefix of it) and ``None`` (unknown) where not; ``commit`` ``None`` outside a
-    git checkout without ``--commit``."""
-    commit, dirty = source.get("commit"), source.get("dirty")
-    if not given:
-        return {"commit": commit, "dirty": dirty}
-    return {"commit": given, "dirty": dirty if commit and commit.startswith(given) else None}
 
 
 def run(args: argparse.Namespace) -> int:

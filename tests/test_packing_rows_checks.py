@@ -166,3 +166,33 @@ def test_host_rows_given_by_the_caller_are_kept_and_their_length_checked():
         Packing.from_cu_seqlens(cu, torch.tensor([2, 0, 1]), None, host_rows=[2, 0])
     with pytest.raises(ValueError, match=r"rows must name a different cache row"):
         Packing.from_cu_seqlens(cu, torch.tensor([2, 0, 1]), None, host_rows=[2, 2, 1])
+
+
+# ----------------------------------------------------------------------------- the short convolution alone
+@pytest.mark.parametrize("rows, bad, n", [([0, 3], 3, 1), ([2, 0], 2, 0)])
+def test_short_conv_called_alone_refuses_a_row_its_buffer_does_not_hold(rows, bad, n):
+    """``ShortConv(x, packing, buffer)`` called directly (not through a mixer, which checks first) names
+    ``rows``, the row and the buffer's row count; a bare ``IndexError`` from indexing the buffer before."""
+    from falcon_fwa.layers.short_conv import ShortConv
+    conv = ShortConv(4, kernel_size=3).double()
+    x = torch.randn(1, 5, 4, dtype=torch.float64)
+    buffer = torch.randn(2, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError) as err:
+        conv(x, _packed([2, 3], rows), buffer)
+    assert "rows" in str(err.value) and f"got {bad} for sequence {n}" in str(err.value)
+    assert "holds 2 rows" in str(err.value)
+
+
+def test_short_conv_packed_rows_continue_their_buffer_rows():
+    """Valid rows in any order: each packed sequence's outputs and new buffer are those of a dense call of
+    that sequence alone on its own buffer row (the window ``[buffer row | tokens]``)."""
+    from falcon_fwa.layers.short_conv import ShortConv
+    torch.manual_seed(0)
+    conv = ShortConv(4, kernel_size=3).double()
+    x = torch.randn(1, 5, 4, dtype=torch.float64)
+    buffer = torch.randn(3, 2, 4, dtype=torch.float64)
+    y, new = conv(x, _packed([2, 3], [2, 0]), buffer)
+    for n, (lo, hi, row) in enumerate(((0, 2, 2), (2, 5, 0))):
+        ref_y, ref_buf = conv(x[:, lo:hi], None, buffer[row:row + 1])
+        torch.testing.assert_close(y[:, lo:hi], ref_y, rtol=0, atol=1e-12)
+        torch.testing.assert_close(new[n:n + 1], ref_buf, rtol=0, atol=0)

@@ -52,7 +52,8 @@ class ShortConv(nn.Module):
         ``[R, W-1, C]``: last inputs of each cache row (``None``: fresh sequences).
 
         Returns ``y`` like ``x`` and the new buffer (``[B, W-1, C]`` dense;
-        ``[N, W-1, C]`` packed, one row per sequence, to be stored at ``packing.rows``).
+        ``[N, W-1, C]`` packed, one row per sequence, to be stored at ``packing.rows``). A packed call
+        with a ``buffer`` refuses ``packing.rows`` outside ``0 .. R-1`` (``Packing.check_rows``).
         """
         W1 = self.kernel_size - 1
         C = x.shape[-1]
@@ -75,6 +76,8 @@ class ShortConv(nn.Module):
             return F.silu(y), ext[:, ext.shape[1] - W1:]
         cu, N = packing.cu_seqlens, packing.num_sequences
         total = x.shape[1]
+        if buffer is not None:  # each sequence continues a row the buffer holds (a ValueError naming ``rows``)
+            packing.check_rows(buffer.shape[0])
         buf = x.new_zeros(N, W1, C) if buffer is None else cast_to(buffer, x.dtype)[packing.rows]
         # Position of token j of sequence n in the extended layout: j + (n + 1) * (W - 1).
         tok_dest = torch.arange(total, device=x.device) + (packing.seq_ids + 1) * W1

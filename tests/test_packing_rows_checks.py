@@ -84,10 +84,11 @@ def test_a_row_the_cache_does_not_hold_is_refused(mixer, rows, bad, n):
             layer(h, _packed([2, 3], rows), cache)
 
 
-def test_a_first_call_fills_rows_0_to_n_minus_1():
-    """An empty recurrent cache gets one row per sequence: a row past them is named (``index_copy_`` raised an
-    ``IndexError`` before)."""
-    layer = _layer("falcon")
+@pytest.mark.parametrize("mixer", ["falcon", "transformer"])
+def test_a_first_call_fills_rows_0_to_n_minus_1(mixer):
+    """An empty cache gets one row per sequence: a row past them is named (for the recurrent mixer
+    ``index_copy_`` raised an ``IndexError`` before; the attention cache made a row of no keys for the gap)."""
+    layer = _layer(mixer)
     h = torch.randn(1, 5, 32, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"rows must name cache rows 0 \.\. 1 \(an empty cache is filled with one "
                                          r"row per sequence, 2 rows; a negative row is refused\), got 2 for "

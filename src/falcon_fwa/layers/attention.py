@@ -78,7 +78,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None and not isinstance(cache, LayerCache):
             raise TypeError(f"cache must be a LayerCache (or None: no keys carried to the next call), "
                             f"got {type(cache).__name__}")
-        packing = layout_of(packing, h, None if cache is None else cache.lengths)
+        # a filled cache: rows below its row count; an empty one: rows 0 .. N-1, one per sequence (as the
+        # recurrent mixers' caches take them)
+        packing = layout_of(packing, h, None if cache is None else cache.lengths,
+                            cache=cache if cache is not None and cache.keys is None else None)
         B, T, D = h.shape
         H, d = self.num_heads, self.head_dim
         q = apply_rope(self.q_proj(h).view(B, T, H, d), packing.positions, self.rope_theta)

@@ -1,0 +1,83 @@
+"""Properties of the training reports, fits, plans and checkpoints that their docstrings and docs/training.md
+promise, each worked out here by hand: ``compare_report``'s rows and table (status and planned steps of each
+recipe, the verdict's percentage, the recipes left out, cell escaping), ``scaling``'s plan, shared global batch,
+run settings and efficiency (tokens/s at N over N times the mean rate at the smallest count), ``throughput``'s
+step timing and rows, and ``checkpoint``'s folder names, ``meta.json`` and pruning."""
+import json
+
+from falcon_fwa.train import compare_report
+
+
+# ----------------------------------------------------------------------------- compare_report
+def _report(tmp_path, report):
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(report))
+    assert compare_report.main([str(path), str(tmp_path / "out" / "r")]) == 0
+    return (json.loads((tmp_path / "out" / "r.json").read_text()),
+            (tmp_path / "out" / "r_table.md").read_text())
+
+
+def test_a_run_without_its_own_planned_count_is_shown_against_the_commands_steps(tmp_path):
+    """A compare.json whose stopped run records no ``planned_steps`` (the command's ``steps`` is the plan of
+    every run): the row says 3 of the command's 8 steps."""
+    rows, table = _report(tmp_path, {"configs": ["Falcon-A"], "steps": 8, "status": {"Falcon-A": "stopped"},
+                                     "runs": {"Falcon-A": {"steps": 3, "params": 5, "tokens": 96}}})
+    assert rows[0]["planned_steps"] == 8
+    assert "| Falcon-A | stopped: 3 of 8 steps | 5 | 96 | - | - | - |" in table
+
+
+def test_a_recipe_without_a_result_or_status_is_pending_and_left_out(tmp_path):
+    """A recipe listed in ``configs`` that has neither a run nor a status (the command stopped before it) is
+    ``pending``, an empty row, and named among those not compared, never ``done``."""
+    rows, table = _report(tmp_path, {"configs": ["Falcon-A", "Base", "Later"], "steps": 4,
+                                     "status": {"Falcon-A": "done", "Base": "done"},
+                                     "runs": {"Falcon-A": {"steps": 4, "tokens": 64, "val_ppl": 3.0},
+                                              "Base": {"steps": 4, "tokens": 64, "val_ppl": 4.0}}})
+    assert [(r["model"], r["status"]) for r in rows] == [("Falcon-A", "done"), ("Base", "done"), ("Later", "pending")]
+    assert "| Later | pending | | | | | |" in table
+    assert "Not in the comparison (fewer or no tokens trained): Later." in table
+
+
+def test_the_commands_status_of_a_recipe_wins_over_the_status_its_result_carries(tmp_path):
+    """``status`` of compare.json (the command's last word on each recipe) is the row's status, over a
+    ``status`` the run's result carries: a recipe the command marks failed is left out of the verdict."""
+    rows, table = _report(tmp_path, {"configs": ["Falcon-A", "Falcon-B", "Base"], "steps": 4,
+                                     "status": {"Falcon-A": "failed", "Falcon-B": "done", "Base": "done"},
+                                     "runs": {"Falcon-A": {"status": "done", "steps": 4, "tokens": 64, "val_ppl": 2.0},
+                                              "Falcon-B": {"steps": 4, "tokens": 64, "val_ppl": 5.0},
+                                              "Base": {"steps": 4, "tokens": 64, "val_ppl": 4.0}}})
+    assert [r["status"] for r in rows] == ["failed", "done", "done"]
+    # best finished Falcon 5.0 against the baseline 4.0: 5 / 4 - 1 = 25 %
+    assert "Best Falcon (Falcon-B, 5.000) is 25.0% above the best baseline (Base, 4.000)." in table
+    assert "Not in the comparison (fewer or no tokens trained): Falcon-A." in table
+
+
+def test_a_bar_or_a_line_end_in_a_name_or_error_stays_inside_its_cell():
+    """A ``|`` in a name or error is escaped and line ends become spaces, so every row keeps its 7 cells."""
+    rows = [{"model": "a|b", "status": "done", "steps": 2, "planned_steps": 2, "params": 1, "tokens": 2,
+             "val_ppl": 3.0},
+            {"model": "c", "status": "failed", "error": "Traceback:\n  x | y\nValueError: bad"}]
+    table = compare_report.markdown_table(rows)
+    assert "| a\\|b | done | 1 | 2 | 3.000 | - | - |" in table
+    assert "| c | failed: Traceback: x \\| y ValueError: bad | | | | | |" in table
+
+
+def _row(model, status, val_ppl, steps=4):
+    return {"model": model, "status": status, "steps": steps, "planned_steps": 4, "params": 10, "tokens": 16 * steps,
+            "val_ppl": val_ppl}
+
+
+def test_the_verdict_sets_the_lowest_finished_falcon_against_the_lowest_baseline():
+    """Falcons 6.0 and 4.4 finished, one partial at 1.0 (fewer tokens: not compared); baselines 5.0 and 4.0:
+    4.4 / 4.0 - 1 = 10.0 %."""
+    rows = [_row("Falcon-A", "done", 6.0), _row("Falcon-B", "done", 4.4), _row("Falcon-C", "partial", 1.0, steps=2),
+            _row("Base-A", "done", 5.0), _row("Base-B", "done", 4.0)]
+    table = compare_report.markdown_table(rows)
+    assert "Best Falcon (Falcon-B, 4.400) is 10.0% above the best baseline (Base-B, 4.000)." in table
+    assert "Not in the comparison (fewer or no tokens trained): Falcon-C." in table
+
+
+def test_a_falcon_as_good_as_the_baseline_is_at_or_below_it():
+    """Equal perplexities: a gap of 0 reads "at or below", not "0.0% above"."""
+    table = compare_report.markdown_table([_row("Falcon-A", "done", 4.0), _row("Base", "done", 4.0)])
+    assert "Best Falcon (Falcon-A, 4.000) is at or below the best baseline (Base, 4.000)." in table

@@ -81,3 +81,39 @@ def test_a_falcon_as_good_as_the_baseline_is_at_or_below_it():
     """Equal perplexities: a gap of 0 reads "at or below", not "0.0% above"."""
     table = compare_report.markdown_table([_row("Falcon-A", "done", 4.0), _row("Base", "done", 4.0)])
     assert "Best Falcon (Falcon-A, 4.000) is at or below the best baseline (Base, 4.000)." in table
+
+
+class _Recorder:
+    """A stand-in for matplotlib's ``pyplot``, its figure and axes: records ``ax.plot`` calls, ignores the rest."""
+
+    def __init__(self):
+        self.lines = []
+
+    def subplots(self, *args, **kwargs):
+        return self, self
+
+    def plot(self, *args, **kwargs):
+        self.lines.append((args, kwargs))
+
+    def get_legend_handles_labels(self):
+        return [[]]
+
+    def savefig(self, path, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"png")
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_validation_points_sit_at_the_tokens_of_their_step(tmp_path, monkeypatch):
+    """32 tokens a step (64 at step 2, 128 at step 4): the validation loss of step 4 is drawn at 128 tokens,
+    the training losses at their logged tokens."""
+    recorder = _Recorder()
+    monkeypatch.setattr(compare_report, "pyplot", lambda: recorder)
+    log = [{"step": 2, "loss": 3.0, "tokens": 64}, {"step": 4, "loss": 2.0, "tokens": 128},
+           {"step": 4, "val_loss": 2.5}]
+    compare_report.plot_curves({"Falcon-A": {"status": "done", "log": log}}, str(tmp_path / "loss.png"))
+    (train, _), (val, val_style) = recorder.lines
+    assert train == ((64, 128), (3.0, 2.0)) and val == ((128,), (2.5,)) and val_style["marker"] == "o"
+    assert (tmp_path / "loss.png").read_bytes() == b"png"

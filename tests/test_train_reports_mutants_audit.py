@@ -117,3 +117,21 @@ def test_validation_points_sit_at_the_tokens_of_their_step(tmp_path, monkeypatch
     (train, _), (val, val_style) = recorder.lines
     assert train == ((64, 128), (3.0, 2.0)) and val == ((128,), (2.5,)) and val_style["marker"] == "o"
     assert (tmp_path / "loss.png").read_bytes() == b"png"
+
+
+# ----------------------------------------------------------------------------- scaling
+def _scaling_row(strategy, gpus, seed, val_loss):
+    return {"model": "M", "strategy": strategy, "gpus": gpus, "seed": seed, "tokens_per_s": None, "efficiency": None,
+            "peak_mem_bytes_per_gpu": None, "val_loss": val_loss, "status": "done", "command": "c"}
+
+
+def test_the_largest_loss_difference_is_by_size_whatever_its_sign():
+    """Seeds 0 and 1 at one process: 2.00 and 2.01 (spread 0.0100). DDP x2 seed 0 is 0.0500 below its
+    one-process run, FSDP2 x2 0.0010 above: the largest difference is 0.0500, outside the spread."""
+    from falcon_fwa.train import scaling
+
+    rows = [_scaling_row("ddp", 1, 0, 2.00), _scaling_row("ddp", 1, 1, 2.01), _scaling_row("fsdp2", 1, 0, 2.02),
+            _scaling_row("ddp", 2, 0, 1.95), _scaling_row("fsdp2", 2, 0, 2.021)]
+    line = [x for x in scaling.markdown(rows, {}).splitlines() if x.startswith("- M:")][0]
+    assert line == ("- M: one-process seeds 2.0000, 2.0100 (spread 0.0100); against the 1-process run of the same "
+                    "strategy and seed: ddp x2 -0.0500, fsdp2 x2 +0.0010 (largest 0.0500: outside the seed spread).")

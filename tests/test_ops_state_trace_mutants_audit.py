@@ -8,7 +8,9 @@ ops/state.py, ops/trace.py, ops/read_norm.py, ops/pairs.py, ops/seqlens.py) that
   float64 loop of ``conftest`` from ``S_init``;
 * ``FalconState.index_select`` names the first row outside ``[0, B)`` (``B`` itself, or a negative row)
   and takes row ``B - 1``;
-* ``FalconState.cat`` refuses states of another ``shift`` (two fresh states, neither with a last key).
+* ``FalconState.cat`` refuses states of another ``shift`` (two fresh states, neither with a last key);
+* the normalized read's extended value rows hold a multiple of 16 values (``_z_columns``, hand-computed);
+* ``write_pairs`` leaves the caller's ``step_mask`` as it was (the sentinel is flagged in a copy).
 
 Tiny shapes throughout; every case is hand-computed or checked against the float64 loop.
 """
@@ -19,6 +21,9 @@ import torch
 from conftest import random_inputs, reference_falcon, rel_err
 
 from falcon_fwa import FalconState, falcon_attention
+from falcon_fwa.ops.pairs import write_pairs
+from falcon_fwa.ops.read_norm import _z_columns
+from falcon_fwa.ops.rules import get_rule
 from falcon_fwa.ops.segments import run_segments, segment_bounds
 from falcon_fwa.ops.seqlens import sequence_bounds
 
@@ -94,3 +99,18 @@ def test_cat_refuses_states_of_another_shift():
     b = FalconState.fresh(torch.zeros(1, 1, 2, 2), rule="1", shift=False)
     with pytest.raises(ValueError, match=r"states\[1\]\.shift is False, states\[0\]\.shift is True"):
         FalconState.cat([a, b])
+
+
+@pytest.mark.parametrize("rule, V, n, pad", [("1A", 4, 1, 11), ("3A", 15, 1, 0), ("3A", 16, 1, 15), ("2A", 4, 4, 8),
+                                             ("2A", 8, 8, 0), ("1A", 128, 1, 15), ("2A", 3, 3, 10)])
+def test_the_normalizer_columns_pad_the_rows_to_16_values(rule, V, n, pad):
+    assert _z_columns(get_rule(rule), V) == (n, pad)
+
+
+def test_write_pairs_leave_the_callers_step_mask_alone():
+    k = torch.arange(12.0).reshape(1, 1, 4, 3)
+    mask = torch.tensor([[True, True, False, True]])
+    x, valid = write_pairs(k, True, None, mask)
+    assert torch.equal(mask, torch.tensor([[True, True, False, True]]))
+    assert torch.equal(valid, torch.tensor([[False, True, False, True]]))
+    assert torch.equal(x[0, 0], torch.tensor([[0.0, 0, 0], [0, 1, 2], [3, 4, 5], [6, 7, 8]]))

@@ -5,6 +5,8 @@ run settings and efficiency (tokens/s at N over N times the mean rate at the sma
 step timing and rows, and ``checkpoint``'s folder names, ``meta.json`` and pruning."""
 import json
 
+import pytest
+
 from falcon_fwa.train import compare_report
 
 
@@ -135,3 +137,74 @@ def test_the_largest_loss_difference_is_by_size_whatever_its_sign():
     line = [x for x in scaling.markdown(rows, {}).splitlines() if x.startswith("- M:")][0]
     assert line == ("- M: one-process seeds 2.0000, 2.0100 (spread 0.0100); against the 1-process run of the same "
                     "strategy and seed: ddp x2 -0.0500, fsdp2 x2 +0.0010 (largest 0.0500: outside the seed spread).")
+
+
+# ----------------------------------------------------------------------------- throughput
+def _measure(monkeypatch, times, **kwargs):
+    """``throughput.measure`` of the tiny Falcon on the CPU (fp32, 2 rows of 8 tokens), its clock reading
+    ``times`` in turn: the start, then the end of each step."""
+    from falcon_fwa import get_preset
+    from falcon_fwa.train import throughput
+
+    readings = iter(times)
+    monkeypatch.setattr(throughput, "_clock", lambda: next(readings))
+    return throughput.measure(get_preset("tiny-falcon"), seq_len=8, batch_size=2, device="cpu", bf16=False,
+                              **kwargs)
+
+
+def test_step_seconds_are_the_mean_of_the_timed_steps_and_tokens_per_second_follow(monkeypatch, one_thread):
+    """Warm-up steps of 10 s and 1 s, timed steps of 1, 1 and 4 s: step_s is their mean, 2 s (the median, 1 s,
+    is step_s_median), and 2 x 8 tokens every 2 s is 8 tokens/s."""
+    row = _measure(monkeypatch, [0, 10, 11, 12, 13, 17], steps=3, warmup=2, min_steps=3)
+    assert (row["first_step_s"], row["warmup_s"], row["timed_steps"]) == (10, 11, 3)
+    assert (row["step_s"], row["step_s_median"], row["tokens_per_s"], row["tokens_per_step"]) == (2, 1, 8, 16)
+    assert (row["steady"], row["stopped"]) == (True, None)
+
+
+def test_max_seconds_counts_timed_steps_only(monkeypatch, one_thread):
+    """Warm-up of 10 s then 1-s steps, --max-seconds 2.5: timing stops after 3 timed steps (3 s), not after the
+    first (whose end is 12 s from the start, warm-up included)."""
+    row = _measure(monkeypatch, [0, 10, 11, 12, 13, 14, 15, 16], steps=5, warmup=2, min_steps=1, max_seconds=2.5)
+    assert (row["timed_steps"], row["step_s"], row["stopped"], row["steady"]) == (3, 1, "max_seconds", True)
+
+
+@pytest.mark.parametrize("triton, expected", [(4, "triton"), (2, "mixed"), (0, "torch")])
+def test_the_falcon_op_is_triton_only_where_the_kernels_served_every_call(triton, expected):
+    """Of 4 falcon layer calls, the Triton kernels served all (``triton``), some (``mixed``) or none (the
+    PyTorch forms of a native model: ``torch``); no falcon layer is ``none``."""
+    from falcon_fwa import get_preset
+    from falcon_fwa.train.throughput import op_backend
+
+    config = get_preset("tiny-falcon")
+    assert op_backend({"layer": 4, "triton": triton}, config, "cuda") == expected
+    assert op_backend({"layer": 0, "triton": 0}, config, "cuda") == "none"
+
+
+def test_all_steps_timed_within_max_seconds_is_no_early_stop(monkeypatch, one_thread):
+    """3 timed 1-s steps of --steps 3 pass --max-seconds 2.5 only at the last one: every step was timed, so
+    ``stopped`` is None (it names what ended timing early)."""
+    row = _measure(monkeypatch, [0, 10, 11, 12, 13], steps=3, warmup=1, min_steps=1, max_seconds=2.5)
+    assert (row["timed_steps"], row["warmup_steps"], row["stopped"], row["steady"]) == (3, 1, None, True)
+
+
+def _throughput_args(**kwargs):
+    import argparse
+
+    from falcon_fwa.train import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    args = parser.parse_args([])
+    vars(args).update(kwargs)
+    return args
+
+
+def test_a_preset_batch_is_batch_tokens_over_the_length_and_at_least_one_row():
+    """--batch-tokens 16: 2 rows of 8 tokens, 1 row of 16, and still 1 row of 32 (16 // 32 is 0); length by
+    length, every preset at a length before the next length."""
+    from falcon_fwa.train import throughput
+
+    args = _throughput_args(preset=["tiny-falcon", "tiny-transformer"], seq_len=[8, 16, 32], batch_tokens=16)
+    jobs = [(name, seq_len, batch) for name, _, seq_len, batch, _, _ in throughput._jobs(args)]
+    assert jobs == [("tiny-falcon", 8, 2), ("tiny-transformer", 8, 2), ("tiny-falcon", 16, 1),
+                    ("tiny-transformer", 16, 1), ("tiny-falcon", 32, 1), ("tiny-transformer", 32, 1)]

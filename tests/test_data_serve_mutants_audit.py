@@ -1,0 +1,162 @@
+"""Promises of the tokenizer settings, the graphed decoding step and the stop strings, each checked against a
+reference written out here:
+
+- ``same_spec``: a tokenizer folder recorded by its absolute path is the setting a relative spelling names only once
+  the folder is gone; a file at that path now is not the folder it was;
+- ``is_tokenizer_file``: of the ``additional_chat_templates`` folder only the ``*.jinja`` files are read;
+- ``GraphedDecoder`` (on the CPU stand-ins of ``test_serve_graphs``): recording runs two eager warm-up steps on a
+  copy of the cache, then the step on the cache itself; a recording that fails puts back the cache's own ``seen``
+  tensor (its token counts unchanged), its states' and buffers' values and its column count, and the cache continues eagerly to the
+  logits of a cache never recorded;
+- ``StopText``: a decoder that cleans up spaces ("do n't" becomes "don't") can make a stop string appear across
+  the space it takes out, before the characters the old and new texts begin with alike; and a token whose text
+  changes the text of the tokens before it, back into the decoded window's context, gives the whole decode. The
+  reference is the whole decode of each prefix of the tokens, with ``str.find`` for the stop string.
+"""
+import os
+
+import pytest
+import test_serve_graphs
+import torch
+
+from falcon_fwa.data.tokenizer import is_tokenizer_file, same_spec
+from falcon_fwa.serve import graphs
+from falcon_fwa.serve.graphs import GraphedDecoder
+from falcon_fwa.serve.stops import StopText
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+cpu_graphs = test_serve_graphs.cpu_graphs  # the stand-ins for the CUDA graph API, as a fixture of this module
+
+
+# --- tokenizer settings ----------------------------------------------------------------------------------------------
+
+def test_a_recorded_folder_is_the_relative_spec_only_once_it_is_gone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recorded = os.path.join(str(tmp_path), "tok")
+    os.mkdir(recorded)
+    assert same_spec(recorded, "tok") and same_spec(recorded, "./tok/")  # the folder, spelt from here
+    os.rmdir(recorded)
+    assert same_spec(recorded, "tok") and same_spec(recorded, "./tok/")  # deleted whole: the setting it was
+    assert not same_spec(recorded, "byte") and not same_spec(recorded, "bpe:300") and not same_spec(recorded, "other")
+    with open(recorded, "w") as f:  # a file now at the folder's path is no folder, and not the one recorded
+        f.write("{}")
+    assert not same_spec(recorded, "tok")
+
+
+@pytest.mark.parametrize("name, read", [
+    ("additional_chat_templates/plain.jinja", True),
+    ("additional_chat_templates/README.md", False),
+    ("additional_chat_templates/plain.json", False),
+    ("other/plain.jinja", False),
+    ("chat_template.jinja", True),
+])
+def test_of_the_chat_templates_folder_only_jinja_files_are_tokenizer_files(name, read):
+    assert is_tokenizer_file(name) is read
+
+
+# --- graphed decoding on the CPU stand-ins ---------------------------------------------------------------------------
+
+def _prompt_cache(model, ids):
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+
+
+@pytest.mark.usefixtures("cpu_graphs")
+def test_recording_warms_up_twice_on_a_copy_then_records_on_the_cache():
+    model = test_serve_graphs._model("falcon", {})
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    def spy(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        calls.append(("cache" if cache is recorded else "copy", cache.seen.tolist()))
+
+    with torch.inference_mode():
+        recorded = _prompt_cache(model, ids)
+        hook = model.register_forward_pre_hook(spy, with_kwargs=True)
+        try:
+            GraphedDecoder(model, recorded, 2)
+        finally:
+            hook.remove()
+    # the first warm-up step starts from the prompt's counts, the second from the first's; the step recorded
+    # starts from the cache's own counts, which recording leaves as they were
+    assert calls == [("copy", [5, 5]), ("copy", [6, 6]), ("cache", [5, 5])]
+    assert recorded.seen.tolist() == [5, 5] and recorded.num_positions == 5
+
+
+@pytest.mark.usefixtures("cpu_graphs")
+def test_a_failed_recording_puts_back_the_caches_own_tensors_and_counts(monkeypatch):
+    def fails_after_the_step(decoder):  # the cache's objects replaced by the step's, as a failed capture leaves them
+        decoder._forward(decoder.cache)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs.GraphedDecoder, "_step_in_place", fails_after_the_step)
+    model = test_serve_graphs._model("falcon", {"rule": "3A", "window": 3})
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        cache, fresh = _prompt_cache(model, ids[:, :5]), _prompt_cache(model, ids[:, :5])
+        seen, before = cache.seen, [t.clone() for t in test_serve_graphs._cache_tensors(cache)]
+        with pytest.raises(RuntimeError, match="capturing"):
+            GraphedDecoder(model, cache, 2)
+        assert cache.seen is seen and cache.seen.tolist() == [5, 5] and cache.num_positions == 5
+        after = test_serve_graphs._cache_tensors(cache)
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+        got = model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
+        want = model(input_ids=ids[:, 5:], past_key_values=fresh, use_cache=True).logits
+    assert torch.equal(got, want)
+    assert cache.seen.tolist() == fresh.seen.tolist() == [6, 6]
+
+
+# --- stop strings ----------------------------------------------------------------------------------------------------
+
+class CleansUpSpaces:
+    """Pieces of text by id; a decode joins them and takes out the space before "n't" and before ".", as a decoder
+    that cleans up spaces does: "do n" then "don't" once "'t" comes, "y x " then "y x." once "." comes."""
+
+    clean_up_tokenization_spaces = True
+    PIECES = ["do", " n", "'t", " x", " .", "y", " ", "."]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids).replace(" n't", "n't").replace(" .", ".")
+
+
+class Shout:
+    """Letters a-z (ids 0-25) and a token (26) that writes "!" and turns every letter before it upper-case."""
+
+    clean_up_tokenization_spaces = False
+
+    def decode(self, ids, skip_special_tokens=True):
+        out = []
+        for i in ids:
+            out = [c.upper() for c in out] + ["!"] if i == 26 else out + [chr(ord("a") + i)]
+        return "".join(out)
+
+
+def _reference(tok, ids, stop):
+    """(tokens kept, text): the shortest prefix whose whole decode holds ``stop``, cut at its first occurrence."""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n])
+        if stop in text:
+            return ids[:n], text[:text.find(stop)]
+    return ids, tok.decode(ids)
+
+
+@pytest.mark.parametrize("ids, stop", [([0, 1, 2, 3], "on"), ([0, 1, 2, 3], "don"), ([5, 3, 6, 7, 3], "x.")])
+def test_a_stop_string_across_a_space_the_decoder_takes_out_is_found(ids, stop):
+    tok = CleansUpSpaces()
+    kept, text = _reference(tok, ids, stop)
+    assert len(kept) < len(ids)  # the stop string is there, before the last token
+    row = StopText(tok, (stop,))
+    ended = [row.add(t) for t in ids[:len(kept)]]
+    assert ended == [False] * (len(kept) - 1) + [True]
+    assert (row.ids, row.text, row.stop_string) == (kept, text, stop)
+
+
+def test_a_token_that_changes_the_text_of_the_context_before_the_window_gives_the_whole_decode():
+    tok = Shout()
+    ids = [i % 26 for i in range(3 * StopText.WINDOW)] + [26] + [23, 24, 26, 25]
+    row = StopText(tok)
+    for n, token in enumerate(ids, 1):
+        assert not row.add(token)
+        assert row.text == tok.decode(ids[:n]), n
+    assert row.text == "ABCDEFGHIJKLMNOPQRSTUVWXYZABCDEFGHIJKLMNOPQRSTUV!XY!z"

@@ -208,3 +208,15 @@ def test_a_preset_batch_is_batch_tokens_over_the_length_and_at_least_one_row():
     jobs = [(name, seq_len, batch) for name, _, seq_len, batch, _, _ in throughput._jobs(args)]
     assert jobs == [("tiny-falcon", 8, 2), ("tiny-transformer", 8, 2), ("tiny-falcon", 16, 1),
                     ("tiny-transformer", 16, 1), ("tiny-falcon", 32, 1), ("tiny-transformer", 32, 1)]
+
+
+def test_a_table_line_gives_peak_memory_in_mib():
+    """3.5 MiB (3 x 2**20 + 2**19 bytes) reads 3.5; parameters and tokens/s with thousands separators; a stop
+    before --min-steps says so."""
+    from falcon_fwa.train.throughput import _table_line
+
+    row = {"preset": "tiny-falcon", "seq_len": 8, "batch_size": 2, "params": 1234, "tokens_per_s": 1234.6,
+           "peak_mem_bytes": 3 * 2**20 + 2**19, "falcon_op": "triton", "stopped": "deadline", "steady": False,
+           "timed_steps": 1}
+    assert _table_line(row, 11).split() == ["tiny-falcon", "8", "2", "1,234", "1,235", "3.5", "triton", "stopped:",
+                                            "deadline", "after", "1", "timed", "step(s),", "not", "steady"]

@@ -220,3 +220,54 @@ def test_a_table_line_gives_peak_memory_in_mib():
            "timed_steps": 1}
     assert _table_line(row, 11).split() == ["tiny-falcon", "8", "2", "1,234", "1,235", "3.5", "triton", "stopped:",
                                             "deadline", "after", "1", "timed", "step(s),", "not", "steady"]
+
+
+# ----------------------------------------------------------------------------- checkpoint
+def test_a_folder_whose_meta_does_not_say_complete_is_no_checkpoint(tmp_path):
+    """``step-00000003`` saved; beside it ``step-00000005`` written by hand with ``state.pt`` and a meta.json of
+    ``"complete": false``, and ``step-00000007`` with one that says nothing of it: neither is listed, LATEST
+    naming 7 falls back to 3, and loading 5 is refused."""
+    import torch
+
+    from falcon_fwa.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    save_checkpoint(str(folder), 3, {"step": 3})
+    for step, meta in ((5, {"step": 5, "complete": False}), (7, {"step": 7})):
+        (folder / f"step-{step:08d}").mkdir()
+        torch.save({"step": step}, folder / f"step-{step:08d}" / "state.pt")
+        (folder / f"step-{step:08d}" / "meta.json").write_text(json.dumps(meta))
+    (folder / "LATEST").write_text("step-00000007")
+    assert list_checkpoints(str(folder)) == [str(folder / "step-00000003")]
+    assert latest_checkpoint(str(folder)) == str(folder / "step-00000003")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        load_checkpoint(str(folder / "step-00000005"))
+
+
+def test_a_checkpoint_holds_its_state_and_a_meta_json_of_its_step(tmp_path):
+    """``save_checkpoint(dir, 20, state)``: ``step-00000020/`` with ``state.pt`` (the state, loaded on the CPU)
+    and ``meta.json`` ``{"step": 20, "complete": true}``; ``LATEST`` names it; nothing else in the folder."""
+    import torch
+
+    from falcon_fwa.train.checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    state = {"model": {"w": torch.arange(3.0)}, "step": 20, "data": {"position": 7}}
+    path = save_checkpoint(str(folder), 20, state)
+    assert path == str(folder / "step-00000020") and checkpoint_step(path) == 20
+    assert sorted(p.name for p in folder.iterdir()) == ["LATEST", "step-00000020"]
+    assert sorted(p.name for p in (folder / "step-00000020").iterdir()) == ["meta.json", "state.pt"]
+    assert json.loads((folder / "step-00000020" / "meta.json").read_text()) == {"step": 20, "complete": True}
+    assert (folder / "LATEST").read_text() == "step-00000020"
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["model"]["w"], torch.arange(3.0)) and loaded["data"] == {"position": 7}
+
+
+def test_save_checkpoint_keeps_the_two_newest_by_default(tmp_path):
+    """Steps 1 to 4 saved without ``keep``: steps 3 and 4 are left (``keep=2``, as ``train.keep_checkpoints``)."""
+    from falcon_fwa.train.checkpoint import list_checkpoints, save_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    for step in range(1, 5):
+        save_checkpoint(str(folder), step, {"step": step})
+    assert list_checkpoints(str(folder)) == [str(folder / "step-00000003"), str(folder / "step-00000004")]

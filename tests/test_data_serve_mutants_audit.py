@@ -3,13 +3,16 @@ reference written out here:
 
 - ``same_spec``: a tokenizer folder recorded by its absolute path is the setting a relative spelling names only once
   the folder is gone; a file at that path now is not the folder it was;
-- ``is_tokenizer_file``: of the ``additional_chat_templates`` folder only the ``*.jinja`` files are read;
+- ``is_tokenizer_file``: the files its docstring lists (``*.tiktoken`` among them) and not a model's files beside
+  them; of the ``additional_chat_templates`` folder only the ``*.jinja`` files;
+- ``graphable``: no device but CUDA (a CPU, ``meta``, ``mps``) is graphable;
 - ``GraphedDecoder`` (on the CPU stand-ins of ``test_serve_graphs``): recording runs two eager warm-up steps on a
   copy of the cache, then the step on the cache itself; a recording that fails puts back the cache's own ``seen``
   tensor (its token counts unchanged), its states' and buffers' values and its column count, and the cache continues eagerly to the
   logits of a cache never recorded;
 - ``StopText``: a decoder that cleans up spaces ("do n't" becomes "don't") can make a stop string appear across
-  the space it takes out, before the characters the old and new texts begin with alike; and a token whose text
+  the space it takes out, before the characters the old and new texts begin with alike; a space at the first
+  character of the text is held as one later in it, since the next token may take it out; and a token whose text
   changes the text of the tokens before it, back into the decoded window's context, gives the whole decode. The
   reference is the whole decode of each prefix of the tokens, with ``str.find`` for the stop string.
 """
@@ -50,9 +53,22 @@ def test_a_recorded_folder_is_the_relative_spec_only_once_it_is_gone(tmp_path, m
     ("additional_chat_templates/plain.json", False),
     ("other/plain.jinja", False),
     ("chat_template.jinja", True),
+    ("cl100k_base.tiktoken", True), ("spiece.model", True), ("tokenizer.model.v3", True), ("vocab-src.json", True),
+    ("tokenizer.2.json", True), ("merges.txt", True),
+    ("model.safetensors", False), ("config.json", False), ("generation_config.json", False), ("README.md", False),
 ])
-def test_of_the_chat_templates_folder_only_jinja_files_are_tokenizer_files(name, read):
+def test_the_files_a_tokenizer_folder_load_reads(name, read):
+    """The files the docstring of ``is_tokenizer_file`` lists, and a model's files beside them, which it does not;
+    of the ``additional_chat_templates`` folder only ``*.jinja`` files."""
     assert is_tokenizer_file(name) is read
+
+
+# --- graphed decoding ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "meta", "mps"])
+def test_no_device_but_cuda_is_graphable(device):
+    model = test_serve_graphs._model("falcon", {})
+    assert graphs.graphable(model, torch.device(device)) == (False, "CUDA graphs need a CUDA device")
 
 
 # --- graphed decoding on the CPU stand-ins ---------------------------------------------------------------------------
@@ -160,3 +176,19 @@ def test_a_token_that_changes_the_text_of_the_context_before_the_window_gives_th
         assert not row.add(token)
         assert row.text == tok.decode(ids[:n]), n
     assert row.text == "ABCDEFGHIJKLMNOPQRSTUVWXYZABCDEFGHIJKLMNOPQRSTUV!XY!z"
+
+
+def test_a_space_opening_the_text_is_held_until_the_next_token_leaves_it():
+    """The text " " (a space at its first character, among its last three) is held, not handed over: the next
+    token "." makes the decode "." (" ." cleaned up), and the streamed pieces add up to the text shown."""
+    tok = CleansUpSpaces()
+    row, pieces, held = StopText(tok), [], []
+    for token in (6, 7, 6, 3):  # " ", ".", " ", " x": ".", ". ", ".  x"
+        assert not row.add(token)
+        held.append(row.held())
+        pieces.append(row.take())
+    row.finish()
+    pieces.append(row.take())
+    assert [tok.decode([6, 7, 6, 3][:n]) for n in (1, 2, 3, 4)] == [" ", ".", ". ", ".  x"]
+    assert held == [1, 0, 1, 2]  # the last space among the last three characters, and what follows it
+    assert pieces == ["", ".", "", " ", " x"] and "".join(pieces) == row.text == ".  x"

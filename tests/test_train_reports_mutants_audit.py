@@ -271,3 +271,19 @@ def test_save_checkpoint_keeps_the_two_newest_by_default(tmp_path):
     for step in range(1, 5):
         save_checkpoint(str(folder), step, {"step": step})
     assert list_checkpoints(str(folder)) == [str(folder / "step-00000003"), str(folder / "step-00000004")]
+
+
+def test_latest_names_its_checkpoint_through_a_line_end_and_stray_step_folders_are_passed_over(tmp_path):
+    """Steps 3 and 5 saved, ``LATEST`` rewritten by hand to ``step-00000003`` and a line end: step 3, not the
+    newest. A copy named ``step-00000005-copy`` (not a step number) is no checkpoint."""
+    import shutil
+
+    from falcon_fwa.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    for step in (3, 5):
+        save_checkpoint(str(folder), step, {"step": step})
+    shutil.copytree(folder / "step-00000005", folder / "step-00000005-copy")
+    (folder / "LATEST").write_text("step-00000003\n")
+    assert latest_checkpoint(str(folder)) == str(folder / "step-00000003")
+    assert list_checkpoints(str(folder)) == [str(folder / "step-00000003"), str(folder / "step-00000005")]

@@ -1,15 +1,16 @@
 """Promises of the tokenizer settings, the graphed decoding step and the stop strings, each checked against a
 reference written out here:
 
-- ``same_spec``: a tokenizer folder recorded by its absolute path is the setting a relative spelling names only once
-  the folder is gone; a file at that path now is not the folder it was;
+- ``same_spec``: a tokenizer folder recorded by its absolute path is the setting its relative spellings name, while
+  it is there and once it is deleted whole; a file now at that path is not the folder it was;
 - ``is_tokenizer_file``: the files its docstring lists (``*.tiktoken`` among them) and not a model's files beside
   them; of the ``additional_chat_templates`` folder only the ``*.jinja`` files;
 - ``graphable``: no device but CUDA (a CPU, ``meta``, ``mps``) is graphable;
 - ``GraphedDecoder`` (on the CPU stand-ins of ``test_serve_graphs``): recording runs two eager warm-up steps on a
   copy of the cache, then the step on the cache itself; a recording that fails puts back the cache's own ``seen``
-  tensor (its token counts unchanged), its states' and buffers' values and its column count, and the cache continues eagerly to the
-  logits of a cache never recorded;
+  tensor (its token counts unchanged), its states' and buffers' values and its column count, and the cache
+  continues eagerly to the logits of a cache never recorded; a step that changes the shape of a cache tensor is
+  refused by name;
 - ``StopText``: a decoder that cleans up spaces ("do n't" becomes "don't") can make a stop string appear across
   the space it takes out, before the characters the old and new texts begin with alike; a space at the first
   character of the text is held as one later in it, since the next token may take it out; and a token whose text
@@ -34,7 +35,7 @@ cpu_graphs = test_serve_graphs.cpu_graphs  # the stand-ins for the CUDA graph AP
 
 # --- tokenizer settings ----------------------------------------------------------------------------------------------
 
-def test_a_recorded_folder_is_the_relative_spec_only_once_it_is_gone(tmp_path, monkeypatch):
+def test_a_recorded_folder_is_its_relative_spellings_while_there_and_once_deleted_not_as_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recorded = os.path.join(str(tmp_path), "tok")
     os.mkdir(recorded)
@@ -121,6 +122,28 @@ def test_a_failed_recording_puts_back_the_caches_own_tensors_and_counts(monkeypa
         want = model(input_ids=ids[:, 5:], past_key_values=fresh, use_cache=True).logits
     assert torch.equal(got, want)
     assert cache.seen.tolist() == fresh.seen.tolist() == [6, 6]
+
+
+@pytest.mark.usefixtures("cpu_graphs")
+def test_a_step_that_changes_a_cache_tensors_shape_is_refused_by_name(monkeypatch):
+    """A step that leaves a cache tensor of another shape (here the rows' token counts, doubled) cannot be replayed
+    on the recorded tensors: recording refuses it, naming both shapes, and puts the cache back."""
+    forward = graphs.GraphedDecoder._forward
+
+    def doubles_seen(self, cache):
+        logits = forward(self, cache)
+        if cache is self.cache:
+            cache.seen = torch.cat([cache.seen, cache.seen])
+        return logits
+
+    monkeypatch.setattr(graphs.GraphedDecoder, "_forward", doubles_seen)
+    model = test_serve_graphs._model("falcon", {})
+    with torch.inference_mode():
+        cache = _prompt_cache(model, torch.randint(1, 256, (2, 4), generator=torch.Generator().manual_seed(2)))
+        with pytest.raises(NotImplementedError, match=r"^a cache tensor changed in a decoding step \(\(2,\) -> "
+                                                      r"\(4,\)\): not graphable$"):
+            GraphedDecoder(model, cache, 2)
+    assert cache.seen.tolist() == [4, 4] and cache.num_positions == 4
 
 
 # --- stop strings ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""The causal LM's labels and position_ids at edges the other model tests leave open, each against a reference
+written here: the forward leaves the caller's ``labels`` as they were given (the ``-100`` it puts at pads and
+document starts go into a copy), examples flattened into left-padded rows skip each example's first token in the
+loss (a float64 cross-entropy of each example run alone), and a row whose ``position_ids`` carry on from the row
+above instead of starting at 0 is refused by name rather than run as one sequence over both rows."""
+import pytest
+import torch
+
+from falcon_fwa.models import FalconForCausalLM, get_preset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(mixer="falcon", seed=0):
+    torch.manual_seed(seed)
+    return FalconForCausalLM(get_preset(f"tiny-{mixer}")).to(torch.float64).eval()
+
+
+def _ids(*shape, seed=1):
+    return torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _nll_alone(model, examples):
+    """Sum of ``-log softmax(logits[t])[e[t + 1]]`` over every example run by itself, and the number of terms."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for e in examples:
+            logp = torch.log_softmax(model(e[None], use_cache=False).logits[0].double(), -1)
+            total += float(-logp[torch.arange(len(e) - 1), e[1:]].sum())
+            count += len(e) - 1
+    return total, count
+
+
+def test_the_forward_leaves_the_callers_labels_as_given():
+    """The loss ignores pads, the token after a pad, and each packed document's first token by setting them to
+    ``-100`` in its own copy of ``labels``: int64 labels come back unchanged after a call with ``cu_seqlens``,
+    one with a left-padded ``attention_mask`` and one with restarting ``position_ids``."""
+    model = _model()
+    with torch.no_grad():
+        packed = _ids(1, 11)
+        labels = packed.clone()
+        model(packed, cu_seqlens=torch.tensor([0, 4, 11]), labels=labels, use_cache=False)
+        assert torch.equal(labels, packed)
+
+        x = _ids(2, 6, seed=2)
+        mask = torch.ones_like(x)
+        mask[0, :2] = 0
+        labels = x.clone()
+        model(x, attention_mask=mask, labels=labels, use_cache=False)
+        assert torch.equal(labels, x)
+
+        pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+        labels = x[:1].clone()
+        model(x[:1], position_ids=pos, labels=labels, use_cache=False)
+        assert torch.equal(labels, x[:1])
+
+
+def test_left_padded_flattened_rows_skip_each_examples_first_token():
+    """Examples flattened into rows padded on the left (positions restart at 0 at each example, any value at a
+    pad): the loss is the mean next-token cross-entropy within the examples, each run alone, so no example's
+    first token is scored from the one before it, wherever the pads put it in the row."""
+    model = _model("gated_deltanet")
+    g = torch.Generator().manual_seed(3)
+    rows = [[torch.randint(0, 64, (n,), generator=g) for n in lengths] for lengths in ((3, 4), (2, 2, 3))]
+    T = 9
+    ids = torch.zeros(2, T, dtype=torch.long)
+    pos = torch.full((2, T), 5, dtype=torch.long)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    for r, examples in enumerate(rows):
+        n = sum(len(e) for e in examples)
+        ids[r, T - n:] = torch.cat(examples)
+        pos[r, T - n:] = torch.cat([torch.arange(len(e)) for e in examples])
+        mask[r, T - n:] = 1
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=pos, labels=ids, use_cache=False)
+    total, count = _nll_alone(model, rows[0] + rows[1])
+    assert count == 9  # (3 - 1) + (4 - 1) + (2 - 1) + (2 - 1) + (3 - 1)
+    assert float(out.loss) == pytest.approx(total / count, rel=1e-10)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_row_whose_positions_carry_on_from_the_row_above_is_refused(padded):
+    """Each row's first real token starts a sequence, so its position must be 0: positions ``0..T-1`` in the first
+    row and ``T..2T-1`` in the second are neither the model's count nor packed examples, and are refused naming
+    ``position_ids`` (the second row is not run as the first one's continuation)."""
+    model = _model()
+    x = _ids(2, 4, seed=4)
+    pos = torch.arange(8).reshape(2, 4)
+    mask = None
+    if padded:  # right padding of the first row: the second row's positions go on from its last real token
+        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+        pos = torch.tensor([[0, 1, 2, 7], [3, 4, 5, 6]])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"position_ids.*\[1, 0\]"):
+        model(x, attention_mask=mask, position_ids=pos, use_cache=False)

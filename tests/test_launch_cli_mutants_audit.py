@@ -1,0 +1,219 @@
+"""Launch plumbing and command wiring, pinned against stand-ins that record what they are given.
+
+``falcon_fwa.train.distributed``: ``setup`` reads RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them (the
+device is cuda:LOCAL_RANK, the main process is global rank 0, a torchrun launch of one process still joins a
+process group, the backend is nccl on CUDA and gloo on the CPU, ``"auto"`` is DDP for several processes),
+refuses ``single`` with several processes and ``ddp``/``fsdp2`` without a process group; ``wrap`` gives DDP
+the local device and shards every block of the largest ``ModuleList`` and then the root on a one-dimensional
+mesh of the device's type over every process; ``set_grad_sync`` turns synchronisation off only while
+accumulating; the reductions average, take the maximum and broadcast rank 0's object without touching
+their input.
+"""
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from falcon_fwa.train import distributed
+from falcon_fwa.train.distributed import DistInfo
+
+
+class FakeGroup:
+    """Stands in for ``torch.distributed``'s process group calls: records each join and its backend."""
+
+    def __init__(self, monkeypatch, initialized=False):
+        self.initialized = initialized
+        self.backends = []
+        monkeypatch.setattr(distributed.dist, "is_initialized", lambda: self.initialized)
+        monkeypatch.setattr(distributed.dist, "init_process_group", self.init)
+
+    def init(self, backend):
+        assert not self.initialized, "joined twice"
+        self.backends.append(backend)
+        self.initialized = True
+
+
+def _env(monkeypatch, **values):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, str(value))
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_setup_reads_the_torchrun_variables_of_a_process_on_a_second_node(monkeypatch, cpu_only):
+    """Process 5 of 8, the second of its node (two nodes of four): global rank 5, local rank 1, gloo on
+    the CPU, DDP by default, and not the main process."""
+    group = FakeGroup(monkeypatch)
+    _env(monkeypatch, RANK=5, WORLD_SIZE=8, LOCAL_RANK=1, TORCHELASTIC_RUN_ID="x")
+    info = distributed.setup()
+    assert (info.rank, info.world_size, info.local_rank, info.device, info.strategy) == (
+        5, 8, 1, torch.device("cpu"), "ddp")
+    assert group.backends == ["gloo"] and not info.is_main
+
+
+def test_the_main_process_is_global_rank_0_not_the_first_of_each_node(monkeypatch, cpu_only):
+    FakeGroup(monkeypatch)
+    _env(monkeypatch, RANK=4, WORLD_SIZE=8, LOCAL_RANK=0, TORCHELASTIC_RUN_ID="x")
+    assert not distributed.setup().is_main
+    assert DistInfo(0, 8, 3, torch.device("cpu"), "ddp").is_main
+
+
+def test_on_cuda_each_process_takes_the_gpu_of_its_local_rank_and_nccl(monkeypatch):
+    group = FakeGroup(monkeypatch)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    _env(monkeypatch, RANK=6, WORLD_SIZE=8, LOCAL_RANK=2, TORCHELASTIC_RUN_ID="x")
+    info = distributed.setup("fsdp2")
+    assert info.device == torch.device("cuda", 2) and chosen == [torch.device("cuda", 2)]
+    assert group.backends == ["nccl"] and info.strategy == "fsdp2"
+
+
+def test_a_torchrun_launch_of_one_process_joins_a_group_and_a_plain_one_does_not(monkeypatch, cpu_only):
+    group = FakeGroup(monkeypatch)
+    _env(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, TORCHELASTIC_RUN_ID="x")
+    assert distributed.setup().strategy == "single" and group.backends == ["gloo"]
+    group = FakeGroup(monkeypatch)
+    _env(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, TORCHELASTIC_RUN_ID="x")
+    assert distributed.setup("fsdp2").strategy == "fsdp2" and group.backends == ["gloo"]
+    group = FakeGroup(monkeypatch)
+    _env(monkeypatch)  # no torchrun variables at all: one process, rank 0
+    info = distributed.setup()
+    assert (info.rank, info.world_size, info.local_rank, info.strategy) == (0, 1, 0, "single")
+    assert group.backends == [] and info.is_main
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ddp_and_fsdp2_without_a_process_group_are_refused_naming_torchrun(monkeypatch, cpu_only, strategy):
+    FakeGroup(monkeypatch)
+    _env(monkeypatch)
+    with pytest.raises(ValueError, match=rf"^train.strategy '{strategy}' needs a process group: .*torchrun"):
+        distributed.setup(strategy)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_single_with_several_processes_is_refused_naming_the_count(monkeypatch, cpu_only, world):
+    FakeGroup(monkeypatch)
+    _env(monkeypatch, RANK=1, WORLD_SIZE=world, LOCAL_RANK=1)
+    with pytest.raises(ValueError, match=rf"^train.strategy 'single' cannot run with {world} processes"):
+        distributed.setup("single")
+
+
+def test_ddp_gets_the_local_gpu_on_cuda_and_no_device_ids_on_the_cpu(monkeypatch):
+    import torch.nn.parallel
+
+    given = []
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel",
+                        lambda model, device_ids: given.append(device_ids) or model)
+    model = nn.Linear(2, 2)
+    assert distributed.wrap(model, DistInfo(6, 8, 2, torch.device("cuda", 2), "ddp")) is model
+    distributed.wrap(model, DistInfo(6, 8, 2, torch.device("cpu"), "ddp"))
+    assert given == [[2], None]
+    assert distributed.wrap(model, DistInfo(0, 1, 0, torch.device("cpu"), "single")) is model
+
+
+class _TwoLists(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+        self.blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+
+
+@pytest.mark.parametrize("device", [torch.device("cpu"), torch.device("cuda", 1)])
+def test_fsdp2_shards_each_block_of_the_largest_list_then_the_root_on_a_mesh_of_every_process(monkeypatch,
+                                                                                             device):
+    import torch.distributed.device_mesh as device_mesh
+
+    meshes, sharded = [], []
+    monkeypatch.setattr(device_mesh, "init_device_mesh",
+                        lambda kind, shape: meshes.append((kind, tuple(shape))) or "mesh")
+    monkeypatch.setattr(distributed, "_fully_shard",
+                        lambda: lambda module, mesh: sharded.append((module, mesh)))
+    model = _TwoLists()
+    assert distributed.wrap(model, DistInfo(1, 4, 1, device, "fsdp2")) is model
+    assert meshes == [(device.type, (4,))]
+    assert [m for m, _ in sharded] == [*model.blocks, model] and {mesh for _, mesh in sharded} == {"mesh"}
+
+
+def test_an_unknown_strategy_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"'single', 'ddp' or 'fsdp2', got 'zero3'"):
+        distributed.wrap(nn.Linear(2, 2), DistInfo(0, 2, 0, torch.device("cpu"), "zero3"))
+
+
+class _Recorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def no_sync(self):
+        self.events.append("no_sync")
+        return contextlib.nullcontext("no_sync")
+
+    def set_requires_gradient_sync(self, sync):
+        self.events.append(("sync", sync))
+
+
+def test_grad_sync_is_off_only_while_accumulating():
+    cpu = torch.device("cpu")
+    for strategy, accumulating, last in (("ddp", ["no_sync"], []),
+                                         ("fsdp2", [("sync", False)], [("sync", True)]),
+                                         ("single", [], [])):
+        model, info = _Recorder(), DistInfo(0, 2, 0, cpu, strategy)
+        with distributed.set_grad_sync(model, info, sync=False):
+            pass
+        assert model.events == accumulating, strategy
+        model.events = []
+        with distributed.set_grad_sync(model, info, sync=True):
+            pass
+        assert model.events == last, strategy
+
+
+@pytest.fixture
+def three_ranks(monkeypatch):
+    """This process holds one value; two others hold ``[1, 8]`` and ``[4, -2]``."""
+    others = torch.tensor([[1.0, 8.0], [4.0, -2.0]])
+    ops = []
+
+    def all_reduce(value, op):
+        ops.append(op)
+        if op == torch.distributed.ReduceOp.SUM:
+            value += others.sum(0)
+        else:
+            value.copy_(torch.maximum(value, others.max(0).values))
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    return DistInfo(0, 3, 0, torch.device("cpu"), "ddp"), ops
+
+
+def test_the_mean_and_max_are_over_every_process_and_leave_the_input_alone(three_ranks):
+    info, ops = three_ranks
+    mine = torch.tensor([7.0, 0.0])
+    assert torch.equal(distributed.all_reduce_mean(mine, info), torch.tensor([4.0, 2.0]))  # (7+1+4)/3, (0+8-2)/3
+    assert torch.equal(distributed.all_reduce_max(mine, info), torch.tensor([7.0, 8.0]))
+    assert torch.equal(mine, torch.tensor([7.0, 0.0]))
+    assert ops == [torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX]
+    one = DistInfo(0, 1, 0, torch.device("cpu"), "single")
+    assert distributed.all_reduce_mean(mine, one) is mine and distributed.all_reduce_max(mine, one) is mine
+
+
+def test_broadcast_gives_every_process_the_object_of_rank_0(monkeypatch):
+    sources = []
+
+    def broadcast_object_list(box, src):
+        sources.append(src)
+        box[0] = "rank 0's"
+
+    FakeGroup(monkeypatch, initialized=True)
+    monkeypatch.setattr(distributed.dist, "broadcast_object_list", broadcast_object_list)
+    assert distributed.broadcast_object("mine", DistInfo(3, 4, 3, torch.device("cpu"), "ddp")) == "rank 0's"
+    assert sources == [0]
+    assert distributed.broadcast_object("mine", DistInfo(0, 1, 0, torch.device("cpu"), "single")) == "mine"
+    FakeGroup(monkeypatch, initialized=False)
+    assert distributed.broadcast_object("mine", DistInfo(3, 4, 3, torch.device("cpu"), "ddp")) == "mine"
+    assert sources == [0]

@@ -92,3 +92,20 @@ def test_a_row_whose_positions_carry_on_from_the_row_above_is_refused(padded):
         pos = torch.tensor([[0, 1, 2, 7], [3, 4, 5, 6]])
     with torch.no_grad(), pytest.raises(ValueError, match=r"position_ids.*\[1, 0\]"):
         model(x, attention_mask=mask, position_ids=pos, use_cache=False)
+
+
+def test_chunked_prefill_without_a_mask_takes_pad_token_id_for_pads():
+    """``generate(prefill_chunk_size=n)`` of left-padded prompts given without an ``attention_mask``: the chunks
+    get the mask ``generate()`` makes (an id equal to ``pad_token_id`` is a pad), so every row generates what its
+    prompt alone does."""
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 64, (n,), generator=g) for n in (6, 3)]
+    ids = torch.zeros(2, 6, dtype=torch.long)  # 0: the pad id
+    for b, p in enumerate(prompts):
+        ids[b, 6 - len(p):] = p
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, prefill_chunk_size=2)
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], max_new_tokens=4, do_sample=False, pad_token_id=0)
+            assert torch.equal(got[b, 6:], alone[0, len(p):]), b

@@ -94,18 +94,42 @@ def test_a_row_whose_positions_carry_on_from_the_row_above_is_refused(padded):
         model(x, attention_mask=mask, position_ids=pos, use_cache=False)
 
 
-def test_chunked_prefill_without_a_mask_takes_pad_token_id_for_pads():
+def _generate(model, ids, **kw):
+    """Greedy ``generate()``: the new tokens and the logits each was chosen from ``[B, new, vocab]``."""
+    out = model.generate(ids, do_sample=False, output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("eos", [None, 63])
+def test_chunked_prefill_without_a_mask_takes_pad_token_id_for_pads(eos):
     """``generate(prefill_chunk_size=n)`` of left-padded prompts given without an ``attention_mask``: the chunks
-    get the mask ``generate()`` makes (an id equal to ``pad_token_id`` is a pad), so every row generates what its
-    prompt alone does."""
+    get the mask ``generate()`` makes (an id equal to ``pad_token_id``, when that id is no eos id, is a pad), so
+    every row generates what its prompt alone does, from the same logits."""
     model = _model()
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 64, (n,), generator=g) for n in (6, 3)]
+    prompts = [torch.randint(1, 63, (n,), generator=g) for n in (6, 3)]
     ids = torch.zeros(2, 6, dtype=torch.long)  # 0: the pad id
     for b, p in enumerate(prompts):
         ids[b, 6 - len(p):] = p
+    kw = dict(max_new_tokens=3, pad_token_id=0, eos_token_id=eos)
     with torch.no_grad():
-        got = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, prefill_chunk_size=2)
+        got, got_logits = _generate(model, ids, prefill_chunk_size=2, **kw)
         for b, p in enumerate(prompts):
-            alone = model.generate(p[None], max_new_tokens=4, do_sample=False, pad_token_id=0)
-            assert torch.equal(got[b, 6:], alone[0, len(p):]), b
+            new, logits = _generate(model, p[None], **kw)
+            n = new.shape[1]
+            assert torch.equal(got[b, :n], new[0]), b
+            torch.testing.assert_close(got_logits[b, :n], logits[0], rtol=0, atol=1e-10)
+
+
+def test_chunked_prefill_without_a_mask_takes_no_pads_when_the_pad_id_is_the_eos_id():
+    """With ``pad_token_id`` also an eos id, ``generate()`` takes no id for a pad (its mask is all ones): the
+    chunked prefill then reads every column as a real token too, and generates what one prefill does."""
+    model = _model()
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(6))
+    ids[1, :3] = 5
+    kw = dict(max_new_tokens=3, pad_token_id=5, eos_token_id=5)
+    with torch.no_grad():
+        want, want_logits = _generate(model, ids, attention_mask=torch.ones_like(ids), **kw)
+        got, got_logits = _generate(model, ids, prefill_chunk_size=2, **kw)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-10)

@@ -133,3 +133,27 @@ def test_chunked_prefill_without_a_mask_takes_no_pads_when_the_pad_id_is_the_eos
         got, got_logits = _generate(model, ids, prefill_chunk_size=2, **kw)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-10)
+
+
+def test_generate_takes_position_ids_that_continue_a_prefilled_cache():
+    """``position_ids`` given to ``generate()`` with a cache that has consumed 5 columns need not start at 0: the
+    new columns' positions (``5, 6, 7``; ``4, 5, 6`` in a row with one pad) continue its count and are taken, generating what the same cache continues
+    to without them; positions that skip are refused by name."""
+    model = _model()
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(x)
+    mask[1, 0] = 0  # the second row is padded on the left: its new columns are at positions 4, 5, 6
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, attention_mask=mask)
+
+    def prefilled():
+        out = model(x[:, :5], attention_mask=mask[:, :5], use_cache=True)
+        return getattr(out, "cache", None) or out.past_key_values
+
+    with torch.no_grad():
+        want = model.generate(x[:, 5:], past_key_values=prefilled(), **kw)
+        got = model.generate(x[:, 5:], past_key_values=prefilled(), position_ids=torch.tensor([[5, 6, 7], [4, 5, 6]]),
+                             **kw)
+        assert torch.equal(got, want)
+        with pytest.raises(ValueError, match="position_ids given to generate"):
+            model.generate(x[:, 5:], past_key_values=prefilled(), position_ids=torch.tensor([[5, 6, 7], [4, 6, 7]]),
+                           **kw)

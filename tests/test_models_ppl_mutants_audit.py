@@ -157,3 +157,17 @@ def test_generate_takes_position_ids_that_continue_a_prefilled_cache():
         with pytest.raises(ValueError, match="position_ids given to generate"):
             model.generate(x[:, 5:], past_key_values=prefilled(), position_ids=torch.tensor([[5, 6, 7], [4, 6, 7]]),
                            **kw)
+
+
+def test_generate_without_a_mask_refuses_a_row_that_ends_in_the_pad_id():
+    """Without an ``attention_mask`` ``generate()`` takes an id equal to ``pad_token_id`` (no eos id) for a pad: a
+    row whose last id is the pad id is right padding and is refused naming ``attention_mask``, also when no
+    ``prefill_chunk_size`` asks for the mask before the first step; a pad id that is also the eos id is no pad."""
+    model = _model()
+    x = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(8))
+    x[1, -1] = 0
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"attention_mask ends in padding in rows \[1\]"):
+            model.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        out = model.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=0)
+    assert torch.equal(out[:, :5], x)

@@ -171,3 +171,22 @@ def test_generate_without_a_mask_refuses_a_row_that_ends_in_the_pad_id():
             model.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0)
         out = model.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=0)
     assert torch.equal(out[:, :5], x)
+
+
+def test_an_attention_mask_wider_than_the_columns_seen_is_refused():
+    """``attention_mask`` covers the columns a cache has consumed and this call's ``T``: ``[B, T]`` exactly without
+    a filled cache, ``[B, T_past + T]`` at most with one; a wider mask (columns that belong to no call) is refused
+    naming ``attention_mask`` rather than cut to its last ``T`` columns."""
+    model = _model()
+    x = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"attention_mask must have shape .*got \(2, 5\)"):
+            model(x, attention_mask=torch.ones(2, 5, dtype=torch.long), use_cache=False)
+        out = model(x, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        with pytest.raises(ValueError, match=r"attention_mask must have shape .*\[2, 8\].*got \(2, 9\)"):
+            model(x, attention_mask=torch.ones(2, 9, dtype=torch.long), cache=cache)
+        # the widest mask allowed is taken, and continues the cache as one pass over the 8 columns does
+        step = model(x, attention_mask=torch.ones(2, 8, dtype=torch.long), cache=cache).logits
+        whole = model(torch.cat([x, x], 1), use_cache=False).logits[:, 4:]
+    torch.testing.assert_close(step, whole, rtol=0, atol=1e-10)

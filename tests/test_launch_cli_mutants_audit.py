@@ -8,14 +8,26 @@ the local device and shards every block of the largest ``ModuleList`` and then t
 mesh of the device's type over every process; ``set_grad_sync`` turns synchronisation off only while
 accumulating; the reductions average, take the maximum and broadcast rank 0's object without touching
 their input.
+
+``falcon_fwa.train.launch.drop_hung_up_terminal``: standard output and error are each pointed at /dev/null
+where a write to them fails with EIO (a terminal that hung up), and left alone otherwise; ``StopSignals``
+built disabled sets no handler.
+
+``falcon-fwa train``: ``--stop-at`` below 1 is refused naming the option and the value; a SIGTERM during a
+step ends the command at that step's checkpoint with exit status 128 + SIGTERM and a line naming both; on
+a finished run, a ``--stop-at`` before its last step is refused naming the steps it takes, and one at its
+last step does nothing and points to a longer ``train.steps``, not to a later ``--stop-at``; a diverging run's
+error (exit status 3) is printed on a line of its own, after the progress bar's.
 """
 import contextlib
+import errno
+import signal
 
 import pytest
 import torch
 from torch import nn
 
-from falcon_fwa.train import distributed
+from falcon_fwa.train import distributed, launch
 from falcon_fwa.train.distributed import DistInfo
 
 
@@ -217,3 +229,146 @@ def test_broadcast_gives_every_process_the_object_of_rank_0(monkeypatch):
     FakeGroup(monkeypatch, initialized=False)
     assert distributed.broadcast_object("mine", DistInfo(3, 4, 3, torch.device("cpu"), "ddp")) == "mine"
     assert sources == [0]
+
+
+class _FakeOs:
+    """Stands in for ``os`` in :mod:`falcon_fwa.train.launch`: writes fail with the given errno per file
+    descriptor; opens, redirections and closes are recorded, none made."""
+
+    devnull, O_WRONLY = "/dev/null", 1
+
+    def __init__(self, failures):
+        self.failures, self.events = failures, []
+
+    def write(self, fd, data):
+        assert data == b""
+        if fd in self.failures:
+            raise OSError(self.failures[fd], "write failed")
+        return 0
+
+    def open(self, path, flags):
+        self.events.append(("open", path))
+        return 99
+
+    def dup2(self, fd, to):
+        self.events.append(("dup2", fd, to))
+
+    def close(self, fd):
+        self.events.append(("close", fd))
+
+
+@pytest.mark.parametrize("failures, events", [
+    ({1: errno.EIO, 2: errno.EIO}, [("open", "/dev/null"), ("dup2", 99, 1), ("dup2", 99, 2), ("close", 99)]),
+    ({2: errno.EIO}, [("open", "/dev/null"), ("dup2", 99, 2), ("close", 99)]),
+    ({1: errno.EIO, 2: errno.EPIPE}, [("open", "/dev/null"), ("dup2", 99, 1), ("close", 99)]),
+    ({1: errno.EPIPE, 2: errno.EBADF}, []),  # a closed pipe, a closed descriptor: no hung-up terminal
+    ({}, []),
+])
+def test_only_a_hung_up_terminal_is_pointed_at_devnull(monkeypatch, failures, events):
+    fake = _FakeOs(failures)
+    monkeypatch.setattr(launch, "os", fake)
+    launch.drop_hung_up_terminal()
+    assert fake.events == events
+
+
+def test_stop_signals_built_disabled_leave_every_handler_as_it_was():
+    before = {sig: signal.getsignal(sig) for sig in launch.StopSignals.SIGNALS}
+    with launch.StopSignals(False) as stops:
+        assert not stops.enabled
+        assert {sig: signal.getsignal(sig) for sig in launch.StopSignals.SIGNALS} == before
+    with launch.StopSignals(True) as stops:  # on this (main) thread, enabled: its own handler is in place
+        assert stops.enabled and signal.getsignal(signal.SIGTERM) == stops._handle
+    assert {sig: signal.getsignal(sig) for sig in launch.StopSignals.SIGNALS} == before
+
+
+@pytest.mark.parametrize("stop_at", ["0", "-3"])
+def test_a_stop_step_below_1_is_refused_naming_the_option(monkeypatch, capsys, tmp_path, stop_at):
+    from falcon_fwa.train.cli import main
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    assert main(["--config", str(tmp_path / "recipe.yaml"), "--stop-at", stop_at]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"falcon-fwa train: error: --stop-at must be a step >= 1, got {stop_at}"), err
+
+
+def test_a_sigterm_ends_the_train_command_with_a_checkpoint_and_status_128_plus_sigterm(tmp_path, monkeypatch,
+                                                                                        capsys):
+    import json
+
+    from test_train import recipe, signal_during_step_3
+
+    from falcon_fwa.train.cli import main
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    reached = []  # a run that took no stop would hand the signal here and train on to its end
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
+    try:
+        signal_during_step_3(monkeypatch, signal.SIGTERM)
+        path = tmp_path / "recipe.json"
+        path.write_text(json.dumps(recipe(tmp_path, "run", save_every=0, eval_every=0)))
+        capsys.readouterr()
+        status = main(["--config", str(path)])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        torch.set_num_threads(threads)
+    assert status == 128 + signal.SIGTERM and reached == []
+    err = capsys.readouterr().err
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000003"
+    assert f"stopped by SIGTERM at step 3 with checkpoint {checkpoint}; the same command resumes it" in err, err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+def test_stop_at_on_a_finished_run(tmp_path, monkeypatch, capsys):
+    import json
+
+    from test_train import recipe, run_trainer
+
+    from falcon_fwa.train.cli import main
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        raw = recipe(tmp_path, "run")  # train.steps = 4, checkpoints at 2 and 4
+        assert run_trainer(raw).step == 4
+        path = tmp_path / "recipe.json"
+        path.write_text(json.dumps(raw))
+        capsys.readouterr()
+        assert main(["--config", str(path), "--stop-at", "2"]) == 2
+        err = capsys.readouterr().err
+        assert ("--stop-at 2 is before the run's checkpoint at step 4, where it resumes: give a step from 4 to "
+                "train.steps = 4, or train.resume=none") in err, err
+        assert main(["--config", str(path), "--stop-at", "4"]) == 0
+        said = capsys.readouterr()
+        said = said.out + said.err
+        assert "a longer train.steps continues the run" in said  # the trainer's word on a finished run
+        assert "a later --stop-at" not in said and "is at --stop-at 4 already" not in said
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_diverging_runs_error_starts_a_line_of_its_own_after_the_progress_bar(tmp_path, monkeypatch, capsys):
+    import json
+
+    from test_train import recipe
+
+    from falcon_fwa.train.cli import main
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    raw = recipe(tmp_path, "run", steps=6)
+    raw["optim"] = {"lr": 1e6, "warmup_steps": 1, "clip_grad_norm": 0}
+    raw["log"]["progress"] = True
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(raw))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        capsys.readouterr()
+        assert main(["--config", str(path)]) == 3
+    finally:
+        torch.set_num_threads(threads)
+    before, error = capsys.readouterr().err.split("falcon-fwa train: error: ", 1)
+    assert "train: " in before.rsplit("\n", 2)[-2], before  # the last line before the error is the bar's
+    assert before.endswith("\n") and error.startswith("non-finite training loss"), (before[-200:], error)

@@ -1,0 +1,75 @@
+"""What a prepared folder, the sources and the op's argument checks promise, held to files written in the test and
+values worked out by hand: a source that has lost one of its files since is reused (its tokens are in the folder),
+a prepared folder whose ``tokenizer/`` holds no tokenizer file any more is refused by name, a ``val_source`` file
+that a training folder named through a link holds is refused as a file both sources read (not as a copy), and
+``as_float`` keeps the sign of an integer past a float's range."""
+import math
+import os
+import re
+
+import pytest
+
+from falcon_fwa.data import DataSpec, prepare_dataset
+from falcon_fwa.ops.validate import as_float
+
+
+def corpus(folder, texts):
+    """Text files ``0.txt``, ``1.txt`` ... of ``texts`` in ``folder``; their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for n, text in enumerate(texts):
+        path = folder / f"{n}.txt"
+        path.write_text(text)
+        paths.append(path)
+    return paths
+
+
+def test_a_source_that_lost_one_of_its_files_is_reused(tmp_path):
+    """Four documents in four files, one held out (``val_every=4``); one file deleted since: the folder is reused
+    with the counts it recorded (its tokens are there), not refused as a changed corpus."""
+    paths = corpus(tmp_path / "c", ["alpha", "beta", "gamma", "delta"])
+    spec = DataSpec(train_source=str(tmp_path / "c"), val_every=4)
+    out = str(tmp_path / "out")
+    record = prepare_dataset(spec, out)
+    # byte tokens: [eos] + one per byte; 3.txt (the 4th document) held out
+    assert record["counts"] == {"train": {"n_tokens": 6 + 5 + 6, "n_docs": 3}, "val": {"n_tokens": 6, "n_docs": 1}}
+    paths[1].unlink()
+    again = prepare_dataset(spec, out)
+    assert again["counts"] == record["counts"]
+
+
+def test_a_folder_whose_tokenizer_files_are_gone_is_refused_by_name(tmp_path):
+    """The prepared ``tokenizer/`` emptied by hand (the folder left): the reuse names the folder's lost tokenizer."""
+    corpus(tmp_path / "c", ["one", "two", "three"])
+    spec = DataSpec(train_source=str(tmp_path / "c"), val_every=3)
+    out = tmp_path / "out"
+    prepare_dataset(spec, str(out))
+    saved = sorted(os.listdir(out / "tokenizer"))
+    assert saved
+    for name in saved:
+        os.remove(out / "tokenizer" / name)
+    copy = str(out / "tokenizer")
+    with pytest.raises(ValueError, match=re.escape(f"has lost its tokenizer ({copy!r} holds no tokenizer files)")):
+        prepare_dataset(spec, str(out))
+
+
+def test_a_val_file_of_a_training_folder_named_through_a_link_is_one_file_both_read(tmp_path):
+    """``train_source`` a link to a folder, ``val_source`` an empty file of that folder by its own path: the same file
+    both sources read (by its real path), refused as such, though an empty copy of a training file would pass."""
+    corpus(tmp_path / "c", ["", "some training text", "more training text"])
+    os.symlink(tmp_path / "c", tmp_path / "linked")
+    val = str(tmp_path / "c" / "0.txt")
+    spec = DataSpec(train_source=str(tmp_path / "linked"), val_source=val)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=re.escape(f"data.val_source file {val!r} is also read by "
+                                                   f"data.train_source {str(tmp_path / 'linked')!r}")):
+        prepare_dataset(spec, str(out))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_an_integer_past_a_floats_range_keeps_its_sign(sign):
+    """``10**400`` overflows a float: as large as the largest float, of its own sign."""
+    assert as_float(sign * 10**400) == sign * math.inf
+    assert as_float(sign * (2**1024)) == sign * math.inf
+    assert as_float(sign * (2**1023)) == sign * 2.0**1023

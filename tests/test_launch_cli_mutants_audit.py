@@ -18,6 +18,10 @@ step ends the command at that step's checkpoint with exit status 128 + SIGTERM a
 a finished run, a ``--stop-at`` before its last step is refused naming the steps it takes, and one at its
 last step does nothing and points to a longer ``train.steps``, not to a later ``--stop-at``; a diverging run's
 error (exit status 3) is printed on a line of its own, after the progress bar's.
+
+``falcon-fwa ppl``: ``--batch-size`` reaches the scoring, ``--train-len`` marks the buckets from it in the
+report and the table, a ``--plot`` name ending in ``.PNG`` is a PNG name, and an ``hf:`` data source is
+taken as it is (no local file looked for).
 """
 import contextlib
 import errno
@@ -372,3 +376,76 @@ def test_a_diverging_runs_error_starts_a_line_of_its_own_after_the_progress_bar(
     before, error = capsys.readouterr().err.split("falcon-fwa train: error: ", 1)
     assert "train: " in before.rsplit("\n", 2)[-2], before  # the last line before the error is the bar's
     assert before.endswith("\n") and error.startswith("non-finite training loss"), (before[-200:], error)
+
+
+def _saved_model(folder):
+    from falcon_fwa import FalconForCausalLM, get_preset
+    from falcon_fwa.data.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    FalconForCausalLM(get_preset("tiny-falcon", vocab_size=320)).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def test_ppl_passes_the_batch_size_on_and_marks_the_buckets_from_the_training_length(tmp_path, monkeypatch, capsys):
+    import json
+
+    from falcon_fwa.cli import main
+    from falcon_fwa.eval import ppl_cli
+
+    given = []
+    real = ppl_cli.position_nll
+
+    def recording(model, rows, **kwargs):
+        given.append(dict(kwargs, windows=len(rows)))
+        return real(model, rows, **kwargs)
+
+    monkeypatch.setattr(ppl_cli, "position_nll", recording)
+    model = _saved_model(tmp_path / "m")
+    text = tmp_path / "held.txt"
+    text.write_text("fast weight attention reads the state " * 20)
+    out = tmp_path / "ppl.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        capsys.readouterr()
+        assert main(["ppl", "--model", model, "--data", str(text), "--seq-len", "16", "--buckets", "0,4,8,16",
+                     "--train-len", "8", "--batch-size", "3", "--max-windows", "5", "--device", "cpu",
+                     "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert [(g["batch_size"], g["windows"], g["bf16"], g["eos_id"]) for g in given] == [(3, 5, False, 256)]
+    report = json.loads(out.read_text())
+    assert [(b["start"], b["end"], b["beyond_train_len"]) for b in report["buckets"]] == [
+        (0, 4, False), (4, 8, False), (8, 16, True)]
+    table = [line for line in capsys.readouterr().out.splitlines() if line.lstrip()[:1].isdigit()]
+    assert [line.endswith("(beyond training length)") for line in table] == [False, False, True], table
+
+
+def test_a_plot_named_in_capitals_is_a_png_name(tmp_path, monkeypatch, capsys):
+    """``--plot OUT.PNG`` passes the name check: the command goes on to the next check (the model folder's
+    tokenizer, missing here); ``--plot out.svg`` is refused naming the option."""
+    from falcon_fwa.cli import main
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    text = tmp_path / "held.txt"
+    text.write_text("some text")
+    for plot, said in ((tmp_path / "OUT.PNG", "--model"), (tmp_path / "out.svg", "--plot")):
+        capsys.readouterr()
+        assert main(["ppl", "--model", str(folder), "--data", str(text), "--device", "cpu",
+                     "--plot", str(plot)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"falcon-fwa ppl: error: {said}"), err
+        assert ("PNG" in err) == (said == "--plot"), err
+
+
+def test_ppl_takes_a_hub_data_source_without_looking_for_a_local_file(tmp_path):
+    from falcon_fwa.eval import ppl_cli
+
+    ppl_cli._check_data(["hf:someone/held-out"])
+    with pytest.raises(FileNotFoundError, match=r"^--data: "):
+        ppl_cli._check_data([str(tmp_path / "missing.txt")])

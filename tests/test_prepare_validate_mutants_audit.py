@@ -2,14 +2,20 @@
 values worked out by hand: a source that has lost one of its files since is reused (its tokens are in the folder),
 a prepared folder whose ``tokenizer/`` holds no tokenizer file any more is refused by name, a ``val_source`` file
 that a training folder named through a link holds is refused as a file both sources read (not as a copy), and
-``as_float`` keeps the sign of an integer past a float's range."""
+``as_float`` keeps the sign of an integer past a float's range; a ``prepared.json`` whose ``spec`` is no
+object is named as no record of a preparation; an op called with a misspelt keyword and an unknown one hints the
+first and lists every argument the op takes."""
+import inspect
+import json
 import math
 import os
 import re
 
 import pytest
+import torch
 
 from falcon_fwa.data import DataSpec, prepare_dataset
+from falcon_fwa.ops import falcon_attention
 from falcon_fwa.ops.validate import as_float
 
 
@@ -73,3 +79,27 @@ def test_an_integer_past_a_floats_range_keeps_its_sign(sign):
     assert as_float(sign * 10**400) == sign * math.inf
     assert as_float(sign * (2**1024)) == sign * math.inf
     assert as_float(sign * (2**1023)) == sign * 2.0**1023
+
+
+@pytest.mark.parametrize("held", [None, ["train_source"], "byte"])
+def test_a_record_whose_spec_is_no_object_is_no_record(tmp_path, held):
+    """A ``prepared.json`` written by hand whose ``spec`` is null, a list or text: refused, naming the record."""
+    corpus(tmp_path / "c", ["one", "two"])
+    out = tmp_path / "out"
+    out.mkdir()
+    record = out / "prepared.json"
+    record.write_text(json.dumps({"spec": held, "counts": {}}))
+    with pytest.raises(ValueError, match=re.escape(f"{str(record)!r} is no record of a preparation "
+                                                   "(no \"spec\" of settings)")):
+        prepare_dataset(DataSpec(train_source=str(tmp_path / "c"), val_every=2), str(out))
+
+
+def test_a_misspelt_keyword_beside_an_unknown_one_lists_what_the_op_takes():
+    """``lamda`` (close to ``lam``) and ``xyz`` (close to nothing): the first is hinted, and as the second is not,
+    the message lists every argument of the op."""
+    q = torch.zeros(1, 2, 1, 2)
+    with pytest.raises(TypeError) as err:
+        falcon_attention(q, q, q, torch.ones(1, 2, 1), torch.ones(1, 2, 1), lamda=1.0, xyz=2)
+    takes = ", ".join(inspect.signature(falcon_attention).parameters)
+    assert str(err.value) == ("falcon_attention() got unexpected keyword arguments 'lamda' (did you mean 'lam'?), "
+                              f"'xyz'; it takes {takes}")

@@ -1,11 +1,16 @@
-"""The causal LM's labels and position_ids at edges the other model tests leave open, each against a reference
-written here: the forward leaves the caller's ``labels`` as they were given (the ``-100`` it puts at pads and
-document starts go into a copy), examples flattened into left-padded rows skip each example's first token in the
-loss (a float64 cross-entropy of each example run alone), and a row whose ``position_ids`` carry on from the row
-above instead of starting at 0 is refused by name rather than run as one sequence over both rows."""
+"""The causal LM's labels, position_ids, masks and generate() at edges the other model tests leave open, and
+``position_nll``'s reading of the logits, each against a reference written here: the forward leaves the caller's
+``labels`` as they were given; examples flattened into left-padded rows skip each example's first token in the
+loss (a float64 cross-entropy of each example run alone); a row whose ``position_ids`` carry on from the row above
+is refused by name; a chunked prefill without an ``attention_mask`` takes ``pad_token_id`` for pads (not when it is
+an eos id), so each row's logits are those of its prompt alone; ``generate()`` takes ``position_ids`` that continue
+a prefilled cache and refuses a row ending in the pad id; an ``attention_mask`` wider than the columns seen is
+refused; activation checkpointing is off in eval mode; ``position_nll`` works with ``config.return_dict = False``
+(per-position sums computed here in float64)."""
 import pytest
 import torch
 
+from falcon_fwa.eval.perplexity import position_nll
 from falcon_fwa.models import FalconForCausalLM, get_preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -190,3 +195,38 @@ def test_an_attention_mask_wider_than_the_columns_seen_is_refused():
         step = model(x, attention_mask=torch.ones(2, 8, dtype=torch.long), cache=cache).logits
         whole = model(torch.cat([x, x], 1), use_cache=False).logits[:, 4:]
     torch.testing.assert_close(step, whole, rtol=0, atol=1e-10)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")
+def test_activation_checkpointing_is_off_in_eval_mode_even_with_gradients():
+    """Activation checkpointing applies when training with gradients: an eval-mode model with it switched on,
+    called with gradients enabled, makes and fills its cache as usual (no block runs again), and its logits and
+    the gradients of a loss on them are those of the same model with it off."""
+    model = _model()
+    x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(10))
+    plain = model(x)
+    grads = torch.autograd.grad(plain.logits.square().sum(), list(model.parameters()))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.model.layers[0].gradient_checkpointing and not model.training
+    out = model(x)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert cache is not None and cache.num_positions == 6
+    assert torch.equal(out.logits, plain.logits)
+    for g0, g1 in zip(grads, torch.autograd.grad(out.logits.square().sum(), list(model.parameters()))):
+        torch.testing.assert_close(g1, g0, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("eos_id", [None, 3])
+def test_position_nll_reads_the_logits_of_a_model_whose_config_returns_tuples(eos_id):
+    """``position_nll`` asks for the output object whatever the config's ``return_dict``: with
+    ``config.return_dict = False`` it gives the per-position sums and counts computed here in float64 from each
+    window's logits (``eos_id=None``: one sequence a window, every prediction counted at its column)."""
+    model = _model()
+    rows = torch.randint(4, 64, (3, 7), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(rows[:, :-1], use_cache=False).logits.double(), -1)
+    want = -logp.gather(-1, rows[:, 1:, None])[..., 0].sum(0)  # no end-of-text in the rows: one document each
+    model.config.return_dict = False
+    total, count = position_nll(model, rows, batch_size=2, progress=False, eos_id=eos_id)
+    assert torch.equal(count, torch.full((6,), 3.0, dtype=torch.float64))
+    torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)

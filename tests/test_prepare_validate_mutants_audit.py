@@ -4,16 +4,19 @@ a prepared folder whose ``tokenizer/`` holds no tokenizer file any more is refus
 that a training folder named through a link holds is refused as a file both sources read (not as a copy), and
 ``as_float`` keeps the sign of an integer past a float's range; a ``prepared.json`` whose ``spec`` is no
 object is named as no record of a preparation; an op called with a misspelt keyword and an unknown one hints the
-first and lists every argument the op takes."""
+first and lists every argument the op takes; ``prepared.json`` keeps as its modification time the moment taken
+before its stamps were."""
 import inspect
 import json
 import math
 import os
 import re
+import types
 
 import pytest
 import torch
 
+import falcon_fwa.data.prepare as prepare_module
 from falcon_fwa.data import DataSpec, prepare_dataset
 from falcon_fwa.ops import falcon_attention
 from falcon_fwa.ops.validate import as_float
@@ -103,3 +106,14 @@ def test_a_misspelt_keyword_beside_an_unknown_one_lists_what_the_op_takes():
     takes = ", ".join(inspect.signature(falcon_attention).parameters)
     assert str(err.value) == ("falcon_attention() got unexpected keyword arguments 'lamda' (did you mean 'lam'?), "
                               f"'xyz'; it takes {takes}")
+
+
+def test_the_record_is_kept_with_the_time_taken_before_its_stamps(tmp_path, monkeypatch):
+    """The preparation's clock read as a fixed moment (2001-09-09): ``prepared.json`` carries that moment as its
+    modification time, not the later one of its write, so that a file whose time is clearly older vouches for it."""
+    moment = 10**18
+    monkeypatch.setattr(prepare_module, "time", types.SimpleNamespace(time_ns=lambda: moment))
+    corpus(tmp_path / "c", ["one", "two"])
+    out = tmp_path / "out"
+    prepare_dataset(DataSpec(train_source=str(tmp_path / "c"), val_every=2), str(out))
+    assert os.stat(out / "prepared.json").st_mtime_ns == moment

@@ -5,8 +5,9 @@ loss (a float64 cross-entropy of each example run alone); a row whose ``position
 is refused by name; a chunked prefill without an ``attention_mask`` takes ``pad_token_id`` for pads (not when it is
 an eos id), so each row's logits are those of its prompt alone; ``generate()`` takes ``position_ids`` that continue
 a prefilled cache and refuses a row ending in the pad id; an ``attention_mask`` wider than the columns seen is
-refused; activation checkpointing is off in eval mode; ``position_nll`` works with ``config.return_dict = False``
-(per-position sums computed here in float64)."""
+refused; ``generate()`` reads ``position_ids`` at real tokens only; activation checkpointing is off in eval mode;
+``position_nll`` works with ``config.return_dict = False`` and scores bfloat16 logits in float32 (per-position sums
+computed here in float64)."""
 import pytest
 import torch
 
@@ -230,3 +231,45 @@ def test_position_nll_reads_the_logits_of_a_model_whose_config_returns_tuples(eo
     total, count = position_nll(model, rows, batch_size=2, progress=False, eos_id=eos_id)
     assert torch.equal(count, torch.full((6,), 3.0, dtype=torch.float64))
     torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)
+
+
+def test_generate_reads_position_ids_at_real_tokens_only():
+    """``position_ids`` given to ``generate()`` with left-padded prompts are read at the real tokens only (any value
+    at a pad, as ``generate()`` itself makes them: ``cumsum(mask) - 1``, 1 at pads): they are taken and generate
+    what no ``position_ids`` do; a row whose real tokens are not numbered from 0 is refused by name."""
+    model = _model()
+    x = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(12))
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    assert pos.tolist() == [[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(x, position_ids=pos, **kw), model.generate(x, **kw))
+        with pytest.raises(ValueError, match=r"position_ids given to generate.*row 1 has \[1, 2, 3\]"):
+            model.generate(x, position_ids=pos + (mask == 1).long() * torch.tensor([[0], [1]]), **kw)
+
+
+class _Bf16Logits(torch.nn.Module):
+    """A language model (not a transformers one) whose logits come in bfloat16: a fixed table by token."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids, use_cache=False, **_):
+        return type("Out", (), {"logits": self.table[input_ids]})()
+
+
+@pytest.mark.parametrize("eos_id", [None, 3])
+def test_position_nll_scores_bf16_logits_in_float32(eos_id):
+    """bfloat16 logits are scored in float32 (``eos_id=None`` and with end-of-text resets alike): the per-position
+    sums are the float64 cross-entropy of the bfloat16 logits to float32 accuracy, not bfloat16's."""
+    g = torch.Generator().manual_seed(13)
+    table = (torch.randn(64, 64, generator=g) * 4).to(torch.bfloat16)
+    rows = torch.randint(4, 64, (4, 9), generator=g)
+    total, count = position_nll(_Bf16Logits(table), rows, batch_size=2, progress=False, eos_id=eos_id)
+    logp = torch.log_softmax(table[rows[:, :-1]].double(), -1)
+    want = -logp.gather(-1, rows[:, 1:, None])[..., 0].sum(0)
+    assert torch.equal(count, torch.full((8,), 4.0, dtype=torch.float64))
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)

@@ -22,6 +22,9 @@ error (exit status 3) is printed on a line of its own, after the progress bar's.
 ``falcon-fwa ppl``: ``--batch-size`` reaches the scoring, ``--train-len`` marks the buckets from it in the
 report and the table, a ``--plot`` name ending in ``.PNG`` is a PNG name, and an ``hf:`` data source is
 taken as it is (no local file looked for).
+
+``falcon-fwa generate``: ``--no-stop-at-eos``, ``--seed`` and ``--batch-size`` reach the decoding and the
+``--json`` settings; the summary line gives peak GPU memory in GiB (2**30 bytes).
 """
 import contextlib
 import errno
@@ -449,3 +452,52 @@ def test_ppl_takes_a_hub_data_source_without_looking_for_a_local_file(tmp_path):
     ppl_cli._check_data(["hf:someone/held-out"])
     with pytest.raises(FileNotFoundError, match=r"^--data: "):
         ppl_cli._check_data([str(tmp_path / "missing.txt")])
+
+
+@pytest.mark.parametrize("eos", [[], ["--no-stop-at-eos"]])
+def test_generate_passes_its_options_to_the_decoding_and_the_json(tmp_path, monkeypatch, capsys, eos):
+    import json
+
+    from falcon_fwa.cli import main
+    from falcon_fwa.serve import generate_cli
+
+    given = []
+    real = generate_cli.generate_text
+
+    def recording(model, tokenizer, prompts, **kwargs):
+        given.append(dict(kwargs, prompts=list(prompts)))
+        return real(model, tokenizer, prompts, **kwargs)
+
+    monkeypatch.setattr(generate_cli, "generate_text", recording)
+    model = _saved_model(tmp_path / "m")
+    out = tmp_path / "out.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["generate", "--model", model, "--prompt", "ab", "--prompt", "c", "--max-new-tokens", "3",
+                     "--seed", "7", "--batch-size", "2", "--temperature", "0.5", "--device", "cpu",
+                     "--cuda-graphs", "off", "--json", str(out), *eos]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    stop_at_eos = not eos
+    assert len(given) == 1
+    g = given[0]
+    assert (g["prompts"], g["seed"], g["stop_at_eos"], g["batch_size"], g["max_new_tokens"], g["temperature"],
+            g["cuda_graphs"]) == (["ab", "c"], 7, stop_at_eos, 2, 3, 0.5, False)
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["seed"], settings["stop_at_eos"], settings["batch_size"], settings["greedy"]) == (
+        7, stop_at_eos, 2, False)
+
+
+def test_the_summary_gives_peak_gpu_memory_in_gib():
+    import types
+
+    from falcon_fwa.serve.generate_cli import _summary
+
+    timing = types.SimpleNamespace(decode_tokens_per_s=None, prompt_tokens=5, new_tokens=2, batches=1, prefill_s=0.5,
+                                   decode_tokens=1, decode_s=0.25, decode_mode="eager", graphed_batches=0,
+                                   graph_capture_s=0.0, graph_note="", peak_gpu_memory_bytes=3 * 2**30 + 2**29)
+    line = _summary(timing, 1, "cuda", "bf16")
+    assert line.endswith("n/a tokens/s (eager steps); peak GPU memory 3.50 GiB"), line
+    timing.peak_gpu_memory_bytes = None
+    assert "GPU memory" not in _summary(timing, 1, "cpu", "fp32")

@@ -5,7 +5,7 @@ loss (a float64 cross-entropy of each example run alone); a row whose ``position
 is refused by name; a chunked prefill without an ``attention_mask`` takes ``pad_token_id`` for pads (not when it is
 an eos id), so each row's logits are those of its prompt alone; ``generate()`` takes ``position_ids`` that continue
 a prefilled cache and refuses a row ending in the pad id; an ``attention_mask`` wider than the columns seen is
-refused; ``generate()`` reads ``position_ids`` at real tokens only; activation checkpointing is off in eval mode;
+refused; ``generate()`` reads ``position_ids`` at real tokens only and refuses inputs that lack columns its mask has; activation checkpointing is off in eval mode;
 ``position_nll`` works with ``config.return_dict = False`` and scores bfloat16 logits in float32 (per-position sums
 computed here in float64)."""
 import pytest
@@ -273,3 +273,21 @@ def test_position_nll_scores_bf16_logits_in_float32(eos_id):
     want = -logp.gather(-1, rows[:, 1:, None])[..., 0].sum(0)
     assert torch.equal(count, torch.full((8,), 4.0, dtype=torch.float64))
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_inputs_that_lack_new_columns_the_mask_has_are_refused():
+    """``prepare_inputs_for_generation``: with a cache that has consumed 5 columns and an ``attention_mask`` of 8,
+    the inputs need the 3 new columns (the whole sequence or the new ones); ids holding only the last one are
+    refused naming both counts, and ids holding the 3 new ones are fed as they are."""
+    model = _model()
+    x = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(14))
+    mask = torch.ones_like(x)
+    with torch.no_grad():
+        out = model(x[:, :5], attention_mask=mask[:, :5], use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    with pytest.raises(ValueError, match=r"attention_mask has 8 columns .* consumed 5, so input_ids needs at least "
+                                         r"the 3 new columns, got 1"):
+        model.prepare_inputs_for_generation(x[:, 7:], attention_mask=mask, past_key_values=cache)
+    for ids in (x, x[:, 5:]):
+        inputs = model.prepare_inputs_for_generation(ids, attention_mask=mask, past_key_values=cache)
+        assert torch.equal(inputs["input_ids"], x[:, 5:])

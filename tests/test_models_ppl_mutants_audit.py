@@ -1,13 +1,13 @@
 """The causal LM's labels, position_ids, masks and generate() at edges the other model tests leave open, and
 ``position_nll``'s reading of the logits, each against a reference written here: the forward leaves the caller's
-``labels`` as they were given; examples flattened into left-padded rows skip each example's first token in the
-loss (a float64 cross-entropy of each example run alone); a row whose ``position_ids`` carry on from the row above
-is refused by name; a chunked prefill without an ``attention_mask`` takes ``pad_token_id`` for pads (not when it is
-an eos id), so each row's logits are those of its prompt alone; ``generate()`` takes ``position_ids`` that continue
-a prefilled cache and refuses a row ending in the pad id; an ``attention_mask`` wider than the columns seen is
-refused; ``generate()`` reads ``position_ids`` at real tokens only and refuses inputs that lack columns its mask has; activation checkpointing is off in eval mode;
-``position_nll`` works with ``config.return_dict = False`` and scores bfloat16 logits in float32 (per-position sums
-computed here in float64)."""
+``labels`` as they were given; examples flattened into left-padded rows skip each example's first token in the loss
+(a float64 cross-entropy of each example run alone); a row whose ``position_ids`` carry on from the row above is
+refused by name; a chunked prefill without an ``attention_mask`` takes ``pad_token_id`` for pads (not when it is an
+eos id), so each row's logits are those of its prompt alone; ``generate()`` takes ``position_ids`` that continue a
+prefilled cache and refuses a row ending in the pad id; an ``attention_mask`` wider than the columns seen is
+refused; ``generate()`` reads ``position_ids`` at real tokens only and refuses inputs that lack columns its mask
+has; activation checkpointing is off in eval mode; ``position_nll`` works with ``config.return_dict = False`` and
+scores bfloat16 logits in float32 (per-position sums computed here in float64)."""
 import pytest
 import torch
 
@@ -143,8 +143,8 @@ def test_chunked_prefill_without_a_mask_takes_no_pads_when_the_pad_id_is_the_eos
 
 def test_generate_takes_position_ids_that_continue_a_prefilled_cache():
     """``position_ids`` given to ``generate()`` with a cache that has consumed 5 columns need not start at 0: the
-    new columns' positions (``5, 6, 7``; ``4, 5, 6`` in a row with one pad) continue its count and are taken, generating what the same cache continues
-    to without them; positions that skip are refused by name."""
+    new columns' positions (``5, 6, 7``; ``4, 5, 6`` in a row with one pad) continue its count and are taken,
+    generating what the same cache continues to without them; positions that skip are refused by name."""
     model = _model()
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(x)
@@ -157,8 +157,8 @@ def test_generate_takes_position_ids_that_continue_a_prefilled_cache():
 
     with torch.no_grad():
         want = model.generate(x[:, 5:], past_key_values=prefilled(), **kw)
-        got = model.generate(x[:, 5:], past_key_values=prefilled(), position_ids=torch.tensor([[5, 6, 7], [4, 5, 6]]),
-                             **kw)
+        got = model.generate(x[:, 5:], past_key_values=prefilled(),
+                             position_ids=torch.tensor([[5, 6, 7], [4, 5, 6]]), **kw)
         assert torch.equal(got, want)
         with pytest.raises(ValueError, match="position_ids given to generate"):
             model.generate(x[:, 5:], past_key_values=prefilled(), position_ids=torch.tensor([[5, 6, 7], [4, 6, 7]]),

@@ -5,7 +5,8 @@ that a training folder named through a link holds is refused as a file both sour
 ``as_float`` keeps the sign of an integer past a float's range; a ``prepared.json`` whose ``spec`` is no
 object is named as no record of a preparation; an op called with a misspelt keyword and an unknown one hints the
 first and lists every argument the op takes; ``prepared.json`` keeps as its modification time the moment taken
-before its stamps were."""
+before its stamps were; a batch of no rows with a ``log_gate`` has its values checked as none (an empty
+output, not an error of the reduction)."""
 import inspect
 import json
 import math
@@ -117,3 +118,13 @@ def test_the_record_is_kept_with_the_time_taken_before_its_stamps(tmp_path, monk
     out = tmp_path / "out"
     prepare_dataset(DataSpec(train_source=str(tmp_path / "c"), val_every=2), str(out))
     assert os.stat(out / "prepared.json").st_mtime_ns == moment
+
+
+@pytest.mark.parametrize("form", ["recurrent", "parallel", "chunk"])
+def test_a_batch_of_no_rows_with_a_log_gate_gives_an_empty_output(form):
+    """``B = 0`` with ``log_gate``: nothing to check (no value out of range), the output of shape ``[0, T, H, V]``."""
+    q, v = torch.zeros(0, 3, 2, 4), torch.zeros(0, 3, 2, 5)
+    out = falcon_attention(q, q, v, torch.ones(0, 3, 2), torch.ones(0, 3, 2), log_gate=torch.zeros(0, 3, 2),
+                           form=form)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape == (0, 3, 2, 5)

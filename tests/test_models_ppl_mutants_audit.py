@@ -10,11 +10,16 @@ has; activation checkpointing is off in eval mode; ``position_nll`` works with `
 scores bfloat16 logits in float32 (per-position sums computed here in float64)."""
 import pytest
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from falcon_fwa.eval.perplexity import position_nll
 from falcon_fwa.models import FalconForCausalLM, get_preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# the generate() keyword of the cache: "cache" from transformers 5.2x, "past_key_values" before
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def _model(mixer="falcon", seed=0):
@@ -156,12 +161,12 @@ def test_generate_takes_position_ids_that_continue_a_prefilled_cache():
         return getattr(out, "cache", None) or out.past_key_values
 
     with torch.no_grad():
-        want = model.generate(x[:, 5:], past_key_values=prefilled(), **kw)
-        got = model.generate(x[:, 5:], past_key_values=prefilled(),
+        want = model.generate(x[:, 5:], **{CACHE: prefilled()}, **kw)
+        got = model.generate(x[:, 5:], **{CACHE: prefilled()},
                              position_ids=torch.tensor([[5, 6, 7], [4, 5, 6]]), **kw)
         assert torch.equal(got, want)
         with pytest.raises(ValueError, match="position_ids given to generate"):
-            model.generate(x[:, 5:], past_key_values=prefilled(), position_ids=torch.tensor([[5, 6, 7], [4, 6, 7]]),
+            model.generate(x[:, 5:], **{CACHE: prefilled()}, position_ids=torch.tensor([[5, 6, 7], [4, 6, 7]]),
                            **kw)
 
 

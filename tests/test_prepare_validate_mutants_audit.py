@@ -6,7 +6,7 @@ that a training folder named through a link holds is refused as a file both sour
 object is named as no record of a preparation; an op called with a misspelt keyword and an unknown one hints the
 first and lists every argument the op takes; ``prepared.json`` keeps as its modification time the moment taken
 before its stamps were; a batch of no rows with a ``log_gate`` has its values checked as none (an empty
-output, not an error of the reduction)."""
+output, not an error of the reduction); ``eps`` given as a bool is refused by name."""
 import inspect
 import json
 import math
@@ -14,6 +14,7 @@ import os
 import re
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,3 +129,11 @@ def test_a_batch_of_no_rows_with_a_log_gate_gives_an_empty_output(form):
                            form=form)
     out = out[0] if isinstance(out, tuple) else out
     assert out.shape == (0, 3, 2, 5)
+
+
+@pytest.mark.parametrize("flag", [True, False, np.bool_(True)])
+def test_eps_given_as_a_bool_is_refused_by_name(flag):
+    """``eps=True`` is no number (though ``True == 1``): a ``ValueError`` naming ``eps`` and the value."""
+    q, v = torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 3)
+    with pytest.raises(ValueError, match=re.escape(f"eps must be a number, got {flag!r}")):
+        falcon_attention(q, q, v, torch.ones(1, 2, 1), torch.ones(1, 2, 1), eps=flag)

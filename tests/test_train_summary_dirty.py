@@ -22,7 +22,7 @@ def test_the_summary_records_the_commit_and_whether_its_checkout_was_edited(tmp_
     assert (summary["commit"], summary["dirty"]) == (git(checkout, "rev-parse", "HEAD"), edited)
     report = {"configs": ["Falcon-1A"], "runs": {"Falcon-1A": dict(summary, status="done")}}
     table = compare_report.markdown_table(compare_report.result_rows(report))
-    note = " with uncommitted changes to tracked files" if edited else ""
+    note = f" with uncommitted changes to tracked files (diff_sha256 `{summary['diff_sha256'][:12]}`)" if edited else ""
     assert table.endswith(f"\n\nRuns trained at commit `{summary['commit']}`{note}.\n")
 
 
@@ -51,3 +51,20 @@ def test_the_report_notes_each_commit_of_runs_with_changes_and_reads_results_wit
     rows = json.loads((tmp_path / "rep" / "small.json").read_text())
     assert [(r["model"], r["commit"], r["dirty"]) for r in rows] == [
         ("a", "c1", True), ("b", "c1", False), ("c", "c2", False), ("d", "c2", None), ("e", "c3", None)]
+
+
+def test_runs_of_one_commit_with_different_changes_are_named_once_per_change():
+    """Two runs at ``c1`` with different uncommitted changes are not the same code: the closing line names ``c1``
+    once per fingerprint (its first 12 hex digits), once for runs of the same changes, and once clean."""
+    fp1, fp2 = "a" * 64, "b" * 64
+    runs = {"x": {"commit": "c1", "dirty": True, "diff_sha256": fp1},
+            "y": {"commit": "c1", "dirty": True, "diff_sha256": fp2},
+            "z": {"commit": "c1", "dirty": True, "diff_sha256": fp1},
+            "w": {"commit": "c1", "dirty": False}}
+    report = {"configs": list(runs), "steps": 2,
+              "runs": {name: dict(run, steps=2, params=10, tokens=64, val_ppl=3.0, status="done")
+                       for name, run in runs.items()}}
+    table = compare_report.markdown_table(compare_report.result_rows(report))
+    dirty = " with uncommitted changes to tracked files (diff_sha256 `{}`)"
+    assert table.endswith(f"\n\nRuns trained at commit `c1`, `c1`{dirty.format('a' * 12)}, "
+                          f"`c1`{dirty.format('b' * 12)}.\n")

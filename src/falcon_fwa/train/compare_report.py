@@ -81,14 +81,26 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _changes_note(row: dict) -> str:
+    """What follows a run's commit in the table's closing line: :func:`falcon_fwa.provenance.uncommitted_note` of
+    its ``dirty`` (nothing where ``None``), and for a run with changes their fingerprint, where recorded."""
+    if row.get("dirty") is None:
+        return ""
+    note = uncommitted_note(row["dirty"])
+    if row["dirty"] and row.get("diff_sha256"):
+        note += f" (diff_sha256 `{row['diff_sha256'][:12]}`)"
+    return note
+
+
 def _provenance_lines(rows: list, provenance: Optional[dict]) -> list:
     """The table's closing lines: the commits the rows' runs trained at, each followed by
     :func:`falcon_fwa.provenance.uncommitted_note` where runs of it trained with uncommitted changes to tracked
-    files (a commit of clean and edited runs is named twice; a run whose result does not say, ``dirty`` ``None``,
-    adds no note), and (with ``provenance``, as :func:`falcon_fwa.provenance.command_provenance` gives it) the
-    commit that wrote the table, dirty or not (:func:`falcon_fwa.provenance.written_at_line`)."""
-    trained = sorted({(r["commit"], uncommitted_note(r.get("dirty")) if r.get("dirty") is not None else "")
-                      for r in rows if r.get("commit")})
+    files and the first 12 hex digits of those changes' ``diff_sha256`` where the run recorded it (a commit of
+    clean and edited runs is named twice, one of runs with different changes once per change; a run whose result
+    does not say, ``dirty`` ``None``, adds no note), and (with ``provenance``, as
+    :func:`falcon_fwa.provenance.command_provenance` gives it) the commit that wrote the table, dirty or not
+    (:func:`falcon_fwa.provenance.written_at_line`)."""
+    trained = sorted({(r["commit"], _changes_note(r)) for r in rows if r.get("commit")})
     lines = [f"Runs trained at commit {', '.join(f'`{c}`{note}' for c, note in trained)}."] if trained else []
     if provenance is not None:
         lines.append(written_at_line(provenance, "Table"))

@@ -6,7 +6,8 @@ that a training folder named through a link holds is refused as a file both sour
 object is named as no record of a preparation; an op called with a misspelt keyword and an unknown one hints the
 first and lists every argument the op takes; ``prepared.json`` keeps as its modification time the moment taken
 before its stamps were; a batch of no rows with a ``log_gate`` has its values checked as none (an empty
-output, not an error of the reduction); ``eps`` given as a bool is refused by name."""
+output, not an error of the reduction); ``eps`` given as a bool is refused by name; a search from inside the output folder passes over the
+split folders' temporary and set-aside names (``val.old`` ...) and keeps a folder of another name."""
 import inspect
 import json
 import math
@@ -20,6 +21,7 @@ import torch
 
 import falcon_fwa.data.prepare as prepare_module
 from falcon_fwa.data import DataSpec, prepare_dataset
+from falcon_fwa.data.sources import list_files
 from falcon_fwa.ops import falcon_attention
 from falcon_fwa.ops.validate import as_float
 
@@ -137,3 +139,15 @@ def test_eps_given_as_a_bool_is_refused_by_name(flag):
     q, v = torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 3)
     with pytest.raises(ValueError, match=re.escape(f"eps must be a number, got {flag!r}")):
         falcon_attention(q, q, v, torch.ones(1, 2, 1), torch.ones(1, 2, 1), eps=flag)
+
+
+@pytest.mark.parametrize("entry", ["train", "val", "tokenizer", "train.tmp", "train.old", "val.tmp", "val.old"])
+def test_a_search_of_the_output_folder_passes_over_what_a_preparation_writes(tmp_path, entry):
+    """``--out .`` beside the corpus: a JSON Lines file in a folder a preparation writes (``val.old``, set aside by a
+    rebuild) is none of the corpus; the same file in a folder of another name (``notes``) is."""
+    corpus(tmp_path, ["one", "two"])
+    for folder in (entry, "notes"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "part.jsonl").write_text('{"text": "held aside"}\n')
+    found = list_files(str(tmp_path), exclude=str(tmp_path))
+    assert found == [str(tmp_path / "0.txt"), str(tmp_path / "1.txt"), str(tmp_path / "notes" / "part.jsonl")]

@@ -7,7 +7,9 @@ object is named as no record of a preparation; an op called with a misspelt keyw
 first and lists every argument the op takes; ``prepared.json`` keeps as its modification time the moment taken
 before its stamps were; a batch of no rows with a ``log_gate`` has its values checked as none (an empty
 output, not an error of the reduction); ``eps`` given as a bool is refused by name; a search from inside the output folder passes over the
-split folders' temporary and set-aside names (``val.old`` ...) and keeps a folder of another name."""
+split folders' temporary and set-aside names (``val.old`` ...) and keeps a folder of another name; a source whose every file lies where the output is written is refused
+naming the output by the caller's name for it; a setting that names no path (``text_field``) is compared as given,
+not as a path."""
 import inspect
 import json
 import math
@@ -151,3 +153,28 @@ def test_a_search_of_the_output_folder_passes_over_what_a_preparation_writes(tmp
         (tmp_path / folder / "part.jsonl").write_text('{"text": "held aside"}\n')
     found = list_files(str(tmp_path), exclude=str(tmp_path))
     assert found == [str(tmp_path / "0.txt"), str(tmp_path / "1.txt"), str(tmp_path / "notes" / "part.jsonl")]
+
+
+def test_a_source_inside_the_outputs_train_folder_is_refused_naming_the_output_setting(tmp_path):
+    """``--train mydata/train --out mydata`` (in a recipe's words): refused naming ``data.out_dir``, not a bare
+    ``out_dir``, and nothing written."""
+    corpus(tmp_path / "mydata" / "train", ["some text"])
+    source, out = str(tmp_path / "mydata" / "train"), str(tmp_path / "mydata")
+    expected = (f"data.train_source: data source {source!r} holds files only where data.out_dir {out!r} is written "
+                f"({str(tmp_path / 'mydata' / 'train' / '0.txt')!r}; a preparation writes its train, val and "
+                "tokenizer there): give data.out_dir a folder apart from the sources")
+    with pytest.raises(FileNotFoundError) as err:
+        prepare_dataset(DataSpec(train_source=source), out)
+    assert str(err.value) == expected
+    assert sorted(os.listdir(out)) == ["train"]
+
+
+def test_a_text_field_spelt_as_another_path_is_another_setting(tmp_path, monkeypatch):
+    """``text_field`` ``./text`` is no spelling of ``text`` (a field name, not a path): the folder prepared with
+    ``text`` is refused for it, naming both; the source by another spelling of its path is the same source."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=2), "out")
+    assert prepare_dataset(DataSpec(train_source="./c.jsonl", val_every=2), "out")["counts"]["val"]["n_docs"] == 1
+    with pytest.raises(ValueError, match=re.escape("(text_field 'text' there, './text' here)")):
+        prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=2, text_field="./text"), "out")

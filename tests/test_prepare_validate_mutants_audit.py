@@ -9,7 +9,7 @@ before its stamps were; a batch of no rows with a ``log_gate`` has its values ch
 output, not an error of the reduction); ``eps`` given as a bool is refused by name; a search from inside the output folder passes over the
 split folders' temporary and set-aside names (``val.old`` ...) and keeps a folder of another name; a source whose every file lies where the output is written is refused
 naming the output by the caller's name for it; a setting that names no path (``text_field``) is compared as given,
-not as a path."""
+not as a path; a source of broken links names the first and counts the others."""
 import inspect
 import json
 import math
@@ -178,3 +178,18 @@ def test_a_text_field_spelt_as_another_path_is_another_setting(tmp_path, monkeyp
     assert prepare_dataset(DataSpec(train_source="./c.jsonl", val_every=2), "out")["counts"]["val"]["n_docs"] == 1
     with pytest.raises(ValueError, match=re.escape("(text_field 'text' there, './text' here)")):
         prepare_dataset(DataSpec(train_source=str(tmp_path / "c.jsonl"), val_every=2, text_field="./text"), "out")
+
+
+@pytest.mark.parametrize("broken", [1, 2, 3])
+def test_broken_links_are_named_first_and_the_others_counted(tmp_path, broken):
+    """A folder of one text file and ``broken`` links to files gone: the first link named with its target, the
+    others counted (none with one link)."""
+    corpus(tmp_path / "c", ["text"])
+    for n in range(broken):
+        os.symlink(tmp_path / f"gone{n}.txt", tmp_path / "c" / f"link{n}.txt")
+    source, first = str(tmp_path / "c"), str(tmp_path / "c" / "link0.txt")
+    also = f" ({broken - 1} more like it)" if broken > 1 else ""
+    with pytest.raises(FileNotFoundError) as err:
+        list_files(source)
+    assert str(err.value) == (f"data source {source!r} names the link {first!r} to {str(tmp_path / 'gone0.txt')!r}, "
+                              f"which does not exist{also}: restore what it links to, or remove the link")

@@ -1,6 +1,6 @@
 """Perplexity's building blocks by hand: windows of a stream (also one whose length is a whole number of
 windows, and one too short for any), the held-out stream of a text file (end-of-text opening each
-document, --max-windows' cut), bucket edges (their default and their checks), buckets straddling the
+document, --max-windows' cut and its refusal below 1), bucket edges (their default and their checks), buckets straddling the
 training length or holding no prediction, and ``ppl --dtype bf16`` running under autocast."""
 import json
 import math
@@ -35,6 +35,17 @@ def test_windows_overlap_by_one_token_and_leave_out_the_tail(length, want):
 def test_a_stream_too_short_for_one_window_is_refused_naming_seq_len(length):
     with pytest.raises(ValueError, match="seq_len=4"):
         windows(np.arange(length, dtype=np.int64), 4)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_max_windows_below_one_or_no_integer_is_refused_by_its_name(bad):
+    """``max_windows`` 0 gave "N held-out tokens are fewer than one window" for a stream of many windows; now
+    the refusal names ``max_windows`` (or the option the caller's ``name`` maps it to)."""
+    with pytest.raises(ValueError, match=r"^max_windows must be an integer >= 1"):
+        windows(np.arange(100, dtype=np.int64), 4, max_windows=bad)
+    with pytest.raises(ValueError, match=r"^--max-windows must be"):
+        windows(np.arange(100, dtype=np.int64), 4, max_windows=bad, name=lambda f: "--" + f.replace("_", "-"))
+    assert windows(np.arange(100, dtype=np.int64), 4, max_windows=30).shape == (24, 5)  # more than there are
 
 
 def test_the_stream_of_a_text_file_opens_every_document_with_end_of_text(tmp_path):

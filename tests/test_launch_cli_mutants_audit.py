@@ -501,3 +501,16 @@ def test_the_summary_gives_peak_gpu_memory_in_gib():
     assert line.endswith("n/a tokens/s (eager steps); peak GPU memory 3.50 GiB"), line
     timing.peak_gpu_memory_bytes = None
     assert "GPU memory" not in _summary(timing, 1, "cpu", "fp32")
+
+
+def test_generate_max_new_tokens_default_is_the_one_its_help_states():
+    """``--max-new-tokens`` left out is 64 new tokens per prompt, the default its help names."""
+    import argparse
+
+    from falcon_fwa.serve.generate_cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    action = next(a for a in parser._actions if "--max-new-tokens" in a.option_strings)
+    assert "default 64" in action.help
+    assert parser.parse_args(["--model", "m"]).max_new_tokens == 64

@@ -4,7 +4,10 @@ provenance: ``uncommitted_changes`` of a throwaway repository is the SHA-256 of 
 --binary --no-renames`` prints there (default settings), whatever diff settings the repository's own configuration sets (colour,
 prefixes, an external diff, a textconv driver, rename detection, another diff algorithm); two different changes to a
 binary file have different fingerprints; ``None`` where git fails. ``command_provenance``'s ``dirty`` is ``None`` (not
-false) where ``git status`` fails.
+false) where ``git status`` fails. ``unlike_code`` gives each documented reason, and ``None`` only for the same code.
+
+atomic: a write interrupted (``KeyboardInterrupt``) or failing inside ``atomic_path`` leaves the previous bytes of
+the file and no temporary file beside it.
 """
 import argparse
 import hashlib
@@ -14,7 +17,7 @@ import subprocess
 import pytest
 from conftest import git
 
-from falcon_fwa import provenance
+from falcon_fwa import atomic, provenance
 
 CLEAN_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
 
@@ -107,3 +110,56 @@ def test_dirty_is_unknown_where_git_status_fails(repo, monkeypatch):
     monkeypatch.setattr(provenance, "_git", failing_status)
     record = provenance.command_provenance(argparse.Namespace(x=1))
     assert record == {"commit": head, "dirty": None, "options": {"x": 1}}
+
+
+def test_unlike_code_tells_each_difference_and_only_a_difference(repo):
+    """``unlike_code`` against a checkout's own commit and fingerprints (by git): the same code gives ``None``; a run
+    whose summary predates ``diff_sha256`` and records a dirty checkout (or unknown ``dirty``) is of unknown
+    changes, never the same code."""
+    head = git(repo, "rev-parse", "HEAD")
+    clean = provenance.uncommitted_changes(str(repo))
+    (repo / "a.txt").write_text("other\n")
+    edited = provenance.uncommitted_changes(str(repo))
+    assert clean == provenance.CLEAN_TREE != edited
+    unlike = provenance.unlike_code
+    assert unlike({"commit": head, "dirty": False}, head, clean) is None
+    assert unlike({"commit": head}, head, clean) is None
+    assert unlike({"commit": head, "dirty": True, "diff_sha256": edited}, head, edited) is None
+    unknown = "its summary does not fingerprint the uncommitted changes it trained with"
+    for summary in ({"commit": head, "dirty": True}, {"commit": head, "dirty": None},
+                    {"commit": head, "dirty": True, "diff_sha256": None}):
+        assert unlike(summary, head, clean) == unknown
+        assert unlike(summary, head, edited) == unknown
+    assert unlike({"commit": head, "dirty": False}, head, edited) == (
+        "trained without uncommitted changes, this checkout has some")
+    assert unlike({"commit": head, "diff_sha256": edited}, head, clean) == (
+        "trained with uncommitted changes to tracked files, this checkout has none")
+    assert unlike({"commit": head, "diff_sha256": "0" * 64}, head, edited) == (
+        "trained with other uncommitted changes to tracked files than this checkout has")
+    assert unlike({"commit": "f" * 40, "dirty": False}, head, clean) == (
+        f"trained at commit {'f' * 12}, this checkout is at {head[:12]}")
+    assert unlike({"dirty": False}, head, clean) == f"trained at commit unknown, this checkout is at {head[:12]}"
+    assert unlike({"commit": head, "dirty": False}, head, None) == (
+        "the uncommitted changes of this checkout cannot be read (git diff HEAD failed)")
+    assert unlike({"commit": head, "dirty": False}, None, clean) == (
+        "this code is outside a git checkout, so the code the run trained with cannot be told from it")
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit, ValueError])
+def test_an_interrupted_write_leaves_the_previous_bytes_and_no_temporary_file(tmp_path, stop):
+    target = tmp_path / "summary.json"
+    target.write_bytes(b'{"old": 1}\n')
+    with pytest.raises(stop):
+        with atomic.atomic_path(target) as tmp:
+            with open(tmp, "w") as f:
+                f.write('{"new": ')
+            raise stop()
+    assert target.read_bytes() == b'{"old": 1}\n'
+    assert sorted(os.listdir(tmp_path)) == ["summary.json"]
+    with pytest.raises(TypeError):
+        atomic.write_json(target, {"a": 1, "b": object()})  # fails midway through the encoding
+    assert target.read_bytes() == b'{"old": 1}\n'
+    assert sorted(os.listdir(tmp_path)) == ["summary.json"]
+    atomic.write_json(target, {"new": [1, 2]})
+    assert target.read_bytes() == b'{\n "new": [\n  1,\n  2\n ]\n}\n'
+    assert sorted(os.listdir(tmp_path)) == ["summary.json"]

@@ -7,7 +7,8 @@ binary file have different fingerprints; ``None`` where git fails. ``command_pro
 false) where ``git status`` fails. ``unlike_code`` gives each documented reason, and ``None`` only for the same code.
 
 atomic: a write interrupted (``KeyboardInterrupt``) or failing inside ``atomic_path`` leaves the previous bytes of
-the file and no temporary file beside it.
+the file and no temporary file beside it; ``write_json`` writes indented JSON with a final newline; ``replaceable``
+holds only for an absent folder or one whose marker names the given value.
 """
 import argparse
 import hashlib
@@ -163,3 +164,14 @@ def test_an_interrupted_write_leaves_the_previous_bytes_and_no_temporary_file(tm
     atomic.write_json(target, {"new": [1, 2]})
     assert target.read_bytes() == b'{\n "new": [\n  1,\n  2\n ]\n}\n'
     assert sorted(os.listdir(tmp_path)) == ["summary.json"]
+
+
+def test_a_folder_is_replaceable_only_where_its_marker_names_the_value(tmp_path):
+    assert atomic.replaceable(tmp_path / "absent", "marker.json", "kind", "run")
+    folder = tmp_path / "f"
+    folder.mkdir()
+    assert not atomic.replaceable(folder, "marker.json", "kind", "run")  # no marker
+    for text, ok in (('{"kind": "run"}', True), ('{"kind": "other"}', False), ('{"kind": null}', False),
+                     ('{"other": "run"}', False), ('["kind"]', False), ("not json", False)):
+        (folder / "marker.json").write_text(text)
+        assert atomic.replaceable(folder, "marker.json", "kind", "run") is ok, text

@@ -68,12 +68,12 @@ def recorded_commit(given: Optional[str], source: dict) -> dict:
 
 def uncommitted_changes(root: Optional[str] = None) -> Optional[str]:
     """The fingerprint of the uncommitted changes to tracked files of the checkout this package is imported from
-    (:func:`source_checkout`), or of the repository at ``root`` when given: the SHA-256 (hex) of the output of
-    ``git diff HEAD --binary --no-renames`` there (no external diff or textconv filter, whatever the repository's
-    diff settings), staged and unstaged changes alike, so :data:`CLEAN_TREE` for a checkout without any. Untracked files do not count, as for ``dirty`` (:func:`command_provenance`): a run's own output
-    folder or data inside the checkout would otherwise make every run's code differ from the next one's; a new
-    source file counts once it is added (``git add -N`` is enough). ``None`` outside a git checkout, or where git
-    cannot tell."""
+    (:func:`source_checkout`), or of the repository at ``root`` when given: the SHA-256 (hex) of the output of ``git
+    diff HEAD --binary --no-renames`` there (no external diff or textconv filter, whatever the repository's diff
+    settings), staged and unstaged changes alike, so :data:`CLEAN_TREE` for a checkout without any. Untracked files do
+    not count, as for ``dirty`` (:func:`command_provenance`): a run's own output folder or data inside the checkout
+    would otherwise make every run's code differ from the next one's; a new source file counts once it is added (``git
+    add -N`` is enough). ``None`` outside a git checkout, or where git cannot tell."""
     where = root if root is not None else source_checkout()
     if where is None:
         return None

@@ -136,8 +136,8 @@ def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None,
             name: Callable[[str], str] = lambda field: field) -> torch.Tensor:
     """Windows [N, seq_len + 1] (inputs + next-token targets), N = (len(tokens) - 1) // seq_len: each token
     is predicted in at most one of them, and the predictions after the last whole window are in none.
-    ``name``: what an error calls ``seq_len`` and ``max_windows`` (``falcon-fwa ppl``'s ``--seq-len``, ``--max-windows``);
-    ``max_windows`` below 1 is refused by that name."""
+    ``name``: what an error calls ``seq_len`` and ``max_windows`` (``falcon-fwa ppl``'s ``--seq-len``,
+    ``--max-windows``); ``max_windows`` below 1 is refused by that name."""
     if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
                                     or max_windows < 1):
         raise ValueError(f"{name('max_windows')} must be an integer >= 1 (or None: every whole window), "

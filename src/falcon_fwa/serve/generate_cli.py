@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "opens with the end-of-text token, so an empty one continues that token alone")
     parser.add_argument("--prompts-file", default=None,
                         help="a file of prompts, one per line (blank lines skipped); - reads them from stdin")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (>= 1; default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="new tokens per prompt at most (>= 1; default 64)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (default), which takes no --top-k or --top-p; > 0: sample")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")

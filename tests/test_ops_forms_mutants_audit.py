@@ -4,6 +4,8 @@ update written here (rule 1: ``S_t = gamma_t S' + eta_t x_t (y_t - S'^T x_t)^T``
 
 * the chunk form with a ``chunk_size`` far above ``T`` runs one chunk of ``T`` steps (its block tensors are sized by
   ``min(chunk_size, T)``, not by ``chunk_size``), and gives the loop's outputs;
+* a float64 ``log_gate`` beside float32 features makes every form (and the decoding step) compute in float64:
+  the state comes back in float64 with the loop's values to float64 rounding;
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import math
 import pytest
 import torch
 
-from falcon_fwa import falcon_attention
+from falcon_fwa import falcon_attention, falcon_step
 
 f64 = torch.float64
 
@@ -60,3 +62,33 @@ def test_a_chunk_size_far_above_the_sequence_is_one_chunk_of_the_sequence(rule):
                              output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(st.S, S_ref, rtol=1e-12, atol=1e-12)
+
+
+def _gated_float32_inputs():
+    q, k, v, beta, lam = (t.float() for t in _inputs(T=4, seed=1))
+    log_gate = -torch.rand(1, 4, 1, generator=torch.Generator().manual_seed(2), dtype=f64) / 3 - 1e-3
+    return q, k, v, beta, lam, log_gate
+
+
+@pytest.mark.parametrize("form", ["recurrent", "parallel", "chunk"])
+@pytest.mark.parametrize("rule", ["1", "1A"])
+def test_a_float64_log_gate_makes_the_forms_compute_in_float64(rule, form):
+    q, k, v, beta, lam, log_gate = _gated_float32_inputs()
+    o_ref, S_ref = _loop(q, k, v, beta, lam, rule=rule, log_gate=log_gate)
+    o, st = falcon_attention(q, k, v, beta, lam, rule=rule, form=form, chunk_size=3, log_gate=log_gate,
+                             backend="torch", output_final_state=True)
+    assert o.dtype == torch.float32 and st.S.dtype == f64  # o in v's dtype, the state in the compute dtype
+    torch.testing.assert_close(st.S, S_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(o, o_ref.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["1", "1A"])
+def test_a_float64_log_gate_makes_the_decoding_step_compute_in_float64(rule):
+    q, k, v, beta, lam, log_gate = _gated_float32_inputs()
+    _, S_ref = _loop(q, k, v, beta, lam, rule=rule, log_gate=log_gate)
+    state = None
+    for t in range(q.shape[1]):
+        _, state = falcon_step(q[:, t], k[:, t], v[:, t], beta[:, t], lam[:, t], log_gate=log_gate[:, t],
+                               state=state, rule=rule, backend="torch")
+    assert state.S.dtype == f64
+    torch.testing.assert_close(state.S, S_ref, rtol=1e-12, atol=1e-12)

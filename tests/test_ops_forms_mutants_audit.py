@@ -6,6 +6,9 @@ update written here (rule 1: ``S_t = gamma_t S' + eta_t x_t (y_t - S'^T x_t)^T``
   ``min(chunk_size, T)``, not by ``chunk_size``), and gives the loop's outputs;
 * a float64 ``log_gate`` beside float32 features makes every form (and the decoding step) compute in float64:
   the state comes back in float64 with the loop's values to float64 rounding;
+* the column groups of the per-column rules count the blocks of the chunks the form runs: of ``min(chunk_size, T)``
+  steps, so that a sequence shorter than ``chunk_size`` is not cut into more groups than its blocks need
+  (hand-counted elements).
 """
 from __future__ import annotations
 
@@ -92,3 +95,19 @@ def test_a_float64_log_gate_makes_the_decoding_step_compute_in_float64(rule):
                                state=state, rule=rule, backend="torch")
     assert state.S.dtype == f64
     torch.testing.assert_close(state.S, S_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_column_groups_count_chunks_of_a_sequence_shorter_than_chunk_size(monkeypatch):
+    """``T = 3`` steps with ``chunk_size = 64`` run as one chunk of ``C = 3``: with ``B = H = 1``, ``W = 1``,
+    ``K = 3``, per column ``C * C W + C W * K + K * K = 9 + 9 + 9 = 27`` elements for rule 2 and ``18`` for 2A. A
+    budget of five such columns runs all five at once (``None``), one element less runs four (2), and 2A's
+    ``5 * 18`` fits too; a chunk counted as 64 steps (``4096 + 192 + 9`` per column) would run one at a time."""
+    from falcon_fwa.ops import chunk
+
+    q, xs, log_a = torch.zeros(1, 1, 3, 3), torch.zeros(1, 1, 3, 1, 3), torch.zeros(1, 1, 3, 5)
+    monkeypatch.setattr(chunk, "BLOCK_ELEMENTS", 5 * 27)
+    assert chunk._column_group(q, xs, log_a, regression=True, chunk_size=64) is None
+    monkeypatch.setattr(chunk, "BLOCK_ELEMENTS", 5 * 27 - 1)
+    assert chunk._column_group(q, xs, log_a, regression=True, chunk_size=64) == 4
+    monkeypatch.setattr(chunk, "BLOCK_ELEMENTS", 5 * 18)
+    assert chunk._column_group(q, xs, log_a, regression=False, chunk_size=64) is None

@@ -514,3 +514,39 @@ def test_generate_max_new_tokens_default_is_the_one_its_help_states():
     action = next(a for a in parser._actions if "--max-new-tokens" in a.option_strings)
     assert "default 64" in action.help
     assert parser.parse_args(["--model", "m"]).max_new_tokens == 64
+
+
+@pytest.mark.parametrize("main_process", [True, False])
+def test_a_non_finite_loss_is_reported_by_the_main_process_only(tmp_path, monkeypatch, capsys, main_process):
+    """Every process of a launch sees the same all-reduced loss and stops alike: the main one prints the error,
+    the others end with the same exit status (3) and print nothing, so torchrun's output holds it once."""
+    import json
+    import types
+
+    from test_train import recipe
+
+    from falcon_fwa.train import cli as train_cli
+    from falcon_fwa.train import trainer as trainer_module
+    from falcon_fwa.train.trainer import NonFiniteLoss
+
+    class Stopping:
+        def __init__(self, cfg):
+            self.info = types.SimpleNamespace(is_main=main_process)
+            self.step = 0
+            self.closed = False
+
+        def train(self, **kwargs):
+            raise NonFiniteLoss("non-finite training loss nan (gradient norm nan) at step 1")
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(trainer_module, "Trainer", Stopping)  # train.cli imports it when it runs
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe(tmp_path, "run", steps=2)))
+    capsys.readouterr()
+    assert train_cli.main(["--config", str(path)]) == 3
+    err = capsys.readouterr().err
+    assert ("falcon-fwa train: error: non-finite training loss nan" in err) is main_process, err

@@ -19,7 +19,8 @@ from typing import Optional
 from ..cli_options import check_input_files, check_output_folder
 from .config import load_config
 
-# Seconds a process other than rank 0 waits, after a refused resume, before it ends (torchrun then stops the rest).
+# Seconds a process other than rank 0 waits, after a refused resume or a non-finite loss, before it ends (torchrun
+# then stops the rest).
 REPORT_GRACE_S = 5.0
 
 
@@ -92,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = trainer.train(stop_at=args.stop_at, stop_on_signal=True)
     except NonFiniteLoss as err:
+        # every process sees the same all-reduced loss and global gradient norm, so every one stops alike: the
+        # main one reports it, the others end with its exit status and say nothing (the message once in
+        # torchrun's output), after leaving it the time to print before torchrun stops the rest
+        if not trainer.info.is_main and not _traceback_requested():
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                time.sleep(REPORT_GRACE_S)
+            return 3
         from ..cli import close_progress_bars
 
         close_progress_bars()  # the bar's line ends before the error's

@@ -42,6 +42,7 @@ from ..cli_options import dtype_name
 from ..data.shards import TokenShards, is_shard_folder
 from ..data.sources import iter_documents
 from ..data.tokenizer import encode_documents, is_byte_tokenizer
+from ..ops.validate import check_positive_int
 from ..plotting import pyplot
 
 
@@ -138,10 +139,8 @@ def windows(tokens: np.ndarray, seq_len: int, max_windows: Optional[int] = None,
     is predicted in at most one of them, and the predictions after the last whole window are in none.
     ``name``: what an error calls ``seq_len`` and ``max_windows`` (``falcon-fwa ppl``'s ``--seq-len``,
     ``--max-windows``); ``max_windows`` below 1 is refused by that name."""
-    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
-                                    or max_windows < 1):
-        raise ValueError(f"{name('max_windows')} must be an integer >= 1 (or None: every whole window), "
-                         f"got {max_windows!r}")
+    if max_windows is not None:
+        max_windows = check_positive_int(name("max_windows"), max_windows)
     n = (len(tokens) - 1) // seq_len
     if max_windows is not None:
         n = min(n, max_windows)

@@ -55,6 +55,13 @@ def _traceback_requested() -> bool:
     return falcon_fwa_launcher.traceback_requested()
 
 
+def _leave_the_report_to_rank_0() -> None:
+    """Before a process other than rank 0 ends quietly on an error every process meets alike: torchrun stops the
+    other processes as soon as one ends, so leave rank 0 the time to print its report (no wait outside torchrun)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(REPORT_GRACE_S)
+
+
 def run(args: argparse.Namespace) -> int:
     from . import distributed
     from .trainer import NonFiniteLoss, ResumeRefused, Trainer
@@ -82,9 +89,7 @@ def run(args: argparse.Namespace) -> int:
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or _traceback_requested():
             raise
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # torchrun stops the other processes as soon as one ends: leave rank 0 the time to print its report
-            time.sleep(REPORT_GRACE_S)
+        _leave_the_report_to_rank_0()
         distributed.teardown()
         return 2
     if args.stop_at is not None and trainer.step == args.stop_at < cfg.train.steps and trainer.info.is_main:
@@ -97,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
         # main one reports it, the others end with its exit status and say nothing (the message once in
         # torchrun's output), after leaving it the time to print before torchrun stops the rest
         if not trainer.info.is_main and not _traceback_requested():
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                time.sleep(REPORT_GRACE_S)
+            _leave_the_report_to_rank_0()
             return 3
         from ..cli import close_progress_bars
 

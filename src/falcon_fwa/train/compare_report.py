@@ -81,6 +81,12 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _count(n) -> str:
+    """A step count for the table: ``n`` with thousands separators, ``?`` where unknown (``None``, as in a
+    hand-edited or older ``compare.json``)."""
+    return "?" if n is None else f"{n:,}"
+
+
 def _changes_note(row: dict) -> str:
     """What follows a run's commit in the table's closing line: :func:`falcon_fwa.provenance.uncommitted_note` of
     its ``dirty`` (nothing where ``None``), and for a run with changes their fingerprint, where recorded."""
@@ -115,7 +121,7 @@ def markdown_table(rows: list, provenance: Optional[dict] = None) -> str:
     for r in rows:
         status, model = r["status"], _cell(r["model"])
         if status in ("partial", "stopped"):
-            status = f"{status}: {r['steps']:,} of {r['planned_steps']:,} steps"
+            status = f"{status}: {_count(r.get('steps'))} of {_count(r.get('planned_steps'))} steps"
         if r.get("error"):
             lines.append(f"| {model} | {status}: {_cell(r['error'][:80])} | | | | | |")
             continue

@@ -35,3 +35,40 @@ def test_compare_report_writes_the_table_of_a_compare_json_missing_step_counts(t
     rows = json.loads((tmp_path / "rep" / "small.json").read_text())
     assert [(r["model"], r["steps"], r["planned_steps"]) for r in rows] == [("Falcon-1A", 3, None),
                                                                             ("Transformer", None, None)]
+
+
+REFUSED_OUT_DIR = "compare trains each recipe in --out's main/NAME folder, not in train.out_dir"
+
+
+@pytest.mark.parametrize("item", ["train.out_dir=elsewhere", "train.out_dir= elsewhere",
+                                  "train={out_dir: elsewhere}", "train={'out_dir': elsewhere, steps: 3}",
+                                  'train={"out_dir": "elsewhere"}', "train.out_dir.x=elsewhere"])
+def test_compare_refuses_every_spelling_the_loader_reads_as_train_out_dir(item, tmp_path, capsys):
+    from falcon_fwa.train import compare
+    from falcon_fwa.train.config import apply_overrides
+
+    assert "out_dir" in apply_overrides({}, [item])["train"]  # the loader does take it as that field
+    missing = str(tmp_path / "missing.yaml")  # refused before the recipes are read
+    assert compare.main(["--configs", missing, "--out", str(tmp_path / "out"), "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert f"--set {item}: {REFUSED_OUT_DIR}" in err and "missing.yaml" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("item, refused", [(" train.out_dir=elsewhere", "unknown config section ' train'"),
+                                           ("train.out_dir =elsewhere", "unknown config field train.out_dir "),
+                                           ("train .out_dir=elsewhere", "unknown config section 'train '")])
+def test_a_spelling_with_spaces_in_the_key_is_no_field_of_the_recipe_and_the_loader_refuses_it(item, refused,
+                                                                                                tmp_path, capsys):
+    """The loader takes a key as written: a space makes it name no section or field, so compare leaves it to the
+    recipes' load, which refuses it naming the key."""
+    from falcon_fwa.train import compare
+    from falcon_fwa.train.config import apply_overrides
+
+    assert "out_dir" not in (apply_overrides({}, [item]).get("train") or {})
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text("model: {preset: tiny-falcon}\ntrain: {steps: 2}\n")
+    assert compare.main(["--configs", str(recipe), "--out", str(tmp_path / "out"), "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {refused}" in err and REFUSED_OUT_DIR not in err
+    assert not (tmp_path / "out").exists()

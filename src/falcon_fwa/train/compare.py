@@ -93,7 +93,7 @@ from typing import Iterator, List, Optional, Tuple
 from ..atomic import folder_lock, make_folders, read_json, remove_created, write_json
 from ..cli_options import at_least, check_input_files, check_output_file, check_output_folder, finite_at_least
 from ..provenance import git_commit, uncommitted_changes, unlike_code
-from .config import assign_text, load_config, recipe_differences, recipe_parent
+from .config import apply_overrides, assign_text, load_config, recipe_differences, recipe_parent
 from .launch import LOCK_NAME as RUN_LOCK_NAME
 from .launch import PARENT_ENDED, StopSignals, device_description, end_with_parent
 from .logger import read_log
@@ -627,6 +627,18 @@ RESUME_REFUSED = ("compare trains each recipe from scratch in its own folder (--
                   "own runs when launched again; train.resume takes 'auto' or 'none' here, not a checkpoint path")
 
 
+def _sets_out_dir(item: str) -> bool:
+    """Whether the ``--set`` assignment ``item`` sets ``train.out_dir`` as the recipe loader reads it
+    (:func:`falcon_fwa.train.config.apply_overrides`): ``train.out_dir=DIR``, or a whole section such as
+    ``train={out_dir: DIR}``. The loader takes the key as written, so a spelling with spaces in it
+    (`` train.out_dir=DIR``) names no field of the recipe and is refused by the loader itself."""
+    try:
+        train = apply_overrides({}, [item]).get("train")
+    except ValueError:  # no '=', or a value that is no YAML: loading the recipes says so
+        return False
+    return isinstance(train, dict) and "out_dir" in train
+
+
 def _check_args(args: argparse.Namespace, names: List[str]) -> None:
     check_run_names(names, args.configs)
     if args.deadline is not None and args.concurrent:
@@ -649,7 +661,7 @@ def _check_args(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError("--calib-warmup applies to the sequential calibration: --concurrent calibrates "
                          "--calib-steps training steps, whose tokens/s leave out the first ones itself")
     for item in args.overrides:  # each recipe's run folder is OUT/main/NAME, whatever the recipe says
-        if item.partition("=")[0] == "train.out_dir":
+        if _sets_out_dir(item):
             raise ValueError(f"--set {item}: compare trains each recipe in --out's main/NAME folder, not in "
                              "train.out_dir; give --out (and --names) instead")
         key, _, value = item.partition("=")

@@ -141,11 +141,22 @@ class RunConfig:
 
     def _check_model(self) -> None:
         """The preset exists and every override is a valid model config field with a valid value
-        (checked now, before any data is read; ``vocab_size`` is left to the tokenizer)."""
+        (checked now, before any data is read). ``vocab_size``, where given, must be an integer >= 1; whether it
+        holds the tokenizer's tokens is checked once the tokenizer is known (``build_model``)."""
         from ..models import get_preset
+        from ..models.configuration import _int
 
         overrides = dict(self.model.overrides)
-        overrides.pop("vocab_size", None)
+        if "vocab_size" in overrides:
+            value = overrides.pop("vocab_size")
+            try:
+                ok = _int("vocab_size", value) >= 1
+            except (ValueError, TypeError):
+                ok = False
+            if not ok:
+                raise ValueError(f"config field model.overrides.vocab_size must be an integer >= 1 (at least the "
+                                 f"tokenizer's size; leave it out for the preset's, grown to the tokenizer's where "
+                                 f"smaller), got {value!r}")
         if "eos_token_id" in overrides:  # build_model passes the tokenizer's
             raise ValueError("config field model.overrides.eos_token_id: the end-of-text id is the tokenizer's; "
                              "leave it out")

@@ -72,3 +72,69 @@ def test_a_spelling_with_spaces_in_the_key_is_no_field_of_the_recipe_and_the_loa
     err = capsys.readouterr().err
     assert f"error: {refused}" in err and REFUSED_OUT_DIR not in err
     assert not (tmp_path / "out").exists()
+
+
+class _Bar:
+    """Stands for tqdm: records the count, the text beside it and the lines written."""
+    made = []
+
+    def __init__(self, total=None, **kw):
+        self.total, self.n, self.postfix, self.lines = total, 0, "", []
+        _Bar.made.append(self)
+
+    def update(self, k=1):
+        self.n += k
+
+    def set_postfix_str(self, s="", refresh=True):
+        self.postfix = s
+
+    def write(self, line):
+        self.lines.append(line)
+
+    def close(self):
+        pass
+
+
+def test_addition_compare_counts_the_failed_runs_apart_from_the_finished_ones_on_its_bar(tmp_path, monkeypatch):
+    """Four runs, one at a time, seed-major: the Transformer runs exit 0 with their results, the Mamba-2 runs
+    exit 3 without any. The bar ends at 2 of 4 with "2 failed" beside it, not at 4 of 4."""
+    import argparse
+    import subprocess
+
+    import tqdm.auto
+
+    from falcon_fwa.tasks.addition import compare
+
+    runs = tmp_path / "runs"
+
+    class Run:
+        def __init__(self, cmd, **kw):
+            self.model, self.seed = cmd[cmd.index("--model") + 1], int(cmd[cmd.index("--seed") + 1])
+            self.returncode = None
+
+        def poll(self):
+            if self.returncode is None:
+                self.returncode = 3 if self.model == "Mamba-2" else 0
+                if self.returncode == 0:
+                    (compare._run_dir(runs, self.model, self.seed) / "results.json").write_text(json.dumps(
+                        {"finished": True, "best": {"val_acc": 90.0, "mean_acc_ood": 50.0}}))
+            return self.returncode
+
+        def wait(self):
+            return self.poll()
+
+    monkeypatch.setattr(_Bar, "made", [])
+    monkeypatch.setattr(subprocess, "Popen", Run)
+    monkeypatch.setattr(tqdm.auto, "tqdm", _Bar)
+    monkeypatch.setattr(compare.time, "sleep", lambda s: None)
+    p = argparse.ArgumentParser()
+    compare.add_arguments(p)
+    args = p.parse_args(["--models", "Transformer", "Mamba-2", "--seeds", "0", "1", "--steps", "2",
+                         "--device", "cpu", "--jobs", "1"])
+    failed, stopped_by = compare.train_all(args, runs)
+    (bar,) = _Bar.made
+    assert stopped_by == 0
+    assert failed == [f"Mamba-2 seed {s} (exit 3, see {compare._run_dir(runs, 'Mamba-2', s)}/log.txt)" for s in (0, 1)]
+    assert (bar.total, bar.n, bar.postfix) == (4, 2, "2 failed")
+    assert bar.lines == ["Transformer seed 0: val 90.0% ood mean 50.0%", f"FAILED: {failed[0]}",
+                         "Transformer seed 1: val 90.0% ood mean 50.0%", f"FAILED: {failed[1]}"]

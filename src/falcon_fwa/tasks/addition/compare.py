@@ -291,6 +291,8 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
     the signal number that stopped the command (0 if none did). A run fails where its process ends with a
     status other than 0 and its ``results.json`` is not the finished run asked for (:func:`completed_run`):
     one that a signal ended after its results were written is finished, as a relaunch, which skips it, finds.
+    The progress bar counts the runs that finished; the failed ones are counted beside it (``1 failed``), each
+    named in a ``FAILED:`` line.
 
     A SIGTERM, SIGINT or SIGHUP is passed on to the runs in progress (each stops at the end of its step with a
     checkpoint) and waited for; nothing more is started. The runs are started in sessions of their own,
@@ -363,12 +365,13 @@ def train_all(args: argparse.Namespace, runs: Path) -> tuple:
                         continue
                     logf.close()
                     running.remove(item)
-                    bar.update(1)
-                    if not done(proc, model, seed):
+                    if not done(proc, model, seed):  # the bar counts the finished runs, and the failed apart
                         failed.append(f"{model} seed {seed} (exit {proc.returncode}, see "
                                       f"{_run_dir(runs, model, seed)}/log.txt)")
                         bar.write(f"FAILED: {failed[-1]}")
+                        bar.set_postfix_str(f"{len(failed)} failed")
                     else:
+                        bar.update(1)
                         best = read_json(_run_dir(runs, model, seed) / "results.json")["best"]
                         late = (f" (finished; its process then ended with exit {proc.returncode})"
                                 if proc.returncode else "")

@@ -54,3 +54,10 @@ def test_a_vocab_size_below_the_tokenizers_is_still_refused_when_the_model_is_bu
     cfg = config_from_dict(_raw(tmp_path, vocab_size=200))  # a valid size: the tokenizer is not known yet
     with pytest.raises(ValueError, match="model.overrides.vocab_size = 200 is smaller than the tokenizer's 257"):
         build_model(cfg.model, vocab_size=257, eos_token_id=0)  # (an end-of-text id within the 200)
+
+
+def test_a_vocab_size_below_the_tokenizers_is_named_even_where_the_end_of_text_id_falls_outside_it(tmp_path):
+    # the byte tokenizer's end-of-text id 256 lies outside a vocabulary of 200: the refusal still names the override
+    cfg = config_from_dict(_raw(tmp_path, vocab_size=200))
+    with pytest.raises(ValueError, match="model.overrides.vocab_size = 200 is smaller than the tokenizer's 257"):
+        build_model(cfg.model, vocab_size=257, eos_token_id=256)

@@ -17,11 +17,12 @@ def build_model(section: ModelSection, *, vocab_size: int, eos_token_id: int) ->
     overrides = dict(section.overrides)
     if "vocab_size" not in overrides and get_preset(section.preset).vocab_size < vocab_size:
         overrides["vocab_size"] = 64 * -(-vocab_size // 64)
-    config = get_preset(section.preset, eos_token_id=eos_token_id, **overrides)
-    if config.vocab_size < vocab_size:
-        raise ValueError(f"config field model.overrides.vocab_size = {config.vocab_size} is smaller than the "
+    # before the config is built: its own check of eos_token_id against the vocabulary would name the
+    # end-of-text id, not the override that is too small
+    if overrides.get("vocab_size", vocab_size) < vocab_size:
+        raise ValueError(f"config field model.overrides.vocab_size = {overrides['vocab_size']} is smaller than the "
                          f"tokenizer's {vocab_size} tokens")
-    return FalconForCausalLM(config)
+    return FalconForCausalLM(get_preset(section.preset, eos_token_id=eos_token_id, **overrides))
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -61,3 +61,28 @@ def test_a_vocab_size_below_the_tokenizers_is_named_even_where_the_end_of_text_i
     cfg = config_from_dict(_raw(tmp_path, vocab_size=200))
     with pytest.raises(ValueError, match="model.overrides.vocab_size = 200 is smaller than the tokenizer's 257"):
         build_model(cfg.model, vocab_size=257, eos_token_id=256)
+
+
+def test_build_model_refuses_an_end_of_text_override_by_its_name(tmp_path):
+    # the recipe check refuses it; a section built without that check (a caller of build_model) is refused alike,
+    # by the field's name, rather than with get_preset's TypeError for a keyword given twice
+    cfg = config_from_dict(_raw(tmp_path))
+    cfg.model.overrides["eos_token_id"] = 3
+    with pytest.raises(ValueError, match=r"model\.overrides\.eos_token_id: the end-of-text id is the tokenizer's"):
+        build_model(cfg.model, vocab_size=257, eos_token_id=256)
+    with pytest.raises(ValueError, match=r"model\.overrides\.eos_token_id: the end-of-text id is the tokenizer's"):
+        config_from_dict(_raw(tmp_path, eos_token_id=3))
+
+
+def test_lm_eval_help_states_the_batch_size_default_it_uses():
+    import argparse
+    import re
+
+    from falcon_fwa.eval.lm_eval_cli import add_arguments
+
+    parser = argparse.ArgumentParser(prog="lm-eval", formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    help_text = " ".join(parser.format_help().split())
+    stated = re.search(r"--batch-size BATCH_SIZE requests per forward pass \(default: (\d+)\)", help_text)
+    assert stated is not None, help_text
+    assert int(stated.group(1)) == parser.parse_args(["--model", "m", "--tasks", "t"]).batch_size

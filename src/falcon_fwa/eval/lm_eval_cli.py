@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with the close names. The results JSON records the expanded list under \"tasks\"")
     parser.add_argument("--include-path", default=None, help="folder of extra task YAML files")
     parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
-    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default: 8)")
     parser.add_argument("--limit", type=float, default=None,
                         help="documents per task (a whole number), or a fraction of them below 1")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)

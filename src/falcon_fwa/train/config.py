@@ -90,6 +90,11 @@ class LogSection:
     plot: bool = True  # loss.png in the run folder as each launch ends (needs matplotlib)
 
 
+# build_model passes the tokenizer's end-of-text id; a recipe that sets one is refused (recipe check, build_model)
+EOS_OVERRIDE_REFUSED = ("config field model.overrides.eos_token_id: the end-of-text id is the tokenizer's; "
+                        "leave it out")
+
+
 @dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
@@ -158,8 +163,7 @@ class RunConfig:
                                  f"tokenizer's size; leave it out for the preset's, grown to the tokenizer's where "
                                  f"smaller), got {value!r}")
         if "eos_token_id" in overrides:  # build_model passes the tokenizer's
-            raise ValueError("config field model.overrides.eos_token_id: the end-of-text id is the tokenizer's; "
-                             "leave it out")
+            raise ValueError(EOS_OVERRIDE_REFUSED)
         try:
             get_preset(self.model.preset, **overrides)
         except ValueError as e:

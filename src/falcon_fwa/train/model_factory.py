@@ -5,7 +5,7 @@ from typing import List
 
 from torch import nn
 
-from .config import ModelSection
+from .config import EOS_OVERRIDE_REFUSED, ModelSection
 
 
 def build_model(section: ModelSection, *, vocab_size: int, eos_token_id: int) -> nn.Module:
@@ -15,6 +15,8 @@ def build_model(section: ModelSection, *, vocab_size: int, eos_token_id: int) ->
     from ..models import FalconForCausalLM, get_preset
 
     overrides = dict(section.overrides)
+    if "eos_token_id" in overrides:  # (a recipe's check refuses it too, before any data are read)
+        raise ValueError(EOS_OVERRIDE_REFUSED)
     if "vocab_size" not in overrides and get_preset(section.preset).vocab_size < vocab_size:
         overrides["vocab_size"] = 64 * -(-vocab_size // 64)
     # before the config is built: its own check of eos_token_id against the vocabulary would name the

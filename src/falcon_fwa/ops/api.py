@@ -67,7 +67,9 @@ def _floor_gate(log_gate: Optional[torch.Tensor], dtype: torch.dtype) -> Optiona
     if log_gate is None or not log_gate.is_floating_point():
         return log_gate
     info = torch.finfo(dtype)
-    return log_gate.clamp(min=math.log(info.smallest_normal * info.eps) - 1.0)
+    # a sum of logs, not the log of the subnormal itself: under flush-to-zero (torch.set_flush_denormal(True),
+    # or a library loaded with it) that product is 0 in Python's arithmetic too
+    return log_gate.clamp(min=math.log(info.smallest_normal) + math.log(info.eps) - 1.0)
 
 
 def _compute_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:

@@ -20,7 +20,7 @@ def test_sdpa_is_accepted_and_gives_the_default_model(mixer, tmp_path):
     with torch.no_grad():
         ref = model(x, use_cache=False).logits
         for impl in ("sdpa", "eager"):
-            loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=impl).eval()
+            loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=impl, dtype="auto").eval()
             assert loaded.config._attn_implementation == impl
             torch.testing.assert_close(loaded(x, use_cache=False).logits, ref, rtol=0, atol=1e-12)
 

@@ -63,11 +63,26 @@ def test_built_on_meta_then_materialized_starts_as_a_model_built_on_the_cpu(mixe
     assert model.get_output_embeddings() is None if tie else model.lm_head.weight is not model.model.embed_tokens.weight
 
 
+
+def test_initialized_on_meta_as_transformers_4_builds_then_materialized_starts_as_a_model_built_on_the_cpu():
+    """transformers 4 runs the weight initialization when a model is built, on the meta device too, and marks every
+    module done there; ``init_weights()`` after ``to_empty`` must still set and draw every value (nothing was set on
+    meta), not leave the memory as ``to_empty`` made it."""
+    config = _config("falcon", {"rule": "2"})
+    with torch.device("meta"):
+        model = FalconForCausalLM(config)
+    model.initialize_weights()  # what transformers 4's post_init does on the meta device
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    _check_like(config, {k: v.detach() for k, v in model.state_dict().items()})
+
 def _fsdp2_meta_init(rank, world, init_file, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from falcon_fwa.train.distributed import _fully_shard  # torch.distributed.fsdp's from torch 2.6, 2.4's own place
 
+    fully_shard = _fully_shard()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -57,7 +57,10 @@ def _copy_init(param: nn.Parameter, value: torch.Tensor) -> None:
     value = value.to(param.device, param.dtype)
     placements = getattr(param, "placements", None)
     if placements is not None and hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
+        try:
+            from torch.distributed.tensor import distribute_tensor
+        except ImportError:  # pragma: no cover - torch 2.4: not yet public
+            from torch.distributed._tensor import distribute_tensor
 
         try:
             value = distribute_tensor(value, param.device_mesh, placements, src_data_rank=None)
@@ -163,6 +166,8 @@ class FalconBlock(nn.Module):
                 raise ValueError("activation checkpointing runs each block again in the backward, which would "
                                  "write the cache twice: pass use_cache=False (and no past_key_values) when "
                                  "training with it")
+            if not h.requires_grad:  # a frozen embedding: the reentrant checkpoint (transformers 4's default) would
+                h = h.detach().requires_grad_()  # give the block's weights no gradient
             return self._gradient_checkpointing_func(self._forward, h, packing, None)
         return self._forward(h, packing, cache)
 
@@ -208,6 +213,15 @@ class FalconPreTrainedModel(PreTrainedModel):
         blocks = [m for m in self.modules() if isinstance(m, FalconBlock)]
         for i, block in enumerate(blocks):
             block.gradient_checkpointing = enable and i % every_n_layers == 0
+
+    def _initialize_weights(self, module: nn.Module, *args, **kwargs) -> None:
+        """transformers' per-module initialization, except on a module whose own parameters are on the meta device:
+        nothing can be set there, and transformers 4.x would still mark the module initialized when the model is
+        built, so that ``init_weights()`` after ``to_empty`` left the memory as it came (transformers 5 skips the
+        whole initialization on the meta device instead)."""
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            return
+        super()._initialize_weights(module, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         """muP-style init: embedding ``N(0, sigma^2)``; hidden matrices

@@ -1,0 +1,159 @@
+"""A transformers release that turns its PyTorch models off for the installed torch (the newest need torch >= 2.6,
+the package asks for torch >= 2.4) is refused when ``falcon_fwa`` is imported, by a message naming both versions
+and what to install, instead of a failure at the first model class about a PyTorch that is installed."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+# transformers decides at run time whether its PyTorch models are on; the child process makes it decide "off" the
+# way it does for a torch below its minimum, then imports the package as a user would.
+_TORCH_OFF = """
+import transformers.utils
+transformers.utils.is_torch_available = lambda: False
+import falcon_fwa
+"""
+
+
+def test_import_refuses_transformers_that_turned_torch_off():
+    run = subprocess.run([sys.executable, "-c", _TORCH_OFF], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: falcon_fwa needs transformers' PyTorch models")
+    assert f"transformers {transformers.__version__}" in last and f"torch {torch.__version__}" in last
+    assert "pip install 'transformers>=4.56,<5'" in last
+
+
+def test_import_goes_through_where_transformers_has_torch():
+    from transformers.utils import is_torch_available
+    assert is_torch_available()
+    run = subprocess.run([sys.executable, "-c", "import falcon_fwa; print(falcon_fwa.FalconForCausalLM.__name__)"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "FalconForCausalLM"
+
+
+# Triton's version is read when the kernels' package is imported; the child process sets it as torch 2.5's pinned
+# Triton reports it, then runs the op through Triton's interpreter (CPU tensors).
+_OLD_TRITON = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import triton
+triton.__version__ = "3.1.0"
+import torch
+from falcon_fwa import falcon_attention
+g = torch.Generator().manual_seed(0)
+q, k = torch.randn(2, 1, 6, 2, 4, generator=g)
+v = torch.randn(1, 6, 2, 3, generator=g)
+beta, lam = torch.rand(2, 1, 6, 2, generator=g)
+auto = falcon_attention(q, k, v, beta=beta, lam=lam, rule="1", backend="auto")
+ref = falcon_attention(q, k, v, beta=beta, lam=lam, rule="1", backend="torch")
+assert torch.equal(auto[0], ref[0])
+try:
+    falcon_attention(q, k, v, beta=beta, lam=lam, rule="1", backend="triton")
+except ImportError as e:
+    print(e)
+    sys.exit(0)
+sys.exit("backend='triton' ran with triton 3.1.0")
+"""
+
+
+def test_kernels_refuse_a_triton_older_than_their_floor_and_auto_runs_the_pytorch_forms():
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", _OLD_TRITON], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    message = run.stdout.strip()
+    assert message.startswith("falcon_fwa's Triton kernels need triton >= 3.2 (checked on GPUs with 3.6)")
+    assert "triton 3.1.0 is installed" in message and "backend='auto' runs the PyTorch forms" in message
+
+
+@pytest.mark.parametrize("version,release", [("3.6.0", (3, 6)), ("3.2.0+git1a2b3c", (3, 2)), ("3.10.1", (3, 10)),
+                                             ("2.3.1", (2, 3)), ("nightly", (0, 0))])
+def test_triton_release_is_read_as_numbers(version, release):
+    pytest.importorskip("falcon_fwa.ops.triton")
+    from falcon_fwa.ops.triton import MIN_TRITON, _release
+    assert _release(version) == release
+    assert (_release(version) < MIN_TRITON) == (release < (3, 2))
+
+
+def _refused_as_by_transformers_4(*args, **kwargs):
+    raise ValueError("Unrecognized model in the folder. Should have a `model_type` key in its config.json")
+
+
+def _tokenizer_json(folder):
+    """A folder holding a byte-level BPE ``tokenizer.json`` made with the ``tokenizers`` library, and that object."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # transformers 4 would turn it off
+    tok.train_from_iterator(["the cat sat on the mat", "a cat and a hat"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def test_a_tokenizer_json_folder_loads_where_autotokenizer_wants_a_model_type(tmp_path, monkeypatch):
+    """transformers 4's ``AutoTokenizer`` refuses a folder of ``tokenizer.json`` and a ``tokenizer_config.json`` that
+    names no class (it looks for one in a ``config.json``); such a folder loads as the fast tokenizer it holds,
+    as transformers 5 loads it, with the same checks after: the end-of-text token named, and, without
+    ``tokenizer_config.json``, refused for having none. A folder naming another class keeps AutoTokenizer's error."""
+    import json
+
+    import transformers
+
+    from falcon_fwa.data.tokenizer import load_tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", _refused_as_by_transformers_4)
+    folder = tmp_path / "tok"
+    made = _tokenizer_json(folder)
+    with pytest.raises(ValueError, match="defines no eos_token"):
+        load_tokenizer(str(folder))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = load_tokenizer(str(folder))
+    text = "the hat sat on a cat"
+    assert tok(text, add_special_tokens=False)["input_ids"] == made.encode(text).ids
+    assert (tok.eos_token_id, len(tok)) == (made.token_to_id("</s>"), made.get_vocab_size())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "tokenizer_class": "BertTokenizer"}))
+    with pytest.raises(ValueError, match="loading .* failed: Unrecognized model in the folder"):
+        load_tokenizer(str(folder))
+
+
+def test_reentrant_checkpointing_under_a_frozen_embedding_trains_the_blocks():
+    """transformers 4's ``gradient_checkpointing_enable()`` sets a reentrant checkpoint and, unlike transformers 5,
+    does not make the embedding's output require a gradient: with a frozen embedding no block input would need one,
+    the reentrant checkpoint would not run the blocks again in the backward, and their weights would get no
+    gradient. Set that way here (the blocks' switch, without transformers 5's hook), every block runs twice and the
+    gradients are those of the plain backward."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from falcon_fwa import FalconForCausalLM, get_preset
+
+    torch.manual_seed(0)
+    model = FalconForCausalLM(get_preset("tiny-falcon", num_hidden_layers=2, initializer_range=0.3))
+    model = model.to(torch.float64).train()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = grads()
+    calls = []
+    for i, block in enumerate(model.model.layers):
+        block.mixer.register_forward_hook(lambda *_, i=i: calls.append(i))
+    model._set_gradient_checkpointing(True, functools.partial(checkpoint, use_reentrant=True))
+    again = grads()
+    assert sorted(calls) == [0, 0, 1, 1]
+    for name, g in plain.items():
+        assert again[name] is not None, name
+        torch.testing.assert_close(again[name], g, rtol=1e-12, atol=1e-14)

@@ -30,7 +30,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 in_this_process = pytest.mark.skipif(not prepare_interpreter(), reason=FRESH_PROCESS_REASON)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-pytest.importorskip("triton")
+pytest.importorskip("falcon_fwa.ops.triton")  # triton, and one the kernels take
 
 from falcon_fwa import FalconState, falcon_attention  # noqa: E402
 from falcon_fwa.ops.triton import falcon_chunk_triton  # noqa: E402

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("falcon_fwa.ops.triton")  # triton, and one the kernels take
 
 from falcon_fwa.ops import api as ops_api  # noqa: E402
 from falcon_fwa.ops import falcon_attention, falcon_step  # noqa: E402

@@ -107,7 +107,7 @@ def test_a_refusal_of_the_kernels_names_the_traced_argument(monkeypatch):
     """With ``backend="triton"`` the trace calls the op with ``q`` = the write features and every input in
     the compute dtype; the kernels' refusals of a dtype or a device name the trace's own argument (``lam``
     in float64, ``k`` off CUDA), not a ``q`` it does not take."""
-    pytest.importorskip("triton")
+    pytest.importorskip("falcon_fwa.ops.triton")  # triton, and one the kernels take
     from falcon_fwa.ops.triton import api as triton_api
 
     inp = random_inputs("1A", T=6, K=16, V=16, dtype=torch.float32)
@@ -126,7 +126,7 @@ def test_trace_on_the_kernels_is_the_float64_trace(rule):
     come from the chunk kernels, which raise rather than fall back: they and the step sizes equal the
     float64 trace within fp32 rounding. Window 4 is one the rule-3 kernels take (``SLOT_COUNTS``; 3 is
     not), and spans the chunk boundaries of the 40 steps in chunks of 16."""
-    pytest.importorskip("triton")
+    pytest.importorskip("falcon_fwa.ops.triton")  # triton, and one the kernels take
     inp = random_inputs(rule, T=40, K=16, V=16, with_gate=True, seed=11)
     inp.pop("q")
     ref = falcon_trace(**inp, rule=rule, window=4)

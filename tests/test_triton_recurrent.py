@@ -15,7 +15,7 @@ from conftest import RULE_NAMES, reference_falcon
 from kernel_checks import in_this_process, kernel_inputs, needs_cuda, rel_norm
 
 pytestmark = in_this_process
-pytest.importorskip("triton")
+pytest.importorskip("falcon_fwa.ops.triton")  # triton, and one the kernels take
 
 from falcon_fwa import FalconState, falcon_attention, falcon_step  # noqa: E402
 from falcon_fwa.ops.triton import falcon_recurrent_triton, falcon_step_triton  # noqa: E402

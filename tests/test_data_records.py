@@ -182,10 +182,14 @@ def test_a_model_folder_records_the_files_the_tokenizer_load_reads(tmp_path, cap
     the model type), and no other: new weights, another ``config.json``, a README or weights deleted since reuse the
     shards; a tokenizer file changed or new since (a chat template the load reads) is refused naming
     ``--tokenizer`` and the file."""
+    import transformers
     from conftest import save_tiny_falcon
 
     from falcon_fwa import FalconForCausalLM, get_preset
     from falcon_fwa.data.tokenizer import byte_tokenizer, load_tokenizer
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4 reads tokenizer.json from Rust, where Python's audit hook sees no open")
 
     src, out, tok = corpus(tmp_path), tmp_path / "out", tmp_path / "model"
     save_tiny_falcon(tok)

@@ -179,11 +179,55 @@ def load_tokenizer(spec: str, *, texts: Optional[Iterable[str]] = None, name: st
     try:  # a local folder, or a Hugging Face Hub name when online
         tok = AutoTokenizer.from_pretrained(spec, local_files_only=os.path.isdir(spec), trust_remote_code=False)
     except (OSError, ValueError) as err:
+        tok = _tokenizer_json_folder(spec)
+        if tok is not None:
+            return _checked(tok, spec, name)
         cache_only = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         hint = ("" if os.path.isdir(spec) or cache_only else " (a Hub name is read from the network, or from the "
                 "Hugging Face cache alone, without the network's retries, where HF_HUB_OFFLINE=1 is set)")
         raise ValueError(f"{name} must be 'byte', 'bpe:<vocab_size>', a local tokenizer folder or a Hub "
                          f"name{hint}; loading {spec!r} failed: {err}") from None
+    return _checked(tok, spec, name)
+
+
+def _tokenizer_json_folder(spec: str):
+    """A folder of ``tokenizer.json`` whose ``tokenizer_config.json`` names no ``tokenizer_class``, loaded as the
+    fast tokenizer it describes, or None for any other folder or name. transformers 5's ``AutoTokenizer`` loads
+    such a folder itself; transformers 4 looks for the class in a ``config.json`` and refuses it without one. Its
+    ``PreTrainedTokenizerFast`` would also set the pre-tokenizer's ``add_prefix_space`` to its own default (False):
+    the file's value is passed on unless the config names one."""
+    import json
+
+    def read(file: str) -> dict:
+        with open(os.path.join(spec, file), encoding="utf-8") as f:
+            held = json.load(f)
+        if not isinstance(held, dict):
+            raise ValueError(f"{file} holds no JSON object")
+        return held
+
+    if not (os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.json"))):
+        return None
+    try:
+        config = read("tokenizer_config.json")
+    except FileNotFoundError:  # then the end-of-text check names the missing file
+        config = {}
+    except (OSError, ValueError):
+        return None
+    if config.get("tokenizer_class") not in (None, "PreTrainedTokenizerFast"):
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        pre = read("tokenizer.json").get("pre_tokenizer")
+        kwargs = ({"add_prefix_space": pre["add_prefix_space"]}
+                  if isinstance(pre, dict) and "add_prefix_space" in pre and "add_prefix_space" not in config else {})
+        return PreTrainedTokenizerFast.from_pretrained(spec, local_files_only=True, **kwargs)
+    except Exception:  # noqa: BLE001 - an unreadable tokenizer.json: the caller reports AutoTokenizer's error
+        return None
+
+
+def _checked(tok, spec: str, name: str):
+    """``tok`` loaded from ``spec``, if it has an end-of-text token and ids ``0..len(tok) - 1``."""
     if tok.eos_token_id is None:
         raise ValueError(f"{name} {spec!r} defines no eos_token (a folder holding only tokenizer.json needs a "
                          "tokenizer_config.json naming its \"eos_token\")")

@@ -215,11 +215,13 @@ class FalconPreTrainedModel(PreTrainedModel):
             block.gradient_checkpointing = enable and i % every_n_layers == 0
 
     def _initialize_weights(self, module: nn.Module, *args, **kwargs) -> None:
-        """transformers' per-module initialization, except on a module whose own parameters are on the meta device:
-        nothing can be set there, and transformers 4.x would still mark the module initialized when the model is
-        built, so that ``init_weights()`` after ``to_empty`` left the memory as it came (transformers 5 skips the
-        whole initialization on the meta device instead)."""
-        if any(p.is_meta for p in module.parameters(recurse=False)):
+        """transformers' per-module initialization, except on a module whose own parameters are all on the meta
+        device: nothing can be set there, and transformers 4.x would still mark the module initialized when the model
+        is built, so that ``init_weights()`` after ``to_empty`` left the memory as it came (transformers 5 skips the
+        whole initialization on the meta device instead). A module with some parameters on the meta device and some
+        not (transformers 4's ``from_pretrained``: those a checkpoint lacks are given memory first) is initialized."""
+        own = list(module.parameters(recurse=False))
+        if own and all(p.is_meta for p in own):
             return
         super()._initialize_weights(module, *args, **kwargs)
 

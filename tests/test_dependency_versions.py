@@ -157,3 +157,25 @@ def test_reentrant_checkpointing_under_a_frozen_embedding_trains_the_blocks():
     for name, g in plain.items():
         assert again[name] is not None, name
         torch.testing.assert_close(again[name], g, rtol=1e-12, atol=1e-14)
+
+
+def test_fsdp2_on_the_cpu_with_torch_2_4_is_refused_by_the_strategy(monkeypatch):
+    """torch 2.4's FSDP2 opens CUDA streams when it shards: on the CPU it failed deep inside the first step with a
+    CUDA driver error (seen with torch 2.4.1). The trainer refuses it first, naming ``train.strategy``; on a CUDA
+    device, and with a newer torch, nothing is refused here."""
+    from falcon_fwa.train import distributed
+    from falcon_fwa.train.distributed import DistInfo
+
+    sharded = []
+    monkeypatch.setattr(distributed, "_fully_shard", lambda: lambda module, mesh: sharded.append(module))
+    monkeypatch.setattr("torch.distributed.device_mesh.init_device_mesh", lambda *a, **k: "mesh")
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]))
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    with pytest.raises(RuntimeError, match=r"^train\.strategy='fsdp2' on the CPU: the FSDP2 of torch 2\.4\.1\+cu121 "
+                                           r"opens CUDA streams"):
+        distributed.wrap(model, DistInfo(0, 2, 0, torch.device("cpu"), "fsdp2"))
+    assert sharded == []
+    assert distributed.wrap(model, DistInfo(0, 2, 0, torch.device("cuda", 0), "fsdp2")) is model
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    assert distributed.wrap(model, DistInfo(0, 2, 0, torch.device("cpu"), "fsdp2")) is model
+    assert len(sharded) == 6  # each block, then the root, in both runs

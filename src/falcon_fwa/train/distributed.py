@@ -75,6 +75,10 @@ def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
         fully_shard = _fully_shard()
+        if info.device.type == "cpu" and torch.__version__.startswith("2.4."):
+            raise RuntimeError(f"train.strategy='fsdp2' on the CPU: the FSDP2 of torch {torch.__version__} opens CUDA "
+                               "streams, so it runs on CUDA devices only; use strategy 'ddp' on the CPU, or a newer "
+                               "torch")
         mesh = init_device_mesh(info.device.type, (info.world_size,))
         for block in _blocks(model):
             fully_shard(block, mesh=mesh)

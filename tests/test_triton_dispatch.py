@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+pytest.importorskip("falcon_fwa.ops.triton")  # triton, and one the kernels take
 from conftest import padded_and_packed_loss
 
 from test_triton_interpreter import FRESH_PROCESS_REASON, prepare_interpreter

@@ -10,6 +10,8 @@ from falcon_fwa import cli
 @pytest.mark.parametrize("module, package", [("lm_eval", "'lm-eval'"), ("accelerate", "'accelerate'")])
 def test_a_missing_harness_is_named_with_the_install_command(module, package, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("FALCON_FWA_TRACEBACK", raising=False)
+    if module == "accelerate":  # named only where the harness itself is there
+        pytest.importorskip("lm_eval")
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")  # a model folder by its form: the command reaches its imports

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import fsdp2_on_cpu
 
 from falcon_fwa.train import Trainer, config_from_dict
 from falcon_fwa.train.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint
@@ -92,6 +93,7 @@ def _single_rows(path):
 
 
 @pytest.mark.slow
+@fsdp2_on_cpu
 def test_two_processes_take_disjoint_rows_whose_union_is_the_one_process_batch(tmp_path, cpu_machine):
     """Global batch 4: one process of 4 rows a micro-batch; DDP of 1 row a process (2 accumulation steps);
     FSDP2 of 2 rows a process. At every step the two processes' rows are disjoint and together the one

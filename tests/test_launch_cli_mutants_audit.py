@@ -33,6 +33,7 @@ import signal
 import pytest
 import torch
 from torch import nn
+from conftest import fsdp2_on_cpu
 
 from falcon_fwa.train import distributed, launch
 from falcon_fwa.train.distributed import DistInfo
@@ -144,7 +145,7 @@ class _TwoLists(nn.Module):
         self.blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
 
 
-@pytest.mark.parametrize("device", [torch.device("cpu"), torch.device("cuda", 1)])
+@pytest.mark.parametrize("device", [pytest.param(torch.device("cpu"), marks=fsdp2_on_cpu), torch.device("cuda", 1)])
 def test_fsdp2_shards_each_block_of_the_largest_list_then_the_root_on_a_mesh_of_every_process(monkeypatch,
                                                                                              device):
     import torch.distributed.device_mesh as device_mesh

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from falcon_fwa.train import scaling
-from conftest import fake_git_commit
+from conftest import fake_git_commit, fsdp2_on_cpu
 from test_train import recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,6 +230,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.slow
+@fsdp2_on_cpu
 def test_sweep_on_cpu_processes_matches_the_one_process_loss(tmp_path, monkeypatch, cpu_machine):
     raw = recipe(tmp_path)
     path = tmp_path / "tiny.json"

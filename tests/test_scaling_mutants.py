@@ -29,7 +29,7 @@ from torch import nn
 
 from falcon_fwa.train import distributed as D
 from falcon_fwa.train import scaling
-from conftest import fake_git_commit
+from conftest import fake_git_commit, fsdp2_on_cpu
 from test_train import recipe
 
 
@@ -254,6 +254,7 @@ class _Blocks(nn.Module):
         return x
 
 
+@fsdp2_on_cpu
 def test_fsdp2_shards_each_block_of_the_largest_list_then_the_root_and_accumulates_unreduced(one_process_torchrun):
     from torch.distributed.fsdp import FSDPModule
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import fsdp2_on_cpu
 
 from falcon_fwa.train import NonFiniteLoss, Trainer, config_from_dict, latest_checkpoint, load_checkpoint, lr_at
 from falcon_fwa.train import checkpoint as ckpt_module
@@ -403,6 +404,7 @@ def _torchrun(tmp_path, runs):
 
 
 @pytest.mark.slow
+@fsdp2_on_cpu
 def test_torchrun_two_processes_ddp_and_fsdp2_resume_bit_for_bit(tmp_path, cpu_machine):  # gloo processes, on a GPU machine too
     """Launch 1: uninterrupted runs and runs stopped at step 2; launch 2 (new processes): resume. The
     uninterrupted runs log the one-process run's losses (the same global batches, gradients averaged over
@@ -909,6 +911,7 @@ def test_activation_checkpointing_trains_the_same_model_and_replays_each_block(t
 
 
 @pytest.mark.slow
+@fsdp2_on_cpu
 def test_torchrun_ddp_and_fsdp2_with_activation_checkpointing_train_the_same_model(tmp_path, cpu_machine):  # gloo processes, on a GPU machine too
     """Two processes (gloo), DDP and FSDP2 (each block sharded, the replay inside its forward): the logged
     losses with train.activation_checkpointing equal those without it."""

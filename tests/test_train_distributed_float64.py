@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from conftest import fsdp2_on_cpu
 
 from falcon_fwa.train.logger import read_log
 
@@ -76,6 +77,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+@fsdp2_on_cpu
 def test_ddp_and_fsdp2_train_the_one_process_runs_gradients_and_weights_in_float64(tmp_path):
     """Six steps of global batch 4 (one process: four micro-steps of one row; two processes: two each),
     clipping at 1.0 reached, weight decay 0.1 on the matrices and the tied embedding, the gate offsets and

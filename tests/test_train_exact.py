@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_train import _torchrun, losses, recipe, run_trainer, signal_during_step_3
+from conftest import fsdp2_on_cpu
 
 from falcon_fwa.data import PackedRows, RowOrder
 from falcon_fwa.train import Trainer, config_from_dict, latest_checkpoint, load_checkpoint
@@ -192,6 +193,7 @@ def test_a_resume_path_that_is_no_checkpoint_names_train_resume(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
+@fsdp2_on_cpu
 def test_checkpoints_move_between_one_process_and_fsdp2(tmp_path):
     """One process stopped at step 2 resumes under 2-process FSDP2 (gloo), and an FSDP2 run stopped at
     step 2 resumes in one process: both log the uninterrupted one-process run's losses and evaluations to

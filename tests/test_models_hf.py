@@ -3,12 +3,14 @@ cross-entropy summed by hand, ``logits_to_keep`` the last columns of the full lo
 the same tensors back in every mixer family, ``resize_token_embeddings`` the old rows plus new ones,
 activation checkpointing the plain gradients, ``generate(use_cache=False)`` a greedy loop of full passes,
 and a bad config field an error that names it, however the config was made."""
+import functools
 import json
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from falcon_fwa.layers.packing import Packing
@@ -205,11 +207,15 @@ def test_resize_token_embeddings_keeps_the_old_rows_and_the_tie(tied, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")
-@pytest.mark.parametrize("switch", ["gradient_checkpointing_enable()", "reentrant", "every_n_layers=2"])
+@pytest.mark.parametrize("switch", ["gradient_checkpointing_enable()", "reentrant", "every_n_layers=2",
+                                    "reentrant, blocks only"])
 def test_activation_checkpointing_gives_the_plain_gradients_with_a_frozen_embedding(switch):
     """A frozen embedding (adapter fine-tuning): the blocks' gradients are those of the plain backward for
     Hugging Face's default switch, the reentrant checkpoint, and ``every_n_layers=2``, which runs again only
-    blocks 0 and 2 of 3 in the backward (``activation_checkpointing_enable``, transformers 5)."""
+    blocks 0 and 2 of 3 in the backward (``activation_checkpointing_enable``, transformers 5). "Reentrant, blocks
+    only" sets the blocks' switch alone, as transformers 4's ``gradient_checkpointing_enable()`` does: without
+    transformers 5's hook that makes the embedding's output require a gradient, no block input would need one and
+    the reentrant checkpoint would give the blocks' weights none."""
     model = _model("falcon", num_hidden_layers=3, initializer_range=0.3).train()
     every_n = getattr(model, "activation_checkpointing_enable", None)
     if switch == "every_n_layers=2" and every_n is None:
@@ -230,6 +236,8 @@ def test_activation_checkpointing_gives_the_plain_gradients_with_a_frozen_embedd
         model.gradient_checkpointing_enable()
     elif switch == "reentrant":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    elif switch == "reentrant, blocks only":
+        model._set_gradient_checkpointing(True, functools.partial(checkpoint, use_reentrant=True))
     else:
         every_n(every_n_layers=2)
     again = grads()

@@ -93,6 +93,22 @@ def test_sampling_is_reproducible_by_seed(folders):
     assert first[0] != first[1]
 
 
+def test_a_subnormal_temperature_samples_the_argmax_under_flush_to_zero():
+    """1e-45 is subnormal in float32: with flush-to-zero on (``torch.set_flush_denormal(True)``, or left on by a
+    library such as torch 2.4's compiled CPU code) it divided the logits as 0, and the draw failed on NaN
+    probabilities. It is taken in float64 there, and the draw is the argmax, as without the flag."""
+    from falcon_fwa.serve.generation import _choose
+
+    logits = torch.randn(3, 257, generator=torch.Generator().manual_seed(0))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        got = _choose(logits, 1e-45, 0, 1.0, torch.Generator().manual_seed(1))
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got, logits.argmax(-1))
+
+
 def test_a_tiny_temperature_samples_the_greedy_tokens(folders):
     """``logits / 1e-45`` overflows; taken from the largest logit it leaves the argmax alone."""
     args = ["--prompt", "the state", "--prompt", "gate", "--max-new-tokens", "16", "--no-stop-at-eos"]

@@ -128,6 +128,8 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     the smallest set of largest probabilities whose mass reaches ``top_p``."""
     if temperature == 0:
         return logits.argmax(-1)
+    if temperature < torch.finfo(logits.dtype).tiny:  # subnormal in the logits' dtype: 0 under flush-to-zero
+        logits = logits.double()
     # from the largest logit, so that a tiny temperature sends the others to -inf, not inf - inf = nan
     logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if 0 < top_k < logits.shape[-1]:

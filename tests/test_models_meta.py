@@ -63,7 +63,6 @@ def test_built_on_meta_then_materialized_starts_as_a_model_built_on_the_cpu(mixe
     assert model.get_output_embeddings() is None if tie else model.lm_head.weight is not model.model.embed_tokens.weight
 
 
-
 def test_initialized_on_meta_as_transformers_4_builds_then_materialized_starts_as_a_model_built_on_the_cpu():
     """transformers 4 runs the weight initialization when a model is built, on the meta device too, and marks every
     module done there; ``init_weights()`` after ``to_empty`` must still set and draw every value (nothing was set on
@@ -76,6 +75,7 @@ def test_initialized_on_meta_as_transformers_4_builds_then_materialized_starts_a
     torch.manual_seed(0)
     model.init_weights()
     _check_like(config, {k: v.detach() for k, v in model.state_dict().items()})
+
 
 def _fsdp2_meta_init(rank, world, init_file, out_dir):
     import torch.distributed as dist

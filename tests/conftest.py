@@ -42,9 +42,9 @@ for _signal, _handler in (("SIGINT", signal.default_int_handler), ("SIGHUP", sig
         signal.signal(getattr(signal, _signal), _handler)
 
 # With a Triton too old for the kernels (torch 2.4 and 2.5 bring 3.0 and 3.1), importing ``falcon_fwa.ops.triton``
-# raises an ImportError that starts so: a test or test module that imports the kernels is skipped with that message,
-# as it is where Triton is missing, instead of failing.
-KERNELS_REFUSED = "falcon_fwa's Triton kernels need triton"
+# raises an ImportError that starts with ``kernel_limits.TRITON_REFUSED``: a test or test module that imports the
+# kernels is skipped with that message, as it is where Triton is missing, instead of failing.
+from falcon_fwa.ops.kernel_limits import TRITON_REFUSED as KERNELS_REFUSED  # noqa: E402
 
 
 @pytest.hookimpl(wrapper=True)

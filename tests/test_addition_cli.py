@@ -564,7 +564,8 @@ def test_a_run_records_the_commit_of_its_code_wherever_it_is_started(tmp_path, m
     assert "best.mean_acc_ood = mean over widths 4..5" in res["metric"] and "mean_acc_ood" in res["best"]
 
 
-@pytest.mark.parametrize("option", [["--rule", "2"], ["--window", "8"], ["--qk-norm", "l2"], ["--gate", "ctx-beta"]])
+@pytest.mark.parametrize("option", [["--rule", "2"], ["--window", "8"], ["--qk-norm", "l2"], ["--gate", "ctx-beta"],
+                                    ["--lambda-scale", "0"]])
 def test_fast_weight_options_are_refused_for_the_transformer(tmp_path, option):
     # the Transformer has no update rule: the option would be recorded in results.json but change nothing
     with pytest.raises(ValueError, match=f"^{option[0]}: model 'Transformer'"):
@@ -575,6 +576,11 @@ def test_fast_weight_options_are_refused_for_the_transformer(tmp_path, option):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "Falcon-1A.3", "--rule", "3"], r"^--rule 3: Falcon-1A\.3 is defined with rule 1A; .*--model falcon"),
     (["--model", "Falcon-3A.3", "--qk-norm", "l2"], r"^--qk-norm l2: Falcon-3A\.3 is defined with qk_norm rmsnorm"),
+    (["--model", "Falcon-1A.3", "--lambda-scale", "0"],
+     r"^--lambda-scale 0\.0: Falcon-1A\.3 is defined with lambda_scale 1\.0; .*--model falcon --lambda-scale 0\.0"),
+    (["--model", "falcon", "--lambda-scale", "-0.5"], r"^--lambda-scale must be >= 0, got -0\.5"),
+    (["--model", "falcon", "--lambda-scale", "nan"], r"^--lambda-scale must be a finite number >= 0, got nan"),
+    (["--model", "falcon", "--lambda-scale", "inf"], r"^--lambda-scale must be a finite number >= 0, got inf"),
     (["--model", "Falcon-1A.3", "--window", "4"], r"^--window 4: model 'Falcon-1A\.3' \(rule 1A\) has no window"),
     (["--model", "falcon", "--rule", "2", "--window", "4"], r"^--window 4: model 'falcon' \(rule 2\) has no window"),
     (["--ood-widths", "3", "8"], r"^--train-widths 1 3 and --ood-widths 3 8: the training widths 1-3 and the "
@@ -633,6 +639,23 @@ def test_abacus_offset_reaches_the_model_the_results_and_the_default_names(tmp_p
                   "--hidden-size", "16", "--num-hidden-layers", "1", "--num-heads", "2", *SMALL])
     with pytest.raises(ValueError, match="^--abacus-offset must be >= 0, got -1$"):  # named as typed
         cli.main(["--model", "Falcon-1A.3", "--no-progress", *TWO_STEPS, "--abacus-offset", "-1", *SMALL])
+
+
+def test_lambda_scale_zero_trains_the_mixer_without_its_ridge(tmp_path):
+    """``--model falcon --rule 3A --lambda-scale 0``: the run records the field and its model has no ridge
+    projection (no decay); a restatement of Falcon-3A.3's own value (1) is that paper model, with the ridge."""
+    runs = {}
+    for name, argv in (("no_ridge", ["--model", "falcon", "--rule", "3A", "--lambda-scale", "0"]),
+                       ("paper", ["--model", "Falcon-3A.3", "--lambda-scale", "1"])):
+        out = tmp_path / name
+        assert cli.main([*argv, "--no-progress", "--out", str(out), *TWO_STEPS, *SMALL]) == 0
+        res = json.loads((out / "results.json").read_text())
+        runs[name] = (res, torch.load(out / "best.pt", weights_only=False)["model"])
+    (res, state), (paper_res, paper_state) = runs["no_ridge"], runs["paper"]
+    assert res["model"] == "falcon" and res["config_fields"] == {"mixer": "falcon", "rule": "3A", "lambda_scale": 0.0}
+    assert paper_res["model"] == "Falcon-3A.3" and "lambda_scale" not in paper_res["config_fields"]
+    ridge = {k for k in paper_state if "lam_" in k}
+    assert ridge and not any("lam_" in k for k in state) and set(state) == set(paper_state) - ridge
 
 
 @pytest.mark.parametrize("argv,message", [

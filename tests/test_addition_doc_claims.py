@@ -22,6 +22,7 @@ from test_addition_cli import SMALL, TWO_STEPS
 from test_addition_compare_mutants import _cli_args, _compare_args
 from test_readme_claims import _flat
 
+from falcon_fwa.models.configuration import MIXER_DEFAULTS
 from falcon_fwa.tasks.addition import cli, compare
 from falcon_fwa.tasks.addition.data import (VOCAB, AdditionSample, collate, decode, digit_index, encode,
                                             training_batch, width_set)
@@ -528,22 +529,28 @@ def test_the_commands_build_what_their_comments_say():
 
 
 def test_the_paper_name_options_are_refused_and_taken_as_the_doc_shows():
-    """"``--rule``, ``--window``, ``--qk-norm`` and ``--gate`` may only restate its definition (``--model
-    Falcon-3A.3 --rule 3a``). Any other value is refused with an error naming the option and the model ...
-    (``--model Mamba-2 --rule 2``, ``--model RetNet --gate ctx-beta``). To train a variant, name the mixer
-    (``--model mamba2 --rule 2``). The Transformer takes none of these options, and ``--window`` is refused,
-    naming the model, when the model's rule has no window (``--model mamba2 --window 4``)"."""
+    """"``--rule``, ``--window``, ``--qk-norm``, ``--gate`` and ``--lambda-scale`` may only restate its definition
+    (``--model Falcon-3A.3 --rule 3a``). Any other value is refused with an error naming the option and the model
+    ... (``--model Mamba-2 --rule 2``, ``--model RetNet --gate ctx-beta``). To train a variant, name the mixer
+    (``--model mamba2 --rule 2``; ``--model falcon --rule 3A --lambda-scale 0`` is Falcon-3A.3 without the ridge,
+    so without state decay). The Transformer takes none of these options, and ``--window`` is refused, naming the
+    model, when the model's rule has no window (``--model mamba2 --window 4``)"."""
     text = _flat(re.search(r"A paper name is that model\..*?`--lr` must be", DOC, flags=re.S).group(0))
     shown = [shlex.split(c) for c in re.findall(r"`(--model [^`]+)`", text)]
-    assert [a[1] for a in shown] == ["Falcon-3A.3", "Mamba-2", "RetNet", "mamba2", "mamba2"]
-    taken, refused = [shown[0], shown[3]], [shown[1], shown[2], shown[4]]
+    assert [a[1] for a in shown] == ["Falcon-3A.3", "Mamba-2", "RetNet", "mamba2", "falcon", "mamba2"]
+    taken, refused = [shown[0], shown[3], shown[4]], [shown[1], shown[2], shown[5]]
     for argv in taken:
         assert cli.model_fields(_cli_args(argv))["mixer"] == resolve_model(argv[1])["mixer"]
+    no_ridge = cli.model_fields(_cli_args(shown[4]))  # Falcon-3A.3's fields, its norm and gate the mixer's own
+    assert no_ridge == {"mixer": "falcon", "rule": "3A", "lambda_scale": 0.0}, no_ridge
+    assert {k: MIXER_DEFAULTS["falcon"][k] for k in ("qk_norm", "gate")} == {
+        k: LINEUP["Falcon-3A.3"][k] for k in ("qk_norm", "gate")} and MIXER_DEFAULTS["falcon"]["lambda_scale"] > 0
     for argv in refused:
         with pytest.raises(ValueError) as err:
             cli.model_fields(_cli_args(argv))
         assert str(err.value).startswith(f"{argv[2]} {argv[3]}: ") and argv[1] in str(err.value)
-    for option, value in (("--rule", "1A"), ("--window", "4"), ("--qk-norm", "l2"), ("--gate", "ctx-eta")):
+    for option, value in (("--rule", "1A"), ("--window", "4"), ("--qk-norm", "l2"), ("--gate", "ctx-eta"),
+                          ("--lambda-scale", "0")):
         with pytest.raises(ValueError, match=f"^{option}: model 'Transformer'"):
             cli.model_fields(_cli_args(["--model", "Transformer", option, value]))
 

@@ -76,7 +76,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the preset's choice)")
 
 
-FAST_WEIGHT_OPTIONS = {"rule": "--rule", "window": "--window", "qk_norm": "--qk-norm", "gate": "--gate"}
+FAST_WEIGHT_OPTIONS = {"rule": "--rule", "window": "--window", "qk_norm": "--qk-norm", "gate": "--gate",
+                       "lambda_scale": "--lambda-scale"}
 """Options that configure the fast-weight update of a recurrent mixer (the Transformer has none)."""
 
 
@@ -84,10 +85,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="Falcon-3A.3",
                    help=f"a paper name ({', '.join(LINEUP)}) or a mixer ({', '.join(MIXERS)})")
     p.add_argument("--rule", help="update rule (1, 2, 3, 1A, 2A, 3A) of a mixer (a paper name is defined with its "
-                                  "own: --rule, --window, --qk-norm and --gate may only restate it)")
+                                  "own: --rule, --window, --qk-norm, --gate and --lambda-scale may only restate "
+                                  "it)")
     p.add_argument("--window", type=int, help="window B of the sliding rules 3 and 3A")
     p.add_argument("--qk-norm", choices=["rmsnorm", "l2"], help="query/key normalization of the falcon mixer")
     p.add_argument("--gate", choices=["ctx-beta", "ctx-eta"], help="which step-size quantity the context emits")
+    p.add_argument("--lambda-scale", type=float,
+                   help="scale of the context ridge lambda-bar in (0, lambda_scale), which sets the state's decay "
+                        "gamma = 1 - eta * lambda (0: no ridge, no decay; the falcon mixer's default is 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialization and the training stream")
     add_model_arguments(p)
     p.add_argument("--out", help="output folder (default runs/addition/<preset>/<model>/seed<seed>, with -lsd, "
@@ -161,10 +166,11 @@ def check_curriculum_options(args: argparse.Namespace, preset) -> None:
 
 def check_machine_options(args: argparse.Namespace) -> None:
     """``--device`` resolved (``auto``: cuda where available), ``--threads`` and ``--window``
-    >= 1, or a ``ValueError`` naming the option."""
+    >= 1, ``--lambda-scale`` a finite number >= 0, or a ``ValueError`` naming the option."""
     args.device = resolve_device(args.device)
     at_least("--threads", args.threads, 1)  # 0 would otherwise silently mean "the preset's choice"
     at_least("--window", getattr(args, "window", None), 1)  # the model config would name its field 'window'
+    finite_at_least("--lambda-scale", getattr(args, "lambda_scale", None), 0)
 
 
 def _defined(model: str, field: str):

@@ -1,7 +1,8 @@
 """A paper name is that model, whichever options restate its definition: docs/addition.md says "A paper name is
-that model. ``--rule``, ``--window``, ``--qk-norm``, ``--gate`` (and ``--lambda-scale``) may only restate its definition (``--model
-Falcon-3A.3 --rule 3a``)". A run so named is recorded as the paper's model, so the same command without the
-restating option (or ``addition-compare``, which names the model alone) resumes it, and the other way round."""
+that model. ``--rule``, ``--window``, ``--qk-norm``, ``--gate`` (and ``--lambda-scale``) may only restate its
+definition (``--model Falcon-3A.3 --rule 3a``)". A run so named is recorded as the paper's model, so the same
+command without the restating option (or ``addition-compare``, which names the model alone) resumes it, and the
+other way round."""
 import json
 
 import pytest

@@ -742,9 +742,10 @@ def test_the_binary_lineup_figures():
 
 
 def test_the_digit_places_figures():
-    """The digit-places bullet (tiny_cpu/recipe.md, last section): the Transformer's seed 0 at 30-51 % exact on
-    widths 6-10 (the two tables), its seed 1 at 0.0; Falcon-3A.3 at 100 % exact in distribution, Falcon-1A.3 81.9,
-    Falcon-1.3 42.2, and the Falcon models at 0.0 % exact past the training widths in all seven runs."""
+    """The digit-places bullet (tiny_cpu/recipe.md, section "with digit places"): the Transformer's seed 0 at
+    30-51 % exact on widths 6-10 (the two tables), its seed 1 at 0.0; Falcon-3A.3 at 100 % exact in distribution,
+    Falcon-1A.3 81.9, Falcon-1.3 42.2, and the Falcon models at 0.0 % exact past the training widths in all seven
+    runs."""
     m = re.search(r"the Transformer's seed 0 is exact on (\d+)-(\d+) % of the sums of widths (\d+)-(\d+)\. Its seed 1 "
                   r"is at 0\.0 %.*?Falcon-3A\.3 learns the training widths \(([\d.]+) % exact\), Falcon-1A\.3 reaches "
                   r"([\d.]+) % and Falcon-1\.3 ([\d.]+) %, but the Falcon models stay at 0\.0 % exact past them in all "
@@ -775,3 +776,46 @@ def test_the_paths_the_doc_names_exist():
     assert len(named) >= 6
     missing = sorted(p for p in named if not (ROOT / p).exists())
     assert not missing, missing
+
+
+def test_the_no_ridge_figures():
+    """The no-ridge bullet (tiny_cpu/recipe.md, section "without the ridge"): Falcon-3A.3 without the ridge, seed 0,
+    with the places, right on the first four answer digits of 78-100 % of the sums at every width 6-10, 50.1 % of
+    the digits there against 26.1 with the ridge, no whole sum; its seed 1 solving widths 1-2 (43.1 % exact);
+    Falcon-1A.3 42.2 % without the ridge against 81.9 with it; and, at the ``paper`` size, Falcon-3A.3 at widths
+    1-2 at most with or without it."""
+    m = re.search(r"Without the ridge \(`--lambda-scale 0`: no state decay\) and with the places, Falcon-3A\.3's "
+                  r"seed 0 writes the first (\w+) answer digits right on (\d+)-(\d+) % of the sums of every width "
+                  r"from (\d+) to (\d+) and gets ([\d.]+) % of the digits there \(([\d.]+) with the ridge\), but no "
+                  r"whole sum\. Its seed 1 learns only widths 1-(\d+) \(([\d.]+) % exact in distribution\), and "
+                  r"Falcon-1A\.3 learns less without the ridge \(([\d.]+) % against ([\d.]+)\)", FLAT)
+    assert m
+    runs = _runs()
+    no_ridge = {k.split("/")[3]: r for k, r in runs.items() if k.startswith("tiny_cpu/no_ridge/abacus5/")}
+    assert sorted(no_ridge) == ["Falcon-1A.3", "Falcon-3A.3", "Falcon-3A.3_seed1"]
+    for name, run in no_ridge.items():
+        assert run["config_fields"] == {"mixer": "falcon", "rule": LINEUP[name.split("_")[0]]["rule"],
+                                        "lambda_scale": 0.0}
+        assert run["abacus_offset"] == 5 and run["operand_order"] == "lsd" and run["base"] == 10
+        assert max(_ood_exact(run).values()) == 0.0
+    seed0, widths = no_ridge["Falcon-3A.3"], range(int(m.group(4)), int(m.group(5)) + 1)
+    assert seed0["seed"] == 0 and [int(w) for w in seed0["preset"]["ood_widths"]] == [widths[0], widths[-1]]
+    first = [acc for w in widths for acc in seed0["best"]["per_position"][str(w)][:{"four": 4}[m.group(1)]]]
+    assert (round(min(first)), round(max(first))) == (int(m.group(2)), int(m.group(3)))
+    assert f"{seed0['best']['digit_mean_acc_ood']:.1f}" == m.group(6)
+    ridge = {k.split("/")[3]: r for k, r in runs.items() if k.startswith("tiny_cpu/digit_positions/table_at_zero/")}
+    assert f"{ridge['Falcon-3A.3']['best']['digit_mean_acc_ood']:.1f}" == m.group(7)
+    seed1 = no_ridge["Falcon-3A.3_seed1"]
+    assert seed1["seed"] == 1 and _solved(seed1["best"]["per_width"]) == int(m.group(8))
+    assert f"{seed1['best']['val_acc']:.1f}" == m.group(9)
+    assert f"{no_ridge['Falcon-1A.3']['best']['val_acc']:.1f}" == m.group(10)
+    assert f"{ridge['Falcon-1A.3']['best']['val_acc']:.1f}" == m.group(11)
+    paper = {k.split("/")[1]: r for k, r in runs.items() if k.startswith("paper_places/")}
+    assert sorted(paper) == sorted(["f3a_ridge", "f3a_noridge", "transformer", "cur_f3a_ridge", "cur_f3a_noridge",
+                                    "cur_transformer"])
+    assert re.search(r"At the `paper` size, places with or without the ridge leave Falcon-3A\.3 at widths 1-2 at "
+                     r"most \(`results/addition/paper_places/`\)", FLAT)
+    falcon = [r for r in paper.values() if r["config_fields"]["mixer"] == "falcon"]
+    assert len(falcon) == 4 and {r["config_fields"].get("lambda_scale", 1.0) for r in falcon} == {0.0, 1.0}
+    assert max(_solved(r["best"]["per_width"]) for r in falcon) == 2
+    assert all(r["preset"]["train_widths"] == [1, 32] and max(_ood_exact(r).values()) == 0.0 for r in paper.values())

@@ -57,25 +57,34 @@ def sources(tmp_path):
     return docs, val
 
 
-def test_every_source_kind_stores_the_documents_it_holds(tmp_path, capsys):
+needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
+                                    reason="hf: sources load through the datasets package")
+
+
+@pytest.mark.parametrize("kind", ["folder", "glob", "jsonl", "json", "parquet",
+                                  pytest.param("hf", marks=needs_datasets)])
+def test_every_source_kind_stores_the_documents_it_holds(tmp_path, capsys, kind):
     docs, val = sources(tmp_path)
     held = [d for i, d in enumerate(docs) if i % 5 == 4]
     kept = [d for i, d in enumerate(docs) if i % 5 != 4]
     cases = {"folder": (tmp_path / "txt", None), "glob": (str(tmp_path / "txt" / "*.txt"), None),
              "jsonl": (tmp_path / "c.jsonl", None), "json": (tmp_path / "c.json", None),
              "parquet": (tmp_path / "c.parquet", None), "hf": (f"hf:{tmp_path / 'hub'}", f"hf:{tmp_path / 'hub'}")}
-    for kind, (train, val_source) in cases.items():
-        out = tmp_path / f"out-{kind}"
-        extra = ["--val", val_source] if val_source else ["--val-every", 5]
-        status, record, err = run_data(capsys, "--train", train, *extra, "--text-field", "body", "--out", out)
-        assert status == 0, (kind, err)
-        want = {"train": docs, "val": val} if val_source else {"train": kept, "val": held}
-        for split, texts in want.items():
-            assert stored(out / split) == [(256, t.encode()) for t in texts], (kind, split)
-            n_tokens = sum(len(t.encode()) + 1 for t in texts)
-            assert record["counts"][split] == {"n_docs": len(texts), "n_tokens": n_tokens}
-        assert (record["vocab_size"], record["eos_token_id"]) == (257, 256)
-    # --max-documents caps each source, before the held-out split
+    train, val_source = cases[kind]
+    out = tmp_path / f"out-{kind}"
+    extra = ["--val", val_source] if val_source else ["--val-every", 5]
+    status, record, err = run_data(capsys, "--train", train, *extra, "--text-field", "body", "--out", out)
+    assert status == 0, (kind, err)
+    want = {"train": docs, "val": val} if val_source else {"train": kept, "val": held}
+    for split, texts in want.items():
+        assert stored(out / split) == [(256, t.encode()) for t in texts], (kind, split)
+        n_tokens = sum(len(t.encode()) + 1 for t in texts)
+        assert record["counts"][split] == {"n_docs": len(texts), "n_tokens": n_tokens}
+    assert (record["vocab_size"], record["eos_token_id"]) == (257, 256)
+
+
+def test_max_documents_caps_each_source_before_the_held_out_split(tmp_path, capsys):
+    docs, _ = sources(tmp_path)
     status, record, _ = run_data(capsys, "--train", tmp_path / "c.jsonl", "--text-field", "body", "--val-every", 5,
                                  "--max-documents", 12, "--out", tmp_path / "out-max")
     assert status == 0 and stored(tmp_path / "out-max" / "val") == [(256, d.encode()) for d in docs[4:12:5]]
@@ -113,8 +122,10 @@ def bad_inputs(tmp_path):
     ("bytes.parquet", [], r"bytes\.parquet: column --text-field 'text' must hold strings, got binary$"),
     ("lists.parquet", [], r"lists\.parquet: column --text-field 'text' must hold strings, got list"),
     ("junk.parquet", [], r"junk\.parquet: not a Parquet file"),
-    ("hf:hub", [], r"hf:.*hub \(train\) record 0: --text-field 'text' must hold a string, got int$"),
-    ("hf:hub2", [], r"hf:.*hub2 \(train\) record 0: record has no --text-field 'text' \(keys: \['body'\]\)$"),
+    pytest.param("hf:hub", [], r"hf:.*hub \(train\) record 0: --text-field 'text' must hold a string, got int$",
+                 marks=needs_datasets),
+    pytest.param("hf:hub2", [], r"hf:.*hub2 \(train\) record 0: record has no --text-field 'text' \(keys: "
+                 r"\['body'\]\)$", marks=needs_datasets),
 ])
 def test_a_bad_input_ends_in_one_line_naming_it(tmp_path, capsys, train, more, message):
     """Exit status 2 and ``falcon-fwa data: error: ...`` naming the file or option: no traceback, no empty shard."""
@@ -250,6 +261,7 @@ def test_a_preparation_killed_mid_write_then_relaunched_writes_the_same_bytes(tm
     assert len([k for k in straight if k.startswith("train/tokens-")]) > 3 and straight == killed
 
 
+@needs_datasets
 def test_an_hf_source_that_cannot_be_opened_is_named(tmp_path, monkeypatch):
     (tmp_path / "hub").mkdir()
     (tmp_path / "hub" / "train.jsonl").write_text('{"text": "a"}\n')
@@ -272,10 +284,6 @@ def test_a_tokenizer_file_is_refused_naming_its_folder(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer\.json' is a file: give the folder that holds it"):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert load_tokenizer(str(tmp_path)).eos_token_id == 256
-
-
-needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
-                                    reason="hf: sources load through the datasets package")
 
 
 @needs_datasets

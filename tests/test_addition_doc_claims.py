@@ -792,6 +792,23 @@ def test_the_no_ridge_figures():
     assert m
     runs = _runs()
     no_ridge = {k.split("/")[3]: r for k, r in runs.items() if k.startswith("tiny_cpu/no_ridge/abacus5/")}
+    windows = {name: no_ridge.pop(name)["config_fields"].get("window") for name in list(no_ridge) if "window" in name}
+    assert windows == {"Falcon-3A.3_window2": 2, "Falcon-3A.3_window8": 8}
+    recipe = _flat((RESULTS / "tiny_cpu/recipe.md").read_text())
+    w = re.search(r"window 2 learns widths 1-(\d+) \(([\d.]+) % exact, \d+ s\); window 8 reaches ([\d.]+) % \(widths "
+                  r"1-(\d+) solved, \d+ s\) and ([\d.]+) % of the digits past training, but keeps no longer look-up "
+                  r"\(at width 10, `k = 0-3`: (\d+) / (\d+) / (\d+) / (\d+) %\)\. Neither holds more than the units "
+                  r"digit at every width \(window 2 keeps it on (\d+)-(\d+) % of the sums", recipe)
+    assert w
+    w2, w8 = (runs[f"tiny_cpu/no_ridge/abacus5/Falcon-3A.3_window{b}/results.json"]["best"] for b in (2, 8))
+    assert (_solved(w2["per_width"]), f"{w2['val_acc']:.1f}") == (int(w.group(1)), w.group(2))
+    assert (f"{w8['val_acc']:.1f}", _solved(w8["per_width"])) == (w.group(3), int(w.group(4)))
+    assert f"{w8['digit_mean_acc_ood']:.1f}" == w.group(5)
+    assert [round(x) for x in w8["per_position"]["10"][:4]] == [int(w.group(i)) for i in range(6, 10)]
+    units = [w2["per_position"][str(n)][0] for n in range(6, 11)]
+    assert (round(min(units)), round(max(units))) == (int(w.group(10)), int(w.group(11)))
+    for best in (w2, w8):  # past the units digit, no answer position right on 72 % (seed 0's least) at every width
+        assert all(min(best["per_position"][str(n)][k] for n in range(6, 11)) < 72 for k in range(1, 6))
     assert sorted(no_ridge) == ["Falcon-1A.3", "Falcon-3A.3", "Falcon-3A.3_seed1"]
     for name, run in no_ridge.items():
         assert run["config_fields"] == {"mixer": "falcon", "rule": LINEUP[name.split("_")[0]]["rule"],

@@ -9,6 +9,7 @@ Section 4.5 (Falcon-3A). It shares no code with ``falcon_fwa.ops``.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -66,10 +67,17 @@ def pytest_make_collect_report(collector):
     return report
 
 
-# torch 2.4's FSDP2 opens CUDA streams when it gathers parameters, so it trains on CUDA devices only (the trainer
-# refuses it on the CPU there): the tests that train sharded CPU processes need a newer torch.
-fsdp2_on_cpu = pytest.mark.skipif(torch.__version__.startswith("2.4."),
+# Where the installed torch's FSDP2 cannot shard CPU processes (torch 2.4; the trainer refuses it there), the tests
+# that train sharded CPU processes are skipped.
+from falcon_fwa.train.distributed import fsdp2_shards_on_cpu  # noqa: E402
+
+fsdp2_on_cpu = pytest.mark.skipif(not fsdp2_shards_on_cpu(),
                                   reason="torch 2.4's FSDP2 trains on CUDA devices only (it opens CUDA streams)")
+
+# hf: data sources load through the datasets package (a dependency, absent where the package's src is put on the path
+# instead of installed, as on the GPU machines): the tests of those sources skip without it.
+needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
+                                    reason="hf: sources load through the datasets package")
 
 RULE_NAMES = ("1", "2", "3", "1A", "2A", "3A")
 PER_COLUMN = ("2", "2A")

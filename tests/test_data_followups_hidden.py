@@ -1,11 +1,10 @@
 """A source folder's hidden names (starting with ``.``: a notebook's ``.ipynb_checkpoints/``, ``.git/``, ``.DS_Store``)
 are no documents: a folder edited in Jupyter holds a checkpoint copy of each file it saved, whose documents would be
 tokenized twice. A hidden file named directly, or a source folder that is itself hidden, is read."""
-import importlib.util
 import json
 import os
 
-import pytest
+from conftest import needs_datasets
 from test_data_sources import run_data, stored
 
 from falcon_fwa.data.sources import iter_documents, list_files
@@ -76,7 +75,7 @@ def test_the_data_command_tokenizes_no_checkpoint_copy(tmp_path, capsys):
     assert status == 2 and f"{folder / 'late.txt'} is new" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="hf: sources load through datasets")
+@needs_datasets
 def test_an_hf_folder_records_no_hidden_file(tmp_path, capsys):
     """``datasets`` reads no hidden file of a dataset folder (``.cache/`` of a download, ``.git/``): the record of
     the folder's files leaves them out, so one written since refuses no reuse."""

@@ -1,18 +1,16 @@
 """What a preparation writes is no data of an ``hf:`` dataset folder either (``--out`` inside it, or the folder
 itself, or an earlier preparation there), as it is none of a plain source folder; a source file that is a link to
 nothing is refused before anything is written, naming the option, the link and its target."""
-import importlib.util
 import json
 import os
 
 import pytest
+from conftest import needs_datasets
 
 from falcon_fwa.data.prepare import DataSpec, prepare_dataset
 from falcon_fwa.data.sources import hf_split_files, iter_documents, list_files
 from test_data_sources import run_data, stored
 
-needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
-                                    reason="hf: sources load through the datasets package")
 
 TRAIN = ["one two three", "four five", "six seven eight nine", "ten", "eleven twelve"]
 VAL = ["thirteen fourteen", "fifteen"]

@@ -1,6 +1,5 @@
 """The inputs of ``falcon-fwa data``: every source kind counted independently, refused inputs named in
 one line, tokenizers against the ``tokenizers`` library, and a preparation killed mid-write."""
-import importlib.util
 import json
 import os
 import logging
@@ -11,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import needs_datasets
 
 from falcon_fwa.cli import main
 from falcon_fwa.data import TokenShards, byte_tokenizer, encode_documents, iter_documents, load_tokenizer
@@ -55,10 +55,6 @@ def sources(tmp_path):
     (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     (tmp_path / "hub" / "validation.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in val))
     return docs, val
-
-
-needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
-                                    reason="hf: sources load through the datasets package")
 
 
 @pytest.mark.parametrize("kind", ["folder", "glob", "jsonl", "json", "parquet",

@@ -2,7 +2,6 @@
 (``--out .`` beside the text files, or a project folder with the text in a subfolder), and option values that
 name nothing (``hf:`` without a name, an empty ``--out``) refused in one line naming the option. Shards are
 checked against the UTF-8 bytes of the files, worked out here."""
-import importlib.util
 import json
 import logging
 import os
@@ -10,13 +9,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import needs_datasets
 
 from falcon_fwa.cli import main
 from falcon_fwa.data import TokenShards
 
 EOS = 256
-needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
-                                    reason="hf: sources load through the datasets package")
 
 
 def run_data(capsys, *argv):

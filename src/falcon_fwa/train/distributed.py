@@ -60,6 +60,12 @@ def _blocks(model: nn.Module):
     return max(lists, key=len) if lists else []
 
 
+def fsdp2_shards_on_cpu() -> bool:
+    """Whether the installed torch's FSDP2 shards CPU processes: torch 2.4's opens CUDA streams when it gathers
+    parameters, so it runs on CUDA devices only (read at each call: the version is what ``torch`` says now)."""
+    return not torch.__version__.startswith("2.4.")
+
+
 def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
     """DDP: replicate and all-reduce gradients. FSDP2: shard every block, then the root, over a mesh of
     ``info.device``'s type (one dimension, every process): CPU processes (gloo) shard on the CPU also on a
@@ -75,7 +81,7 @@ def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
         fully_shard = _fully_shard()
-        if info.device.type == "cpu" and torch.__version__.startswith("2.4."):
+        if info.device.type == "cpu" and not fsdp2_shards_on_cpu():
             raise RuntimeError(f"train.strategy='fsdp2' on the CPU: the FSDP2 of torch {torch.__version__} opens CUDA "
                                "streams, so it runs on CUDA devices only; use strategy 'ddp' on the CPU, or a newer "
                                "torch")

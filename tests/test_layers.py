@@ -64,6 +64,16 @@ def test_short_conv_matches_reference_packed_and_continued():
     assert torch.allclose(y[0, 5:], full[0, 4:], atol=1e-14, rtol=0)
 
 
+def test_short_conv_refuses_zero_time_steps_naming_x():
+    conv = ShortConv(5, kernel_size=4)
+    for buffer in (None, torch.zeros(2, 3, 5)):
+        with pytest.raises(ValueError, match=re.escape("x must have at least one time step (T >= 1), got shape "
+                                                       "(2, 0, 5)")):
+            conv(torch.zeros(2, 0, 5), buffer=buffer)
+    y, buf = conv(torch.zeros(2, 1, 5))  # one step still runs
+    assert y.shape == (2, 1, 5) and buf.shape == (2, 3, 5)
+
+
 def test_short_conv_under_compile_is_the_shifted_sum_of_the_reference():
     """Inside a ``torch.compile`` graph the convolution is written as shifted products (no
     convolution in the traced graphs); dense and packed, its outputs are the textbook convolution's

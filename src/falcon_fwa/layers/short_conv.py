@@ -59,6 +59,8 @@ class ShortConv(nn.Module):
         C = x.shape[-1]
         if x.dim() != 3 or C != self.weight.shape[0]:
             raise ValueError(f"x must have shape [B, T, channels={self.weight.shape[0]}], got {tuple(x.shape)}")
+        if x.shape[1] == 0:  # as the op refuses it; conv1d's own message would name a padded size
+            raise ValueError(f"x must have at least one time step (T >= 1), got shape {tuple(x.shape)}")
         packing = layout_of(packing, x, name="x")
         if buffer is not None and (buffer.dim() != 3 or tuple(buffer.shape[1:]) != (W1, C)):
             raise ValueError(f"buffer must have shape [rows, kernel_size - 1 = {W1}, channels = {C}], "

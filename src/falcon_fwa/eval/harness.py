@@ -99,6 +99,14 @@ def lm_class():
 
         def _encode_pair(self, context, continuation):
             context_enc, continuation_enc = super()._encode_pair(context, continuation)
+            # the harness cuts tokenize(context + continuation) at len(tokenize(context)); where a token spans the
+            # join ("the cat" + "s sat": " cats" is one token) that cut drops the continuation's first characters
+            # (or leaves it no tokens: a bare AssertionError). Then the continuation is encoded alone
+            n_spaces = len(context) - len(context.rstrip())  # (moved to the continuation, as the harness does)
+            head, tail = ((context[:-n_spaces], context[-n_spaces:] + continuation) if n_spaces
+                          else (context, continuation))
+            if self.backend == "causal" and self.tok_encode(head + tail)[:len(context_enc)] != list(context_enc):
+                continuation_enc = self.tok_encode(tail)
             return self._opening(context_enc) + list(context_enc), continuation_enc
 
         def _model_call(self, inps, attn_mask=None, labels=None):

@@ -185,7 +185,8 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     ``stream``: an object with ``put(ids)`` and ``end()`` (``transformers.TextStreamer``) that gets each
     new token as it is chosen; only with one prompt per batch, and not with ``stop`` (the tokens of a stop
     string would be shown: use ``on_text``). ``end()`` is called as each batch ends, and also when an
-    exception (a Ctrl-C) stops it, so that the tokens already chosen are shown.
+    exception (a Ctrl-C) stops it, so that the tokens already chosen are shown. A streamer with ``skip_prompt``
+    set (``TextStreamer(tokenizer, skip_prompt=True)``) first gets each batch's prompt ids, which it drops.
 
     ``on_batch``: called with each batch's completions as the batch ends, before the next prompt pass and
     outside the timings (``falcon-fwa generate`` prints them so).
@@ -279,6 +280,10 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
         texts = [StopText(tokenizer, stops) for _ in rows] if stops or on_text is not None else None
         ended = [False] * len(rows)
         try:
+            if stream is not None and getattr(stream, "skip_prompt", False):
+                # transformers' streamers take their first put() (after each end()) as the prompt, as generate()
+                # sends it: with skip_prompt they drop it, which would drop the first new token here
+                stream.put(torch.tensor([rows[0]]))
             while True:
                 steps.append(token)
                 if stopping:

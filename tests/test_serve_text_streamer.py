@@ -1,4 +1,4 @@
-"""``generate_text(stream=...)`` with the streamers of ``transformers``.
+"""``generate_text(stream=...)`` with the streamers of ``transformers``, and ``stop`` given as a generator.
 
 ``transformers.TextStreamer(tokenizer, skip_prompt=True)`` (the usual way to show only the new text) takes the first
 ``put()`` it gets, and the first after each ``end()``, as the prompt, as ``model.generate`` sends it, and drops it.
@@ -39,3 +39,13 @@ def test_a_text_streamer_shows_each_batchs_whole_completion(skip_prompt):
     assert [c.text for c in out.completions] == ["hello worl", "fast state"]
     assert streamer.batches == ["hello worl", "fast state"]
     assert [c.token_ids for c in out.completions] == [list(b"hello worl"), list(b"fast state")]
+
+
+def test_stop_strings_given_as_a_generator_end_the_completion():
+    """``stop`` read once: a generator of stop strings ends the completion as the same strings in a list do."""
+    tok = byte_tokenizer()
+    model = Scripted(tok, {"p": list(b"hello world")})
+    want = generate_text(model, tok, ["p"], max_new_tokens=10, stop=["o w"]).completions[0]
+    got = generate_text(model, tok, ["p"], max_new_tokens=10, stop=(s for s in ["o w"])).completions[0]
+    assert (got.text, got.finish_reason, got.stop_string) == (want.text, want.finish_reason, want.stop_string)
+    assert (got.text, got.finish_reason, got.stop_string) == ("hell", "stop", "o w")

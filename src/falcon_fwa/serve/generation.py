@@ -197,11 +197,11 @@ def generate_text(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     (``ValueError`` where not possible); ``False``: eager steps.
     Returns a :class:`Generation`: one :class:`Completion` per prompt, in order, and its :class:`Timing`.
     """
+    stops = check_stop(stop)  # read once: a generator of strings is used up by its first reading
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   batch_size=batch_size, seed=seed, stop=stop)
+                   batch_size=batch_size, seed=seed, stop=stops)
     max_new_tokens, top_k, batch_size = int(max_new_tokens), int(top_k), int(batch_size)  # (numpy's: torch's too)
     temperature, top_p, seed = float(temperature), float(top_p), None if seed is None else int(seed)
-    stops = check_stop(stop)
     if isinstance(prompts, str):  # its characters would be taken as prompts
         raise TypeError(f"prompts must be a sequence of strings, got one str ({prompts[:40]!r}); pass [prompt]")
     for option, value in (("stream", stream), ("on_text", on_text)):

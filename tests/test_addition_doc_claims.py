@@ -210,6 +210,39 @@ def test_the_curriculum_grows_the_largest_width_linearly_over_its_steps():
     assert get_addition_preset("paper").curriculum_steps == get_addition_preset("tiny").curriculum_steps == 0
 
 
+def _covered(preset, width: int) -> float:
+    """The share (%) of width ``width``'s validation sums that a run of ``preset`` also drew in training: each of
+    the ``base^(2 width)`` operand pairs is drawn ``d / base^(2 width)`` times on average, ``d`` the expected
+    training draws of that width (``batch / widths drawable`` at each step), so a given one is missed with the
+    probability ``exp(-d / base^(2 width))``."""
+    lo = preset.train_widths[0]
+    draws = sum(preset.batch_size / (preset.max_train_width(s) - lo + 1) for s in range(preset.steps)
+                if width <= preset.max_train_width(s))
+    return 100 * (1 - math.exp(-draws / preset.base ** (2 * width)))
+
+
+def test_the_validation_repeats_training_at_small_widths_by_the_shares_the_doc_gives():
+    """"Validation repeats training at small widths": the shares of validation sums drawn in training that the
+    doc gives for the ``paper`` preset, in decimal and binary, and for the committed binary runs of 8,000 steps
+    (their settings read from the summary's meta file)."""
+    text = _flat(DOC[DOC.index("**Validation repeats training at small widths.**"):DOC.index("**Model selection.**")])
+    paper = get_addition_preset("paper")
+    meta = json.loads((RESULTS / "binary" / "cur5000_steps8000" / "h2_cur5000_steps8000_base2_meta.json").read_text())
+    runs = paper.replace(steps=meta["steps"], curriculum_steps=meta["curriculum_steps"], base=meta["base"],
+                         batch_size=meta["batch_size"])
+    assert (meta["steps"], meta["curriculum_steps"], meta["base"]) == (8000, 5000, 2)
+    assert "The `paper` preset draws about 8,000 sums of each width" in text
+    assert paper.steps * paper.batch_size / 32 == 8000 and paper.curriculum_steps == 0
+    assert "all of width 1, about 55 % of width 2, under 1 % from width 3 on" in text
+    assert round(_covered(paper, 1)) == 100 and round(_covered(paper, 2)) == 55 and _covered(paper, 3) < 1
+    binary = paper.replace(base=2)
+    assert "in binary trained about 86 % of the width-6 and 39 % of the width-7 validation sums" in text
+    assert round(_covered(binary, 6)) == 86 and round(_covered(binary, 7)) == 39
+    assert "all of widths 1-6, about 94 % of width 7, 48 % of width 8 and 14 % of width 9" in text
+    assert all(_covered(runs, w) > 99.5 for w in range(1, 7))
+    assert [round(_covered(runs, w)) for w in (7, 8, 9)] == [94, 48, 14]
+
+
 def _places_by_hand(text: str, order: str = "msd"):
     """Each character's place in its number, 1 for the units, 0 for the rest: msd operands count down to their
     last digit, lsd operands and the (reversed) sum count up from their first."""

@@ -92,7 +92,7 @@ class CausalSelfAttention(nn.Module):
             if packing.packed and packing.num_sequences <= MAX_CALLS_PER_ROW:
                 # one causal call per sequence: O(sum n_i^2) work and memory, not O(N_tok^2) for a
                 # block-diagonal mask over the whole packed row (and flash-eligible: no mask tensor)
-                bounds = packing.bounds
+                bounds = packing.bounds if packing.bounds is not None else sequence_bounds(packing.cu_seqlens)
                 o = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True)
                                for a, e in zip(bounds, bounds[1:])], dim=2)
             elif packing.packed:  # many short sequences: one call with a block-diagonal causal mask

@@ -152,13 +152,13 @@ def layout_of(packing: Optional[Packing], x: torch.Tensor, offsets: Optional[Seq
     cache's (:meth:`Packing.check_rows`): the ``len(offsets)`` rows of a filled key/value cache, or the rows
     of a recurrent mixer's ``cache`` (a :class:`LayerCache`; empty, the ``N`` rows its first call fills)."""
     B, T = x.shape[:2]
-    if packing is None and offsets is not None and len(offsets) != B:
+    if packing is not None and not isinstance(packing, Packing):
+        raise TypeError(f"packing must be a Packing (or None for dense rows), got {type(packing).__name__}")
+    if (packing is None or not packing.packed) and offsets is not None and len(offsets) != B:
         raise ValueError(f"cache holds {len(offsets)} rows, {name} has {B}: dense rows continue the cache row "
-                         f"by row (pass a packing to continue other rows)")
+                         f"by row (pass a packed layout to continue other rows)")
     if packing is None:
         return Packing.dense(B, T, None if offsets is None else torch.as_tensor(offsets), x.device)
-    if not isinstance(packing, Packing):
-        raise TypeError(f"packing must be a Packing (or None for dense rows), got {type(packing).__name__}")
     if packing.packed:
         total = packing.bounds[-1] if packing.bounds is not None else packing.positions.shape[-1]
         if B != 1 or T != total:

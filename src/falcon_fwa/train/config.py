@@ -238,6 +238,8 @@ def _get(cfg, dotted: str):
 def _deep_merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
+        if v is None and isinstance(out.get(k), dict):
+            continue  # an empty section (YAML reads `train:` with its fields commented out as null) changes nothing
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides":
             out[k] = _deep_merge(out[k], v)
         elif isinstance(v, dict) and isinstance(out.get(k), dict):

@@ -126,12 +126,14 @@ def _held_out(spill) -> Iterator[str]:
         yield spill.read(int.from_bytes(size, "little")).decode("utf-8", "surrogatepass")
 
 
-def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}") -> dict:
+def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lambda field: f"data.{field}",
+                 gone_ok: bool = False) -> dict:
     """``{"train": {path: bytes}, "val": ...}``: the files each local source names now (an ``hf:`` dataset
     folder: every file in it; a Hub dataset and an unset ``val_source`` give ``None``), and ``"tokenizer"``: the
     tokenizer files of a tokenizer folder (:func:`tokenizer_files`; no key for another tokenizer), so that a reuse
     can tell a corpus or tokenizer that has changed. ``FileNotFoundError`` naming the setting (``name``) of a source
-    that names no file."""
+    that names no file; with ``gone_ok``, ``None`` for it instead (a reuse: its tokens are in the folder, and the
+    other source is still checked)."""
     def sizes(field: str) -> Optional[dict]:
         source = getattr(spec, field)
         if source is None:
@@ -140,11 +142,15 @@ def source_files(spec: DataSpec, out_dir: str, name: Callable[[str], str] = lamb
             try:  # (refused before anything is written where the dataset folder holds nothing but a preparation)
                 hf_data_files(source, out_dir)
             except FileNotFoundError as err:
+                if gone_ok:
+                    return None
                 raise FileNotFoundError(f"{name(field)}: {err}") from None
             return _folder_files(hf_dataset(source)[0], out_dir)
         try:
             paths = list_files(source, exclude=out_dir, name=name)
         except FileNotFoundError as err:
+            if gone_ok:
+                return None
             raise FileNotFoundError(f"{name(field)}: {err}") from None
         _refuse_shard_folders(paths, source, name(field))
         return {path: os.path.getsize(path) for path in paths}
@@ -535,7 +541,8 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         # written before it was kept: the time it was written, no earlier
         if "files" in record:  # (folders prepared before the files were recorded are reused as they are)
             try:
-                now = source_files(spec, out_dir)
+                now = source_files(spec, out_dir, gone_ok=True)  # a source gone: its tokens are here; the other
+                # source is still checked
             except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
                 now = {"tokenizer": tokenizer_files(spec)}
             stamps = record.get("stamps") if isinstance(record.get("stamps"), dict) else None

@@ -291,11 +291,15 @@ def _parquet_texts(path: str, text_field: str, name: Callable[[str], str] = lamb
     if text_field not in schema.names:
         raise ValueError(f"{path}: no column {name('text_field')} {text_field!r} (columns: {schema.names})")
     kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+    encoded = pa.types.is_dictionary(kind)  # strings stored once each and indexed (pandas' category columns)
+    strings = kind.value_type if encoded else kind
+    if not (pa.types.is_string(strings) or pa.types.is_large_string(strings) or pa.types.is_string_view(strings)):
         raise ValueError(f"{path}: column {name('text_field')} {text_field!r} must hold strings, got {kind}")
     try:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             values = batch.column(0)
+            if encoded:
+                values = values.dictionary_decode()
             try:
                 texts = values.to_pylist()
             except UnicodeDecodeError:  # strings of bytes that are no UTF-8 (unchecked on read): U+FFFD

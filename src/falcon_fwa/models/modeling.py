@@ -311,7 +311,8 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
     * ``labels`` ``[B, T]`` integer ids (``-100`` ignored; pads are ignored anyway): mean
       next-token cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``;
     * ``past_key_values`` (or ``cache``): a :class:`FalconCache` to continue;
-      ``use_cache=True`` returns it (a fresh one when none is given);
+      ``use_cache=True`` returns it (a fresh one when none is given); with ``use_cache=False`` a filled one is
+      still continued (it is the call's context), but not returned;
     * ``output_hidden_states``: also return the embeddings, the output of every block but the
       last and the final normalized output, ``L + 1`` tensors ``[B, T, D]`` (zeros at pads);
     * ``logits_to_keep`` ``k > 0``: logits of the last ``k`` columns only, ``[B, k, vocab]``
@@ -770,7 +771,9 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             use_cache = cache is not None or (self.config.use_cache and not self.training)
         if use_cache and cache is None:
             cache = FalconCache(self.config.num_hidden_layers)
-        if not use_cache:
+        # a cache that is passed is this call's context whatever use_cache says (as in transformers' own models:
+        # generate() keeps a cache the user passes with use_cache=False); use_cache=False leaves it out of the output
+        if not use_cache and (cache is None or cache.empty):
             cache = None
         if cache is not None:
             self._check_cache_fits(cache)
@@ -822,7 +825,7 @@ class FalconForCausalLM(FalconPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                    targets[:, 1:].to(logits.device).reshape(-1), ignore_index=-100)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=None if hidden is None else tuple(hidden),
-                                     **{_CACHE_FIELD: cache})
+                                     **{_CACHE_FIELD: cache if use_cache else None})
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         return out if return_dict else out.to_tuple()

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from falcon_fwa.provenance import command_provenance, committed_files, recorded_commit, uncommitted_note
 
 SHAPES = [(8, 2048, 16, 128, 128), (2, 8192, 16, 128, 128)]
-TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=2048)
+TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at the shape of target_at)
     ("falcon-1a", "fla-simple-gla", 1.0),
     ("falcon-1a-unchecked", "fla-simple-gla", 1.0),
     ("falcon-1", "fla-gated-delta-rule", 0.8),
@@ -84,6 +84,15 @@ TARGETS = [  # (falcon op, fla op, target ratio of fwd+bwd medians at B=8, T=204
     ("falcon-2-seg4", "fla-gated-delta-rule", 1.5),
 ]
 WINDOW = 4  # the window B of the sliding rules' rows
+RULE_3_TARGET_SHAPE = (4, 2048, 16, 128, 128)  # rules 3 and 3A: their targets are set at B=4
+
+
+def target_at(op: str, shape) -> Optional[float]:
+    """The target of ``op``'s ratio (:data:`TARGETS`) at ``shape``, ``None`` away from the shape it is set at:
+    rules 3 and 3A (``falcon-3*``) at B=4 (:data:`RULE_3_TARGET_SHAPE`), the others at ``SHAPES[0]`` (B=8)."""
+    target = next((t for ours, _, t in TARGETS if ours == op), None)
+    where = RULE_3_TARGET_SHAPE if op.startswith("falcon-3") else SHAPES[0]
+    return target if tuple(shape) == where else None
 
 # build(B, T, H, K, V) -> (call, leaves): the call returns the output whose backward is timed, the leaves are
 # every tensor input of the call, each requiring its gradient. The benchmark builds on CUDA in bf16; the
@@ -577,7 +586,7 @@ def _markdown(rows, versions, commit, notes, errors, dirty: Optional[bool] = Non
         out += [f"| {r['op']} | {r['fla_op']} | {r['B']} | {r['T']} | {r['rounds']} | {r['ratio']:.2f}"
                 f"{' (not reliable: see the notes)' if 'unreliable' in r else ''} | "
                 f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['ms']:.3f} | {r['fla_ms']:.3f} | "
-                f"{'<= ' + str(r['target']) if _shape(r) == SHAPES[0] else '-'} |" for r in paired]
+                f"{'<= ' + str(r['target']) if target_at(r['op'], _shape(r)) is not None else '-'} |" for r in paired]
     decode = [r for r in rows if r["mode"] == "decode"]
     if decode:
         out += ["", "## Decoding step (one layer's mixer op, H=6, K=V=128)", "",
@@ -594,7 +603,7 @@ def fwdbwd_ratios(rows: List[dict]) -> List[dict]:
     :data:`TARGETS` and shape of ``rows``, pairs in the order of :data:`TARGETS`, shapes in the order they first
     come in ``rows``. The table of ``<name>.md`` and the plot (``plot_kernels.pair_ratios``) both read them.
     Each dict: ``op``, ``fla_op``, ``shape`` (B, T, H, K, V), ``window`` (of the Falcon row, else ``None``),
-    ``target`` (``None`` away from the benchmark shape ``SHAPES[0]``), ``missing`` (the pair's ops without a
+    ``target`` (:func:`target_at`: ``None`` away from the shape it is set at), ``missing`` (the pair's ops without a
     timed row), ``failed`` (those of them with a failed row) and, when both rows are timed, ``eager_ratio``
     (``ms`` over ``ms``), ``graph_ratio`` (``graph_ms`` over ``graph_ms`` where both rows have one, else
     ``None``) and ``mem_ratio`` (peak memory over peak memory);
@@ -611,12 +620,12 @@ def fwdbwd_ratios(rows: List[dict]) -> List[dict]:
         else:
             index.setdefault((r["op"], _shape(r)), r)
     found = []
-    for ours, theirs, target in TARGETS:
+    for ours, theirs, _ in TARGETS:
         for shape in shapes:
             a, b = index.get((ours, shape)), index.get((theirs, shape))
             missing = [op for op, r in ((ours, a), (theirs, b)) if r is None]
             pair = dict(op=ours, fla_op=theirs, shape=shape, window=None if a is None else a.get("window"),
-                        target=target if shape == SHAPES[0] else None, missing=missing,
+                        target=target_at(ours, shape), missing=missing,
                         failed=[op for op in missing if (op, shape) in lost],
                         eager_ratio=None, graph_ratio=None, mem_ratio=None)
             if a is not None and b is not None:
@@ -709,7 +718,8 @@ def main(argv=None) -> None:
     p.add_argument("--allow-fla-gated", action="store_true",
                    help="lift fla's refusal of its gated backward on Triton 3.4-3.7.0 (timing only)")
     p.add_argument("--sweep", action="store_true",
-                   help="also sweep the 1A kernels' launch configurations at the first shape")
+                   help="also sweep the 1A kernels' launch configurations at the first shape "
+                        "(of --shape, else --shapes)")
     p.add_argument("--shapes", nargs="*", type=int, default=list(range(len(SHAPES))),
                    help=f"indices into {SHAPES}")
     p.add_argument("--shape", nargs=5, type=int, action="append", default=None, metavar=("B", "T", "H", "K", "V"),
@@ -767,7 +777,7 @@ def main(argv=None) -> None:
     versions, recorded = _versions(), source(args.commit)
     commit, dirty = recorded["commit"], recorded["dirty"]
     if args.sweep:
-        found = sweep(SHAPES[0])
+        found = sweep(shapes[0] if shapes else SHAPES[0])
         _atomic_write(os.path.join(args.out, f"{args.name}-sweep.json"), json.dumps(found, indent=1) + "\n")
     rows, paired, decode = [], [], []  # rows: timed and failed, in the order they ran; paired, decode: their files
     timing = bool(args.ops and shapes)  # timing rows asked for: <name>.json is this run's, else an earlier one's stays

@@ -31,7 +31,7 @@ def pair_ratios(rows: List[dict]) -> Tuple[Tuple[int, ...], List[dict], List[str
     ``bench_kernels.fwdbwd_ratios`` (those of the table of ``<name>.md``) at that shape. ``pairs``: one dict per
     pair of ``bench_kernels.TARGETS`` with both rows, ``{op, fla_op, window, time_ratio, device, target, mem_ratio}``
     (``device``: the times are ``graph_ms``, which both rows have; else ``ms``; ``target`` is ``None``
-    away from the benchmark shape ``SHAPES[0]``, as in the table). ``skipped``: the pairs with a row
+    away from the shape it is set at, ``bench_kernels.target_at``, as in the table). ``skipped``: the pairs with a row
     missing, each naming it. Raises ``ValueError`` when there is no fwd+bwd row, when the rows come from
     several processes (``process``), or when no pair is left."""
     fwdbwd = [r for r in rows if r.get("mode") == "fwdbwd"]

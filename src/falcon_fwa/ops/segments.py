@@ -40,7 +40,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .seqlens import known_sequence_bounds, sequence_bounds
+from .seqlens import known_sequence_bounds, packed_bounds
 from .state import TENSOR_FIELDS, FalconState
 
 __all__ = ["segment_bounds", "packed_groups", "run_segments"]
@@ -286,7 +286,10 @@ def _run_packed(call, tensors, initial_state: Optional[FalconState], output_fina
     """``run_segments`` for packed sequences: groups of whole sequences, each a packed call of its own.
     The groups' offsets are formed on the device from ``cu_seqlens`` and declared with their host
     values (``known_sequence_bounds``), so that no group reads them back."""
-    bounds = sequence_bounds(cu_seqlens, tensors[0].shape[1])
+    bounds = packed_bounds(tensors[0], cu_seqlens)  # q [1, total, H, K] (the caller's shape in its refusal)
+    if initial_state is not None and initial_state.batch_size != len(bounds) - 1:  # before its rows are picked
+        raise ValueError(f"initial_state has {initial_state.batch_size} rows, but cu_seqlens holds "
+                         f"{len(bounds) - 1} sequences")
     groups = packed_groups(bounds, segments)
     if len(groups) == 2:
         return call(*tensors, initial_state=initial_state, output_final_state=output_final_state,

@@ -100,12 +100,15 @@ def check_output_folder(option: str, path: Optional[str]) -> None:
 
 
 def check_output_file(option: str, path: Optional[str]) -> None:
-    """``ValueError`` naming ``option`` where ``path``, a file the command writes, is a folder or lies
-    under a file: refused before any work (a finished evaluation would otherwise be lost at its write)."""
+    """``ValueError`` naming ``option`` where ``path``, a file the command writes, is a folder (or names one by
+    its final separator, ``DIR/new/``) or lies under a file: refused before any work (a finished evaluation
+    would otherwise be lost at its write)."""
     if not path:
         return
     if os.path.isdir(path):
         raise ValueError(f"{option} {path!r} is a folder: give the path of a file")
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
+        raise ValueError(f"{option} {path!r} ends in a separator, as a folder does: give the path of a file")
     existing = _existing_ancestor(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(existing):
         raise ValueError(f"{option} {path!r} lies under {existing!r}, which is a file, not a folder")

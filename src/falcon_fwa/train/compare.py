@@ -882,11 +882,12 @@ def _train(args: argparse.Namespace, names: List[str], report: dict, sets: List[
             save()
             print(report["error"], flush=True)
             return 1
-        if steps < MIN_STEPS:
-            print(f"only {steps} steps fit: training {MIN_STEPS}", flush=True)
-            steps = MIN_STEPS
+        fit = steps
+        steps = max(steps, MIN_STEPS)
         if args.max_steps:
             steps = min(steps, args.max_steps)
+        if steps > fit:  # raised to the floor of 20 (or to --max-steps, where that caps the floor)
+            print(f"only {fit} steps fit: training {steps}", flush=True)
     if steps is not None:
         sets += [f"train.steps={steps}", f"optim.warmup_steps={max(1, steps // 15)}",
                  f"train.eval_every={max(1, steps // 4)}", f"train.save_every={steps}"]

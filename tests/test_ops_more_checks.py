@@ -1,4 +1,5 @@
-"""Packed sequences (``cu_seqlens``) in segments: the initial state's rows and q's shape refused as one call refuses them."""
+"""Packed sequences (``cu_seqlens``) in segments: the initial state's rows and q's shape refused as one
+call refuses them."""
 from __future__ import annotations
 
 import pytest

@@ -600,7 +600,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds for all the runs together after calibration (sets the step count)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="wall-clock seconds for the whole command: sets the step count unless --steps "
-                             "or --time-budget does, and stops the run in progress when it passes")
+                             "does (with --time-budget, the smaller of the two budgets), and stops the run in "
+                             "progress when it passes")
     parser.add_argument("--calib-steps", type=int, default=None,
                         help="timed calibration steps per recipe (default 6; with --concurrent: 30 training steps)")
     parser.add_argument("--calib-warmup", type=int, default=None,

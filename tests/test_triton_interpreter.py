@@ -25,7 +25,7 @@ KERNEL_TESTS = ("test_triton_chunk.py", "test_triton_recurrent.py", "test_triton
                 "test_triton_window_sum.py", "test_triton_delta_query_rows.py", "test_triton_checks.py",
                 "test_triton_segments.py", "test_triton_matrix.py", "test_triton_edges.py", "test_triton_glue_mutants.py",
                 "test_triton_sliding_glue_mutants.py",
-                "test_triton_autograd_glue_mutants.py", "test_ops_doc_claims.py",
+                "test_triton_autograd_glue_mutants.py", "test_ops_doc_claims.py", "test_triton_more_checks.py",
                 "test_triton_dispatch.py::test_final_state_is_fp32_on_both_backends",
                 "test_triton_dispatch.py::test_triton_backend_takes_a_hard_reset_gate",
                 "test_triton_dispatch.py::test_triton_backend_matches_the_torch_forms",

@@ -11,14 +11,15 @@ import torch
 from ..kernel_limits import MAX_FUSED_HEAD_DIM, MAX_FUSED_WINDOW
 from ..rules import get_rule
 from ..seqlens import last_steps, packed_bounds
-from ..state import FalconState
+from ..segments import _functorch_active, _has_tangents
+from ..state import TENSOR_FIELDS, FalconState
 from ..validate import check_inputs, check_options, check_state, check_state_type, plain_number
 from . import recurrent_kernels as kern
 from .api import TRITON_RULES, check_kernel_support
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "STEP_RULES", "SHORT_PROMPT_LIMITS",
-           "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
+__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "other_derivative", "STEP_RULES",
+           "SHORT_PROMPT_LIMITS", "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
 
 # Rules whose fused kernel ``falcon_step(backend="auto")`` takes on CUDA: those checked on a GPU
 # against the float64 recurrent form (tests/test_triton_recurrent.py; benchmarks/results/h200_tests.md).
@@ -34,8 +35,20 @@ SHORT_PROMPT_LIMITS: dict = {"1": (128, 12288), "1A": (256, 24576), "2": (128, 1
 _EIGEN_SQUARINGS = 20  # rule 3's window statistic, as ops.step_sizes.top_eigenvalue_by_squaring
 
 
+def other_derivative(tensors, state: Optional[FalconState]) -> bool:
+    """Whether a derivative other than autograd's reverse mode is taken through ``tensors`` or ``state``'s
+    tensors: one carries a forward-mode tangent (``torch.autograd.forward_ad``; also under ``torch.no_grad``),
+    or a ``torch.func`` transform runs. No kernel takes either: the fused kernel is no autograd node (the
+    tangent would be dropped), the chunk kernels' nodes have no ``jvp`` and no ``setup_context``."""
+    fields = tuple(getattr(state, f) for f in TENSOR_FIELDS) if isinstance(state, FalconState) else ()
+    return _functorch_active() or _has_tangents((*tensors, *fields))
+
+
 def wants_gradient(tensors, state: Optional[FalconState]) -> bool:
-    """Whether autograd would need a gradient of any of ``tensors`` or of ``state``'s tensors."""
+    """Whether autograd would need a gradient of any of ``tensors`` or of ``state``'s tensors, or another
+    derivative is taken through them (``other_derivative``)."""
+    if other_derivative(tensors, state):
+        return True
     if not torch.is_grad_enabled():
         return False
     # a state of the wrong type is refused by the checks after this
@@ -54,7 +67,8 @@ def _check_fused(spec, window, q, k, v, beta, lam, log_gate, initial_state, deca
                                   "recurrent kernel holds in one tile")
     check_kernel_support("the fused recurrent kernel", q, k, v, beta, lam, log_gate, initial_state, decay_floor)
     if wants_gradient((q, k, v, beta, lam, log_gate), initial_state):
-        raise NotImplementedError("the fused recurrent kernel computes no gradients (requires_grad inputs or state)")
+        raise NotImplementedError("the fused recurrent kernel computes no gradients (requires_grad inputs or state, "
+                                  "forward-mode tangents, torch.func transforms)")
     if initial_state is not None and initial_state.z is not None:
         raise ValueError("the state carries the read normalizer z: continue it through falcon_attention or "
                          "falcon_step with eps_attn, which extend the values for it")

@@ -118,6 +118,15 @@ _LAM_RANGE = "lam must be finite and >= 0 (it is the actual ridge coefficient la
 _GATE_RANGE = "log_gate must be <= 0, not NaN (the gate exp(g_t) is a decay)"
 
 
+def _unwrapped(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` without the wrappers of ``torch.func``'s transforms (``grad``, ``jvp``: the values; ``vmap``: those of
+    every sample), a plain tensor that a kernel can read."""
+    functorch = getattr(torch._C, "_functorch", None)
+    while t is not None and functorch is not None and functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
 def check_value_ranges(lam: torch.Tensor, log_gate: Optional[torch.Tensor]) -> None:
     """``lam`` finite and ``>= 0`` (``lam = inf`` would give ``eta_t lam_t = 0 * inf``) and
     ``log_gate <= 0`` (``-inf``, a hard reset, is a gate; NaN and positive values are not).
@@ -129,8 +138,8 @@ def check_value_ranges(lam: torch.Tensor, log_gate: Optional[torch.Tensor]) -> N
             from .triton.checks import assert_ranges
         except ImportError:  # no Triton: the reductions below
             pass
-        else:
-            assert_ranges(lam, log_gate, _LAM_RANGE, _GATE_RANGE)
+        else:  # (the kernel reads the values under torch.func's wrappers, which hold no storage of their own)
+            assert_ranges(_unwrapped(lam), _unwrapped(log_gate), _LAM_RANGE, _GATE_RANGE)
             return
     if lam.numel():
         low, high = torch.aminmax(lam)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -73,6 +74,8 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         with naming(path, tmp):
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0o600, readable by its owner only
             yield tmp
+            with open(tmp, "rb") as f:  # on disk before the rename, also where the block wrote it by path (savefig)
+                os.fsync(f.fileno())
             os.replace(tmp, path)
             fsync_folder(path.parent)  # the rename on disk before returning: a power loss cannot undo it
     except BaseException:
@@ -127,9 +130,9 @@ def synced_write(path: PathLike, write: Callable[[Any], None], mode: str = "w") 
         os.fsync(f.fileno())
 
 
-def _write_file(path: PathLike, write: Callable[[Any], None]) -> None:
-    with atomic_path(path) as tmp:
-        synced_write(tmp, write)
+def _write_file(path: PathLike, write: Callable[[Any], None], mode: str = "w") -> None:
+    with atomic_path(path) as tmp, open(tmp, mode) as f:  # closed, then flushed to disk by atomic_path
+        write(f)
 
 
 def write_text(path: PathLike, text: str) -> None:
@@ -139,16 +142,27 @@ def write_text(path: PathLike, text: str) -> None:
 
 def write_json(path: PathLike, obj: Any, *, default: Optional[Callable[[Any], Any]] = None) -> None:
     """``obj`` as indented JSON (and a final newline) into ``path``, atomically; ``default`` as in
-    ``json.dump`` (e.g. ``str`` for values JSON cannot encode)."""
-    _write_file(path, lambda f: f.write(json.dumps(obj, indent=1, default=default) + "\n"))
+    ``json.dump`` (e.g. ``str`` for values JSON cannot encode). Strict JSON: a float that is NaN or infinite (a
+    diverged loss) is written as ``null``, as ``log.jsonl`` writes it (``NaN`` is refused by jq and strict parsers)."""
+    _write_file(path, lambda f: f.write(json.dumps(_finite(obj), indent=1, default=default) + "\n"))
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float in its dicts, lists and tuples replaced by ``None``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def save_torch(path: PathLike, obj: Any) -> None:
     """``torch.save(obj)`` into ``path``, atomically."""
     import torch
 
-    with atomic_path(path) as tmp:
-        synced_write(tmp, lambda f: torch.save(obj, f), "wb")
+    _write_file(path, lambda f: torch.save(obj, f), "wb")
 
 
 def read_json(path: PathLike) -> Any:

@@ -1,5 +1,5 @@
-"""More checks of the layers' layouts: the Transformer baseline on a packed layout built by hand (no ``bounds``),
-as the recurrent mixers take it, and on a dense layout whose rows are not its cache's rows."""
+"""More checks of the layers: the Transformer baseline on a packed layout built by hand (no ``bounds``), as the
+recurrent mixers take it, and on a dense layout whose rows are not its cache's rows; RoPE against an odd head dim."""
 import math
 
 import pytest
@@ -84,3 +84,14 @@ def test_attention_refuses_a_dense_layout_of_other_rows_than_its_cache(rows):
         mixer(torch.randn(2, 3, H * DH, dtype=torch.float64), None, cache)
         with pytest.raises(ValueError, match="cache holds 2 rows"):
             mixer(torch.randn(rows, 1, H * DH, dtype=torch.float64), Packing.dense(rows, 1, None, "cpu"), cache)
+
+
+def test_rope_refuses_an_odd_head_dim_naming_x():
+    """RoPE rotates pairs of dims: an odd head dim is a ValueError naming ``x`` and its shape, not a shape mismatch
+    inside the rotation."""
+    from falcon_fwa.layers import apply_rope
+
+    with pytest.raises(ValueError, match=r"x must have an even last dimension .*got \(1, 3, 2, 5\)"):
+        apply_rope(torch.zeros(1, 3, 2, 5), torch.arange(3)[None], 100.0)
+    x = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, torch.arange(3)[None], 100.0)[0], _rope(x[0], torch.arange(3), 100.0))

@@ -84,7 +84,8 @@ def test_bad_arguments_name_themselves(tmp_path):
                         (["--configs", "a", "--noise-seeds", "0", "0"], "--noise-seeds"),
                         (["--configs", "a", "b", "--names", "A", "A"], "--names"),
                         (["--configs", "a", "--names", "../A"], "--names"),
-                        (["--configs", "a", "b", "--names", "A B", "A_B"], "--names")):
+                        (["--configs", "a", "b", "--names", "A B", "A_B"], "--names"),
+                        (["--configs", "a", "--results", "out/"], r"--results 'out/' ends in a separator")):
         with pytest.raises(ValueError, match=match):
             scaling.run(parser.parse_args(argv))
 

@@ -43,8 +43,10 @@ MAX_CALLS_PER_ROW = 64  # packed sequences attended one call each; more share on
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate ``x`` ``[B, T, H, d]`` by the angles ``positions[b, t] * theta^{-2i/d}``
-    (pairs ``(x_i, x_{i + d/2})``, the "rotate-half" convention)."""
+    (pairs ``(x_i, x_{i + d/2})``, the "rotate-half" convention); ``d`` must be even."""
     d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"x must have an even last dimension (RoPE rotates pairs of dims), got {tuple(x.shape)}")
     inv_freq = theta ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float64) * 2.0 / d)
     ang = positions.to(torch.float64)[..., None] * inv_freq  # [B, T, d/2]
     cos = torch.cos(ang).to(x.dtype)[:, :, None, :]

@@ -274,6 +274,9 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     finite_at_least("--deadline", args.deadline, 0, strict=True)
     check_output_folder("--out", args.out)
+    if args.results.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):  # DIR/ would write DIR/.json
+        raise ValueError(f"--results {args.results!r} ends in a separator: give the files' path without its suffix "
+                         f"(RESULTS writes RESULTS.json and RESULTS.md)")
     for suffix in (".json", ".md"):
         check_output_file("--results", args.results + suffix)
     folders = [_folder_name(n) for n in names]

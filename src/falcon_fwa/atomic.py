@@ -144,17 +144,18 @@ def write_json(path: PathLike, obj: Any, *, default: Optional[Callable[[Any], An
     """``obj`` as indented JSON (and a final newline) into ``path``, atomically; ``default`` as in
     ``json.dump`` (e.g. ``str`` for values JSON cannot encode). Strict JSON: a float that is NaN or infinite (a
     diverged loss) is written as ``null``, as ``log.jsonl`` writes it (``NaN`` is refused by jq and strict parsers)."""
-    _write_file(path, lambda f: f.write(json.dumps(_finite(obj), indent=1, default=default) + "\n"))
+    _write_file(path, lambda f: f.write(json.dumps(finite_or_none(obj), indent=1, default=default) + "\n"))
 
 
-def _finite(obj: Any) -> Any:
-    """``obj`` with every NaN or infinite float in its dicts, lists and tuples replaced by ``None``."""
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float in its dicts, lists and tuples replaced by ``None`` (strict JSON:
+    ``write_json`` and the training log)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite_or_none(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [finite_or_none(v) for v in obj]
     return obj
 
 

@@ -99,6 +99,11 @@ def check_output_folder(option: str, path: Optional[str]) -> None:
         raise ValueError(f"{option} {path!r}{where} is a file, not a folder")
 
 
+def ends_in_separator(path: str) -> bool:
+    """Whether ``path`` ends in a path separator, as a folder's name may (``DIR/new/``)."""
+    return path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep))
+
+
 def check_output_file(option: str, path: Optional[str]) -> None:
     """``ValueError`` naming ``option`` where ``path``, a file the command writes, is a folder (or names one by
     its final separator, ``DIR/new/``) or lies under a file: refused before any work (a finished evaluation
@@ -107,7 +112,7 @@ def check_output_file(option: str, path: Optional[str]) -> None:
         return
     if os.path.isdir(path):
         raise ValueError(f"{option} {path!r} is a folder: give the path of a file")
-    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
+    if ends_in_separator(path):
         raise ValueError(f"{option} {path!r} ends in a separator, as a folder does: give the path of a file")
     existing = _existing_ancestor(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(existing):

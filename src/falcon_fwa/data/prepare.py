@@ -540,11 +540,7 @@ def _prepare(spec: DataSpec, out_dir: str, overwrite: bool, name: Callable[[str]
         stamped = os.stat(record_path).st_mtime_ns  # the time the stamps were taken at (_keep_record); a record
         # written before it was kept: the time it was written, no earlier
         if "files" in record:  # (folders prepared before the files were recorded are reused as they are)
-            try:
-                now = source_files(spec, out_dir, gone_ok=True)  # a source gone: its tokens are here; the other
-                # source is still checked
-            except FileNotFoundError:  # the corpus is gone (or elsewhere): its tokens are here
-                now = {"tokenizer": tokenizer_files(spec)}
+            now = source_files(spec, out_dir, gone_ok=True)  # a source gone: its tokens are here; the other is checked
             stamps = record.get("stamps") if isinstance(record.get("stamps"), dict) else None
             changed = _changed_files(record["files"], now, stamps=stamps, retimed=retimed, stamp_time=stamped)
             if changed:

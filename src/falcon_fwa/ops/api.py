@@ -12,7 +12,7 @@ from .pairs import next_tail, write_side
 from .parallel import parallel_form
 from .recurrent import recurrent_form, recurrent_step
 from .rules import get_rule
-from .segments import run_segments
+from .segments import other_derivative, run_segments
 from .seqlens import last_steps, packed_bounds, padded_rows
 from .state import TENSOR_FIELDS, FalconState
 from .step_sizes import step_sizes
@@ -276,10 +276,9 @@ def falcon_attention(
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, validate=True)
     if backend != "torch" and form == "chunk":  # "auto" never swaps the recurrent or parallel form for the kernels
         kernels = _triton_chunk(backend, q, rule)
-        if kernels is not None and backend == "auto":
-            from .triton.recurrent import other_derivative
-            if other_derivative((q, k, v, beta, lam, log_gate), initial_state):  # forward-mode tangents, torch.func:
-                kernels = None  # the PyTorch forms take them, no kernel does
+        if kernels is not None and backend == "auto" and other_derivative((q, k, v, beta, lam, log_gate),
+                                                                          initial_state):
+            kernels = None  # forward-mode tangents, torch.func: the PyTorch forms take them, no kernel does
         if kernels is not None and backend == "auto" and _short_prompt(q, k, v, beta, lam, log_gate, initial_state,
                                                                        spec):
             from .triton import falcon_recurrent_triton

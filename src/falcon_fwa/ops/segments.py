@@ -43,7 +43,7 @@ import torch
 from .seqlens import known_sequence_bounds, packed_bounds
 from .state import TENSOR_FIELDS, FalconState
 
-__all__ = ["segment_bounds", "packed_groups", "run_segments"]
+__all__ = ["segment_bounds", "packed_groups", "run_segments", "other_derivative"]
 
 # the node takes and returns the state's tensors in the order of TENSOR_FIELDS (tail_valid is a mask: no gradient)
 # _Pieces.apply(call, bounds, initial_state, want_final, holder, q, k, v, beta, lam, log_gate, *state tensors)
@@ -239,6 +239,15 @@ def _has_tangents(tensors) -> bool:
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def other_derivative(tensors, state: Optional[FalconState]) -> bool:
+    """Whether a derivative other than autograd's reverse mode is taken through ``tensors`` or ``state``'s
+    tensors: one carries a forward-mode tangent (``torch.autograd.forward_ad``; also under ``torch.no_grad``),
+    or a ``torch.func`` transform runs. Neither the pieces' node (``_Pieces``) nor a kernel takes either: the
+    fused kernel is no autograd node (the tangent would be dropped), the chunk kernels' nodes have no ``jvp``
+    and no ``setup_context``."""
+    return _functorch_active() or _has_tangents((*tensors, *_state_tensors(state)))
+
+
 def _apply_pieces(call, bounds: Sequence[int], tensors, state: Optional[FalconState], want_final: bool):
     """``call`` over the pieces ``bounds`` of ``tensors`` from ``state``: under autograd as the node
     ``_Pieces`` (each piece's forward runs again in the backward), else one piece after the other.
@@ -246,7 +255,7 @@ def _apply_pieces(call, bounds: Sequence[int], tensors, state: Optional[FalconSt
     ``autograd.Function`` without ``setup_context``, the pieces also run one after the other, their graph
     recorded by the transform as one call's: the same function and gradients, without the memory bound. So do
     inputs that carry forward-mode tangents (``torch.autograd.forward_ad``), which the node (no ``jvp``) cannot take."""
-    if not torch.is_grad_enabled() or _functorch_active() or _has_tangents((*tensors, *_state_tensors(state))):
+    if not torch.is_grad_enabled() or other_derivative(tensors, state):
         o, _, state = _run_pieces(call, bounds, state, want_final, tensors)
         return o, state if want_final else None
     holder: dict = {}

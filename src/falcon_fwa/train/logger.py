@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Optional
 
-from ..atomic import naming, write_text
+from ..atomic import finite_or_none, naming, write_text
 
 
 class MetricLogger:
@@ -53,7 +52,7 @@ class MetricLogger:
         extension, refused by jq and by strict parsers)."""
         if not self.enabled:
             return
-        record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        record = finite_or_none({"step": step, **metrics})
         with naming(self.path):  # a full disk: the error names log.jsonl
             self.file.write(json.dumps(record, allow_nan=False) + "\n")
             self.file.flush()
@@ -75,11 +74,6 @@ class MetricLogger:
                 self.tb.close()
             if self.wandb is not None:
                 self.wandb.finish()
-
-
-def _finite_or_none(value):
-    """``value``, or ``None`` for a float that is NaN or infinite."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read_log(path: str) -> list:

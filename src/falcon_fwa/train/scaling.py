@@ -69,7 +69,8 @@ import time
 from typing import Dict, List, Optional
 
 from ..atomic import folder_lock, read_json, write_json, write_text
-from ..cli_options import check_input_files, check_output_file, check_output_folder, finite_at_least
+from ..cli_options import (check_input_files, check_output_file, check_output_folder, ends_in_separator,
+                           finite_at_least)
 from ..provenance import command_provenance, recorded_commit, uncommitted_changes, uncommitted_note
 from .compare import check_run_names, kept_result
 from .config import assign_text, load_config
@@ -274,7 +275,7 @@ def _check(args: argparse.Namespace, names: List[str]) -> None:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     finite_at_least("--deadline", args.deadline, 0, strict=True)
     check_output_folder("--out", args.out)
-    if args.results.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):  # DIR/ would write DIR/.json
+    if ends_in_separator(args.results):  # DIR/ would write DIR/.json
         raise ValueError(f"--results {args.results!r} ends in a separator: give the files' path without its suffix "
                          f"(RESULTS writes RESULTS.json and RESULTS.md)")
     for suffix in (".json", ".md"):

@@ -11,15 +11,15 @@ import torch
 from ..kernel_limits import MAX_FUSED_HEAD_DIM, MAX_FUSED_WINDOW
 from ..rules import get_rule
 from ..seqlens import last_steps, packed_bounds
-from ..segments import _functorch_active, _has_tangents
-from ..state import TENSOR_FIELDS, FalconState
+from ..segments import other_derivative
+from ..state import FalconState
 from ..validate import check_inputs, check_options, check_state, check_state_type, plain_number
 from . import recurrent_kernels as kern
 from .api import TRITON_RULES, check_kernel_support
 from .launch import cdiv, next_power_of_2
 
-__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "other_derivative", "STEP_RULES",
-           "SHORT_PROMPT_LIMITS", "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
+__all__ = ["falcon_recurrent_triton", "falcon_step_triton", "wants_gradient", "STEP_RULES", "SHORT_PROMPT_LIMITS",
+           "MAX_FUSED_WINDOW", "MAX_FUSED_HEAD_DIM"]
 
 # Rules whose fused kernel ``falcon_step(backend="auto")`` takes on CUDA: those checked on a GPU
 # against the float64 recurrent form (tests/test_triton_recurrent.py; benchmarks/results/h200_tests.md).
@@ -35,18 +35,9 @@ SHORT_PROMPT_LIMITS: dict = {"1": (128, 12288), "1A": (256, 24576), "2": (128, 1
 _EIGEN_SQUARINGS = 20  # rule 3's window statistic, as ops.step_sizes.top_eigenvalue_by_squaring
 
 
-def other_derivative(tensors, state: Optional[FalconState]) -> bool:
-    """Whether a derivative other than autograd's reverse mode is taken through ``tensors`` or ``state``'s
-    tensors: one carries a forward-mode tangent (``torch.autograd.forward_ad``; also under ``torch.no_grad``),
-    or a ``torch.func`` transform runs. No kernel takes either: the fused kernel is no autograd node (the
-    tangent would be dropped), the chunk kernels' nodes have no ``jvp`` and no ``setup_context``."""
-    fields = tuple(getattr(state, f) for f in TENSOR_FIELDS) if isinstance(state, FalconState) else ()
-    return _functorch_active() or _has_tangents((*tensors, *fields))
-
-
 def wants_gradient(tensors, state: Optional[FalconState]) -> bool:
     """Whether autograd would need a gradient of any of ``tensors`` or of ``state``'s tensors, or another
-    derivative is taken through them (``other_derivative``)."""
+    derivative is taken through them (``segments.other_derivative``)."""
     if other_derivative(tensors, state):
         return True
     if not torch.is_grad_enabled():
